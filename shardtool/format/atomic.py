@@ -1,0 +1,79 @@
+"""Atomic publication of files: unique temp name in the target directory, fsync, rename.
+
+Every file shardtool publishes goes through here, so a reader never sees a half-written
+shard, index or manifest, whatever kills the writer.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import IO, Iterator
+
+TMP_PREFIX = ".tmp-"
+
+
+def fsync_dir(path: str) -> None:
+    # The rename is durable only once the directory entry is on disk.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str, mode: str = "wb") -> Iterator[IO]:
+    """Write ``path`` atomically; on any exception the temp file is removed and nothing appears."""
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + os.path.basename(path) + ".", dir=directory)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(directory)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    with atomic_file(path, "wb") as f:
+        f.write(data)
+
+
+def publish(tmp_path: str, final_path: str) -> None:
+    """Move an already written and closed temp file into place durably."""
+    with open(tmp_path, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp_path, final_path)
+    fsync_dir(os.path.dirname(os.path.abspath(final_path)))
+
+
+def make_temp_path(final_path: str) -> str:
+    directory = os.path.dirname(os.path.abspath(final_path)) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + os.path.basename(final_path) + ".", dir=directory)
+    os.close(fd)
+    return tmp
+
+
+def remove_stale_temps(directory: str) -> int:
+    """Delete temp files left by a killed writer; returns how many were removed."""
+    n = 0
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(directory):
+            if name.startswith(TMP_PREFIX):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(directory, name))
+                    n += 1
+    return n

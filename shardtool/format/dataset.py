@@ -1,0 +1,232 @@
+"""Reading a packed dataset through fsspec: manifest, lengths, sample indexes, samples.
+
+Every sample is one positioned read of the byte range its index records; tar shards are never
+parsed at read time. Local files use ``os.pread`` on one descriptor per shard; remote ones one
+ranged request per read.
+"""
+from __future__ import annotations
+
+import os
+import posixpath
+import threading
+from typing import Any
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+
+from .arrowshard import KEY_COLUMN, check_schema, row_values
+from .errors import FormatError
+from .fields import decode_bytes
+from .hashing import hash_bytes
+from .manifest import MANIFEST_NAME, Manifest, lengths_from_bytes, manifest_hash
+from .sindex import ShardIndex
+
+
+def is_local(fs) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,))
+
+
+class LocalRange:
+    """Positioned reads on one local file descriptor (thread-safe, no seek state)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def read(self, offset: int, size: int) -> bytes:
+        data = os.pread(self.fd, size, offset)
+        if len(data) != size:
+            raise FormatError(f"{self.path}: short read at offset {offset} ({len(data)} of {size} bytes); shard truncated?")
+        return data
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class RemoteRange:
+    """One ranged request per read; no read-ahead, which would waste bandwidth on random access."""
+
+    def __init__(self, fs, path: str):
+        self.fs = fs
+        self.path = path
+
+    def read(self, offset: int, size: int) -> bytes:
+        data = self.fs.cat_file(self.path, start=offset, end=offset + size)
+        if len(data) != size:
+            raise FormatError(f"{self.path}: short read at offset {offset} ({len(data)} of {size} bytes); shard truncated?")
+        return data
+
+    def close(self) -> None:
+        pass
+
+
+def open_range(fs, path: str):
+    return LocalRange(path) if is_local(fs) else RemoteRange(fs, path)
+
+
+def read_file(fs, path: str, *, what: str) -> bytes:
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        raise FormatError(f"{what}: {path} not found") from None
+
+
+class Dataset:
+    """A packed dataset. Cheap to open: reads the manifest and the lengths file only."""
+
+    def __init__(self, url: str, *, storage_options: dict | None = None, allow_pickle: bool = False,
+                 fs=None, root: str | None = None, manifest_bytes: bytes | None = None):
+        self.url = url
+        if fs is None:
+            fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.fs = fs
+        self.root = root.rstrip("/") if root not in ("/", None) else (root or "")
+        self.allow_pickle = allow_pickle
+        if manifest_bytes is None:
+            manifest_bytes = read_file(fs, self._path(MANIFEST_NAME), what=f"dataset {url}")
+        self.manifest_bytes = manifest_bytes
+        self.manifest = Manifest.from_json(manifest_bytes, source=f"{url}/{MANIFEST_NAME}")
+        self.version = manifest_hash(manifest_bytes)
+        self._lengths: np.ndarray | None = None
+        self._indexes: dict[int, ShardIndex] = {}
+        self._ranges: dict[int, Any] = {}
+        self._arrow: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._field_names = self.manifest.field_names
+
+    # ------------------------------------------------------------------ paths
+    def _path(self, rel: str) -> str:
+        return posixpath.join(self.root, rel) if self.root else rel
+
+    def shard_path(self, shard: int) -> str:
+        return self._path(self.manifest.shards[shard].path)
+
+    def index_path(self, shard: int) -> str:
+        return self._path(self.manifest.shards[shard].index)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.manifest.shards)
+
+    def __len__(self) -> int:
+        return self.manifest.num_samples
+
+    # ------------------------------------------------------------------ metadata
+    @property
+    def lengths(self) -> np.ndarray:
+        """Every sample's length, concatenated over shards in manifest order."""
+        if self._lengths is None:
+            lf = self.manifest.lengths_file
+            data = read_file(self.fs, self._path(lf["path"]), what=f"dataset {self.url}")
+            if lf.get("hash") and hash_bytes(data) != lf["hash"]:
+                raise FormatError(f"{self.url}: {lf['path']} does not match the hash in the manifest")
+            self._lengths = lengths_from_bytes(data, expected=self.manifest.num_samples, source=lf["path"])
+        return self._lengths
+
+    @property
+    def shard_counts(self) -> np.ndarray:
+        return np.array([s.samples for s in self.manifest.shards], dtype=np.int64)
+
+    def shard_lengths(self, shard: int) -> np.ndarray:
+        off = self.manifest.shard_offsets()
+        return self.lengths[off[shard] : off[shard + 1]]
+
+    def load_index_bytes(self, shard: int) -> bytes:
+        info = self.manifest.shards[shard]
+        data = read_file(self.fs, self.index_path(shard), what=f"shard {info.path}")
+        if len(data) != info.index_bytes or hash_bytes(data) != info.index_hash:
+            raise FormatError(f"{info.index}: sample index does not match its size/hash in the manifest")
+        return data
+
+    def shard_index(self, shard: int) -> ShardIndex:
+        idx = self._indexes.get(shard)
+        if idx is None:
+            info = self.manifest.shards[shard]
+            idx = ShardIndex.from_bytes(self.load_index_bytes(shard), self._field_names, shard=info.path,
+                                        tar=self.manifest.shard_format == "tar")
+            idx.check(shard=info.path, samples=info.samples, shard_bytes=info.bytes, lengths=self.shard_lengths(shard))
+            self._indexes[shard] = idx
+        return idx
+
+    # ------------------------------------------------------------------ samples
+    def _range(self, shard: int):
+        r = self._ranges.get(shard)
+        if r is None:
+            with self._lock:
+                r = self._ranges.get(shard)
+                if r is None:
+                    r = open_range(self.fs, self.shard_path(shard))
+                    self._ranges[shard] = r
+        return r
+
+    def read_raw(self, shard: int, i: int) -> dict[str, Any]:
+        """Undecoded fields of sample ``i`` of ``shard`` (bytes for tar; Arrow values for arrow)."""
+        idx = self.shard_index(shard)
+        if not 0 <= i < len(idx):
+            raise IndexError(f"shard {self.manifest.shards[shard].path} has {len(idx)} samples, asked for #{i}")
+        if self.manifest.shard_format == "arrow":
+            return self._read_arrow(shard, idx, i)
+        off, size = int(idx.offsets[i]), int(idx.sizes[i])
+        blob = memoryview(self._range(shard).read(off, size))
+        out: dict[str, Any] = {KEY_COLUMN: idx.keys[i]}
+        for j, name in enumerate(self._field_names):
+            fo = int(idx.field_offsets[i, j])
+            out[name] = blob[fo : fo + int(idx.field_sizes[i, j])]
+        return out
+
+    def _arrow_reader(self, shard: int):
+        reader = self._arrow.get(shard)
+        if reader is None:
+            path = self.shard_path(shard)
+            source = pa.memory_map(path) if is_local(self.fs) else self.fs.open(path, "rb", block_size=0, cache_type="none")
+            try:
+                reader = pa.ipc.open_file(source)
+            except (pa.ArrowInvalid, OSError) as e:
+                raise FormatError(f"{self.manifest.shards[shard].path}: not a readable Arrow IPC file ({e})") from None
+            check_schema(reader.schema, self.manifest.fields, self.manifest.shards[shard].path)
+            self._arrow[shard] = reader
+        return reader
+
+    def _read_arrow(self, shard: int, idx: ShardIndex, i: int) -> dict[str, Any]:
+        reader = self._arrow_reader(shard)
+        batch = reader.get_batch(int(idx.batch[i]))
+        return row_values(batch, int(idx.row[i]), self.manifest.fields)
+
+    def read(self, shard: int, i: int, *, decode: bool = True) -> dict[str, Any]:
+        """Sample ``i`` of ``shard``: ``__key__`` plus every field, decoded by its encoding."""
+        raw = self.read_raw(shard, i)
+        if not decode:
+            return {k: (bytes(v) if isinstance(v, memoryview) else v) for k, v in raw.items()}
+        return decode_sample(self.manifest, raw, allow_pickle=self.allow_pickle,
+                             where=f"{self.manifest.shards[shard].path} sample #{i}")
+
+    def close(self) -> None:
+        for r in self._ranges.values():
+            r.close()
+        self._ranges.clear()
+        self._arrow.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def decode_sample(manifest: Manifest, raw: dict[str, Any], *, allow_pickle: bool = False, where: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {KEY_COLUMN: raw[KEY_COLUMN]}
+    tar = manifest.shard_format == "tar"
+    for spec in manifest.fields:
+        v = raw[spec.name]
+        if tar or spec.storage == "raw":
+            v = decode_bytes(spec.encoding, v, allow_pickle=allow_pickle, what=f"{where} field {spec.name!r}")
+        out[spec.name] = v
+    return out
+
+
+def open_dataset(url: str, *, storage_options: dict | None = None, allow_pickle: bool = False) -> Dataset:
+    """Open a packed dataset at a local path or any fsspec URL (``file://``, ``s3://``, …)."""
+    return Dataset(url, storage_options=storage_options, allow_pickle=allow_pickle)

@@ -1,0 +1,100 @@
+"""The per-shard sample index: key, byte range and length of every sample.
+
+Stored as a small Arrow IPC file beside its shard, so it is read without touching the shard:
+every decision about batches, and every positioned read, comes from here.
+- tar shards: per field, the payload's offset inside the sample's range and its size.
+- arrow shards: the record batch and row holding the sample (offset/size = the batch's range).
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from .errors import FormatError
+
+
+@dataclass
+class ShardIndex:
+    keys: list[str]
+    offsets: np.ndarray  # uint64, byte offset of the sample (tar) or of its record batch (arrow)
+    sizes: np.ndarray  # uint64
+    lengths: np.ndarray  # int64
+    field_offsets: np.ndarray | None = None  # [n, F] uint32, tar only
+    field_sizes: np.ndarray | None = None  # [n, F] uint64, tar only
+    batch: np.ndarray | None = None  # int32, arrow only
+    row: np.ndarray | None = None  # int32, arrow only
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def to_bytes(self, field_names: list[str]) -> bytes:
+        cols = {
+            "key": pa.array(self.keys, type=pa.string()),
+            "offset": pa.array(self.offsets.astype(np.uint64)),
+            "size": pa.array(self.sizes.astype(np.uint64)),
+            "length": pa.array(self.lengths.astype(np.int64)),
+        }
+        if self.field_offsets is not None:
+            for j, name in enumerate(field_names):
+                cols[f"o:{name}"] = pa.array(self.field_offsets[:, j].astype(np.uint32))
+                cols[f"s:{name}"] = pa.array(self.field_sizes[:, j].astype(np.uint64))
+        if self.batch is not None:
+            cols["batch"] = pa.array(self.batch.astype(np.int32))
+            cols["row"] = pa.array(self.row.astype(np.int32))
+        table = pa.table(cols)
+        sink = io.BytesIO()
+        with pa.ipc.new_file(sink, table.schema) as w:
+            w.write_table(table)
+        return sink.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, field_names: list[str], *, shard: str, tar: bool) -> "ShardIndex":
+        try:
+            table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
+        except (pa.ArrowInvalid, OSError) as e:
+            raise FormatError(f"{shard}: sample index is unreadable ({e})") from None
+        names = set(table.column_names)
+        need = {"key", "offset", "size", "length"}
+        if tar:
+            need |= {f"o:{n}" for n in field_names} | {f"s:{n}" for n in field_names}
+        else:
+            need |= {"batch", "row"}
+        missing = need - names
+        if missing:
+            raise FormatError(f"{shard}: sample index lacks columns {sorted(missing)}")
+
+        def col(name: str, dtype) -> np.ndarray:
+            return table.column(name).to_numpy().astype(dtype, copy=False)
+
+        idx = cls(
+            keys=table.column("key").to_pylist(),
+            offsets=col("offset", np.uint64),
+            sizes=col("size", np.uint64),
+            lengths=col("length", np.int64),
+        )
+        if tar:
+            n = len(idx.keys)
+            idx.field_offsets = np.empty((n, len(field_names)), dtype=np.uint32)
+            idx.field_sizes = np.empty((n, len(field_names)), dtype=np.uint64)
+            for j, name in enumerate(field_names):
+                idx.field_offsets[:, j] = col(f"o:{name}", np.uint32)
+                idx.field_sizes[:, j] = col(f"s:{name}", np.uint64)
+        else:
+            idx.batch = col("batch", np.int32)
+            idx.row = col("row", np.int32)
+        return idx
+
+    def check(self, *, shard: str, samples: int, shard_bytes: int, lengths: np.ndarray | None) -> None:
+        """Structural agreement with the manifest; raises FormatError naming the shard."""
+        if len(self.keys) != samples:
+            raise FormatError(f"{shard}: index has {len(self.keys)} samples, manifest says {samples}")
+        if len(self.keys) and int((self.offsets + self.sizes).max()) > shard_bytes:
+            raise FormatError(f"{shard}: index points past the end of the shard ({shard_bytes} bytes)")
+        if lengths is not None and not np.array_equal(lengths, self.lengths):
+            bad = int(np.flatnonzero(lengths != self.lengths)[0]) if len(lengths) == len(self.lengths) else 0
+            raise FormatError(
+                f"{shard}: sample lengths in the index disagree with the manifest's (first at sample {bad})"
+            )

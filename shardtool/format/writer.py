@@ -1,0 +1,160 @@
+"""Writing one shard and its sample index, and publishing a dataset's manifest.
+
+A shard is written under a temp name and hashed as it is written (no second read); on
+``finish`` the shard, then its index, are renamed into place. The manifest (with the global
+lengths file) is published last, so it never points at a partial shard.
+"""
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import numpy as np
+
+from .arrowshard import ArrowShardWriter
+from .atomic import atomic_write_bytes, make_temp_path, publish
+from .fields import FieldSpec, encode
+from .hashing import hash_bytes, new_hasher, format_digest
+from .manifest import LENGTHS_NAME, MANIFEST_NAME, Manifest, ShardInfo, lengths_to_bytes, length_summary
+from .sindex import ShardIndex
+from .tarshard import TarShardWriter
+
+WRITE_BUFFER = 8 << 20
+
+
+class _HashingFile(io.RawIOBase):
+    """A write-only file that hashes what passes through it and tracks its position."""
+
+    def __init__(self, f):
+        self.f = f
+        self.h = new_hasher()
+        self.pos = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.h.update(b)
+        self.f.write(b)
+        n = len(b) if not isinstance(b, memoryview) else b.nbytes
+        self.pos += n
+        return n
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+class ShardFileWriter:
+    """Writes one shard (tar or arrow) + its sample index under ``root/rel_path``."""
+
+    def __init__(self, root: str, rel_path: str, shard_format: str, fields: list[FieldSpec]):
+        self.root = root
+        self.rel_path = rel_path
+        self.index_rel = rel_path.rsplit(".", 1)[0] + ".idx.arrow"
+        self.shard_format = shard_format
+        self.fields = fields
+        self.final = os.path.join(root, rel_path)
+        self.tmp = make_temp_path(self.final)
+        self._raw = open(self.tmp, "wb", buffering=WRITE_BUFFER)
+        self._hf = _HashingFile(self._raw)
+        self.keys: list[str] = []
+        self.offsets: list[int] = []
+        self.sizes: list[int] = []
+        self.lengths: list[int] = []
+        self.field_offsets: list[list[int]] = []
+        self.field_sizes: list[list[int]] = []
+        self.batch: list[int] = []
+        self.row: list[int] = []
+        if shard_format == "tar":
+            self._tar = TarShardWriter(self._hf, [f.ext for f in fields])
+        else:
+            self._arrow = ArrowShardWriter(self._hf, fields)
+
+    @property
+    def bytes_written(self) -> int:
+        return self._hf.pos
+
+    def add(self, key: str, values: list[Any], length: int, approx_bytes: int | None = None) -> int:
+        """Append a sample (values in ``fields`` order); returns its byte size in the shard (tar)."""
+        self.keys.append(key)
+        self.lengths.append(length)
+        if self.shard_format == "tar":
+            payloads = [encode(spec, v) for spec, v in zip(self.fields, values)]
+            e = self._tar.write(key, payloads)
+            self.offsets.append(e.offset)
+            self.sizes.append(e.size)
+            self.field_offsets.append(e.field_offsets)
+            self.field_sizes.append(e.field_sizes)
+            return e.size
+        size = approx_bytes if approx_bytes is not None else 0
+        b, r = self._arrow.write(key, values, size)
+        self.batch.append(b)
+        self.row.append(r)
+        return size
+
+    def abort(self) -> None:
+        try:
+            self._raw.close()
+        finally:
+            try:
+                os.unlink(self.tmp)
+            except OSError:
+                pass
+
+    def finish(self) -> tuple[ShardInfo, np.ndarray]:
+        try:
+            if self.shard_format == "tar":
+                self._tar.close()
+                offsets = np.array(self.offsets, dtype=np.uint64)
+                sizes = np.array(self.sizes, dtype=np.uint64)
+            else:
+                self._arrow.close()
+                ranges = np.array(self._arrow.batch_ranges, dtype=np.uint64).reshape(-1, 2)
+                b = np.array(self.batch, dtype=np.int64)
+                offsets = ranges[b, 0] if len(b) else np.zeros(0, np.uint64)
+                sizes = ranges[b, 1] if len(b) else np.zeros(0, np.uint64)
+            self._raw.flush()
+            self._raw.close()
+        except BaseException:
+            self.abort()
+            raise
+        lengths = np.array(self.lengths, dtype=np.int64)
+        n = len(self.keys)
+        idx = ShardIndex(self.keys, offsets, sizes, lengths)
+        if self.shard_format == "tar":
+            idx.field_offsets = np.array(self.field_offsets, dtype=np.uint32).reshape(n, len(self.fields))
+            idx.field_sizes = np.array(self.field_sizes, dtype=np.uint64).reshape(n, len(self.fields))
+        else:
+            idx.batch = np.array(self.batch, dtype=np.int32)
+            idx.row = np.array(self.row, dtype=np.int32)
+        index_bytes = idx.to_bytes([f.name for f in self.fields])
+        shard_hash = format_digest(self._hf.h)
+        shard_bytes = self._hf.pos
+        # Shard first, then its index: an index on disk always describes a complete shard.
+        publish(self.tmp, self.final)
+        atomic_write_bytes(os.path.join(self.root, self.index_rel), index_bytes)
+        info = ShardInfo(
+            path=self.rel_path,
+            samples=n,
+            bytes=shard_bytes,
+            hash=shard_hash,
+            index=self.index_rel,
+            index_bytes=len(index_bytes),
+            index_hash=hash_bytes(index_bytes),
+        )
+        return info, lengths
+
+
+def publish_manifest(root: str, manifest: Manifest, lengths: np.ndarray) -> bytes:
+    """Write ``lengths.npy`` then ``index.json``; the manifest goes last, as the commit marker."""
+    data = lengths_to_bytes(lengths)
+    atomic_write_bytes(os.path.join(root, LENGTHS_NAME), data)
+    manifest.lengths_file = {"path": LENGTHS_NAME, "bytes": len(data), "hash": hash_bytes(data)}
+    manifest.length = {**manifest.length, "summary": length_summary(lengths)}
+    body = manifest.to_json()
+    atomic_write_bytes(os.path.join(root, MANIFEST_NAME), body)
+    return body
