@@ -1,0 +1,302 @@
+"""Per-node loader benchmark: G loader ranks as real processes, a simulated training step.
+
+Each rank process iterates its loader the way a training loop does: wait for the next batch,
+then "compute" for ``step_ms``. The share of wall time spent waiting is the data-wait fraction:
+the number that says whether GPUs would wait on I/O. Peers (webdataset, …) read the same data in
+the same run through their recommended set-up, so the ratios are measured, not quoted.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import numpy as np
+
+READERS: dict[str, Callable] = {}
+
+
+def reader(name: str):
+    def deco(fn):
+        READERS[name] = fn
+        return fn
+
+    return deco
+
+
+@dataclass
+class RankResult:
+    reader: str
+    rank: int
+    num_workers: int
+    batches: int = 0
+    samples: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    bytes: int = 0
+    first_batch_s: float = 0.0
+    wall_s: float = 0.0
+    wait_s: float = 0.0
+    peak_rss_mb: float = 0.0
+    error: str | None = None
+
+    @property
+    def steady_s(self) -> float:
+        return max(self.wall_s - self.first_batch_s, 1e-9)
+
+
+@dataclass
+class BenchConfig:
+    url: str
+    ranks: int = 2
+    num_workers: int = 2
+    batch_size: int | None = None
+    max_tokens: int | None = 16384
+    step_ms: float = 0.0
+    max_batches: int | None = None
+    seed: int = 0
+    webdataset_urls: list[str] = field(default_factory=list)
+    length_field: str | None = None
+
+
+def _batch_stats(batch: dict, length_field: str | None) -> tuple[int, int, int, int]:
+    keys = batch["__key__"]
+    samples = len(keys)
+    tokens = padded = nbytes = 0
+    if "lengths" in batch:
+        lengths = batch["lengths"]
+        tokens = int(lengths.sum())
+        padded = int(len(lengths) * int(lengths.max())) if len(lengths) else 0
+    for k, v in batch.items():
+        if hasattr(v, "element_size") and hasattr(v, "nelement"):
+            nbytes += int(v.element_size() * v.nelement())
+        elif isinstance(v, (bytes, bytearray)):
+            nbytes += len(v)
+        elif isinstance(v, list) and v and isinstance(v[0], (bytes, bytearray)):
+            nbytes += sum(len(x) for x in v)
+    return samples, tokens, padded, nbytes
+
+
+def consume(it, result: RankResult, cfg: BenchConfig, t_start: float) -> None:
+    """The simulated training loop; fills ``result`` in place."""
+    step_s = cfg.step_ms / 1000.0
+    while True:
+        t0 = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        t1 = time.perf_counter()
+        if result.batches == 0:
+            result.first_batch_s = t1 - t_start
+        else:
+            result.wait_s += t1 - t0
+        s, tok, pad, nb = _batch_stats(batch, cfg.length_field)
+        result.batches += 1
+        result.samples += s
+        result.tokens += tok
+        result.padded_tokens += pad
+        result.bytes += nb
+        if step_s:
+            # Sleep, not spin: a GPU step leaves the host CPU free for the loader's workers.
+            time.sleep(step_s)
+        if cfg.max_batches and result.batches >= cfg.max_batches:
+            break
+    result.wall_s = time.perf_counter() - t_start
+
+
+@reader("shardtool")
+def _shardtool_iter(cfg: BenchConfig, rank: int):
+    from .sharded import ShardedLoader
+
+    ld = ShardedLoader(cfg.url, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, seed=cfg.seed,
+                       rank=rank, world_size=cfg.ranks, ranks_per_node=cfg.ranks, num_workers=cfg.num_workers)
+    return iter(ld)
+
+
+@reader("webdataset")
+def _webdataset_iter(cfg: BenchConfig, rank: int):
+    """webdataset's recommended set-up: node/worker splitting, shuffle buffer, decode, batch, WebLoader."""
+    import torch
+    import webdataset as wds
+
+    field_name = cfg.length_field
+    bs = cfg.batch_size or max(1, (cfg.max_tokens or 16384) // 512)
+
+    def split_by_rank(src):
+        for i, s in enumerate(src):
+            if i % cfg.ranks == rank:
+                yield s
+
+    def collate(samples):
+        keys = [s["__key__"] for s in samples]
+        arrays = [s[field_name] for s in samples]
+        lengths = torch.tensor([len(a) for a in arrays], dtype=torch.long)
+        out = torch.zeros((len(arrays), int(lengths.max()) if len(arrays) else 0), dtype=torch.long)
+        for j, a in enumerate(arrays):
+            out[j, : len(a)] = torch.from_numpy(np.asarray(a, dtype=np.int64))
+        return {"__key__": keys, field_name: out, "lengths": lengths}
+
+    ds = (
+        wds.WebDataset(cfg.webdataset_urls, shardshuffle=len(cfg.webdataset_urls), nodesplitter=split_by_rank,
+                       seed=cfg.seed, empty_check=False)
+        .shuffle(1000)
+        .decode()
+        .rename_keys(**{field_name: f"{field_name}.npy"} if field_name else {})
+        .batched(bs, collation_fn=collate, partial=True)
+    )
+    loader = wds.WebLoader(ds, batch_size=None, num_workers=cfg.num_workers)
+    return iter(loader)
+
+
+def _rank_main(name: str, cfg: BenchConfig, rank: int, queue) -> None:
+    result = RankResult(name, rank, cfg.num_workers)
+    try:
+        t_start = time.perf_counter()
+        it = READERS[name](cfg, rank)
+        consume(it, result, cfg, t_start)
+    except Exception as e:  # reported to the parent, which prints it
+        result.error = f"{type(e).__name__}: {e}"
+    result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    queue.put(asdict(result))
+
+
+def run_node(name: str, cfg: BenchConfig, timeout: float = 600.0) -> list[RankResult]:
+    """Run ``cfg.ranks`` rank processes of reader ``name`` at once, as torchrun would on one node."""
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(name, cfg, r, queue), daemon=False) for r in range(cfg.ranks)]
+    for p in procs:
+        p.start()
+    results = []
+    deadline = time.time() + timeout
+    for _ in procs:
+        remaining = max(1.0, deadline - time.time())
+        results.append(RankResult(**queue.get(timeout=remaining)))
+    for p in procs:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    return sorted(results, key=lambda r: r.rank)
+
+
+def summarize(results: list[RankResult]) -> dict:
+    wall = max(r.wall_s for r in results)
+    steady = max(r.steady_s for r in results)
+    samples = sum(r.samples for r in results)
+    tokens = sum(r.tokens for r in results)
+    nbytes = sum(r.bytes for r in results)
+    padded = sum(r.padded_tokens for r in results)
+    waits = [r.wait_s / r.steady_s for r in results]
+    return {
+        "reader": results[0].reader,
+        "ranks": len(results),
+        "num_workers": results[0].num_workers,
+        "batches_per_rank": [r.batches for r in results],
+        "samples_per_s": samples / steady,
+        "tokens_per_s": tokens / steady,
+        "mb_per_s": nbytes / steady / 1e6,
+        "first_batch_s": max(r.first_batch_s for r in results),
+        "padding_efficiency": tokens / padded if padded else None,
+        "wait_fraction": float(np.mean(waits)),
+        "wall_s": wall,
+        "peak_rss_mb": max(r.peak_rss_mb for r in results),
+        "errors": [r.error for r in results if r.error],
+    }
+
+
+def measure_step_ms(batch_tokens: int = 4096, seq_len: int = 128, repeats: int = 3) -> float:
+    """Median forward+backward time of a tiny 2-layer transformer LM step on this machine."""
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    vocab, dim = 1024, 64
+    model = nn.Sequential(
+        nn.Embedding(vocab, dim),
+        nn.TransformerEncoder(nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True), 2,
+                              enable_nested_tensor=False),
+        nn.Linear(dim, vocab),
+    )
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randint(0, vocab, (max(1, batch_tokens // seq_len), seq_len))
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        loss = model(x).float().logsumexp(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:]) * 1000)
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = [("reader", "{}"), ("num_workers", "{}"), ("samples_per_s", "{:,.0f}"), ("tokens_per_s", "{:,.0f}"),
+            ("mb_per_s", "{:,.1f}"), ("first_batch_s", "{:.2f}"), ("wait_fraction", "{:.1%}"),
+            ("padding_efficiency", "{:.3f}"), ("peak_rss_mb", "{:,.0f}")]
+    header = " | ".join(c for c, _ in cols)
+    lines = [header, " | ".join("---" for _ in cols)]
+    for r in rows:
+        lines.append(" | ".join(fmt.format(r[c]) if r.get(c) is not None else "-" for c, fmt in cols))
+    return "\n".join(lines)
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in sorted({r["reader"] for r in rows}):
+        rs = sorted((r for r in rows if r["reader"] == name), key=lambda r: r["num_workers"])
+        ax1.plot([r["num_workers"] for r in rs], [r["samples_per_s"] for r in rs], marker="o", label=name)
+        ax2.plot([r["num_workers"] for r in rs], [100 * r["wait_fraction"] for r in rs], marker="o", label=name)
+    ax1.set_xlabel("num_workers per rank")
+    ax1.set_ylabel("samples/s per node")
+    ax1.set_yscale("log")
+    ax2.set_xlabel("num_workers per rank")
+    ax2.set_ylabel("data-wait fraction (%)")
+    for ax in (ax1, ax2):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def generate_token_dataset(out: str, n: int = 20000, *, seed: int = 0, samples_per_shard: int = 2000,
+                           median: float = 350.0, sigma: float = 0.8, max_len: int = 8192, vocab: int = 32000,
+                           shard_format: str = "tar") -> str:
+    """A packed synthetic token corpus (lognormal lengths), written straight through the format layer."""
+    from shardtool.format import FieldSpec, Manifest, ShardFileWriter, publish_manifest
+
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(np.log(median), sigma, n).astype(np.int64), 1, max_len)
+    spec = FieldSpec("tokens", "tokens.npy", "npy", "array", "i4")
+    shards, all_lengths = [], []
+    ext = "tar" if shard_format == "tar" else "arrow"
+    for s, start in enumerate(range(0, n, samples_per_shard)):
+        w = ShardFileWriter(out, f"shards/shard-{s:06d}.{ext}", shard_format, [spec])
+        for i in range(start, min(n, start + samples_per_shard)):
+            toks = rng.integers(0, vocab, int(lengths[i]), dtype=np.int32)
+            w.add(f"{i:09d}", [toks], int(lengths[i]), approx_bytes=toks.nbytes)
+        info, ls = w.finish()
+        shards.append(info)
+        all_lengths.append(ls)
+    manifest = Manifest(shard_format, [spec], shards, {"field": "tokens", "unit": "tokens", "fn": None})
+    publish_manifest(out, manifest, np.concatenate(all_lengths))
+    return out

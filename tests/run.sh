@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Install everything the tests need (idempotent; a fresh machine has nothing) and run the suite.
+# Extra arguments go to pytest, e.g. `bash tests/run.sh -k loader`.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+PY=${PYTHON:-python3}
+# A bare `torch` requirement pulls a multi-GB CUDA build; pin the CPU build first when torch is missing.
+"$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q torch==2.13.0
+"$PY" -m pip install -q -e ".[test]"
+set +e
+"$PY" -m pytest -q -p no:cacheprovider "$@"
+rc=$?
+set -e
+# pytest exits 5 when it collected nothing: a run that tested nothing must not pass.
+if [ "$rc" -eq 5 ]; then echo "no tests ran" >&2; exit 1; fi
+exit "$rc"
