@@ -349,3 +349,13 @@ def test_resolve_layout_precedence(args, env, dist, expected):
 def test_resolve_layout_refuses_inconsistent_input(args, env, message):
     with pytest.raises(ValueError, match=message):
         resolve_layout(**args, env=env)
+
+
+def test_planning_1m_samples_on_512_ranks_takes_seconds_at_most():
+    lengths = text_lengths(1_000_000, seed=2)
+    counts = np.full(1000, 1000)
+    began = time.perf_counter()
+    plan = plan_epoch(lengths, counts, Layout(64, 8), Batching(max_tokens=65536), 0)
+    took = time.perf_counter() - began
+    assert took < 3.0, f"planning 1M samples on 64 x 8 ranks took {took:.2f} s"
+    assert lengths[plan.remainder].sum() < 512 * 65536
