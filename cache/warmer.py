@@ -162,11 +162,9 @@ def _warm(report: WarmReport, url, cache_dir, *, layout, jobs, max_bytes, min_fr
         info = m.shards[i]
         try:
             outcome = ensure_shard(vd, i, info, src, on_bytes=bar, on_retry=retried, verify=verify, **kw)
-        except RemoteError as e:
-            with lock:
-                fail(i, e)
-            return
-        except CacheError as e:  # lock wait ran past the deadline
+        except LocalFault:
+            raise
+        except CacheError as e:  # a remote error, or a lock wait that ran past the deadline
             with lock:
                 fail(i, e)
             return
