@@ -86,7 +86,9 @@ class VersionDir:
     def write_stamp(self, shard: int, info: ShardInfo) -> None:
         st = os.stat(self.path(info.path))
         body = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "hash": info.hash}
-        atomic_write_bytes(self.stamp_path(shard), json.dumps(body).encode())
+        # Not fsynced: a stamp lost in a crash only costs one re-hash; a torn one fails to parse.
+        from .store import write_small
+        write_small(self.stamp_path(shard), json.dumps(body).encode())
 
     def drop_stamp(self, shard: int) -> None:
         with contextlib.suppress(FileNotFoundError):

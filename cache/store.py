@@ -11,12 +11,13 @@ import contextlib
 import glob
 import os
 import posixpath
+import tempfile
 import time
 from typing import Callable
 
 import fsspec
 
-from shardtool.format.atomic import TMP_PREFIX, atomic_write_bytes, fsync_dir
+from shardtool.format.atomic import TMP_PREFIX, fsync_dir
 from shardtool.format.dataset import is_local
 from shardtool.format.hashing import format_digest, hash_bytes, new_hasher
 from shardtool.format.manifest import ShardInfo
@@ -84,7 +85,6 @@ def _new_temp(final_path: str, what: str) -> tuple[int, str]:
     d, base = os.path.split(final_path)
     try:
         os.makedirs(d, exist_ok=True)
-        import tempfile
         return tempfile.mkstemp(prefix=TMP_PREFIX + base + ".", dir=d)
     except OSError as e:
         raise local_fault(e, what) from None
@@ -167,9 +167,25 @@ def store_verified(path: str, data: bytes, *, size: int | None, digest: str | No
     if digest and hash_bytes(data) != digest:
         raise SourceCorrupt(f"{what}: source content does not match the hash in the manifest")
     try:
-        atomic_write_bytes(path, data)
+        write_small(path, data)
     except OSError as e:
         raise local_fault(e, what) from None
+
+
+def write_small(path: str, data: bytes) -> None:
+    """Atomic but not fsynced: small files are re-verified against the manifest on every read,
+    so one lost in a crash is refetched, and 1,000s of fsyncs would dominate a warm of small shards."""
+    d = os.path.dirname(path)
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + os.path.basename(path) + ".", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def read_verified_local(path: str, *, size: int | None, digest: str | None) -> bytes | None:

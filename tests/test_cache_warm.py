@@ -74,7 +74,7 @@ def test_flip_that_keeps_size_and_mtime_is_caught_by_verify(src, tmp_path):
 
 
 def test_rerun_over_complete_cache_of_1000_shards_is_fast(tmp_path):
-    src = make_dataset(str(tmp_path / "big"), shards=1000, samples=1, sample_bytes=64)
+    src = make_dataset(str(tmp_path / "big"), shards=1000, samples=1, sample_bytes=64, replicate=True)
     first = warm(src, str(tmp_path / "c"), all_shards=True, jobs=8)
     assert first.shards_copied == 1000
     began = time.perf_counter()
