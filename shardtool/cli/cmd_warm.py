@@ -115,7 +115,10 @@ def run(args) -> int:
                   progress=(not args.quiet) and sys.stderr.isatty())
     if args.report:
         from shardtool.format.atomic import atomic_write_bytes
-        atomic_write_bytes(args.report, report.to_json().encode())
+        try:
+            atomic_write_bytes(args.report, report.to_json().encode())
+        except OSError as e:  # the report must never turn a good warm into a failure
+            print(f"shardtool warm: warning: cannot write report {args.report}: {e}", file=sys.stderr)
     for w in report.warnings:
         print(f"shardtool warm: warning: {w}", file=sys.stderr)
     if report.error:
