@@ -1,0 +1,157 @@
+"""``shardtool cache ls|verify|gc|clear``: inspect and maintain a cache directory.
+
+Every removal of a shard takes its lock without waiting and skips shards in use, so maintenance
+is safe while a loader reads or a warmer writes.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+
+from shardtool.format.atomic import TMP_PREFIX
+from shardtool.format.manifest import MANIFEST_NAME, manifest_hash
+
+from .budget import _load_manifest, disk_free, evict, scan
+from .evict import effective_limit
+from .layout import META_DIR, VersionDir, lengths_rel, read_sources, version_dirs
+from .locks import try_exclusive
+from .meta import local_matches
+from .store import read_verified_local
+
+TEMP_GRACE_S = 600  # a metadata temp file untouched this long belongs to a dead writer
+
+
+def _versions(cache_dir: str):
+    for name in version_dirs(cache_dir):
+        root = os.path.join(cache_dir, name)
+        m = _load_manifest(root)
+        if m is None:
+            continue
+        with open(os.path.join(root, MANIFEST_NAME), "rb") as f:
+            yield VersionDir(cache_dir, manifest_hash(f.read())), m
+
+
+def ls(cache_dir: str) -> list[dict]:
+    urls: dict[str, list[str]] = {}
+    for url, entry in read_sources(cache_dir).items():
+        if isinstance(entry, dict):
+            urls.setdefault(entry.get("dir", ""), []).append(url)
+    out = []
+    for vd, m in _versions(cache_dir):
+        name = os.path.basename(vd.root)
+        cached = [i for i, s in enumerate(m.shards) if vd.trusted(i, s)]
+        present = sum(1 for s in m.shards if os.path.exists(vd.path(s.path)))
+        out.append({"dir": name, "version": vd.version, "urls": urls.get(name, []), "shards": len(m.shards),
+                    "cached": len(cached), "untrusted_present": present - len(cached),
+                    "cached_bytes": sum(m.shards[i].bytes for i in cached), "dataset_bytes": m.num_bytes,
+                    "assigned": len(vd.read_assigned())})
+    return out
+
+
+def verify(cache_dir: str, *, remove_bad: bool = True) -> dict:
+    """Hash every cached shard and metadata file; bad ones are removed (the next warm refetches)."""
+    res = {"ok": 0, "bad": [], "busy": [], "metadata_bad": []}
+    for vd, m in _versions(cache_dir):
+        lf = m.lengths_file
+        if os.path.exists(vd.path(lengths_rel(m))) and read_verified_local(
+                vd.path(lengths_rel(m)), size=lf.get("bytes"), digest=lf.get("hash")) is None:
+            res["metadata_bad"].append(vd.path(lengths_rel(m)))
+            if remove_bad:
+                os.unlink(vd.path(lengths_rel(m)))
+        for i, info in enumerate(m.shards):
+            ip = vd.path(info.index)
+            if os.path.exists(ip) and read_verified_local(ip, size=info.index_bytes, digest=info.index_hash) is None:
+                res["metadata_bad"].append(ip)
+                if remove_bad:
+                    os.unlink(ip)
+            p = vd.path(info.path)
+            if not os.path.exists(p):
+                continue
+            with try_exclusive(vd.lock_path(i)) as held:
+                if not held:
+                    res["busy"].append(p)  # being fetched or read: checked by its holder
+                    continue
+                if local_matches(p, info):
+                    res["ok"] += 1
+                    vd.write_stamp(i, info)
+                else:
+                    res["bad"].append(p)
+                    vd.drop_stamp(i)
+                    if remove_bad:
+                        os.unlink(p)
+    return res
+
+
+def _remove_temps(cache_dir: str) -> int:
+    n = 0
+    now = time.time()
+    for vd, m in _versions(cache_dir):
+        shard_of = {os.path.basename(vd.path(s.path)): i for i, s in enumerate(m.shards)}
+        for dirpath, dirnames, filenames in os.walk(vd.root):
+            dirnames[:] = [d for d in dirnames if d != META_DIR] if dirpath == vd.root else dirnames
+            for fn in filenames:
+                if not fn.startswith(TMP_PREFIX):
+                    continue
+                p = os.path.join(dirpath, fn)
+                base = fn[len(TMP_PREFIX):].rsplit(".", 1)[0]
+                if base in shard_of:
+                    with try_exclusive(vd.lock_path(shard_of[base])) as held:
+                        if held:
+                            with contextlib.suppress(OSError):
+                                os.unlink(p)
+                                n += 1
+                else:
+                    with contextlib.suppress(OSError):
+                        if now - os.stat(p).st_mtime > TEMP_GRACE_S:
+                            os.unlink(p)
+                            n += 1
+    return n
+
+
+def gc(cache_dir: str, *, max_bytes: int | None = None, min_free: int | None = None,
+       unreferenced: bool = False) -> dict:
+    """Remove dead writers' temp files, optionally versions no URL points at, then evict to budget."""
+    res = {"temps_removed": _remove_temps(cache_dir), "versions_removed": [], "evicted_shards": 0, "evicted_bytes": 0}
+    if unreferenced:
+        live = {e.get("dir") for e in read_sources(cache_dir).values() if isinstance(e, dict)}
+        for vd, _ in list(_versions(cache_dir)):
+            if os.path.basename(vd.root) not in live and not clear(cache_dir, version_dir=os.path.basename(vd.root))["busy"]:
+                res["versions_removed"].append(os.path.basename(vd.root))
+    if max_bytes is not None or min_free is not None:
+        entries, where, used = scan(cache_dir)
+        limit = effective_limit(used, disk_free(cache_dir), max_bytes=max_bytes, min_free=min_free)
+        if used > limit:
+            freed, gone = evict(where, entries, used - limit)
+            res["evicted_shards"], res["evicted_bytes"] = len(gone), freed
+    return res
+
+
+def clear(cache_dir: str, *, version_dir: str | None = None) -> dict:
+    """Remove cached versions (all, or one directory name); shards in use are left in place."""
+    res = {"removed": [], "busy": []}
+    for vd, m in list(_versions(cache_dir)):
+        name = os.path.basename(vd.root)
+        if version_dir is not None and name != version_dir:
+            continue
+        busy = False
+        for i, info in enumerate(m.shards):
+            p = vd.path(info.path)
+            if not os.path.exists(p):
+                continue
+            with try_exclusive(vd.lock_path(i)) as held:
+                if not held:
+                    busy = True
+                    res["busy"].append(p)
+                    continue
+                vd.drop_stamp(i)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+        if not busy:
+            # Manifest first: without it the directory is no longer a cached version.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(vd.manifest_path)
+            shutil.rmtree(vd.root, ignore_errors=True)
+            res["removed"].append(name)
+    return res

@@ -1,0 +1,83 @@
+"""Measuring a cache directory and applying eviction decisions to it."""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+from shardtool.format.manifest import MANIFEST_NAME, Manifest, manifest_hash
+from shardtool.format.errors import FormatError
+
+from .evict import Entry, eviction_order
+from .layout import VersionDir, version_dirs
+from .locks import try_exclusive
+
+
+@dataclass
+class Cached:
+    vdir: VersionDir
+    shard: int
+    path: str
+    size: int
+
+
+def _load_manifest(root: str) -> Manifest | None:
+    try:
+        with open(os.path.join(root, MANIFEST_NAME), "rb") as f:
+            return Manifest.from_json(f.read(), source=root)
+    except (OSError, FormatError):
+        return None
+
+
+def scan(cache_dir: str, *, current: VersionDir | None = None, assigned: set[int] | None = None,
+         protected: set[int] = frozenset()) -> tuple[list[Entry], dict, int]:
+    """Every cached shard file of every version as eviction entries; returns (entries, where, used)."""
+    entries: list[Entry] = []
+    where: dict = {}
+    used = 0
+    for name in version_dirs(cache_dir):
+        root = os.path.join(cache_dir, name)
+        m = _load_manifest(root)
+        if m is None:
+            continue
+        with open(os.path.join(root, MANIFEST_NAME), "rb") as f:
+            version = manifest_hash(f.read())
+        vd = VersionDir(cache_dir, version)
+        is_current = current is not None and vd.root == current.root
+        mine = (assigned if assigned is not None else vd.read_assigned()) if is_current else set()
+        for i, info in enumerate(m.shards):
+            p = vd.path(info.path)
+            try:
+                st = os.stat(p)
+            except OSError:
+                continue
+            key = (name, i)
+            used += st.st_size
+            entries.append(Entry(key, st.st_size, i in mine, vd.last_used(i) or st.st_mtime,
+                                 protected=is_current and i in protected))
+            where[key] = Cached(vd, i, p, st.st_size)
+    return entries, where, used
+
+
+def disk_free(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def evict(where: dict, entries: list[Entry], need: int) -> tuple[int, list]:
+    """Remove shards in eviction order until ``need`` bytes are freed, skipping shards in use
+    (their lock is held). Returns (bytes freed, keys evicted)."""
+    freed, gone = 0, []
+    for e in eviction_order(entries):
+        if freed >= need:
+            break
+        c: Cached = where[e.key]
+        with try_exclusive(c.vdir.lock_path(c.shard)) as held:
+            if not held:
+                continue  # being read or fetched right now: never evicted
+            c.vdir.drop_stamp(c.shard)  # stamp first: a half-evicted shard is untrusted, never wrongly trusted
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(c.path)
+        freed += c.size
+        gone.append(e.key)
+    return freed, gone

@@ -1,0 +1,157 @@
+"""Where things live in a cache directory, and when a cached file is trusted.
+
+::
+
+    CACHE_DIR/
+      sources.json                 url -> dataset version last seen there (for offline starts)
+      <algo>-<hex>/                one directory per dataset version: itself a dataset root
+        index.json  lengths.npy    same names and relative shard/index paths as the source
+        <shard paths> <index paths>
+        .shardtool/locks/<i>.lock  per-shard flock (exclusive: fetch/evict, shared: read)
+        .shardtool/ok/<i>          trust stamp: size, mtime_ns, inode and hash of the verified shard
+        .shardtool/assigned.json   the shards the last warm assigned to this node
+
+A shard is published only after its size and hash matched the manifest; the stamp written after
+the rename records the file's stat, so later checks are one ``stat`` per shard. Any change to the
+file (size, mtime, inode) voids the stamp and the shard is hashed again before it is trusted.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import posixpath
+import time
+
+from shardtool.format.atomic import atomic_write_bytes
+from shardtool.format.manifest import LENGTHS_NAME, MANIFEST_NAME, ShardInfo
+
+from .locks import locked
+
+SOURCES_NAME = "sources.json"
+META_DIR = ".shardtool"
+
+
+def version_dirname(version: str) -> str:
+    return version.replace(":", "-")
+
+
+def normalize_url(url: str) -> str:
+    url = str(url)
+    if "://" not in url:
+        return os.path.abspath(url)
+    if url.startswith("file://"):
+        return os.path.abspath(url[len("file://"):])
+    return url.rstrip("/")
+
+
+class VersionDir:
+    """Paths and trust stamps of one dataset version inside a cache directory."""
+
+    def __init__(self, cache_dir: str, version: str):
+        self.cache_dir = os.path.abspath(cache_dir)
+        self.version = version
+        self.root = os.path.join(self.cache_dir, version_dirname(version))
+        self.meta = os.path.join(self.root, META_DIR)
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.root, *posixpath.normpath(rel).split("/"))
+
+    @property
+    def manifest_path(self) -> str:
+        return os.path.join(self.root, MANIFEST_NAME)
+
+    def lock_path(self, shard: int) -> str:
+        return os.path.join(self.meta, "locks", f"{shard}.lock")
+
+    def stamp_path(self, shard: int) -> str:
+        return os.path.join(self.meta, "ok", str(shard))
+
+    @property
+    def assigned_path(self) -> str:
+        return os.path.join(self.meta, "assigned.json")
+
+    # ------------------------------------------------------------- trust stamps
+    def trusted(self, shard: int, info: ShardInfo) -> bool:
+        """True if the shard file is exactly the one verified when its stamp was written."""
+        try:
+            st = os.stat(self.path(info.path))
+            with open(self.stamp_path(shard)) as f:
+                stamp = json.loads(f.read())
+        except (OSError, ValueError):
+            return False
+        return (stamp.get("size") == st.st_size == info.bytes and stamp.get("mtime_ns") == st.st_mtime_ns
+                and stamp.get("ino") == st.st_ino and stamp.get("hash") == info.hash)
+
+    def write_stamp(self, shard: int, info: ShardInfo) -> None:
+        st = os.stat(self.path(info.path))
+        body = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "hash": info.hash}
+        # Not fsynced: a stamp lost in a crash only costs one re-hash; a torn one fails to parse.
+        from .store import write_small
+        write_small(self.stamp_path(shard), json.dumps(body).encode())
+
+    def drop_stamp(self, shard: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.stamp_path(shard))
+
+    def touch(self, shard: int) -> None:
+        """Mark the shard used now (the stamp's mtime is its LRU clock; atime is often off)."""
+        with contextlib.suppress(OSError):
+            os.utime(self.stamp_path(shard))
+
+    def last_used(self, shard: int) -> float:
+        try:
+            return os.stat(self.stamp_path(shard)).st_mtime
+        except OSError:
+            return 0.0
+
+    def read_assigned(self) -> set[int]:
+        try:
+            with open(self.assigned_path) as f:
+                return set(json.load(f).get("shards", []))
+        except (OSError, ValueError):
+            return set()
+
+    def write_assigned(self, shards: list[int], layout: dict) -> None:
+        body = {"shards": sorted(shards), "layout": layout, "written": time.time()}
+        atomic_write_bytes(self.assigned_path, json.dumps(body).encode())
+
+
+def lengths_rel(manifest) -> str:
+    return manifest.lengths_file.get("path", LENGTHS_NAME)
+
+
+# ---------------------------------------------------------------- sources record
+def read_sources(cache_dir: str) -> dict:
+    try:
+        with open(os.path.join(cache_dir, SOURCES_NAME)) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def record_source(cache_dir: str, url: str, version: str) -> None:
+    """Remember which version this URL served last, so an offline loader can find it."""
+    key = normalize_url(url)
+    with locked(os.path.join(cache_dir, ".sources.lock")):
+        data = read_sources(cache_dir)
+        entry = {"version": version, "dir": version_dirname(version)}
+        if {k: data.get(key, {}).get(k) for k in entry} == entry:
+            return
+        data[key] = {**entry, "updated": time.time()}
+        atomic_write_bytes(os.path.join(cache_dir, SOURCES_NAME), json.dumps(data, indent=1).encode())
+
+
+def recorded_version(cache_dir: str, url: str) -> str | None:
+    entry = read_sources(cache_dir).get(normalize_url(url))
+    return entry.get("version") if isinstance(entry, dict) else None
+
+
+def version_dirs(cache_dir: str) -> list[str]:
+    """Names of the version directories present in ``cache_dir``."""
+    try:
+        names = sorted(os.listdir(cache_dir))
+    except FileNotFoundError:
+        return []
+    return [n for n in names if "-" in n and os.path.isfile(os.path.join(cache_dir, n, MANIFEST_NAME))]

@@ -1,0 +1,105 @@
+"""Making one item present and trusted in a version directory: the manifest, the lengths file,
+a sample index, a shard. Shared by the warmer and the loader's fetch-on-miss, so both use the
+same verification and the same per-shard locks.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+from shardtool.format.hashing import hash_file
+from shardtool.format.manifest import Manifest, ShardInfo
+
+from .errors import CacheError, LocalFault, NotCached
+from .layout import VersionDir, lengths_rel
+from .locks import locked
+from .retry import RetryPolicy
+from .store import Source, copy_shard, local_fault, read_verified_local, remove_temps_for, store_verified
+
+HIT, VERIFIED, COPIED = "hit", "verified", "copied"
+
+
+def store_manifest(vd: VersionDir, manifest_bytes: bytes) -> None:
+    if read_verified_local(vd.manifest_path, size=len(manifest_bytes), digest=None) == manifest_bytes:
+        return
+    store_verified(vd.manifest_path, manifest_bytes, size=None, digest=None, what=f"manifest of {vd.version}")
+
+
+def ensure_small(vd: VersionDir, rel: str, size: int | None, digest: str | None, src: Source | None, *,
+                 policy: RetryPolicy, deadline: float | None, what: str) -> bytes:
+    """A small verified file (lengths, sample index): the cached copy, else fetched and stored."""
+    path = vd.path(rel)
+    data = read_verified_local(path, size=size, digest=digest)
+    if data is not None:
+        return data
+    if src is None:
+        raise NotCached(f"{what} is not in the cache {vd.root} and the source is unavailable")
+    data = src.read_bytes(rel, policy=policy, deadline=deadline)
+    store_verified(path, data, size=size, digest=digest, what=what)
+    return data
+
+
+def ensure_lengths(vd: VersionDir, manifest: Manifest, src: Source | None, **kw) -> bytes:
+    lf = manifest.lengths_file
+    return ensure_small(vd, lengths_rel(manifest), lf.get("bytes"), lf.get("hash"), src,
+                        what=f"lengths file {lengths_rel(manifest)}", **kw)
+
+
+def ensure_index(vd: VersionDir, info: ShardInfo, src: Source | None, **kw) -> bytes:
+    return ensure_small(vd, info.index, info.index_bytes, info.index_hash, src,
+                        what=f"sample index {info.index}", **kw)
+
+
+def local_matches(path: str, info: ShardInfo) -> bool:
+    try:
+        if os.path.getsize(path) != info.bytes:
+            return False
+        return hash_file(path)[0] == info.hash
+    except OSError:
+        return False
+
+
+def ensure_shard(vd: VersionDir, shard: int, info: ShardInfo, src: Source | None, *, policy: RetryPolicy,
+                 deadline: float | None = None, on_bytes=None, on_retry=None, verify: bool = False) -> str:
+    """Make shard ``shard`` present and trusted; returns HIT, VERIFIED (found intact) or COPIED."""
+    if not verify and vd.trusted(shard, info):
+        return HIT
+    lock_wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+    try:
+        ctx = locked(vd.lock_path(shard), timeout=lock_wait)
+        held = ctx.__enter__()
+    except OSError as e:
+        raise local_fault(e, f"lock of shard {info.path}") from None
+    try:
+        if not held:
+            raise CacheError(f"shard {info.path}: another process held its lock past the deadline")
+        if not verify and vd.trusted(shard, info):
+            return HIT  # another warmer or loader published it while we waited
+        final = vd.path(info.path)
+        remove_temps_for(final)  # left by a killed holder of this lock
+        if os.path.exists(final):
+            if local_matches(final, info):
+                vd.write_stamp(shard, info)
+                return VERIFIED
+            vd.drop_stamp(shard)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(final)
+        if src is None:
+            raise NotCached(f"shard {info.path} is not in the cache {vd.root} and the source is unavailable")
+        copy_shard(src, info, final, policy=policy, deadline=deadline, on_bytes=on_bytes, on_retry=on_retry)
+        try:
+            vd.write_stamp(shard, info)
+        except OSError as e:
+            raise local_fault(e, f"trust stamp of shard {info.path}") from None
+        return COPIED
+    except OSError as e:
+        if isinstance(e, (FileNotFoundError,)):
+            raise
+        raise local_fault(e, f"shard {info.path}") from None
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+__all__ = ["HIT", "VERIFIED", "COPIED", "LocalFault", "ensure_index", "ensure_lengths", "ensure_shard",
+           "ensure_small", "store_manifest"]

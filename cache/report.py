@@ -1,0 +1,68 @@
+"""What a warm did: counts, bytes, time, failures; as a one-line summary and as JSON."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from .errors import EXIT_LOCAL, EXIT_OK, EXIT_REMOTE
+
+
+@dataclass
+class WarmReport:
+    url: str
+    cache_dir: str
+    version: str | None = None
+    version_dir: str | None = None
+    layout: dict | None = None
+    assigned: int = 0
+    assigned_bytes: int = 0
+    shards_copied: int = 0
+    bytes_copied: int = 0
+    shards_skipped: int = 0
+    bytes_skipped: int = 0
+    shards_failed: int = 0
+    bytes_failed: int = 0
+    not_fitted: list[int] = field(default_factory=list)
+    evicted_shards: int = 0
+    evicted_bytes: int = 0
+    retries: int = 0
+    failures: list[dict] = field(default_factory=list)  # {"shard", "path", "error", "kind"}
+    warnings: list[str] = field(default_factory=list)
+    error: str | None = None
+    status: str = "ok"          # ok | remote_failed | local_fault | partial (best effort)
+    strict: bool = False
+    seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_copied / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def exit_code(self) -> int:
+        if self.status == "local_fault":
+            return EXIT_LOCAL
+        if self.status == "remote_failed" and self.strict:
+            return EXIT_REMOTE
+        return EXIT_OK
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["gbps"] = round(self.gbps, 4)
+        d["seconds"] = round(self.seconds, 4)
+        d["exit_code"] = self.exit_code
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def summary(self) -> str:
+        gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+        line = (f"warm {self.status}: {self.assigned} shards assigned ({gb(self.assigned_bytes)}); "
+                f"copied {self.shards_copied} ({gb(self.bytes_copied)}), skipped {self.shards_skipped} "
+                f"({gb(self.bytes_skipped)}), failed {self.shards_failed}")
+        if self.not_fitted:
+            line += f", did not fit {len(self.not_fitted)}"
+        if self.evicted_shards:
+            line += f", evicted {self.evicted_shards} ({gb(self.evicted_bytes)})"
+        line += f" in {self.seconds:.2f}s ({self.gbps:.2f} GB/s)"
+        return line

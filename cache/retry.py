@@ -1,0 +1,95 @@
+"""Retrying transient source errors: exponential backoff with full jitter, per-attempt timeouts,
+an overall deadline; permanent errors (404, corrupt object, local faults) are raised at once.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+from .errors import CacheError, LocalFault, RemoteError, SourceMissing, SourceRefused, SourceUnavailable
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 5              # tries per object, the first included
+    base_delay: float = 0.5        # seconds before the 2nd try; doubles each time
+    max_delay: float = 20.0        # cap on one backoff sleep
+    attempt_timeout: float | None = 900.0   # one whole try of one object
+    stall_timeout: float | None = 60.0      # one read call returning nothing for this long
+
+
+def backoff_delay(policy: RetryPolicy, failures: int, rng: random.Random) -> float:
+    """Full jitter: uniform in [0, min(max_delay, base * 2**(failures-1))], so many nodes that
+    failed together do not retry together."""
+    cap = min(policy.max_delay, policy.base_delay * (2 ** max(failures - 1, 0)))
+    return rng.uniform(0, cap)
+
+
+def is_permanent(exc: BaseException) -> bool:
+    if isinstance(exc, RemoteError):
+        return exc.permanent
+    return isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, LocalFault))
+
+
+def call_with_timeout(fn: Callable[[], T], timeout: float | None) -> T:
+    """Run ``fn`` but give up after ``timeout`` seconds (TimeoutError). A stalled call is left
+    behind on a daemon thread: Python cannot interrupt a blocked socket read, only abandon it."""
+    if timeout is None:
+        return fn()
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller below
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(max(timeout, 0.0))
+    if t.is_alive():
+        raise TimeoutError(f"no answer from the source within {timeout:.1f}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def with_retries(fn: Callable[[float | None], T], *, what: str, policy: RetryPolicy,
+                 deadline: float | None = None, rng: random.Random | None = None,
+                 on_retry: Callable[[int, BaseException, float], None] | None = None) -> T:
+    """Call ``fn(attempt_timeout)`` until it succeeds, a permanent error, the retry budget or
+    the deadline (``time.monotonic()`` value). Raises SourceMissing / SourceUnavailable naming ``what``."""
+    rng = rng or random.Random()
+    failures = 0
+    while True:
+        timeout = policy.attempt_timeout
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SourceUnavailable(f"{what}: deadline reached after {failures} failed attempt(s)")
+            timeout = left if timeout is None else min(timeout, left)
+        try:
+            return fn(timeout)
+        except (KeyboardInterrupt, MemoryError, SystemExit):
+            raise
+        except FileNotFoundError:
+            raise SourceMissing(f"{what}: not found in the source (404); not retried") from None
+        except BaseException as e:
+            if is_permanent(e):
+                if isinstance(e, CacheError):
+                    raise
+                raise SourceRefused(f"{what}: {type(e).__name__}: {e}; not retried") from e
+            failures += 1
+            if failures >= policy.attempts:
+                raise SourceUnavailable(f"{what}: {failures} attempts failed; last error: {type(e).__name__}: {e}") from e
+            delay = backoff_delay(policy, failures, rng)
+            if deadline is not None:
+                delay = min(delay, max(deadline - time.monotonic(), 0))
+            if on_retry is not None:
+                on_retry(failures, e, delay)
+            time.sleep(delay)

@@ -1,0 +1,228 @@
+"""``warm``: copy exactly this node's shards (and their metadata) into a node-local cache.
+
+Failure policy for a prolog: a fault of this node (cache unusable, too small) is ``local_fault``
+(exit 3, so SLURM drains the node); a failure of the source is ``remote_failed``, which exits 0
+unless ``strict`` (then 1), because an outage seen by every node must not drain the cluster; the
+loader fetches what is missing on demand.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Mapping
+
+
+from shardtool.format.dataset import Dataset
+from shardtool.format.manifest import MANIFEST_NAME, lengths_from_bytes
+
+from .assign import NodeLayout, assigned_shards
+from .budget import disk_free, evict, scan
+from .errors import BudgetError, CacheError, LocalFault, RemoteError
+from .evict import choose_fit, effective_limit, plan_eviction
+from .layout import VersionDir, record_source
+from .meta import COPIED, HIT, ensure_index, ensure_lengths, ensure_shard, store_manifest
+from .report import WarmReport
+from .retry import RetryPolicy
+from .store import Source, local_fault
+
+
+def check_cache_dir(cache_dir: str) -> None:
+    """The directory must exist or be creatable under an existing parent, and be writable."""
+    parent = os.path.dirname(os.path.abspath(cache_dir))
+    if not os.path.isdir(cache_dir):
+        if not os.path.isdir(parent):
+            raise LocalFault(f"cache directory {cache_dir} is missing and so is its parent {parent} "
+                             "(is the local disk mounted?)")
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+        except OSError as e:
+            raise local_fault(e, f"cache directory {cache_dir}") from None
+    probe = os.path.join(cache_dir, f".probe-{os.getpid()}-{threading.get_ident()}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.unlink(probe)
+    except OSError as e:
+        raise LocalFault(f"cache directory {cache_dir} is not writable: {e.strerror or e}") from None
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        self.lock = threading.Lock()
+        if enabled and total:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, file=sys.stderr,
+                            desc="warm", dynamic_ncols=True)
+
+    def __call__(self, n: int) -> None:
+        if self.bar is not None:
+            with self.lock:
+                self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def warm(url: str, cache_dir: str, *, layout: NodeLayout | None = None, all_shards: bool = False,
+         jobs: int = 8, max_bytes: int | None = None, min_free: int | None = None, best_effort: bool = False,
+         strict: bool = False, timeout: float | None = None, verify: bool = False,
+         retry: RetryPolicy = RetryPolicy(), storage_options: dict | None = None, progress: bool | None = None,
+         env: Mapping[str, str] | None = None, log=None) -> WarmReport:
+    """Warm ``cache_dir`` with the shards node ``layout.node`` of ``layout.num_nodes`` reads (every
+    shard with ``all_shards``). Never raises for remote or local failures: the returned report
+    carries ``status`` and ``exit_code``. ``layout=None`` without ``all_shards`` means one node."""
+    began = time.monotonic()
+    deadline = None if timeout is None else began + timeout
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if layout is None and not all_shards:
+        layout = NodeLayout(0, 1)
+    report = WarmReport(url=url, cache_dir=os.path.abspath(cache_dir), strict=strict,
+                        layout=None if all_shards else layout.to_dict())
+    log = log or (lambda msg: print(f"shardtool warm: {msg}", file=sys.stderr))
+    try:
+        _warm(report, url, cache_dir, layout=None if all_shards else layout, jobs=jobs, max_bytes=max_bytes,
+              min_free=min_free, best_effort=best_effort, deadline=deadline, verify=verify, retry=retry,
+              storage_options=storage_options, progress=progress, log=log)
+    except LocalFault as e:
+        report.status, report.error = "local_fault", str(e)
+    except (RemoteError, CacheError) as e:
+        report.status, report.error = "remote_failed", str(e)
+    report.seconds = time.monotonic() - began
+    if report.status == "ok" and report.shards_failed:
+        report.status = "remote_failed"
+        report.error = f"{report.shards_failed} shard(s) failed; first: {report.failures[0]['error']}"
+    if report.status == "ok" and report.not_fitted:
+        report.status = "partial"
+    return report
+
+
+def _warm(report: WarmReport, url, cache_dir, *, layout, jobs, max_bytes, min_free, best_effort, deadline,
+          verify, retry, storage_options, progress, log) -> None:
+    check_cache_dir(cache_dir)
+    try:
+        src = Source(url, storage_options)
+    except (ImportError, ValueError) as e:
+        raise RemoteError(f"cannot open source {url}: {e}") from None
+    kw = dict(policy=retry, deadline=deadline)
+    manifest_bytes = src.read_bytes(MANIFEST_NAME, **kw)
+    ds = Dataset(url, fs=src.fs, root=src.root, manifest_bytes=manifest_bytes)
+    vd = VersionDir(cache_dir, ds.version)
+    report.version, report.version_dir = ds.version, vd.root
+    m = ds.manifest
+    store_manifest(vd, manifest_bytes)
+    lengths = lengths_from_bytes(ensure_lengths(vd, m, src, **kw), expected=m.num_samples, source=url)
+    shards = assigned_shards(lengths, ds.shard_counts, layout)
+    report.assigned = len(shards)
+    report.assigned_bytes = sum(m.shards[i].bytes for i in shards)
+    vd.write_assigned(shards, report.layout or {"all": True})
+
+    failed: dict[int, str] = {}
+
+    def fail(i: int, e: BaseException) -> None:
+        failed[i] = str(e)
+        report.failures.append({"shard": i, "path": m.shards[i].path, "error": str(e), "kind": type(e).__name__})
+
+    # Sample indexes first (small, many): the loader needs them even for shards fetched later.
+    with ThreadPoolExecutor(max(jobs, 1)) as pool:
+        futs = {pool.submit(ensure_index, vd, m.shards[i], src, **kw): i for i in shards}
+        for f, i in futs.items():
+            try:
+                f.result()
+            except LocalFault:
+                raise
+            except RemoteError as e:
+                fail(i, e)
+    record_source(cache_dir, url, ds.version)  # metadata is in place: an offline loader can start
+
+    todo = []
+    for i in shards:
+        if i in failed:
+            continue
+        if not verify and vd.trusted(i, m.shards[i]):
+            report.shards_skipped += 1
+            report.bytes_skipped += m.shards[i].bytes
+        else:
+            todo.append(i)
+    todo = _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log)
+
+    bar = _Progress(sum(m.shards[i].bytes for i in todo), progress)
+    lock = threading.Lock()
+
+    def retried(*_):
+        with lock:
+            report.retries += 1
+
+    def one(i: int) -> None:
+        info = m.shards[i]
+        try:
+            outcome = ensure_shard(vd, i, info, src, on_bytes=bar, on_retry=retried, verify=verify, **kw)
+        except LocalFault:
+            raise
+        except CacheError as e:  # a remote error, or a lock wait that ran past the deadline
+            with lock:
+                fail(i, e)
+            return
+        with lock:
+            if outcome == COPIED:
+                report.shards_copied += 1
+                report.bytes_copied += info.bytes
+            else:
+                report.shards_skipped += 1
+                report.bytes_skipped += info.bytes
+                if outcome == HIT:
+                    bar(info.bytes)
+
+    try:
+        # Largest first: the long transfers start early and the tail is short.
+        order = sorted(todo, key=lambda i: -m.shards[i].bytes)
+        with ThreadPoolExecutor(max(jobs, 1)) as pool:
+            futs = [pool.submit(one, i) for i in order]
+            done, pending = wait(futs, return_when=FIRST_EXCEPTION)
+            for f in pending:
+                f.cancel()
+            for f in done:
+                f.result()  # re-raise a LocalFault: this node cannot hold its shards
+    finally:
+        bar.close()
+    report.shards_failed = len(failed)
+    report.bytes_failed = sum(m.shards[i].bytes for i in failed)
+    for i in list(failed)[:5]:
+        log(f"failed shard #{i} {m.shards[i].path}: {failed[i]}")
+
+
+def _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log) -> list[int]:
+    if max_bytes is None and min_free is None:
+        return todo
+    incoming = sum(m.shards[i].bytes for i in todo)
+    entries, where, used = scan(cache_dir, current=vd, assigned=set(shards), protected=set(shards))
+    limit = effective_limit(used, disk_free(cache_dir), max_bytes=max_bytes, min_free=min_free)
+    victims, shortfall = plan_eviction(entries, used=used, limit=limit, incoming=incoming)
+    if shortfall:
+        evictable = sum(e.size for e in entries if not e.protected)
+        resident = used - evictable
+        needed = resident + incoming
+        room = max(limit - resident, 0)
+        msg = (f"this node's shards need {needed / 1e9:.3f} GB ({needed} bytes: {len(todo)} to copy, "
+               f"{incoming} bytes) but the cache budget allows {max(limit, 0) / 1e9:.3f} GB ({limit} bytes; "
+               f"--max-bytes={max_bytes}, --min-free={min_free}); short by {shortfall} bytes")
+        if not best_effort:
+            raise BudgetError(msg, needed=needed, available=max(limit, 0))
+        freed, gone = evict(where, entries, evictable)
+        report.evicted_shards, report.evicted_bytes = len(gone), freed
+        take, leave = choose_fit([(i, m.shards[i].bytes) for i in todo], room)
+        report.not_fitted = sorted(leave)
+        report.warnings.append(msg + f"; best effort: warming {len(take)} shard(s), {len(leave)} did not fit")
+        log(report.warnings[-1])
+        return take
+    freed, gone = evict(where, entries, used + incoming - limit)
+    report.evicted_shards, report.evicted_bytes = len(gone), freed
+    return todo
+
+
+__all__ = ["warm", "check_cache_dir"]

@@ -1,0 +1,68 @@
+"""``shardtool cache ls|verify|gc|clear``: inspect and maintain a node-local cache directory."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+HELP = "inspect and maintain a node-local shard cache (ls, verify, gc, clear)"
+DESCRIPTION = """\
+A cache directory holds one subdirectory per dataset version (named by the manifest's hash), each
+a valid dataset root, and sources.json (URL -> version last warmed).
+
+  ls      versions, their source URLs, shards cached/total and bytes
+  verify  re-hash every cached shard and index; bad files are removed (exit 1 if any were bad)
+  gc      remove temp files of dead writers; --unreferenced drops versions no URL points at;
+          --max-bytes/--min-free evict (shards not assigned to this node first, then least
+          recently used; never a shard being read)
+  clear   remove all cached versions (or --version DIR); shards being read are left in place
+
+exit codes: 0 ok, 1 verify found bad files, 2 usage.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .cmd_warm import parse_size
+
+    p.add_argument("action", choices=["ls", "verify", "gc", "clear"])
+    p.add_argument("--cache-dir", required=True, help="node-local cache directory")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.add_argument("--max-bytes", type=parse_size, help="gc: evict down to this many bytes")
+    p.add_argument("--min-free", type=parse_size, help="gc: evict until this much disk is free")
+    p.add_argument("--unreferenced", action="store_true", help="gc: remove versions not named in sources.json")
+    p.add_argument("--version", dest="version_dir", help="clear: only this version directory")
+    p.add_argument("--keep-bad", action="store_true", help="verify: report bad files without removing them")
+
+
+def run(args) -> int:
+    from cache import admin
+
+    if args.action == "ls":
+        res = admin.ls(args.cache_dir)
+        if not args.json:
+            for v in res:
+                print(f"{v['dir']}  {v['cached']}/{v['shards']} shards  {v['cached_bytes'] / 1e9:.3f} GB"
+                      f"  assigned {v['assigned']}  {' '.join(v['urls']) or '(no url recorded)'}")
+            if not res:
+                print(f"{args.cache_dir}: empty")
+    elif args.action == "verify":
+        res = admin.verify(args.cache_dir, remove_bad=not args.keep_bad)
+        if not args.json:
+            print(f"{res['ok']} shards ok, {len(res['bad'])} bad, {len(res['metadata_bad'])} bad metadata, "
+                  f"{len(res['busy'])} in use (skipped)")
+            for p in res["bad"] + res["metadata_bad"]:
+                print(f"bad: {p}{'' if args.keep_bad else ' (removed)'}", file=sys.stderr)
+    elif args.action == "gc":
+        res = admin.gc(args.cache_dir, max_bytes=args.max_bytes, min_free=args.min_free, unreferenced=args.unreferenced)
+        if not args.json:
+            print(f"removed {res['temps_removed']} temp files, {len(res['versions_removed'])} versions; "
+                  f"evicted {res['evicted_shards']} shards ({res['evicted_bytes'] / 1e9:.3f} GB)")
+    else:
+        res = admin.clear(args.cache_dir, version_dir=args.version_dir)
+        if not args.json:
+            print(f"removed {len(res['removed'])} versions; {len(res['busy'])} shards in use left in place")
+    if args.json:
+        print(json.dumps(res, indent=1))
+    if args.action == "verify" and (res["bad"] or res["metadata_bad"]):
+        return 1
+    return 0

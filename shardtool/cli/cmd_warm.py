@@ -1,0 +1,131 @@
+"""``shardtool warm``: copy this node's shards into a node-local cache (run it in a SLURM prolog)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+HELP = "copy exactly this node's shards (verified, atomic, parallel) into a node-local cache"
+DESCRIPTION = """\
+Copy into CACHE_DIR exactly the shards this node's ranks will read, plus the manifest, the lengths
+file and those shards' sample indexes, so the loader (cache_dir=...) starts and runs from the cache
+even if the source is unreachable. The node's shards come from the same pure function the loader
+uses; they depend only on the dataset and the node count (no seed or batching config).
+
+Node layout: --nodes/--node-rank/--ranks-per-node, else SLURM_JOB_NUM_NODES, SLURM_NODEID and
+SLURM_NTASKS_PER_NODE or SLURM_GPUS_ON_NODE. --all warms every shard.
+
+Each shard goes to a temp file, is checked against the manifest's size and hash, fsynced and
+renamed; a rerun skips what is already there and verified. Concurrent warmers (and a loader's
+fetch-on-miss) share per-shard flock locks.
+
+exit codes:
+  0  success; also a remote failure (source unreachable, timed out, shard missing or corrupt)
+     without --strict: it is logged and the loader fetches on demand. Also 0 with --best-effort
+     when not everything fit (warnings printed).
+  1  remote failure with --strict
+  2  usage error (bad arguments, node layout cannot be resolved)
+  3  local fault on this node: cache dir missing/unwritable/read-only, disk full, or the cache
+     budget too small for this node's shards (a prolog exiting non-zero drains the node)
+"""
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgtp]?)(i?)b?\s*$", re.I)
+
+
+def parse_size(text: str) -> int:
+    """'500M', '1.5G', '10Gi', '123' -> bytes (K/M/G/T/P are powers of 1000, Ki/Mi/... of 1024)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 500M, 1.5G, 10Gi, 123456)")
+    power = "kmgtp".find(m.group(2).lower()) + 1 if m.group(2) else 0
+    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+
+
+def parse_storage_option(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, found {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def storage_options_from(args) -> dict | None:
+    opts: dict = {}
+    for k, v in args.storage_option or []:
+        node = opts
+        *parents, leaf = k.split(".")  # client_kwargs.endpoint_url=http://...
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = v
+    return opts or None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", help="dataset root: local path, file://, s3://, gs://, http(s)://")
+    p.add_argument("--cache-dir", required=True, help="node-local cache directory")
+    g = p.add_argument_group("node layout")
+    g.add_argument("--nodes", type=int, help="number of nodes (default: SLURM_JOB_NUM_NODES, else 1)")
+    g.add_argument("--node-rank", type=int, help="this node's index in [0, nodes) (default: SLURM_NODEID)")
+    g.add_argument("--ranks-per-node", type=int,
+                   help="ranks per node (recorded; does not change the node's shards)")
+    g.add_argument("--all", action="store_true", help="warm every shard of the dataset")
+    p.add_argument("--jobs", "-j", type=int, default=8, help="concurrent transfers (default 8)")
+    b = p.add_argument_group("budget")
+    b.add_argument("--max-bytes", type=parse_size, help="most bytes the cache may hold (e.g. 800G)")
+    b.add_argument("--min-free", type=parse_size, help="bytes to leave free on the cache's disk")
+    b.add_argument("--best-effort", action="store_true",
+                   help="if this node's shards do not fit, warm what fits and warn (exit 0)")
+    f = p.add_argument_group("failures")
+    f.add_argument("--strict", action="store_true", help="exit 1 on remote failures (default: log them, exit 0)")
+    f.add_argument("--timeout", type=float, help="overall deadline in seconds")
+    f.add_argument("--retries", type=int, default=5, help="attempts per object on transient errors (default 5)")
+    f.add_argument("--attempt-timeout", type=float, default=900.0, help="seconds for one try of one object")
+    f.add_argument("--stall-timeout", type=float, default=60.0, help="seconds a single read may stall")
+    p.add_argument("--verify", action="store_true", help="re-hash shards already in the cache instead of trusting stamps")
+    p.add_argument("--storage-option", "-o", action="append", type=parse_storage_option, metavar="KEY=VALUE",
+                   help="fsspec storage option (repeatable; dotted keys nest, values parsed as JSON when possible)")
+    p.add_argument("--report", metavar="FILE", help="write a JSON report (shards/bytes copied/skipped/failed, seconds, GB/s)")
+    p.add_argument("--json", action="store_true", help="print the JSON report on stdout")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+
+def run(args) -> int:
+    from cache import NodeLayout, RetryPolicy, UsageError, resolve_node_layout, warm
+    from cache.errors import EXIT_USAGE
+
+    if args.jobs < 1 or args.retries < 1:
+        print("shardtool warm: error: --jobs and --retries must be >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    layout: NodeLayout | None = None
+    if not args.all:
+        try:
+            layout = resolve_node_layout(args.nodes, args.node_rank, args.ranks_per_node, env=os.environ)
+        except UsageError as e:
+            print(f"shardtool warm: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+    policy = RetryPolicy(attempts=args.retries, attempt_timeout=args.attempt_timeout, stall_timeout=args.stall_timeout)
+    report = warm(args.url, args.cache_dir, layout=layout, all_shards=args.all, jobs=args.jobs,
+                  max_bytes=args.max_bytes, min_free=args.min_free, best_effort=args.best_effort,
+                  strict=args.strict, timeout=args.timeout, verify=args.verify, retry=policy,
+                  storage_options=storage_options_from(args),
+                  progress=(not args.quiet) and sys.stderr.isatty())
+    if args.report:
+        from shardtool.format.atomic import atomic_write_bytes
+        try:
+            atomic_write_bytes(args.report, report.to_json().encode())
+        except OSError as e:  # the report must never turn a good warm into a failure
+            print(f"shardtool warm: warning: cannot write report {args.report}: {e}", file=sys.stderr)
+    for w in report.warnings:
+        print(f"shardtool warm: warning: {w}", file=sys.stderr)
+    if report.error:
+        kind = {"local_fault": "local fault", "remote_failed": "remote failure"}.get(report.status, report.status)
+        tail = "" if report.exit_code else " (not fatal without --strict; the loader fetches on demand)"
+        print(f"shardtool warm: {kind}: {report.error}{tail}", file=sys.stderr)
+    print(report.summary(), file=sys.stderr)
+    if args.json:
+        print(report.to_json())
+    return report.exit_code
