@@ -344,3 +344,13 @@ def test_1m_samples_on_512_ranks_drop_less_than_a_batch_per_rank():
     counts = np.full(1000, 1000)
     plan = plan_epoch(lengths, counts, Layout(64, 8), Batching(max_tokens=65536), 0)
     assert lengths[plan.remainder].sum() < 512 * 65536
+
+
+def test_fewer_batches_than_ranks_are_split_so_every_rank_gets_one():
+    # Found by hypothesis: 400 short samples bucket into 7 token-budget batches for 8 ranks.
+    # Splitting batches costs nothing, so each rank must still get a batch, and nothing dropped.
+    lengths = np.full(400, 50, dtype=np.int64)
+    plan = plan_epoch(lengths, np.array([400]), Layout(1, 8), Batching(max_tokens=3000, shuffle=False), 0)
+    assert plan.batches_per_rank == 1
+    served = np.concatenate([plan.rank_batches(r)[0] for r in range(8)])
+    assert len(np.unique(served)) == 400 and plan.remainder.size == 0

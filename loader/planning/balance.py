@@ -21,7 +21,9 @@ def batches_per_rank(node_batches: np.ndarray, node_samples: np.ndarray, ranks_p
     g = ranks_per_node
     world = g * node_batches.size
     feasible = int(node_samples.min()) // g
-    low = int(node_batches.sum()) // world
+    # n = 0 would "drop fewer than world_size batches" on a small dataset, yet serve nothing:
+    # a rank always gets at least one batch when every node can split down to that.
+    low = max(1, int(node_batches.sum()) // world)
     high = max(low, -(-int(node_batches.max()) // g))
 
     def dropped(n: int) -> int:
