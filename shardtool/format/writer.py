@@ -96,6 +96,21 @@ class ShardFileWriter:
         self.row.append(r)
         return size
 
+    def add_encoded(self, key: str, values: list[Any], payloads: list[bytes], length: int) -> None:
+        """Append a sample whose tar payloads the caller already encoded (the packer's hot path)."""
+        self.keys.append(key)
+        self.lengths.append(length)
+        if self.shard_format == "tar":
+            e = self._tar.write(key, payloads)
+            self.offsets.append(e.offset)
+            self.sizes.append(e.size)
+            self.field_offsets.append(e.field_offsets)
+            self.field_sizes.append(e.field_sizes)
+        else:
+            b, r = self._arrow.write(key, values, sum(len(p) for p in payloads))
+            self.batch.append(b)
+            self.row.append(r)
+
     def abort(self) -> None:
         try:
             self._raw.close()
