@@ -91,6 +91,9 @@ class TarSampleEntry:
     field_sizes: list[int] = field(default_factory=list)
 
 
+_PADS = [b"\x00" * n for n in range(BLOCK)]
+
+
 class TarShardWriter:
     """Appends samples to an open binary file; members of a sample are in field order."""
 
@@ -100,21 +103,36 @@ class TarShardWriter:
         self.pos = 0
 
     def write(self, key: str, payloads: list[bytes]) -> TarSampleEntry:
+        offset, size, offs, sizes = self.write_fast(key, payloads)
+        return TarSampleEntry(offset, size, offs, sizes)
+
+    def write_fast(self, key: str, payloads: list[bytes]) -> tuple[int, int, list[int], list[int]]:
+        """Like :meth:`write`, returning (offset, size, field_offsets, field_sizes) as a tuple."""
         parts = []
         offs = []
         sizes = []
         rel = 0
         for ext, payload in zip(self.exts, payloads):
-            data, head = member_bytes(f"{key}.{ext}", payload)
-            parts.append(data)
-            offs.append(rel + head)
-            sizes.append(len(payload))
-            rel += len(data)
-        blob = b"".join(parts)
-        self.f.write(blob)
-        entry = TarSampleEntry(self.pos, len(blob), offs, sizes)
-        self.pos += len(blob)
-        return entry
+            name = f"{key}.{ext}".encode("utf-8")
+            size = len(payload)
+            if len(name) <= 100 and size <= _MAX_OCTAL_SIZE:
+                pad = -size % BLOCK
+                parts.append(_header(name, size, b"0"))
+                parts.append(payload)
+                if pad:
+                    parts.append(_PADS[pad])
+                offs.append(rel + BLOCK)
+                rel += BLOCK + size + pad
+            else:
+                data, head = member_bytes(f"{key}.{ext}", payload)
+                parts.append(data)
+                offs.append(rel + head)
+                rel += len(data)
+            sizes.append(size)
+        self.f.write(b"".join(parts))
+        offset = self.pos
+        self.pos += rel
+        return offset, rel, offs, sizes
 
     def close(self) -> None:
         self.f.write(b"\x00" * (2 * BLOCK))

@@ -101,11 +101,11 @@ class ShardFileWriter:
         self.keys.append(key)
         self.lengths.append(length)
         if self.shard_format == "tar":
-            e = self._tar.write(key, payloads)
-            self.offsets.append(e.offset)
-            self.sizes.append(e.size)
-            self.field_offsets.append(e.field_offsets)
-            self.field_sizes.append(e.field_sizes)
+            offset, size, field_offsets, field_sizes = self._tar.write_fast(key, payloads)
+            self.offsets.append(offset)
+            self.sizes.append(size)
+            self.field_offsets.append(field_offsets)
+            self.field_sizes.append(field_sizes)
         else:
             b, r = self._arrow.write(key, values, sum(len(p) for p in payloads))
             self.batch.append(b)

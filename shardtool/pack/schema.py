@@ -11,7 +11,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..format.errors import BadSampleError, ShardtoolError
-from ..format.fields import FieldSpec, encode, infer_field, length_of
+from ..format.fields import FieldSpec, encode, infer_field, length_of, npy_bytes
 from ..format.keys import key_problem
 from ..format.arrowshard import KEY_COLUMN
 
@@ -58,7 +58,11 @@ class Shaper:
         self.length_idx = self.names.index(length_field) if length_field else -1
         self.length_fn = length_fn
         self.key_width = key_width
-        self.convert = [_converter(f) for f in fields]
+        self.codecs = [_codec(f) for f in fields]
+        self.nfields = len(fields)
+        spec = fields[self.length_idx] if self.length_idx >= 0 else None
+        # Lengths of arrays and strings are len(); only other storages go through length_of.
+        self.len_direct = spec is not None and spec.storage in ("array", "text")
 
     def key_of(self, position: int, key: str | None, obj: dict[str, Any], source: str, where: str) -> str:
         if key is None:
@@ -84,8 +88,8 @@ class Shaper:
 
     def shape(self, position: int, key: str | None, obj: dict[str, Any], source: str, where: str):
         key = self.key_of(position, key, obj, source, where)
-        n_obj = len(obj) - (KEY_COLUMN in obj)
-        if n_obj != len(self.names) or any(n not in obj for n in self.names):
+        keys = obj.keys()
+        if keys != self.name_set and not (KEY_COLUMN in obj and keys - {KEY_COLUMN} == self.name_set):
             if self.length_field and self.length_field not in obj:
                 raise BadSampleError(f"missing length field {self.length_field!r}", source=source, position=where)
             got = sorted(k for k in obj if k != KEY_COLUMN)
@@ -93,15 +97,19 @@ class Shaper:
                                  source=source, position=where)
         values = []
         payloads = []
-        for spec, conv in zip(self.fields, self.convert):
-            try:
-                v = conv(obj[spec.name])
-                payloads.append(encode(spec, v))
-            except (TypeError, ValueError, OverflowError) as e:
-                raise BadSampleError(f"field {spec.name!r}: {e}", source=source, position=where) from None
-            values.append(v)
-        nbytes = sum(len(p) for p in payloads)
-        length = self.length(key, values, nbytes, source, where)
+        nbytes = 0
+        try:
+            for name, codec in zip(self.names, self.codecs):
+                v, p = codec(obj[name])
+                values.append(v)
+                payloads.append(p)
+                nbytes += len(p)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise BadSampleError(f"field {name!r}: {e}", source=source, position=where) from None
+        if self.len_direct:
+            length = len(values[self.length_idx])
+        else:
+            length = self.length(key, values, nbytes, source, where)
         return key, values, payloads, length, nbytes
 
     def length(self, key: str, values: list, nbytes: int, source: str, where: str) -> int:
@@ -129,17 +137,17 @@ class Shaper:
         return nbytes
 
 
-def _converter(spec: FieldSpec) -> Callable[[Any], Any]:
+def _codec(spec: FieldSpec) -> Callable[[Any], tuple[Any, bytes]]:
+    """value → (stored value, tar payload bytes) for one field; the packer's per-sample hot path."""
     if spec.storage == "array":
         dtype = np.dtype(spec.dtype)
+        headers: dict[int, bytes] = {}
 
         def conv_array(v):
             if isinstance(v, np.ndarray):
-                if v.dtype == dtype:
-                    return v
                 if v.ndim == 1 and np.can_cast(v.dtype, dtype, "safe"):
                     return v.astype(dtype)
-                raise TypeError(f"array of {v.dtype} does not fit the dataset's {dtype}")
+                raise TypeError(f"array of {v.dtype} {v.shape} does not fit the dataset's 1-D {dtype}")
             if isinstance(v, list):
                 if not v:
                     return np.zeros(0, dtype)
@@ -149,29 +157,41 @@ def _converter(spec: FieldSpec) -> Callable[[Any], Any]:
                 return arr.astype(dtype, copy=False)
             raise TypeError(f"expected an array, got {type(v).__name__}")
 
-        return conv_array
+        def enc_array(v):
+            if v.__class__ is not np.ndarray or v.dtype != dtype or v.ndim != 1:
+                v = conv_array(v)
+            h = headers.get(v.shape[0])
+            if h is None:
+                full = npy_bytes(v)
+                h = full[: len(full) - v.nbytes]
+                if len(headers) < 65536:
+                    headers[v.shape[0]] = h
+            return v, h + v.tobytes()
+
+        return enc_array
     if spec.storage == "text":
-        def conv_text(v):
+        def enc_text(v):
             if not isinstance(v, str):
                 raise TypeError(f"expected a string, got {type(v).__name__}")
-            return v
+            return v, v.encode("utf-8")
 
-        return conv_text
+        return enc_text
     if spec.storage == "int":
-        def conv_int(v):
+        def enc_int(v):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise TypeError(f"expected an integer, got {type(v).__name__}")
-            return int(v)
+            v = int(v)
+            return v, str(v).encode("ascii")
 
-        return conv_int
+        return enc_int
     if spec.storage == "raw":
-        def conv_raw(v):
+        def enc_raw(v):
             if not isinstance(v, (bytes, bytearray, memoryview)):
                 raise TypeError(f"expected bytes, got {type(v).__name__}")
-            return v
+            return v, bytes(v)
 
-        return conv_raw
-    return lambda v: v
+        return enc_raw
+    return lambda v: (v, encode(spec, v))
 
 
 def _describe(v: list) -> str:

@@ -111,6 +111,7 @@ def run_job(job: Job, progress: Callable[[int, int], None] | None = None) -> Job
     tar = job.fmt == "tar"
     pending_n = pending_b = 0
     seen: set[str] = set()
+    nf_block = BLOCK * len(job.fields)
 
     def skip(err: BadSampleError) -> None:
         if not job.skip_bad:
@@ -130,7 +131,9 @@ def run_job(job: Job, progress: Callable[[int, int], None] | None = None) -> Job
                         if key in seen:
                             raise BadSampleError(f"duplicate key {key!r}", source=unit.path, position=where)
                         if tar:
-                            sample_bytes = sum(BLOCK + len(p) + _pad(len(p)) for p in payloads)
+                            sample_bytes = nbytes + nf_block
+                            for p in payloads:
+                                sample_bytes += -len(p) % BLOCK
                         else:
                             sample_bytes = nbytes
                         roller.add(key, values, payloads, length, sample_bytes, unit.path, where)
