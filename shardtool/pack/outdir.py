@@ -28,10 +28,9 @@ def fragment_name(task: int, num_tasks: int) -> str:
 def prepare(out: str, *, task: int, num_tasks: int, overwrite: bool) -> None:
     os.makedirs(os.path.join(out, "shards"), exist_ok=True)
     manifest = os.path.join(out, MANIFEST_NAME)
-    if num_tasks == 1 and os.path.exists(manifest):
-        if not overwrite:
-            raise ShardtoolError(f"{out} already holds a dataset ({MANIFEST_NAME}); pass --overwrite to replace it")
-    if num_tasks == 1 or overwrite:
+    if os.path.exists(manifest) and not overwrite:
+        raise ShardtoolError(f"{out} already holds a dataset ({MANIFEST_NAME}); pass --overwrite to replace it")
+    if True:
         # The manifest goes first: from here on no reader trusts shards we are about to rewrite.
         for name in (MANIFEST_NAME, LENGTHS_NAME):
             with contextlib.suppress(FileNotFoundError):
