@@ -30,11 +30,10 @@ def prepare(out: str, *, task: int, num_tasks: int, overwrite: bool) -> None:
     manifest = os.path.join(out, MANIFEST_NAME)
     if os.path.exists(manifest) and not overwrite:
         raise ShardtoolError(f"{out} already holds a dataset ({MANIFEST_NAME}); pass --overwrite to replace it")
-    if True:
-        # The manifest goes first: from here on no reader trusts shards we are about to rewrite.
-        for name in (MANIFEST_NAME, LENGTHS_NAME):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(out, name))
+    # The manifest goes first: from here on no reader trusts shards we are about to rewrite.
+    for name in (MANIFEST_NAME, LENGTHS_NAME):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(out, name))
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(out, fragment_name(task, num_tasks)))
     prefix = f"{TMP_PREFIX}t{task:04d}-"
