@@ -11,7 +11,6 @@ import posixpath
 import threading
 from typing import Any
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 
@@ -81,6 +80,8 @@ class Dataset:
                  fs=None, root: str | None = None, manifest_bytes: bytes | None = None):
         self.url = url
         if fs is None:
+            import fsspec  # lazily: it costs ~0.1-0.3 s of start-up, which pack never needs
+
             fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.fs = fs
         self.root = root.rstrip("/") if root not in ("/", None) else (root or "")

@@ -96,6 +96,21 @@ class ShardFileWriter:
         self.row.append(r)
         return size
 
+    def add_encoded(self, key: str, values: list[Any], payloads: list[bytes], length: int) -> None:
+        """Append a sample whose tar payloads the caller already encoded (the packer's hot path)."""
+        self.keys.append(key)
+        self.lengths.append(length)
+        if self.shard_format == "tar":
+            offset, size, field_offsets, field_sizes = self._tar.write_fast(key, payloads)
+            self.offsets.append(offset)
+            self.sizes.append(size)
+            self.field_offsets.append(field_offsets)
+            self.field_sizes.append(field_sizes)
+        else:
+            b, r = self._arrow.write(key, values, sum(len(p) for p in payloads))
+            self.batch.append(b)
+            self.row.append(r)
+
     def abort(self) -> None:
         try:
             self._raw.close()

@@ -1,0 +1,100 @@
+"""``shardtool merge OUT``: combine the task fragments of a job array into one manifest.
+
+Checks that every task 0..T-1 has finished, that all agree on format, fields and length
+definition, and that sample keys are unique across tasks; shards are listed in task order
+(tasks own contiguous, ordered slices of the input, so that is input order).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+import numpy as np
+
+from ..format.errors import FormatError, ShardtoolError
+from ..format.fields import FieldSpec
+from ..format.hashing import hash_bytes
+from ..format.manifest import Manifest, ShardInfo, lengths_from_bytes
+from ..format.sindex import ShardIndex
+from ..format.writer import publish_manifest
+from . import outdir
+
+_FRAG_RE = re.compile(r"task-(\d{4})-of-(\d{4})\.json$")
+
+
+def _load(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            d = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise FormatError(f"{path}: unreadable task fragment ({e})") from None
+    if d.get("shardtool") != "task-fragment":
+        raise FormatError(f"{path}: not a shardtool task fragment")
+    return d
+
+
+def merge(out: str, *, num_tasks: int | None = None) -> dict:
+    """Write ``out/index.json`` from ``out/tasks/*``; returns a summary dict."""
+    out = out[len("file://"):] if out.startswith("file://") else out
+    frags = {}
+    for path in sorted(glob.glob(os.path.join(out, outdir.TASKS_DIR, "task-*-of-*.json"))):
+        m = _FRAG_RE.search(path)
+        if m:
+            frags.setdefault(int(m.group(2)), {})[int(m.group(1))] = path
+    if not frags:
+        raise ShardtoolError(f"{out}: no task fragments in {outdir.TASKS_DIR}/ (run pack with --num-tasks first)")
+    if num_tasks is None:
+        if len(frags) > 1:
+            raise ShardtoolError(f"{out}: fragments of several job arrays ({sorted(frags)} tasks); pass --num-tasks")
+        num_tasks = next(iter(frags))
+    have = frags.get(num_tasks, {})
+    missing = [t for t in range(num_tasks) if t not in have]
+    if missing:
+        raise ShardtoolError(f"{out}: {len(missing)} of {num_tasks} tasks have not finished: "
+                             f"{', '.join(str(t) for t in missing[:20])}{' …' if len(missing) > 20 else ''}")
+    bodies = [_load(have[t]) for t in range(num_tasks)]
+    first = bodies[0]
+    for t, b in enumerate(bodies):
+        for k in ("shard_format", "fields", "length"):
+            if b[k] != first[k]:
+                raise ShardtoolError(f"task {t} disagrees with task 0 on {k}: {b[k]!r} vs {first[k]!r}")
+    fields = [FieldSpec.from_dict(f) for f in first["fields"]]
+    shards: list[ShardInfo] = []
+    lengths = []
+    for t, b in enumerate(bodies):
+        lf = b["lengths"]
+        with open(os.path.join(out, lf["path"]), "rb") as f:
+            data = f.read()
+        if hash_bytes(data) != lf["hash"]:
+            raise FormatError(f"{lf['path']}: does not match its task fragment's hash")
+        infos = [ShardInfo.from_dict(s, i) for i, s in enumerate(b["shards"])]
+        lengths.append(lengths_from_bytes(data, expected=sum(s.samples for s in infos), source=lf["path"]))
+        shards.extend(infos)
+    _check_keys(out, shards, fields, first["shard_format"] == "tar")
+    all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    if all_lengths.size == 0:
+        raise ShardtoolError(f"{out}: the job array packed no samples")
+    outdir.remove_orphans(out, {p for s in shards for p in (s.path, s.index)})
+    publish_manifest(out, Manifest(first["shard_format"], fields, shards, first["length"]), all_lengths)
+    skipped = [s for b in bodies for s in b.get("skipped", [])]
+    return {"out": out, "tasks": num_tasks, "shards": len(shards), "samples": int(all_lengths.size),
+            "bytes": sum(s.bytes for s in shards), "skipped": skipped}
+
+
+def _check_keys(out: str, shards: list[ShardInfo], fields: list[FieldSpec], tar: bool) -> None:
+    owner: dict[str, str] = {}
+    names = [f.name for f in fields]
+    for s in shards:
+        try:
+            with open(os.path.join(out, s.index), "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise FormatError(f"{s.index}: missing sample index ({e})") from None
+        if hash_bytes(data) != s.index_hash:
+            raise FormatError(f"{s.index}: does not match the hash its task recorded")
+        for k in ShardIndex.from_bytes(data, names, shard=s.path, tar=tar).keys:
+            prev = owner.setdefault(k, s.path)
+            if prev != s.path:
+                raise ShardtoolError(f"duplicate key {k!r} in {prev} and {s.path}")

@@ -1,0 +1,70 @@
+"""The output directory: preparing it for a (re)run, task fragments, orphan clean-up.
+
+A rerun after a kill must give the same dataset: stale temp files of *this* task are removed
+(never another task's, which may be writing right now), the old manifest is removed before any
+shard is rewritten, and shards no manifest will reference are deleted before publishing.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+
+import numpy as np
+
+from ..format.atomic import TMP_PREFIX, atomic_write_bytes
+from ..format.errors import ShardtoolError
+from ..format.manifest import LENGTHS_NAME, MANIFEST_NAME, lengths_to_bytes
+
+SHARD_RE = re.compile(r"t\d{4}-w\d{2}-\d{6}\.(tar|arrow|idx\.arrow)$")
+TASKS_DIR = "tasks"
+
+
+def fragment_name(task: int, num_tasks: int) -> str:
+    return f"{TASKS_DIR}/task-{task:04d}-of-{num_tasks:04d}.json"
+
+
+def prepare(out: str, *, task: int, num_tasks: int, overwrite: bool) -> None:
+    os.makedirs(os.path.join(out, "shards"), exist_ok=True)
+    manifest = os.path.join(out, MANIFEST_NAME)
+    if os.path.exists(manifest) and not overwrite:
+        raise ShardtoolError(f"{out} already holds a dataset ({MANIFEST_NAME}); pass --overwrite to replace it")
+    # The manifest goes first: from here on no reader trusts shards we are about to rewrite.
+    for name in (MANIFEST_NAME, LENGTHS_NAME):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(out, name))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(out, fragment_name(task, num_tasks)))
+    prefix = f"{TMP_PREFIX}t{task:04d}-"
+    shard_dir = os.path.join(out, "shards")
+    for name in os.listdir(shard_dir):
+        if name.startswith(prefix):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(shard_dir, name))
+
+
+def remove_orphans(out: str, keep: set[str], *, task: int | None = None) -> int:
+    """Delete shard/index files matching our naming scheme that ``keep`` does not list."""
+    shard_dir = os.path.join(out, "shards")
+    n = 0
+    for name in os.listdir(shard_dir):
+        if not SHARD_RE.match(name) or (task is not None and not name.startswith(f"t{task:04d}-")):
+            continue
+        if f"shards/{name}" not in keep:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(shard_dir, name))
+                n += 1
+    return n
+
+
+def write_fragment(out: str, task: int, num_tasks: int, body: dict, lengths: np.ndarray) -> str:
+    from ..format.hashing import hash_bytes
+
+    data = lengths_to_bytes(lengths)
+    lengths_rel = f"{TASKS_DIR}/task-{task:04d}-of-{num_tasks:04d}.lengths.npy"
+    atomic_write_bytes(os.path.join(out, lengths_rel), data)
+    body = {**body, "lengths": {"path": lengths_rel, "hash": hash_bytes(data), "bytes": len(data)}}
+    rel = fragment_name(task, num_tasks)
+    atomic_write_bytes(os.path.join(out, rel), (json.dumps(body, indent=1) + "\n").encode())
+    return rel

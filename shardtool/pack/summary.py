@@ -1,0 +1,63 @@
+"""``shardtool inspect``: what a dataset holds, from its manifest, plus a peek at one sample."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..format.dataset import open_dataset
+
+
+def _short(v: Any, limit: int = 120) -> Any:
+    if isinstance(v, np.ndarray):
+        head = v[:8].tolist()
+        return f"array({v.dtype}, len={len(v)}, head={head})"
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        b = bytes(v)
+        return f"{len(b)} bytes: {b[:32]!r}{'…' if len(b) > 32 else ''}"
+    text = repr(v)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def inspect(url: str, *, storage_options: dict | None = None, peek: bool = True) -> dict:
+    ds = open_dataset(url, storage_options=storage_options)
+    m = ds.manifest
+    counts = ds.shard_counts
+    out = {
+        "url": url,
+        "version": ds.version,
+        "shard_format": m.shard_format,
+        "shards": len(m.shards),
+        "samples": m.num_samples,
+        "bytes": m.num_bytes,
+        "samples_per_shard": {"min": int(counts.min()), "max": int(counts.max())} if len(counts) else {},
+        "fields": [f.to_dict() for f in m.fields],
+        "length": m.length,
+    }
+    if peek and m.num_samples:
+        shard = int(np.flatnonzero(counts)[0])
+        sample = ds.read(shard, 0)
+        out["peek"] = {"shard": m.shards[shard].path, "sample": {k: _short(v) for k, v in sample.items()}}
+    ds.close()
+    return out
+
+
+def render(info: dict) -> str:
+    lines = [f"{info['url']}  ({info['shard_format']}, version {info['version']})",
+             f"  samples {info['samples']:,} in {info['shards']} shards, {info['bytes'] / 1e6:,.1f} MB"]
+    sps = info.get("samples_per_shard")
+    if sps:
+        lines.append(f"  samples per shard {sps['min']:,}..{sps['max']:,}")
+    lines.append("  fields: " + ", ".join(f"{f['name']} ({f['storage']}{', ' + f['dtype'] if 'dtype' in f else ''}"
+                                         f" as .{f['ext']})" for f in info["fields"]))
+    L = info["length"]
+    what = L.get("field") or L.get("fn") or "payload"
+    s = L.get("summary", {})
+    if s.get("count"):
+        lines.append(f"  length = {what} [{L.get('unit')}]: total {s['total']:,}, min {s['min']}, p50 {s['p50']:g}, "
+                     f"p90 {s['p90']:g}, p99 {s['p99']:g}, max {s['max']}")
+    if "peek" in info:
+        lines.append(f"  peek at {info['peek']['shard']} sample 0:")
+        for k, v in info["peek"]["sample"].items():
+            lines.append(f"    {k}: {v}")
+    return "\n".join(lines)

@@ -1,0 +1,248 @@
+"""Sources → deterministic units of work, and the pure split of units over tasks and workers.
+
+A *unit* is the smallest piece of input one worker packs: a Parquet row group, a group of
+Arrow record batches, a ~32 MiB newline-aligned chunk of a plain JSONL file, a whole
+compressed JSONL or tar file, or a run of file-tree samples. Units are listed in input order
+by every task identically, so slicing them is a pure function of (units, T, I, N), and sample
+positions (the default keys) come from unit counts, not from who packs what.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field
+
+from ..format.errors import BadSampleError, ShardtoolError
+from ..format.keys import key_problem
+
+JSONL_CHUNK = 32 << 20
+TREE_CHUNK = 256
+ARROW_UNIT_ROWS = 65536
+STRUCTURED = ("jsonl", "parquet", "arrow")
+
+
+@dataclass(frozen=True)
+class Unit:
+    kind: str  # jsonl | parquet | arrow | tar | tree
+    path: str
+    start: int = 0  # jsonl: byte offset; parquet: row group; arrow: first batch; tree: first sample
+    stop: int = -1
+    count: int = -1  # samples (jsonl: lines) or -1 if not known without reading
+    first_line: int = 0  # jsonl: line number of the chunk's first line in its file
+    weight: int = 1  # bytes (or an estimate), for balancing
+    members: tuple = field(default=(), compare=False)  # tree: ((key, ((ext, path), ...)), ...)
+
+    @property
+    def structured(self) -> bool:
+        return self.kind in STRUCTURED
+
+    def where(self) -> str:
+        return self.path
+
+
+def kind_of(path: str) -> str | None:
+    p = path.lower()
+    if p.endswith((".jsonl", ".jsonl.gz", ".jsonl.zst", ".ndjson", ".ndjson.gz", ".ndjson.zst")):
+        return "jsonl"
+    if p.endswith((".parquet", ".pq")):
+        return "parquet"
+    if p.endswith((".arrow", ".feather", ".ipc")):
+        return "arrow"
+    if p.endswith((".tar", ".tar.gz", ".tgz", ".tar.zst")):
+        return "tar"
+    return None
+
+
+def expand_sources(srcs: list[str]) -> list[str]:
+    """Each SRC as given; glob patterns expand (sorted). Missing paths are kept (reported later)."""
+    out: list[str] = []
+    for s in srcs:
+        s = s[len("file://"):] if s.startswith("file://") else s
+        if any(c in s for c in "*?[") and not os.path.exists(s):
+            matches = sorted(glob.glob(s))
+            out.extend(matches if matches else [s])
+        else:
+            out.append(s)
+    return out
+
+
+def discover(srcs: list[str], *, skip_bad: bool, skipped: list[str]) -> list[Unit]:
+    units: list[Unit] = []
+    for src in expand_sources(srcs):
+        try:
+            units.extend(units_of(src))
+        except BadSampleError as e:
+            if not skip_bad:
+                raise
+            skipped.append(str(e))
+    return units
+
+
+def units_of(src: str) -> list[Unit]:
+    if os.path.isdir(src):
+        return tree_units(src)
+    if not os.path.exists(src):
+        raise BadSampleError("source does not exist", source=src)
+    if not os.access(src, os.R_OK):
+        raise BadSampleError("source is not readable (permission denied)", source=src)
+    kind = kind_of(src)
+    if kind is None:
+        raise BadSampleError(
+            "unknown source type (expected a directory, .jsonl[.gz|.zst], .parquet, .arrow or .tar)", source=src)
+    try:
+        if kind == "jsonl":
+            return jsonl_units(src)
+        if kind == "parquet":
+            return parquet_units(src)
+        if kind == "arrow":
+            return arrow_units(src)
+    except OSError as e:
+        raise BadSampleError(f"cannot read source ({e})", source=src) from None
+    return [Unit("tar", src, weight=os.path.getsize(src))]
+
+
+def jsonl_units(path: str) -> list[Unit]:
+    size = os.path.getsize(path)
+    if not path.lower().endswith((".jsonl", ".ndjson")):
+        return [Unit("jsonl", path, 0, -1, -1, 0, max(size, 1) * 4)]
+    # One pass over the file: newline counts, and a chunk boundary after the first newline
+    # past every JSONL_CHUNK bytes.
+    units = []
+    start, lines_before, lines_in_chunk, pos = 0, 0, 0, 0
+    last = b"\n"
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            block = f.read(8 << 20)
+            if not block:
+                break
+            last = block[-1:]
+            base = 0
+            while True:
+                cut = start + JSONL_CHUNK - (pos + base)
+                if cut >= len(block) - base:
+                    lines_in_chunk += block.count(b"\n", base)
+                    break
+                nl = block.find(b"\n", base + max(cut, 0))
+                if nl < 0:
+                    lines_in_chunk += block.count(b"\n", base)
+                    break
+                lines_in_chunk += block.count(b"\n", base, nl + 1)
+                units.append(Unit("jsonl", path, start, pos + nl + 1, lines_in_chunk, lines_before,
+                                  pos + nl + 1 - start))
+                lines_before += lines_in_chunk
+                start, lines_in_chunk, base = pos + nl + 1, 0, nl + 1
+            pos += len(block)
+    if pos > start:
+        lines_in_chunk += 0 if last == b"\n" else 1
+        units.append(Unit("jsonl", path, start, pos, lines_in_chunk, lines_before, pos - start))
+    return units
+
+
+def parquet_units(path: str) -> list[Unit]:
+    import pyarrow.parquet as pq
+
+    try:
+        md = pq.ParquetFile(path).metadata
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError variants
+        raise BadSampleError(f"not a readable Parquet file ({e})", source=path) from None
+    return [Unit("parquet", path, g, g + 1, md.row_group(g).num_rows, 0, max(md.row_group(g).total_byte_size, 1))
+            for g in range(md.num_row_groups)]
+
+
+def arrow_units(path: str) -> list[Unit]:
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(path) as src:
+            reader = pa.ipc.open_file(src)
+            rows = [reader.get_batch(i).num_rows for i in range(reader.num_record_batches)]
+    except pa.ArrowInvalid:
+        # An Arrow *stream* has no footer to seek by: one unit, counted when read.
+        return [Unit("arrow", path, 0, -1, -1, 0, os.path.getsize(path))]
+    except Exception as e:
+        raise BadSampleError(f"not a readable Arrow IPC file ({e})", source=path) from None
+    units, start, acc = [], 0, 0
+    for i, r in enumerate(rows):
+        acc += r
+        if acc >= ARROW_UNIT_ROWS or i == len(rows) - 1:
+            units.append(Unit("arrow", path, start, i + 1, acc, 0, acc))
+            start, acc = i + 1, 0
+    return units
+
+
+def tree_key(reldir: str, stem: str) -> str:
+    return f"{reldir.replace(os.sep, '__').replace('/', '__')}__{stem}" if reldir else stem
+
+
+def tree_units(root: str) -> list[Unit]:
+    """Group files by (directory, basename up to the first '.'), WebDataset style."""
+    groups: dict[str, list[tuple[str, str]]] = {}
+    origin: dict[str, str] = {}
+    sizes: dict[str, int] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        reldir = os.path.relpath(dirpath, root)
+        reldir = "" if reldir == "." else reldir
+        for name in sorted(filenames):
+            if name.startswith("."):
+                continue
+            path = os.path.join(dirpath, name)
+            stem, dot, ext = name.partition(".")
+            if not dot or not ext:
+                raise BadSampleError("file has no '<key>.<field>' name", source=path)
+            key = tree_key(reldir, stem)
+            problem = key_problem(key)
+            if problem:
+                raise BadSampleError(problem, source=path)
+            rel_group = os.path.join(reldir, stem)
+            if key in origin and origin[key] != rel_group:
+                raise BadSampleError(f"duplicate key {key!r} (also made from {origin[key]!r})", source=path)
+            origin[key] = rel_group
+            groups.setdefault(key, []).append((ext, path))
+            try:
+                sizes[key] = sizes.get(key, 0) + os.stat(path).st_size
+            except OSError as e:
+                raise BadSampleError(f"cannot stat ({e})", source=path) from None
+    samples = sorted(groups.items(), key=lambda kv: origin[kv[0]])
+    units = []
+    for i in range(0, len(samples), TREE_CHUNK):
+        chunk = tuple((k, tuple(sorted(v))) for k, v in samples[i : i + TREE_CHUNK])
+        units.append(Unit("tree", root, i, i + len(chunk), len(chunk), 0,
+                          max(sum(sizes[k] for k, _ in chunk), 1), chunk))
+    return units
+
+
+# --------------------------------------------------------------------------- pure decisions
+def split_contiguous(weights: list[int], parts: int) -> list[tuple[int, int]]:
+    """Cut ``weights`` into ``parts`` contiguous ranges of about equal total weight.
+
+    Deterministic and order-preserving, so shard order follows input order. Ranges may be empty
+    when there are fewer units than parts.
+    """
+    if parts < 1:
+        raise ValueError("parts must be ≥ 1")
+    total = sum(weights)
+    bounds = [0]
+    acc = 0
+    i = 0
+    for p in range(1, parts):
+        target = total * p / parts
+        while i < len(weights) and acc + weights[i] / 2 <= target:
+            acc += weights[i]
+            i += 1
+        bounds.append(i)
+    bounds.append(len(weights))
+    return [(bounds[k], bounds[k + 1]) for k in range(parts)]
+
+
+def positions(units: list[Unit]) -> list[int]:
+    """First sample position of every unit: a prefix sum of counts (structured units only)."""
+    out, acc = [], 0
+    for u in units:
+        out.append(acc)
+        if u.structured:
+            if u.count < 0:
+                raise ShardtoolError(f"internal: unit of {u.path} was not counted")
+            acc += u.count
+    out.append(acc)
+    return out

@@ -1,0 +1,159 @@
+"""One worker: pack a contiguous run of units into its own shards, in unit order.
+
+Shard names carry the task and worker number (``t0003-w01-000042.tar``), so workers and job
+array tasks never collide, and for a fixed split the same input gives the same bytes.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..format.errors import BadSampleError
+from ..format.fields import FieldSpec
+from ..format.tarshard import BLOCK, _pad
+from ..format.writer import ShardFileWriter
+from .options import load_function
+from .readers import Bad, read_unit
+from .schema import Shaper
+from .units import Unit
+
+PROGRESS_EVERY = 1024
+
+
+def shard_name(task: int, worker: int, seq: int, fmt: str) -> str:
+    return f"shards/t{task:04d}-w{worker:02d}-{seq:06d}.{fmt}"
+
+
+@dataclass
+class Job:
+    out: str
+    fmt: str
+    fields: list[FieldSpec]
+    units: list[Unit]
+    positions: list[int]  # first global sample position of each unit
+    task: int
+    worker: int
+    key_field: str | None = None
+    length_field: str | None = None
+    length_fn: str | None = None
+    key_width: int = 9
+    shard_size: int | None = None
+    samples_per_shard: int | None = None
+    skip_bad: bool = False
+    max_sample_bytes: int = 256 << 20
+
+
+@dataclass
+class JobResult:
+    task: int
+    worker: int
+    shards: list[dict] = field(default_factory=list)
+    lengths: list[np.ndarray] = field(default_factory=list)
+    keys: list[list[str]] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    samples: int = 0
+    bytes: int = 0
+
+
+class _Roller:
+    """Starts a new shard when the next sample would pass the size or count limit."""
+
+    def __init__(self, job: Job, result: JobResult):
+        self.job = job
+        self.result = result
+        self.seq = 0
+        self.w: ShardFileWriter | None = None
+        self.cur_bytes = 0
+
+    def add(self, key, values, payloads, length, sample_bytes, source, where) -> None:
+        job = self.job
+        if job.shard_size is not None and sample_bytes > job.shard_size:
+            raise BadSampleError(f"sample {key!r} is {sample_bytes} bytes, larger than the shard size "
+                                 f"({job.shard_size} bytes)", source=source, position=where)
+        if self.w is not None and (
+            (job.samples_per_shard is not None and len(self.w.keys) >= job.samples_per_shard)
+            or (job.shard_size is not None and self.cur_bytes + sample_bytes + 2 * BLOCK > job.shard_size)
+        ):
+            self.finish()
+        if self.w is None:
+            self.w = ShardFileWriter(job.out, shard_name(job.task, job.worker, self.seq, job.fmt), job.fmt, job.fields)
+            self.seq += 1
+            self.cur_bytes = 0
+        self.w.add_encoded(key, values, payloads, length)
+        self.cur_bytes += sample_bytes
+
+    def finish(self) -> None:
+        if self.w is None:
+            return
+        keys = self.w.keys
+        info, lengths = self.w.finish()
+        self.result.shards.append(info.to_dict())
+        self.result.lengths.append(lengths)
+        self.result.keys.append(keys)
+        self.w = None
+
+    def abort(self) -> None:
+        if self.w is not None:
+            self.w.abort()
+            self.w = None
+
+
+def run_job(job: Job, progress: Callable[[int, int], None] | None = None) -> JobResult:
+    result = JobResult(job.task, job.worker)
+    fn = load_function(job.length_fn) if job.length_fn else None
+    shaper = Shaper(job.fields, key_field=job.key_field, length_field=job.length_field, length_fn=fn,
+                    key_width=job.key_width)
+    roller = _Roller(job, result)
+    tar = job.fmt == "tar"
+    pending_n = pending_b = 0
+    seen: set[str] = set()
+    nf_block = BLOCK * len(job.fields)
+
+    def skip(err: BadSampleError) -> None:
+        if not job.skip_bad:
+            raise err
+        result.skipped.append(str(err))
+
+    try:
+        for unit, pos0 in zip(job.units, job.positions):
+            try:
+                for rec in read_unit(unit, key_field=job.key_field, max_sample_bytes=job.max_sample_bytes, on_bad=skip):
+                    if rec.__class__ is Bad:
+                        skip(rec.error)
+                        continue
+                    pos, key, obj, where = rec
+                    try:
+                        key, values, payloads, length, nbytes = shaper.shape(pos0 + pos, key, obj, unit.path, where)
+                        if key in seen:
+                            raise BadSampleError(f"duplicate key {key!r}", source=unit.path, position=where)
+                        if tar:
+                            sample_bytes = nbytes + nf_block
+                            for p in payloads:
+                                sample_bytes += -len(p) % BLOCK
+                        else:
+                            sample_bytes = nbytes
+                        roller.add(key, values, payloads, length, sample_bytes, unit.path, where)
+                    except BadSampleError as e:
+                        skip(e)
+                        continue
+                    seen.add(key)
+                    pending_n += 1
+                    pending_b += nbytes
+                    if pending_n >= PROGRESS_EVERY and progress is not None:
+                        progress(pending_n, pending_b)
+                        pending_n = pending_b = 0
+            except BadSampleError as e:  # the unit itself is unreadable past this point
+                skip(e)
+        roller.finish()
+    except BaseException:
+        roller.abort()
+        raise
+    if progress is not None and pending_n:
+        progress(pending_n, pending_b)
+    result.samples = sum(int(s["samples"]) for s in result.shards)
+    result.bytes = sum(int(s["bytes"]) for s in result.shards)
+    return result

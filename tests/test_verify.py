@@ -1,0 +1,65 @@
+"""verify: catches a flipped byte and a truncated shard, naming each bad shard, exit 1."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import shardtool
+from shardtool.pack.verify import verify
+
+from data_gen import image_samples, token_records, write_jsonl, write_tree
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "shardtool", *args], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fmt", ["tar", "arrow"])
+def test_verify_flipped_byte_and_truncation(tmp_path, fmt):
+    out = str(tmp_path / "o")
+    shardtool.pack(write_jsonl(str(tmp_path / "in.jsonl"), token_records(200)), out, format=fmt,
+                   samples_per_shard=50, length="tokens")
+    assert verify(out)["ok"]
+    assert verify("file://" + out)["ok"]
+    p = _cli("verify", out)
+    assert p.returncode == 0 and "OK" in p.stdout
+    shards = [s.path for s in shardtool.open_dataset(out).manifest.shards]
+    flip, trunc = os.path.join(out, shards[1]), os.path.join(out, shards[3])
+    with open(flip, "r+b") as f:
+        f.seek(700)
+        b = f.read(1)
+        f.seek(700)
+        f.write(bytes([b[0] ^ 0x01]))
+    with open(trunc, "r+b") as f:
+        f.truncate(os.path.getsize(trunc) - 100)
+    rep = verify(out)
+    assert not rep["ok"] and sorted(b["shard"] for b in rep["bad"]) == sorted([shards[1], shards[3]])
+    p = _cli("verify", out)
+    assert p.returncode == 1
+    assert shards[1] in p.stderr and shards[3] in p.stderr and "truncated" in p.stderr
+    p = _cli("verify", out, "--json")
+    assert p.returncode == 1 and len(json.loads(p.stdout)["bad"]) == 2
+
+
+@pytest.mark.timeout(60)
+def test_verify_catches_index_that_disagrees_with_shard(tmp_path):
+    out = str(tmp_path / "o")
+    shardtool.pack(write_tree(str(tmp_path / "t"), image_samples(10)), out)
+    ds = shardtool.open_dataset(out)
+    idx = os.path.join(out, ds.manifest.shards[0].index)
+    with open(idx, "r+b") as f:
+        f.seek(200)
+        b = f.read(1)
+        f.seek(200)
+        f.write(bytes([b[0] ^ 0xFF]))
+    rep = verify(out)
+    assert not rep["ok"] and rep["bad"][0]["shard"] == ds.manifest.shards[0].path
