@@ -72,6 +72,16 @@ def available() -> tuple[bool, str]:
     return False, f"slurm-wlm not installed ({', '.join(missing)}) and no apt-get to install it"
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("State:"):
+                return line.split()[1] != "Z"
+    except OSError:
+        return False
+    return False
+
+
 def _parse_kv(line: str) -> dict:
     """Parse `scontrol show ... -o` one-line output (Key=Value separated by spaces; values may contain '=')."""
     out: dict[str, str] = {}
@@ -107,6 +117,9 @@ class LocalSlurm:
         """
         if self.dir is None:
             self.dir = self._given_dir or Path(tempfile.mkdtemp(prefix="shardtool-slurm-"))
+        # who owns this cluster: reap_orphans() stops clusters whose owning process died without down()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "owner.pid").write_text(f"{os.getpid()}\n")
         env = self._script_env()
         if prolog is not None:
             p = Path(prolog).resolve()
@@ -151,6 +164,27 @@ class LocalSlurm:
 
     def __exit__(self, *exc) -> None:
         self.down()
+
+    @classmethod
+    def reap_orphans(cls, pattern: str = "shardtool-slurm-*") -> list[Path]:
+        """Stop clusters under the temp dir left by a test process that died without down() (e.g. killed by
+        a hard timeout). Only dirs with an owner.pid whose process is gone; manual cluster.sh dirs are kept."""
+        reaped = []
+        for d in Path(tempfile.gettempdir()).glob(pattern):
+            try:
+                pid = int((d / "owner.pid").read_text().strip())
+            except (OSError, ValueError):
+                continue
+            if pid == os.getpid() or _pid_alive(pid):
+                continue
+            c = cls(d)
+            c.dir = d
+            try:
+                c.down()
+                reaped.append(d)
+            except SlurmError:
+                pass
+        return reaped
 
     # ------------------------------------------------------------------ paths and env
     @property
@@ -243,9 +277,17 @@ class LocalSlurm:
     def scancel(self, jobid: int, *options: str) -> None:
         self.run(["scancel", *options, str(jobid)], timeout=15)
 
-    def requeue(self, jobid: int, hold: bool = False) -> None:
-        """`scontrol requeue` (or requeuehold): the job goes back to PENDING; SLURM_RESTART_COUNT increments."""
+    def requeue(self, jobid: int, hold: bool = False, start_now: bool = True, timeout: float = 30) -> None:
+        """`scontrol requeue` (or requeuehold): the job goes back to PENDING and runs again with
+        SLURM_RESTART_COUNT incremented.
+
+        slurmctld gives a requeued job BeginTime = now + 120 s (hard-coded); with start_now (default) we wait
+        for it to be PENDING (it passes through COMPLETING) and reset StartTime=now so it is eligible at once.
+        """
         self.run(["scontrol", "requeuehold" if hold else "requeue", str(jobid)], timeout=15)
+        if start_now and not hold:
+            self.wait_state(jobid, {"PENDING"}, timeout=timeout)
+            self.run(["scontrol", "update", f"jobid={jobid}", "StartTime=now"], timeout=15)
 
     def release(self, jobid: int) -> None:
         self.run(["scontrol", "release", str(jobid)], timeout=15)
