@@ -70,23 +70,23 @@ install_pkgs() {
 # ---------------------------------------------------------------- processes
 # A pidfile is trusted only if the pid is alive AND its cmdline names the expected binary AND mentions our dir
 # (guards against a recycled pid from a stale pidfile of an earlier run).
-pid_ours() {  # $1=pid $2=binary-name
-  local p=$1 cmd
+pid_ours() {  # $1=pid $2=binary-name [$3=path that must appear in the cmdline, default $D]
+  local p=$1 cmd needle=${3:-$D}
   [ -n "$p" ] && alive "$p" || return 1
   cmd=$(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null) || return 1
   case "$cmd" in *"$2"*) ;; *) return 1 ;; esac
-  case "$cmd" in *"$D"*) return 0 ;; *) return 1 ;; esac
+  case "$cmd" in *"$needle"*) return 0 ;; *) return 1 ;; esac
 }
 
 # alive = exists and not a zombie: in containers without a reaping init, a daemon that exited lingers as a
 # zombie (ppid 1) and `kill -0` still succeeds on it.
 alive() { local st; st=$(awk '/^State:/{print $2}' /proc/"$1"/status 2>/dev/null) && [ -n "$st" ] && [ "$st" != Z ]; }
 
-stop_pidfile() {  # $1=pidfile $2=binary-name
+stop_pidfile() {  # $1=pidfile $2=binary-name [$3=cmdline needle]
   local f=$1 p
   [ -f "$f" ] || return 0
   p=$(tr -dc 0-9 < "$f" 2>/dev/null || true)
-  if pid_ours "$p" "$2"; then
+  if pid_ours "$p" "$2" "${3:-$D}"; then
     kill -TERM "$p" 2>/dev/null || true
     for _ in $(seq 100); do alive "$p" || break; sleep 0.1; done
     if alive "$p"; then log "$2 pid $p ignored SIGTERM; SIGKILL"; kill -KILL "$p" 2>/dev/null || true; fi
@@ -133,11 +133,16 @@ pick_ports() {  # sets CTLD_PORT NODE_PORT_BASE
 }
 
 # ---------------------------------------------------------------- munge (private instance, own socket + key)
-# Our own munged on a socket inside $D: independent of any munged already running (or half-dead) on the host,
-# and `down` can always stop it. slurm is pointed at it with AuthInfo/CredentialInfo socket=...
+# Our own munged on its own socket: independent of any munged already running (or half-dead) on the host,
+# and `down` can always stop it. slurm is pointed at it with AuthInfo=socket=...
+# munged runs as the munge user and insists every directory up to its socket is traversable by it, so its dir
+# cannot live inside $D ($D may sit under a 0700 parent such as pytest's tmp_path): it gets /tmp/shardtool-munge.<hash of $D>.
+munge_dir() { echo "/tmp/shardtool-munge.$(printf '%s' "$D" | md5sum | cut -c1-12)"; }
+
 start_munge() {
-  # munged insists: the socket dir is world-executable, the key is 0400 and not reachable through a loose dir.
-  local m=$D/munge k=$D/munge/private
+  # socket dir world-executable; key 0400 in a 0700 dir owned by munge.
+  local m k
+  m=$(munge_dir); k=$m/private
   mkdir -p "$k"
   if [ ! -s "$k/munge.key" ]; then
     if [ -s /etc/munge/munge.key ]; then cp /etc/munge/munge.key "$k/munge.key"
@@ -184,7 +189,7 @@ SlurmdPort=$((NODE_PORT_BASE + 1))
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$D/munge/munge.socket
+AuthInfo=socket=$(munge_dir)/munge.socket
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -247,7 +252,7 @@ wait_idle() {  # $1=N
     [ "$nidle" -eq "$n" ] && return 0
     if [ "$(date +%s)" -ge "$deadline" ]; then
       log "nodes not all idle after ${t}s; sinfo says:"; echo "$states" >&2
-      for f in "$D"/log/slurmctld.log "$D"/log/slurmd.*.log "$D"/munge/munged.log; do
+      for f in "$D"/log/slurmctld.log "$D"/log/slurmd.*.log "$(munge_dir)"/munged.log; do
         [ -f "$f" ] && { echo "----- tail $f" >&2; tail -15 "$f" >&2; }
       done
       return 1
@@ -265,7 +270,8 @@ stop_all() {  # stop whatever of ours runs from $D; safe on a half-started or al
   for f in "$D"/run/slurmd.*.pid; do [ -e "$f" ] && stop_pidfile "$f" slurmd; done
   stop_pidfile "$D/run/slurmctld.pid" slurmctld
   sweep_leftovers
-  stop_pidfile "$D/munge/munged.pid" munged
+  stop_pidfile "$(munge_dir)/munged.pid" munged "$(munge_dir)"
+  rm -rf "$(munge_dir)"
 }
 
 cmd_up() {
@@ -277,8 +283,9 @@ cmd_up() {
   if [ -f "$D/slurm.conf" ] || [ -d "$D/run" ]; then log "reusing $D: stopping leftovers"; stop_all; fi
   rm -rf "$D/state" "$D/spool" "$D/run" "$D/nodes" "$D/log"
   mkdir -p "$D/state" "$D/spool" "$D/run" "$D/nodes" "$D/log"
-  chmod 0755 "$D"   # munge user must traverse to its socket dir
   echo "$D" > "$LAST"
+  # any failure from here on: stop what was already started, keep the dir (logs) for inspection
+  trap 'rc=$?; if [ $rc != 0 ]; then log "up failed; stopping partial cluster, logs kept in $D/log"; stop_all; fi' EXIT
   install_pkgs
   pick_ports "$n"
   write_default_prolog
@@ -291,7 +298,7 @@ cmd_up() {
     env -i PATH=$DAEMON_PATH SLURM_CONF="$SLURM_CONF" SHARDTOOL_SLURM_TEST_DIR="$D" \
       $SBIN/slurmd -f "$SLURM_CONF" -N "node$i" || die "slurmd node$i failed to start (see $D/log/slurmd.node$i.log)"
   done
-  wait_idle "$n" || { stop_all; die "cluster did not come up (state left in $D)"; }
+  wait_idle "$n" || die "cluster did not come up (state left in $D)"
   log "up: $n nodes in $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}')s, ctld port $CTLD_PORT"
   echo "export SLURM_TEST_DIR=$D SLURM_CONF=$SLURM_CONF"
 }
@@ -310,13 +317,13 @@ cmd_down() {
 }
 
 cmd_status() {
-  local f p name rc=0
+  local f p name b nd rc=0
   echo "SLURM_TEST_DIR=$D"
-  for f in "$D"/munge/munged.pid "$D"/run/slurmctld.pid "$D"/run/slurmd.*.pid; do
+  for f in "$(munge_dir)"/munged.pid "$D"/run/slurmctld.pid "$D"/run/slurmd.*.pid; do
     [ -e "$f" ] || continue
     name=$(basename "$f" .pid); p=$(cat "$f" 2>/dev/null || true)
-    case "$name" in munged) b=munged ;; slurmctld) b=slurmctld ;; *) b=slurmd ;; esac
-    if pid_ours "$p" "$b"; then echo "  $name: running (pid $p)"; else echo "  $name: NOT running (stale pid $p)"; rc=1; fi
+    case "$name" in munged) b=munged; nd=$(munge_dir) ;; slurmctld) b=slurmctld; nd=$D ;; *) b=slurmd; nd=$D ;; esac
+    if pid_ours "$p" "$b" "$nd"; then echo "  $name: running (pid $p)"; else echo "  $name: NOT running (stale pid $p)"; rc=1; fi
   done
   [ -f "$D/slurm.conf" ] || { echo "  no slurm.conf"; return 1; }
   timeout 10 sinfo -N || rc=1
