@@ -281,13 +281,26 @@ class LocalSlurm:
         """`scontrol requeue` (or requeuehold): the job goes back to PENDING and runs again with
         SLURM_RESTART_COUNT incremented.
 
-        slurmctld gives a requeued job BeginTime = now + 120 s (hard-coded); with start_now (default) we wait
-        for it to be PENDING (it passes through COMPLETING) and reset StartTime=now so it is eligible at once.
+        slurmctld gives a requeued job BeginTime = now + 120 s (hard-coded). With start_now (default) we wait
+        for it to be PENDING (it passes through COMPLETING) and its old steps to be gone, then set
+        StartTime=now+2. Not `now`: killing the first run makes slurmd revoke the job id's credential with
+        one-second resolution, and a relaunch whose credential is from the same second is refused
+        ("Job N already killed, do not launch batch job") and the job ends FAILED, ExitCode 1.
         """
         self.run(["scontrol", "requeuehold" if hold else "requeue", str(jobid)], timeout=15)
         if start_now and not hold:
             self.wait_state(jobid, {"PENDING"}, timeout=timeout)
-            self.run(["scontrol", "update", f"jobid={jobid}", "StartTime=now"], timeout=15)
+            self._wait_steps_gone(jobid, timeout=timeout)
+            self.run(["scontrol", "update", f"jobid={jobid}", "StartTime=now+2"], timeout=15)
+
+    def _wait_steps_gone(self, jobid: int, timeout: float) -> None:
+        """Until every slurmstepd of the job's previous run is gone: each holds a socket
+        <spool>/<node>_<jobid>.<step> (relaunching while one lingers could race with the old run)."""
+        deadline = time.monotonic() + timeout
+        while any((self.dir / "spool").glob(f"*/*_{jobid}.*")):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"job {jobid}: old steps still present after {timeout}s\n{self.logs_tail()}")
+            time.sleep(0.1)
 
     def release(self, jobid: int) -> None:
         self.run(["scontrol", "release", str(jobid)], timeout=15)
