@@ -1,0 +1,1 @@
+"""Pure planning functions; the public names are re-exported by `loader.plan`."""
