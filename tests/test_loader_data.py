@@ -46,3 +46,16 @@ def write_dataset(root: str, shard_sizes: list[int], *, fmt: str = "tar", length
     m = Manifest(fmt, fields, infos, {"field": "tokens", "unit": "tokens", "fn": None})
     publish_manifest(root, m, np.concatenate(all_lengths) if all_lengths else np.zeros(0, np.int64))
     return root, keys
+
+
+def read_all(loader) -> list[list[str]]:
+    """The keys of every batch one pass of ``loader`` yields."""
+    return [list(b["__key__"]) for b in loader]
+
+
+def test_helper_writes_a_readable_dataset(tmp_path):
+    from shardtool.format import open_dataset
+
+    root, keys = write_dataset(str(tmp_path / "d"), [3, 0, 2])
+    ds = open_dataset(root)
+    assert len(ds) == 5 and ds.read(2, 1)["__key__"] == keys[4]
