@@ -154,6 +154,7 @@ def _arrow_ranges(buf, file_size: int, index, fields: list[FieldSpec], name: str
     starts, sizes = np.concatenate(per_batch_starts), np.concatenate(per_batch_sizes)
     pos = np.asarray(rows_before, dtype=np.int64)[index.batch.astype(np.int64)] + index.row.astype(np.int64)
     starts, sizes = starts[pos], sizes[pos]
+    starts[sizes == 0] = 0  # an empty buffer may live anywhere
     if len(starts) and ((starts < 0) | (starts + sizes > file_size)).any():
         # Buffers outside the map mean Arrow decompressed or copied them.
         raise FormatError(f"{name}: Arrow buffers are not in the file (compressed shard?); not supported")
