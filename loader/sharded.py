@@ -175,8 +175,9 @@ class ShardedLoader:
                 except StopIteration:
                     raise LoaderError(f"{where}: the reader stopped after {b} of {n} batches") from None
                 except ShardtoolError:
-                    raise
-                except Exception as e:
+                    raise  # our reader's errors already name the shard and sample
+                except RuntimeError as e:
+                    # The DataLoader's own failures: a worker killed, exited or timed out.
                     raise LoaderError(
                         f"{where}: batch {b} could not be loaded ({describe_ids(self.reader, batches.batch_ids(b))}): "
                         f"{type(e).__name__}: {e}"
