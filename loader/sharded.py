@@ -1,6 +1,7 @@
 """`ShardedLoader`: the plan of this rank's batches, read by workers, resumable by position."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from typing import Any, Callable, Iterator
@@ -204,7 +205,8 @@ class ShardedLoader:
         if dist.get_world_size() != self.layout.world_size or dist.get_rank() != self.rank:
             return  # an explicit layout that is not the process group's: nothing to compare with
         self._checked_epoch = self._epoch
-        digest = int(self.fingerprint[:12], 16) ^ int(self.batching.fingerprint()[:12], 16)
+        ident = f"{self.fingerprint}/{self.batching.fingerprint()}/{self._epoch}".encode()
+        digest = int(hashlib.sha256(ident).hexdigest()[:15], 16)
         mine = [plan.batches_per_rank, digest, self._served]
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
         t = torch.tensor(mine + [-x for x in mine], dtype=torch.int64, device=device)
