@@ -71,11 +71,17 @@ def make_dataloader(dataset: PlanBatches, start: int, *, num_workers: int, prefe
     return DataLoader(
         dataset,
         batch_size=None,
+        collate_fn=_as_is,
         sampler=range(start, len(dataset)),
         num_workers=num_workers,
         pin_memory=pin_memory,
         **kwargs,
     )
+
+
+def _as_is(batch: Any) -> Any:
+    # DataLoader's default (default_convert) walks every list element; our batches are ready.
+    return batch
 
 
 def _worker_init(_worker_id: int) -> None:
