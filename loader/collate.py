@@ -16,6 +16,15 @@ KEY = "__key__"
 PACK_MIN_BYTES = 64 << 10
 
 
+def new_tensor(numel: int, dtype: torch.dtype, *, shared: bool) -> torch.Tensor:
+    """A 1-D tensor; ``shared``: born in shared memory, so sending it to the trainer copies nothing."""
+    if not shared:
+        return torch.empty(numel, dtype=dtype)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    storage = torch.UntypedStorage._new_shared(numel * itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
+
+
 def pad_rows(rows: Sequence[Any], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     counts = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
     width = int(counts.max(initial=0))
@@ -68,10 +77,10 @@ class PackedBytes:
 
     @classmethod
     def from_slices(cls, buffers: Sequence[Any], starts: Sequence[int], sizes: Sequence[int]) -> "PackedBytes":
-        """Copy buffer[k][starts[k] : starts[k]+sizes[k]] for every k into one tensor, once."""
+        """Copy buffer[k][starts[k] : starts[k]+sizes[k]] for every k into one shared tensor, once."""
         offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
         np.cumsum(sizes, out=offsets[1:])
-        data = torch.empty(int(offsets[-1]), dtype=torch.uint8)
+        data = new_tensor(int(offsets[-1]), torch.uint8, shared=True)
         dst = data.numpy()
         for k, (b, a, n) in enumerate(zip(buffers, starts, sizes)):
             dst[offsets[k] : offsets[k] + n] = b[a : a + n]

@@ -17,7 +17,7 @@ import torch
 
 from shardtool.format import FormatError
 
-from .collate import KEY, PACK_MIN_BYTES, PackedBytes, collate_samples
+from .collate import KEY, PACK_MIN_BYTES, PackedBytes, collate_samples, new_tensor
 from .shardview import ShardView
 from .source import Source, SourceSpec
 
@@ -97,7 +97,8 @@ class BatchReader:
         return self.source.dataset.lengths[np.asarray(ids, dtype=np.int64)]
 
     def read_batch(self, ids: np.ndarray, *, pack: bool = False) -> dict[str, Any]:
-        """The default batch for ``ids``. ``pack``: large bytes fields as one shared tensor."""
+        """The default batch for ``ids``. ``pack`` (in a worker): tensors born in shared memory,
+        large bytes fields as one shared tensor."""
         ids = np.asarray(ids, dtype=np.int64)
         if not self.source.local:
             return collate_samples(self.read_samples(ids), pad_field=self.pad_field, pad_id=self.pad_id,
@@ -115,7 +116,7 @@ class BatchReader:
             keys[rows] = v.keys[li]
         out: dict[str, Any] = {KEY: keys.tolist()}
         if pad_col is not None:
-            out[fields[pad_col].name], out["lengths"] = self._gather_tokens(groups, b)
+            out[fields[pad_col].name], out["lengths"] = self._gather_tokens(groups, b, shared=pack)
         else:
             lengths = np.empty(b, dtype=np.int64)
             for v, rows, li in groups:
@@ -140,19 +141,21 @@ class BatchReader:
                 out.append((self._view(int(s_sorted[a])), rows, local[rows]))
         return out
 
-    def _gather_tokens(self, groups, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather_tokens(self, groups, b: int, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
         counts = np.empty(b, dtype=np.int64)
         for v, rows, li in groups:
             counts[rows] = v.tok_count[li]
         width = int(counts.max(initial=0))
-        padded = np.full((b, width), self.pad_id, dtype=np.int64)
+        tensor = new_tensor(b * width, torch.int64, shared=shared).view(b, width)
+        padded = tensor.numpy()
+        padded.fill(self.pad_id)
         for v, rows, li in groups:
             view = v.tok_view
             # One slice copy per sample (a memcpy with widening) beats a vectorised gather here:
             # index arrays would cost more than the tokens themselves.
             for r, a, c in zip(rows.tolist(), v.tok_start[li].tolist(), v.tok_count[li].tolist()):
                 padded[r, :c] = view[a : a + c]
-        return torch.from_numpy(padded), torch.from_numpy(counts)
+        return tensor, torch.from_numpy(counts)
 
     def _field(self, groups, j: int, b: int, pack: bool) -> Any:
         if pack and groups[0][0].bytes_fields[j]:
