@@ -98,4 +98,6 @@ def unpack_batch(batch: Any) -> Any:
         for k, v in batch.items():
             if isinstance(v, PackedBytes):
                 batch[k] = v.unpack()
+        if isinstance(batch.get("lengths"), np.ndarray):
+            batch["lengths"] = torch.from_numpy(batch["lengths"])
     return batch

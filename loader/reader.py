@@ -155,7 +155,8 @@ class BatchReader:
             # index arrays would cost more than the tokens themselves.
             for r, a, c in zip(rows.tolist(), v.tok_start[li].tolist(), v.tok_count[li].tolist()):
                 padded[r, :c] = view[a : a + c]
-        return tensor, torch.from_numpy(counts)
+        # In a worker, a small array pickles cheaper than a tensor gets its own shared segment.
+        return tensor, (counts if shared else torch.from_numpy(counts))
 
     def _field(self, groups, j: int, b: int, pack: bool) -> Any:
         if pack and groups[0][0].bytes_fields[j]:

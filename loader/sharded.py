@@ -177,11 +177,12 @@ class ShardedLoader:
                     raise LoaderError(f"{where}: the reader stopped after {b} of {n} batches") from None
                 except ShardtoolError:
                     raise  # our reader's errors already name the shard and sample
-                except RuntimeError as e:
-                    # The DataLoader's own failures: a worker killed, exited or timed out.
+                except (RuntimeError, EOFError, ConnectionError) as e:
+                    # The DataLoader's own failures: a worker killed, exited or timed out (a
+                    # worker killed mid-send can also surface as a broken queue: EOF, reset).
                     raise LoaderError(
                         f"{where}: batch {b} could not be loaded ({describe_ids(self.reader, batches.batch_ids(b))}): "
-                        f"{type(e).__name__}: {e}"
+                        f"a worker process failed, exited or was killed ({type(e).__name__}: {e})"
                     ) from e
                 self._served = b + 1
                 yield unpack_batch(batch)
