@@ -1,0 +1,191 @@
+"""Reading batches of global sample ids: positioned reads of the byte ranges in the index.
+
+One `BatchReader` per process, opened lazily after fork. Local shards (a local dataset or the
+node cache) are memory-mapped once per process and kept in a small LRU; a batch of the
+default shape is assembled with vectorised numpy gathers straight from the maps. Remote
+shards (no cache) are read sample by sample through `Dataset.read`, one ranged request each.
+Every error names the shard and the sample.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardtool.format import FormatError
+
+from .collate import KEY, PACK_MIN_BYTES, PackedBytes, collate_samples, new_tensor
+from .shardview import ShardView
+from .source import Source, SourceSpec
+
+MAX_OPEN_SHARDS = 64
+
+
+class BatchReader:
+    def __init__(self, spec: SourceSpec, *, pad_id: int = 0, max_open_shards: int = MAX_OPEN_SHARDS):
+        self.spec = spec
+        self.pad_id = pad_id
+        self.max_open = max_open_shards
+        self._pid = None
+        self._source: Source | None = None
+        self._views: OrderedDict[int, ShardView] = OrderedDict()
+
+    # ------------------------------------------------------------------ per-process state
+    @property
+    def source(self) -> Source:
+        # A forked worker must not share the parent's maps or remote sessions: reopen.
+        if self._pid != os.getpid():
+            self._views = OrderedDict()
+            self._source = self.spec.open()
+            self._pid = os.getpid()
+            m = self._source.dataset.manifest
+            self.offsets = m.shard_offsets()
+            self.pad_field = m.length.get("field")
+            self.tar = m.shard_format == "tar"
+        return self._source
+
+    def _view(self, shard: int) -> ShardView:
+        v = self._views.get(shard)
+        if v is not None:
+            self._views.move_to_end(shard)
+            return v
+        src = self.source
+        ds = src.dataset
+        index = ds.shard_index(shard)
+        mapped = src.map_shard(shard)
+        try:
+            v = ShardView(mapped, index, ds.manifest.fields, tar=self.tar, pad_field=self.pad_field,
+                          allow_pickle=ds.allow_pickle)
+        except BaseException:
+            mapped.close()
+            raise
+        self._views[shard] = v
+        while len(self._views) > self.max_open:
+            _, old = self._views.popitem(last=False)
+            old.close()
+        return v
+
+    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        self.source
+        ids = np.asarray(ids, dtype=np.int64)
+        shard = np.searchsorted(self.offsets, ids, side="right") - 1
+        return shard, ids - self.offsets[shard]
+
+    def where(self, gid: int) -> str:
+        """'shard <path> sample #i' for a global id: for error messages."""
+        shard, i = self.locate(np.array([gid]))
+        return f"shard {self.source.dataset.manifest.shards[int(shard[0])].path} sample #{int(i[0])}"
+
+    def close(self) -> None:
+        for v in self._views.values():
+            v.close()
+        self._views.clear()
+
+    # ------------------------------------------------------------------ reading
+    def read_samples(self, ids: np.ndarray) -> list[dict[str, Any]]:
+        """Decoded sample dicts (``__key__`` + every field), in the order of ``ids``."""
+        shard, local = self.locate(ids)
+        if not self.source.local:
+            ds = self.source.dataset
+            return [ds.read(int(s), int(i)) for s, i in zip(shard.tolist(), local.tolist())]
+        return [self._view(s).sample(i) for s, i in zip(shard.tolist(), local.tolist())]
+
+    def index_lengths(self, ids: np.ndarray) -> np.ndarray:
+        return self.source.dataset.lengths[np.asarray(ids, dtype=np.int64)]
+
+    def read_batch(self, ids: np.ndarray, *, pack: bool = False) -> dict[str, Any]:
+        """The default batch for ``ids``. ``pack`` (in a worker): tensors born in shared memory,
+        large bytes fields as one shared tensor."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if not self.source.local:
+            return collate_samples(self.read_samples(ids), pad_field=self.pad_field, pad_id=self.pad_id,
+                                   lengths=self.index_lengths(ids))
+        shard, local = self.locate(ids)
+        groups = self._groups(shard, local)
+        fields = self.source.dataset.manifest.fields
+        pad_col = groups[0][0].pad_col if groups else None
+        if pad_col is not None and any(v.tok_view is None for v, _, _ in groups):
+            return collate_samples(self.read_samples(ids), pad_field=self.pad_field, pad_id=self.pad_id,
+                                   lengths=self.index_lengths(ids))
+        b = len(ids)
+        keys = np.empty(b, dtype=object)
+        for v, rows, li in groups:
+            keys[rows] = v.keys[li]
+        out: dict[str, Any] = {KEY: keys.tolist()}
+        if pad_col is not None:
+            out[fields[pad_col].name], out["lengths"] = self._gather_tokens(groups, b, shared=pack)
+        else:
+            lengths = np.empty(b, dtype=np.int64)
+            for v, rows, li in groups:
+                lengths[rows] = v.lengths[li]
+            out["lengths"] = torch.from_numpy(lengths)
+        for j, spec in enumerate(fields):
+            if j == pad_col:
+                continue
+            out[spec.name] = self._field(groups, j, b, pack)
+        return out
+
+    def _groups(self, shard: np.ndarray, local: np.ndarray) -> list[tuple[ShardView, np.ndarray, np.ndarray]]:
+        """(view, rows of the batch, index in shard) per shard touched by the batch."""
+        order = np.argsort(shard, kind="stable")
+        s_sorted = shard[order]
+        cuts = np.flatnonzero(s_sorted[1:] != s_sorted[:-1]) + 1
+        bounds = [0, *cuts.tolist(), len(order)]
+        out = []
+        for a, z in zip(bounds[:-1], bounds[1:]):
+            if z > a:
+                rows = order[a:z]
+                out.append((self._view(int(s_sorted[a])), rows, local[rows]))
+        return out
+
+    def _gather_tokens(self, groups, b: int, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = np.empty(b, dtype=np.int64)
+        for v, rows, li in groups:
+            counts[rows] = v.tok_count[li]
+        width = int(counts.max(initial=0))
+        tensor = new_tensor(b * width, torch.int64, shared=shared).view(b, width)
+        padded = tensor.numpy()
+        padded.fill(self.pad_id)
+        for v, rows, li in groups:
+            view = v.tok_view
+            # One slice copy per sample (a memcpy with widening) beats a vectorised gather here:
+            # index arrays would cost more than the tokens themselves.
+            for r, a, c in zip(rows.tolist(), v.tok_start[li].tolist(), v.tok_count[li].tolist()):
+                padded[r, :c] = view[a : a + c]
+        # In a worker, a small array pickles cheaper than a tensor gets its own shared segment.
+        return tensor, (counts if shared else torch.from_numpy(counts))
+
+    def _field(self, groups, j: int, b: int, pack: bool) -> Any:
+        if pack and groups[0][0].bytes_fields[j]:
+            total = sum(int(v.sizes[li, j].sum()) for v, _, li in groups)
+            if total >= PACK_MIN_BYTES:
+                bufs: list[Any] = [None] * b
+                starts = np.empty(b, dtype=np.int64)
+                sizes = np.empty(b, dtype=np.int64)
+                for v, rows, li in groups:
+                    starts[rows] = v.starts[li, j]
+                    sizes[rows] = v.sizes[li, j]
+                    for r in rows.tolist():
+                        bufs[r] = v.u8
+                return PackedBytes.from_slices(bufs, starts.tolist(), sizes.tolist())
+        values: list[Any] = [None] * b
+        for v, rows, li in groups:
+            for r, i in zip(rows.tolist(), li.tolist()):
+                values[r] = v.value(j, i)
+        return values
+
+
+def describe_ids(reader: BatchReader, ids: np.ndarray, limit: int = 3) -> str:
+    """Where a batch's samples live, for an error message."""
+    try:
+        shard, local = reader.locate(ids)
+        m = reader.source.dataset.manifest
+        names = sorted({m.shards[s].path for s in shard.tolist()})
+        first = ", ".join(f"{m.shards[s].path}#{i}" for s, i in list(zip(shard.tolist(), local.tolist()))[:limit])
+        more = f" and {len(names) - limit} more shards" if len(names) > limit else ""
+        return f"samples {first}{'…' if len(ids) > limit else ''} (shards {', '.join(names[:limit])}{more})"
+    except (FormatError, IndexError, ValueError):
+        return f"{len(ids)} samples"

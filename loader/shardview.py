@@ -1,0 +1,177 @@
+"""One memory-mapped shard, with the byte range of every field of every sample precomputed.
+
+From the sample index alone (never by parsing the shard) we compute, once per shard per
+process, where each field's payload lies in the file: tar members from the index's per-field
+offsets, Arrow values from the record batches' buffer addresses inside the map (an Arrow IPC
+file read from a buffer is zero-copy). Reading a sample is then slicing the map.
+
+For the length field, when it is a 1-D integer array, we also precompute where its elements
+start (in elements) and how many there are, so a whole batch is gathered with two vectorised
+numpy operations instead of a Python loop per sample.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+
+from shardtool.format import FieldSpec, FormatError, decode_bytes
+from shardtool.format.arrowshard import check_schema
+
+from .source import MappedFile
+
+
+def runs(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Indices starts[k] .. starts[k]+sizes[k]-1 for every k, concatenated, without a loop."""
+    total = int(sizes.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    shift = np.repeat(starts - (np.cumsum(sizes) - sizes), sizes)
+    return np.arange(total, dtype=np.int64) + shift
+
+
+def is_int_array(spec: FieldSpec) -> bool:
+    return spec.storage == "array" and bool(spec.dtype) and np.dtype(spec.dtype).kind in "iub"
+
+
+def decoder(spec: FieldSpec, tar: bool, allow_pickle: bool, where: str) -> Callable[[bytes], Any]:
+    """bytes of one payload -> the value `Dataset.read` would return for it."""
+    if tar or spec.storage == "raw":
+        enc = spec.encoding
+        what = f"{where} field {spec.name!r}"
+        return lambda raw: decode_bytes(enc, raw, allow_pickle=allow_pickle, what=what)
+    if spec.storage == "array":
+        dtype = np.dtype(spec.dtype)
+        return lambda raw: np.frombuffer(raw, dtype=dtype)
+    if spec.storage == "text":
+        return lambda raw: raw.decode("utf-8")
+    if spec.storage == "json":
+        return json.loads
+    if spec.storage == "int":
+        return lambda raw: int.from_bytes(raw, "little", signed=True)
+    raise FormatError(f"{where}: field {spec.name!r} has unknown storage {spec.storage!r}")
+
+
+def yields_bytes(spec: FieldSpec, tar: bool) -> bool:
+    return (tar or spec.storage == "raw") and spec.encoding == "bytes"
+
+
+class ShardView:
+    """Byte ranges of every field of every sample of one shard, and its map."""
+
+    def __init__(self, mapped: MappedFile, index, fields: list[FieldSpec], *, tar: bool,
+                 pad_field: str | None, allow_pickle: bool = False):
+        self.mapped = mapped
+        self.name = mapped.shard_name
+        self.keys = np.array(index.keys, dtype=object)
+        self.lengths = index.lengths
+        self.fields = fields
+        n, nf = len(index), len(fields)
+        buf = mapped.buffer()
+        self.u8 = np.frombuffer(buf, dtype=np.uint8)
+        if tar:
+            self.starts = index.offsets.astype(np.int64)[:, None] + index.field_offsets.astype(np.int64)
+            self.sizes = index.field_sizes.astype(np.int64).reshape(n, nf)
+        else:
+            self.starts, self.sizes = _arrow_ranges(buf, mapped.size, index, fields, self.name)
+        if n and int((self.starts + self.sizes).max(initial=0)) > mapped.size:
+            raise FormatError(f"shard {self.name}: sample index points past the end of the shard")
+        self.decoders = [decoder(f, tar, allow_pickle, f"shard {self.name}") for f in fields]
+        self.bytes_fields = [yields_bytes(f, tar) for f in fields]
+        self.tok_view = self.tok_start = self.tok_count = None
+        self.pad_col = next((j for j, f in enumerate(fields) if f.name == pad_field), None)
+        if self.pad_col is not None and is_int_array(fields[self.pad_col]):
+            self._fast_tokens(fields[self.pad_col], tar)
+
+    def _fast_tokens(self, spec: FieldSpec, tar: bool) -> None:
+        dtype = np.dtype(spec.dtype)
+        start = self.starts[:, self.pad_col].copy()
+        size = self.sizes[:, self.pad_col].copy()
+        if tar:
+            # npy 1.0: magic(6) version(2) header_len(2, little endian) header; data after it.
+            if len(start) and (
+                (size < 10).any() or (self.u8[start] != 0x93).any() or (self.u8[start + 6] != 1).any()
+            ):
+                return  # not npy 1.0 everywhere: decode sample by sample instead
+            header = 10 + self.u8[start + 8].astype(np.int64) + (self.u8[start + 9].astype(np.int64) << 8)
+            start, size = start + header, size - header
+        if (start % dtype.itemsize).any() or (size % dtype.itemsize).any() or (size < 0).any():
+            return
+        self.tok_view = np.frombuffer(self.mapped.buffer(), dtype=dtype, count=self.mapped.size // dtype.itemsize)
+        self.tok_start = start // dtype.itemsize
+        self.tok_count = size // dtype.itemsize
+
+    def raw(self, j: int, i: int) -> bytes:
+        a = int(self.starts[i, j])
+        return self.mapped.buffer()[a : a + int(self.sizes[i, j])]
+
+    def value(self, j: int, i: int) -> Any:
+        try:
+            return self.decoders[j](self.raw(j, i))
+        except FormatError:
+            raise
+        except Exception as e:
+            raise FormatError(
+                f"shard {self.name} sample #{i} ({self.keys[i]}): field {self.fields[j].name!r} "
+                f"cannot be decoded ({type(e).__name__}: {e})"
+            ) from e
+
+    def sample(self, i: int) -> dict[str, Any]:
+        out = {"__key__": self.keys[i]}
+        for j, f in enumerate(self.fields):
+            out[f.name] = self.value(j, i)
+        return out
+
+    def close(self) -> None:
+        self.u8 = self.tok_view = None
+        self.mapped.close()
+
+
+def _arrow_ranges(buf, file_size: int, index, fields: list[FieldSpec], name: str):
+    """Absolute byte ranges of each field's value in every row, from buffer addresses."""
+    pbuf = pa.py_buffer(buf)
+    base = pbuf.address
+    try:
+        reader = pa.ipc.open_file(pbuf)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise FormatError(f"{name}: not a readable Arrow IPC file ({e})") from None
+    check_schema(reader.schema, fields, name)
+    per_batch_starts, per_batch_sizes, rows_before = [], [], [0]
+    for k in range(reader.num_record_batches):
+        rb = reader.get_batch(k)
+        m = rb.num_rows
+        st = np.empty((m, len(fields)), dtype=np.int64)
+        sz = np.empty((m, len(fields)), dtype=np.int64)
+        for j, spec in enumerate(fields):
+            st[:, j], sz[:, j] = _column_ranges(rb.column(j + 1), spec, base, m)
+        per_batch_starts.append(st)
+        per_batch_sizes.append(sz)
+        rows_before.append(rows_before[-1] + m)
+    if not per_batch_starts:
+        return np.zeros((0, len(fields)), np.int64), np.zeros((0, len(fields)), np.int64)
+    starts, sizes = np.concatenate(per_batch_starts), np.concatenate(per_batch_sizes)
+    pos = np.asarray(rows_before, dtype=np.int64)[index.batch.astype(np.int64)] + index.row.astype(np.int64)
+    starts, sizes = starts[pos], sizes[pos]
+    starts[sizes == 0] = 0  # an empty buffer may live anywhere
+    if len(starts) and ((starts < 0) | (starts + sizes > file_size)).any():
+        # Buffers outside the map mean Arrow decompressed or copied them.
+        raise FormatError(f"{name}: Arrow buffers are not in the file (compressed shard?); not supported")
+    return starts, sizes
+
+
+def _column_ranges(col, spec: FieldSpec, base: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    bufs = col.buffers()
+    if spec.storage == "array":
+        offs = col.offsets.to_numpy().astype(np.int64)
+        values = col.values
+        item = np.dtype(spec.dtype).itemsize
+        data = values.buffers()[1]
+        addr = (data.address - base) if data is not None else 0
+        return addr + (values.offset + offs[:-1]) * item, np.diff(offs) * item
+    if spec.storage == "int":
+        return (bufs[1].address - base) + (col.offset + np.arange(m, dtype=np.int64)) * 8, np.full(m, 8, np.int64)
+    offs = np.frombuffer(bufs[1], dtype=np.int32)[col.offset : col.offset + m + 1].astype(np.int64)
+    addr = (bufs[2].address - base) if bufs[2] is not None else 0
+    return addr + offs[:-1], np.diff(offs)

@@ -1,0 +1,103 @@
+"""Where shard bytes come from: the node-local cache, a local path, or a remote store.
+
+This is the loader's only seam to `cache/`: with a ``cache_dir`` a shard is a verified local
+file in the cache (fetched on a miss, protected from eviction while open); without one, local
+datasets are read in place and remote ones by ranged requests through fsspec.
+
+A `SourceSpec` is the picklable recipe; each process (the trainer and every DataLoader worker)
+opens its own `Source` from it, after fork, so no file handle or event loop is shared.
+"""
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardtool.format import Dataset, FormatError, open_dataset
+from shardtool.format.dataset import is_local
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    url: str
+    cache_dir: str | None = None
+    storage_options: dict | None = field(default=None, hash=False)
+
+    def open(self) -> "Source":
+        return Source(self)
+
+
+class MappedFile:
+    """A whole shard memory-mapped read-only; one per shard per process."""
+
+    def __init__(self, path: str, shard_name: str, release=None):
+        self.path = path
+        self.shard_name = shard_name
+        self._release = release
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            self.close()
+            raise FormatError(f"shard {shard_name}: cannot open {path} ({e.strerror})") from None
+        try:
+            size = os.fstat(fd).st_size
+            # mmap refuses empty files; an empty shard has no samples to read anyway.
+            self.mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+        finally:
+            os.close(fd)
+        self.size = size
+
+    def buffer(self):
+        return self.mm if self.mm is not None else b""
+
+    def close(self) -> None:
+        mm, self.mm = getattr(self, "mm", None), None
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                # A view handed to the caller still points into the map; the OS unmaps it
+                # when that view is collected.
+                pass
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+class Source:
+    """Dataset metadata plus access to shard bytes, for one process."""
+
+    def __init__(self, spec: SourceSpec):
+        self.spec = spec
+        self._cache = None
+        if spec.cache_dir:
+            import cache  # the only use of the cache package; lazy so the loader works without it
+
+            self._cache = cache.open_cache(spec.url, spec.cache_dir, storage_options=spec.storage_options)
+            self.dataset: Dataset = self._cache.dataset
+        else:
+            self.dataset = open_dataset(spec.url, storage_options=spec.storage_options)
+
+    @property
+    def local(self) -> bool:
+        """Shards are local files (cache or local dataset): read by memory map."""
+        return self._cache is not None or is_local(self.dataset.fs)
+
+    def map_shard(self, shard: int) -> MappedFile:
+        """Memory-map one shard; with a cache, fetch it on a miss and pin it while mapped."""
+        name = self.dataset.manifest.shards[shard].path
+        if self._cache is None:
+            return MappedFile(self.dataset.shard_path(shard), name)
+        stack = contextlib.ExitStack()
+        try:
+            path = self._cache.local_shard(shard)
+            stack.enter_context(self._cache.reading(shard))
+        except BaseException:
+            stack.close()
+            raise
+        return MappedFile(path, name, release=stack.close)
+
+    def describe(self) -> dict[str, Any]:
+        return {"url": self.spec.url, "cache_dir": self.spec.cache_dir, "local": self.local}
