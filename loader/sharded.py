@@ -113,6 +113,11 @@ class ShardedLoader:
                  p.remainder.size)
 
     @property
+    def length_field(self) -> str | None:
+        """The field whose padded tensor the default batch carries (the dataset's length field)."""
+        return self.dataset.manifest.length.get("field")
+
+    @property
     def remainder(self) -> np.ndarray:
         """Global ids of this epoch's samples that no rank serves (they rotate across epochs)."""
         return self.plan.remainder
