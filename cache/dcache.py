@@ -14,7 +14,7 @@ from shardtool.format.manifest import MANIFEST_NAME, lengths_from_bytes, manifes
 from shardtool.format.sindex import ShardIndex
 
 from .budget import disk_free, evict, scan
-from .errors import CacheError, NotCached, RemoteError
+from .errors import BudgetError, CacheError, NotCached, RemoteError
 from .evict import effective_limit, plan_eviction
 from .layout import VersionDir, record_source, recorded_version
 from .locks import locked
@@ -115,12 +115,20 @@ class DatasetCache:
         size = self.manifest.shards[shard].bytes
         entries, where, used = scan(self.cache_dir, current=self.vdir, protected={shard})
         limit = effective_limit(used, disk_free(self.cache_dir), max_bytes=self.max_bytes, min_free=self.min_free)
+        if limit is None or used + size <= limit:
+            return
+        need = used + size - limit
         _, shortfall = plan_eviction(entries, used=used, limit=limit, incoming=size)
-        if limit is not None and used + size > limit:
-            evict(where, entries, used + size - limit)
-        if shortfall:
-            raise CacheError(f"shard {self.manifest.shards[shard].path} ({size} bytes) does not fit in the cache "
-                             f"budget of {limit} bytes even after evicting every shard not in use")
+        if not shortfall:
+            # Shards other processes are reading are skipped by evict(): it may free less than planned.
+            freed, _ = evict(where, entries, need)
+            if freed >= need:
+                return
+            shortfall = need - freed
+        raise BudgetError(f"shard #{shard} {self.manifest.shards[shard].path} ({size} bytes) does not fit in the "
+                          f"cache budget of {limit} bytes: {shortfall} bytes short after evicting every shard not "
+                          "in use (shards being read are never evicted)", needed=used - need + shortfall + size,
+                          available=limit)
 
     @contextlib.contextmanager
     def reading(self, shard: int) -> Iterator[str]:

@@ -8,12 +8,12 @@
         index.json  lengths.npy    same names and relative shard/index paths as the source
         <shard paths> <index paths>
         .shardtool/locks/<i>.lock  per-shard flock (exclusive: fetch/evict, shared: read)
-        .shardtool/ok/<i>          trust stamp: size, mtime_ns, inode and hash of the verified shard
+        .shardtool/ok/<i>          trust stamp: size, mtime_ns, ctime_ns, inode and hash of the verified shard
         .shardtool/assigned.json   the shards the last warm assigned to this node
 
 A shard is published only after its size and hash matched the manifest; the stamp written after
 the rename records the file's stat, so later checks are one ``stat`` per shard. Any change to the
-file (size, mtime, inode) voids the stamp and the shard is hashed again before it is trusted.
+file (size, mtime, ctime, inode) voids the stamp and the shard is hashed again before it is trusted.
 """
 from __future__ import annotations
 
@@ -80,12 +80,16 @@ class VersionDir:
                 stamp = json.loads(f.read())
         except (OSError, ValueError):
             return False
+        # ctime too: a write followed by os.utime (rsync -t, a restore) can put size and mtime back,
+        # but nothing can set ctime back.
         return (stamp.get("size") == st.st_size == info.bytes and stamp.get("mtime_ns") == st.st_mtime_ns
-                and stamp.get("ino") == st.st_ino and stamp.get("hash") == info.hash)
+                and stamp.get("ctime_ns") == st.st_ctime_ns and stamp.get("ino") == st.st_ino
+                and stamp.get("hash") == info.hash)
 
     def write_stamp(self, shard: int, info: ShardInfo) -> None:
         st = os.stat(self.path(info.path))
-        body = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "hash": info.hash}
+        body = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
+                "hash": info.hash}
         # Not fsynced: a stamp lost in a crash only costs one re-hash; a torn one fails to parse.
         from .store import write_small
         write_small(self.stamp_path(shard), json.dumps(body).encode())

@@ -22,7 +22,7 @@ from shardtool.format.dataset import is_local
 from shardtool.format.hashing import format_digest, hash_bytes, new_hasher
 from shardtool.format.manifest import ShardInfo
 
-from .errors import LocalFault, SourceCorrupt
+from .errors import LocalFault, SourceCorrupt, SourceUnavailable
 from .retry import RetryPolicy, call_with_timeout, with_retries
 
 CHUNK = 16 << 20
@@ -30,6 +30,11 @@ CHUNK = 16 << 20
 
 class ShortRead(OSError):
     """The source ended before the manifest's size: a dropped connection, worth a retry."""
+
+
+class HashMismatch(OSError):
+    """The bytes read disagree with the manifest's hash: maybe damaged in transit, so worth a
+    refetch; when every attempt disagrees, :func:`copy_shard` calls the source corrupt."""
 
 
 def local_fault(e: OSError, what: str) -> LocalFault:
@@ -130,8 +135,7 @@ def _copy_once(src: Source, info: ShardInfo, final_path: str, timeout: float | N
             raise ShortRead(f"{what}: source ended after {counted} of {info.bytes} bytes")
         digest = format_digest(h)
         if digest != info.hash:
-            raise SourceCorrupt(f"{what}: source content hash {digest} does not match the manifest's {info.hash}; "
-                                "the source shard is corrupt")
+            raise HashMismatch(f"{what}: source content hash {digest} does not match the manifest's {info.hash}")
         try:
             os.fsync(fd)
             os.close(fd)
@@ -155,9 +159,15 @@ def copy_shard(src: Source, info: ShardInfo, final_path: str, *, policy: RetryPo
                on_retry=None) -> None:
     """Fetch one shard into ``final_path``, verified and atomic, retrying transient failures."""
     stall = None if src.local else policy.stall_timeout
-    with_retries(lambda t: _copy_once(src, info, final_path, t, stall, on_bytes),
-                 what=f"shard {info.path} ({src.path(info.path)})", policy=policy, deadline=deadline,
-                 on_retry=on_retry)
+    try:
+        with_retries(lambda t: _copy_once(src, info, final_path, t, stall, on_bytes),
+                     what=f"shard {info.path} ({src.path(info.path)})", policy=policy, deadline=deadline,
+                     on_retry=on_retry)
+    except SourceUnavailable as e:
+        if isinstance(e.__cause__, HashMismatch):
+            raise SourceCorrupt(f"{e.__cause__} on each of {policy.attempts} fetches; the source shard is corrupt "
+                                f"({src.path(info.path)})") from None
+        raise
 
 
 def store_verified(path: str, data: bytes, *, size: int | None, digest: str | None, what: str) -> None:

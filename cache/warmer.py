@@ -220,9 +220,24 @@ def _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, bes
         report.warnings.append(msg + f"; best effort: warming {len(take)} shard(s), {len(leave)} did not fit")
         log(report.warnings[-1])
         return take
-    freed, gone = evict(where, entries, used + incoming - limit)
+    need = used + incoming - limit
+    freed, gone = evict(where, entries, need)
     report.evicted_shards, report.evicted_bytes = len(gone), freed
-    return todo
+    if freed >= need:
+        return todo
+    # evict() skips shards other processes are reading, so it may free less than planned.
+    short = need - freed
+    room = max(limit - (used - freed), 0)
+    msg = (f"this node's shards need {incoming} more bytes ({len(todo)} shard(s) to copy) but the cache budget "
+           f"allows {limit} bytes and {used - freed} bytes are cached and in use by readers; short by {short} bytes "
+           f"(--max-bytes={max_bytes}, --min-free={min_free})")
+    if not best_effort:
+        raise BudgetError(msg, needed=used - freed + incoming, available=limit)
+    take, leave = choose_fit([(i, m.shards[i].bytes) for i in todo], room)
+    report.not_fitted = sorted(leave)
+    report.warnings.append(msg + f"; best effort: warming {len(take)} shard(s), {len(leave)} did not fit")
+    log(report.warnings[-1])
+    return take
 
 
 __all__ = ["warm", "check_cache_dir"]

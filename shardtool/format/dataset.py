@@ -6,6 +6,7 @@ ranged request per read.
 """
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import threading
@@ -53,7 +54,17 @@ class RemoteRange:
         self.path = path
 
     def read(self, offset: int, size: int) -> bytes:
-        data = self.fs.cat_file(self.path, start=offset, end=offset + size)
+        try:
+            data = self.fs.cat_file(self.path, start=offset, end=offset + size)
+        except FileNotFoundError:
+            raise FormatError(f"{self.path}: shard not found (404)") from None
+        except OSError as e:
+            # A range wholly past the end of a truncated object is an HTTP 416, which s3fs
+            # reports as EINVAL without the object's name.
+            if e.errno == errno.EINVAL or "not satisfiable" in str(e):
+                raise FormatError(f"{self.path}: range {offset}..{offset + size} is past the end of the object "
+                                  f"({e}); shard truncated?") from None
+            raise
         if len(data) != size:
             raise FormatError(f"{self.path}: short read at offset {offset} ({len(data)} of {size} bytes); shard truncated?")
         return data
