@@ -4,7 +4,8 @@
 # Needs PrologFlags=Alloc (the prolog runs at allocation, on every node of the job). A prolog runs
 # as root with NO PATH and a minimal environment; this script relies only on:
 #   SLURM_JOB_ID, SLURMD_NODENAME           always set for a prolog
-#   SLURM_JOB_NODELIST, SLURM_JOB_NUM_NODES set with PrologFlags=Alloc (SLURM_NODEID is NOT set)
+#   SLURM_JOB_NODELIST (Slurm 22.05 names it SLURM_NODELIST in a prolog), SLURM_JOB_NUM_NODES
+#                                           set with PrologFlags=Alloc (SLURM_NODEID is NOT set)
 # and on the config file $SHARDTOOL_WARM_CONF (default /etc/slurm/shardtool-warm.conf), which gives
 # absolute paths: SHARDTOOL_PYTHON, SCONTROL, DATASET_URL, CACHE_ROOT (see warm.conf.example).
 #
@@ -24,6 +25,7 @@ if [ ! -r "$CONF" ]; then log "no config $CONF; nothing to warm"; exit 0; fi
 for v in SHARDTOOL_PYTHON DATASET_URL CACHE_ROOT; do
   if [ -z "${!v:-}" ]; then log "config $CONF does not set $v"; exit 2; fi
 done
+SLURM_JOB_NODELIST=${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}
 if [ -z "${SLURMD_NODENAME:-}" ] || [ -z "${SLURM_JOB_NODELIST:-}" ]; then
   log "SLURMD_NODENAME/SLURM_JOB_NODELIST not set (PrologFlags=Alloc needed)"; exit 2
 fi
