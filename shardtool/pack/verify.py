@@ -58,14 +58,23 @@ def verify_shard(ds: Dataset, shard: int) -> None:
 
 def _verify_arrow(ds: Dataset, shard: int, data, idx) -> None:
     info = ds.manifest.shards[shard]
+    # Raise only after the reader is gone: an exception's traceback keeping it (and so a view of
+    # the mmap) alive makes the caller's mmap.close() fail with BufferError.
+    problem = None
+    keys: list[list[str]] = []
     try:
         reader = pa.ipc.open_file(pa.py_buffer(data))
-        check_schema(reader.schema, ds.manifest.fields, info.path)
-        keys = []
-        for b in range(reader.num_record_batches):
-            keys.append(reader.get_batch(b).column(0).to_pylist())
+        try:
+            check_schema(reader.schema, ds.manifest.fields, info.path)
+            for b in range(reader.num_record_batches):
+                keys.append(reader.get_batch(b).column(0).to_pylist())
+        except FormatError as e:
+            problem = str(e)
+        del reader
     except pa.ArrowInvalid as e:
-        raise FormatError(f"{info.path}: not a readable Arrow IPC file ({e})") from None
+        problem = f"{info.path}: not a readable Arrow IPC file ({e})"
+    if problem is not None:
+        raise FormatError(problem)
     for i, key in enumerate(idx.keys):
         b, r = int(idx.batch[i]), int(idx.row[i])
         if not (0 <= b < len(keys) and 0 <= r < len(keys[b])) or keys[b][r] != key:
