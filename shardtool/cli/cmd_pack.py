@@ -49,13 +49,20 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from ..format.errors import ShardtoolError
     from ..pack.api import pack
 
-    result = pack(args.sources, args.out, format=args.format, key=args.key, length=args.length,
-                  length_fn=args.length_fn, shard_size=args.shard_size, samples_per_shard=args.samples_per_shard,
-                  workers=args.workers, num_tasks=args.num_tasks, task_index=args.task_index,
-                  skip_bad=args.skip_bad, overwrite=args.overwrite, quiet=args.quiet or args.json,
-                  max_sample_bytes=args.max_sample_bytes)
+    try:
+        result = pack(args.sources, args.out, format=args.format, key=args.key, length=args.length,
+                      length_fn=args.length_fn, shard_size=args.shard_size, samples_per_shard=args.samples_per_shard,
+                      workers=args.workers, num_tasks=args.num_tasks, task_index=args.task_index,
+                      skip_bad=args.skip_bad, overwrite=args.overwrite, quiet=args.quiet or args.json,
+                      max_sample_bytes=args.max_sample_bytes)
+    except OSError as e:
+        # Disk full, quota, permissions on OUT: a one-line error, not a traceback. (Unreadable
+        # *inputs* are BadSampleErrors already; this is the output side.)
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        raise ShardtoolError(f"writing {args.out} failed: {e.strerror or e}{where}; no manifest was published") from None
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
         return 0

@@ -19,7 +19,7 @@ from .arrowshard import KEY_COLUMN, check_schema, row_values
 from .errors import FormatError
 from .fields import decode_bytes
 from .hashing import hash_bytes
-from .manifest import MANIFEST_NAME, Manifest, lengths_from_bytes, manifest_hash
+from .manifest import MANIFEST_NAME, Manifest, check_length_summary, lengths_from_bytes, manifest_hash
 from .sindex import ShardIndex
 
 
@@ -135,7 +135,9 @@ class Dataset:
             data = read_file(self.fs, self._path(lf["path"]), what=f"dataset {self.url}")
             if lf.get("hash") and hash_bytes(data) != lf["hash"]:
                 raise FormatError(f"{self.url}: {lf['path']} does not match the hash in the manifest")
-            self._lengths = lengths_from_bytes(data, expected=self.manifest.num_samples, source=lf["path"])
+            lengths = lengths_from_bytes(data, expected=self.manifest.num_samples, source=lf["path"])
+            check_length_summary(lengths, self.manifest.length.get("summary"), source=lf["path"])
+            self._lengths = lengths
         return self._lengths
 
     @property
@@ -150,7 +152,7 @@ class Dataset:
         info = self.manifest.shards[shard]
         data = read_file(self.fs, self.index_path(shard), what=f"shard {info.path}")
         if len(data) != info.index_bytes or hash_bytes(data) != info.index_hash:
-            raise FormatError(f"{info.index}: sample index does not match its size/hash in the manifest")
+            raise FormatError(f"{info.path}: its sample index {info.index} does not match its size/hash in the manifest")
         return data
 
     def shard_index(self, shard: int) -> ShardIndex:

@@ -164,6 +164,23 @@ class Manifest:
         return m
 
 
+def check_length_summary(lengths: np.ndarray, summary: dict | None, *, source: str) -> None:
+    """The lengths file must agree with the summary the manifest recorded when it was packed.
+
+    Cheap (one pass over an int array), and it catches a lengths file replaced with its hash
+    updated but its manifest's summary not: bucketing must never run on lengths nobody packed.
+    """
+    if not summary:
+        return
+    got = {"count": int(len(lengths)), "total": int(lengths.sum()) if len(lengths) else 0}
+    if len(lengths):
+        got.update(min=int(lengths.min()), max=int(lengths.max()))
+    for k, v in got.items():
+        if k in summary and int(summary[k]) != v:
+            raise FormatError(f"{source}: lengths disagree with the manifest's length summary "
+                              f"({k} is {v}, manifest says {summary[k]})")
+
+
 def manifest_hash(data: bytes) -> str:
     """The dataset version: a hash of the manifest bytes exactly as stored."""
     return hash_bytes(data)

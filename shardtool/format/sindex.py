@@ -14,6 +14,11 @@ import numpy as np
 import pyarrow as pa
 
 from .errors import FormatError
+from .keys import MAX_KEY_BYTES, key_problem
+
+# One vectorised pass over the key column: any character a valid key cannot hold (the rules of
+# keys.key_problem), or an empty key. Only on a hit do we run the per-key check, for its message.
+_BAD_KEY_RE = r"[/\\\x00-\x1f.]|^$"
 
 
 @dataclass
@@ -66,6 +71,8 @@ class ShardIndex:
         if missing:
             raise FormatError(f"{shard}: sample index lacks columns {sorted(missing)}")
 
+        check_keys(table.column("key"), shard)
+
         def col(name: str, dtype) -> np.ndarray:
             return table.column(name).to_numpy().astype(dtype, copy=False)
 
@@ -98,3 +105,28 @@ class ShardIndex:
             raise FormatError(
                 f"{shard}: sample lengths in the index disagree with the manifest's (first at sample {bad})"
             )
+
+
+def check_keys(column, shard: str) -> None:
+    """Refuse an index (hand-made or hostile) holding a key pack would never write, or a key twice.
+
+    Keys become member names and cache/loader identities, so a '../' or NUL in one must not reach
+    them; raises FormatError naming the shard and the first bad sample.
+    """
+    import pyarrow.compute as pc
+
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if column.null_count:
+        raise FormatError(f"{shard}: sample index holds a null key")
+    bad = pc.or_(pc.match_substring_regex(column, _BAD_KEY_RE), pc.greater(pc.binary_length(column), MAX_KEY_BYTES))
+    if pc.any(bad).as_py():
+        i = int(np.flatnonzero(bad.to_numpy(zero_copy_only=False))[0])
+        key = column[i].as_py()
+        raise FormatError(f"{shard}: sample #{i} has an invalid key ({key_problem(key) or f'key {key!r}'})")
+    if pc.count_distinct(column).as_py() != len(column):
+        keys = column.to_pylist()
+        seen: set[str] = set()
+        for i, k in enumerate(keys):
+            if k in seen:
+                raise FormatError(f"{shard}: duplicate key {k!r} in the sample index (again at sample #{i})")
+            seen.add(k)

@@ -167,6 +167,9 @@ def pack(
     bar = Progress(total=total, quiet=quiet)
     try:
         results = _run_jobs(jobs, bar)
+    except BaseException:
+        outdir.remove_task_temps(out, I)  # a killed or failed worker cannot remove its own
+        raise
     finally:
         bar.close()
     results.sort(key=lambda r: r.worker)
@@ -223,40 +226,85 @@ def _report(n: int, b: int) -> None:
     _QUEUE.put((n, b))
 
 
-def _run_in_worker(job: Job) -> JobResult:
-    return run_job(job, _report)
+def _worker_main(job: Job, q, conn) -> None:
+    _init_worker(q)
+    try:
+        out = ("ok", run_job(job, _report))
+    except BaseException as e:  # sent to the parent, which re-raises it
+        out = ("err", e)
+    try:
+        conn.send(out)
+    except Exception as e:  # an unpicklable error: send its text
+        conn.send(("err", ShardtoolError(f"pack worker {job.worker}: {type(out[1]).__name__}: {out[1]} ({e})")))
+    conn.close()
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def _run_jobs(jobs: list[Job], bar: Progress) -> list[JobResult]:
+    """One process per job. A worker that dies without a result (the OOM killer, a SIGKILL) fails
+    the pack with an error naming it; multiprocessing.Pool would wait for its lost task forever."""
     if len(jobs) == 1:
         return [run_job(jobs[0], bar.update)]
     import multiprocessing as mp
+    from multiprocessing.connection import wait
 
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context("spawn")
     q = ctx.Queue()
-    pool = ctx.Pool(len(jobs), initializer=_init_worker, initargs=(q,))
-    try:
-        pending = [pool.apply_async(_run_in_worker, (job,)) for job in jobs]
-        while not all(p.ready() for p in pending):
-            try:
-                n, b = q.get(timeout=0.1)
-                bar.update(n, b)
-            except queue_mod.Empty:
-                pass
-            for p in pending:
-                if p.ready() and not p.successful():
-                    p.get()  # raises the worker's error; the pool is terminated below
+    procs, conns, results = [], [], {}
+
+    def drain() -> None:
         while True:
             try:
                 n, b = q.get_nowait()
             except queue_mod.Empty:
-                break
+                return
             bar.update(n, b)
-        results = [p.get() for p in pending]
-        pool.close()
-        return results
+
+    try:
+        for job in jobs:
+            r, w = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker_main, args=(job, q, w), daemon=True)
+            p.start()
+            w.close()
+            procs.append(p)
+            conns.append(r)
+        pending = set(range(len(jobs)))
+        while pending:
+            wait([conns[i] for i in pending] + [procs[i].sentinel for i in pending], timeout=0.1)
+            drain()
+            for i in sorted(pending):
+                if conns[i].poll():
+                    try:
+                        kind, value = conns[i].recv()
+                    except EOFError:
+                        kind, value = "died", None
+                    if kind == "ok":
+                        results[i] = value
+                        pending.discard(i)
+                        continue
+                    if kind == "err":
+                        raise value
+                if not procs[i].is_alive() and i not in results:
+                    procs[i].join()
+                    raise ShardtoolError(f"pack worker {jobs[i].worker} died ({_exit_text(procs[i].exitcode)}) "
+                                         "before finishing; nothing was published")
+        drain()
+        return [results[i] for i in range(len(jobs))]
     except BaseException:
-        pool.terminate()
+        for p in procs:
+            if p.is_alive():
+                p.kill()
         raise
     finally:
-        pool.join()
+        for p in procs:
+            p.join()

@@ -36,12 +36,28 @@ def prepare(out: str, *, task: int, num_tasks: int, overwrite: bool) -> None:
             os.unlink(os.path.join(out, name))
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(out, fragment_name(task, num_tasks)))
+    remove_task_temps(out, task)
+    # Temps of a manifest (or of this task's fragment) whose writer was killed mid-publish.
+    stale = [(out, f"{TMP_PREFIX}{MANIFEST_NAME}."), (out, f"{TMP_PREFIX}{LENGTHS_NAME}.")] if num_tasks == 1 else []
+    frag = os.path.basename(fragment_name(task, num_tasks)).rsplit(".", 1)[0]
+    stale.append((os.path.join(out, TASKS_DIR), f"{TMP_PREFIX}{frag}."))
+    for directory, prefix in stale:
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(directory):
+                if name.startswith(prefix):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(directory, name))
+
+
+def remove_task_temps(out: str, task: int) -> None:
+    """Delete this task's temp shard files (never another task's, which may be writing now)."""
     prefix = f"{TMP_PREFIX}t{task:04d}-"
     shard_dir = os.path.join(out, "shards")
-    for name in os.listdir(shard_dir):
-        if name.startswith(prefix):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(shard_dir, name))
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(shard_dir):
+            if name.startswith(prefix):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(shard_dir, name))
 
 
 def remove_orphans(out: str, keep: set[str], *, task: int | None = None) -> int:

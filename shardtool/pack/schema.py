@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..format.errors import BadSampleError, ShardtoolError
+from ..format.errors import BadSampleError, FormatError, ShardtoolError
 from ..format.fields import FieldSpec, encode, infer_field, length_of, npy_bytes
 from ..format.keys import key_problem
 from ..format.arrowshard import KEY_COLUMN
@@ -116,7 +116,7 @@ class Shaper:
         if self.length_idx >= 0:
             try:
                 return length_of(self.fields[self.length_idx], values[self.length_idx])
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError, FormatError) as e:  # FormatError: a pickled field, refused
                 raise BadSampleError(f"bad length: {e}", source=source, position=where) from None
         if self.length_fn is not None:
             sample = {KEY_COLUMN: key, **dict(zip(self.names, values))}

@@ -5,15 +5,18 @@ shard's path, so one run lists all the damage.
 """
 from __future__ import annotations
 
+import json
 import mmap
 import os
 from typing import Callable
 
+import numpy as np
 import pyarrow as pa
 
 from ..format.arrowshard import KEY_COLUMN, check_schema
 from ..format.dataset import Dataset, is_local, open_dataset
 from ..format.errors import FormatError
+from ..format.fields import FieldSpec, decode_bytes, length_of
 from ..format.hashing import check_algo, hash_bytes
 from ..format.tarshard import check_sample_range
 
@@ -49,6 +52,10 @@ def verify_shard(ds: Dataset, shard: int) -> None:
                 off, size = int(idx.offsets[i]), int(idx.sizes[i])
                 check_sample_range(data[off : off + size], key, exts, idx.field_offsets[i], idx.field_sizes[i],
                                    info.path)
+            spec = _length_spec(ds)
+            if spec is not None:
+                j = ds.manifest.field_names.index(spec.name)
+                _compare_lengths(info.path, spec, idx, _tar_lengths(data, idx, spec, j))
         else:
             _verify_arrow(ds, shard, data, idx)
     finally:
@@ -56,22 +63,81 @@ def verify_shard(ds: Dataset, shard: int) -> None:
             data.close()
 
 
-def _verify_arrow(ds: Dataset, shard: int, data, idx) -> None:
-    info = ds.manifest.shards[shard]
+def _arrow_rows(data, fields, spec, shard: str):
+    """(keys per batch, lengths per batch, problem or None). Never raises, so no traceback keeps a
+    view of the mmap alive (that makes the caller's mmap.close() fail with BufferError)."""
+    keys: list[list[str]] = []
+    lengths: list[list[int]] = []
     try:
         reader = pa.ipc.open_file(pa.py_buffer(data))
-        check_schema(reader.schema, ds.manifest.fields, info.path)
-        keys = []
+        check_schema(reader.schema, fields, shard)
         for b in range(reader.num_record_batches):
-            keys.append(reader.get_batch(b).column(0).to_pylist())
+            batch = reader.get_batch(b)
+            keys.append(batch.column(0).to_pylist())
+            if spec is not None:
+                lengths.append(_arrow_lengths(batch, spec))
+    except FormatError as e:
+        return keys, lengths, str(e)
     except pa.ArrowInvalid as e:
-        raise FormatError(f"{info.path}: not a readable Arrow IPC file ({e})") from None
+        return keys, lengths, f"{shard}: not a readable Arrow IPC file ({e})"
+    return keys, lengths, None
+
+
+def _verify_arrow(ds: Dataset, shard: int, data, idx) -> None:
+    info = ds.manifest.shards[shard]
+    spec = _length_spec(ds)
+    keys, lengths, problem = _arrow_rows(data, ds.manifest.fields, spec, info.path)
+    if problem is not None:
+        raise FormatError(problem)
     for i, key in enumerate(idx.keys):
         b, r = int(idx.batch[i]), int(idx.row[i])
         if not (0 <= b < len(keys) and 0 <= r < len(keys[b])) or keys[b][r] != key:
             raise FormatError(f"{info.path}: index entry #{i} ({key!r}) does not match the shard's row")
     if sum(len(k) for k in keys) != len(idx.keys):
         raise FormatError(f"{info.path}: {sum(len(k) for k in keys)} rows in the shard, index has {len(idx.keys)}")
+    if spec is not None:
+        _compare_lengths(info.path, spec, idx, [lengths[int(idx.batch[i])][int(idx.row[i])] for i in range(len(idx))])
+
+
+def _length_spec(ds: Dataset) -> FieldSpec | None:
+    name = ds.manifest.length.get("field")
+    return ds.manifest.field(name) if name else None
+
+
+def _field_length(spec: FieldSpec, value, where: str) -> int:
+    try:
+        return length_of(spec, value)
+    except (ValueError, TypeError) as e:
+        raise FormatError(f"{where}: length field {spec.name!r} unreadable ({e})") from None
+
+
+def _arrow_lengths(batch, spec: FieldSpec) -> list[int]:
+    col = batch.column(spec.name)
+    if spec.storage == "array":
+        return np.diff(col.offsets.to_numpy()).tolist()
+    values = col.to_pylist()
+    if spec.storage == "json":
+        values = [json.loads(v) for v in values]
+    return [_field_length(spec, v, f"row {r}") for r, v in enumerate(values)]
+
+
+def _tar_lengths(data, idx, spec: FieldSpec, j: int) -> list[int]:
+    out = []
+    for i in range(len(idx)):
+        start = int(idx.offsets[i]) + int(idx.field_offsets[i, j])
+        payload = data[start : start + int(idx.field_sizes[i, j])]
+        value = payload if spec.storage == "raw" else decode_bytes(spec.encoding, payload)
+        out.append(_field_length(spec, value, f"sample {idx.keys[i]!r}"))
+    return out
+
+
+def _compare_lengths(shard: str, spec: FieldSpec, idx, actual: list[int]) -> None:
+    """The recorded lengths (index, and so lengths.npy) must be the length field's: bucketing uses them."""
+    actual_arr = np.asarray(actual, dtype=np.int64)
+    if not np.array_equal(actual_arr, idx.lengths):
+        i = int(np.flatnonzero(actual_arr != idx.lengths)[0])
+        raise FormatError(f"{shard}: sample #{i} ({idx.keys[i]!r}) has length {int(actual_arr[i])} by field "
+                          f"{spec.name!r}, but the index and lengths file record {int(idx.lengths[i])}")
 
 
 def verify(url: str, *, storage_options: dict | None = None,
