@@ -61,6 +61,7 @@ class BenchConfig:
     seed: int = 0
     webdataset_urls: list[str] = field(default_factory=list)
     length_field: str | None = None
+    length_ext: str | None = None  # the length field's tar member extension, e.g. "tokens.npy"
 
 
 def _batch_stats(batch: dict, length_field: str | None) -> tuple[int, int, int, int]:
@@ -125,6 +126,8 @@ def _webdataset_iter(cfg: BenchConfig, rank: int):
     import webdataset as wds
 
     field_name = cfg.length_field
+    ext = cfg.length_ext or field_name
+    # webdataset has no token budget: a fixed batch size holding the same tokens on average.
     bs = cfg.batch_size or max(1, (cfg.max_tokens or 16384) // 512)
 
     def split_by_rank(src):
@@ -146,7 +149,7 @@ def _webdataset_iter(cfg: BenchConfig, rank: int):
                        seed=cfg.seed, empty_check=False)
         .shuffle(1000)
         .decode()
-        .rename_keys(**{field_name: f"{field_name}.npy"} if field_name else {})
+        .map(lambda s: {"__key__": s["__key__"], field_name: s[ext]})
         .batched(bs, collation_fn=collate, partial=True)
     )
     loader = wds.WebLoader(ds, batch_size=None, num_workers=cfg.num_workers)
@@ -167,6 +170,12 @@ def _rank_main(name: str, cfg: BenchConfig, rank: int, queue) -> None:
 
 def run_node(name: str, cfg: BenchConfig, timeout: float = 600.0) -> list[RankResult]:
     """Run ``cfg.ranks`` rank processes of reader ``name`` at once, as torchrun would on one node."""
+    # Import in the parent so neither side's start-up counts torch's import time per rank.
+    import torch  # noqa: F401
+    import webdataset  # noqa: F401
+
+    from . import sharded  # noqa: F401
+
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(name, cfg, r, queue), daemon=False) for r in range(cfg.ranks)]

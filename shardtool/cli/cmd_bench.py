@@ -69,12 +69,18 @@ def run(args) -> int:
         print("shardtool bench: --compare needs a tar-format dataset (peers read the same shards)", file=sys.stderr)
         return 2
     wds_urls = [ds.shard_path(i) for i in range(ds.num_shards)] if ds.manifest.shard_format == "tar" else []
+    length_field = ds.manifest.length.get("field")
+    length_ext = ds.manifest.field(length_field).ext if length_field else None
+    if peers and not length_field:
+        print("shardtool bench: --compare needs a dataset with a length (token) field", file=sys.stderr)
+        return 2
     rows = []
     for workers in [int(w) for w in args.workers.split(",") if w != ""]:
         for name in ["shardtool", *peers]:
             cfg = bench.BenchConfig(url=url, ranks=args.ranks, num_workers=workers, batch_size=args.batch_size,
                                     max_tokens=max_tokens, step_ms=step_ms, max_batches=args.max_batches,
-                                    webdataset_urls=wds_urls, length_field=ds.manifest.length.get("field"))
+                                    webdataset_urls=wds_urls, length_field=length_field,
+                                    length_ext=length_ext)
             row = bench.summarize(bench.run_node(name, cfg, timeout=args.timeout))
             row["step_ms"] = step_ms
             rows.append(row)
