@@ -11,26 +11,15 @@ import shutil
 import time
 
 from shardtool.format.atomic import TMP_PREFIX
-from shardtool.format.manifest import MANIFEST_NAME, manifest_hash
 
-from .budget import _load_manifest, disk_free, evict, scan
+from .budget import cached_versions, disk_free, evict, scan
 from .evict import effective_limit
-from .layout import META_DIR, VersionDir, lengths_rel, read_sources, version_dirs
+from .layout import META_DIR, lengths_rel, read_sources
 from .locks import try_exclusive
 from .meta import local_matches
 from .store import read_verified_local
 
 TEMP_GRACE_S = 600  # a metadata temp file untouched this long belongs to a dead writer
-
-
-def _versions(cache_dir: str):
-    for name in version_dirs(cache_dir):
-        root = os.path.join(cache_dir, name)
-        m = _load_manifest(root)
-        if m is None:
-            continue
-        with open(os.path.join(root, MANIFEST_NAME), "rb") as f:
-            yield VersionDir(cache_dir, manifest_hash(f.read())), m
 
 
 def ls(cache_dir: str) -> list[dict]:
@@ -39,7 +28,7 @@ def ls(cache_dir: str) -> list[dict]:
         if isinstance(entry, dict):
             urls.setdefault(entry.get("dir", ""), []).append(url)
     out = []
-    for vd, m in _versions(cache_dir):
+    for vd, m in cached_versions(cache_dir):
         name = os.path.basename(vd.root)
         cached = [i for i, s in enumerate(m.shards) if vd.trusted(i, s)]
         present = sum(1 for s in m.shards if os.path.exists(vd.path(s.path)))
@@ -53,7 +42,7 @@ def ls(cache_dir: str) -> list[dict]:
 def verify(cache_dir: str, *, remove_bad: bool = True) -> dict:
     """Hash every cached shard and metadata file; bad ones are removed (the next warm refetches)."""
     res = {"ok": 0, "bad": [], "busy": [], "metadata_bad": []}
-    for vd, m in _versions(cache_dir):
+    for vd, m in cached_versions(cache_dir):
         lf = m.lengths_file
         if os.path.exists(vd.path(lengths_rel(m))) and read_verified_local(
                 vd.path(lengths_rel(m)), size=lf.get("bytes"), digest=lf.get("hash")) is None:
@@ -87,7 +76,7 @@ def verify(cache_dir: str, *, remove_bad: bool = True) -> dict:
 def _remove_temps(cache_dir: str) -> int:
     n = 0
     now = time.time()
-    for vd, m in _versions(cache_dir):
+    for vd, m in cached_versions(cache_dir):
         shard_of = {os.path.basename(vd.path(s.path)): i for i, s in enumerate(m.shards)}
         for dirpath, dirnames, filenames in os.walk(vd.root):
             dirnames[:] = [d for d in dirnames if d != META_DIR] if dirpath == vd.root else dirnames
@@ -116,7 +105,7 @@ def gc(cache_dir: str, *, max_bytes: int | None = None, min_free: int | None = N
     res = {"temps_removed": _remove_temps(cache_dir), "versions_removed": [], "evicted_shards": 0, "evicted_bytes": 0}
     if unreferenced:
         live = {e.get("dir") for e in read_sources(cache_dir).values() if isinstance(e, dict)}
-        for vd, _ in list(_versions(cache_dir)):
+        for vd, _ in list(cached_versions(cache_dir)):
             if os.path.basename(vd.root) not in live and not clear(cache_dir, version_dir=os.path.basename(vd.root))["busy"]:
                 res["versions_removed"].append(os.path.basename(vd.root))
     if max_bytes is not None or min_free is not None:
@@ -131,7 +120,7 @@ def gc(cache_dir: str, *, max_bytes: int | None = None, min_free: int | None = N
 def clear(cache_dir: str, *, version_dir: str | None = None) -> dict:
     """Remove cached versions (all, or one directory name); shards in use are left in place."""
     res = {"removed": [], "busy": []}
-    for vd, m in list(_versions(cache_dir)):
+    for vd, m in list(cached_versions(cache_dir)):
         name = os.path.basename(vd.root)
         if version_dir is not None and name != version_dir:
             continue

@@ -29,20 +29,24 @@ def _load_manifest(root: str) -> Manifest | None:
         return None
 
 
-def scan(cache_dir: str, *, current: VersionDir | None = None, assigned: set[int] | None = None,
-         protected: set[int] = frozenset()) -> tuple[list[Entry], dict, int]:
-    """Every cached shard file of every version as eviction entries; returns (entries, where, used)."""
-    entries: list[Entry] = []
-    where: dict = {}
-    used = 0
+def cached_versions(cache_dir: str):
+    """(VersionDir, Manifest) of every dataset version in the cache with a readable manifest."""
     for name in version_dirs(cache_dir):
         root = os.path.join(cache_dir, name)
         m = _load_manifest(root)
         if m is None:
             continue
         with open(os.path.join(root, MANIFEST_NAME), "rb") as f:
-            version = manifest_hash(f.read())
-        vd = VersionDir(cache_dir, version)
+            yield VersionDir(cache_dir, manifest_hash(f.read())), m
+
+
+def scan(cache_dir: str, *, current: VersionDir | None = None, assigned: set[int] | None = None,
+         protected: set[int] = frozenset()) -> tuple[list[Entry], dict, int]:
+    """Every cached shard file of every version as eviction entries; returns (entries, where, used)."""
+    entries: list[Entry] = []
+    where: dict = {}
+    used = 0
+    for vd, m in cached_versions(cache_dir):
         is_current = current is not None and vd.root == current.root
         mine = (assigned if assigned is not None else vd.read_assigned()) if is_current else set()
         for i, info in enumerate(m.shards):
@@ -51,7 +55,7 @@ def scan(cache_dir: str, *, current: VersionDir | None = None, assigned: set[int
                 st = os.stat(p)
             except OSError:
                 continue
-            key = (name, i)
+            key = (os.path.basename(vd.root), i)
             used += st.st_size
             entries.append(Entry(key, st.st_size, i in mine, vd.last_used(i) or st.st_mtime,
                                  protected=is_current and i in protected))

@@ -14,7 +14,7 @@ from shardtool.format.manifest import MANIFEST_NAME, lengths_from_bytes, manifes
 from shardtool.format.sindex import ShardIndex
 
 from .budget import disk_free, evict, scan
-from .errors import BudgetError, CacheError, NotCached, RemoteError
+from .errors import BudgetError, NotCached, RemoteError
 from .evict import effective_limit, plan_eviction
 from .layout import VersionDir, record_source, recorded_version
 from .locks import locked
