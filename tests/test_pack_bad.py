@@ -67,7 +67,7 @@ def test_missing_unreadable_empty_and_oversized(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_non_utf8_key_from_tar_and_tree_key_rules(tmp_path):
-    tree = write_tree(str(tmp_path / "t"), image_samples(3))
+    write_tree(str(tmp_path / "t"), image_samples(3))
     open(tmp_path / "t" / "noext", "wb").close()
     with pytest.raises(BadSampleError, match="noext: file has no '<key>.<field>' name"):
         shardtool.pack(str(tmp_path / "t"), str(tmp_path / "o"))

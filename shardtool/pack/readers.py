@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import gzip
 import io
-import os
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-import numpy as np
 
 from ..format.errors import BadSampleError
 from ..format.tarshard import iter_tar_members, split_member_name

@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
-from ..format.arrowshard import KEY_COLUMN, check_schema
+from ..format.arrowshard import check_schema
 from ..format.dataset import Dataset, is_local, open_dataset
 from ..format.errors import FormatError
 from ..format.fields import FieldSpec, decode_bytes, length_of

@@ -5,8 +5,6 @@ array tasks never collide, and for a fixed split the same input gives the same b
 """
 from __future__ import annotations
 
-import os
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -14,7 +12,7 @@ import numpy as np
 
 from ..format.errors import BadSampleError
 from ..format.fields import FieldSpec
-from ..format.tarshard import BLOCK, _pad
+from ..format.tarshard import BLOCK
 from ..format.writer import ShardFileWriter
 from .options import load_function
 from .readers import Bad, read_unit

@@ -18,11 +18,10 @@ import subprocess
 import sys
 import tarfile
 
-import numpy as np
 import pytest
 
 import shardtool
-from shardtool.format import FormatError, PickleRefusedError, ShardIndex
+from shardtool.format import PickleRefusedError, ShardIndex
 from shardtool.format.errors import BadSampleError, ShardtoolError
 from shardtool.pack.verify import verify
 
@@ -328,7 +327,7 @@ def test_pickle_member_never_unpickled_through_pack_and_read(tmp_path, fmt, ext)
     r = shardtool.pack(src, out, format=fmt)
     assert r.samples == 2 and not marker.exists()
     # Asking for a length from the pickled field must not unpickle either; the error names the input.
-    with pytest.raises(ShardtoolError, match=rf"in\.tar \(member '0000\..*'\).*pickled"):
+    with pytest.raises(ShardtoolError, match=r"in\.tar \(member '0000\..*'\).*pickled"):
         shardtool.pack(src, str(tmp_path / "o2"), format=fmt, length=ext)
     assert not marker.exists()
     p = cli("pack", src, "-o", str(tmp_path / "o3"), "-q", "--format", fmt, "--length", ext)

@@ -8,7 +8,6 @@ of an uninterrupted run. A rerun prolog copies nothing.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
