@@ -216,19 +216,30 @@ def _special_tar(path, kind: str) -> str:
     return path
 
 
+# Runs the CLI and reports its own VmHWM at exit. rusage's ru_maxrss would be wrong here: Linux
+# keeps it across exec, so a child forked from a big pytest process inherits the parent's RSS.
+_MEASURED = """
+import atexit, runpy, sys
+def _peak():
+    with open("/proc/self/status") as f:
+        hwm = next(line for line in f if line.startswith("VmHWM:"))
+    sys.stderr.write("\\nPEAK_KIB " + hwm.split()[1] + "\\n")
+atexit.register(_peak)
+sys.argv = ["shardtool", *sys.argv[1:]]
+runpy.run_module("shardtool", run_name="__main__")
+"""
+
+
 def _run_measured(args, cwd) -> tuple[int, str, int]:
     """Run the CLI; returns (exit code, stderr, peak RSS of that process alone in MiB)."""
-    p = subprocess.Popen([sys.executable, "-m", "shardtool", *args], env=_env(), cwd=cwd,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        # Read stderr first (small), then reap with wait4 for this child's own rusage.
-        err = p.stderr.read().decode()
-        _, status, usage = os.wait4(p.pid, 0)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-    p.returncode = os.waitstatus_to_exitcode(status)
-    return p.returncode, err, usage.ru_maxrss // 1024
+    p = subprocess.run([sys.executable, "-c", _MEASURED, *args], env=_env(), cwd=cwd, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, timeout=170, start_new_session=True)
+    err = p.stderr.decode()
+    peak = [int(line.split()[1]) for line in err.splitlines() if line.startswith("PEAK_KIB ")]
+    if not peak:
+        raise AssertionError(f"no peak RSS reported (exit {p.returncode}):\n{err}")
+    err = "\n".join(line for line in err.splitlines() if not line.startswith("PEAK_KIB "))
+    return p.returncode, err, peak[-1] // 1024
 
 
 @pytest.mark.timeout(120)
