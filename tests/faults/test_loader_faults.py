@@ -232,9 +232,9 @@ def test_a_killed_worker_fails_the_rank_within_seconds(dataset):
 @pytest.mark.timeout(60)
 @pytest.mark.xfail(strict=True, reason=(
     "loader/sharded.py _run + torch DataLoader hand-over (loader/workers.py, being rewritten): a worker "
-    "SIGKILLed while reading batch 2 is reported as 'batch 1 could not be loaded' with batch 1's samples, "
-    "because the error is raised for whatever batch the trainer is waiting on; the batches the dead "
-    "worker held (DataLoader _task_info) are not named"))
+    "SIGKILLed while reading batch 2 is reported as 'batch 0 could not be loaded' with batch 0's samples "
+    "(seen here; batch 0 was already read): the SIGCHLD error is raised for whatever batch the trainer "
+    "is waiting on, and the batches the dead worker held (DataLoader _task_info) are not named"))
 def test_a_killed_worker_error_names_the_batch_it_was_reading(dataset):
     root, keys = dataset
     batches = make(root).plan.rank_batches(0)
