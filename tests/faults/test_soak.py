@@ -93,7 +93,8 @@ def test_random_kills_and_resumes_serve_exactly_the_uninterrupted_run(tmp_path):
         target = len(steps) + rng.randint(1, 20)
         try:
             while proc.poll() is None:
-                if sum(1 for r in read_log(log) if "step" in r) >= target:
+                now = read_log(log)
+                if sum(1 for r in now if "step" in r) >= target and not (now and now[-1].get("done")):
                     os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its DataLoader workers
                     kills += 1
                     break
