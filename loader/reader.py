@@ -17,7 +17,7 @@ import torch
 
 from shardtool.format import FormatError
 
-from .collate import KEY, PACK_MIN_BYTES, PackedBytes, collate_samples, new_tensor
+from .collate import KEY, PACK_MIN_BYTES, Alloc, PackedBytes, collate_samples
 from .shardview import ShardView
 from .source import Source, SourceSpec
 
@@ -96,27 +96,29 @@ class BatchReader:
     def index_lengths(self, ids: np.ndarray) -> np.ndarray:
         return self.source.dataset.lengths[np.asarray(ids, dtype=np.int64)]
 
-    def read_batch(self, ids: np.ndarray, *, pack: bool = False) -> dict[str, Any]:
-        """The default batch for ``ids``. ``pack`` (in a worker): tensors born in shared memory,
-        large bytes fields as one shared tensor."""
+    def read_batch(self, ids: np.ndarray, *, pack: bool = False, alloc: Alloc | None = None) -> dict[str, Any]:
+        """The default batch for ``ids``. ``alloc(shape, dtype)`` gives the arrays the batch's
+        tensors are built in (in a worker: a shared-memory slot); ``pack``: large bytes fields
+        as one `PackedBytes` (one copy into the slot instead of one pickle per sample)."""
         ids = np.asarray(ids, dtype=np.int64)
+        alloc = alloc or np.empty
         if not self.source.local:
             return collate_samples(self.read_samples(ids), pad_field=self.pad_field, pad_id=self.pad_id,
-                                   lengths=self.index_lengths(ids))
+                                   lengths=self.index_lengths(ids), alloc=alloc)
         shard, local = self.locate(ids)
         groups = self._groups(shard, local)
         fields = self.source.dataset.manifest.fields
         pad_col = groups[0][0].pad_col if groups else None
         if pad_col is not None and any(v.tok_view is None for v, _, _ in groups):
             return collate_samples(self.read_samples(ids), pad_field=self.pad_field, pad_id=self.pad_id,
-                                   lengths=self.index_lengths(ids))
+                                   lengths=self.index_lengths(ids), alloc=alloc)
         b = len(ids)
         keys = np.empty(b, dtype=object)
         for v, rows, li in groups:
             keys[rows] = v.keys[li]
         out: dict[str, Any] = {KEY: keys.tolist()}
         if pad_col is not None:
-            out[fields[pad_col].name], out["lengths"] = self._gather_tokens(groups, b, shared=pack)
+            out[fields[pad_col].name], out["lengths"] = self._gather_tokens(groups, b, alloc)
         else:
             lengths = np.empty(b, dtype=np.int64)
             for v, rows, li in groups:
@@ -125,7 +127,7 @@ class BatchReader:
         for j, spec in enumerate(fields):
             if j == pad_col:
                 continue
-            out[spec.name] = self._field(groups, j, b, pack)
+            out[spec.name] = self._field(groups, j, b, pack, alloc)
         return out
 
     def _groups(self, shard: np.ndarray, local: np.ndarray) -> list[tuple[ShardView, np.ndarray, np.ndarray]]:
@@ -141,13 +143,12 @@ class BatchReader:
                 out.append((self._view(int(s_sorted[a])), rows, local[rows]))
         return out
 
-    def _gather_tokens(self, groups, b: int, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        counts = np.empty(b, dtype=np.int64)
+    def _gather_tokens(self, groups, b: int, alloc: Alloc) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = alloc(b, np.int64)
         for v, rows, li in groups:
             counts[rows] = v.tok_count[li]
         width = int(counts.max(initial=0))
-        tensor = new_tensor(b * width, torch.int64, shared=shared).view(b, width)
-        padded = tensor.numpy()
+        padded = alloc((b, width), np.int64)
         padded.fill(self.pad_id)
         for v, rows, li in groups:
             view = v.tok_view
@@ -155,10 +156,9 @@ class BatchReader:
             # index arrays would cost more than the tokens themselves.
             for r, a, c in zip(rows.tolist(), v.tok_start[li].tolist(), v.tok_count[li].tolist()):
                 padded[r, :c] = view[a : a + c]
-        # In a worker, a small array pickles cheaper than a tensor gets its own shared segment.
-        return tensor, (counts if shared else torch.from_numpy(counts))
+        return torch.from_numpy(padded), torch.from_numpy(counts)
 
-    def _field(self, groups, j: int, b: int, pack: bool) -> Any:
+    def _field(self, groups, j: int, b: int, pack: bool, alloc: Alloc) -> Any:
         if pack and groups[0][0].bytes_fields[j]:
             total = sum(int(v.sizes[li, j].sum()) for v, _, li in groups)
             if total >= PACK_MIN_BYTES:
@@ -170,7 +170,7 @@ class BatchReader:
                     sizes[rows] = v.sizes[li, j]
                     for r in rows.tolist():
                         bufs[r] = v.u8
-                return PackedBytes.from_slices(bufs, starts.tolist(), sizes.tolist())
+                return PackedBytes.from_slices(bufs, starts.tolist(), sizes.tolist(), alloc)
         values: list[Any] = [None] * b
         for v, rows, li in groups:
             for r, i in zip(rows.tolist(), li.tolist()):
