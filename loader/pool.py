@@ -153,6 +153,10 @@ def _shutdown(procs: list, conns: list, slots: list) -> None:
         if p.is_alive():
             p.kill()  # hung in user code: it holds nothing the trainer needs
             p.join(1.0)
+        try:
+            p.close()  # its sentinel descriptor, now rather than when the last reference goes
+        except ValueError:
+            pass
     for c in conns:
         c.close()
     for row in slots:
