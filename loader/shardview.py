@@ -80,7 +80,7 @@ class ShardView:
             raise FormatError(f"shard {self.name}: sample index points past the end of the shard")
         self.decoders = [decoder(f, tar, allow_pickle, f"shard {self.name}") for f in fields]
         self.bytes_fields = [yields_bytes(f, tar) for f in fields]
-        self.tok_view = self.tok_start = self.tok_count = None
+        self.tok_view = self.tok_start = self.tok_count = self.tok_bytes = None
         self.pad_col = next((j for j, f in enumerate(fields) if f.name == pad_field), None)
         if self.pad_col is not None and is_int_array(fields[self.pad_col]):
             self._fast_tokens(fields[self.pad_col], tar)
@@ -100,6 +100,7 @@ class ShardView:
         if (start % dtype.itemsize).any() or (size % dtype.itemsize).any() or (size < 0).any():
             return
         self.tok_view = np.frombuffer(self.mapped.buffer(), dtype=dtype, count=self.mapped.size // dtype.itemsize)
+        self.tok_bytes = memoryview(self.mapped.buffer()).cast("B")  # rows are copied as raw bytes
         self.tok_start = start // dtype.itemsize
         self.tok_count = size // dtype.itemsize
 
@@ -125,7 +126,9 @@ class ShardView:
         return out
 
     def close(self) -> None:
-        self.u8 = self.tok_view = None
+        if self.tok_bytes is not None:
+            self.tok_bytes.release()
+        self.u8 = self.tok_view = self.tok_bytes = None
         self.mapped.close()
 
 
