@@ -119,7 +119,11 @@ class BatchReader:
             keys[rows] = v.keys[li]
         out: dict[str, Any] = {KEY: keys.tolist()}
         if pad_col is not None:
-            out[fields[pad_col].name], out["lengths"] = self._gather_tokens(groups, b, alloc)
+            tokens = self._gather_tokens(groups, b, alloc)
+            if tokens is None:
+                return collate_samples(self.read_samples(ids), pad_field=self.pad_field, pad_id=self.pad_id,
+                                       lengths=self.index_lengths(ids), alloc=alloc)
+            out[fields[pad_col].name], out["lengths"] = tokens
         else:
             lengths = np.empty(b, dtype=np.int64)
             for v, rows, li in groups:
@@ -144,19 +148,26 @@ class BatchReader:
                 out.append((self._view(int(s_sorted[a])), rows, local[rows]))
         return out
 
-    def _gather_tokens(self, groups, b: int, alloc: Alloc) -> tuple[torch.Tensor, torch.Tensor]:
-        counts = alloc(b, np.int64)
+    def _gather_tokens(self, groups, b: int, alloc: Alloc) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Padded tokens and lengths, or None when some payload is not a plain array."""
+        ranges = []
         for v, rows, li in groups:
-            counts[rows] = v.tok_count[li]
+            r = v.token_ranges(li)
+            if r is None:
+                return None
+            ranges.append(r)
+        counts = alloc(b, np.int64)
+        for (v, rows, li), (_, n) in zip(groups, ranges):
+            counts[rows] = n
         width = int(counts.max(initial=0))
         padded = alloc((b, width), np.int64)
         dtype = groups[0][0].tok_view.dtype if groups else np.dtype(np.int64)
         info = np.iinfo(dtype)
         if not info.min <= self.pad_id <= info.max:
             padded.fill(self.pad_id)
-            for v, rows, li in groups:  # the pad id does not fit the stored dtype: widen row by row
+            for (v, rows, li), (first, n) in zip(groups, ranges):  # pad id outside the stored dtype: widen per row
                 view = v.tok_view
-                for r, a, c in zip(rows.tolist(), v.tok_start[li].tolist(), v.tok_count[li].tolist()):
+                for r, a, c in zip(rows.tolist(), first.tolist(), n.tolist()):
                     padded[r, :c] = view[a : a + c]
             return torch.from_numpy(padded), torch.from_numpy(counts)
         # Rows are copied as raw bytes (memoryview slice assignment is a bare memcpy, several
@@ -168,11 +179,10 @@ class BatchReader:
         dst = memoryview(narrow.reshape(-1).view(np.uint8))
         item = dtype.itemsize
         row_bytes = width * item
-        for v, rows, li in groups:
+        for (v, rows, li), (first, n) in zip(groups, ranges):
             src = v.tok_bytes
-            firsts = (v.tok_start[li] * item).tolist()
-            for r, a, n in zip((rows * row_bytes).tolist(), firsts, (v.tok_count[li] * item).tolist()):
-                dst[r : r + n] = src[a : a + n]
+            for r, a, k in zip((rows * row_bytes).tolist(), (first * item).tolist(), (n * item).tolist()):
+                dst[r : r + k] = src[a : a + k]
         dst.release()
         if narrow is not padded:
             np.copyto(padded, narrow)

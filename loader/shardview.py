@@ -5,9 +5,9 @@ process, where each field's payload lies in the file: tar members from the index
 offsets, Arrow values from the record batches' buffer addresses inside the map (an Arrow IPC
 file read from a buffer is zero-copy). Reading a sample is then slicing the map.
 
-For the length field, when it is a 1-D integer array, we also precompute where its elements
-start (in elements) and how many there are, so a whole batch is gathered with two vectorised
-numpy operations instead of a Python loop per sample.
+For the length field, when it is a 1-D integer array, `token_ranges` gives where the elements
+of a batch's samples start and how many there are (vectorised), so a batch is gathered with
+one memcpy per row and no per-sample decoding.
 """
 from __future__ import annotations
 
@@ -86,23 +86,30 @@ class ShardView:
             self._fast_tokens(fields[self.pad_col], tar)
 
     def _fast_tokens(self, spec: FieldSpec, tar: bool) -> None:
-        dtype = np.dtype(spec.dtype)
-        start = self.starts[:, self.pad_col].copy()
-        size = self.sizes[:, self.pad_col].copy()
-        if tar:
-            # npy 1.0: magic(6) version(2) header_len(2, little endian) header; data after it.
-            if len(start) and (
-                (size < 10).any() or (self.u8[start] != 0x93).any() or (self.u8[start + 6] != 1).any()
-            ):
-                return  # not npy 1.0 everywhere: decode sample by sample instead
-            header = 10 + self.u8[start + 8].astype(np.int64) + (self.u8[start + 9].astype(np.int64) << 8)
-            start, size = start + header, size - header
-        if (start % dtype.itemsize).any() or (size % dtype.itemsize).any() or (size < 0).any():
-            return
-        self.tok_view = np.frombuffer(self.mapped.buffer(), dtype=dtype, count=self.mapped.size // dtype.itemsize)
+        # Tar members are npy files whose headers are parsed per batch, for the samples read
+        # (`token_ranges`): parsing all of them here would touch a page of the map per sample,
+        # for every shard in every worker of every epoch.
+        self._npy = tar
+        self._tok_raw = (self.starts[:, self.pad_col].copy(), self.sizes[:, self.pad_col].copy())
+        self.tok_view = np.frombuffer(self.mapped.buffer(), dtype=np.dtype(spec.dtype),
+                                      count=self.mapped.size // np.dtype(spec.dtype).itemsize)
         self.tok_bytes = memoryview(self.mapped.buffer()).cast("B")  # rows are copied as raw bytes
-        self.tok_start = start // dtype.itemsize
-        self.tok_count = size // dtype.itemsize
+
+    def token_ranges(self, li: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(first element, element count) of the length field's payload for samples ``li``;
+        None where a payload is not a plain array (the caller decodes sample by sample)."""
+        start, size = self._tok_raw[0][li], self._tok_raw[1][li]
+        if self._npy:
+            # npy 1.0: magic(6) version(2) header_len(2, little endian) header; data after it.
+            u8 = self.u8
+            if len(start) and ((size < 10).any() or (u8[start] != 0x93).any() or (u8[start + 6] != 1).any()):
+                return None
+            header = 10 + u8[start + 8].astype(np.int64) + (u8[start + 9].astype(np.int64) << 8)
+            start, size = start + header, size - header
+        item = self.tok_view.itemsize
+        if len(start) and ((start % item).any() or (size % item).any() or (size < 0).any()):
+            return None
+        return start // item, size // item
 
     def raw(self, j: int, i: int) -> bytes:
         a = int(self.starts[i, j])

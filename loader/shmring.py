@@ -11,6 +11,8 @@ slot can go back to the worker at once while the user keeps the batch as long as
 """
 from __future__ import annotations
 
+import functools
+import math
 import mmap
 import os
 import tempfile
@@ -106,7 +108,7 @@ class Slot:
     # ------------------------------------------------------------------ reader (trainer) side
     def array(self, offset: int, shape: tuple, dtype: str) -> np.ndarray:
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         return np.ndarray(shape, dtype=dtype, buffer=self._map(offset + nbytes), offset=offset)
 
     def close(self) -> None:
@@ -123,9 +125,8 @@ def encode(obj: Any, slot: Slot) -> Any:
     if t is dict:
         return {k: encode(v, slot) for k, v in obj.items()}
     if t is list:
-        if obj and type(obj[0]) is str:  # keys: skip the walk when nothing in it can move
-            if all(type(x) is str for x in obj):
-                return obj
+        if obj and type(obj[0]) is str and set(map(type, obj)) == {str}:
+            return obj  # keys: nothing in it can move; set(map(type)) runs at C speed
         return [encode(v, slot) for v in obj]
     if t is tuple:
         return tuple(encode(v, slot) for v in obj)
@@ -168,13 +169,18 @@ def _encode_array(arr: np.ndarray, slot: Slot, kind: str, always: bool = False) 
     return InSlot(kind, slot.offset_of(dst.ctypes.data) if dst.nbytes else 0, arr.shape, arr.dtype.str)
 
 
+@functools.lru_cache(maxsize=None)
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
 def decode(obj: Any, slot: Slot, pin: bool = False) -> Any:
     """The batch ``encode`` described, every slot value copied out (slot reusable afterwards)."""
     t = type(obj)
     if t is dict:
         return {k: decode(v, slot, pin) for k, v in obj.items()}
     if t is list:
-        if obj and type(obj[0]) is str and all(type(x) is str for x in obj):
+        if obj and type(obj[0]) is str and set(map(type, obj)) == {str}:
             return obj
         return [decode(v, slot, pin) for v in obj]
     if t is tuple:
@@ -182,7 +188,7 @@ def decode(obj: Any, slot: Slot, pin: bool = False) -> Any:
     if t is InSlot:
         src = slot.array(obj.offset, obj.shape, obj.dtype)
         if obj.kind == "tensor":
-            out = torch.empty(src.shape, dtype=torch.from_numpy(src[:0]).dtype, pin_memory=pin)
+            out = torch.empty(src.shape, dtype=_torch_dtype(src.dtype), pin_memory=pin)
             out.numpy()[...] = src
             return out
         if obj.kind == "ndarray":
