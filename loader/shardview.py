@@ -86,18 +86,23 @@ class ShardView:
             self._fast_tokens(fields[self.pad_col], tar)
 
     def _fast_tokens(self, spec: FieldSpec, tar: bool) -> None:
-        # Tar members are npy files whose headers are parsed per batch, for the samples read
-        # (`token_ranges`): parsing all of them here would touch a page of the map per sample,
-        # for every shard in every worker of every epoch.
+        # Parsed once per shard for all samples: per-batch parsing (only the samples read) saved
+        # a worker's start-up but cost more per batch when a batch spans many shards.
         self._npy = tar
         self._tok_raw = (self.starts[:, self.pad_col].copy(), self.sizes[:, self.pad_col].copy())
         self.tok_view = np.frombuffer(self.mapped.buffer(), dtype=np.dtype(spec.dtype),
                                       count=self.mapped.size // np.dtype(spec.dtype).itemsize)
         self.tok_bytes = memoryview(self.mapped.buffer()).cast("B")  # rows are copied as raw bytes
+        self._tok_ranges = self._parse(np.arange(len(self._tok_raw[0])))
 
     def token_ranges(self, li: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """(first element, element count) of the length field's payload for samples ``li``;
         None where a payload is not a plain array (the caller decodes sample by sample)."""
+        if self._tok_ranges is None:
+            return None
+        return self._tok_ranges[0][li], self._tok_ranges[1][li]
+
+    def _parse(self, li: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         start, size = self._tok_raw[0][li], self._tok_raw[1][li]
         if self._npy:
             # npy 1.0: magic(6) version(2) header_len(2, little endian) header; data after it.
