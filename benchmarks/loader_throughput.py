@@ -5,9 +5,13 @@ to first batch, time to first batch after resuming at 90% of the epoch, padding 
 and peak RSS, with num_workers 0 and 2. Image-like corpus (~100 KB binary samples): MB/s.
 The peer uses its recommended set-up: WebDataset (shard shuffle + sample shuffle buffer),
 decoding npy to numpy and padding into a LongTensor batch inside the pipeline, WebLoader.
-Each measurement runs in its own process so that peak RSS is its own.
+Each measurement runs in its own process so that peak RSS is its own. After one warm-up of
+each side (page cache, imports), every configuration is measured ``--repeats`` times, ours and
+the peer back to back in alternating order; the table gives medians, and each ratio is the
+median of the per-round ratios with its min-max range (the noise of a shared machine). A steady
+state measurement stops after ``--max-seconds`` (both sides alike: same corpus, same rate).
 
-    python benchmarks/loader_throughput.py [--small] [--dir DIR] [--json]
+    python -m benchmarks.loader_throughput [--small] [--dir DIR] [--repeats 3] [--max-seconds 30] [--json]
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,7 +92,7 @@ def wds_bytes(samples):
     return {"__key__": [s[0] for s in samples], "jpg": [s[1] for s in samples]}
 
 
-def run_wds(root: str, kind: str, workers: int) -> dict:
+def run_wds(root: str, kind: str, workers: int, max_s: float) -> dict:
     import webdataset as wds
 
     urls = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".tar"))
@@ -98,10 +103,10 @@ def run_wds(root: str, kind: str, workers: int) -> dict:
     else:
         ds = ds.to_tuple("__key__", "jpg").batched(IMAGE_BATCH, collation_fn=wds_bytes, partial=True)
     loader = wds.WebLoader(ds, batch_size=None, num_workers=workers)
-    return consume(loader, kind, began)
+    return consume(loader, kind, began, max_s=max_s)
 
 
-def run_ours(root: str, kind: str, workers: int, resume: bool) -> dict:
+def run_ours(root: str, kind: str, workers: int, resume: bool, max_s: float) -> dict:
     from loader import ShardedLoader
     from loader.state import LoaderState
 
@@ -111,12 +116,12 @@ def run_ours(root: str, kind: str, workers: int, resume: bool) -> dict:
     if resume:
         served = int(len(ld) * 0.9)
         ld.load_state_dict(LoaderState.start(0, ld.fingerprint, ld.batching, ld.layout).with_served(served).to_dict())
-    out = consume(ld, kind, began, first_only=resume)
+    out = consume(ld, kind, began, first_only=resume, max_s=max_s)
     out["padding_efficiency"] = ld.padding_efficiency if kind == "tokens" else None
     return out
 
 
-def consume(loader, kind: str, began: float, first_only: bool = False) -> dict:
+def consume(loader, kind: str, began: float, first_only: bool = False, max_s: float = float("inf")) -> dict:
     samples = tokens = nbytes = real = padded = 0
     first = None
     for batch in loader:
@@ -134,6 +139,8 @@ def consume(loader, kind: str, began: float, first_only: bool = False) -> dict:
             padded += batch["tokens"].numel()
         else:
             nbytes += sum(len(b) for b in batch["jpg"])
+        if time.perf_counter() - began_steady > max_s:
+            break
     el = time.perf_counter() - began_steady if not first_only else 0
     # Steady-state rates exclude the first batch (start-up is reported separately).
     return {"first_batch_s": first, "seconds": el, "samples_per_s": samples / el if el else None,
@@ -145,15 +152,15 @@ def consume(loader, kind: str, began: float, first_only: bool = False) -> dict:
 
 def one(args) -> None:
     if args.one == "wds":
-        out = run_wds(args.root, args.kind, args.workers)
+        out = run_wds(args.root, args.kind, args.workers, args.max_seconds)
     else:
-        out = run_ours(args.root, args.kind, args.workers, args.resume)
+        out = run_ours(args.root, args.kind, args.workers, args.resume, args.max_seconds)
     print(json.dumps(out))
 
 
-def measure(which: str, root: str, kind: str, workers: int, resume: bool = False) -> dict:
+def measure(which: str, root: str, kind: str, workers: int, resume: bool = False, max_s: float = 30.0) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", which, "--root", root, "--kind", kind,
-           "--workers", str(workers)] + (["--resume"] if resume else [])
+           "--workers", str(workers), "--max-seconds", str(max_s)] + (["--resume"] if resume else [])
     env = {**os.environ, "PYTHONPATH": ROOT}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if res.returncode:
@@ -166,10 +173,32 @@ def fmt(v, spec=",.0f") -> str:
     return "n/a" if v is None else format(v, spec)
 
 
+def paired(root: str, kind: str, workers: int, repeats: int, max_s: float) -> tuple[dict, list[float]]:
+    """Ours and the peer, back to back, alternating who goes first; medians and per-round ratios."""
+    metric = "samples_per_s" if kind == "tokens" else "mb_per_s"
+    for which in ("ours", "wds"):
+        measure(which, root, kind, workers, max_s=max_s)  # warm the page cache and imports for both alike
+    runs: dict[str, list[dict]] = {"ours": [], "wds": []}
+    ratios = []
+    for r in range(repeats):
+        for which in (("ours", "wds") if r % 2 == 0 else ("wds", "ours")):
+            runs[which].append(measure(which, root, kind, workers, max_s=max_s))
+        ratios.append(runs["ours"][-1][metric] / runs["wds"][-1][metric])
+    out = {}
+    for which, rs in runs.items():
+        med = {k: (statistics.median(r[k] for r in rs) if rs[0][k] is not None else None) for k in rs[0]}
+        med["spread"] = (min(r[metric] for r in rs), max(r[metric] for r in rs))
+        out[which] = med
+    return out, ratios
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--small", action="store_true", help="20k token samples, 600 images (a quick run)")
+    p.add_argument("--small", action="store_true", help="20k token samples, 1,500 images (a quick run)")
     p.add_argument("--dir", default=None, help="where to write the corpora (default: a temp dir)")
+    p.add_argument("--repeats", type=int, default=3, help="measurements per configuration and side (median)")
+    p.add_argument("--max-seconds", type=float, default=30.0,
+                   help="stop a steady-state measurement after this long (both sides alike)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--one", choices=["ours", "wds"], help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
@@ -180,7 +209,7 @@ def main() -> None:
     if args.one:
         return one(args)
 
-    n_tok, n_img = (20_000, 600) if args.small else (200_000, 4_000)
+    n_tok, n_img = (20_000, 1_500) if args.small else (200_000, 4_000)
     base = args.dir or tempfile.mkdtemp(prefix="loader-bench-")
     tok, img = os.path.join(base, "tokens"), os.path.join(base, "images")
     t = time.perf_counter()
@@ -190,41 +219,42 @@ def main() -> None:
     if not os.path.exists(os.path.join(img, "index.json")):
         os.makedirs(img, exist_ok=True)
         write_images(img, n_img, 500)
-    print(f"corpora in {base} ({time.perf_counter() - t:.1f} s): {n_tok:,} token samples, {n_img:,} images",
-          file=sys.stderr)
+    print(f"corpora in {base} ({time.perf_counter() - t:.1f} s): {n_tok:,} token samples, {n_img:,} images; "
+          f"{args.repeats} paired runs per configuration, at most {args.max_seconds:g} s each", file=sys.stderr)
 
-    results = {}
-    for w in (0, 2):
+    results, ratio_runs = {}, {}
+    configs = [("tokens", 0, "tokens samples/s ours/wds w0"), ("tokens", 2, "tokens samples/s ours/wds w2"),
+               ("images", 2, "images MB/s ours/wds w2")]
+    for kind, w, name in configs:
+        pair, ratio_runs[name] = paired(tok if kind == "tokens" else img, kind, w, args.repeats, args.max_seconds)
         for which in ("ours", "wds"):
-            measure(which, tok, "tokens", w)  # warm the page cache and imports for both alike
-            results[f"tokens/{which}/w{w}"] = measure(which, tok, "tokens", w)
-        results[f"tokens/ours/w{w}"]["resume_first_batch_s"] = measure("ours", tok, "tokens", w, True)["first_batch_s"]
-    for which in ("ours", "wds"):
-        measure(which, img, "images", 2)
-        results[f"images/{which}/w2"] = measure(which, img, "images", 2)
-
-    ratios = {
-        "tokens samples/s ours/wds w0": results["tokens/ours/w0"]["samples_per_s"] / results["tokens/wds/w0"]["samples_per_s"],
-        "tokens samples/s ours/wds w2": results["tokens/ours/w2"]["samples_per_s"] / results["tokens/wds/w2"]["samples_per_s"],
-        "images MB/s ours/wds w2": results["images/ours/w2"]["mb_per_s"] / results["images/wds/w2"]["mb_per_s"],
-        "resume/fresh first batch w0": results["tokens/ours/w0"]["resume_first_batch_s"] / results["tokens/ours/w0"]["first_batch_s"],
-        "resume/fresh first batch w2": results["tokens/ours/w2"]["resume_first_batch_s"] / results["tokens/ours/w2"]["first_batch_s"],
-    }
+            results[f"{kind}/{which}/w{w}"] = pair[which]
+        if kind == "tokens":
+            results[f"tokens/ours/w{w}"]["resume_first_batch_s"] = measure("ours", tok, "tokens", w, True)["first_batch_s"]
+    ratios = {name: statistics.median(v) for name, v in ratio_runs.items()}
+    ratios["resume/fresh first batch w0"] = results["tokens/ours/w0"]["resume_first_batch_s"] / results["tokens/ours/w0"]["first_batch_s"]
+    ratios["resume/fresh first batch w2"] = results["tokens/ours/w2"]["resume_first_batch_s"] / results["tokens/ours/w2"]["first_batch_s"]
     if args.json:
-        print(json.dumps({"results": results, "ratios": ratios}, indent=1))
+        print(json.dumps({"results": results, "ratios": ratios, "ratio_runs": ratio_runs}, indent=1))
         return
-    head = f"{'run':<18}{'samples/s':>12}{'tokens/s':>14}{'MB/s':>9}{'1st batch':>11}{'resume 90%':>12}{'pad eff':>9}{'RSS MB':>9}{'wkr RSS':>9}"
+    head = (f"{'run':<18}{'samples/s':>12}{'tokens/s':>14}{'MB/s':>9}{'range':>17}{'1st batch':>11}{'resume 90%':>12}"
+            f"{'pad eff':>9}{'RSS MB':>9}{'wkr RSS':>9}")
     print(head)
     for name, r in results.items():
-        print(f"{name:<18}{fmt(r['samples_per_s']):>12}{fmt(r['tokens_per_s']):>14}{fmt(r['mb_per_s']):>9}"
+        lo, hi = r["spread"]
+        rng = f"{lo:,.0f}-{hi:,.0f}"
+        print(f"{name:<18}{fmt(r['samples_per_s']):>12}{fmt(r['tokens_per_s']):>14}{fmt(r['mb_per_s']):>9}{rng:>17}"
               f"{fmt(r['first_batch_s'], '.3f'):>11}{fmt(r.get('resume_first_batch_s'), '.3f'):>12}"
               f"{fmt(r['padding_efficiency'], '.3f'):>9}{fmt(r['peak_rss_mb']):>9}{fmt(r['workers_peak_rss_mb']):>9}")
-    targets = {"tokens samples/s ours/wds w0": 50, "tokens samples/s ours/wds w2": 10, "images MB/s ours/wds w2": 2,
-               "resume/fresh first batch w0": None, "resume/fresh first batch w2": None}
+    print("(range: min-max over the runs of samples/s for tokens, MB/s for images)")
+    targets = {"tokens samples/s ours/wds w0": 50, "tokens samples/s ours/wds w2": 10, "images MB/s ours/wds w2": 2}
     for k, v in ratios.items():
-        goal = targets[k]
-        note = (f"(target >= {goal}x: {'met' if v >= goal else 'MISSED'})" if goal
-                else f"(target <= 1.5x: {'met' if v <= 1.5 else 'MISSED'})")
+        goal = targets.get(k)
+        if goal:
+            runs_ = ratio_runs[k]
+            note = f"[{min(runs_):.1f}-{max(runs_):.1f}] (target >= {goal}x: {'met' if v >= goal else 'MISSED'})"
+        else:
+            note = f"(target <= 1.5x: {'met' if v <= 1.5 else 'MISSED'})"
         print(f"{k:<32}{v:8.2f}x  {note}")
 
 

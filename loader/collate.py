@@ -6,29 +6,23 @@ row); otherwise only ``lengths`` (from the index); every other field as a list o
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 KEY = "__key__"
-# Bytes fields whose batch total is above this travel as one shared-memory tensor.
+# Bytes fields whose batch total is above this travel as one block of the worker's slot.
 PACK_MIN_BYTES = 64 << 10
+# alloc(shape, dtype) -> a writable numpy array: np.empty, or a shared-memory slot's allocator.
+Alloc = Callable[..., np.ndarray]
 
 
-def new_tensor(numel: int, dtype: torch.dtype, *, shared: bool) -> torch.Tensor:
-    """A 1-D tensor; ``shared``: born in shared memory, so sending it to the trainer copies nothing."""
-    if not shared:
-        return torch.empty(numel, dtype=dtype)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    storage = torch.UntypedStorage._new_shared(numel * itemsize)
-    return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
-
-
-def pad_rows(rows: Sequence[Any], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_rows(rows: Sequence[Any], pad_id: int, alloc: Alloc = np.empty) -> tuple[torch.Tensor, torch.Tensor]:
     counts = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
     width = int(counts.max(initial=0))
-    out = np.full((len(rows), width), pad_id, dtype=np.int64)
+    out = alloc((len(rows), width), np.int64)
+    out.fill(pad_id)
     for r, row in enumerate(rows):
         out[r, : len(row)] = row
     return torch.from_numpy(out), torch.from_numpy(counts)
@@ -43,7 +37,7 @@ def paddable(values: Sequence[Any]) -> bool:
 
 
 def collate_samples(samples: list[dict[str, Any]], *, pad_field: str | None, pad_id: int = 0,
-                    lengths: np.ndarray | None = None) -> dict[str, Any]:
+                    lengths: np.ndarray | None = None, alloc: Alloc = np.empty) -> dict[str, Any]:
     """The default batch from decoded (and possibly transformed) sample dicts.
 
     ``lengths`` (from the index) is used when the length field is not a paddable array.
@@ -54,7 +48,7 @@ def collate_samples(samples: list[dict[str, Any]], *, pad_field: str | None, pad
     if pad_field is not None and samples and pad_field in samples[0]:
         col = [s[pad_field] for s in samples]
         if paddable(col):
-            out[pad_field], out["lengths"] = pad_rows([np.asarray(v) for v in col], pad_id)
+            out[pad_field], out["lengths"] = pad_rows([np.asarray(v) for v in col], pad_id, alloc)
             padded = True
     if not padded:
         if lengths is not None:
@@ -67,7 +61,7 @@ def collate_samples(samples: list[dict[str, Any]], *, pad_field: str | None, pad
 
 
 class PackedBytes:
-    """A list of byte strings as one uint8 tensor (shared memory across processes) + offsets."""
+    """A list of byte strings as one uint8 tensor (in a worker's shared slot) + offsets."""
 
     __slots__ = ("data", "offsets")
 
@@ -76,12 +70,13 @@ class PackedBytes:
         self.offsets = offsets
 
     @classmethod
-    def from_slices(cls, buffers: Sequence[Any], starts: Sequence[int], sizes: Sequence[int]) -> "PackedBytes":
-        """Copy buffer[k][starts[k] : starts[k]+sizes[k]] for every k into one shared tensor, once."""
+    def from_slices(cls, buffers: Sequence[Any], starts: Sequence[int], sizes: Sequence[int],
+                    alloc: Alloc = np.empty) -> "PackedBytes":
+        """Copy buffer[k][starts[k] : starts[k]+sizes[k]] for every k into one tensor, once."""
         offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
         np.cumsum(sizes, out=offsets[1:])
-        data = new_tensor(int(offsets[-1]), torch.uint8, shared=True)
-        dst = data.numpy()
+        dst = alloc(int(offsets[-1]), np.uint8)
+        data = torch.from_numpy(dst)
         for k, (b, a, n) in enumerate(zip(buffers, starts, sizes)):
             dst[offsets[k] : offsets[k] + n] = b[a : a + n]
         return cls(data, offsets)

@@ -17,7 +17,7 @@ import torch
 
 from shardtool.format import FormatError
 
-from .collate import KEY, PACK_MIN_BYTES, PackedBytes, collate_samples, new_tensor
+from .collate import KEY, PACK_MIN_BYTES, Alloc, PackedBytes, collate_samples
 from .shardview import ShardView
 from .source import Source, SourceSpec
 
@@ -32,6 +32,7 @@ class BatchReader:
         self._pid = None
         self._source: Source | None = None
         self._views: OrderedDict[int, ShardView] = OrderedDict()
+        self._scratch_buf: np.ndarray | None = None
 
     # ------------------------------------------------------------------ per-process state
     @property
@@ -96,27 +97,33 @@ class BatchReader:
     def index_lengths(self, ids: np.ndarray) -> np.ndarray:
         return self.source.dataset.lengths[np.asarray(ids, dtype=np.int64)]
 
-    def read_batch(self, ids: np.ndarray, *, pack: bool = False) -> dict[str, Any]:
-        """The default batch for ``ids``. ``pack`` (in a worker): tensors born in shared memory,
-        large bytes fields as one shared tensor."""
+    def read_batch(self, ids: np.ndarray, *, pack: bool = False, alloc: Alloc | None = None) -> dict[str, Any]:
+        """The default batch for ``ids``. ``alloc(shape, dtype)`` gives the arrays the batch's
+        tensors are built in (in a worker: a shared-memory slot); ``pack``: large bytes fields
+        as one `PackedBytes` (one copy into the slot instead of one pickle per sample)."""
         ids = np.asarray(ids, dtype=np.int64)
+        alloc = alloc or np.empty
         if not self.source.local:
             return collate_samples(self.read_samples(ids), pad_field=self.pad_field, pad_id=self.pad_id,
-                                   lengths=self.index_lengths(ids))
+                                   lengths=self.index_lengths(ids), alloc=alloc)
         shard, local = self.locate(ids)
         groups = self._groups(shard, local)
         fields = self.source.dataset.manifest.fields
         pad_col = groups[0][0].pad_col if groups else None
         if pad_col is not None and any(v.tok_view is None for v, _, _ in groups):
             return collate_samples(self.read_samples(ids), pad_field=self.pad_field, pad_id=self.pad_id,
-                                   lengths=self.index_lengths(ids))
+                                   lengths=self.index_lengths(ids), alloc=alloc)
         b = len(ids)
         keys = np.empty(b, dtype=object)
         for v, rows, li in groups:
             keys[rows] = v.keys[li]
         out: dict[str, Any] = {KEY: keys.tolist()}
         if pad_col is not None:
-            out[fields[pad_col].name], out["lengths"] = self._gather_tokens(groups, b, shared=pack)
+            tokens = self._gather_tokens(groups, b, alloc)
+            if tokens is None:
+                return collate_samples(self.read_samples(ids), pad_field=self.pad_field, pad_id=self.pad_id,
+                                       lengths=self.index_lengths(ids), alloc=alloc)
+            out[fields[pad_col].name], out["lengths"] = tokens
         else:
             lengths = np.empty(b, dtype=np.int64)
             for v, rows, li in groups:
@@ -125,7 +132,7 @@ class BatchReader:
         for j, spec in enumerate(fields):
             if j == pad_col:
                 continue
-            out[spec.name] = self._field(groups, j, b, pack)
+            out[spec.name] = self._field(groups, j, b, pack, alloc)
         return out
 
     def _groups(self, shard: np.ndarray, local: np.ndarray) -> list[tuple[ShardView, np.ndarray, np.ndarray]]:
@@ -141,24 +148,54 @@ class BatchReader:
                 out.append((self._view(int(s_sorted[a])), rows, local[rows]))
         return out
 
-    def _gather_tokens(self, groups, b: int, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        counts = np.empty(b, dtype=np.int64)
+    def _gather_tokens(self, groups, b: int, alloc: Alloc) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Padded tokens and lengths, or None when some payload is not a plain array."""
+        ranges = []
         for v, rows, li in groups:
-            counts[rows] = v.tok_count[li]
+            r = v.token_ranges(li)
+            if r is None:
+                return None
+            ranges.append(r)
+        counts = alloc(b, np.int64)
+        for (v, rows, li), (_, n) in zip(groups, ranges):
+            counts[rows] = n
         width = int(counts.max(initial=0))
-        tensor = new_tensor(b * width, torch.int64, shared=shared).view(b, width)
-        padded = tensor.numpy()
-        padded.fill(self.pad_id)
-        for v, rows, li in groups:
-            view = v.tok_view
-            # One slice copy per sample (a memcpy with widening) beats a vectorised gather here:
-            # index arrays would cost more than the tokens themselves.
-            for r, a, c in zip(rows.tolist(), v.tok_start[li].tolist(), v.tok_count[li].tolist()):
-                padded[r, :c] = view[a : a + c]
-        # In a worker, a small array pickles cheaper than a tensor gets its own shared segment.
-        return tensor, (counts if shared else torch.from_numpy(counts))
+        padded = alloc((b, width), np.int64)
+        dtype = groups[0][0].tok_view.dtype if groups else np.dtype(np.int64)
+        info = np.iinfo(dtype)
+        if not info.min <= self.pad_id <= info.max:
+            padded.fill(self.pad_id)
+            for (v, rows, li), (first, n) in zip(groups, ranges):  # pad id outside the stored dtype: widen per row
+                view = v.tok_view
+                for r, a, c in zip(rows.tolist(), first.tolist(), n.tolist()):
+                    padded[r, :c] = view[a : a + c]
+            return torch.from_numpy(padded), torch.from_numpy(counts)
+        # Rows are copied as raw bytes (memoryview slice assignment is a bare memcpy, several
+        # times cheaper per sample than a numpy slice assignment with a cast), in the stored
+        # dtype; one vectorised cast then widens the whole batch. An index-array gather would
+        # cost more than the tokens themselves.
+        narrow = padded if dtype == padded.dtype else self._scratch((b, width), dtype)
+        narrow.fill(self.pad_id)
+        dst = memoryview(narrow.reshape(-1).view(np.uint8))
+        item = dtype.itemsize
+        row_bytes = width * item
+        for (v, rows, li), (first, n) in zip(groups, ranges):
+            src = v.tok_bytes
+            for r, a, k in zip((rows * row_bytes).tolist(), (first * item).tolist(), (n * item).tolist()):
+                dst[r : r + k] = src[a : a + k]
+        dst.release()
+        if narrow is not padded:
+            np.copyto(padded, narrow)
+        return torch.from_numpy(padded), torch.from_numpy(counts)
 
-    def _field(self, groups, j: int, b: int, pack: bool) -> Any:
+    def _scratch(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
+        """A reused buffer: a fresh one per batch would page-fault on every batch."""
+        need = int(np.prod(shape)) * dtype.itemsize
+        if self._scratch_buf is None or self._scratch_buf.size < need:
+            self._scratch_buf = np.empty(max(need, 1 << 20), np.uint8)
+        return np.ndarray(shape, dtype, buffer=self._scratch_buf)
+
+    def _field(self, groups, j: int, b: int, pack: bool, alloc: Alloc) -> Any:
         if pack and groups[0][0].bytes_fields[j]:
             total = sum(int(v.sizes[li, j].sum()) for v, _, li in groups)
             if total >= PACK_MIN_BYTES:
@@ -170,7 +207,7 @@ class BatchReader:
                     sizes[rows] = v.sizes[li, j]
                     for r in rows.tolist():
                         bufs[r] = v.u8
-                return PackedBytes.from_slices(bufs, starts.tolist(), sizes.tolist())
+                return PackedBytes.from_slices(bufs, starts.tolist(), sizes.tolist(), alloc)
         values: list[Any] = [None] * b
         for v, rows, li in groups:
             for r, i in zip(rows.tolist(), li.tolist()):

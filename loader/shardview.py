@@ -5,9 +5,9 @@ process, where each field's payload lies in the file: tar members from the index
 offsets, Arrow values from the record batches' buffer addresses inside the map (an Arrow IPC
 file read from a buffer is zero-copy). Reading a sample is then slicing the map.
 
-For the length field, when it is a 1-D integer array, we also precompute where its elements
-start (in elements) and how many there are, so a whole batch is gathered with two vectorised
-numpy operations instead of a Python loop per sample.
+For the length field, when it is a 1-D integer array, `token_ranges` gives where the elements
+of a batch's samples start and how many there are (vectorised), so a batch is gathered with
+one memcpy per row and no per-sample decoding.
 """
 from __future__ import annotations
 
@@ -80,28 +80,41 @@ class ShardView:
             raise FormatError(f"shard {self.name}: sample index points past the end of the shard")
         self.decoders = [decoder(f, tar, allow_pickle, f"shard {self.name}") for f in fields]
         self.bytes_fields = [yields_bytes(f, tar) for f in fields]
-        self.tok_view = self.tok_start = self.tok_count = None
+        self.tok_view = self.tok_start = self.tok_count = self.tok_bytes = None
         self.pad_col = next((j for j, f in enumerate(fields) if f.name == pad_field), None)
         if self.pad_col is not None and is_int_array(fields[self.pad_col]):
             self._fast_tokens(fields[self.pad_col], tar)
 
     def _fast_tokens(self, spec: FieldSpec, tar: bool) -> None:
-        dtype = np.dtype(spec.dtype)
-        start = self.starts[:, self.pad_col].copy()
-        size = self.sizes[:, self.pad_col].copy()
-        if tar:
+        # Parsed once per shard for all samples: per-batch parsing (only the samples read) saved
+        # a worker's start-up but cost more per batch when a batch spans many shards.
+        self._npy = tar
+        self._tok_raw = (self.starts[:, self.pad_col].copy(), self.sizes[:, self.pad_col].copy())
+        self.tok_view = np.frombuffer(self.mapped.buffer(), dtype=np.dtype(spec.dtype),
+                                      count=self.mapped.size // np.dtype(spec.dtype).itemsize)
+        self.tok_bytes = memoryview(self.mapped.buffer()).cast("B")  # rows are copied as raw bytes
+        self._tok_ranges = self._parse(np.arange(len(self._tok_raw[0])))
+
+    def token_ranges(self, li: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(first element, element count) of the length field's payload for samples ``li``;
+        None where a payload is not a plain array (the caller decodes sample by sample)."""
+        if self._tok_ranges is None:
+            return None
+        return self._tok_ranges[0][li], self._tok_ranges[1][li]
+
+    def _parse(self, li: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        start, size = self._tok_raw[0][li], self._tok_raw[1][li]
+        if self._npy:
             # npy 1.0: magic(6) version(2) header_len(2, little endian) header; data after it.
-            if len(start) and (
-                (size < 10).any() or (self.u8[start] != 0x93).any() or (self.u8[start + 6] != 1).any()
-            ):
-                return  # not npy 1.0 everywhere: decode sample by sample instead
-            header = 10 + self.u8[start + 8].astype(np.int64) + (self.u8[start + 9].astype(np.int64) << 8)
+            u8 = self.u8
+            if len(start) and ((size < 10).any() or (u8[start] != 0x93).any() or (u8[start + 6] != 1).any()):
+                return None
+            header = 10 + u8[start + 8].astype(np.int64) + (u8[start + 9].astype(np.int64) << 8)
             start, size = start + header, size - header
-        if (start % dtype.itemsize).any() or (size % dtype.itemsize).any() or (size < 0).any():
-            return
-        self.tok_view = np.frombuffer(self.mapped.buffer(), dtype=dtype, count=self.mapped.size // dtype.itemsize)
-        self.tok_start = start // dtype.itemsize
-        self.tok_count = size // dtype.itemsize
+        item = self.tok_view.itemsize
+        if len(start) and ((start % item).any() or (size % item).any() or (size < 0).any()):
+            return None
+        return start // item, size // item
 
     def raw(self, j: int, i: int) -> bytes:
         a = int(self.starts[i, j])
@@ -125,7 +138,9 @@ class ShardView:
         return out
 
     def close(self) -> None:
-        self.u8 = self.tok_view = None
+        if self.tok_bytes is not None:
+            self.tok_bytes.release()
+        self.u8 = self.tok_view = self.tok_bytes = None
         self.mapped.close()
 
 

@@ -1,24 +1,23 @@
-"""Parallel reading: a map-style dataset whose item ``b`` is batch ``b`` of this rank's plan.
+"""Which batch is which, and who loads it: in the trainer, or in worker processes.
 
-A `DataLoader` over it with ``batch_size=None`` and a sampler over ``range(start, n)`` gives
-real worker processes, ``prefetch_factor`` batches in flight per worker, pinned memory, and
-in-order delivery whatever worker finishes first; so the batch sequence never depends on
-``num_workers``. Its ``timeout`` and worker-death detection turn a hung or killed worker into
-an exception in the trainer instead of a hang.
+`PlanBatches` item ``b`` is batch ``b`` of this rank's plan, read and collated. With
+``num_workers=0`` the trainer loads batches itself; otherwise a `WorkerPool` (loader/pool.py)
+loads them in worker processes into reusable shared-memory slots and delivers them in batch
+order, so the batch sequence never depends on ``num_workers``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from .collate import collate_samples
+from .collate import Alloc, collate_samples
+from .pool import WorkerPool
 from .reader import BatchReader, describe_ids
 
 
-class PlanBatches(Dataset):
+class PlanBatches:
     """Item b: the batch of global sample ids ``ids[offsets[b]:offsets[b+1]]``, read and collated."""
 
     def __init__(self, reader: BatchReader, ids: np.ndarray, offsets: np.ndarray, *, where: str,
@@ -38,18 +37,22 @@ class PlanBatches(Dataset):
         return self.ids[self.offsets[b] : self.offsets[b + 1]]
 
     def __getitem__(self, b: int) -> Any:
+        return self.load(b)
+
+    def load(self, b: int, alloc: Alloc | None = None) -> Any:
+        """Batch b; ``alloc`` (in a worker): where its arrays are born, a shared-memory slot."""
         ids = self.batch_ids(b)
         try:
             if self.transform is None and self.collate_fn is None:
                 # Only a worker's output crosses a process boundary: pack bytes there only.
-                return self.reader.read_batch(ids, pack=get_worker_info() is not None)
+                return self.reader.read_batch(ids, pack=alloc is not None, alloc=alloc)
             samples = self.reader.read_samples(ids)
             if self.transform is not None:
                 samples = [self._transform(s, g) for s, g in zip(samples, ids.tolist())]
             if self.collate_fn is not None:
                 return self.collate_fn(samples)
             return collate_samples(samples, pad_field=self.reader.pad_field, pad_id=self.pad_id,
-                                   lengths=self.reader.index_lengths(ids))
+                                   lengths=self.reader.index_lengths(ids), alloc=alloc or np.empty)
         except Exception as e:
             e.add_note(f"while loading batch {b} of {self.where}: {describe_ids(self.reader, ids)}")
             raise
@@ -63,27 +66,27 @@ class PlanBatches(Dataset):
 
 
 def make_dataloader(dataset: PlanBatches, start: int, *, num_workers: int, prefetch_factor: int,
-                    pin_memory: bool, timeout: float) -> DataLoader:
-    kwargs: dict[str, Any] = {}
-    if num_workers > 0:
-        kwargs.update(prefetch_factor=prefetch_factor, timeout=timeout, persistent_workers=False,
-                      worker_init_fn=_worker_init)
-    return DataLoader(
-        dataset,
-        batch_size=None,
-        collate_fn=_as_is,
-        sampler=range(start, len(dataset)),
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        **kwargs,
-    )
+                    pin_memory: bool, timeout: float) -> Iterator[Any]:
+    """Batches ``start .. len(dataset)-1`` in order (the name predates our own worker pool)."""
+    pin = bool(pin_memory) and torch.cuda.is_available()
+    if num_workers == 0:
+        return _in_process(dataset, start, pin)
+    return WorkerPool(dataset.load, start, len(dataset), num_workers=num_workers, prefetch_factor=prefetch_factor,
+                      timeout=timeout, pin=pin)
 
 
-def _as_is(batch: Any) -> Any:
-    # DataLoader's default (default_convert) walks every list element; our batches are ready.
-    return batch
+def _in_process(dataset: PlanBatches, start: int, pin: bool) -> Iterator[Any]:
+    for b in range(start, len(dataset)):
+        batch = dataset.load(b)
+        yield pin_tree(batch) if pin else batch
 
 
-def _worker_init(_worker_id: int) -> None:
-    # Reading and decoding are numpy-vectorised; intra-op threads per worker only oversubscribe.
-    torch.set_num_threads(1)
+def pin_tree(obj: Any) -> Any:
+    """Every CPU tensor of a batch in page-locked memory (for asynchronous copies to the GPU)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.pin_memory() if obj.device.type == "cpu" else obj
+    if type(obj) is dict:
+        return {k: pin_tree(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple) and obj and not isinstance(obj[0], str):
+        return type(obj)(pin_tree(v) for v in obj)
+    return obj

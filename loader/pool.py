@@ -1,0 +1,208 @@
+"""Worker processes that read batches into reusable shared-memory slots, delivered in order.
+
+Batch ``b`` of a pass over ``range(start, n)`` goes to worker ``(b - start) % W`` and to that
+worker's slot ``(b - start) // W % prefetch_factor``. Each worker has ``prefetch_factor``
+batches in flight; after the trainer copies batch ``b`` out of its slot, it sends the same
+worker batch ``b + W * prefetch_factor`` into the same slot. So results are consumed in batch
+order whatever worker finishes first, and the batch sequence never depends on ``num_workers``.
+
+Only small metadata crosses the pipe, pickled with plain `pickle`: multiprocessing's own
+pickler, as extended by torch, would give every tensor its own new shared-memory segment
+(the per-batch cost of descriptor passing, mmap and munmap this module exists to avoid).
+
+A worker that raises sends its traceback; one that dies, or sends nothing for ``timeout``
+seconds, is a `WorkerFailed` in the trainer. Workers are forked (they inherit the slots and
+the plan) and exit when told, when their pipe closes, or when the trainer is gone.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import time
+import traceback
+import weakref
+from multiprocessing.connection import wait
+from typing import Any, Callable
+
+from .shmring import Slot, decode, encode
+
+POLL_PARENT_S = 1.0
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process died, exited or hung while loading a batch."""
+
+
+class WorkerPool:
+    """Iterator over ``load(b, alloc)`` for b in ``range(start, n)``, computed by worker processes."""
+
+    def __init__(self, load: Callable[[int, Callable], Any], start: int, n: int, *, num_workers: int,
+                 prefetch_factor: int, timeout: float, pin: bool = False):
+        self.start, self.n, self.next_b = start, n, start
+        self.workers, self.depth = num_workers, prefetch_factor
+        self.timeout, self.pin = timeout, pin
+        ctx = mp.get_context("fork")  # workers share the plan and the slots by inheritance
+        self.slots = [[Slot() for _ in range(prefetch_factor)] for _ in range(num_workers)]
+        self.conns: list = []
+        self.procs: list = []
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self.slots)
+        parent = os.getpid()
+        for w in range(num_workers):
+            mine, theirs = ctx.Pipe(duplex=True)
+            self.conns.append(mine)
+            p = ctx.Process(target=_worker_main, args=(load, theirs, self.slots[w], parent, list(self.conns)),
+                            name=f"shardtool-loader-{w}", daemon=True)
+            p.start()
+            theirs.close()
+            self.procs.append(p)
+        for b in range(start, min(n, start + num_workers * prefetch_factor)):
+            self._send(b)
+
+    def _where(self, b: int) -> tuple[int, int]:
+        i = b - self.start
+        return i % self.workers, i // self.workers % self.depth
+
+    def _send(self, b: int) -> None:
+        w, k = self._where(b)
+        try:
+            self.conns[w].send_bytes(pickle.dumps((b, k)))
+        except OSError:
+            pass  # the worker is gone; the next receive from it says how
+
+    def __iter__(self) -> "WorkerPool":
+        return self
+
+    def __next__(self) -> Any:
+        b = self.next_b
+        if b >= self.n:
+            self.close()
+            raise StopIteration
+        w, k = self._where(b)
+        msg = self._receive(w, b)
+        if msg[0] == "err":
+            raise _rebuild(msg[2], msg[3])
+        batch = decode(pickle.loads(msg[2]), self.slots[w][k], self.pin)
+        nxt = b + self.workers * self.depth
+        if nxt < self.n:
+            self._send(nxt)  # the slot is free again: batch b was copied out
+        self.next_b = b + 1
+        return batch
+
+    def _receive(self, w: int, b: int) -> tuple:
+        conn, proc = self.conns[w], self.procs[w]
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            ready = wait([conn, proc.sentinel], timeout=max(left, 0))
+            if conn in ready:
+                try:
+                    msg = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    proc.join(1.0)
+                    raise WorkerFailed(f"worker {w} (pid {proc.pid}) {_exit_reason(proc)} while loading batch {b}") from None
+                if msg[1] != b:
+                    raise WorkerFailed(f"worker {w} sent batch {msg[1]} when batch {b} was due")
+                return msg
+            if ready:
+                proc.join(1.0)
+                raise WorkerFailed(f"worker {w} (pid {proc.pid}) {_exit_reason(proc)} while loading batch {b}")
+            if left <= 0:
+                raise WorkerFailed(f"worker {w} (pid {proc.pid}) timed out: no batch {b} after {self.timeout:g} s")
+
+    def close(self) -> None:
+        self._finalizer()
+
+    # The name sharded.py calls at the end of a pass (it was written for torch's DataLoader).
+    _shutdown_workers = close
+
+
+def _exit_reason(proc) -> str:
+    code = proc.exitcode
+    if code is None:
+        return "closed its pipe"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _rebuild(exc_type: type | None, text: str) -> BaseException:
+    """The worker's exception, of its type where possible, its message the full traceback."""
+    if isinstance(exc_type, type) and issubclass(exc_type, Exception):
+        try:
+            return exc_type(text)
+        except Exception:
+            pass
+    return WorkerFailed(text)
+
+
+def _shutdown(procs: list, conns: list, slots: list) -> None:
+    for c in conns:
+        try:
+            c.send_bytes(pickle.dumps(None))
+        except OSError:
+            pass
+    deadline = time.monotonic() + 2.0
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 0))
+    for p in procs:
+        if p.is_alive():
+            p.kill()  # hung in user code: it holds nothing the trainer needs
+            p.join(1.0)
+        try:
+            p.close()  # its sentinel descriptor, now rather than when the last reference goes
+        except ValueError:
+            pass
+    for c in conns:
+        c.close()
+    for row in slots:
+        for s in row:
+            s.close()
+    procs.clear()
+    conns.clear()
+
+
+# ---------------------------------------------------------------------- worker process
+def _worker_main(load: Callable, conn, slots: list[Slot], parent: int, parent_ends: list) -> None:
+    for c in parent_ends:  # so that our pipe (and our siblings') sees EOF when the trainer dies
+        c.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    import torch
+
+    # Reading and decoding are numpy-vectorised; intra-op threads per worker only oversubscribe.
+    torch.set_num_threads(1)
+    while True:
+        try:
+            while not conn.poll(POLL_PARENT_S):
+                if os.getppid() != parent:
+                    return
+            task = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        b, k = task
+        slot = slots[k]
+        try:
+            slot.reset()
+            out = pickle.dumps(("ok", b, pickle.dumps(encode(load(b, slot.empty), slot), pickle.HIGHEST_PROTOCOL)),
+                               pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            text = f"{type(e).__name__} in loader worker (pid {os.getpid()}):\n" + "".join(traceback.format_exception(e))
+            out = pickle.dumps(("err", b, _picklable_type(e), text))
+        try:
+            conn.send_bytes(out)
+        except OSError:
+            return
+
+
+def _picklable_type(e: BaseException) -> type | None:
+    try:
+        pickle.loads(pickle.dumps(type(e)))
+        return type(e)
+    except Exception:
+        return None
