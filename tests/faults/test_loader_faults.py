@@ -230,11 +230,6 @@ def test_a_killed_worker_fails_the_rank_within_seconds(dataset):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason=(
-    "loader/sharded.py _run + torch DataLoader hand-over (loader/workers.py, being rewritten): a worker "
-    "SIGKILLed while reading batch 2 is reported as 'batch 0 could not be loaded' with batch 0's samples "
-    "(seen here; batch 0 was already read): the SIGCHLD error is raised for whatever batch the trainer "
-    "is waiting on, and the batches the dead worker held (DataLoader _task_info) are not named"))
 def test_a_killed_worker_error_names_the_batch_it_was_reading(dataset):
     root, keys = dataset
     batches = make(root).plan.rank_batches(0)
@@ -248,11 +243,6 @@ def test_a_killed_worker_error_names_the_batch_it_was_reading(dataset):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "torch DataLoader's SIGCHLD handler (installed by the iterator that loader/workers.py builds; the "
-    "worker hand-over is being rewritten): a worker killed while the trainer is in its own step code "
-    "raises a bare RuntimeError('DataLoader worker (pid N) is killed by signal') from inside that code "
-    "(here time.sleep), not a LoaderError from the loader naming rank, batch and shard"))
 def test_a_worker_killed_during_the_training_step_is_a_loader_error(dataset):
     root, keys = dataset
     # batch 6 is handed to a worker when the trainer takes batch 2 (2 workers x prefetch 2 in flight):
