@@ -115,7 +115,6 @@ class WorkerPool:
         self._finalizer()
 
     # The name sharded.py calls at the end of a pass (it was written for torch's DataLoader).
-    _shutdown_workers = close
 
 
 def _exit_reason(proc) -> str:

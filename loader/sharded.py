@@ -183,8 +183,8 @@ class ShardedLoader:
                 except ShardtoolError:
                     raise  # our reader's errors already name the shard and sample
                 except (RuntimeError, EOFError, ConnectionError) as e:
-                    # The DataLoader's own failures: a worker killed, exited or timed out (a
-                    # worker killed mid-send can also surface as a broken queue: EOF, reset).
+                    # The worker pool's own failures: a worker killed, exited or timed out (a
+                    # worker killed mid-send can also surface as a broken pipe: EOF, reset).
                     raise LoaderError(
                         f"{where}: batch {b} could not be loaded ({describe_ids(self.reader, batches.batch_ids(b))}): "
                         f"a worker process failed, exited or was killed ({type(e).__name__}: {e})"
@@ -192,9 +192,7 @@ class ShardedLoader:
                 self._served = b + 1
                 yield unpack_batch(batch)
         finally:
-            shutdown = getattr(it, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
+            it.close()  # the worker pool, or the in-process generator
         self._start_epoch(self._epoch + 1)
 
     def _check_ranks_agree(self, plan: EpochPlan) -> None:
