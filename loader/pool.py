@@ -114,8 +114,6 @@ class WorkerPool:
     def close(self) -> None:
         self._finalizer()
 
-    # The name sharded.py calls at the end of a pass (it was written for torch's DataLoader).
-
 
 def _exit_reason(proc) -> str:
     code = proc.exitcode
