@@ -111,6 +111,22 @@ class ShardFileWriter:
             self.batch.append(b)
             self.row.append(r)
 
+    def add_tar_block(self, data, keys: list[str], offsets: np.ndarray, field_offsets: np.ndarray,
+                      field_sizes: np.ndarray, lengths: np.ndarray) -> None:
+        """Append consecutive samples whose tar members the caller laid out in ``data``.
+
+        ``offsets`` (n + 1,) are the sample boundaries relative to ``data``'s start;
+        ``field_offsets`` / ``field_sizes`` are (n, F) as in the sample index. One large write
+        (and one hash update) instead of one per sample.
+        """
+        base = self._tar.write_block(data)
+        self.keys.extend(keys)
+        self.lengths.extend(lengths.tolist())
+        self.offsets.extend((offsets[:-1] + base).tolist())
+        self.sizes.extend(np.diff(offsets).tolist())
+        self.field_offsets.extend(field_offsets.tolist())
+        self.field_sizes.extend(field_sizes.tolist())
+
     def abort(self) -> None:
         try:
             self._raw.close()
