@@ -23,7 +23,7 @@ from ..format.tarshard import BLOCK, headers_batch
 
 @dataclass
 class EncodedBatch:
-    data: np.ndarray  # uint8, every sample's members back to back
+    data: np.ndarray  # uint8, every sample's members back to back (reused by the next batch)
     keys: list[str]
     offsets: np.ndarray  # (n + 1,) sample boundaries in ``data``
     field_offsets: np.ndarray  # (n, F) payload offset relative to the sample start
@@ -57,12 +57,11 @@ class BatchEncoder:
         self.ok = all(key_width + len(m) <= 100 for m in self.member_names) and all(
             f.storage in ("array", "text", "int", "raw") for f in fields)
         self._headers: dict[tuple[str, int], bytes] = {}
+        self._buf: np.ndarray | None = None
 
     # ---------------------------------------------------------------- columns → payloads
     def _column(self, spec: FieldSpec, col):
         """(sizes, pieces) of one field: pieces is a list of (kind, ...) copy recipes, or None."""
-        import pyarrow as pa
-        import pyarrow.compute as pc
         import pyarrow.types as pt
 
         t = col.type
@@ -99,6 +98,9 @@ class BatchEncoder:
         if spec.storage == "int":
             if not pt.is_integer(t):
                 return None
+            import pyarrow as pa
+            import pyarrow.compute as pc  # imported only when needed: it costs ~0.1 s
+
             values = col.to_numpy()
             col = pc.cast(col, pa.string())
             t = col.type
@@ -115,8 +117,17 @@ class BatchEncoder:
         offsets = offsets.astype(np.int64)
         data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
         if spec.storage == "text" and self.length_field == spec.name:
+            import pyarrow.compute as pc
+
             lengths = pc.utf8_length(col).to_numpy().astype(np.int64)
         return np.diff(offsets), ("bytes", data, offsets), lengths
+
+    def _buffer(self, n: int) -> np.ndarray:
+        # One buffer for every batch: a fresh 30 MB array per batch costs page faults each time.
+        # The caller writes a batch out before encoding the next, so reusing it is safe.
+        if self._buf is None or len(self._buf) < n:
+            self._buf = np.empty(max(n, 1 << 20) * 5 // 4 // BLOCK * BLOCK + BLOCK, dtype=np.uint8)
+        return self._buf[:n]
 
     # ---------------------------------------------------------------- the batch
     def encode(self, batch, first_position: int) -> EncodedBatch | None:
@@ -158,8 +169,12 @@ class BatchEncoder:
             return None
         key_arr = np.frombuffer(key_bytes, dtype=np.uint8).reshape(n, self.key_width)
         total = int(offsets[-1])
-        data = np.zeros(total, dtype=np.uint8)
+        data = self._buffer(total)
         blocks = data.reshape(-1, BLOCK)
+        # The reused buffer holds the last batch: zero each payload's final block (its padding);
+        # headers and payloads overwrite everything else.
+        last = (starts + BLOCK + np.maximum(sizes - 1, 0)) // BLOCK
+        blocks[last[sizes > 0]] = 0
         for j, suffix in enumerate(self.member_names):
             names = np.empty((n, self.key_width + len(suffix)), dtype=np.uint8)
             names[:, : self.key_width] = key_arr

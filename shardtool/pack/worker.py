@@ -18,6 +18,7 @@ from ..format.tarshard import BLOCK, _pad
 from ..format.writer import ShardFileWriter
 from .options import load_function
 from .fastcol import BatchEncoder, EncodedBatch
+from .prefetch import prefetch
 from .readers import Bad, ColumnBatch, batch_rows, read_unit
 from .schema import Shaper
 from .units import Unit
@@ -174,8 +175,11 @@ def run_job(job: Job, progress: Callable[[int, int], None] | None = None) -> Job
     try:
         for unit, pos0 in zip(job.units, job.positions):
             try:
-                for batch_rec in read_unit(unit, key_field=job.key_field, max_sample_bytes=job.max_sample_bytes,
-                                           on_bad=skip, whole_batches=fast is not None):
+                recs_or_batches = read_unit(unit, key_field=job.key_field, max_sample_bytes=job.max_sample_bytes,
+                                            on_bad=skip, whole_batches=fast is not None)
+                if fast is not None and unit.kind in ("parquet", "arrow"):
+                    recs_or_batches = prefetch(recs_or_batches)
+                for batch_rec in recs_or_batches:
                     if batch_rec.__class__ is ColumnBatch:
                         if pack_batch(batch_rec, pos0):
                             continue
