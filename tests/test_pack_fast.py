@@ -82,3 +82,28 @@ def test_fast_path_takes_clean_batches():
     fields = [infer_field(n, v) for n, v in first.items()]
     enc = fastcol.BatchEncoder(fields, key_width=9, length_field="tokens", shard_size=None).encode(batch, 0)
     assert enc is not None and len(enc) == 50 and enc.keys[0] == "000000000"
+
+
+@pytest.mark.timeout(30)
+def test_prefetch_keeps_order_errors_and_stops_early():
+    import threading
+
+    from shardtool.pack.prefetch import prefetch
+
+    assert list(prefetch(iter(range(100)))) == list(range(100))
+
+    def failing():
+        yield 1
+        yield 2
+        raise ValueError("third")
+
+    got = []
+    with pytest.raises(ValueError, match="third"):
+        for x in prefetch(failing()):
+            got.append(x)
+    assert got == [1, 2]
+    before = threading.active_count()
+    it = prefetch(iter(range(10**9)))
+    assert next(it) == 0
+    it.close()  # the consumer stops early: the reading thread must end too
+    assert threading.active_count() == before

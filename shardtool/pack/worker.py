@@ -172,6 +172,7 @@ def run_job(job: Job, progress: Callable[[int, int], None] | None = None) -> Job
             progress(len(enc), enc.payload_bytes)
         return True
 
+    reading: list = []
     try:
         for unit, pos0 in zip(job.units, job.positions):
             try:
@@ -179,6 +180,7 @@ def run_job(job: Job, progress: Callable[[int, int], None] | None = None) -> Job
                                             on_bad=skip, whole_batches=fast is not None)
                 if fast is not None and unit.kind in ("parquet", "arrow"):
                     recs_or_batches = prefetch(recs_or_batches)
+                    reading.append(recs_or_batches)
                 for batch_rec in recs_or_batches:
                     if batch_rec.__class__ is ColumnBatch:
                         if pack_batch(batch_rec, pos0):
@@ -216,6 +218,8 @@ def run_job(job: Job, progress: Callable[[int, int], None] | None = None) -> Job
                 skip(e)
         roller.finish()
     except BaseException:
+        for it in reading:  # stop read-ahead threads now, not when the traceback is freed
+            it.close()
         roller.abort()
         raise
     if progress is not None and pending_n:
