@@ -61,7 +61,7 @@ class BatchEncoder:
 
     # ---------------------------------------------------------------- columns → payloads
     def _column(self, spec: FieldSpec, col):
-        """(sizes, pieces) of one field: pieces is a list of (kind, ...) copy recipes, or None."""
+        """(payload sizes, copy recipe, per-row lengths or None) of one field, or None to decline."""
         import pyarrow.types as pt
 
         t = col.type
@@ -107,8 +107,13 @@ class BatchEncoder:
             lengths = values
         else:
             lengths = None
-        if spec.storage == "text" and not (pt.is_string(t) or pt.is_large_string(t)):
-            return None
+        if spec.storage == "text":
+            if not (pt.is_string(t) or pt.is_large_string(t)):
+                return None
+            try:  # invalid UTF-8 must fail as the row path fails (it decodes every string)
+                col.validate(full=True)
+            except Exception:
+                return None
         if spec.storage == "raw" and not (pt.is_binary(t) or pt.is_large_binary(t)):
             return None
         big = pt.is_large_string(t) or pt.is_large_binary(t)
