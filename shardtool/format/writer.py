@@ -21,6 +21,10 @@ from .sindex import ShardIndex
 from .tarshard import TarShardWriter
 
 WRITE_BUFFER = 8 << 20
+# Every this many bytes, ask the kernel to start writing the shard out (without waiting), so the
+# fsync that publishes it finds little left to do and the disk works while we pack.
+WRITEBACK_EVERY = 32 << 20
+_FADVISE = getattr(os, "posix_fadvise", None)
 
 
 class _HashingFile(io.RawIOBase):
@@ -30,6 +34,7 @@ class _HashingFile(io.RawIOBase):
         self.f = f
         self.h = new_hasher()
         self.pos = 0
+        self._written_back = 0
 
     def writable(self) -> bool:
         return True
@@ -39,7 +44,21 @@ class _HashingFile(io.RawIOBase):
         self.f.write(b)
         n = len(b) if not isinstance(b, memoryview) else b.nbytes
         self.pos += n
+        if self.pos - self._written_back >= WRITEBACK_EVERY:
+            self._start_writeback()
         return n
+
+    def _start_writeback(self) -> None:
+        start, self._written_back = self._written_back, self.pos
+        if _FADVISE is None:
+            return
+        try:
+            self.f.flush()
+            # On Linux, DONTNEED starts asynchronous writeback of the dirty range (pages still
+            # dirty or under writeback stay cached); elsewhere it is at worst a no-op.
+            _FADVISE(self.f.fileno(), start, self.pos - start, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
 
     def tell(self) -> int:
         return self.pos
@@ -69,6 +88,9 @@ class ShardFileWriter:
         self.field_sizes: list[list[int]] = []
         self.batch: list[int] = []
         self.row: list[int] = []
+        # Tar samples added in blocks keep their index columns as arrays, in order with the
+        # per-sample lists above (flushed into a chunk whenever a block follows them).
+        self._chunks: list[tuple[np.ndarray, ...]] = []
         if shard_format == "tar":
             self._tar = TarShardWriter(self._hf, [f.ext for f in fields])
         else:
@@ -111,6 +133,30 @@ class ShardFileWriter:
             self.batch.append(b)
             self.row.append(r)
 
+    def add_tar_block(self, data, keys: list[str], offsets: np.ndarray, field_offsets: np.ndarray,
+                      field_sizes: np.ndarray, lengths: np.ndarray) -> None:
+        """Append consecutive samples whose tar members the caller laid out in ``data``.
+
+        ``offsets`` (n + 1,) are the sample boundaries relative to ``data``'s start;
+        ``field_offsets`` / ``field_sizes`` are (n, F) as in the sample index. One large write
+        (and one hash update) instead of one per sample.
+        """
+        base = self._tar.write_block(data)
+        self._flush_rows()
+        self.keys.extend(keys)
+        self._chunks.append((offsets[:-1] + base, np.diff(offsets), lengths, field_offsets, field_sizes))
+
+    def _flush_rows(self) -> None:
+        if not self.offsets:
+            return
+        F = len(self.fields)
+        self._chunks.append((np.array(self.offsets, dtype=np.int64), np.array(self.sizes, dtype=np.int64),
+                             np.array(self.lengths, dtype=np.int64),
+                             np.array(self.field_offsets, dtype=np.int64).reshape(-1, F),
+                             np.array(self.field_sizes, dtype=np.int64).reshape(-1, F)))
+        for column in (self.offsets, self.sizes, self.lengths, self.field_offsets, self.field_sizes):
+            column.clear()
+
     def abort(self) -> None:
         try:
             self._raw.close()
@@ -124,8 +170,13 @@ class ShardFileWriter:
         try:
             if self.shard_format == "tar":
                 self._tar.close()
-                offsets = np.array(self.offsets, dtype=np.uint64)
-                sizes = np.array(self.sizes, dtype=np.uint64)
+                self._flush_rows()
+                F = len(self.fields)
+                chunks = self._chunks or [(np.zeros(0, np.int64),) * 3 + (np.zeros((0, F), np.int64),) * 2]
+                offsets, sizes, tar_lengths, field_offsets, field_sizes = (
+                    np.concatenate([c[k] for c in chunks]) for k in range(5))
+                offsets = offsets.astype(np.uint64)
+                sizes = sizes.astype(np.uint64)
             else:
                 self._arrow.close()
                 ranges = np.array(self._arrow.batch_ranges, dtype=np.uint64).reshape(-1, 2)
@@ -137,12 +188,15 @@ class ShardFileWriter:
         except BaseException:
             self.abort()
             raise
-        lengths = np.array(self.lengths, dtype=np.int64)
         n = len(self.keys)
+        if self.shard_format == "tar":
+            lengths = tar_lengths.astype(np.int64)
+        else:
+            lengths = np.array(self.lengths, dtype=np.int64)
         idx = ShardIndex(self.keys, offsets, sizes, lengths)
         if self.shard_format == "tar":
-            idx.field_offsets = np.array(self.field_offsets, dtype=np.uint32).reshape(n, len(self.fields))
-            idx.field_sizes = np.array(self.field_sizes, dtype=np.uint64).reshape(n, len(self.fields))
+            idx.field_offsets = field_offsets.astype(np.uint32).reshape(n, len(self.fields))
+            idx.field_sizes = field_sizes.astype(np.uint64).reshape(n, len(self.fields))
         else:
             idx.batch = np.array(self.batch, dtype=np.int32)
             idx.row = np.array(self.row, dtype=np.int32)

@@ -74,11 +74,21 @@ def count_unit(unit: Unit, max_line: int) -> int:
         raise BadSampleError(f"cannot read source ({type(e).__name__}: {e})", source=unit.path) from None
 
 
-def read_unit(unit: Unit, *, key_field: str | None, max_sample_bytes: int, on_bad) -> Iterator[Any]:
+@dataclass
+class ColumnBatch:
+    """A whole record batch, for callers that pack batches (``read_unit(..., whole_batches=True)``);
+    :func:`batch_rows` gives its rows when they cannot."""
+
+    pos: int  # position of its first row in the unit
+    batch: Any
+
+
+def read_unit(unit: Unit, *, key_field: str | None, max_sample_bytes: int, on_bad,
+              whole_batches: bool = False) -> Iterator[Any]:
     if unit.kind == "jsonl":
         return _jsonl(unit, max_sample_bytes)
     if unit.kind in ("parquet", "arrow"):
-        return _columnar(unit)
+        return _columnar(unit, whole_batches)
     if unit.kind == "tar":
         return _tar(unit, max_sample_bytes, on_bad)
     return _tree(unit)
@@ -167,17 +177,29 @@ def _batches(unit: Unit):
             yield reader.get_batch(i)
 
 
-def _columnar(unit: Unit) -> Iterator[Any]:
+def _columnar(unit: Unit, whole_batches: bool = False) -> Iterator[Any]:
     pos = 0
     try:
         for batch in _batches(unit):
-            names = batch.schema.names
-            cols = [_column_values(batch.column(j)) for j in range(batch.num_columns)]
-            for r in range(batch.num_rows):
-                yield pos, None, {n: c[r] for n, c in zip(names, cols)}, _row_where(unit, pos)
-                pos += 1
+            if whole_batches:
+                yield ColumnBatch(pos, batch)
+            else:
+                yield from batch_rows(unit, batch, pos)
+            pos += batch.num_rows
     except (OSError, ValueError) as e:
         raise BadSampleError(f"cannot read source near row {pos} ({e})", source=unit.path) from None
+
+
+def batch_rows(unit: Unit, batch, pos: int) -> Iterator[Any]:
+    """The rows of one record batch whose first row is at ``pos`` in the unit."""
+    try:
+        names = batch.schema.names
+        cols = [_column_values(batch.column(j)) for j in range(batch.num_columns)]
+    except (OSError, ValueError) as e:
+        raise BadSampleError(f"cannot read source near row {pos} ({e})", source=unit.path) from None
+    for r in range(batch.num_rows):
+        yield pos, None, {n: c[r] for n, c in zip(names, cols)}, _row_where(unit, pos)
+        pos += 1
 
 
 def _row_where(unit: Unit, pos: int) -> str:

@@ -15,7 +15,9 @@ from ..format.fields import FieldSpec
 from ..format.tarshard import BLOCK
 from ..format.writer import ShardFileWriter
 from .options import load_function
-from .readers import Bad, read_unit
+from .fastcol import BatchEncoder, EncodedBatch
+from .prefetch import prefetch
+from .readers import Bad, ColumnBatch, batch_rows, read_unit
 from .schema import Shaper
 from .units import Unit
 
@@ -84,6 +86,39 @@ class _Roller:
         self.w.add_encoded(key, values, payloads, length)
         self.cur_bytes += sample_bytes
 
+    def add_batch(self, enc: EncodedBatch) -> None:
+        """Same shard cuts as calling :meth:`add` per sample, decided on the cumulative sizes."""
+        job = self.job
+        offsets = enc.offsets
+        n = len(enc)
+        i = 0
+        while i < n:
+            if self.w is None:
+                self.w = ShardFileWriter(job.out, shard_name(job.task, job.worker, self.seq, job.fmt), job.fmt,
+                                         job.fields)
+                self.seq += 1
+                self.cur_bytes = 0
+            have = len(self.w.keys)
+            k = n - i
+            if job.samples_per_shard is not None:
+                k = min(k, job.samples_per_shard - have)
+            if job.shard_size is not None and k > 0:
+                # Sample i+m fits while cur + (offsets[i+m+1] - offsets[i]) + 2 blocks <= limit.
+                room = job.shard_size - 2 * BLOCK - self.cur_bytes + int(offsets[i])
+                k = min(k, int(np.searchsorted(offsets[i + 1 : i + 1 + k], room, side="right")))
+            if k <= 0:
+                if have == 0:
+                    k = 1  # a fresh shard always takes the next sample
+                else:
+                    self.finish()
+                    continue
+            j = i + k
+            a, b = int(offsets[i]), int(offsets[j])
+            self.w.add_tar_block(memoryview(enc.data)[a:b], enc.keys[i:j], offsets[i : j + 1] - a,
+                                 enc.field_offsets[i:j], enc.field_sizes[i:j], enc.lengths[i:j])
+            self.cur_bytes += b - a
+            i = j
+
     def finish(self) -> None:
         if self.w is None:
             return
@@ -116,38 +151,73 @@ def run_job(job: Job, progress: Callable[[int, int], None] | None = None) -> Job
             raise err
         result.skipped.append(str(err))
 
+    # Whole Arrow batches go through the columnar fast path when keys are positions and the
+    # length is a field (or bytes); it declines any batch it cannot encode exactly.
+    fast = None
+    if tar and job.key_field is None and job.length_fn is None:
+        fast = BatchEncoder(job.fields, key_width=job.key_width, length_field=job.length_field,
+                            shard_size=job.shard_size)
+        if not fast.ok:
+            fast = None
+
+    def pack_batch(cb: ColumnBatch, pos0: int) -> bool:
+        enc = fast.encode(cb.batch, pos0 + cb.pos)
+        if enc is None or not seen.isdisjoint(enc.keys):
+            return False
+        roller.add_batch(enc)
+        seen.update(enc.keys)
+        if progress is not None:
+            progress(len(enc), enc.payload_bytes)
+        return True
+
+    reading: list = []
     try:
         for unit, pos0 in zip(job.units, job.positions):
             try:
-                for rec in read_unit(unit, key_field=job.key_field, max_sample_bytes=job.max_sample_bytes, on_bad=skip):
-                    if rec.__class__ is Bad:
-                        skip(rec.error)
-                        continue
-                    pos, key, obj, where = rec
-                    try:
-                        key, values, payloads, length, nbytes = shaper.shape(pos0 + pos, key, obj, unit.path, where)
-                        if key in seen:
-                            raise BadSampleError(f"duplicate key {key!r}", source=unit.path, position=where)
-                        if tar:
-                            sample_bytes = nbytes + nf_block
-                            for p in payloads:
-                                sample_bytes += -len(p) % BLOCK
-                        else:
-                            sample_bytes = nbytes
-                        roller.add(key, values, payloads, length, sample_bytes, unit.path, where)
-                    except BadSampleError as e:
-                        skip(e)
-                        continue
-                    seen.add(key)
-                    pending_n += 1
-                    pending_b += nbytes
-                    if pending_n >= PROGRESS_EVERY and progress is not None:
-                        progress(pending_n, pending_b)
-                        pending_n = pending_b = 0
+                recs_or_batches = read_unit(unit, key_field=job.key_field, max_sample_bytes=job.max_sample_bytes,
+                                            on_bad=skip, whole_batches=fast is not None)
+                if fast is not None and unit.kind in ("parquet", "arrow"):
+                    recs_or_batches = prefetch(recs_or_batches)
+                    reading.append(recs_or_batches)
+                for batch_rec in recs_or_batches:
+                    if batch_rec.__class__ is ColumnBatch:
+                        if pack_batch(batch_rec, pos0):
+                            continue
+                        recs = batch_rows(unit, batch_rec.batch, batch_rec.pos)
+                    else:
+                        recs = (batch_rec,)
+                    for rec in recs:
+                        if rec.__class__ is Bad:
+                            skip(rec.error)
+                            continue
+                        pos, key, obj, where = rec
+                        try:
+                            key, values, payloads, length, nbytes = shaper.shape(pos0 + pos, key, obj, unit.path,
+                                                                                 where)
+                            if key in seen:
+                                raise BadSampleError(f"duplicate key {key!r}", source=unit.path, position=where)
+                            if tar:
+                                sample_bytes = nbytes + nf_block
+                                for p in payloads:
+                                    sample_bytes += -len(p) % BLOCK
+                            else:
+                                sample_bytes = nbytes
+                            roller.add(key, values, payloads, length, sample_bytes, unit.path, where)
+                        except BadSampleError as e:
+                            skip(e)
+                            continue
+                        seen.add(key)
+                        pending_n += 1
+                        pending_b += nbytes
+                        if pending_n >= PROGRESS_EVERY and progress is not None:
+                            progress(pending_n, pending_b)
+                            pending_n = pending_b = 0
             except BadSampleError as e:  # the unit itself is unreadable past this point
                 skip(e)
         roller.finish()
     except BaseException:
+        for it in reading:  # stop read-ahead threads now, not when the traceback is freed
+            it.close()
         roller.abort()
         raise
     if progress is not None and pending_n:
