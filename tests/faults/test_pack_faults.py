@@ -8,7 +8,6 @@ JSONL (same file), a timed SIGKILL mid-shard (``test_sigkill_mid_shard_then_reru
 """
 from __future__ import annotations
 
-import contextlib
 import gzip
 import io
 import os
