@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .arrowshard import KEY_COLUMN, check_schema, row_values
+from .arrowshard import KEY_COLUMN, check_schema, record_batch_from_range, row_values
 from .errors import FormatError
 from .fields import decode_bytes
-from .hashing import hash_bytes
+from .hashing import hash_bytes, range_checksum
 from .manifest import MANIFEST_NAME, Manifest, check_length_summary, lengths_from_bytes, manifest_hash
 from .sindex import ShardIndex
 
@@ -106,6 +106,7 @@ class Dataset:
         self._indexes: dict[int, ShardIndex] = {}
         self._ranges: dict[int, Any] = {}
         self._arrow: dict[int, Any] = {}
+        self._last_batch: tuple = (None, None, None)  # rows of one record batch are read in runs
         self._lock = threading.Lock()
         self._field_names = self.manifest.field_names
 
@@ -183,8 +184,7 @@ class Dataset:
             raise IndexError(f"shard {self.manifest.shards[shard].path} has {len(idx)} samples, asked for #{i}")
         if self.manifest.shard_format == "arrow":
             return self._read_arrow(shard, idx, i)
-        off, size = int(idx.offsets[i]), int(idx.sizes[i])
-        blob = memoryview(self._range(shard).read(off, size))
+        blob = memoryview(self._verified_range(shard, idx, i))
         out: dict[str, Any] = {KEY_COLUMN: idx.keys[i]}
         for j, name in enumerate(self._field_names):
             fo = int(idx.field_offsets[i, j])
@@ -204,9 +204,27 @@ class Dataset:
             self._arrow[shard] = reader
         return reader
 
+    def _verified_range(self, shard: int, idx: ShardIndex, i: int) -> bytes:
+        """The byte range of sample ``i``, checked against its index checksum before any use."""
+        off, size = int(idx.offsets[i]), int(idx.sizes[i])
+        data = self._range(shard).read(off, size)
+        if idx.checksums is not None and range_checksum(data) != int(idx.checksums[i]):
+            raise FormatError(
+                f"shard {self.manifest.shards[shard].path} sample #{i} ({idx.keys[i]!r}): bytes at offset {off} "
+                "do not match the checksum in the sample index (corrupt shard or storage)"
+            )
+        return data
+
     def _read_arrow(self, shard: int, idx: ShardIndex, i: int) -> dict[str, Any]:
-        reader = self._arrow_reader(shard)
-        batch = reader.get_batch(int(idx.batch[i]))
+        reader = self._arrow_reader(shard)  # footer and schema, checked once per shard
+        b = int(idx.batch[i])
+        if idx.checksums is None:
+            batch = reader.get_batch(b)
+        elif self._last_batch[:2] == (shard, b):
+            batch = self._last_batch[2]
+        else:
+            batch = record_batch_from_range(self._verified_range(shard, idx, i), reader.schema)
+            self._last_batch = (shard, b, batch)
         return row_values(batch, int(idx.row[i]), self.manifest.fields)
 
     def read(self, shard: int, i: int, *, decode: bool = True) -> dict[str, Any]:

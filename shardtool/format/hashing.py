@@ -50,3 +50,8 @@ def check_algo(digest: str) -> None:
         from .errors import FormatError
 
         raise FormatError(f"unsupported hash algorithm {algo!r} (this shardtool knows {ALGO!r})")
+
+
+def range_checksum(data) -> int:
+    """The per-sample checksum stored in the sample index (xxh3-64 of the sample's byte range)."""
+    return xxhash.xxh3_64_intdigest(data)

@@ -31,6 +31,9 @@ class ShardIndex:
     field_sizes: np.ndarray | None = None  # [n, F] uint64, tar only
     batch: np.ndarray | None = None  # int32, arrow only
     row: np.ndarray | None = None  # int32, arrow only
+    # xxh3-64 of each sample's byte range, so a ranged read (no whole-shard hash possible) is
+    # still verified before use. Absent in indexes written before it existed.
+    checksums: np.ndarray | None = None  # uint64
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -49,6 +52,8 @@ class ShardIndex:
         if self.batch is not None:
             cols["batch"] = pa.array(self.batch.astype(np.int32))
             cols["row"] = pa.array(self.row.astype(np.int32))
+        if self.checksums is not None:
+            cols["xxh3_64"] = pa.array(self.checksums.astype(np.uint64))
         table = pa.table(cols)
         sink = io.BytesIO()
         with pa.ipc.new_file(sink, table.schema) as w:
@@ -92,6 +97,8 @@ class ShardIndex:
         else:
             idx.batch = col("batch", np.int32)
             idx.row = col("row", np.int32)
+        if "xxh3_64" in names:
+            idx.checksums = col("xxh3_64", np.uint64)
         return idx
 
     def check(self, *, shard: str, samples: int, shard_bytes: int, lengths: np.ndarray | None) -> None:
