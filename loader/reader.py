@@ -150,25 +150,32 @@ class BatchReader:
 
     def _gather_tokens(self, groups, b: int, alloc: Alloc) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Padded tokens and lengths, or None when some payload is not a plain array."""
-        ranges = []
+        # Per-shard pieces are concatenated once, so the per-batch numpy work does not grow with
+        # the number of shards a batch spans (a shuffled batch touches most of a node's shards).
+        rows_l, first_l, n_l, bufs = [], [], [], []
         for v, rows, li in groups:
             r = v.token_ranges(li)
             if r is None:
                 return None
-            ranges.append(r)
+            rows_l.append(rows)
+            first_l.append(r[0])
+            n_l.append(r[1])
+            bufs.append(v.tok_bytes)
+        rows = np.concatenate(rows_l) if rows_l else np.zeros(0, np.int64)
+        first = np.concatenate(first_l) if first_l else np.zeros(0, np.int64)
+        n = np.concatenate(n_l) if n_l else np.zeros(0, np.int64)
+        which = np.repeat(np.arange(len(bufs)), [len(x) for x in rows_l]) if bufs else np.zeros(0, np.int64)
         counts = alloc(b, np.int64)
-        for (v, rows, li), (_, n) in zip(groups, ranges):
-            counts[rows] = n
+        counts[rows] = n
         width = int(counts.max(initial=0))
         padded = alloc((b, width), np.int64)
         dtype = groups[0][0].tok_view.dtype if groups else np.dtype(np.int64)
         info = np.iinfo(dtype)
         if not info.min <= self.pad_id <= info.max:
             padded.fill(self.pad_id)
-            for (v, rows, li), (first, n) in zip(groups, ranges):  # pad id outside the stored dtype: widen per row
-                view = v.tok_view
-                for r, a, c in zip(rows.tolist(), first.tolist(), n.tolist()):
-                    padded[r, :c] = view[a : a + c]
+            views = [v.tok_view for v, _, _ in groups]
+            for r, w, a, c in zip(rows.tolist(), which.tolist(), first.tolist(), n.tolist()):
+                padded[r, :c] = views[w][a : a + c]  # pad id outside the stored dtype: widen per row
             return torch.from_numpy(padded), torch.from_numpy(counts)
         # Rows are copied as raw bytes (memoryview slice assignment is a bare memcpy, several
         # times cheaper per sample than a numpy slice assignment with a cast), in the stored
@@ -178,11 +185,9 @@ class BatchReader:
         narrow.fill(self.pad_id)
         dst = memoryview(narrow.reshape(-1).view(np.uint8))
         item = dtype.itemsize
-        row_bytes = width * item
-        for (v, rows, li), (first, n) in zip(groups, ranges):
-            src = v.tok_bytes
-            for r, a, k in zip((rows * row_bytes).tolist(), (first * item).tolist(), (n * item).tolist()):
-                dst[r : r + k] = src[a : a + k]
+        for r, w, a, k in zip((rows * (width * item)).tolist(), which.tolist(), (first * item).tolist(),
+                              (n * item).tolist()):
+            dst[r : r + k] = bufs[w][a : a + k]
         dst.release()
         if narrow is not padded:
             np.copyto(padded, narrow)

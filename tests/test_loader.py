@@ -245,3 +245,20 @@ def test_padding_efficiency_on_lognormal_tokens(tmp_path):
         real += int(b["lengths"].sum())
         padded += b["tokens"].numel()
     assert real / padded >= 0.95
+
+
+def test_pad_id_outside_the_stored_dtype_is_still_exact(tmp_path):
+    # int16 tokens padded with an id int16 cannot hold: rows are widened one by one instead.
+    root, keys = write_dataset(str(tmp_path / "d"), [6, 5, 7], dtype="i2")
+    ds = open_dataset(root)
+    off = ds.manifest.shard_offsets()
+    seen = 0
+    for batch in ShardedLoader(root, max_tokens=64, num_workers=0, pad_id=70000):
+        for r, key in enumerate(batch["__key__"]):
+            g = keys.index(key)
+            s = int(np.searchsorted(off, g, side="right") - 1)
+            n = int(batch["lengths"][r])
+            assert np.array_equal(batch["tokens"][r, :n].numpy(), ds.read(s, g - int(off[s]))["tokens"])
+            assert (batch["tokens"][r, n:] == 70000).all()
+            seen += 1
+    assert seen > 0
