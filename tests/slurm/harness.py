@@ -262,17 +262,8 @@ class LocalSlurm:
     def wait_state(self, jobid: int, states: str | Iterable[str], timeout: float = 60,
                    poll: float = 0.2) -> str:
         """Poll until JobState is one of `states`; returns it. TimeoutError (with diagnostics) otherwise."""
-        want = {states} if isinstance(states, str) else set(states)
-        deadline = time.monotonic() + timeout
-        state = None
-        while True:
-            state = self.job_state(jobid)
-            if state in want:
-                return state
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"job {jobid} not in {sorted(want)} after {timeout}s (now {state})\n"
-                                   f"{self.job_info(jobid)}\n{self.logs_tail()}")
-            time.sleep(poll)
+        return self._poll_state(f"job {jobid}", lambda: self.job_state(jobid), states, timeout, poll,
+                                lambda: self.job_info(jobid))
 
     def scancel(self, jobid: int, *options: str) -> None:
         self.run(["scancel", *options, str(jobid)], timeout=15)
@@ -317,15 +308,20 @@ class LocalSlurm:
 
     def wait_node_state(self, node: str, states: str | Iterable[str], timeout: float = 60,
                         poll: float = 0.2) -> str:
+        return self._poll_state(node, lambda: self.node_states().get(node), states, timeout, poll,
+                                lambda: self.node_info(node))
+
+    def _poll_state(self, what: str, get, states: str | Iterable[str], timeout: float, poll: float, info):
+        """Poll `get()` until it returns one of `states`; TimeoutError with `info()` and log tails."""
         want = {states} if isinstance(states, str) else set(states)
         deadline = time.monotonic() + timeout
         while True:
-            st = self.node_states().get(node)
-            if st in want:
-                return st
+            state = get()
+            if state in want:
+                return state
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"{node} not in {sorted(want)} after {timeout}s (now {st})\n"
-                                   f"{self.node_info(node)}\n{self.logs_tail()}")
+                raise TimeoutError(f"{what} not in {sorted(want)} after {timeout}s (now {state})\n"
+                                   f"{info()}\n{self.logs_tail()}")
             time.sleep(poll)
 
     def resume_node(self, node: str, timeout: float = 30) -> None:
