@@ -16,7 +16,7 @@ from .budget import cached_versions, disk_free, evict, scan
 from .evict import effective_limit
 from .layout import META_DIR, lengths_rel, read_sources
 from .locks import try_exclusive
-from .meta import local_matches
+from .meta import local_matches, stamp_found_intact
 from .store import read_verified_local
 
 TEMP_GRACE_S = 600  # a metadata temp file untouched this long belongs to a dead writer
@@ -64,7 +64,7 @@ def verify(cache_dir: str, *, remove_bad: bool = True) -> dict:
                     continue
                 if local_matches(p, info):
                     res["ok"] += 1
-                    vd.write_stamp(i, info)
+                    stamp_found_intact(vd, i, info)
                 else:
                     res["bad"].append(p)
                     vd.drop_stamp(i)

@@ -8,12 +8,14 @@
         index.json  lengths.npy    same names and relative shard/index paths as the source
         <shard paths> <index paths>
         .shardtool/locks/<i>.lock  per-shard flock (exclusive: fetch/evict, shared: read)
-        .shardtool/ok/<i>          trust stamp: size, mtime_ns, ctime_ns, inode and hash of the verified shard
+        .shardtool/ok/<i>          trust stamp: size, mtime_ns, ctime_ns, inode and hash of the verified
+                                   shard, the boot it was written in and whether the shard was fsynced
         .shardtool/assigned.json   the shards the last warm assigned to this node
 
 A shard is published only after its size and hash matched the manifest; the stamp written after
 the rename records the file's stat, so later checks are one ``stat`` per shard. Any change to the
-file (size, mtime, ctime, inode) voids the stamp and the shard is hashed again before it is trusted.
+file (size, mtime, ctime, inode) voids the stamp and the shard is hashed again before it is trusted;
+so does a reboot for a shard that was published without an fsync (:mod:`cache.durability`).
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ import time
 from shardtool.format.atomic import atomic_write_bytes
 from shardtool.format.manifest import LENGTHS_NAME, MANIFEST_NAME, ShardInfo
 
+from .durability import stamp_fields, stamp_survives
 from .locks import locked
+from .store import write_small
 
 SOURCES_NAME = "sources.json"
 META_DIR = ".shardtool"
@@ -82,16 +86,15 @@ class VersionDir:
             return False
         # ctime too: a write followed by os.utime (rsync -t, a restore) can put size and mtime back,
         # but nothing can set ctime back.
-        return (stamp.get("size") == st.st_size == info.bytes and stamp.get("mtime_ns") == st.st_mtime_ns
+        return (stamp_survives(stamp) and stamp.get("size") == st.st_size == info.bytes and stamp.get("mtime_ns") == st.st_mtime_ns
                 and stamp.get("ctime_ns") == st.st_ctime_ns and stamp.get("ino") == st.st_ino
                 and stamp.get("hash") == info.hash)
 
-    def write_stamp(self, shard: int, info: ShardInfo) -> None:
+    def write_stamp(self, shard: int, info: ShardInfo, *, fsynced: bool) -> None:
         st = os.stat(self.path(info.path))
         body = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
-                "hash": info.hash}
+                "hash": info.hash, **stamp_fields(fsynced)}
         # Not fsynced: a stamp lost in a crash only costs one re-hash; a torn one fails to parse.
-        from .store import write_small
         write_small(self.stamp_path(shard), json.dumps(body).encode())
 
     def drop_stamp(self, shard: int) -> None:
@@ -117,8 +120,9 @@ class VersionDir:
             return set()
 
     def write_assigned(self, shards: list[int], layout: dict) -> None:
+        """Not fsynced: an eviction hint, rewritten by every warm."""
         body = {"shards": sorted(shards), "layout": layout, "written": time.time()}
-        atomic_write_bytes(self.assigned_path, json.dumps(body).encode())
+        write_small(self.assigned_path, json.dumps(body).encode())
 
 
 def lengths_rel(manifest) -> str:

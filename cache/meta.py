@@ -11,6 +11,7 @@ import time
 from shardtool.format.hashing import hash_file
 from shardtool.format.manifest import Manifest, ShardInfo
 
+from .durability import must_fsync
 from .errors import CacheError, LocalFault, NotCached
 from .layout import VersionDir, lengths_rel
 from .locks import locked
@@ -51,6 +52,21 @@ def ensure_index(vd: VersionDir, info: ShardInfo, src: Source | None, **kw) -> b
                         what=f"sample index {info.index}", **kw)
 
 
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def stamp_found_intact(vd: VersionDir, shard: int, info: ShardInfo) -> None:
+    """Trust a shard found in the cache that just hashed equal to the manifest. It is fsynced
+    first (a no-op for bytes already on disk, e.g. after a reboot), so the stamp outlives reboots."""
+    fsync_path(vd.path(info.path))
+    vd.write_stamp(shard, info, fsynced=True)
+
+
 def local_matches(path: str, info: ShardInfo) -> bool:
     try:
         if os.path.getsize(path) != info.bytes:
@@ -61,8 +77,10 @@ def local_matches(path: str, info: ShardInfo) -> bool:
 
 
 def ensure_shard(vd: VersionDir, shard: int, info: ShardInfo, src: Source | None, *, policy: RetryPolicy,
-                 deadline: float | None = None, on_bytes=None, on_retry=None, verify: bool = False) -> str:
-    """Make shard ``shard`` present and trusted; returns HIT, VERIFIED (found intact) or COPIED."""
+                 deadline: float | None = None, on_bytes=None, on_retry=None, verify: bool = False,
+                 durable: bool = False) -> str:
+    """Make shard ``shard`` present and trusted; returns HIT, VERIFIED (found intact) or COPIED.
+    ``durable``: fsync a copied shard before publishing it (see :mod:`cache.durability`)."""
     if not verify and vd.trusted(shard, info):
         return HIT
     lock_wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -80,16 +98,18 @@ def ensure_shard(vd: VersionDir, shard: int, info: ShardInfo, src: Source | None
         remove_temps_for(final)  # left by a killed holder of this lock
         if os.path.exists(final):
             if local_matches(final, info):
-                vd.write_stamp(shard, info)
+                stamp_found_intact(vd, shard, info)
                 return VERIFIED
             vd.drop_stamp(shard)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(final)
         if src is None:
             raise NotCached(f"shard {info.path} is not in the cache {vd.root} and the source is unavailable")
-        copy_shard(src, info, final, policy=policy, deadline=deadline, on_bytes=on_bytes, on_retry=on_retry)
+        fsynced = must_fsync(durable)
+        copy_shard(src, info, final, policy=policy, deadline=deadline, on_bytes=on_bytes, on_retry=on_retry,
+                   fsync=fsynced)
         try:
-            vd.write_stamp(shard, info)
+            vd.write_stamp(shard, info, fsynced=fsynced)
         except OSError as e:
             raise local_fault(e, f"trust stamp of shard {info.path}") from None
         return COPIED

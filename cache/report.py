@@ -31,6 +31,7 @@ class WarmReport:
     error: str | None = None
     status: str = "ok"          # ok | remote_failed | local_fault | partial (best effort)
     strict: bool = False
+    durable: bool = False       # shards fsynced before publishing (else re-verified after a reboot)
     seconds: float = 0.0
 
     @property

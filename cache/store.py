@@ -1,17 +1,18 @@
 """The two edges of a transfer: reading the source through fsspec and publishing into the cache.
 
-A shard is streamed in large sequential reads into a temp file next to its final name, hashed
-on the way, checked against the manifest (size, then hash), fsynced and renamed. Errors on the
+A shard is copied into a temp file next to its final name (in the kernel from a local source, in
+large sequential reads hashed on the way from a remote one), checked against the manifest (size,
+then hash), fsynced if asked (:mod:`cache.durability`) and renamed. Errors on the
 source side are retried by :mod:`cache.retry`; errors on the local side (disk full, read-only,
 permissions) become :class:`LocalFault` at once, because retrying cannot fix them.
 """
 from __future__ import annotations
 
 import contextlib
-import glob
+import mmap
 import os
 import posixpath
-import tempfile
+import threading
 import time
 from typing import Callable
 
@@ -22,6 +23,7 @@ from shardtool.format.dataset import is_local
 from shardtool.format.hashing import format_digest, hash_bytes, new_hasher
 from shardtool.format.manifest import ShardInfo
 
+from .kcopy import DestinationError, copy_range
 from .errors import LocalFault, SourceCorrupt, SourceUnavailable
 from .retry import RetryPolicy, call_with_timeout, with_retries
 
@@ -57,14 +59,14 @@ class Source:
 
     def read_bytes(self, rel: str, *, policy: RetryPolicy, deadline: float | None = None) -> bytes:
         path = self.path(rel)
-        stall = None if self.local else policy.stall_timeout
-        return with_retries(lambda t: call_with_timeout(lambda: self.fs.cat_file(path), _min(t, stall)),
+        if self.local:  # a local read cannot be abandoned usefully; no watchdog thread per file
+            return with_retries(lambda t: self.fs.cat_file(path), what=path, policy=policy, deadline=deadline)
+        return with_retries(lambda t: call_with_timeout(lambda: self.fs.cat_file(path), _min(t, policy.stall_timeout)),
                             what=path, policy=policy, deadline=deadline)
 
     def open_stream(self, rel: str):
+        """A remote object for sequential reading (local files are copied by :mod:`cache.kcopy`)."""
         path = self.path(rel)
-        if self.local:
-            return open(path, "rb", buffering=0)
         # No read-ahead cache: every read is one large ranged request, nothing read twice.
         return self.fs.open(path, "rb", block_size=CHUNK, cache_type="none")
 
@@ -75,22 +77,25 @@ def _min(a: float | None, b: float | None) -> float | None:
     return a if b is None else min(a, b)
 
 
-def remove_temps_for(final_path: str) -> int:
-    """Delete temp files of this one target; only the holder of its lock may call this."""
+def temp_path_for(final_path: str) -> str:
+    """The one temp name of a target. Only the holder of the target's exclusive lock writes it,
+    so a fixed name is safe, and a dead holder's leftover is found without listing the directory
+    (a listing per shard would make a warm of n shards in one directory cost n**2)."""
     d, base = os.path.split(final_path)
-    n = 0
-    for p in glob.glob(os.path.join(glob.escape(d), glob.escape(TMP_PREFIX + base + ".")) + "*"):
-        with contextlib.suppress(OSError):
-            os.unlink(p)
-            n += 1
-    return n
+    return os.path.join(d, TMP_PREFIX + base + ".part")
+
+
+def remove_temps_for(final_path: str) -> None:
+    """Delete a killed writer's temp of this one target; only the holder of its lock may call this."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temp_path_for(final_path))
 
 
 def _new_temp(final_path: str, what: str) -> tuple[int, str]:
-    d, base = os.path.split(final_path)
+    tmp = temp_path_for(final_path)
     try:
-        os.makedirs(d, exist_ok=True)
-        return tempfile.mkstemp(prefix=TMP_PREFIX + base + ".", dir=d)
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        return os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644), tmp
     except OSError as e:
         raise local_fault(e, what) from None
 
@@ -108,57 +113,103 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
             _FADVISE(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
+def _hash_fd(fd: int, size: int) -> str:
+    """Hash what the temp file holds, i.e. exactly the bytes that will be published; they were
+    just written, so this reads the page cache, not the disk."""
+    h = new_hasher()
+    if size:
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as m:
+            h.update(m)
+    return format_digest(h)
+
+
+def _copy_local(src: Source, info: ShardInfo, fd: int, what: str, began: float, timeout: float | None,
+                progress: Callable[[int], None]) -> str:
+    """Local source: copy in the kernel (as cp does), then hash the copy. Returns its digest."""
+    sfd = os.open(src.path(info.path), os.O_RDONLY)  # missing: FileNotFoundError, a 404 to the retry layer
+    try:
+        if os.fstat(sfd).st_size > info.bytes:
+            raise SourceCorrupt(f"{what}: source is larger than the manifest's {info.bytes} bytes")
+
+        def step(n: int) -> None:
+            progress(n)
+            if timeout is not None and time.monotonic() - began > timeout:
+                raise TimeoutError(f"{what}: attempt exceeded {timeout:.1f}s")
+
+        try:
+            n = copy_range(sfd, fd, info.bytes, on_step=step)
+        except DestinationError as e:
+            raise local_fault(e, what) from None
+    finally:
+        os.close(sfd)
+    if n < info.bytes:
+        raise ShortRead(f"{what}: source ended after {n} of {info.bytes} bytes")
+    return _hash_fd(fd, info.bytes)
+
+
+def _copy_stream(src: Source, info: ShardInfo, fd: int, what: str, began: float, timeout: float | None,
+                 stall: float | None, progress: Callable[[int], None], fsync: bool) -> str:
+    """Remote (or any fsspec) source: large sequential reads, hashed on the way. Returns the digest."""
+    h = new_hasher()
+    counted = written_back = 0
+    with src.open_stream(info.path) as f:
+        while True:
+            if timeout is not None and time.monotonic() - began > timeout:
+                raise TimeoutError(f"{what}: attempt exceeded {timeout:.1f}s")
+            left = None if timeout is None else timeout - (time.monotonic() - began)
+            data = call_with_timeout(lambda: f.read(CHUNK), _min(stall, left))
+            n = len(data)
+            if not n:
+                break
+            counted += n
+            if counted > info.bytes:
+                raise SourceCorrupt(f"{what}: source is larger than the manifest's {info.bytes} bytes")
+            h.update(data)
+            try:
+                mv = memoryview(data)
+                while mv:
+                    w = os.write(fd, mv)
+                    mv = mv[w:]
+            except OSError as e:
+                raise local_fault(e, what) from None
+            if fsync and counted - written_back >= WRITEBACK_EVERY:
+                _start_writeback(fd, written_back, counted - written_back)
+                written_back = counted
+            progress(n)
+    if counted < info.bytes:
+        raise ShortRead(f"{what}: source ended after {counted} of {info.bytes} bytes")
+    return format_digest(h)
+
+
 def _copy_once(src: Source, info: ShardInfo, final_path: str, timeout: float | None,
-               stall: float | None, on_bytes: Callable[[int], None] | None) -> None:
+               stall: float | None, on_bytes: Callable[[int], None] | None, fsync: bool) -> None:
     what = f"shard {info.path}"
     fd, tmp = _new_temp(final_path, what)
     counted = 0
+
+    def progress(n: int) -> None:
+        nonlocal counted
+        counted += n
+        if on_bytes is not None:
+            on_bytes(n)
+
     try:
         began = time.monotonic()
-        h = new_hasher()
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
-        written_back = 0
-        with src.open_stream(info.path) as f:
-            while True:
-                if timeout is not None and time.monotonic() - began > timeout:
-                    raise TimeoutError(f"{what}: attempt exceeded {timeout:.1f}s")
-                if src.local:
-                    n = f.readinto(buf)
-                    data = view[:n]
-                else:
-                    left = None if timeout is None else timeout - (time.monotonic() - began)
-                    data = call_with_timeout(lambda: f.read(CHUNK), _min(stall, left))
-                    n = len(data)
-                if not n:
-                    break
-                counted += n
-                if counted > info.bytes:
-                    raise SourceCorrupt(f"{what}: source is larger than the manifest's {info.bytes} bytes")
-                h.update(data)
-                try:
-                    mv = memoryview(data)
-                    while mv:
-                        w = os.write(fd, mv)
-                        mv = mv[w:]
-                except OSError as e:
-                    raise local_fault(e, what) from None
-                if counted - written_back >= WRITEBACK_EVERY:
-                    _start_writeback(fd, written_back, counted - written_back)
-                    written_back = counted
-                if on_bytes is not None:
-                    on_bytes(n)
-        if counted < info.bytes:
-            raise ShortRead(f"{what}: source ended after {counted} of {info.bytes} bytes")
-        digest = format_digest(h)
+        if src.local:
+            digest = _copy_local(src, info, fd, what, began, timeout, progress)
+        else:
+            digest = _copy_stream(src, info, fd, what, began, timeout, stall, progress, fsync)
         if digest != info.hash:
             raise HashMismatch(f"{what}: source content hash {digest} does not match the manifest's {info.hash}")
         try:
-            os.fsync(fd)
+            if fsync:
+                os.fsync(fd)
             os.close(fd)
             fd = -1
+            # Safe to publish unsynced: see cache.durability (the stamp records it).
             os.replace(tmp, final_path)
-            fsync_dir(os.path.dirname(final_path))
+            if fsync:
+                fsync_dir(os.path.dirname(final_path))
         except OSError as e:
             raise local_fault(e, what) from None
     except BaseException:
@@ -173,11 +224,12 @@ def _copy_once(src: Source, info: ShardInfo, final_path: str, timeout: float | N
 
 def copy_shard(src: Source, info: ShardInfo, final_path: str, *, policy: RetryPolicy,
                deadline: float | None = None, on_bytes: Callable[[int], None] | None = None,
-               on_retry=None) -> None:
-    """Fetch one shard into ``final_path``, verified and atomic, retrying transient failures."""
+               on_retry=None, fsync: bool = True) -> None:
+    """Fetch one shard into ``final_path``, verified and atomic, retrying transient failures;
+    ``fsync``: make it durable before the rename (else see :mod:`cache.durability`)."""
     stall = None if src.local else policy.stall_timeout
     try:
-        with_retries(lambda t: _copy_once(src, info, final_path, t, stall, on_bytes),
+        with_retries(lambda t: _copy_once(src, info, final_path, t, stall, on_bytes, fsync),
                      what=f"shard {info.path} ({src.path(info.path)})", policy=policy, deadline=deadline,
                      on_retry=on_retry)
     except SourceUnavailable as e:
@@ -202,12 +254,22 @@ def store_verified(path: str, data: bytes, *, size: int | None, digest: str | No
 def write_small(path: str, data: bytes) -> None:
     """Atomic but not fsynced: small files are re-verified against the manifest on every read,
     so one lost in a crash is refetched, and 1,000s of fsyncs would dominate a warm of small shards."""
-    d = os.path.dirname(path)
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + os.path.basename(path) + ".", dir=d)
+    d, base = os.path.split(path)
+    # Unique per thread of a live process (writers of one index may race without a lock), and
+    # cheaper than mkstemp's random names; a dead process's leftover is simply overwritten.
+    tmp = os.path.join(d, f"{TMP_PREFIX}{base}.{os.getpid()}-{threading.get_ident()}")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except FileNotFoundError:
+        os.makedirs(d, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            mv = memoryview(data)
+            while mv:
+                mv = mv[os.write(fd, mv):]
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -20,6 +20,7 @@ from shardtool.format.manifest import MANIFEST_NAME, lengths_from_bytes
 
 from .assign import NodeLayout, assigned_shards
 from .budget import disk_free, evict, scan
+from .durability import must_fsync
 from .errors import BudgetError, CacheError, LocalFault, RemoteError
 from .evict import choose_fit, effective_limit, plan_eviction
 from .layout import VersionDir, record_source
@@ -70,12 +71,15 @@ class _Progress:
 
 def warm(url: str, cache_dir: str, *, layout: NodeLayout | None = None, all_shards: bool = False,
          jobs: int = 8, max_bytes: int | None = None, min_free: int | None = None, best_effort: bool = False,
-         strict: bool = False, timeout: float | None = None, verify: bool = False,
+         strict: bool = False, timeout: float | None = None, verify: bool = False, durable: bool = False,
          retry: RetryPolicy = RetryPolicy(), storage_options: dict | None = None, progress: bool | None = None,
          env: Mapping[str, str] | None = None, log=None) -> WarmReport:
     """Warm ``cache_dir`` with the shards node ``layout.node`` of ``layout.num_nodes`` reads (every
     shard with ``all_shards``). Never raises for remote or local failures: the returned report
-    carries ``status`` and ``exit_code``. ``layout=None`` without ``all_shards`` means one node."""
+    carries ``status`` and ``exit_code``. ``layout=None`` without ``all_shards`` means one node.
+    ``durable``: fsync each shard before publishing it; by default shards are published once
+    verified and re-verified if the machine reboots before the kernel wrote them back
+    (:mod:`cache.durability`)."""
     began = time.monotonic()
     deadline = None if timeout is None else began + timeout
     if progress is None:
@@ -83,11 +87,11 @@ def warm(url: str, cache_dir: str, *, layout: NodeLayout | None = None, all_shar
     if layout is None and not all_shards:
         layout = NodeLayout(0, 1)
     report = WarmReport(url=url, cache_dir=os.path.abspath(cache_dir), strict=strict,
-                        layout=None if all_shards else layout.to_dict())
+                        layout=None if all_shards else layout.to_dict(), durable=must_fsync(durable))
     log = log or (lambda msg: print(f"shardtool warm: {msg}", file=sys.stderr))
     try:
         _warm(report, url, cache_dir, layout=None if all_shards else layout, jobs=jobs, max_bytes=max_bytes,
-              min_free=min_free, best_effort=best_effort, deadline=deadline, verify=verify, retry=retry,
+              min_free=min_free, best_effort=best_effort, deadline=deadline, verify=verify, durable=durable, retry=retry,
               storage_options=storage_options, progress=progress, log=log)
     except LocalFault as e:
         report.status, report.error = "local_fault", str(e)
@@ -103,7 +107,7 @@ def warm(url: str, cache_dir: str, *, layout: NodeLayout | None = None, all_shar
 
 
 def _warm(report: WarmReport, url, cache_dir, *, layout, jobs, max_bytes, min_free, best_effort, deadline,
-          verify, retry, storage_options, progress, log) -> None:
+          verify, durable, retry, storage_options, progress, log) -> None:
     check_cache_dir(cache_dir)
     try:
         src = Source(url, storage_options)
@@ -128,22 +132,8 @@ def _warm(report: WarmReport, url, cache_dir, *, layout, jobs, max_bytes, min_fr
         failed[i] = str(e)
         report.failures.append({"shard": i, "path": m.shards[i].path, "error": str(e), "kind": type(e).__name__})
 
-    # Sample indexes first (small, many): the loader needs them even for shards fetched later.
-    with ThreadPoolExecutor(max(jobs, 1)) as pool:
-        futs = {pool.submit(ensure_index, vd, m.shards[i], src, **kw): i for i in shards}
-        for f, i in futs.items():
-            try:
-                f.result()
-            except LocalFault:
-                raise
-            except RemoteError as e:
-                fail(i, e)
-    record_source(cache_dir, url, ds.version)  # metadata is in place: an offline loader can start
-
     todo = []
     for i in shards:
-        if i in failed:
-            continue
         if not verify and vd.trusted(i, m.shards[i]):
             report.shards_skipped += 1
             report.bytes_skipped += m.shards[i].bytes
@@ -160,8 +150,12 @@ def _warm(report: WarmReport, url, cache_dir, *, layout, jobs, max_bytes, min_fr
 
     def one(i: int) -> None:
         info = m.shards[i]
+        index = index_futs[i]
+        if index.exception() is not None:  # failed (recorded by the main thread) or cancelled
+            return
         try:
-            outcome = ensure_shard(vd, i, info, src, on_bytes=bar, on_retry=retried, verify=verify, **kw)
+            outcome = ensure_shard(vd, i, info, src, on_bytes=bar, on_retry=retried, verify=verify, durable=durable,
+                                   **kw)
         except LocalFault:
             raise
         except CacheError as e:  # a remote error, or a lock wait that ran past the deadline
@@ -179,15 +173,28 @@ def _warm(report: WarmReport, url, cache_dir, *, layout, jobs, max_bytes, min_fr
                     bar(info.bytes)
 
     try:
-        # Largest first: the long transfers start early and the tail is short.
-        order = sorted(todo, key=lambda i: -m.shards[i].bytes)
         with ThreadPoolExecutor(max(jobs, 1)) as pool:
+            # One pool, indexes queued first: they are small and the loader needs them even for
+            # shards fetched later, and the shard copies start while the last of them land.
+            index_futs = {i: pool.submit(ensure_index, vd, m.shards[i], src, **kw) for i in shards}
+            # Largest first: the long transfers start early and the tail is short.
+            order = sorted(todo, key=lambda i: -m.shards[i].bytes)
             futs = [pool.submit(one, i) for i in order]
-            done, pending = wait(futs, return_when=FIRST_EXCEPTION)
-            for f in pending:
-                f.cancel()
-            for f in done:
-                f.result()  # re-raise a LocalFault: this node cannot hold its shards
+            try:
+                for i, f in index_futs.items():
+                    try:
+                        f.result()
+                    except RemoteError as e:
+                        with lock:
+                            fail(i, e)
+                record_source(cache_dir, url, ds.version)  # metadata is in place: an offline loader can start
+                done, pending = wait(futs, return_when=FIRST_EXCEPTION)
+                for f in done:
+                    f.result()  # re-raise a LocalFault: this node cannot hold its shards
+            except BaseException:
+                for f in futs:
+                    f.cancel()
+                raise
     finally:
         bar.close()
     report.shards_failed = len(failed)

@@ -95,7 +95,7 @@ def test_stale_lock_and_temp_from_a_dead_holder_are_recovered(src, tmp_path):
     assert holder.stdout.readline().strip() == "locked"
     final = vd.path(ds.manifest.shards[0].path)
     os.makedirs(os.path.dirname(final), exist_ok=True)
-    with open(os.path.join(os.path.dirname(final), TMP_PREFIX + os.path.basename(final) + ".dead"), "wb") as f:
+    with open(os.path.join(os.path.dirname(final), TMP_PREFIX + os.path.basename(final) + ".part"), "wb") as f:
         f.write(b"partial")
     holder.kill()
     holder.wait(10)

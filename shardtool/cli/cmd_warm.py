@@ -17,9 +17,11 @@ uses; they depend only on the dataset and the node count (no seed or batching co
 Node layout: --nodes/--node-rank/--ranks-per-node, else SLURM_JOB_NUM_NODES, SLURM_NODEID and
 SLURM_NTASKS_PER_NODE or SLURM_GPUS_ON_NODE. --all warms every shard.
 
-Each shard goes to a temp file, is checked against the manifest's size and hash, fsynced and
-renamed; a rerun skips what is already there and verified. Concurrent warmers (and a loader's
-fetch-on-miss) share per-shard flock locks.
+Each shard goes to a temp file (copied in the kernel from a local or parallel filesystem, as cp
+does), is checked against the manifest's size and hash and renamed; with --durable it is also
+fsynced first. Without --durable a shard the machine crashed before writing back is hashed again
+before it is trusted, so nothing lost is ever served. A rerun skips what is already there and
+verified. Concurrent warmers (and a loader's fetch-on-miss) share per-shard flock locks.
 
 exit codes:
   0  success; also a remote failure (source unreachable, timed out, shard missing or corrupt)
@@ -85,6 +87,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--retries", type=int, default=5, help="attempts per object on transient errors (default 5)")
     f.add_argument("--attempt-timeout", type=float, default=900.0, help="seconds for one try of one object")
     f.add_argument("--stall-timeout", type=float, default=60.0, help="seconds a single read may stall")
+    p.add_argument("--durable", action="store_true",
+                   help="fsync every shard before publishing it, so the cache survives a machine crash without "
+                        "re-hashing (slower: waits for the disk, like `cp; sync`). Without it, shards are published "
+                        "as soon as verified, like `cp`, and any not yet on disk when the machine crashes are "
+                        "hashed again before they are trusted")
     p.add_argument("--verify", action="store_true", help="re-hash shards already in the cache instead of trusting stamps")
     p.add_argument("--storage-option", "-o", action="append", type=parse_storage_option, metavar="KEY=VALUE",
                    help="fsspec storage option (repeatable; dotted keys nest, values parsed as JSON when possible)")
@@ -110,7 +117,7 @@ def run(args) -> int:
     policy = RetryPolicy(attempts=args.retries, attempt_timeout=args.attempt_timeout, stall_timeout=args.stall_timeout)
     report = warm(args.url, args.cache_dir, layout=layout, all_shards=args.all, jobs=args.jobs,
                   max_bytes=args.max_bytes, min_free=args.min_free, best_effort=args.best_effort,
-                  strict=args.strict, timeout=args.timeout, verify=args.verify, retry=policy,
+                  strict=args.strict, timeout=args.timeout, verify=args.verify, durable=args.durable, retry=policy,
                   storage_options=storage_options_from(args),
                   progress=(not args.quiet) and sys.stderr.isatty())
     if args.report:
