@@ -113,13 +113,25 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
             _FADVISE(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
-def _hash_fd(fd: int, size: int) -> str:
+def hash_fd(fd: int, size: int, *, use_mmap: bool = True) -> str:
     """Hash what the temp file holds, i.e. exactly the bytes that will be published; they were
     just written, so this reads the page cache, not the disk."""
     h = new_hasher()
-    if size:
-        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as m:
+    m = None
+    if use_mmap and size:
+        with contextlib.suppress(OSError, ValueError):  # a filesystem without mmap (some FUSE mounts)
+            m = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    if m is not None:
+        with m:
             h.update(m)
+        return format_digest(h)
+    off = 0
+    while off < size:
+        block = os.pread(fd, min(CHUNK, size - off), off)
+        if not block:
+            break
+        h.update(block)
+        off += len(block)
     return format_digest(h)
 
 
@@ -144,7 +156,7 @@ def _copy_local(src: Source, info: ShardInfo, fd: int, what: str, began: float, 
         os.close(sfd)
     if n < info.bytes:
         raise ShortRead(f"{what}: source ended after {n} of {info.bytes} bytes")
-    return _hash_fd(fd, info.bytes)
+    return hash_fd(fd, info.bytes)
 
 
 def _copy_stream(src: Source, info: ShardInfo, fd: int, what: str, began: float, timeout: float | None,

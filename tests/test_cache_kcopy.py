@@ -62,3 +62,18 @@ def test_across_filesystems_falls_back_and_copies_exactly(tmp_path):
         os.close(dfd)
         os.unlink(os.path.join(d, "src.bin"))
         os.rmdir(d)
+
+
+@pytest.mark.parametrize("size", [0, 1, (16 << 20) + 7])
+def test_hashing_the_copy_by_mmap_or_by_reads_agrees_with_the_manifest_hash(tmp_path, size):
+    from cache.store import hash_fd
+    from shardtool.format.hashing import hash_bytes
+
+    data = (os.urandom(1 << 16) * (size // (1 << 16) + 1))[:size]
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    fd = os.open(str(p), os.O_RDONLY)
+    try:
+        assert hash_fd(fd, size) == hash_fd(fd, size, use_mmap=False) == hash_bytes(data)
+    finally:
+        os.close(fd)
