@@ -267,9 +267,9 @@ def write_small(path: str, data: bytes) -> None:
     """Atomic but not fsynced: small files are re-verified against the manifest on every read,
     so one lost in a crash is refetched, and 1,000s of fsyncs would dominate a warm of small shards."""
     d, base = os.path.split(path)
-    # Unique per thread of a live process (writers of one index may race without a lock), and
-    # cheaper than mkstemp's random names; a dead process's leftover is simply overwritten.
-    tmp = os.path.join(d, f"{TMP_PREFIX}{base}.{os.getpid()}-{threading.get_ident()}")
+    # Unique per writer (writers of one index may race without a lock, from processes in other
+    # PID namespaces too), and cheaper than mkstemp; a killed writer's leftover goes at `cache gc`.
+    tmp = os.path.join(d, f"{TMP_PREFIX}{base}.{os.getpid()}-{threading.get_ident()}-{os.urandom(4).hex()}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     except FileNotFoundError:
