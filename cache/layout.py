@@ -30,7 +30,7 @@ from shardtool.format.manifest import LENGTHS_NAME, MANIFEST_NAME, ShardInfo
 
 from .durability import stamp_fields, stamp_survives
 from .locks import locked
-from .store import write_small
+from .store import local_fault, write_small
 
 SOURCES_NAME = "sources.json"
 META_DIR = ".shardtool"
@@ -140,15 +140,19 @@ def read_sources(cache_dir: str) -> dict:
 
 
 def record_source(cache_dir: str, url: str, version: str) -> None:
-    """Remember which version this URL served last, so an offline loader can find it."""
+    """Remember which version this URL served last, so an offline loader can find it. A cache
+    that cannot take the write (full, read-only) is a LocalFault, as for any cached file."""
     key = normalize_url(url)
-    with locked(os.path.join(cache_dir, ".sources.lock")):
-        data = read_sources(cache_dir)
-        entry = {"version": version, "dir": version_dirname(version)}
-        if {k: data.get(key, {}).get(k) for k in entry} == entry:
-            return
-        data[key] = {**entry, "updated": time.time()}
-        atomic_write_bytes(os.path.join(cache_dir, SOURCES_NAME), json.dumps(data, indent=1).encode())
+    try:
+        with locked(os.path.join(cache_dir, ".sources.lock")):
+            data = read_sources(cache_dir)
+            entry = {"version": version, "dir": version_dirname(version)}
+            if {k: data.get(key, {}).get(k) for k in entry} == entry:
+                return
+            data[key] = {**entry, "updated": time.time()}
+            atomic_write_bytes(os.path.join(cache_dir, SOURCES_NAME), json.dumps(data, indent=1).encode())
+    except OSError as e:
+        raise local_fault(e, f"{SOURCES_NAME} of cache {cache_dir}") from None
 
 
 def recorded_version(cache_dir: str, url: str) -> str | None:

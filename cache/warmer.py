@@ -187,10 +187,16 @@ def _warm(report: WarmReport, url, cache_dir, *, layout, jobs, max_bytes, min_fr
                     except RemoteError as e:
                         with lock:
                             fail(i, e)
-                record_source(cache_dir, url, ds.version)  # metadata is in place: an offline loader can start
+                recorded = None
+                try:
+                    record_source(cache_dir, url, ds.version)  # metadata is in place: an offline loader can start
+                except LocalFault as e:  # e.g. the copies filled the disk: a failing shard names it better
+                    recorded = e
                 done, pending = wait(futs, return_when=FIRST_EXCEPTION)
                 for f in done:
                     f.result()  # re-raise a LocalFault: this node cannot hold its shards
+                if recorded is not None:
+                    raise recorded
             except BaseException:
                 for f in futs:
                     f.cancel()
