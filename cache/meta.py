@@ -95,15 +95,18 @@ def ensure_shard(vd: VersionDir, shard: int, info: ShardInfo, src: Source | None
         if not verify and vd.trusted(shard, info):
             return HIT  # another warmer or loader published it while we waited
         final = vd.path(info.path)
-        remove_temps_for(final)  # left by a killed holder of this lock
+        # A killed holder of this lock may have left the shard's temp: a copy below truncates and
+        # reuses it (one fixed name per shard); any other way out removes it.
         if os.path.exists(final):
             if local_matches(final, info):
+                remove_temps_for(final)
                 stamp_found_intact(vd, shard, info)
                 return VERIFIED
             vd.drop_stamp(shard)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(final)
         if src is None:
+            remove_temps_for(final)
             raise NotCached(f"shard {info.path} is not in the cache {vd.root} and the source is unavailable")
         fsynced = must_fsync(durable)
         copy_shard(src, info, final, policy=policy, deadline=deadline, on_bytes=on_bytes, on_retry=on_retry,

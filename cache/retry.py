@@ -64,7 +64,6 @@ def with_retries(fn: Callable[[float | None], T], *, what: str, policy: RetryPol
                  on_retry: Callable[[int, BaseException, float], None] | None = None) -> T:
     """Call ``fn(attempt_timeout)`` until it succeeds, a permanent error, the retry budget or
     the deadline (``time.monotonic()`` value). Raises SourceMissing / SourceUnavailable naming ``what``."""
-    rng = rng or random.Random()
     failures = 0
     while True:
         timeout = policy.attempt_timeout
@@ -87,6 +86,7 @@ def with_retries(fn: Callable[[float | None], T], *, what: str, policy: RetryPol
             failures += 1
             if failures >= policy.attempts:
                 raise SourceUnavailable(f"{what}: {failures} attempts failed; last error: {type(e).__name__}: {e}") from e
+            rng = rng or random.Random()  # seeded from os.urandom: only when a retry needs it
             delay = backoff_delay(policy, failures, rng)
             if deadline is not None:
                 delay = min(delay, max(deadline - time.monotonic(), 0))
