@@ -74,6 +74,11 @@ def copy_range(src_fd: int, dst_fd: int, size: int, *, on_step: Callable[[int], 
                 continue
             raise
         if n == 0:
+            # End of the source, or a method that silently copies nothing (copy_file_range on
+            # some kernels and filesystems); only when the plain read agrees is it the end.
+            if m + 1 < len(methods):
+                m += 1
+                continue
             break
         done += n
         if on_step is not None:
