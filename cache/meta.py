@@ -8,6 +8,7 @@ import contextlib
 import os
 import time
 
+from shardtool.format.atomic import fsync_path
 from shardtool.format.hashing import hash_file
 from shardtool.format.manifest import Manifest, ShardInfo
 
@@ -50,14 +51,6 @@ def ensure_lengths(vd: VersionDir, manifest: Manifest, src: Source | None, **kw)
 def ensure_index(vd: VersionDir, info: ShardInfo, src: Source | None, **kw) -> bytes:
     return ensure_small(vd, info.index, info.index_bytes, info.index_hash, src,
                         what=f"sample index {info.index}", **kw)
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def stamp_found_intact(vd: VersionDir, shard: int, info: ShardInfo) -> None:

@@ -20,7 +20,7 @@ import fsspec
 
 from shardtool.format.atomic import TMP_PREFIX, fsync_dir
 from shardtool.format.dataset import is_local
-from shardtool.format.hashing import format_digest, hash_bytes, new_hasher
+from shardtool.format.hashing import format_digest, hash_bytes, hash_fileobj, new_hasher
 from shardtool.format.manifest import ShardInfo
 
 from .kcopy import DestinationError, copy_range
@@ -116,40 +116,29 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
 def hash_fd(fd: int, size: int, *, use_mmap: bool = True) -> str:
     """Hash what the temp file holds, i.e. exactly the bytes that will be published; they were
     just written, so this reads the page cache, not the disk."""
-    h = new_hasher()
-    m = None
     if use_mmap and size:
         with contextlib.suppress(OSError, ValueError):  # a filesystem without mmap (some FUSE mounts)
-            m = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
-    if m is not None:
-        with m:
-            h.update(m)
-        return format_digest(h)
-    off = 0
-    while off < size:
-        block = os.pread(fd, min(CHUNK, size - off), off)
-        if not block:
-            break
-        h.update(block)
-        off += len(block)
-    return format_digest(h)
+            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as m:
+                return hash_bytes(m)
+    os.lseek(fd, 0, os.SEEK_SET)
+    with open(fd, "rb", closefd=False) as f:
+        return hash_fileobj(f)[0]
 
 
-def _copy_local(src: Source, info: ShardInfo, fd: int, what: str, began: float, timeout: float | None,
-                progress: Callable[[int], None]) -> str:
+def _write_all(fd: int, data) -> None:
+    mv = memoryview(data)
+    while mv:
+        mv = mv[os.write(fd, mv):]
+
+
+def _copy_local(src: Source, info: ShardInfo, fd: int, what: str, progress: Callable[[int], None]) -> str:
     """Local source: copy in the kernel (as cp does), then hash the copy. Returns its digest."""
     sfd = os.open(src.path(info.path), os.O_RDONLY)  # missing: FileNotFoundError, a 404 to the retry layer
     try:
         if os.fstat(sfd).st_size > info.bytes:
             raise SourceCorrupt(f"{what}: source is larger than the manifest's {info.bytes} bytes")
-
-        def step(n: int) -> None:
-            progress(n)
-            if timeout is not None and time.monotonic() - began > timeout:
-                raise TimeoutError(f"{what}: attempt exceeded {timeout:.1f}s")
-
         try:
-            n = copy_range(sfd, fd, info.bytes, on_step=step)
+            n = copy_range(sfd, fd, info.bytes, on_step=progress)
         except DestinationError as e:
             raise local_fault(e, what) from None
     finally:
@@ -166,8 +155,6 @@ def _copy_stream(src: Source, info: ShardInfo, fd: int, what: str, began: float,
     counted = written_back = 0
     with src.open_stream(info.path) as f:
         while True:
-            if timeout is not None and time.monotonic() - began > timeout:
-                raise TimeoutError(f"{what}: attempt exceeded {timeout:.1f}s")
             left = None if timeout is None else timeout - (time.monotonic() - began)
             data = call_with_timeout(lambda: f.read(CHUNK), _min(stall, left))
             n = len(data)
@@ -178,10 +165,7 @@ def _copy_stream(src: Source, info: ShardInfo, fd: int, what: str, began: float,
                 raise SourceCorrupt(f"{what}: source is larger than the manifest's {info.bytes} bytes")
             h.update(data)
             try:
-                mv = memoryview(data)
-                while mv:
-                    w = os.write(fd, mv)
-                    mv = mv[w:]
+                _write_all(fd, data)
             except OSError as e:
                 raise local_fault(e, what) from None
             if fsync and counted - written_back >= WRITEBACK_EVERY:
@@ -198,17 +182,20 @@ def _copy_once(src: Source, info: ShardInfo, final_path: str, timeout: float | N
     what = f"shard {info.path}"
     fd, tmp = _new_temp(final_path, what)
     counted = 0
+    began = time.monotonic()
 
     def progress(n: int) -> None:
+        # after every chunk, on either path: the place to give up on an attempt past its time
         nonlocal counted
         counted += n
         if on_bytes is not None:
             on_bytes(n)
+        if timeout is not None and time.monotonic() - began > timeout:
+            raise TimeoutError(f"{what}: attempt exceeded {timeout:.1f}s")
 
     try:
-        began = time.monotonic()
         if src.local:
-            digest = _copy_local(src, info, fd, what, began, timeout, progress)
+            digest = _copy_local(src, info, fd, what, progress)
         else:
             digest = _copy_stream(src, info, fd, what, began, timeout, stall, progress, fsync)
         if digest != info.hash:
@@ -277,9 +264,7 @@ def write_small(path: str, data: bytes) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         try:
-            mv = memoryview(data)
-            while mv:
-                mv = mv[os.write(fd, mv):]
+            _write_all(fd, data)
         finally:
             os.close(fd)
         os.replace(tmp, path)

@@ -151,7 +151,7 @@ def _warm(report: WarmReport, url, cache_dir, *, layout, jobs, max_bytes, min_fr
     def one(i: int) -> None:
         info = m.shards[i]
         index = index_futs[i]
-        if index.exception() is not None:  # failed (recorded by the main thread) or cancelled
+        if index.exception() is not None:  # waits for it; its failure is recorded by the main thread
             return
         try:
             outcome = ensure_shard(vd, i, info, src, on_bytes=bar, on_retry=retried, verify=verify, durable=durable,

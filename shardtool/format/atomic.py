@@ -13,18 +13,20 @@ from typing import IO, Iterator
 TMP_PREFIX = ".tmp-"
 
 
-def fsync_dir(path: str) -> None:
-    # The rename is durable only once the directory entry is on disk.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
+def fsync_path(path: str) -> None:
+    """fsync a file or directory by name."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError:
-        pass
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    # The rename is durable only once the directory entry is on disk. Best effort: some
+    # filesystems refuse to open or fsync a directory, and the data itself is already synced.
+    with contextlib.suppress(OSError):
+        fsync_path(path)
 
 
 @contextlib.contextmanager
@@ -53,8 +55,7 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 def publish(tmp_path: str, final_path: str) -> None:
     """Move an already written and closed temp file into place durably."""
-    with open(tmp_path, "rb+") as f:
-        os.fsync(f.fileno())
+    fsync_path(tmp_path)
     os.replace(tmp_path, final_path)
     fsync_dir(os.path.dirname(os.path.abspath(final_path)))
 
