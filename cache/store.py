@@ -23,8 +23,8 @@ from shardtool.format.dataset import is_local
 from shardtool.format.hashing import format_digest, hash_bytes, hash_fileobj, new_hasher
 from shardtool.format.manifest import ShardInfo
 
-from .kcopy import DestinationError, copy_range
 from .errors import LocalFault, SourceCorrupt, SourceUnavailable
+from .kcopy import DestinationError, copy_range
 from .retry import RetryPolicy, call_with_timeout, with_retries
 
 CHUNK = 16 << 20

@@ -7,6 +7,7 @@ import pytest
 
 import faultfs  # noqa: F401  registers faulty://
 from cachedata import make_dataset
+from data_gen import flip_byte
 from cache import NodeLayout, RetryPolicy, VersionDir, assigned_shards, open_cache, warm
 from shardtool.format import open_dataset
 from shardtool.format.atomic import TMP_PREFIX
@@ -49,11 +50,7 @@ def test_flipped_byte_and_truncation_are_detected_and_refetched(src, tmp_path):
     vd = VersionDir(str(tmp_path), r.version)
     m = open_dataset(src).manifest
     p0, p1 = vd.path(m.shards[0].path), vd.path(m.shards[1].path)
-    with open(p0, "r+b") as f:
-        f.seek(100)
-        b = f.read(1)
-        f.seek(100)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(p0, 100)
     with open(p1, "r+b") as f:
         f.truncate(m.shards[1].bytes - 7)
     assert not vd.trusted(0, m.shards[0]) and not vd.trusted(1, m.shards[1])

@@ -1,8 +1,6 @@
 """The columnar fast path writes exactly the bytes the row-by-row path writes."""
 from __future__ import annotations
 
-import hashlib
-import os
 
 import numpy as np
 import pyarrow as pa
@@ -11,6 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import shardtool
+from data_gen import dir_digest
 from shardtool.format.tarshard import _header_slow, headers_batch
 from shardtool.pack import fastcol
 
@@ -25,16 +24,6 @@ def test_headers_batch_matches_reference(members):
     got = headers_batch(names, np.array([s for _, s in members], dtype=np.int64))
     for row, (name, size) in zip(got, members):
         assert row.tobytes() == _header_slow(name, size, b"0")
-
-
-def _tree_digest(root: str) -> dict[str, str]:
-    out = {}
-    for d, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(d, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = hashlib.sha256(fh.read()).hexdigest()
-    return out
 
 
 def _table(n: int, seed: int, nulls: bool) -> pa.Table:
@@ -70,7 +59,7 @@ def test_fast_path_is_byte_identical(tmp_path, monkeypatch, opts):
     monkeypatch.setattr(fastcol.BatchEncoder, "encode", lambda self, batch, first: None)
     slow = shardtool.pack(src, str(tmp_path / "slow"), **opts)
     assert fast.samples == slow.samples and fast.skipped == slow.skipped
-    assert _tree_digest(str(tmp_path / "fast")) == _tree_digest(str(tmp_path / "slow"))
+    assert dir_digest(str(tmp_path / "fast")) == dir_digest(str(tmp_path / "slow"))
 
 
 def test_fast_path_takes_clean_batches():

@@ -11,7 +11,7 @@ import pytest
 import shardtool
 from shardtool.pack.verify import verify
 
-from data_gen import image_samples, token_records, write_jsonl, write_tree
+from data_gen import flip_byte, image_samples, token_records, write_jsonl, write_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,11 +34,7 @@ def test_verify_flipped_byte_and_truncation(tmp_path, fmt):
     assert p.returncode == 0 and "OK" in p.stdout
     shards = [s.path for s in shardtool.open_dataset(out).manifest.shards]
     flip, trunc = os.path.join(out, shards[1]), os.path.join(out, shards[3])
-    with open(flip, "r+b") as f:
-        f.seek(700)
-        b = f.read(1)
-        f.seek(700)
-        f.write(bytes([b[0] ^ 0x01]))
+    flip_byte(flip, 700, 0x01)
     with open(trunc, "r+b") as f:
         f.truncate(os.path.getsize(trunc) - 100)
     rep = verify(out)
@@ -56,10 +52,6 @@ def test_verify_catches_index_that_disagrees_with_shard(tmp_path):
     shardtool.pack(write_tree(str(tmp_path / "t"), image_samples(10)), out)
     ds = shardtool.open_dataset(out)
     idx = os.path.join(out, ds.manifest.shards[0].index)
-    with open(idx, "r+b") as f:
-        f.seek(200)
-        b = f.read(1)
-        f.seek(200)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_byte(idx, 200)
     rep = verify(out)
     assert not rep["ok"] and rep["bad"][0]["shard"] == ds.manifest.shards[0].path

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from cachedata import make_dataset
+from data_gen import flip_byte
 from cache import NodeLayout, VersionDir, assigned_shards, open_cache, warm
 from cache import admin
 from cache.errors import CacheError, NotCached
@@ -177,11 +178,7 @@ def test_a_flip_that_keeps_size_and_mtime(src, tmp_path):
     p = vd.path(info.path)
     st = os.stat(p)
     time.sleep(0.02)  # a ctime tick on coarse clocks
-    with open(p, "r+b") as f:
-        f.seek(700)
-        b = f.read(1)[0]
-        f.seek(700)
-        f.write(bytes([b ^ 4]))
+    flip_byte(p, 700, 4)
     os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert os.path.getsize(p) == info.bytes and os.stat(p).st_mtime_ns == st.st_mtime_ns
     # The trust stamp records ctime too, which no utime can set back: the cheap check catches it.

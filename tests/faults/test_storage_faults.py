@@ -19,6 +19,7 @@ import pytest
 
 import faultfs
 from cachedata import make_dataset
+from data_gen import flip_byte
 from s3server import s3_server  # noqa: F401  (fixture)
 from cache import RetryPolicy, VersionDir, open_cache, warm
 from cache.errors import NotCached
@@ -105,14 +106,10 @@ def corrupt(path: str, how: str, rng: random.Random) -> int:
     """Truncate at a random offset or flip one random bit; returns the offset."""
     size = os.path.getsize(path)
     at = rng.randrange(1, size - 1)
-    with open(path, "r+b") as f:
-        if how == "truncate":
-            f.truncate(at)
-        else:
-            f.seek(at)
-            b = f.read(1)[0]
-            f.seek(at)
-            f.write(bytes([b ^ (1 << rng.randrange(8))]))
+    if how == "truncate":
+        os.truncate(path, at)
+    else:
+        flip_byte(path, at, 1 << rng.randrange(8))
     return at
 
 
@@ -316,10 +313,6 @@ def test_remote_read_of_a_flipped_shard_without_cache_is_detected(bad_src):
     idx = open_dataset(bad_src).shard_index(0)
     p = os.path.join(bad_src, m.shards[0].path)
     at = int(idx.offsets[0]) + int(idx.field_offsets[0, 0]) + 5  # inside sample 0's payload
-    with open(p, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([b ^ 1]))
+    flip_byte(p, at, 1)
     with pytest.raises(ShardtoolError, match=m.shards[0].path + r" sample #0 .*checksum"):
         open_dataset("faulty://" + bad_src).read(0, 0, decode=False)
