@@ -9,7 +9,7 @@ from typing import Iterator
 
 import fsspec
 
-from shardtool.format.dataset import Dataset, LocalRange
+from shardtool.format.dataset import Dataset
 from shardtool.format.manifest import MANIFEST_NAME, lengths_from_bytes, manifest_hash
 from shardtool.format.sindex import ShardIndex
 
@@ -42,15 +42,12 @@ class CachedDataset(Dataset):
     def load_index_bytes(self, shard: int) -> bytes:
         return ensure_index(self._cache.vdir, self.manifest.shards[shard], self._cache.source(), **self._cache.kw)
 
+    # A shard is made present in the cache (fetched on a miss) before the base class opens it;
+    # its path there is the base class's shard_path.
     def _range(self, shard: int):
-        r = self._ranges.get(shard)
-        if r is None:
-            path = self._cache.local_shard(shard)
-            with self._lock:
-                r = self._ranges.get(shard)
-                if r is None:
-                    r = self._ranges[shard] = LocalRange(path)
-        return r
+        if shard not in self._ranges:
+            self._cache.local_shard(shard)
+        return super()._range(shard)
 
     def _arrow_reader(self, shard: int):
         self._cache.local_shard(shard)

@@ -109,6 +109,8 @@ class Dataset:
         self._last_batch: tuple = (None, None, None)  # rows of one record batch are read in runs
         self._lock = threading.Lock()
         self._field_names = self.manifest.field_names
+        # shard s holds samples [offsets[s], offsets[s+1]); computed once, not per shard index loaded
+        self._offsets = self.manifest.shard_offsets()
 
     # ------------------------------------------------------------------ paths
     def _path(self, rel: str) -> str:
@@ -143,11 +145,10 @@ class Dataset:
 
     @property
     def shard_counts(self) -> np.ndarray:
-        return np.array([s.samples for s in self.manifest.shards], dtype=np.int64)
+        return np.diff(self._offsets)
 
     def shard_lengths(self, shard: int) -> np.ndarray:
-        off = self.manifest.shard_offsets()
-        return self.lengths[off[shard] : off[shard + 1]]
+        return self.lengths[self._offsets[shard] : self._offsets[shard + 1]]
 
     def load_index_bytes(self, shard: int) -> bytes:
         info = self.manifest.shards[shard]
