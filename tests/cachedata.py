@@ -9,6 +9,16 @@ import numpy as np
 
 from shardtool.format import Manifest, ShardFileWriter, infer_field, publish_manifest
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_env() -> dict:
+    """Environment for a warmer or reader in a subprocess: this checkout importable, and no SLURM_*
+    variables of an enclosing job (they would change the node layout the warmer resolves)."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    e["PYTHONPATH"] = REPO
+    return e
+
 
 def make_dataset(root: str, *, shards: int = 8, samples: int = 10, sample_bytes: int = 1000,
                  seed: int = 0, subdir: str = "shards", replicate: bool = False) -> str:

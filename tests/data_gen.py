@@ -82,15 +82,6 @@ def tar_of_samples(path: str, samples: dict[str, dict[str, bytes]]) -> str:
     return write_tar(path, [(f"{k}.{e}", v) for k, f in samples.items() for e, v in f.items()])
 
 
-def flip_byte(path: str, at: int, mask: int = 0xFF) -> None:
-    """Damage one byte of ``path`` in place: XOR the byte at offset ``at`` with ``mask``."""
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([b ^ mask]))
-
-
 def dir_digest(root: str) -> dict[str, bytes]:
     """Every file under root (relative path → bytes), for byte-identity comparisons."""
     out = {}

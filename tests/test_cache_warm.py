@@ -7,10 +7,10 @@ import pytest
 
 import faultfs  # noqa: F401  registers faulty://
 from cachedata import make_dataset
-from data_gen import flip_byte
+from fsutil import flip_byte, temps, tmpfs
 from cache import NodeLayout, RetryPolicy, VersionDir, assigned_shards, open_cache, warm
 from shardtool.format import open_dataset
-from shardtool.format.atomic import TMP_PREFIX
+from cache.store import temp_path_for
 
 FAST = RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.05, attempt_timeout=10, stall_timeout=0.5)
 
@@ -23,10 +23,6 @@ def src(tmp_path_factory):
 def cached_files(report):
     ds = open_dataset(report.version_dir)
     return {i for i, s in enumerate(ds.manifest.shards) if os.path.exists(os.path.join(report.version_dir, s.path))}
-
-
-def temps(root):
-    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.startswith(TMP_PREFIX)]
 
 
 def test_warm_copies_exactly_the_nodes_shards_and_rerun_skips(src, tmp_path):
@@ -92,7 +88,7 @@ def test_stale_lock_and_temp_from_a_dead_holder_are_recovered(src, tmp_path):
     assert holder.stdout.readline().strip() == "locked"
     final = vd.path(ds.manifest.shards[0].path)
     os.makedirs(os.path.dirname(final), exist_ok=True)
-    with open(os.path.join(os.path.dirname(final), TMP_PREFIX + os.path.basename(final) + ".part"), "wb") as f:
+    with open(temp_path_for(final), "wb") as f:
         f.write(b"partial")
     holder.kill()
     holder.wait(10)
@@ -199,39 +195,9 @@ def test_unreachable_source_is_remote_not_local(tmp_path, src):
     assert r.exit_code == 1
 
 
-def _mount_tmpfs(path, opts):
-    os.makedirs(path, exist_ok=True)
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip() or res.returncode}); needs root/CAP_SYS_ADMIN")
-
-
-def test_disk_full_is_a_local_fault_with_no_truncated_shard_or_temp(tmp_path):
-    src = make_dataset(str(tmp_path / "src"), shards=6, samples=4, sample_bytes=200_000)  # ~0.8 MB per shard
-    mnt = tmp_path / "tiny"
-    _mount_tmpfs(mnt, "size=2m")
-    try:
-        r = warm(src, str(mnt / "cache"), all_shards=True, jobs=2, retry=FAST)
-        assert r.status == "local_fault" and r.exit_code == 3
-        assert "No space" in r.error or "space" in r.error.lower()
-        m = open_dataset(src).manifest
-        vd = VersionDir(str(mnt / "cache"), r.version)
-        for i, s in enumerate(m.shards):
-            p = vd.path(s.path)
-            if os.path.exists(p):
-                assert os.path.getsize(p) == s.bytes and vd.trusted(i, s)
-        assert temps(vd.root) == []
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
-
-
 def test_read_only_or_missing_cache_dir_is_a_local_fault(src, tmp_path):
     r = warm(src, str(tmp_path / "no" / "such" / "dir"), all_shards=True)
     assert r.status == "local_fault" and r.exit_code == 3 and "missing" in r.error
-    mnt = tmp_path / "ro"
-    _mount_tmpfs(mnt, "ro,size=1m")
-    try:
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as mnt:
         r = warm(src, str(mnt), all_shards=True)
         assert r.status == "local_fault" and r.exit_code == 3 and "not writable" in r.error
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from s3server import free_port
 from test_loader_data import write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -16,10 +16,6 @@ WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
 NPROC = 4
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(data: str, out: str, *extra: str, timeout: int = 150) -> subprocess.CompletedProcess:

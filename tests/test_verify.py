@@ -11,7 +11,8 @@ import pytest
 import shardtool
 from shardtool.pack.verify import verify
 
-from data_gen import flip_byte, image_samples, token_records, write_jsonl, write_tree
+from data_gen import image_samples, token_records, write_jsonl, write_tree
+from fsutil import flip_byte
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -13,14 +13,14 @@ import time
 
 import pytest
 
-from cachedata import make_dataset
-from data_gen import flip_byte
+from cachedata import child_env, make_dataset
+from fsutil import flip_byte, temps, tmpfs
 from cache import NodeLayout, VersionDir, assigned_shards, open_cache, warm
 from cache import admin
 from cache.errors import CacheError, NotCached
 from shardtool.format import open_dataset
 from shardtool.format.hashing import hash_file
-from test_storage_faults import FAST, corrupt, temps  # also registers edgefaulty://
+from test_storage_faults import FAST, corrupt  # also registers edgefaulty://
 
 FAULTS = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(FAULTS)
@@ -43,7 +43,7 @@ READER = r"""
 import contextlib, json, sys, time
 sys.path[:0] = [sys.argv[1]]
 from cache import open_cache
-from shardtool.format.hashing import hash_bytes
+from shardtool.format.hashing import hash_file
 a = json.loads(sys.argv[2])
 c = open_cache(a["url"], a["cache"])
 if a["mode"] == "hold":
@@ -57,8 +57,7 @@ else:
     while time.monotonic() < end:
         for i in a["shards"]:
             with c.reading(i) as path:
-                with open(path, "rb") as f:
-                    h = hash_bytes(f.read())
+                h = hash_file(path)[0]
                 if h != c.manifest.shards[i].hash:
                     print(json.dumps({"bad": i}), flush=True)
                     sys.exit(1)
@@ -67,14 +66,8 @@ else:
 """
 
 
-def env():
-    e = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    e["PYTHONPATH"] = REPO
-    return e
-
-
 def spawn(script, *args, **kw):
-    return subprocess.Popen([sys.executable, "-c", script, *args], env=env(), text=True, **kw)
+    return subprocess.Popen([sys.executable, "-c", script, *args], env=child_env(), text=True, **kw)
 
 
 def hold(url, cache_dir, shards):
@@ -100,20 +93,11 @@ def cached(cache_dir, ds):
 
 
 # --------------------------------------------------------------------------- disk full
-def _mount_tmpfs(path, opts):
-    os.makedirs(path, exist_ok=True)
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip() or res.returncode}); needs root/CAP_SYS_ADMIN")
-
-
 @pytest.mark.timeout(60)
 def test_disk_full_during_warm_and_fetch_on_miss(tmp_path):
     src = make_dataset(str(tmp_path / "src"), shards=5, samples=4, sample_bytes=200_000)  # ~0.8 MB a shard
     m = open_dataset(src).manifest
-    mnt = tmp_path / "tiny"
-    _mount_tmpfs(mnt, "size=2m")
-    try:
+    with tmpfs(tmp_path / "tiny", "size=2m") as mnt:
         r = warm(src, str(mnt / "c"), all_shards=True, jobs=2, retry=FAST)
         assert r.status == "local_fault" and r.exit_code == 3
         # names the file that did not fit: a shard, or a sample index copied alongside the shards
@@ -135,8 +119,6 @@ def test_disk_full_during_warm_and_fetch_on_miss(tmp_path):
                 c.local_shard(i)
         assert any(m.shards[i].path in str(ei.value) for i in missing)
         assert temps(vd.root) == []
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 # --------------------------------------------------------------------------- damaged at rest

@@ -25,6 +25,7 @@ from shardtool.format.errors import BadSampleError, ShardtoolError
 from shardtool.pack.verify import verify
 
 from data_gen import dir_digest, token_records, write_jsonl, write_tar
+from fsutil import temps, tmpfs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,10 +37,6 @@ def _env():
 def cli(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "shardtool", *args], env=_env(), capture_output=True, text=True,
                           timeout=timeout)
-
-
-def temps_under(root) -> list[str]:
-    return [os.path.join(d, n) for d, _, files in os.walk(root) for n in files if n.startswith(".tmp-")]
 
 
 def files_under(root) -> set[str]:
@@ -97,7 +94,7 @@ def test_sigkill_at_publish_points_then_rerun_is_identical(tmp_path, workers, po
     assert not os.path.exists(os.path.join(out, "index.json"))
     p = cli(*_pack_args(src, out, workers))
     assert p.returncode == 0, p.stderr
-    assert temps_under(out) == []
+    assert temps(out) == []
     assert dir_digest(out) == dir_digest(ref)
     assert verify(out)["ok"]
 
@@ -115,7 +112,7 @@ def test_killed_worker_fails_the_pack_instead_of_hanging(tmp_path):
     assert p.returncode not in (0, -signal.SIGKILL), p.stderr
     assert "worker" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not os.path.exists(os.path.join(out, "index.json"))
-    assert temps_under(out) == []
+    assert temps(out) == []
 
 
 # ------------------------------------------------------------------------------------ bad input
@@ -154,7 +151,7 @@ def test_tar_sample_larger_than_shard_size(tmp_path):
     src = write_tar(str(tmp_path / "in.tar"), [("a.bin", b"x" * 100), ("b.bin", b"y" * 20000), ("c.bin", b"z")])
     with pytest.raises(BadSampleError, match=r"in\.tar \(member 'b\.bin'\): sample 'b' is \d+ bytes, larger than"):
         shardtool.pack(src, str(tmp_path / "o"), shard_size=8192)
-    assert not os.path.exists(tmp_path / "o" / "index.json") and temps_under(tmp_path / "o") == []
+    assert not os.path.exists(tmp_path / "o" / "index.json") and temps(tmp_path / "o") == []
     r = shardtool.pack(src, str(tmp_path / "o2"), shard_size=8192, skip_bad=True)
     assert r.samples == 2 and len(r.skipped) == 1 and "'b'" in r.skipped[0]
 
@@ -360,16 +357,8 @@ def test_pickle_member_never_unpickled_through_pack_and_read(tmp_path, fmt, ext)
 # ------------------------------------------------------------------------------------ disk full
 @pytest.fixture
 def tiny_fs(tmp_path):
-    d = tmp_path / "tiny"
-    d.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True, text=True,
-                       timeout=30)
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({p.stderr.strip() or 'mount failed'}): needs root/CAP_SYS_ADMIN")
-    try:
+    with tmpfs(tmp_path / "tiny", "size=1m") as d:
         yield d
-    finally:
-        subprocess.run(["umount", "-l", str(d)], capture_output=True, timeout=30)
 
 
 def _published_shards_complete(out) -> int:
@@ -400,5 +389,5 @@ def test_disk_full_during_pack(tmp_path, tiny_fs, fmt, workers):
     assert p.returncode == 1, (p.stdout, p.stderr)
     assert "No space left" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not os.path.exists(os.path.join(out, "index.json"))
-    assert temps_under(tiny_fs) == [], temps_under(tiny_fs)
+    assert temps(tiny_fs) == [], temps(tiny_fs)
     _published_shards_complete(out)

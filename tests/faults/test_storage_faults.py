@@ -19,12 +19,11 @@ import pytest
 
 import faultfs
 from cachedata import make_dataset
-from data_gen import flip_byte
+from fsutil import flip_byte, temps
 from s3server import s3_server  # noqa: F401  (fixture)
 from cache import RetryPolicy, VersionDir, open_cache, warm
 from cache.errors import NotCached
 from shardtool.format import open_dataset
-from shardtool.format.atomic import TMP_PREFIX
 from shardtool.format.errors import ShardtoolError
 from shardtool.format.hashing import hash_file
 
@@ -96,10 +95,6 @@ fsspec.register_implementation("edgefaulty", EdgeFS, clobber=True)
 
 def last_fs() -> EdgeFS:
     return EdgeFS.instances[-1]
-
-
-def temps(root):
-    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.startswith(TMP_PREFIX)]
 
 
 def corrupt(path: str, how: str, rng: random.Random) -> int:
