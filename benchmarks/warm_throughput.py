@@ -32,12 +32,6 @@ def drop(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shards", type=int, default=32)

@@ -15,6 +15,25 @@ import os
 import sys
 
 
+def read_step_logs(log_dir: str) -> dict[int, dict[int, dict]]:
+    """rank -> step -> the last entry logged for it (a resumed run rewrites the steps after its checkpoint)."""
+    per_rank: dict[int, dict[int, dict]] = {}
+    for path in sorted(glob.glob(os.path.join(log_dir, "keys.rank*.jsonl"))):
+        rank = int(os.path.basename(path)[len("keys.rank"):-len(".jsonl")])
+        steps: dict[int, dict] = {}
+        with open(path) as f:
+            for line in f:
+                e = json.loads(line)
+                steps[e["step"]] = e
+        per_rank[rank] = steps
+    return per_rank
+
+
+def dataset_keys(ds) -> list[str]:
+    """Every sample's key, indexed by global sample id."""
+    return [k for s in range(ds.num_shards) for k in ds.shard_index(s).keys]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dataset")
@@ -32,16 +51,8 @@ def main(argv=None) -> int:
     from shardtool import open_dataset
 
     ds = open_dataset(args.dataset)
-    keys = [k for s in range(ds.num_shards) for k in ds.shard_index(s).keys]
-    per_rank: dict[int, dict[int, list]] = {}
-    for path in sorted(glob.glob(os.path.join(args.log_dir, "keys.rank*.jsonl"))):
-        rank = int(os.path.basename(path)[len("keys.rank"):-len(".jsonl")])
-        steps: dict[int, dict] = {}
-        with open(path) as f:
-            for line in f:
-                e = json.loads(line)
-                steps[e["step"]] = e  # a resumed run rewrites the steps after its checkpoint
-        per_rank[rank] = steps
+    keys = dataset_keys(ds)
+    per_rank = read_step_logs(args.log_dir)
     if not per_rank:
         print(f"no logs in {args.log_dir}", file=sys.stderr)
         return 1

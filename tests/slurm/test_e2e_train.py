@@ -11,12 +11,13 @@ import json
 import shutil
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "examples"))
+from report import dataset_keys, read_step_logs  # noqa: E402  the example's own log reader
 NODES = ["node1", "node2"]
 TRAIN_ARGS = "--max-tokens 2048 --epochs 1 --num-workers 1 --seq-len 32 --vocab 512"
 
@@ -44,17 +45,6 @@ def _job_env(c, work: Path, dataset: str, cache_root: Path, name: str, extra: st
         PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
     )
     return env
-
-
-def _steps(log_dir: Path) -> dict[int, dict[int, dict]]:
-    """rank -> step -> last logged entry (a requeued run rewrites the steps after its checkpoint)."""
-    out: dict[int, dict[int, dict]] = defaultdict(dict)
-    for f in sorted(log_dir.glob("keys.rank*.jsonl")):
-        rank = int(f.name[len("keys.rank"):-len(".jsonl")])
-        for line in f.read_text().splitlines():
-            e = json.loads(line)
-            out[rank][e["step"]] = e
-    return out
 
 
 def _warm_report(cache_root: Path, node: str, jobid: int) -> dict:
@@ -94,18 +84,15 @@ def test_prolog_warm_ddp_training_and_requeue_resume(slurm_cluster_with_prolog, 
         dc = cache.open_cache(dataset, str(cache_root / node))
         assert {s for s in range(ds.num_shards) if dc.is_cached(s)} == set(mine)
 
-    steps_a = _steps(work / "log-a")
+    steps_a = read_step_logs(str(work / "log-a"))
     summaries = [json.loads((work / "log-a" / f"summary.rank{r}.json").read_text()) for r in range(4)]
     assert sorted(steps_a) == [0, 1, 2, 3]
     assert len({s["steps"] for s in summaries}) == 1 and summaries[0]["steps"] > 10
     seen = [k for r in steps_a.values() for e in r.values() for k in e["keys"]]
     probe = ShardedLoader(dataset, max_tokens=2048, seed=0, rank=0, world_size=4, ranks_per_node=2, num_workers=0)
-    all_keys = {ds.shard_index(s).keys[i] for s in range(ds.num_shards) for i in range(ds.manifest.shards[s].samples)}
-    remainder = set()
-    offsets = ds.manifest.shard_offsets()
-    for g in probe.remainder:
-        s = int(offsets.searchsorted(g, side="right") - 1)
-        remainder.add(ds.shard_index(s).keys[int(g - offsets[s])])
+    keys = dataset_keys(ds)
+    all_keys = set(keys)
+    remainder = {keys[g] for g in probe.remainder}
     assert len(seen) == len(set(seen)), "a sample was served twice in one epoch"
     assert set(seen) == all_keys - remainder
 
@@ -115,7 +102,7 @@ def test_prolog_warm_ddp_training_and_requeue_resume(slurm_cluster_with_prolog, 
     ckpt = work / "ckpt-b" / "latest.pt"
     deadline = time.monotonic() + 300
     while True:
-        logged = _steps(work / "log-b")
+        logged = read_step_logs(str(work / "log-b"))
         if ckpt.exists() and logged.get(0) and max(logged[0]) >= 8:
             break
         state = c.job_state(b.jobid)
@@ -128,7 +115,7 @@ def test_prolog_warm_ddp_training_and_requeue_resume(slurm_cluster_with_prolog, 
     assert final == "COMPLETED", f"{final}\n{out[-3000:]}\n{c.logs_tail()}"
     assert "resumed from step" in out, out[-3000:]
 
-    steps_b = _steps(work / "log-b")
+    steps_b = read_step_logs(str(work / "log-b"))
     for rank in range(4):
         assert sorted(steps_b[rank]) == sorted(steps_a[rank]), f"rank {rank}: different steps after the requeue"
         for step, entry in steps_a[rank].items():
