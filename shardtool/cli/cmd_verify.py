@@ -23,12 +23,12 @@ def run(args) -> int:
     from ..pack.progress import Progress
     from ..pack.verify import verify
 
-    n = open_dataset(args.url).num_shards
-    bar = Progress(total=n, quiet=args.quiet or args.json, desc="verify")
-    try:
-        report = verify(args.url, progress=lambda k: bar.update(k, 0))
-    finally:
-        bar.close()
+    with open_dataset(args.url) as ds:  # opened once: the bar's total, then the check itself
+        bar = Progress(total=ds.num_shards, quiet=args.quiet or args.json, desc="verify")
+        try:
+            report = verify(args.url, progress=lambda k: bar.update(k, 0), dataset=ds)
+        finally:
+            bar.close()
     if args.json:
         print(json.dumps(report, indent=1))
     else:

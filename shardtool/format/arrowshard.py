@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from .errors import FormatError
-from .fields import FieldSpec, as_array, to_jsonable
+from .fields import FieldSpec, as_array, json_text
 
 KEY_COLUMN = "__key__"
 DEFAULT_BATCH_ROWS = 256
@@ -44,7 +44,7 @@ def _column(spec: FieldSpec, values: list[Any]) -> pa.Array:
         flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.dtype(spec.dtype))
         return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
     if spec.storage == "json":
-        values = [json.dumps(to_jsonable(v), separators=(",", ":"), ensure_ascii=False, sort_keys=True) for v in values]
+        values = [json_text(v) for v in values]
     return pa.array(values, type=arrow_type(spec))
 
 
@@ -63,7 +63,6 @@ class ArrowShardWriter:
         self._cols: list[list[Any]] = [[] for _ in fields]
         self._pending_bytes = 0
         self.batch_ranges: list[tuple[int, int]] = []
-        self.rows_of_batch: list[int] = []
 
     def write(self, key: str, values: list[Any], approx_bytes: int) -> tuple[int, int]:
         """Queue one sample; returns its (batch number, row in batch)."""
@@ -86,7 +85,6 @@ class ArrowShardWriter:
         start = self.sink.tell()
         self.writer.write_batch(batch)
         self.batch_ranges.append((start, self.sink.tell() - start))
-        self.rows_of_batch.append(len(self._keys))
         self._keys = []
         self._cols = [[] for _ in self.fields]
         self._pending_bytes = 0

@@ -68,12 +68,14 @@ def make_temp_path(final_path: str) -> str:
     return tmp
 
 
-def remove_stale_temps(directory: str) -> int:
-    """Delete temp files left by a killed writer; returns how many were removed."""
+def remove_stale_temps(directory: str, prefix: str = TMP_PREFIX) -> int:
+    """Delete files in ``directory`` whose names start with ``prefix`` (by default, every temp
+    file a killed writer left); returns how many were removed. A missing directory, or a file
+    that cannot be removed, is skipped silently."""
     n = 0
     with contextlib.suppress(FileNotFoundError):
         for name in os.listdir(directory):
-            if name.startswith(TMP_PREFIX):
+            if name.startswith(prefix):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(directory, name))
                     n += 1

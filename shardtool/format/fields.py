@@ -93,22 +93,9 @@ def storage_of(value: Any) -> tuple[str, str | None]:
 def infer_field(name: str, value: Any) -> FieldSpec:
     storage, dtype = storage_of(value)
     if storage == "raw":
-        return FieldSpec(name, name, encoding_for_ext(name), "raw")
+        return FieldSpec.raw(name)
     encoding = _ENCODING_OF_STORAGE[storage]
     return FieldSpec(name, _ext_for(name, encoding), encoding, storage, dtype)
-
-
-def compatible(spec: FieldSpec, value: Any) -> bool:
-    storage, _ = storage_of(value)
-    if spec.storage == storage:
-        return True
-    # An empty list, or a JSON list of ints in one line and of mixed values in the next, still
-    # fits a JSON or array column; only a genuinely different type is an error.
-    if spec.storage == "array" and isinstance(value, list) and len(value) == 0:
-        return True
-    if spec.storage == "json":
-        return storage in ("array", "int", "text") and not isinstance(value, (bytes, np.ndarray))
-    return False
 
 
 def as_array(spec: FieldSpec, value: Any) -> np.ndarray:
@@ -124,18 +111,30 @@ _npy_header_cache: dict[tuple, bytes] = {}
 _npy_parse_cache: dict[bytes, tuple[np.dtype, tuple, bool]] = {}
 
 
-def npy_bytes(arr: np.ndarray) -> bytes:
-    """The exact bytes ``np.save`` writes for a 1-D array (format 1.0), without its overhead."""
-    arr = np.ascontiguousarray(arr)
-    key = (arr.dtype.str, arr.shape)
+def _npy_header_of(dtype: np.dtype, shape: tuple) -> bytes:
+    """What ``np.save`` writes before a C-contiguous array's data, cached by (dtype, shape)."""
+    key = (dtype.str, shape)
     header = _npy_header_cache.get(key)
     if header is None:
         buf = io.BytesIO()
-        np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(arr))
+        np.lib.format.write_array_header_1_0(
+            buf, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape})
         header = buf.getvalue()
         if len(_npy_header_cache) < 65536:
             _npy_header_cache[key] = header
-    return header + arr.tobytes()
+    return header
+
+
+def npy_header(dtype: np.dtype, n: int) -> bytes:
+    """The npy (format 1.0) header of a 1-D array of ``n`` elements of ``dtype``: ``npy_header(a.dtype,
+    len(a)) + a.tobytes() == npy_bytes(a)``."""
+    return _npy_header_of(dtype, (int(n),))
+
+
+def npy_bytes(arr: np.ndarray) -> bytes:
+    """The exact bytes ``np.save`` writes for a 1-D array (format 1.0), without its overhead."""
+    arr = np.ascontiguousarray(arr)
+    return _npy_header_of(arr.dtype, arr.shape) + arr.tobytes()
 
 
 def npy_decode(data: bytes | memoryview) -> np.ndarray:
@@ -180,7 +179,13 @@ def encode(spec: FieldSpec, value: Any) -> bytes:
         return value.encode("utf-8")
     if s == "int":
         return str(int(value)).encode("ascii")
-    return json.dumps(to_jsonable(value), separators=(",", ":"), ensure_ascii=False, sort_keys=True).encode()
+    return json_text(value).encode()
+
+
+def json_text(value: Any) -> str:
+    """The canonical JSON text of a value (compact, sorted keys, UTF-8 kept): JSON fields in tar
+    members and Arrow columns alike."""
+    return json.dumps(to_jsonable(value), separators=(",", ":"), ensure_ascii=False, sort_keys=True)
 
 
 def to_jsonable(value: Any) -> Any:

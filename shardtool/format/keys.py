@@ -39,13 +39,6 @@ def key_problem(key: object) -> str | None:
     return None
 
 
-def validate_key(key: object) -> str:
-    problem = key_problem(key)
-    if problem is not None:
-        raise ValueError(problem)
-    return key.decode("utf-8") if isinstance(key, bytes) else key  # type: ignore[union-attr]
-
-
 def member_name_problem(name: str) -> str | None:
     """Why a tar member name (read from a foreign shard) must be refused, or None."""
     if not name:

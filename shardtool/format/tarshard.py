@@ -7,7 +7,6 @@ user names) so the same samples always give the same bytes. Names over 100 bytes
 """
 from __future__ import annotations
 
-import os
 import tarfile
 from dataclasses import dataclass, field
 from typing import IO, Iterator
@@ -260,7 +259,3 @@ def check_sample_range(data: bytes, key: str, exts: list[str], offsets, sizes, s
         declared = int(header[124:136].rstrip(b"\x00 ") or b"0", 8)
         if declared != size:
             raise FormatError(f"{shard}: member {expected!r} declares {declared} bytes, index says {size}")
-
-
-def file_size(path: str) -> int:
-    return os.stat(path).st_size

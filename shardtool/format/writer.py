@@ -97,10 +97,6 @@ class ShardFileWriter:
         else:
             self._arrow = ArrowShardWriter(self._hf, fields)
 
-    @property
-    def bytes_written(self) -> int:
-        return self._hf.pos
-
     def add(self, key: str, values: list[Any], length: int, approx_bytes: int | None = None) -> int:
         """Append a sample (values in ``fields`` order); returns its byte size in the shard (tar)."""
         self.keys.append(key)

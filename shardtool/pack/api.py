@@ -13,7 +13,7 @@ from ..format.fields import FieldSpec
 from ..format.manifest import Manifest, ShardInfo
 from ..format.writer import publish_manifest
 from . import outdir
-from .options import load_function, parse_size, resolve_tasks
+from .options import load_function, parse_size, resolve_tasks, strip_file_scheme
 from .progress import Progress
 from .readers import Bad, count_unit, read_unit
 from .schema import check_length_option, infer_fields
@@ -59,14 +59,14 @@ def length_definition(fields: list[FieldSpec], length_field: str | None, length_
     return {"field": None, "unit": "bytes", "fn": None}
 
 
-def _first_sample_fields(units: list[Unit], *, key_field, max_sample_bytes, skip_bad) -> list[FieldSpec]:
+def _first_sample_fields(units: list[Unit], *, max_sample_bytes, skip_bad) -> list[FieldSpec]:
     def on_bad(err):
         if not skip_bad:
             raise err
 
     for unit in units:
         try:
-            for rec in read_unit(unit, key_field=key_field, max_sample_bytes=max_sample_bytes, on_bad=on_bad):
+            for rec in read_unit(unit, max_sample_bytes=max_sample_bytes, on_bad=on_bad):
                 if rec.__class__ is Bad:
                     on_bad(rec.error)
                     continue
@@ -124,7 +124,7 @@ def pack(
         shard_size = DEFAULT_SHARD_SIZE
     max_sample_bytes = parse_size(max_sample_bytes) or DEFAULT_MAX_SAMPLE_BYTES
     T, I = resolve_tasks(num_tasks, task_index, os.environ if env is None else env)
-    out = out[len("file://"):] if out.startswith("file://") else out
+    out = strip_file_scheme(out)
     if "://" in out:
         raise ShardtoolError(f"output {out!r}: pack writes to a local or mounted path (copy it to object storage after)")
 
@@ -132,7 +132,7 @@ def pack(
     units = discover(list(sources), skip_bad=skip_bad, skipped=skipped)
     if not units:
         raise ShardtoolError("no samples found in the sources: " + ", ".join(sources))
-    fields = _first_sample_fields(units, key_field=key, max_sample_bytes=max_sample_bytes, skip_bad=skip_bad)
+    fields = _first_sample_fields(units, max_sample_bytes=max_sample_bytes, skip_bad=skip_bad)
     check_length_option(fields, length)
     if key is not None and any(u.kind in ("tree", "tar") for u in units):
         raise ShardtoolError("--key applies to JSONL/Parquet/Arrow sources; file trees and tars take keys from names")
@@ -142,7 +142,7 @@ def pack(
     for u in units:
         if u.structured and u.count < 0:
             try:
-                u = Unit(u.kind, u.path, u.start, u.stop, count_unit(u, max_sample_bytes), u.first_line, u.weight, u.members)
+                u = Unit(u.kind, u.path, u.start, u.stop, count_unit(u), u.first_line, u.weight, u.members)
             except BadSampleError as e:
                 if not skip_bad:
                     raise

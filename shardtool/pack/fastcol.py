@@ -12,12 +12,11 @@ which also produces the row-level errors.
 """
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..format.fields import FieldSpec
+from ..format.fields import FieldSpec, npy_header
 from ..format.tarshard import BLOCK, headers_batch
 
 
@@ -35,14 +34,6 @@ class EncodedBatch:
         return len(self.keys)
 
 
-def _npy_header(dtype: np.dtype, n: int) -> bytes:
-    # What np.save writes before a C-contiguous 1-D array's data (as fields.npy_bytes does).
-    buf = io.BytesIO()
-    np.lib.format.write_array_header_1_0(
-        buf, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (n,)})
-    return buf.getvalue()
-
-
 class BatchEncoder:
     """Encodes record batches for one job's fields; ``None`` for a batch it cannot do exactly."""
 
@@ -56,7 +47,6 @@ class BatchEncoder:
         self.member_names = [f".{f.ext}".encode("utf-8") for f in fields]
         self.ok = all(key_width + len(m) <= 100 for m in self.member_names) and all(
             f.storage in ("array", "text", "int", "raw") for f in fields)
-        self._headers: dict[tuple[str, int], bytes] = {}
         self._buf: np.ndarray | None = None
 
     # ---------------------------------------------------------------- columns → payloads
@@ -82,14 +72,7 @@ class BatchEncoder:
                 values = values.astype(dtype)
             counts = np.diff(offsets)
             uniq, inverse = np.unique(counts, return_inverse=True)
-            heads = []
-            for u in uniq.tolist():
-                h = self._headers.get((dtype.str, u))
-                if h is None:
-                    h = _npy_header(dtype, u)
-                    if len(self._headers) < 65536:
-                        self._headers[(dtype.str, u)] = h
-                heads.append(h)
+            heads = [npy_header(dtype, u) for u in uniq.tolist()]
             hlen = np.array([len(h) for h in heads], dtype=np.int64)[inverse]
             isz = dtype.itemsize
             sizes = hlen + counts * isz

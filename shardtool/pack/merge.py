@@ -20,6 +20,7 @@ from ..format.manifest import Manifest, ShardInfo, lengths_from_bytes
 from ..format.sindex import ShardIndex
 from ..format.writer import publish_manifest
 from . import outdir
+from .options import strip_file_scheme
 
 _FRAG_RE = re.compile(r"task-(\d{4})-of-(\d{4})\.json$")
 
@@ -37,7 +38,7 @@ def _load(path: str) -> dict:
 
 def merge(out: str, *, num_tasks: int | None = None) -> dict:
     """Write ``out/index.json`` from ``out/tasks/*``; returns a summary dict."""
-    out = out[len("file://"):] if out.startswith("file://") else out
+    out = strip_file_scheme(out)
     frags = {}
     for path in sorted(glob.glob(os.path.join(out, outdir.TASKS_DIR, "task-*-of-*.json"))):
         m = _FRAG_RE.search(path)

@@ -1,4 +1,4 @@
-"""Parsing of pack options that come as strings (sizes, task slices, length functions).
+"""Parsing of pack options that come as strings (sizes, task slices, length functions, paths).
 
 Pure functions: the environment is an argument, so precedence (explicit > environment >
 default) is testable without touching ``os.environ``.
@@ -26,6 +26,11 @@ def parse_size(text: str | int | None) -> int | None:
     if value <= 0:
         raise ShardtoolError(f"size {text!r} must be positive")
     return value
+
+
+def strip_file_scheme(path: str) -> str:
+    """``file:///data/x`` → ``/data/x``; any other path or URL is returned unchanged."""
+    return path[len("file://"):] if path.startswith("file://") else path
 
 
 def resolve_tasks(num_tasks: int | None, task_index: int | None, env: Mapping[str, str]) -> tuple[int, int]:

@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 
-from ..format.atomic import TMP_PREFIX, atomic_write_bytes
+from ..format.atomic import TMP_PREFIX, atomic_write_bytes, remove_stale_temps
 from ..format.errors import ShardtoolError
 from ..format.manifest import LENGTHS_NAME, MANIFEST_NAME, lengths_to_bytes
 
@@ -42,22 +42,12 @@ def prepare(out: str, *, task: int, num_tasks: int, overwrite: bool) -> None:
     frag = os.path.basename(fragment_name(task, num_tasks)).rsplit(".", 1)[0]
     stale.append((os.path.join(out, TASKS_DIR), f"{TMP_PREFIX}{frag}."))
     for directory, prefix in stale:
-        with contextlib.suppress(FileNotFoundError):
-            for name in os.listdir(directory):
-                if name.startswith(prefix):
-                    with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(directory, name))
+        remove_stale_temps(directory, prefix)
 
 
 def remove_task_temps(out: str, task: int) -> None:
     """Delete this task's temp shard files (never another task's, which may be writing now)."""
-    prefix = f"{TMP_PREFIX}t{task:04d}-"
-    shard_dir = os.path.join(out, "shards")
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(shard_dir):
-            if name.startswith(prefix):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(shard_dir, name))
+    remove_stale_temps(os.path.join(out, "shards"), f"{TMP_PREFIX}t{task:04d}-")
 
 
 def remove_orphans(out: str, keep: set[str], *, task: int | None = None) -> int:

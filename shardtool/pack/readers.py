@@ -43,7 +43,7 @@ def open_stream(path: str) -> io.BufferedIOBase:
     return raw
 
 
-def count_lines(unit: Unit, max_line: int) -> int:
+def count_lines(unit: Unit) -> int:
     """Lines of a whole (compressed) JSONL file, streamed in blocks."""
     n, last = 0, b"\n"
     with open_stream(unit.path) as f:
@@ -63,10 +63,10 @@ def count_arrow_stream(unit: Unit) -> int:
         return sum(b.num_rows for b in pa.ipc.open_stream(f))
 
 
-def count_unit(unit: Unit, max_line: int) -> int:
+def count_unit(unit: Unit) -> int:
     try:
         if unit.kind == "jsonl":
-            return count_lines(unit, max_line)
+            return count_lines(unit)
         return count_arrow_stream(unit)
     except (OSError, EOFError, ValueError) as e:
         raise BadSampleError(f"cannot read source ({e})", source=unit.path) from None
@@ -83,8 +83,7 @@ class ColumnBatch:
     batch: Any
 
 
-def read_unit(unit: Unit, *, key_field: str | None, max_sample_bytes: int, on_bad,
-              whole_batches: bool = False) -> Iterator[Any]:
+def read_unit(unit: Unit, *, max_sample_bytes: int, on_bad, whole_batches: bool = False) -> Iterator[Any]:
     if unit.kind == "jsonl":
         return _jsonl(unit, max_sample_bytes)
     if unit.kind in ("parquet", "arrow"):

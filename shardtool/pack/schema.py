@@ -11,7 +11,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..format.errors import BadSampleError, FormatError, ShardtoolError
-from ..format.fields import FieldSpec, encode, infer_field, length_of, npy_bytes
+from ..format.fields import FieldSpec, encode, infer_field, length_of, npy_header
 from ..format.keys import key_problem
 from ..format.arrowshard import KEY_COLUMN
 
@@ -162,8 +162,7 @@ def _codec(spec: FieldSpec) -> Callable[[Any], tuple[Any, bytes]]:
                 v = conv_array(v)
             h = headers.get(v.shape[0])
             if h is None:
-                full = npy_bytes(v)
-                h = full[: len(full) - v.nbytes]
+                h = npy_header(v.dtype, v.shape[0])
                 if len(headers) < 65536:
                     headers[v.shape[0]] = h
             return v, h + v.tobytes()

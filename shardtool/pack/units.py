@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ..format.errors import BadSampleError, ShardtoolError
 from ..format.keys import key_problem
+from .options import strip_file_scheme
 
 JSONL_CHUNK = 32 << 20
 TREE_CHUNK = 256
@@ -36,9 +37,6 @@ class Unit:
     def structured(self) -> bool:
         return self.kind in STRUCTURED
 
-    def where(self) -> str:
-        return self.path
-
 
 def kind_of(path: str) -> str | None:
     p = path.lower()
@@ -57,7 +55,7 @@ def expand_sources(srcs: list[str]) -> list[str]:
     """Each SRC as given; glob patterns expand (sorted). Missing paths are kept (reported later)."""
     out: list[str] = []
     for s in srcs:
-        s = s[len("file://"):] if s.startswith("file://") else s
+        s = strip_file_scheme(s)
         if any(c in s for c in "*?[") and not os.path.exists(s):
             matches = sorted(glob.glob(s))
             out.extend(matches if matches else [s])

@@ -141,9 +141,13 @@ def _compare_lengths(shard: str, spec: FieldSpec, idx, actual: list[int]) -> Non
 
 
 def verify(url: str, *, storage_options: dict | None = None,
-           progress: Callable[[int], None] | None = None) -> dict:
-    """Check a dataset; returns {"ok", "shards", "samples", "bytes", "bad": [{"shard", "error"}]}."""
-    ds = open_dataset(url, storage_options=storage_options)
+           progress: Callable[[int], None] | None = None, dataset: Dataset | None = None) -> dict:
+    """Check a dataset; returns {"ok", "shards", "samples", "bytes", "bad": [{"shard", "error"}]}.
+
+    ``dataset``: the dataset at ``url``, already opened (and not yet read from) by the caller,
+    which keeps it open and closes it; by default ``url`` is opened here.
+    """
+    ds = open_dataset(url, storage_options=storage_options) if dataset is None else dataset
     bad = []
     try:
         _ = ds.lengths  # the global lengths file against its manifest hash
@@ -158,6 +162,7 @@ def verify(url: str, *, storage_options: dict | None = None,
             bad.append({"shard": ds.manifest.shards[s].path, "error": f"{ds.manifest.shards[s].path}: {e}"})
         if progress is not None:
             progress(1)
-    ds.close()
+    if dataset is None:
+        ds.close()
     return {"ok": not bad, "url": url, "shards": ds.num_shards, "samples": ds.manifest.num_samples,
             "bytes": ds.manifest.num_bytes, "version": ds.version, "bad": bad}

@@ -55,8 +55,6 @@ class JobResult:
     lengths: list[np.ndarray] = field(default_factory=list)
     keys: list[list[str]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
-    samples: int = 0
-    bytes: int = 0
 
 
 class _Roller:
@@ -67,6 +65,12 @@ class _Roller:
         self.result = result
         self.seq = 0
         self.w: ShardFileWriter | None = None
+        self.cur_bytes = 0
+
+    def _open_next(self) -> None:
+        job = self.job
+        self.w = ShardFileWriter(job.out, shard_name(job.task, job.worker, self.seq, job.fmt), job.fmt, job.fields)
+        self.seq += 1
         self.cur_bytes = 0
 
     def add(self, key, values, payloads, length, sample_bytes, source, where) -> None:
@@ -80,9 +84,7 @@ class _Roller:
         ):
             self.finish()
         if self.w is None:
-            self.w = ShardFileWriter(job.out, shard_name(job.task, job.worker, self.seq, job.fmt), job.fmt, job.fields)
-            self.seq += 1
-            self.cur_bytes = 0
+            self._open_next()
         self.w.add_encoded(key, values, payloads, length)
         self.cur_bytes += sample_bytes
 
@@ -94,10 +96,7 @@ class _Roller:
         i = 0
         while i < n:
             if self.w is None:
-                self.w = ShardFileWriter(job.out, shard_name(job.task, job.worker, self.seq, job.fmt), job.fmt,
-                                         job.fields)
-                self.seq += 1
-                self.cur_bytes = 0
+                self._open_next()
             have = len(self.w.keys)
             k = n - i
             if job.samples_per_shard is not None:
@@ -174,8 +173,8 @@ def run_job(job: Job, progress: Callable[[int, int], None] | None = None) -> Job
     try:
         for unit, pos0 in zip(job.units, job.positions):
             try:
-                recs_or_batches = read_unit(unit, key_field=job.key_field, max_sample_bytes=job.max_sample_bytes,
-                                            on_bad=skip, whole_batches=fast is not None)
+                recs_or_batches = read_unit(unit, max_sample_bytes=job.max_sample_bytes, on_bad=skip,
+                                            whole_batches=fast is not None)
                 if fast is not None and unit.kind in ("parquet", "arrow"):
                     recs_or_batches = prefetch(recs_or_batches)
                     reading.append(recs_or_batches)
@@ -222,6 +221,4 @@ def run_job(job: Job, progress: Callable[[int, int], None] | None = None) -> Job
         raise
     if progress is not None and pending_n:
         progress(pending_n, pending_b)
-    result.samples = sum(int(s["samples"]) for s in result.shards)
-    result.bytes = sum(int(s["bytes"]) for s in result.shards)
     return result
