@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
 import resource
 import time
 from dataclasses import asdict, dataclass, field
@@ -64,7 +63,7 @@ class BenchConfig:
     length_ext: str | None = None  # the length field's tar member extension, e.g. "tokens.npy"
 
 
-def _batch_stats(batch: dict, length_field: str | None) -> tuple[int, int, int, int]:
+def _batch_stats(batch: dict) -> tuple[int, int, int, int]:
     keys = batch["__key__"]
     samples = len(keys)
     tokens = padded = nbytes = 0
@@ -96,7 +95,7 @@ def consume(it, result: RankResult, cfg: BenchConfig, t_start: float) -> None:
             result.first_batch_s = t1 - t_start
         else:
             result.wait_s += t1 - t0
-        s, tok, pad, nb = _batch_stats(batch, cfg.length_field)
+        s, tok, pad, nb = _batch_stats(batch)
         result.batches += 1
         result.samples += s
         result.tokens += tok
@@ -281,10 +280,6 @@ def plot(rows: list[dict], path: str) -> None:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-
-
-def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def generate_token_dataset(out: str, n: int = 20000, *, seed: int = 0, samples_per_shard: int = 2000,

@@ -83,7 +83,7 @@ class WorkerPool:
         msg = self._receive(w, b)
         if msg[0] == "err":
             raise _rebuild(msg[2], msg[3])
-        batch = decode(pickle.loads(msg[2]), self.slots[w][k], self.pin)
+        batch = decode(msg[2], self.slots[w][k], self.pin)
         nxt = b + self.workers * self.depth
         if nxt < self.n:
             self._send(nxt)  # the slot is free again: batch b was copied out
@@ -186,8 +186,7 @@ def _worker_main(load: Callable, conn, slots: list[Slot], parent: int, parent_en
         slot = slots[k]
         try:
             slot.reset()
-            out = pickle.dumps(("ok", b, pickle.dumps(encode(load(b, slot.empty), slot), pickle.HIGHEST_PROTOCOL)),
-                               pickle.HIGHEST_PROTOCOL)
+            out = pickle.dumps(("ok", b, encode(load(b, slot.empty), slot)), pickle.HIGHEST_PROTOCOL)
         except Exception as e:
             text = f"{type(e).__name__} in loader worker (pid {os.getpid()}):\n" + "".join(traceback.format_exception(e))
             out = pickle.dumps(("err", b, _picklable_type(e), text))

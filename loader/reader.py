@@ -18,6 +18,7 @@ import torch
 from shardtool.format import FormatError
 
 from .collate import KEY, PACK_MIN_BYTES, Alloc, PackedBytes, collate_samples
+from .planning.nodes import locate_ids
 from .shardview import ShardView
 from .source import Source, SourceSpec
 
@@ -71,9 +72,7 @@ class BatchReader:
 
     def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         self.source
-        ids = np.asarray(ids, dtype=np.int64)
-        shard = np.searchsorted(self.offsets, ids, side="right") - 1
-        return shard, ids - self.offsets[shard]
+        return locate_ids(self.offsets, np.asarray(ids, dtype=np.int64))
 
     def where(self, gid: int) -> str:
         """'shard <path> sample #i' for a global id: for error messages."""
@@ -97,6 +96,12 @@ class BatchReader:
     def index_lengths(self, ids: np.ndarray) -> np.ndarray:
         return self.source.dataset.lengths[np.asarray(ids, dtype=np.int64)]
 
+    def collate(self, samples: list[Any], ids: np.ndarray, *, pad_id: int,
+                alloc: Alloc | None = None) -> dict[str, Any]:
+        """The default collation of ``samples`` (those of ``ids``), lengths from the index."""
+        return collate_samples(samples, pad_field=self.pad_field, pad_id=pad_id, lengths=self.index_lengths(ids),
+                               alloc=alloc or np.empty)
+
     def read_batch(self, ids: np.ndarray, *, pack: bool = False, alloc: Alloc | None = None) -> dict[str, Any]:
         """The default batch for ``ids``. ``alloc(shape, dtype)`` gives the arrays the batch's
         tensors are built in (in a worker: a shared-memory slot); ``pack``: large bytes fields
@@ -104,15 +109,13 @@ class BatchReader:
         ids = np.asarray(ids, dtype=np.int64)
         alloc = alloc or np.empty
         if not self.source.local:
-            return collate_samples(self.read_samples(ids), pad_field=self.pad_field, pad_id=self.pad_id,
-                                   lengths=self.index_lengths(ids), alloc=alloc)
+            return self.collate(self.read_samples(ids), ids, pad_id=self.pad_id, alloc=alloc)
         shard, local = self.locate(ids)
         groups = self._groups(shard, local)
         fields = self.source.dataset.manifest.fields
         pad_col = groups[0][0].pad_col if groups else None
         if pad_col is not None and any(v.tok_view is None for v, _, _ in groups):
-            return collate_samples(self.read_samples(ids), pad_field=self.pad_field, pad_id=self.pad_id,
-                                   lengths=self.index_lengths(ids), alloc=alloc)
+            return self.collate(self.read_samples(ids), ids, pad_id=self.pad_id, alloc=alloc)
         b = len(ids)
         keys = np.empty(b, dtype=object)
         for v, rows, li in groups:
@@ -121,14 +124,10 @@ class BatchReader:
         if pad_col is not None:
             tokens = self._gather_tokens(groups, b, alloc)
             if tokens is None:
-                return collate_samples(self.read_samples(ids), pad_field=self.pad_field, pad_id=self.pad_id,
-                                       lengths=self.index_lengths(ids), alloc=alloc)
+                return self.collate(self.read_samples(ids), ids, pad_id=self.pad_id, alloc=alloc)
             out[fields[pad_col].name], out["lengths"] = tokens
         else:
-            lengths = np.empty(b, dtype=np.int64)
-            for v, rows, li in groups:
-                lengths[rows] = v.lengths[li]
-            out["lengths"] = torch.from_numpy(lengths)
+            out["lengths"] = torch.from_numpy(self.index_lengths(ids))  # Dataset.shard_index checked: = the index's
         for j, spec in enumerate(fields):
             if j == pad_col:
                 continue

@@ -152,22 +152,16 @@ class ShardedLoader:
         self._log_plan()
 
     # ------------------------------------------------------------------ iteration
-    def _rank_slice(self, plan: EpochPlan) -> tuple[np.ndarray, np.ndarray]:
-        n = plan.batches_per_rank
-        first = self.rank * n
-        offs = plan.batch_offsets[first : first + n + 1]
-        ids = plan.sample_ids[offs[0] : offs[-1]] if n else plan.sample_ids[:0]
-        return ids, (offs - offs[0]) if n else np.zeros(1, np.int64)
-
     def __iter__(self) -> Iterator[Any]:
         plan = self.plan
         n = plan.batches_per_rank
         self._pass_start = start = self._served
         self._check_ranks_agree(plan)
-        ids, offsets = self._rank_slice(plan)
+        first = plan._first(self.rank)
         where = f"rank {self.rank}/{self.layout.world_size}, epoch {self._epoch}"
-        batches = PlanBatches(self.reader, ids, offsets, where=where, transform=self.transform,
-                              collate_fn=self.collate_fn, pad_id=self.pad_id)
+        # This rank's n batches: absolute offsets into the plan's ids (n + 1 of them, [0] when n == 0).
+        batches = PlanBatches(self.reader, plan.sample_ids, plan.batch_offsets[first : first + n + 1],
+                              where=where, transform=self.transform, collate_fn=self.collate_fn, pad_id=self.pad_id)
         return self._run(batches, start, n, where)
 
     def _run(self, batches: PlanBatches, start: int, n: int, where: str) -> Iterator[Any]:

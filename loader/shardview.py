@@ -23,15 +23,6 @@ from shardtool.format.arrowshard import check_schema
 from .source import MappedFile
 
 
-def runs(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Indices starts[k] .. starts[k]+sizes[k]-1 for every k, concatenated, without a loop."""
-    total = int(sizes.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    shift = np.repeat(starts - (np.cumsum(sizes) - sizes), sizes)
-    return np.arange(total, dtype=np.int64) + shift
-
-
 def is_int_array(spec: FieldSpec) -> bool:
     return spec.storage == "array" and bool(spec.dtype) and np.dtype(spec.dtype).kind in "iub"
 
@@ -66,7 +57,6 @@ class ShardView:
         self.mapped = mapped
         self.name = mapped.shard_name
         self.keys = np.array(index.keys, dtype=object)
-        self.lengths = index.lengths
         self.fields = fields
         n, nf = len(index), len(fields)
         buf = mapped.buffer()
@@ -80,7 +70,7 @@ class ShardView:
             raise FormatError(f"shard {self.name}: sample index points past the end of the shard")
         self.decoders = [decoder(f, tar, allow_pickle, f"shard {self.name}") for f in fields]
         self.bytes_fields = [yields_bytes(f, tar) for f in fields]
-        self.tok_view = self.tok_start = self.tok_count = self.tok_bytes = None
+        self.tok_view = self.tok_bytes = None
         self.pad_col = next((j for j, f in enumerate(fields) if f.name == pad_field), None)
         if self.pad_col is not None and is_int_array(fields[self.pad_col]):
             self._fast_tokens(fields[self.pad_col], tar)
@@ -88,12 +78,10 @@ class ShardView:
     def _fast_tokens(self, spec: FieldSpec, tar: bool) -> None:
         # Parsed once per shard for all samples: per-batch parsing (only the samples read) saved
         # a worker's start-up but cost more per batch when a batch spans many shards.
-        self._npy = tar
-        self._tok_raw = (self.starts[:, self.pad_col].copy(), self.sizes[:, self.pad_col].copy())
         self.tok_view = np.frombuffer(self.mapped.buffer(), dtype=np.dtype(spec.dtype),
                                       count=self.mapped.size // np.dtype(spec.dtype).itemsize)
         self.tok_bytes = memoryview(self.mapped.buffer()).cast("B")  # rows are copied as raw bytes
-        self._tok_ranges = self._parse(np.arange(len(self._tok_raw[0])))
+        self._tok_ranges = self._parse(self.starts[:, self.pad_col], self.sizes[:, self.pad_col], npy=tar)
 
     def token_ranges(self, li: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """(first element, element count) of the length field's payload for samples ``li``;
@@ -102,9 +90,10 @@ class ShardView:
             return None
         return self._tok_ranges[0][li], self._tok_ranges[1][li]
 
-    def _parse(self, li: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        start, size = self._tok_raw[0][li], self._tok_raw[1][li]
-        if self._npy:
+    def _parse(self, start: np.ndarray, size: np.ndarray, *, npy: bool) -> tuple[np.ndarray, np.ndarray] | None:
+        """(first element, element count) of every sample's payload at byte ``start``, ``size``
+        (new arrays: the inputs are only read); None where one is not a plain array."""
+        if npy:
             # npy 1.0: magic(6) version(2) header_len(2, little endian) header; data after it.
             u8 = self.u8
             if len(start) and ((size < 10).any() or (u8[start] != 0x93).any() or (u8[start + 6] != 1).any()):

@@ -13,7 +13,6 @@ import contextlib
 import mmap
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 from shardtool.format import Dataset, FormatError, open_dataset
 from shardtool.format.dataset import is_local
@@ -33,7 +32,6 @@ class MappedFile:
     """A whole shard memory-mapped read-only; one per shard per process."""
 
     def __init__(self, path: str, shard_name: str, release=None):
-        self.path = path
         self.shard_name = shard_name
         self._release = release
         try:
@@ -98,6 +96,3 @@ class Source:
             stack.close()
             raise
         return MappedFile(path, name, release=stack.close)
-
-    def describe(self) -> dict[str, Any]:
-        return {"url": self.spec.url, "cache_dir": self.spec.cache_dir, "local": self.local}

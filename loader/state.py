@@ -185,9 +185,9 @@ def plan_for_state(lengths, shard_counts, layout: Layout, batching: Batching, st
     _check_batching(state, batching)
     if not state.segments:
         raise ValueError("loader state has no segments; create it with LoaderState.start")
-    if _layout_of(state.segments[-1]) == layout:
-        _, plan = _replay(lengths, shard_counts, batching, state.epoch, state.segments)
+    same_layout = _layout_of(state.segments[-1]) == layout  # first: a bad last segment fails here, as before
+    remaining, plan = _replay(lengths, shard_counts, batching, state.epoch, state.segments)
+    if same_layout:
         return plan, state.segments[-1]["served"]
-    remaining, _ = _replay(lengths, shard_counts, batching, state.epoch, state.segments)
     plan = plan_subset(lengths, shard_counts, layout, batching, state.epoch, subset=remaining, allow_empty=True)
     return plan, 0

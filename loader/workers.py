@@ -1,6 +1,6 @@
 """Which batch is which, and who loads it: in the trainer, or in worker processes.
 
-`PlanBatches` item ``b`` is batch ``b`` of this rank's plan, read and collated. With
+`PlanBatches.load(b)` is batch ``b`` of this rank's plan, read and collated. With
 ``num_workers=0`` the trainer loads batches itself; otherwise a `WorkerPool` (loader/pool.py)
 loads them in worker processes into reusable shared-memory slots and delivers them in batch
 order, so the batch sequence never depends on ``num_workers``.
@@ -12,13 +12,13 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from .collate import Alloc, collate_samples
+from .collate import Alloc
 from .pool import WorkerPool
 from .reader import BatchReader, describe_ids
 
 
 class PlanBatches:
-    """Item b: the batch of global sample ids ``ids[offsets[b]:offsets[b+1]]``, read and collated."""
+    """Batch b: the batch of global sample ids ``ids[offsets[b]:offsets[b+1]]``, read and collated."""
 
     def __init__(self, reader: BatchReader, ids: np.ndarray, offsets: np.ndarray, *, where: str,
                  transform: Callable | None = None, collate_fn: Callable | None = None, pad_id: int = 0):
@@ -36,9 +36,6 @@ class PlanBatches:
     def batch_ids(self, b: int) -> np.ndarray:
         return self.ids[self.offsets[b] : self.offsets[b + 1]]
 
-    def __getitem__(self, b: int) -> Any:
-        return self.load(b)
-
     def load(self, b: int, alloc: Alloc | None = None) -> Any:
         """Batch b; ``alloc`` (in a worker): where its arrays are born, a shared-memory slot."""
         ids = self.batch_ids(b)
@@ -51,8 +48,7 @@ class PlanBatches:
                 samples = [self._transform(s, g) for s, g in zip(samples, ids.tolist())]
             if self.collate_fn is not None:
                 return self.collate_fn(samples)
-            return collate_samples(samples, pad_field=self.reader.pad_field, pad_id=self.pad_id,
-                                   lengths=self.reader.index_lengths(ids), alloc=alloc or np.empty)
+            return self.reader.collate(samples, ids, pad_id=self.pad_id, alloc=alloc)
         except Exception as e:
             e.add_note(f"while loading batch {b} of {self.where}: {describe_ids(self.reader, ids)}")
             raise

@@ -116,5 +116,11 @@ def sample_locations(shard_counts, ids) -> tuple[np.ndarray, np.ndarray]:
     ids = np.asarray(ids, dtype=np.int64)
     if ids.size and (ids.min() < 0 or ids.max() >= offsets[-1]):
         raise ValueError(f"sample ids must be in [0, {int(offsets[-1])})")
+    return locate_ids(offsets, ids)
+
+
+def locate_ids(offsets: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`sample_locations` for int64 ``ids`` given the shard offsets [0, cumsum(counts)...];
+    no range check (an id outside [0, offsets[-1]) gets a shard outside the dataset)."""
     shard = np.searchsorted(offsets, ids, side="right") - 1
     return shard, ids - offsets[shard]
