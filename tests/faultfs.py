@@ -92,7 +92,23 @@ class FaultyFileSystem(AbstractFileSystem):
         return _FaultyFile(self, f, path, limit)
 
 
-class _FaultyFile:
+class FileWrapper:
+    """A read-only file object wrapping ``self.f``: what fsspec and our readers need besides read()."""
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _FaultyFile(FileWrapper):
     def __init__(self, owner: FaultyFileSystem, f, path: str, limit: int | None):
         self.owner, self.f, self.path, self.limit = owner, f, path, limit
         self.pos = 0
@@ -110,18 +126,6 @@ class _FaultyFile:
         data = self.f.read(n)
         self.pos += len(data)
         return data
-
-    def readable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        self.f.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 fsspec.register_implementation("faulty", FaultyFileSystem, clobber=True)

@@ -64,7 +64,7 @@ class EdgeFS(faultfs.FaultyFileSystem):
         return f
 
 
-class _Flip:
+class _Flip(faultfs.FileWrapper):
     def __init__(self, f, at: int):
         self.f, self.at, self.pos = f, at, 0
 
@@ -76,18 +76,6 @@ class _Flip:
             data = bytes(b)
         self.pos += len(data)
         return data
-
-    def readable(self):
-        return True
-
-    def close(self):
-        self.f.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 fsspec.register_implementation("edgefaulty", EdgeFS, clobber=True)
