@@ -1,23 +1,18 @@
 """`shardtool plan`: the plan of a layout from metadata only, as text and JSON."""
 from __future__ import annotations
 
+import functools
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from loader import ShardedLoader
+from runcli import shardtool_cli
 from test_loader_data import write_dataset
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def shardtool(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    return subprocess.run([sys.executable, "-m", "shardtool", *args], capture_output=True, text=True, env=env,
-                          timeout=120)
+shardtool = functools.partial(shardtool_cli, timeout=120)
 
 
 @pytest.mark.timeout(150)

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -13,14 +11,8 @@ from shardtool.pack.verify import verify
 
 from data_gen import image_samples, token_records, write_jsonl, write_tree
 from fsutil import flip_byte
+from runcli import shardtool_cli as _cli
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _cli(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "shardtool", *args], env=env, capture_output=True, text=True,
-                          timeout=60)
 
 
 @pytest.mark.timeout(120)

@@ -11,8 +11,6 @@ import io
 import json
 import os
 import pickle
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -26,15 +24,10 @@ from shardtool.format.tarshard import TarShardWriter
 from shardtool.format.writer import publish_manifest
 from shardtool.pack.verify import verify
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from runcli import shardtool_cli as cli
+
 SHARD = "shards/hand-000000.tar"
 ASHARD = "shards/hand-000000.arrow"
-
-
-def cli(*args, timeout=60):
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-m", "shardtool", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 class Marker:

@@ -8,6 +8,7 @@ JSONL (same file), a timed SIGKILL mid-shard (``test_sigkill_mid_shard_then_reru
 """
 from __future__ import annotations
 
+import functools
 import gzip
 import io
 import os
@@ -26,17 +27,10 @@ from shardtool.pack.verify import verify
 
 from data_gen import dir_digest, token_records, write_jsonl, write_tar
 from fsutil import temps, tmpfs
+from runcli import repo_env, shardtool_cli
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+cli = functools.partial(shardtool_cli, timeout=120)
 
-
-def _env():
-    return dict(os.environ, PYTHONPATH=ROOT)
-
-
-def cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "shardtool", *args], env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def files_under(root) -> set[str]:
@@ -88,7 +82,7 @@ def test_sigkill_at_publish_points_then_rerun_is_identical(tmp_path, workers, po
     killer.write_text(KILLER)
     out = str(tmp_path / "out")
     p = subprocess.run([sys.executable, str(killer), point[0], str(point[1]), *_pack_args(src, out, workers)],
-                       env=_env(), capture_output=True, timeout=120, start_new_session=True)
+                       env=repo_env(), capture_output=True, timeout=120, start_new_session=True)
     assert p.returncode == -signal.SIGKILL, p.stderr
     # No manifest may exist, so no reader can be pointed at the partial output.
     assert not os.path.exists(os.path.join(out, "index.json"))
@@ -108,7 +102,7 @@ def test_killed_worker_fails_the_pack_instead_of_hanging(tmp_path):
     killer.write_text(KILLER.replace("os.killpg(os.getpgrp(), signal.SIGKILL)", "os.kill(os.getpid(), signal.SIGKILL)"))
     out = str(tmp_path / "out")
     p = subprocess.run([sys.executable, str(killer), "w01-000001.tar", "1", *_pack_args(src, out, 2)],
-                       env=_env(), capture_output=True, text=True, timeout=90, start_new_session=True)
+                       env=repo_env(), capture_output=True, text=True, timeout=90, start_new_session=True)
     assert p.returncode not in (0, -signal.SIGKILL), p.stderr
     assert "worker" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not os.path.exists(os.path.join(out, "index.json"))
@@ -228,7 +222,7 @@ runpy.run_module("shardtool", run_name="__main__")
 
 def _run_measured(args, cwd) -> tuple[int, str, int]:
     """Run the CLI; returns (exit code, stderr, peak RSS of that process alone in MiB)."""
-    p = subprocess.run([sys.executable, "-c", _MEASURED, *args], env=_env(), cwd=cwd, stdout=subprocess.DEVNULL,
+    p = subprocess.run([sys.executable, "-c", _MEASURED, *args], env=repo_env(), cwd=cwd, stdout=subprocess.DEVNULL,
                        stderr=subprocess.PIPE, timeout=170, start_new_session=True)
     err = p.stderr.decode()
     peak = [int(line.split()[1]) for line in err.splitlines() if line.startswith("PEAK_KIB ")]
