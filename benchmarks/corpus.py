@@ -1,6 +1,7 @@
 """Synthetic corpora for benchmarks and the README demo, deterministic from a seed.
 
-- tokens: N samples of int32 token ids, lognormal lengths (median ≈ 350, clipped to 1..8192),
+- tokens: N samples of int32 token ids, the lognormal lengths of `shardtool.plan.synthetic`
+  (median ≈ 350, clipped to 1..8192),
   plus a short ``source`` string; written as JSONL (``tokens.jsonl``) and Parquet
   (``tokens.parquet``, row groups of 8192 rows so several workers can share one file).
 - images: N image-like samples as ``<key>.bin`` (~100 KB of incompressible bytes) + ``<key>.json``
@@ -17,15 +18,14 @@ import os
 
 import numpy as np
 
-MEDIAN_TOKENS = 350
-MAX_TOKENS = 8192
+from shardtool.plan.synthetic import lognormal_lengths
+
 VOCAB = 50_000
 ROW_GROUP = 8192
 
 
 def token_lengths(n: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng([seed, 1])
-    return np.clip(np.round(rng.lognormal(np.log(MEDIAN_TOKENS), 0.8, n)), 1, MAX_TOKENS).astype(np.int64)
+    return lognormal_lengths(n, seed=np.random.default_rng([seed, 1]))
 
 
 def write_tokens(out: str, n: int, *, seed: int = 0, jsonl: bool = True, parquet: bool = True) -> dict[str, str]:

@@ -37,42 +37,19 @@ IMAGE_BATCH = 32
 
 # ---------------------------------------------------------------------- corpora
 def write_tokens(root: str, n: int, per_shard: int) -> None:
-    from shardtool.format import FieldSpec, Manifest, ShardFileWriter, publish_manifest
+    """The lognormal token corpus (median ~350, int32), tar shards at the top of ``root``."""
+    from shardtool.pack.synthetic import write_synthetic
 
-    rng = np.random.default_rng(0)
-    lengths = np.clip(rng.lognormal(np.log(350), 0.8, n), 1, 8192).astype(np.int64)
-    fields = [FieldSpec("tokens", "tokens.npy", "npy", "array", "i4")]
-    vocab = rng.integers(0, 50_000, size=int(lengths.max()) + 1024, dtype=np.int32)
-    infos, lens = [], []
-    for s, a in enumerate(range(0, n, per_shard)):
-        w = ShardFileWriter(root, f"tok-{s:05d}.tar", "tar", fields)
-        for g in range(a, min(n, a + per_shard)):
-            o = g % 1024
-            w.add(f"t{g:08d}", [vocab[o : o + lengths[g]]], int(lengths[g]))
-        info, ln = w.finish()
-        infos.append(info)
-        lens.append(ln)
-    publish_manifest(root, Manifest("tar", fields, infos, {"field": "tokens", "unit": "tokens", "fn": None}),
-                     np.concatenate(lens))
+    write_synthetic(root, n, samples_per_shard=per_shard, vocab=50_000, key_prefix="t", key_width=8,
+                    shard_name="tok-{:05d}")
 
 
 def write_images(root: str, n: int, per_shard: int) -> None:
-    from shardtool.format import FieldSpec, Manifest, ShardFileWriter, publish_manifest
+    """Image-like samples: one raw ``jpg`` field of 50-150 KB of random bytes."""
+    from shardtool.pack.synthetic import write_synthetic
 
-    rng = np.random.default_rng(1)
-    blob = rng.integers(0, 256, size=200_000, dtype=np.uint8).tobytes()
-    sizes = rng.integers(80_000, 120_000, size=n)
-    fields = [FieldSpec.raw("jpg")]
-    infos, lens = [], []
-    for s, a in enumerate(range(0, n, per_shard)):
-        w = ShardFileWriter(root, f"img-{s:05d}.tar", "tar", fields)
-        for g in range(a, min(n, a + per_shard)):
-            w.add(f"i{g:08d}", [blob[g % 997 : g % 997 + sizes[g]]], int(sizes[g]))
-        info, ln = w.finish()
-        infos.append(info)
-        lens.append(ln)
-    publish_manifest(root, Manifest("tar", fields, infos, {"field": None, "unit": "bytes", "fn": None}),
-                     np.concatenate(lens))
+    write_synthetic(root, n, samples_per_shard=per_shard, kind="bytes", field="jpg", sample_bytes=100_000, seed=1,
+                    key_prefix="i", key_width=8, shard_name="img-{:05d}")
 
 
 # ---------------------------------------------------------------------- one measurement (own process)
@@ -107,8 +84,8 @@ def run_wds(root: str, kind: str, workers: int, max_s: float) -> dict:
 
 
 def run_ours(root: str, kind: str, workers: int, resume: bool, max_s: float) -> dict:
-    from loader import ShardedLoader
-    from loader.state import LoaderState
+    from shardtool.loader import ShardedLoader
+    from shardtool.plan.state import LoaderState
 
     began = time.perf_counter()
     size = {"max_tokens": MAX_TOKENS} if kind == "tokens" else {"batch_size": IMAGE_BATCH}

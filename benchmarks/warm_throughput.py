@@ -3,10 +3,10 @@ source with per-request latency (tests/faultfs.py). Prints GB/s and ratios; not 
 
 Each warm is compared with the `cp` of the same durability: the default warm publishes shards
 once verified, as `cp -r` leaves them in the page cache (a reboot before writeback makes the
-cache re-hash them, see cache/durability.py); `warm --durable` fsyncs every shard before
+cache re-hash them, see shardtool.cache.durability); `warm --durable` fsyncs every shard before
 publishing it, so its peer is `cp -r && sync`.
 
-    python benchmarks/warm_throughput.py [--shards 32] [--shard-mb 32] [--latency 0.05]
+    python -m benchmarks.warm_throughput [--shards 32] [--shard-mb 32] [--latency 0.05]
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 
 import faultfs  # noqa: E402,F401  registers faulty://
 from cachedata import make_dataset  # noqa: E402
-from cache import RetryPolicy, warm  # noqa: E402
+from shardtool.cache import RetryPolicy, warm  # noqa: E402
 
 
 def drop(path: str) -> None:

@@ -2,13 +2,14 @@
 
 Public API::
 
-    warm(url, cache_dir, *, layout=NodeLayout(node, num_nodes), all_shards=False, jobs=8, ...) -> WarmReport
+    warm(url, cache_dir, *, placement=Placement(Layout(nodes, ranks_per_node), node), all_shards=False, ...)
+        -> WarmReport
     open_cache(url, cache_dir, *, storage_options=None) -> DatasetCache
         .dataset                 shardtool.format.Dataset reading metadata and shards via the cache
         .local_shard(i) -> str   path of a verified local copy (fetched on a miss, under the shard lock)
         .reading(i)              context manager: shared lock keeping eviction away; yields the path
 """
-from .assign import NodeLayout, assigned_shards, resolve_node_layout
+from .assign import assigned_shards
 from .dcache import CachedDataset, DatasetCache, open_cache
 from .errors import (EXIT_LOCAL, EXIT_OK, EXIT_REMOTE, EXIT_USAGE, BudgetError, CacheError, LocalFault, NotCached,
                      RemoteError, SourceCorrupt, SourceMissing, SourceUnavailable, UsageError)
@@ -19,7 +20,7 @@ from .warmer import warm
 
 __all__ = [
     "BudgetError", "CacheError", "CachedDataset", "DatasetCache", "EXIT_LOCAL", "EXIT_OK", "EXIT_REMOTE",
-    "EXIT_USAGE", "LocalFault", "NodeLayout", "NotCached", "RemoteError", "RetryPolicy", "SourceCorrupt",
+    "EXIT_USAGE", "LocalFault", "NotCached", "RemoteError", "RetryPolicy", "SourceCorrupt",
     "SourceMissing", "SourceUnavailable", "UsageError", "VersionDir", "WarmReport", "assigned_shards",
-    "open_cache", "resolve_node_layout", "warm",
+    "open_cache", "warm",
 ]

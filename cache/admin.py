@@ -10,7 +10,7 @@ import os
 import shutil
 import time
 
-from shardtool.format.atomic import TMP_PREFIX
+from ..format.atomic import TMP_PREFIX
 
 from .budget import cached_versions, disk_free, evict, scan
 from .evict import effective_limit

@@ -9,9 +9,9 @@ from typing import Iterator
 
 import fsspec
 
-from shardtool.format.dataset import Dataset
-from shardtool.format.manifest import MANIFEST_NAME, lengths_from_bytes, manifest_hash
-from shardtool.format.sindex import ShardIndex
+from ..format.dataset import Dataset
+from ..format.manifest import MANIFEST_NAME, lengths_from_bytes, manifest_hash
+from ..format.sindex import ShardIndex
 
 from .budget import disk_free, evict, scan
 from .errors import BudgetError, NotCached, RemoteError

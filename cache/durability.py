@@ -6,7 +6,7 @@ kernel has written it back: a SIGKILLed warmer leaves the page cache intact. Onl
 machine itself (power loss, kernel panic) can lose bytes the kernel had not yet written back,
 and that always changes the kernel's boot id. So a trust stamp records the boot it was written
 in and whether its shard was fsynced; a stamp of another boot whose shard was not fsynced is not
-trusted, and the shard is hashed again before anything reads it (``cache.meta.ensure_shard``).
+trusted, and the shard is hashed again before anything reads it (``shardtool.cache.meta.ensure_shard``).
 
 That lets a warm publish at page-cache speed (as ``cp`` does) and still never serve bytes lost
 in a crash; ``durable=True`` fsyncs every shard before its rename instead (as ``cp; sync``), so

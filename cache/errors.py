@@ -9,7 +9,7 @@
 """
 from __future__ import annotations
 
-from shardtool.format.errors import ShardtoolError
+from ..format.errors import ShardtoolError
 
 EXIT_OK = 0
 EXIT_REMOTE = 1

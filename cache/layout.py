@@ -15,7 +15,7 @@
 A shard is published only after its size and hash matched the manifest; the stamp written after
 the rename records the file's stat, so later checks are one ``stat`` per shard. Any change to the
 file (size, mtime, ctime, inode) voids the stamp and the shard is hashed again before it is trusted;
-so does a reboot for a shard that was published without an fsync (:mod:`cache.durability`).
+so does a reboot for a shard that was published without an fsync (:mod:`shardtool.cache.durability`).
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import os
 import posixpath
 import time
 
-from shardtool.format.atomic import atomic_write_bytes
-from shardtool.format.manifest import LENGTHS_NAME, MANIFEST_NAME, ShardInfo
+from ..format.atomic import atomic_write_bytes
+from ..format.manifest import LENGTHS_NAME, MANIFEST_NAME, ShardInfo
 
 from .durability import stamp_fields, stamp_survives
 from .locks import locked

@@ -8,9 +8,9 @@ import contextlib
 import os
 import time
 
-from shardtool.format.atomic import fsync_path
-from shardtool.format.hashing import hash_file
-from shardtool.format.manifest import Manifest, ShardInfo
+from ..format.atomic import fsync_path
+from ..format.hashing import hash_file
+from ..format.manifest import Manifest, ShardInfo
 
 from .durability import must_fsync
 from .errors import CacheError, LocalFault, NotCached
@@ -73,7 +73,7 @@ def ensure_shard(vd: VersionDir, shard: int, info: ShardInfo, src: Source | None
                  deadline: float | None = None, on_bytes=None, on_retry=None, verify: bool = False,
                  durable: bool = False) -> str:
     """Make shard ``shard`` present and trusted; returns HIT, VERIFIED (found intact) or COPIED.
-    ``durable``: fsync a copied shard before publishing it (see :mod:`cache.durability`)."""
+    ``durable``: fsync a copied shard before publishing it (see :mod:`shardtool.cache.durability`)."""
     if not verify and vd.trusted(shard, info):
         return HIT
     lock_wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)

@@ -66,4 +66,10 @@ class WarmReport:
         if self.evicted_shards:
             line += f", evicted {self.evicted_shards} ({gb(self.evicted_bytes)})"
         line += f" in {self.seconds:.2f}s ({self.gbps:.2f} GB/s)"
+        if self.layout is None:
+            line += "; every shard (--all)"
+        else:
+            lay = self.layout
+            line += (f"; node {lay['node']} of {lay['num_nodes']}, {lay['ranks_per_node']} rank(s) per node "
+                     f"(from {lay['from']})")
         return line

@@ -2,8 +2,8 @@
 
 A shard is copied into a temp file next to its final name (in the kernel from a local source, in
 large sequential reads hashed on the way from a remote one), checked against the manifest (size,
-then hash), fsynced if asked (:mod:`cache.durability`) and renamed. Errors on the
-source side are retried by :mod:`cache.retry`; errors on the local side (disk full, read-only,
+then hash), fsynced if asked (:mod:`shardtool.cache.durability`) and renamed. Errors on the
+source side are retried by :mod:`shardtool.cache.retry`; errors on the local side (disk full, read-only,
 permissions) become :class:`LocalFault` at once, because retrying cannot fix them.
 """
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Callable
 
 import fsspec
 
-from shardtool.format.atomic import TMP_PREFIX, fsync_dir
-from shardtool.format.dataset import is_local
-from shardtool.format.hashing import format_digest, hash_bytes, hash_fileobj, new_hasher
-from shardtool.format.manifest import ShardInfo
+from ..format.atomic import TMP_PREFIX, fsync_dir
+from ..format.dataset import is_local
+from ..format.hashing import format_digest, hash_bytes, hash_fileobj, new_hasher
+from ..format.manifest import ShardInfo
 
 from .errors import LocalFault, SourceCorrupt, SourceUnavailable
 from .kcopy import DestinationError, copy_range
@@ -65,7 +65,7 @@ class Source:
                             what=path, policy=policy, deadline=deadline)
 
     def open_stream(self, rel: str):
-        """A remote object for sequential reading (local files are copied by :mod:`cache.kcopy`)."""
+        """A remote object for sequential reading (local files are copied by :mod:`shardtool.cache.kcopy`)."""
         path = self.path(rel)
         # No read-ahead cache: every read is one large ranged request, nothing read twice.
         return self.fs.open(path, "rb", block_size=CHUNK, cache_type="none")
@@ -225,7 +225,7 @@ def copy_shard(src: Source, info: ShardInfo, final_path: str, *, policy: RetryPo
                deadline: float | None = None, on_bytes: Callable[[int], None] | None = None,
                on_retry=None, fsync: bool = True) -> None:
     """Fetch one shard into ``final_path``, verified and atomic, retrying transient failures;
-    ``fsync``: make it durable before the rename (else see :mod:`cache.durability`)."""
+    ``fsync``: make it durable before the rename (else see :mod:`shardtool.cache.durability`)."""
     stall = None if src.local else policy.stall_timeout
     try:
         with_retries(lambda t: _copy_once(src, info, final_path, t, stall, on_bytes, fsync),

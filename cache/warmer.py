@@ -15,10 +15,11 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Mapping
 
 
-from shardtool.format.dataset import Dataset
-from shardtool.format.manifest import MANIFEST_NAME, lengths_from_bytes
+from ..format.dataset import Dataset
+from ..format.manifest import MANIFEST_NAME, lengths_from_bytes
 
-from .assign import NodeLayout, assigned_shards
+from ..plan import Layout, Placement
+from .assign import assigned_shards
 from .budget import disk_free, evict, scan
 from .durability import must_fsync
 from .errors import BudgetError, CacheError, LocalFault, RemoteError
@@ -69,28 +70,28 @@ class _Progress:
             self.bar.close()
 
 
-def warm(url: str, cache_dir: str, *, layout: NodeLayout | None = None, all_shards: bool = False,
+def warm(url: str, cache_dir: str, *, placement: Placement | None = None, all_shards: bool = False,
          jobs: int = 8, max_bytes: int | None = None, min_free: int | None = None, best_effort: bool = False,
          strict: bool = False, timeout: float | None = None, verify: bool = False, durable: bool = False,
          retry: RetryPolicy = RetryPolicy(), storage_options: dict | None = None, progress: bool | None = None,
          env: Mapping[str, str] | None = None, log=None) -> WarmReport:
-    """Warm ``cache_dir`` with the shards node ``layout.node`` of ``layout.num_nodes`` reads (every
-    shard with ``all_shards``). Never raises for remote or local failures: the returned report
-    carries ``status`` and ``exit_code``. ``layout=None`` without ``all_shards`` means one node.
+    """Warm ``cache_dir`` with the shards node ``placement.node`` of its layout reads (every shard
+    with ``all_shards``). Never raises for remote or local failures: the returned report carries
+    ``status`` and ``exit_code``. ``placement=None`` without ``all_shards`` means one node.
     ``durable``: fsync each shard before publishing it; by default shards are published once
     verified and re-verified if the machine reboots before the kernel wrote them back
-    (:mod:`cache.durability`)."""
+    (:mod:`shardtool.cache.durability`)."""
     began = time.monotonic()
     deadline = None if timeout is None else began + timeout
     if progress is None:
         progress = sys.stderr.isatty()
-    if layout is None and not all_shards:
-        layout = NodeLayout(0, 1)
+    if placement is None and not all_shards:
+        placement = Placement(Layout(1, 1), 0, source="default: one node")
     report = WarmReport(url=url, cache_dir=os.path.abspath(cache_dir), strict=strict,
-                        layout=None if all_shards else layout.to_dict(), durable=must_fsync(durable))
+                        layout=None if all_shards else placement.to_dict(), durable=must_fsync(durable))
     log = log or (lambda msg: print(f"shardtool warm: {msg}", file=sys.stderr))
     try:
-        _warm(report, url, cache_dir, layout=None if all_shards else layout, jobs=jobs, max_bytes=max_bytes,
+        _warm(report, url, cache_dir, placement=None if all_shards else placement, jobs=jobs, max_bytes=max_bytes,
               min_free=min_free, best_effort=best_effort, deadline=deadline, verify=verify, durable=durable, retry=retry,
               storage_options=storage_options, progress=progress, log=log)
     except LocalFault as e:
@@ -106,7 +107,7 @@ def warm(url: str, cache_dir: str, *, layout: NodeLayout | None = None, all_shar
     return report
 
 
-def _warm(report: WarmReport, url, cache_dir, *, layout, jobs, max_bytes, min_free, best_effort, deadline,
+def _warm(report: WarmReport, url, cache_dir, *, placement, jobs, max_bytes, min_free, best_effort, deadline,
           verify, durable, retry, storage_options, progress, log) -> None:
     check_cache_dir(cache_dir)
     try:
@@ -121,7 +122,7 @@ def _warm(report: WarmReport, url, cache_dir, *, layout, jobs, max_bytes, min_fr
     m = ds.manifest
     store_manifest(vd, manifest_bytes)
     lengths = lengths_from_bytes(ensure_lengths(vd, m, src, **kw), expected=m.num_samples, source=url)
-    shards = assigned_shards(lengths, ds.shard_counts, layout)
+    shards = assigned_shards(lengths, ds.shard_counts, placement)
     report.assigned = len(shards)
     report.assigned_bytes = sum(m.shards[i].bytes for i in shards)
     vd.write_assigned(shards, report.layout or {"all": True})

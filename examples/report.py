@@ -46,8 +46,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    from loader.plan import Batching, plan_epoch
-    from loader.world import Layout
+    from shardtool.plan import Batching, plan_epoch
+    from shardtool.plan import Layout
     from shardtool import open_dataset
 
     ds = open_dataset(args.dataset)

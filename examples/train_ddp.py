@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loader import ShardedLoader  # changed line 1 of 2
+from shardtool.loader import ShardedLoader  # changed line 1 of 2
 
 
 class TinyLM(nn.Module):

@@ -1,7 +1,8 @@
-"""Loading a packed dataset for multi-node training: plan (pure), read, resume.
+"""`shardtool.loader`: the torch glue — `ShardedLoader`, its worker pool, collation.
 
-`ShardedLoader` is imported lazily so that the pure planner (`loader.plan`, `loader.state`,
-`loader.world`) can be used by the cache warmer and the CLI without importing torch.
+Everything the loader decides comes from the pure planner (`shardtool.plan`); this package only
+reads and delivers. `ShardedLoader` is imported lazily so that ``import shardtool.loader`` stays
+cheap for code that only needs the error types.
 """
 from __future__ import annotations
 
@@ -13,4 +14,4 @@ def __getattr__(name: str):
         from . import sharded
 
         return getattr(sharded, name)
-    raise AttributeError(f"module 'loader' has no attribute {name!r}")
+    raise AttributeError(f"module 'shardtool.loader' has no attribute {name!r}")

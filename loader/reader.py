@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardtool.format import FormatError
+from ..format import FormatError
 
 from .collate import KEY, PACK_MIN_BYTES, Alloc, PackedBytes, collate_samples
-from .planning.nodes import locate_ids
+from ..plan.ranges import locate_ids
 from .shardview import ShardView
 from .source import Source, SourceSpec
 

@@ -8,17 +8,16 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from shardtool.format import ShardtoolError
-
+from ..format import ShardtoolError
+from ..plan import Batching, EpochPlan, plan_epoch
+from ..plan.env import rank_placement
+from ..plan.state import LoaderState, check_compatible, plan_for_state
 from .collate import unpack_batch
-from .plan import Batching, EpochPlan, plan_epoch
 from .reader import BatchReader, describe_ids
 from .source import SourceSpec
-from .state import LoaderState, check_compatible, plan_for_state
 from .workers import PlanBatches, make_dataloader
-from .world import resolve_layout
 
-log = logging.getLogger("loader")
+log = logging.getLogger(__name__)
 
 
 class LoaderError(ShardtoolError, RuntimeError):
@@ -59,7 +58,8 @@ class ShardedLoader:
         self.batching = Batching(batch_size=batch_size, max_tokens=max_tokens, shuffle=shuffle, seed=seed,
                                  window=window)
         dist = torch.distributed if torch.distributed.is_available() else None
-        self.rank, self.layout = resolve_layout(rank, world_size, ranks_per_node, env=os.environ, dist=dist)
+        self.placement = rank_placement(rank, world_size, ranks_per_node, env=os.environ, dist=dist)
+        self.rank, self.layout = self.placement.rank, self.placement.layout
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)

@@ -17,8 +17,8 @@ from typing import Any, Callable
 import numpy as np
 import pyarrow as pa
 
-from shardtool.format import FieldSpec, FormatError, decode_bytes
-from shardtool.format.arrowshard import check_schema
+from ..format import FieldSpec, FormatError, decode_bytes
+from ..format.arrowshard import check_schema
 
 from .source import MappedFile
 

@@ -1,6 +1,6 @@
 """Where shard bytes come from: the node-local cache, a local path, or a remote store.
 
-This is the loader's only seam to `cache/`: with a ``cache_dir`` a shard is a verified local
+This is the loader's only seam to `shardtool.cache`: with a ``cache_dir`` a shard is a verified local
 file in the cache (fetched on a miss, protected from eviction while open); without one, local
 datasets are read in place and remote ones by ranged requests through fsspec.
 
@@ -14,8 +14,8 @@ import mmap
 import os
 from dataclasses import dataclass, field
 
-from shardtool.format import Dataset, FormatError, open_dataset
-from shardtool.format.dataset import is_local
+from ..format import Dataset, FormatError, open_dataset
+from ..format.dataset import is_local
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,9 @@ class Source:
         self.spec = spec
         self._cache = None
         if spec.cache_dir:
-            import cache  # the only use of the cache package; lazy so the loader works without it
+            from ..cache import open_cache  # lazy: a loader without a cache never imports it
 
-            self._cache = cache.open_cache(spec.url, spec.cache_dir, storage_options=spec.storage_options)
+            self._cache = open_cache(spec.url, spec.cache_dir, storage_options=spec.storage_options)
             self.dataset: Dataset = self._cache.dataset
         else:
             self.dataset = open_dataset(spec.url, storage_options=spec.storage_options)

@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from loader import ShardedLoader
+from shardtool.loader import ShardedLoader
 
 
 def main() -> int:

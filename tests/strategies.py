@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
-from loader.plan import Batching
-from loader.world import Layout
+from shardtool.plan import Batching
+from shardtool.plan.synthetic import lognormal_lengths
+from shardtool.plan import Layout
 
 # Every (nodes, ranks per node) with a world of 1..8 ranks.
 LAYOUTS = [Layout(n, g) for n in range(1, 9) for g in range(1, 9) if n * g <= 8]
@@ -28,7 +29,7 @@ class Dataset:
 
 def make_lengths(rng: np.random.Generator, size: int, shape: str) -> np.ndarray:
     if shape == "lognormal":
-        values = rng.lognormal(np.log(60), 1.0, size)
+        return lognormal_lengths(size, seed=rng, median=60, sigma=1.0, low=0, high=2000)
     elif shape == "skewed":
         # Mostly short with a heavy tail of long samples.
         values = np.where(rng.random(size) < 0.9, rng.integers(1, 20, size), rng.integers(200, 2000, size))

@@ -1,11 +1,9 @@
-"""Node assignment through the planner's pure function, and node layout resolution."""
+"""Node assignment through the planner's pure function (node placement is tested in test_env.py)."""
 import numpy as np
-import pytest
 from hypothesis import given, settings, strategies as st
 
-from cache.assign import NodeLayout, assigned_shards, resolve_node_layout
-from cache.errors import UsageError
-from loader.plan import node_shard_ranges, shards_for_node
+from shardtool.cache.assign import assigned_shards
+from shardtool.plan import Layout, Placement, node_shard_ranges, shards_for_node
 
 
 @st.composite
@@ -20,7 +18,7 @@ def datasets(draw):
 @given(datasets(), st.integers(1, 70), st.integers(1, 8))
 def test_union_covers_every_sample_and_nodes_overlap_only_at_boundaries(ds, nodes, ranks_per_node):
     lengths, counts = ds
-    per_node = [assigned_shards(lengths, counts, NodeLayout(k, nodes, ranks_per_node)) for k in range(nodes)]
+    per_node = [assigned_shards(lengths, counts, Placement(Layout(nodes, ranks_per_node), k)) for k in range(nodes)]
     assert per_node == [shards_for_node(lengths, counts, k, nodes) for k in range(nodes)]  # one seam, same function
     union = set().union(*map(set, per_node))
     assert union == {i for i, c in enumerate(counts) if c > 0}
@@ -38,22 +36,3 @@ def test_union_covers_every_sample_and_nodes_overlap_only_at_boundaries(ds, node
 
 def test_all_means_every_shard():
     assert assigned_shards(np.ones(3, np.int64), np.array([1, 0, 2]), None) == [0, 1, 2]
-
-
-def test_layout_from_slurm_and_precedence():
-    env = {"SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "2", "SLURM_NTASKS_PER_NODE": "8(x4)"}
-    assert resolve_node_layout(env=env) == NodeLayout(2, 4, 8)
-    assert resolve_node_layout(nodes=2, node_rank=1, env=env) == NodeLayout(1, 2, 8)
-    assert resolve_node_layout(env={"SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_GPUS_ON_NODE": "4"}) == NodeLayout(1, 2, 4)
-    assert resolve_node_layout(env={}) == NodeLayout(0, 1, None)
-
-
-@pytest.mark.parametrize("kw,env", [
-    ({"nodes": 4}, {}),                       # several nodes, no rank (a prolog has no SLURM_NODEID)
-    ({"nodes": 2, "node_rank": 2}, {}),
-    ({"node_rank": 1}, {}),
-    ({}, {"SLURM_JOB_NUM_NODES": "x"}),
-])
-def test_layout_errors_are_usage_errors(kw, env):
-    with pytest.raises(UsageError):
-        resolve_node_layout(env=env, **kw)

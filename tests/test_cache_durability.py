@@ -10,8 +10,8 @@ import os
 import pytest
 
 from cachedata import make_dataset
-from cache import VersionDir, open_cache, warm
-from cache.durability import boot_id
+from shardtool.cache import VersionDir, open_cache, warm
+from shardtool.cache.durability import boot_id
 from shardtool.format import open_dataset
 from shardtool.format.hashing import hash_file
 

@@ -1,7 +1,7 @@
 """The eviction decision is a pure function: property-tested directly."""
 from hypothesis import given, settings, strategies as st
 
-from cache.evict import Entry, choose_fit, effective_limit, eviction_order, plan_eviction
+from shardtool.cache.evict import Entry, choose_fit, effective_limit, eviction_order, plan_eviction
 
 entries_st = st.lists(
     st.builds(Entry, key=st.integers(0, 10_000), size=st.integers(0, 1000), assigned=st.booleans(),

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from cache.kcopy import METHODS, STEP, copy_range
+from shardtool.cache.kcopy import METHODS, STEP, copy_range
 
 
 def _files(tmp_path, data, src_dir=None):
@@ -66,7 +66,7 @@ def test_across_filesystems_falls_back_and_copies_exactly(tmp_path):
 
 @pytest.mark.parametrize("size", [0, 1, (16 << 20) + 7])
 def test_hashing_the_copy_by_mmap_or_by_reads_agrees_with_the_manifest_hash(tmp_path, size):
-    from cache.store import hash_fd
+    from shardtool.cache.store import hash_fd
     from shardtool.format.hashing import hash_bytes
 
     data = (os.urandom(1 << 16) * (size // (1 << 16) + 1))[:size]

@@ -8,9 +8,10 @@ import pytest
 import faultfs  # noqa: F401  registers faulty://
 from cachedata import make_dataset
 from fsutil import flip_byte, temps, tmpfs
-from cache import NodeLayout, RetryPolicy, VersionDir, assigned_shards, open_cache, warm
+from shardtool.plan import Layout, Placement
+from shardtool.cache import RetryPolicy, VersionDir, assigned_shards, open_cache, warm
 from shardtool.format import open_dataset
-from cache.store import temp_path_for
+from shardtool.cache.store import temp_path_for
 
 FAST = RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.05, attempt_timeout=10, stall_timeout=0.5)
 
@@ -28,11 +29,11 @@ def cached_files(report):
 def test_warm_copies_exactly_the_nodes_shards_and_rerun_skips(src, tmp_path):
     ds = open_dataset(src)
     for node in range(3):
-        r = warm(src, str(tmp_path / f"n{node}"), layout=NodeLayout(node, 3))
-        want = assigned_shards(ds.lengths, ds.shard_counts, NodeLayout(node, 3))
+        r = warm(src, str(tmp_path / f"n{node}"), placement=Placement(Layout(3, 1), node))
+        want = assigned_shards(ds.lengths, ds.shard_counts, Placement(Layout(3, 1), node))
         assert r.status == "ok" and r.exit_code == 0
         assert cached_files(r) == set(want) and r.shards_copied == len(want)
-        again = warm(src, str(tmp_path / f"n{node}"), layout=NodeLayout(node, 3))
+        again = warm(src, str(tmp_path / f"n{node}"), placement=Placement(Layout(3, 1), node))
         assert again.shards_copied == 0 and again.shards_skipped == len(want)
         # the version dir is itself a dataset root: read every sample of the node's shards
         local = open_dataset(r.version_dir)
@@ -99,10 +100,10 @@ def test_stale_lock_and_temp_from_a_dead_holder_are_recovered(src, tmp_path):
 
 def test_budget_too_small_is_a_local_fault_naming_the_need(src, tmp_path):
     ds = open_dataset(src)
-    r = warm(src, str(tmp_path), layout=NodeLayout(0, 2), max_bytes=ds.manifest.num_bytes // 10)
+    r = warm(src, str(tmp_path), placement=Placement(Layout(2, 1), 0), max_bytes=ds.manifest.num_bytes // 10)
     assert r.status == "local_fault" and r.exit_code == 3
     assert "need" in r.error and "bytes" in r.error
-    be = warm(src, str(tmp_path), layout=NodeLayout(0, 2), max_bytes=ds.manifest.num_bytes // 5, best_effort=True)
+    be = warm(src, str(tmp_path), placement=Placement(Layout(2, 1), 0), max_bytes=ds.manifest.num_bytes // 5, best_effort=True)
     assert be.exit_code == 0 and be.status == "partial" and be.not_fitted and be.warnings
     assert be.shards_copied + len(be.not_fitted) == be.assigned
     assert sum(ds.manifest.shards[i].bytes for i in cached_files(be)) <= ds.manifest.num_bytes // 5
@@ -112,16 +113,16 @@ def test_eviction_removes_unassigned_shards_first(src, tmp_path):
     ds = open_dataset(src)
     full = warm(src, str(tmp_path), all_shards=True)
     assert full.shards_copied == ds.num_shards
-    mine = set(assigned_shards(ds.lengths, ds.shard_counts, NodeLayout(1, 2)))
+    mine = set(assigned_shards(ds.lengths, ds.shard_counts, Placement(Layout(2, 1), 1)))
     budget = sum(ds.manifest.shards[i].bytes for i in mine) + 10
-    r = warm(src, str(tmp_path), layout=NodeLayout(1, 2), max_bytes=budget)
+    r = warm(src, str(tmp_path), placement=Placement(Layout(2, 1), 1), max_bytes=budget)
     assert r.status == "ok" and r.shards_copied == 0 and r.evicted_shards > 0
     assert mine <= cached_files(r)
     assert sum(ds.manifest.shards[i].bytes for i in cached_files(r)) <= budget
 
 
 def test_reading_keeps_a_shard_from_eviction(src, tmp_path):
-    from cache import admin
+    from shardtool.cache import admin
 
     warm(src, str(tmp_path), all_shards=True)
     c = open_cache(src, str(tmp_path))
@@ -160,9 +161,9 @@ def test_missing_source_shard_fails_naming_the_shard(src, tmp_path):
 def test_missing_shard_gets_exactly_one_request(src, tmp_path):
     import fsspec
 
-    from cache.store import Source
-    from cache.meta import ensure_shard
-    from cache.errors import SourceMissing
+    from shardtool.cache.store import Source
+    from shardtool.cache.meta import ensure_shard
+    from shardtool.cache.errors import SourceMissing
 
     ds = open_dataset(src)
     fs = fsspec.filesystem("faulty", missing=[ds.manifest.shards[4].path])

@@ -14,8 +14,9 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from loader import LoaderStateError, ShardedLoader
-from loader.plan import sample_locations
+from shardtool.plan.synthetic import lognormal_lengths
+from shardtool.loader import LoaderStateError, ShardedLoader
+from shardtool.plan import sample_locations
 from shardtool.format import open_dataset
 from test_loader_data import read_all, write_dataset
 
@@ -233,8 +234,7 @@ def test_exactly_one_of_batch_size_and_max_tokens(tmp_path):
 
 
 def test_padding_efficiency_on_lognormal_tokens(tmp_path):
-    rng = np.random.default_rng(0)
-    lengths = np.clip(rng.lognormal(np.log(350), 0.8, 12000), 1, 8192).astype(np.int64)
+    lengths = lognormal_lengths(12000)
     root, _ = write_dataset(str(tmp_path / "d"), [3000] * 4, lengths=lengths, extra=False, dtype="u2")
     ld = ShardedLoader(root, max_tokens=65536, num_workers=0)
     assert ld.padding_efficiency >= 0.95

@@ -10,10 +10,10 @@ import shutil
 
 import pytest
 
-import cache
-from cache import NodeLayout
-from loader import ShardedLoader
-from loader.plan import shards_for_node
+from shardtool import cache
+from shardtool.plan import Layout, Placement
+from shardtool.loader import ShardedLoader
+from shardtool.plan import shards_for_node
 from test_loader_data import read_all, write_dataset
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,7 +33,7 @@ def test_two_nodes_run_an_epoch_from_their_caches_with_the_source_gone(tmp_path)
     for c in caches:
         os.makedirs(os.path.dirname(c))  # the node's local disk; warm refuses to invent a mount point
     for n in range(2):
-        report = cache.warm(src, caches[n], layout=NodeLayout(n, 2, 2), progress=False)
+        report = cache.warm(src, caches[n], placement=Placement(Layout(2, 2), n), progress=False)
         assert report.exit_code == 0, report.summary()
     expected = [read_all(ld) for ld in _loaders(src, None)]
 
@@ -52,7 +52,7 @@ def test_two_nodes_run_an_epoch_from_their_caches_with_the_source_gone(tmp_path)
 def test_only_the_nodes_own_shards_are_cached(tmp_path):
     src, _ = write_dataset(str(tmp_path / "src"), SHARDS)
     cdir = str(tmp_path / "cache")
-    cache.warm(src, cdir, layout=NodeLayout(1, 2, 2), progress=False)
+    cache.warm(src, cdir, placement=Placement(Layout(2, 2), 1), progress=False)
     dc = cache.open_cache(src, cdir)
     ds = dc.dataset
     mine = set(shards_for_node(ds.lengths, ds.shard_counts, 1, 2))
@@ -63,7 +63,7 @@ def test_only_the_nodes_own_shards_are_cached(tmp_path):
 def test_a_shard_missing_from_the_cache_is_fetched_into_it_on_demand(tmp_path):
     src, keys = write_dataset(str(tmp_path / "src"), SHARDS)
     cdir = str(tmp_path / "cache")
-    cache.warm(src, cdir, layout=NodeLayout(0, 2, 2), progress=False)  # node 0's shards only
+    cache.warm(src, cdir, placement=Placement(Layout(2, 2), 0), progress=False)  # node 0's shards only
     # A rank of node 1 reading through this cache must fetch its shards on demand.
     ld = ShardedLoader(src, max_tokens=256, seed=3, rank=2, world_size=4, ranks_per_node=2, num_workers=0,
                        cache_dir=cdir)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from loader import ShardedLoader
+from shardtool.loader import ShardedLoader
 from runcli import shardtool_cli
 from test_loader_data import write_dataset
 

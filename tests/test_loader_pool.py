@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from loader import LoaderError, ShardedLoader
+from shardtool.loader import LoaderError, ShardedLoader
 from test_loader_data import write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -139,7 +139,7 @@ def test_workers_exit_when_the_trainer_is_killed(tmp_path):
     root, _ = write_dataset(str(tmp_path / "d"), [20, 20])
     script = textwrap.dedent(f"""
         import multiprocessing, time
-        from loader import ShardedLoader
+        from shardtool.loader import ShardedLoader
         for b in ShardedLoader({root!r}, batch_size=2, num_workers=2):
             print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
             time.sleep(600)

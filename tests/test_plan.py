@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.plan import (
+from shardtool.plan import (
     Batching,
     node_ranges,
     node_shard_ranges,
@@ -16,7 +16,8 @@ from loader.plan import (
     sample_locations,
     shards_for_node,
 )
-from loader.world import Layout, resolve_layout
+from shardtool.plan import Layout, rank_placement
+from shardtool.plan.synthetic import lognormal_lengths
 from strategies import Dataset, cases, datasets, make_lengths
 
 settings.register_profile("plan", max_examples=60, deadline=None)
@@ -135,8 +136,7 @@ def test_max_tokens_remainder_is_less_than_one_batch_per_rank(case):
 
 @pytest.mark.parametrize("budget", [4096, 16384, 65536])
 def test_max_tokens_few_shards_per_node_drops_less_than_a_batch_per_rank(budget):
-    rng = np.random.default_rng(7)
-    lengths = np.clip(rng.lognormal(np.log(350), 1.0, 14 * 700), 1, 4096).astype(np.int64)
+    lengths = lognormal_lengths(14 * 700, seed=7, sigma=1.0, high=4096)
     counts = np.full(14, 700)
     layout = Layout(4, 2)
     for epoch in range(3):
@@ -210,8 +210,7 @@ def test_subset_plans_only_the_subset():
 
 
 def text_lengths(size: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return np.clip(rng.lognormal(np.log(350), 1.0, size), 1, 8192).astype(np.int64)
+    return lognormal_lengths(size, seed=seed, sigma=1.0)
 
 
 def test_bucketing_padding_efficiency_beats_random_batching():
@@ -319,8 +318,9 @@ def test_layout_basics():
         ({}, {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2,2"}, None, (1, Layout(2, 2))),
     ],
 )
-def test_resolve_layout_precedence(args, env, dist, expected):
-    assert resolve_layout(**args, env=env, dist=dist) == expected
+def test_rank_placement_precedence(args, env, dist, expected):
+    placement = rank_placement(**args, env=env, dist=dist)
+    assert (placement.rank, placement.layout) == expected
 
 
 @pytest.mark.parametrize(
@@ -333,13 +333,13 @@ def test_resolve_layout_precedence(args, env, dist, expected):
         ({"world_size": 0}, {}, "world_size must be >= 1"),
     ],
 )
-def test_resolve_layout_refuses_inconsistent_input(args, env, message):
+def test_rank_placement_refuses_inconsistent_input(args, env, message):
     with pytest.raises(ValueError, match=message):
-        resolve_layout(**args, env=env)
+        rank_placement(**args, env=env)
 
 
 def test_1m_samples_on_512_ranks_drop_less_than_a_batch_per_rank():
-    # Planning time is a benchmark number (`python -m loader.plan`, `shardtool plan`), not a test.
+    # Planning time is a benchmark number (`shardtool plan`, benchmarks/plan_scale.py), not a test.
     lengths = text_lengths(1_000_000, seed=2)
     counts = np.full(1000, 1000)
     plan = plan_epoch(lengths, counts, Layout(64, 8), Batching(max_tokens=65536), 0)

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.plan import Batching, plan_epoch
-from loader.state import LoaderState, check_compatible, plan_for_state, remaining_subset
-from loader.world import Layout
+from shardtool.plan import Batching, plan_epoch
+from shardtool.plan.state import LoaderState, check_compatible, plan_for_state, remaining_subset
+from shardtool.plan import Layout
 from strategies import LAYOUTS, cases, make_lengths
 
 settings.register_profile("state", max_examples=40, deadline=None)

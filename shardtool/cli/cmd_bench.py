@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=2, help="loader ranks on this node (default 2)")
     p.add_argument("--workers", default="0,2", help="comma-separated num_workers values to try (default 0,2)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--batch-size", type=int, default=None)
+    g.add_argument("--batch-size", type=int, default=None, help="samples per batch (instead of a token budget)")
     g.add_argument("--max-tokens", type=int, default=None, help="token budget per batch (default 16384)")
     p.add_argument("--step-ms", type=float, default=None,
                    help="simulated training step per batch; default: a measured tiny-model step on this machine")
@@ -39,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from loader import bench
-    from shardtool.format import open_dataset
+    from ..benchmarks import node as bench
+    from ..format import open_dataset
 
     tmp = None
     url = args.url

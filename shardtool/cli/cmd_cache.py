@@ -22,20 +22,20 @@ exit codes: 0 ok, 1 verify found bad files, 2 usage.
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .cmd_warm import parse_size
+    from ._args import size_arg
 
     p.add_argument("action", choices=["ls", "verify", "gc", "clear"])
     p.add_argument("--cache-dir", required=True, help="node-local cache directory")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-    p.add_argument("--max-bytes", type=parse_size, help="gc: evict down to this many bytes")
-    p.add_argument("--min-free", type=parse_size, help="gc: evict until this much disk is free")
+    p.add_argument("--max-bytes", type=size_arg, help="gc: evict down to this many bytes")
+    p.add_argument("--min-free", type=size_arg, help="gc: evict until this much disk is free")
     p.add_argument("--unreferenced", action="store_true", help="gc: remove versions not named in sources.json")
     p.add_argument("--version", dest="version_dir", help="clear: only this version directory")
     p.add_argument("--keep-bad", action="store_true", help="verify: report bad files without removing them")
 
 
 def run(args) -> int:
-    from cache import admin
+    from ..cache import admin
 
     if args.action == "ls":
         res = admin.ls(args.cache_dir)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
+from ._args import size_arg
+
 HELP = "pack files, JSONL, Parquet/Arrow or WebDataset tars into indexed shards"
 DESCRIPTION = """\
 Pack raw samples into an indexed dataset (index.json + shards/ + per-shard sample index).
@@ -34,14 +36,14 @@ def add_arguments(p) -> None:
     g.add_argument("--length", metavar="FIELD", help="sample length = len(FIELD), or its value if an integer "
                    "(default: payload bytes)")
     g.add_argument("--length-fn", metavar="MODULE:FUNCTION", help="sample length = FUNCTION(sample dict)")
-    p.add_argument("--shard-size", metavar="SIZE", help="target shard size, e.g. 1GiB (default 256MiB unless "
+    p.add_argument("--shard-size", metavar="SIZE", type=size_arg, help="target shard size, e.g. 1GiB (default 256MiB unless "
                    "--samples-per-shard is given)")
     p.add_argument("--samples-per-shard", type=int, metavar="N", help="at most N samples per shard")
     p.add_argument("--workers", type=int, default=1, metavar="N", help="worker processes (default 1)")
     p.add_argument("--num-tasks", type=int, metavar="T", help="job-array size (default: $SLURM_ARRAY_TASK_COUNT or 1)")
     p.add_argument("--task-index", type=int, metavar="I", help="this task (default: $SLURM_ARRAY_TASK_ID)")
     p.add_argument("--skip-bad", action="store_true", help="skip bad samples/sources, counting and listing them")
-    p.add_argument("--max-sample-bytes", metavar="SIZE", help="refuse lines/members larger than this "
+    p.add_argument("--max-sample-bytes", metavar="SIZE", type=size_arg, help="refuse lines/members larger than this "
                    "(default 256MiB; bounds memory on corrupt or compressed-bomb input)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

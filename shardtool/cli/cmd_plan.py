@@ -12,7 +12,8 @@ the remainder (samples no rank serves this epoch; they rotate across epochs), by
 each node must hold in its cache, and the planning time.
 
 Layouts far beyond this machine are fine: --simulate-nodes 1024 --ranks-per-node 8 only plans.
-Without a dataset, --synthetic N plans N lognormal lengths (median 350) in shards of 10,000.
+Without a dataset, --synthetic N plans N lognormal lengths (median 350, the benchmarks' corpus) in
+shards of 10,000.
 
 examples:
   shardtool plan s3://bucket/ds --nodes 4 --ranks-per-node 8 --max-tokens 65536
@@ -31,8 +32,9 @@ def add_arguments(p) -> None:
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--batch-size", type=int, help="samples per batch")
     size.add_argument("--max-tokens", type=int, help="token budget per batch, padding counted")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--epoch", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="shuffle seed, as given to ShardedLoader (default 0)")
+    p.add_argument("--epoch", type=int, default=0, help="which epoch to plan (default 0); the order and the "
+                   "remainder change every epoch, node ranges never do")
     p.add_argument("--no-shuffle", action="store_true", help="plan without shuffling")
     p.add_argument("--synthetic", type=int, default=None, metavar="N",
                    help="plan N synthetic lognormal lengths instead of a dataset")
@@ -45,9 +47,9 @@ def _metadata(args):
     from ..format import open_dataset
 
     if args.synthetic is not None:
-        rng = np.random.default_rng(0)
-        limit = args.max_tokens or 8192
-        lengths = np.clip(rng.lognormal(np.log(350), 1.0, args.synthetic), 1, limit).astype(np.int64)
+        from ..plan.synthetic import MAX_LENGTH, lognormal_lengths
+
+        lengths = lognormal_lengths(args.synthetic, high=min(args.max_tokens or MAX_LENGTH, MAX_LENGTH))
         counts = np.full(-(-args.synthetic // 10_000), 10_000, dtype=np.int64)
         counts[-1] = args.synthetic - 10_000 * (len(counts) - 1)
         shard_bytes = counts * 4 * 350  # ~4 bytes per token
@@ -77,8 +79,7 @@ def _human(n: float) -> str:
 def run(args) -> int:
     import numpy as np
 
-    from loader.plan import Batching, node_shard_ranges, plan_epoch
-    from loader.world import Layout
+    from ..plan import Batching, Layout, node_shard_ranges, plan_epoch
 
     from ..format import ShardtoolError
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
+
+from ._args import size_arg
 
 HELP = "copy exactly this node's shards (verified, atomic, parallel) into a node-local cache"
 DESCRIPTION = """\
@@ -32,18 +33,6 @@ exit codes:
   3  local fault on this node: cache dir missing/unwritable/read-only, disk full, or the cache
      budget too small for this node's shards (a prolog exiting non-zero drains the node)
 """
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgtp]?)(i?)b?\s*$", re.I)
-
-
-def parse_size(text: str) -> int:
-    """'500M', '1.5G', '10Gi', '123' -> bytes (K/M/G/T/P are powers of 1000, Ki/Mi/... of 1024)."""
-    m = _SIZE.match(str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 500M, 1.5G, 10Gi, 123456)")
-    power = "kmgtp".find(m.group(2).lower()) + 1 if m.group(2) else 0
-    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
-
 
 def parse_storage_option(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
@@ -77,8 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--all", action="store_true", help="warm every shard of the dataset")
     p.add_argument("--jobs", "-j", type=int, default=8, help="concurrent transfers (default 8)")
     b = p.add_argument_group("budget")
-    b.add_argument("--max-bytes", type=parse_size, help="most bytes the cache may hold (e.g. 800G)")
-    b.add_argument("--min-free", type=parse_size, help="bytes to leave free on the cache's disk")
+    b.add_argument("--max-bytes", type=size_arg, help="most bytes the cache may hold (e.g. 800G, 750GiB)")
+    b.add_argument("--min-free", type=size_arg, help="bytes to leave free on the cache's disk (e.g. 20G)")
     b.add_argument("--best-effort", action="store_true",
                    help="if this node's shards do not fit, warm what fits and warn (exit 0)")
     f = p.add_argument_group("failures")
@@ -101,27 +90,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from cache import NodeLayout, RetryPolicy, UsageError, resolve_node_layout, warm
-    from cache.errors import EXIT_USAGE
+    from ..cache import RetryPolicy, warm
+    from ..cache.errors import EXIT_USAGE
+    from ..plan import LayoutError, Placement, node_placement
 
     if args.jobs < 1 or args.retries < 1:
         print("shardtool warm: error: --jobs and --retries must be >= 1", file=sys.stderr)
         return EXIT_USAGE
-    layout: NodeLayout | None = None
+    placement: Placement | None = None
     if not args.all:
         try:
-            layout = resolve_node_layout(args.nodes, args.node_rank, args.ranks_per_node, env=os.environ)
-        except UsageError as e:
+            placement = node_placement(args.nodes, args.node_rank, args.ranks_per_node, env=os.environ)
+        except LayoutError as e:
             print(f"shardtool warm: error: {e}", file=sys.stderr)
             return EXIT_USAGE
     policy = RetryPolicy(attempts=args.retries, attempt_timeout=args.attempt_timeout, stall_timeout=args.stall_timeout)
-    report = warm(args.url, args.cache_dir, layout=layout, all_shards=args.all, jobs=args.jobs,
+    report = warm(args.url, args.cache_dir, placement=placement, all_shards=args.all, jobs=args.jobs,
                   max_bytes=args.max_bytes, min_free=args.min_free, best_effort=args.best_effort,
                   strict=args.strict, timeout=args.timeout, verify=args.verify, durable=args.durable, retry=policy,
                   storage_options=storage_options_from(args),
                   progress=(not args.quiet) and sys.stderr.isatty())
     if args.report:
-        from shardtool.format.atomic import atomic_write_bytes
+        from ..format.atomic import atomic_write_bytes
         try:
             atomic_write_bytes(args.report, report.to_json().encode())
         except OSError as e:  # the report must never turn a good warm into a failure

@@ -13,7 +13,9 @@ from ..format.fields import FieldSpec
 from ..format.manifest import Manifest, ShardInfo
 from ..format.writer import publish_manifest
 from . import outdir
-from .options import load_function, parse_size, resolve_tasks, strip_file_scheme
+from ..format.sizes import parse_size
+from ..plan.env import array_task
+from .options import load_function, strip_file_scheme
 from .progress import Progress
 from .readers import Bad, count_unit, read_unit
 from .schema import check_length_option, infer_fields
@@ -117,13 +119,13 @@ def pack(
         raise ShardtoolError("no sources given")
     if workers < 1:
         raise ShardtoolError(f"--workers must be ≥ 1, got {workers}")
-    shard_size = parse_size(shard_size)
+    shard_size = parse_size(shard_size, what="--shard-size", positive=True)
     if samples_per_shard is not None and samples_per_shard < 1:
         raise ShardtoolError("--samples-per-shard must be ≥ 1")
     if shard_size is None and samples_per_shard is None:
         shard_size = DEFAULT_SHARD_SIZE
-    max_sample_bytes = parse_size(max_sample_bytes) or DEFAULT_MAX_SAMPLE_BYTES
-    T, I = resolve_tasks(num_tasks, task_index, os.environ if env is None else env)
+    max_sample_bytes = parse_size(max_sample_bytes, what="--max-sample-bytes", positive=True) or DEFAULT_MAX_SAMPLE_BYTES
+    T, I = array_task(num_tasks, task_index, env=os.environ if env is None else env)
     out = strip_file_scheme(out)
     if "://" in out:
         raise ShardtoolError(f"output {out!r}: pack writes to a local or mounted path (copy it to object storage after)")

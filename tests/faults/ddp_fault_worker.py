@@ -28,7 +28,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from loader import ShardedLoader
+from shardtool.loader import ShardedLoader
 
 
 def _write(out: str, rank: int, record: dict) -> None:

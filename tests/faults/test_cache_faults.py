@@ -15,9 +15,10 @@ import pytest
 
 from cachedata import child_env, make_dataset
 from fsutil import flip_byte, temps, tmpfs
-from cache import NodeLayout, VersionDir, assigned_shards, open_cache, warm
-from cache import admin
-from cache.errors import CacheError, NotCached
+from shardtool.plan import Layout, Placement
+from shardtool.cache import VersionDir, assigned_shards, open_cache, warm
+from shardtool.cache import admin
+from shardtool.cache.errors import CacheError, NotCached
 from shardtool.format import open_dataset
 from shardtool.format.hashing import hash_file
 from test_storage_faults import FAST, corrupt  # also registers edgefaulty://
@@ -31,7 +32,7 @@ WARM = r"""
 import json, sys
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import test_storage_faults
-from cache import RetryPolicy, warm
+from shardtool.cache import RetryPolicy, warm
 a = json.loads(sys.argv[3])
 r = warm(a["url"], a["cache"], all_shards=True, jobs=a.get("jobs", 2), storage_options=a.get("opts"),
          retry=RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.05, stall_timeout=30))
@@ -42,7 +43,7 @@ print(json.dumps(r.to_dict()), flush=True)
 READER = r"""
 import contextlib, json, sys, time
 sys.path[:0] = [sys.argv[1]]
-from cache import open_cache
+from shardtool.cache import open_cache
 from shardtool.format.hashing import hash_file
 a = json.loads(sys.argv[2])
 c = open_cache(a["url"], a["cache"])
@@ -307,13 +308,13 @@ def test_budget_below_the_working_set_in_use_is_a_clear_error(src, tmp_path):
         assert cached(cache_dir, ds) == set(held)  # nothing evicted, nothing fetched over budget
         # a warm of another node's shards: the plan would evict the held (unassigned) shards, but
         # they are in use, so the budget cannot be met
-        mine = assigned_shards(ds.lengths, ds.shard_counts, NodeLayout(1, 2))
+        mine = assigned_shards(ds.lengths, ds.shard_counts, Placement(Layout(2, 1), 1))
         assert not set(mine) & set(held)
         budget = sum(ds.manifest.shards[i].bytes for i in mine) + 10
-        r = warm(src, cache_dir, layout=NodeLayout(1, 2), max_bytes=budget)
+        r = warm(src, cache_dir, placement=Placement(Layout(2, 1), 1), max_bytes=budget)
         assert r.status == "local_fault" and r.exit_code == 3 and "budget" in r.error and "in use" in r.error
         assert cached(cache_dir, ds) == set(held)
-        be = warm(src, cache_dir, layout=NodeLayout(1, 2), max_bytes=budget, best_effort=True)
+        be = warm(src, cache_dir, placement=Placement(Layout(2, 1), 1), max_bytes=budget, best_effort=True)
         assert be.status == "partial" and be.not_fitted
         assert sum(os.path.getsize(VersionDir(cache_dir, ds.version).path(ds.manifest.shards[i].path))
                    for i in cached(cache_dir, ds)) <= budget
@@ -321,5 +322,5 @@ def test_budget_below_the_working_set_in_use_is_a_clear_error(src, tmp_path):
     finally:
         release(p)
     # readers gone: the same warm now fits by evicting what they held
-    r = warm(src, cache_dir, layout=NodeLayout(1, 2), max_bytes=budget)
+    r = warm(src, cache_dir, placement=Placement(Layout(2, 1), 1), max_bytes=budget)
     assert r.status == "ok" and cached(cache_dir, ds) == set(mine)

@@ -145,7 +145,7 @@ KINDS = ("raise", "hang", "kill")
 @pytest.fixture(scope="module")
 def sabotage_runs(sabotage_dataset, tmp_path_factory):
     """One job per kind of sabotage on rank 1, run one after another: {kind: (bad key, out, [rc, s] per rank)}."""
-    from loader import ShardedLoader
+    from shardtool.loader import ShardedLoader
 
     root, keys = sabotage_dataset
     # A key that rank 1 reads in its 3rd batch, so the job is past its first steps.

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loader import LoaderError, ShardedLoader
+from shardtool.loader import LoaderError, ShardedLoader
 from test_loader_data import write_dataset
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -131,7 +131,7 @@ def test_a_state_at_served_equals_len_continues_at_the_next_epoch(dataset, full)
 FRESH = r"""
 import json, sys
 sys.path[:0] = [sys.argv[1]]
-from loader import ShardedLoader
+from shardtool.loader import ShardedLoader
 a = json.loads(sys.argv[2])
 ld = ShardedLoader(a["root"], **a["config"], num_workers=2)
 with open(a["state"]) as f:

@@ -32,7 +32,7 @@ CONFIG = {"max_tokens": 200, "seed": 9, "pin_memory": False, "prefetch_factor": 
 TRAINER = r"""
 import json, os, sys, time
 sys.path[:0] = [sys.argv[1]]
-from loader import ShardedLoader
+from shardtool.loader import ShardedLoader
 a = json.loads(sys.argv[2])
 lds = [ShardedLoader(a["root"], **a["config"], rank=r, num_workers=a["num_workers"]) for r in range(a["world"])]
 if a["state"] is not None:
@@ -71,7 +71,7 @@ def read_log(path: str) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_random_kills_and_resumes_serve_exactly_the_uninterrupted_run(tmp_path):
-    from loader import ShardedLoader
+    from shardtool.loader import ShardedLoader
 
     rng = random.Random(20240601)
     root, keys = write_dataset(str(tmp_path / "d"), [97, 3, 0, 150, 61, 88, 120, 29], seed=21)

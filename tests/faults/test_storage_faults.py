@@ -21,8 +21,8 @@ import faultfs
 from cachedata import make_dataset
 from fsutil import flip_byte, temps
 from s3server import s3_server  # noqa: F401  (fixture)
-from cache import RetryPolicy, VersionDir, open_cache, warm
-from cache.errors import NotCached
+from shardtool.cache import RetryPolicy, VersionDir, open_cache, warm
+from shardtool.cache.errors import NotCached
 from shardtool.format import open_dataset
 from shardtool.format.errors import ShardtoolError
 from shardtool.format.hashing import hash_file
@@ -211,8 +211,8 @@ def test_s3_transient_faults_then_success(src, tmp_path, s3_server):  # noqa: F8
 
 @pytest.mark.timeout(60)
 def test_backoff_grows_with_full_jitter(src, tmp_path):
-    from cache.meta import ensure_shard
-    from cache.store import Source
+    from shardtool.cache.meta import ensure_shard
+    from shardtool.cache.store import Source
 
     ds = open_dataset(src)
     policy = RetryPolicy(attempts=6, base_delay=0.02, max_delay=0.08, attempt_timeout=10, stall_timeout=5)

@@ -57,15 +57,16 @@ def _explain(c, result) -> str:
 
 @pytest.mark.timeout(900)
 def test_prolog_warm_ddp_training_and_requeue_resume(slurm_cluster_with_prolog, tmp_path):
-    import cache
-    from loader import ShardedLoader
-    from loader.bench import generate_token_dataset
-    from loader.plan import shards_for_node
+    from shardtool import cache
+    from shardtool.loader import ShardedLoader
+    from shardtool.pack.synthetic import write_synthetic
+    from shardtool.plan.synthetic import lognormal_lengths
+    from shardtool.plan import shards_for_node
     from shardtool.format import open_dataset
 
     work = tmp_path
-    dataset = generate_token_dataset(str(work / "dataset"), n=2400, samples_per_shard=170, median=100.0,
-                                     sigma=0.6, max_len=1024, vocab=512)
+    dataset = write_synthetic(str(work / "dataset"), 2400, samples_per_shard=170, vocab=512,
+                              lengths=lognormal_lengths(2400, median=100.0, sigma=0.6, high=1024)).root
     cache_root = work / "nodes"
     cache_root.mkdir()
     c = slurm_cluster_with_prolog(_write_prolog(work, dataset, cache_root))

@@ -111,7 +111,7 @@ def consume(it, result: RankResult, cfg: BenchConfig, t_start: float) -> None:
 
 @reader("shardtool")
 def _shardtool_iter(cfg: BenchConfig, rank: int):
-    from .sharded import ShardedLoader
+    from shardtool.loader import ShardedLoader
 
     ld = ShardedLoader(cfg.url, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, seed=cfg.seed,
                        rank=rank, world_size=cfg.ranks, ranks_per_node=cfg.ranks, num_workers=cfg.num_workers)
@@ -173,7 +173,7 @@ def run_node(name: str, cfg: BenchConfig, timeout: float = 600.0) -> list[RankRe
     import torch  # noqa: F401
     import webdataset  # noqa: F401
 
-    from . import sharded  # noqa: F401
+    import shardtool.loader.sharded  # noqa: F401
 
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
@@ -283,24 +283,8 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def generate_token_dataset(out: str, n: int = 20000, *, seed: int = 0, samples_per_shard: int = 2000,
-                           median: float = 350.0, sigma: float = 0.8, max_len: int = 8192, vocab: int = 32000,
                            shard_format: str = "tar") -> str:
-    """A packed synthetic token corpus (lognormal lengths), written straight through the format layer."""
-    from shardtool.format import FieldSpec, Manifest, ShardFileWriter, publish_manifest
+    """A packed synthetic token corpus (the lognormal corpus of `shardtool.plan.synthetic`)."""
+    from shardtool.pack.synthetic import write_synthetic
 
-    rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(np.log(median), sigma, n).astype(np.int64), 1, max_len)
-    spec = FieldSpec("tokens", "tokens.npy", "npy", "array", "i4")
-    shards, all_lengths = [], []
-    ext = "tar" if shard_format == "tar" else "arrow"
-    for s, start in enumerate(range(0, n, samples_per_shard)):
-        w = ShardFileWriter(out, f"shards/shard-{s:06d}.{ext}", shard_format, [spec])
-        for i in range(start, min(n, start + samples_per_shard)):
-            toks = rng.integers(0, vocab, int(lengths[i]), dtype=np.int32)
-            w.add(f"{i:09d}", [toks], int(lengths[i]), approx_bytes=toks.nbytes)
-        info, ls = w.finish()
-        shards.append(info)
-        all_lengths.append(ls)
-    manifest = Manifest(shard_format, [spec], shards, {"field": "tokens", "unit": "tokens", "fn": None})
-    publish_manifest(out, manifest, np.concatenate(all_lengths))
-    return out
+    return write_synthetic(out, n, samples_per_shard=samples_per_shard, seed=seed, fmt=shard_format).root

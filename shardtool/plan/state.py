@@ -20,9 +20,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .plan import Batching, EpochPlan
-from .planning.epoch import plan_subset
-from .world import Layout
+from .batching import Batching
+from .epoch import EpochPlan, plan_subset
+from .layout import Layout
 
 __all__ = [
     "STATE_VERSION",

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..world import Layout
+from .layout import Layout
 from .balance import batches_per_rank, deal_order, fit_node
 from .batching import Batching, gather_runs, bucket, node_rng, resolve_window
-from .nodes import as_lengths, as_shard_counts, node_ranges
+from .ranges import as_lengths, as_shard_counts, node_ranges
 
 __all__ = ["EpochPlan", "plan_epoch", "plan_subset"]
 

@@ -1,1 +1,0 @@
-"""Pure planning functions; the public names are re-exported by `loader.plan`."""

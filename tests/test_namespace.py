@@ -1,0 +1,137 @@
+"""One import namespace, one direction of dependency (DESIGN §0), and installs that work.
+
+format ← plan ← cache ← loader ← cli, with pack on format and plan (it uses the planner's pure
+environment reader and lengths generator; plan never imports pack).
+"""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from s3server import free_port
+from test_loader_data import write_dataset
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Each package's folder in the repository and the shardtool packages it may import.
+PACKAGES = {
+    "format": ("shardtool/format", {"format"}),
+    "plan": ("shardtool/plan", {"format", "plan"}),
+    "pack": ("shardtool/pack", {"format", "plan", "pack"}),
+    "cache": ("cache", {"format", "plan", "cache"}),
+    "loader": ("loader", {"format", "plan", "cache", "loader"}),
+}
+
+
+def _imported_subpackages(path: str, package: str) -> set[str]:
+    """The shardtool.<sub> names a module imports, absolute or relative."""
+    tree = ast.parse(open(path).read(), path)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                names = [node.module or ""]
+            elif node.level == 1:
+                names = [f"shardtool.{package}"]
+            else:  # ..x from shardtool.<package>: shardtool.x, or shardtool itself
+                names = [f"shardtool.{node.module}" if node.module else "shardtool"]
+                if not node.module:
+                    names = [f"shardtool.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] in ("loader", "cache"):
+                found.add(f"top-level {parts[0]}")
+            if parts[0] == "shardtool" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_imports_flow_one_way(package):
+    folder, allowed = PACKAGES[package]
+    bad = {}
+    for name in sorted(os.listdir(os.path.join(REPO, folder))):
+        if name.endswith(".py"):
+            extra = _imported_subpackages(os.path.join(REPO, folder, name), package) - allowed
+            if extra:
+                bad[f"{folder}/{name}"] = sorted(extra)
+    assert not bad, f"shardtool.{package} may import only {sorted(allowed)}; found {bad}"
+
+
+def test_planner_and_cache_import_without_torch():
+    code = ("import sys, shardtool, shardtool.plan, shardtool.cache, shardtool.pack; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    res = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+
+
+def test_a_training_repo_with_its_own_loader_and_cache_trains_with_ours(tmp_path):
+    # A training repo's own loader.py and cache/ (common next to train.py) must not shadow ours.
+    root, _ = write_dataset(str(tmp_path / "ds"), [40, 40], extra=False)
+    proj = tmp_path / "proj"
+    (proj / "cache").mkdir(parents=True)
+    (proj / "loader.py").write_text("WHOSE = 'the training repo'\n")
+    (proj / "cache" / "__init__.py").write_text("WHOSE = 'the training repo'\n")
+    with open(os.path.join(REPO, "examples", "train_ddp.py")) as f:
+        script = f.read()
+    # Right after the script imports our loader: the repo's own modules are still the repo's.
+    ours = "from shardtool.loader import ShardedLoader  # changed line 1 of 2\n"
+    assert ours in script
+    (proj / "train.py").write_text(script.replace(ours, ours + textwrap.dedent("""
+        import cache as repo_cache, loader as repo_loader
+        assert repo_loader.WHOSE == repo_cache.WHOSE == 'the training repo'
+        import shardtool.cache
+        assert 'proj' not in shardtool.cache.__file__ and 'proj' not in ShardedLoader.__module__
+        print('OURS AND THEIRS OK')
+    """)))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(proj), REPO])  # a user's own repo first on the path
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                          "127.0.0.1", f"--master_port={free_port()}", "train.py", "--data", root, "--cache-dir", str(tmp_path / "c"), "--max-tokens", "512",
+                          "--epochs", "3", "--max-steps", "3", "--num-workers", "1", "--collective-timeout", "60"],
+                         cwd=proj, env=dict(env, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"), capture_output=True,
+                         text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    assert res.stdout.count('"steps": 3') == 2 and res.stdout.count("OURS AND THEIRS OK") == 2, res.stdout
+
+
+@pytest.mark.timeout(300)
+def test_wheel_installs_one_namespace(tmp_path):
+    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                          str(wheel_dir), REPO], capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    wheel = next(wheel_dir.glob("shardtool-*.whl"))
+    res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                          str(wheel)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    installed = sorted(os.listdir(target))
+    assert "loader" not in installed and "cache" not in installed and "benchmarks" not in installed, installed
+    code = textwrap.dedent("""
+        import shardtool, shardtool.plan, shardtool.cache, shardtool.loader, shardtool.benchmarks.node
+        from shardtool.loader import ShardedLoader
+        assert shardtool.__file__.startswith(sys.argv[1]), shardtool.__file__
+        for top in ("loader", "cache"):
+            try:
+                __import__(top)
+            except ImportError:
+                continue
+            raise SystemExit(f"a top-level {top!r} module is installed")
+        from shardtool.cli import main
+        sys.exit(main(["plan", "--synthetic", "1000", "--max-tokens", "4096"]))
+    """)
+    res = subprocess.run([sys.executable, "-c", "import sys\n" + code, str(target)], cwd=tmp_path,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(target)},
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "batches/rank" in res.stdout
