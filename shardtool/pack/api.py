@@ -101,7 +101,7 @@ def pack(
     Keyword options mirror ``shardtool pack``. The set of samples does not depend on ``workers``
     or ``num_tasks``; for fixed values the output is byte-identical run to run. With
     ``num_tasks > 1`` (or ``SLURM_ARRAY_TASK_COUNT`` set) this packs task ``task_index``'s slice
-    and writes a fragment; ``shardtool.pack.merge(out)`` then writes the manifest.
+    and writes a fragment; ``merge(out)`` (``from shardtool.pack import merge``) then writes the manifest.
     Raises :class:`BadSampleError` naming the file and position of bad input (unless
     ``skip_bad``, which counts and lists it) and :class:`ShardtoolError` for bad options.
     """
