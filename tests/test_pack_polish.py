@@ -13,7 +13,7 @@ import shardtool
 from shardtool.format.errors import BadSampleError, FormatError, ShardtoolError
 from shardtool.pack.verify import verify
 
-from data_gen import image_samples, read_all, token_records, write_jsonl, write_tree
+from data_gen import dir_digest, read_all, token_records, write_jsonl
 from fsutil import flip_byte
 from runcli import repo_env, shardtool_cli
 
@@ -106,3 +106,43 @@ def test_verify_names_the_damaged_sample(tmp_path, fmt):
         assert f"#{rows[0]}..#{rows[-1]} ({idx.keys[rows[0]]!r}..{idx.keys[rows[-1]]!r})" in bad["error"]
     p = shardtool_cli("verify", out)
     assert p.returncode == 1 and shard.path in p.stderr and bad["error"] in p.stderr
+
+
+def _bad_late_jsonl(tmp_path, n=40, bad_at=35):
+    lines = [json.dumps(r) for r in token_records(n)]
+    lines[bad_at] = '{"tokens": [1, 2'
+    return write_jsonl(str(tmp_path / "in.jsonl"), [], raw_lines=lines)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_failed_pack_removes_what_it_created(tmp_path, workers):
+    src = _bad_late_jsonl(tmp_path)  # shards are published before the bad line is reached
+    out = tmp_path / "fresh" / "ds"
+    with pytest.raises(BadSampleError, match=r"line 36\): malformed JSON"):
+        shardtool.pack(src, str(out), samples_per_shard=5, workers=workers)
+    assert not os.path.exists(out) and os.path.isdir(tmp_path / "fresh")  # only what it made is gone
+    p = shardtool_cli("pack", src, "-o", str(out), "--samples-per-shard", "5", "-q")
+    assert p.returncode == 1 and "malformed JSON" in p.stderr and not os.path.exists(out)
+
+
+@pytest.mark.timeout(120)
+def test_failed_pack_keeps_what_was_there_before(tmp_path):
+    out = tmp_path / "ds"
+    good = write_jsonl(str(tmp_path / "good.jsonl"), token_records(12))
+    shardtool.pack(good, str(out), samples_per_shard=5)  # t0000-w00-00000{0,1,2}.*
+    with open(out / "shards" / "notes.txt", "w") as f:
+        f.write("mine")
+    before = {n: os.path.getsize(out / "shards" / n) for n in os.listdir(out / "shards")}
+    with pytest.raises(BadSampleError):
+        shardtool.pack(_bad_late_jsonl(tmp_path), str(out), samples_per_shard=5, overwrite=True)
+    # The old dataset was unpublished by --overwrite (its manifest goes first); the files that
+    # were there are still there, and the failed pack's new shards (000003...) are not.
+    assert not os.path.exists(out / "index.json") and not os.path.exists(out / "lengths.npy")
+    assert sorted(os.listdir(out / "shards")) == sorted(before)
+    # A pack refused because OUT already holds a dataset changes nothing in it.
+    shardtool.pack(good, str(out), samples_per_shard=5, overwrite=True)
+    digest = dir_digest(str(out))
+    with pytest.raises(ShardtoolError, match="already holds a dataset"):
+        shardtool.pack(_bad_late_jsonl(tmp_path), str(out), samples_per_shard=5)
+    assert dir_digest(str(out)) == digest
