@@ -60,7 +60,8 @@ def doc_tree(root) -> dict[str, bytes]:
 
 
 @pytest.mark.timeout(120)
-def test_per_file_packs_a_real_tree(tmp_path):
+@pytest.mark.parametrize("fmt", ["tar", "arrow"])
+def test_per_file_packs_a_real_tree(tmp_path, fmt):
     src = tmp_path / "doc"
     want = doc_tree(src)
     # Basename grouping (the default) refuses such a tree, and says what to do instead.
@@ -68,7 +69,7 @@ def test_per_file_packs_a_real_tree(tmp_path):
         shardtool.pack(str(src), str(tmp_path / "grouped"))
     assert not os.path.exists(tmp_path / "grouped")
 
-    r = shardtool.pack(str(src), str(tmp_path / "o"), per_file=True, samples_per_shard=4)
+    r = shardtool.pack(str(src), str(tmp_path / "o"), per_file=True, samples_per_shard=4, format=fmt)
     assert r.samples == len(want) and r.skipped == [] and r.warnings == []
     ds = shardtool.open_dataset(str(tmp_path / "o"))
     assert [(f.name, f.storage) for f in ds.manifest.fields] == [("bin", "raw"), ("path", "text")]

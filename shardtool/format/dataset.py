@@ -87,8 +87,11 @@ def dataset_fs(url: str, storage_options: dict | None = None):
     import fsspec  # lazily: it costs ~0.1-0.3 s of start-up, which pack never needs
 
     protocol = fsspec.core.split_protocol(url)[0] if "::" not in url else None
-    if protocol is not None and protocol not in fsspec.available_protocols():
-        raise FormatError(f"{url!r}: unknown protocol {protocol + '://'!r}; {DATASET_URL_HELP}")
+    if protocol is not None:
+        try:
+            fsspec.get_filesystem_class(protocol)  # known or registered at run time; ImportError if not installed
+        except ValueError:
+            raise FormatError(f"{url!r}: unknown protocol {protocol + '://'!r}; {DATASET_URL_HELP}") from None
     return fsspec.core.url_to_fs(url, **(storage_options or {}))
 
 

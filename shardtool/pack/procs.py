@@ -48,8 +48,7 @@ def _exit_text(code: int | None) -> str:
 
 
 def run_jobs(jobs: list[Job], bar: Progress) -> list[JobResult]:
-    """One process per job. A worker that dies without a result (the OOM killer, a SIGKILL) fails
-    the pack with an error naming it; multiprocessing.Pool would wait for its lost task forever."""
+    """The results of ``jobs``, in job order (see the module docstring)."""
     if len(jobs) == 1:
         return [run_job(jobs[0], bar.update)]
     import multiprocessing as mp
