@@ -85,6 +85,22 @@ def _first_sample_fields(units: list[Unit], *, max_sample_bytes, skip_bad) -> li
     raise ShardtoolError("no samples found in the sources" if units else "no sources to pack")
 
 
+def _counted(units: list[Unit], *, skip_bad: bool, skipped: list[str]) -> list[Unit]:
+    """Running-position keys need every structured unit's count, in every task alike."""
+    counted = []
+    for u in units:
+        if u.structured and u.count < 0:
+            try:
+                u = Unit(u.kind, u.path, u.start, u.stop, count_unit(u), u.first_line, u.weight, u.members)
+            except BadSampleError as e:
+                if not skip_bad:
+                    raise
+                skipped.append(str(e))
+                continue
+        counted.append(u)
+    return counted
+
+
 def pack(
     sources: str | Sequence[str],
     out: str,
@@ -163,19 +179,7 @@ def pack(
     if key is not None and any(u.kind in ("tree", "files", "tar") for u in units):
         raise ShardtoolError("--key applies to JSONL/Parquet/Arrow sources; file trees and tars take keys from names")
 
-    # Running-position keys need every structured unit's count, in every task alike.
-    counted = []
-    for u in units:
-        if u.structured and u.count < 0:
-            try:
-                u = Unit(u.kind, u.path, u.start, u.stop, count_unit(u), u.first_line, u.weight, u.members)
-            except BadSampleError as e:
-                if not skip_bad:
-                    raise
-                skipped.append(str(e))
-                continue
-        counted.append(u)
-    units = counted
+    units = _counted(units, skip_bad=skip_bad, skipped=skipped)
     pos = positions(units)
     key_width = max(9, len(str(max(pos[-1] - 1, 0))))
 
