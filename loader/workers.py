@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from ..format.errors import add_note
 from .collate import Alloc
 from .pool import WorkerPool
 from .reader import BatchReader, describe_ids
@@ -50,14 +51,14 @@ class PlanBatches:
                 return self.collate_fn(samples)
             return self.reader.collate(samples, ids, pad_id=self.pad_id, alloc=alloc)
         except Exception as e:
-            e.add_note(f"while loading batch {b} of {self.where}: {describe_ids(self.reader, ids)}")
+            add_note(e, f"while loading batch {b} of {self.where}: {describe_ids(self.reader, ids)}")
             raise
 
     def _transform(self, sample: dict, gid: int) -> Any:
         try:
             return self.transform(sample)
         except Exception as e:
-            e.add_note(f"in transform of sample {sample.get('__key__')!r} ({self.reader.where(gid)})")
+            add_note(e, f"in transform of sample {sample.get('__key__')!r} ({self.reader.where(gid)})")
             raise
 
 

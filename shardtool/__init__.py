@@ -1,17 +1,40 @@
 """shardtool: pack raw samples into indexed shards; read them back by positioned reads.
 
-Kept light: importing ``shardtool`` imports only the format layer; ``pack`` loads on first use.
+Kept light: importing ``shardtool`` imports only the format layer. ``shardtool.pack`` is the
+packing function itself, with its real signature and docstring; it loads on first use.
 """
+import sys
+import types
+
 from .format import Dataset, FormatError, ShardtoolError, open_dataset
 
 __version__ = "0.1.0"
 
 
-def pack(*args, **kwargs):
-    """Pack sources into a dataset; see :func:`shardtool.pack.api.pack`."""
-    from .pack.api import pack as _pack
+def __getattr__(name: str):
+    # PEP 562: the packer (and numpy/pyarrow writers behind it) loads when first asked for.
+    if name == "pack":
+        from .pack.api import pack
 
-    return _pack(*args, **kwargs)
+        globals()["pack"] = pack
+        return pack
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | {"pack"})
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value) -> None:
+        # Importing the subpackage makes Python set ``shardtool.pack`` to the module; keep the
+        # function there (the module stays importable by name), so ``shardtool.pack`` means one
+        # thing whatever was imported before.
+        if name == "pack" and isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.pack":
+            value = value.pack
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = ["Dataset", "FormatError", "ShardtoolError", "open_dataset", "pack", "__version__"]

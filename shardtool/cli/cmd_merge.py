@@ -24,6 +24,8 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(r, indent=1))
     else:
+        capped = (f"dropped {r['dropped']} and truncated {r['truncated']} over --max-length; "
+                  if r["dropped"] or r["truncated"] else "")
         print(f"merged {r['tasks']} tasks: {r['samples']} samples in {r['shards']} shards "
-              f"({r['bytes'] / 1e6:.1f} MB); skipped {len(r['skipped'])}; manifest at {r['out']}/index.json")
+              f"({r['bytes'] / 1e6:.1f} MB); skipped {len(r['skipped'])}; {capped}manifest at {r['out']}/index.json")
     return 0

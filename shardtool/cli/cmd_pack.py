@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 
+from ..format.keys import KEY_RULES
 from ._args import size_arg
 
 HELP = "pack files, JSONL, Parquet/Arrow or WebDataset tars into indexed shards"
@@ -12,18 +14,44 @@ Pack raw samples into an indexed dataset (index.json + shards/ + per-shard sampl
 
 Sources (any mix):
   DIR                     files grouped into samples by basename, WebDataset style:
-                          0001.jpg + 0001.json -> one sample with fields jpg, json
+                          0001.jpg + 0001.json -> one sample with fields jpg, json;
+                          key = the directory path ('/' -> '__') + '__' + the name up to
+                          its first '.'; every sample must have the same fields
+  DIR with --per-file     one file = one sample, for any tree (names without extensions,
+                          dots in directory names, mixed file types): fields
+                            bin   the file's bytes, undecoded (tar member KEY.bin)
+                            path  its path relative to DIR, '/'-separated (text,
+                                  tar member KEY.path.txt)
+                          key = that path with '/' -> '__' and '.', '\\', control
+                          characters -> '_' (a/b.c/d.txt -> a__b_c__d_txt); paths that
+                          would share a key, or a key over 200 bytes, get '-' + 8 hex
+                          digits of a hash of the path (deterministic)
   *.jsonl[.gz|.zst]       one sample per line (a JSON object; its keys are the fields)
   *.parquet, *.arrow      one sample per row (columns are the fields)
   *.tar[.gz]              existing WebDataset shards, re-sharded and indexed
+
+In a DIR, hidden files and directories (names starting with '.') are ignored; symbolic
+links to files are followed, links to directories are not descended.
+
+{rules}
+Keys come from file or member names, from --key FIELD, or are the running position
+(000000042).
+
+Bad input is an error naming the file and line/row/member. --skip-bad skips it instead:
+every skipped sample, file, member or source is listed with its reason, and a pack that
+skipped more than half warns loudly; --max-skip-fraction F (implies --skip-bad) instead fails the
+pack, publishing nothing, when more than F of the samples were skipped. A failed pack
+removes what it created in OUT.
 
 Job arrays: with --num-tasks T --task-index I (defaults from SLURM_ARRAY_TASK_COUNT /
 SLURM_ARRAY_TASK_ID) each task packs a disjoint slice; then `shardtool merge OUT`.
 
 Examples:
   shardtool pack corpus.parquet -o ds --length tokens --shard-size 512MiB --workers 8
+  shardtool pack corpus.jsonl -o ds --length tokens --max-length 4096 --max-length-policy truncate
   shardtool pack images/ -o ds --samples-per-shard 10000
-"""
+  shardtool pack /usr/share/doc -o docs --per-file --skip-bad --max-skip-fraction 0.01
+""".replace("{rules}", textwrap.fill("Keys: " + KEY_RULES, 88))
 
 
 def add_arguments(p) -> None:
@@ -35,15 +63,25 @@ def add_arguments(p) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--length", metavar="FIELD", help="sample length = len(FIELD), or its value if an integer "
                    "(default: payload bytes)")
-    g.add_argument("--length-fn", metavar="MODULE:FUNCTION", help="sample length = FUNCTION(sample dict)")
+    g.add_argument("--length-fn", metavar="MODULE:FUNCTION", help="sample length = FUNCTION(sample dict); "
+                   "MODULE is imported from sys.path or, failing that, the current directory")
+    p.add_argument("--max-length", type=int, metavar="N", help="cap sample lengths at N (see --max-length-policy); "
+                   "the summary counts the samples dropped or truncated")
+    p.add_argument("--max-length-policy", choices=["drop", "truncate"], default="drop",
+                   help="drop: skip samples longer than N (default; any length definition); truncate: cut the "
+                   "--length field's array to its first N elements (needs --length naming a 1-D array field)")
     p.add_argument("--shard-size", metavar="SIZE", type=size_arg, help="target shard size, e.g. 1GiB (default 256MiB unless "
                    "--samples-per-shard is given)")
     p.add_argument("--samples-per-shard", type=int, metavar="N", help="at most N samples per shard")
     p.add_argument("--workers", type=int, default=1, metavar="N", help="worker processes (default 1)")
     p.add_argument("--num-tasks", type=int, metavar="T", help="job-array size (default: $SLURM_ARRAY_TASK_COUNT or 1)")
     p.add_argument("--task-index", type=int, metavar="I", help="this task (default: $SLURM_ARRAY_TASK_ID)")
-    p.add_argument("--skip-bad", action="store_true", help="skip bad samples/sources, counting and listing them")
-    p.add_argument("--max-sample-bytes", metavar="SIZE", type=size_arg, help="refuse lines/members larger than this "
+    p.add_argument("--per-file", action="store_true", help="directory sources: one file = one sample, "
+                   "fields bin (bytes) and path (relative path); see above")
+    p.add_argument("--skip-bad", action="store_true", help="skip bad samples/files/sources, counting and listing them")
+    p.add_argument("--max-skip-fraction", type=float, metavar="F", help="with skipping (implies --skip-bad): fail, "
+                   "publishing nothing, if more than F (0..1) of the samples were skipped")
+    p.add_argument("--max-sample-bytes", metavar="SIZE", type=size_arg, help="refuse lines/members/files larger than this "
                    "(default 256MiB; bounds memory on corrupt or compressed-bomb input)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -51,15 +89,22 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    import warnings
+
     from ..format.errors import ShardtoolError
     from ..pack.api import pack
+    from ..pack.skips import PackWarning
 
     try:
-        result = pack(args.sources, args.out, format=args.format, key=args.key, length=args.length,
-                      length_fn=args.length_fn, shard_size=args.shard_size, samples_per_shard=args.samples_per_shard,
-                      workers=args.workers, num_tasks=args.num_tasks, task_index=args.task_index,
-                      skip_bad=args.skip_bad, overwrite=args.overwrite, quiet=args.quiet or args.json,
-                      max_sample_bytes=args.max_sample_bytes)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PackWarning)  # printed below, where they cannot be missed
+            result = pack(args.sources, args.out, format=args.format, key=args.key, length=args.length,
+                          length_fn=args.length_fn, shard_size=args.shard_size,
+                          samples_per_shard=args.samples_per_shard, workers=args.workers, num_tasks=args.num_tasks,
+                          task_index=args.task_index, skip_bad=args.skip_bad, overwrite=args.overwrite,
+                          quiet=args.quiet or args.json, max_sample_bytes=args.max_sample_bytes,
+                          per_file=args.per_file, max_length=args.max_length,
+                          max_length_policy=args.max_length_policy, max_skip_fraction=args.max_skip_fraction)
     except OSError as e:
         # Disk full, quota, permissions on OUT: a one-line error, not a traceback. (Unreadable
         # *inputs* are BadSampleErrors already; this is the output side.)
@@ -67,10 +112,12 @@ def run(args) -> int:
         raise ShardtoolError(f"writing {args.out} failed: {e.strerror or e}{where}; no manifest was published") from None
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
-        return 0
-    for s in result.skipped[:50]:
-        print(f"skipped: {s}", file=sys.stderr)
-    if len(result.skipped) > 50:
-        print(f"skipped: … and {len(result.skipped) - 50} more", file=sys.stderr)
-    print(result.summary())
+    else:
+        for s in result.skipped[:50]:
+            print(f"skipped: {s}", file=sys.stderr)
+        if len(result.skipped) > 50:
+            print(f"skipped: … and {len(result.skipped) - 50} more (--json lists them all)", file=sys.stderr)
+        print(result.summary())
+    for text in result.warnings:
+        print(f"WARNING: {text}", file=sys.stderr)
     return 0

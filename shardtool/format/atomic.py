@@ -6,11 +6,13 @@ shard, index or manifest, whatever kills the writer.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
-import tempfile
+import secrets
 from typing import IO, Iterator
 
 TMP_PREFIX = ".tmp-"
+_TEMP_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 
 
 def fsync_path(path: str) -> None:
@@ -33,8 +35,7 @@ def fsync_dir(path: str) -> None:
 def atomic_file(path: str, mode: str = "wb") -> Iterator[IO]:
     """Write ``path`` atomically; on any exception the temp file is removed and nothing appears."""
     directory = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + os.path.basename(path) + ".", dir=directory)
+    fd, tmp = _create_temp(path)
     try:
         with os.fdopen(fd, mode) as f:
             yield f
@@ -60,10 +61,28 @@ def publish(tmp_path: str, final_path: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(final_path)))
 
 
-def make_temp_path(final_path: str) -> str:
+def _create_temp(final_path: str) -> tuple[int, str]:
+    """A new, uniquely named file beside ``final_path``: (open descriptor, its path).
+
+    Created with mode 0o666 so the kernel applies the umask (and a directory's default ACL), as
+    for any new file: the published file gets the permissions the user's umask gives. mkstemp's
+    0600 would survive the rename and make a dataset on a shared filesystem owner-only; reading
+    the umask to chmod instead needs ``os.umask``, which changes it process-wide, racing threads.
+    """
     directory = os.path.dirname(os.path.abspath(final_path)) or "."
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX + os.path.basename(final_path) + ".", dir=directory)
+    prefix = os.path.join(directory, TMP_PREFIX + os.path.basename(final_path) + ".")
+    for _ in range(100):
+        tmp = prefix + secrets.token_hex(6)
+        try:
+            return os.open(tmp, _TEMP_FLAGS, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no unused temporary name", prefix + "*")
+
+
+def make_temp_path(final_path: str) -> str:
+    fd, tmp = _create_temp(final_path)
     os.close(fd)
     return tmp
 

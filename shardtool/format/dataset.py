@@ -10,7 +10,7 @@ import errno
 import os
 import posixpath
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -77,6 +77,45 @@ def open_range(fs, path: str):
     return LocalRange(path) if is_local(fs) else RemoteRange(fs, path)
 
 
+DATASET_URL_HELP = ("a dataset URL names a directory or object-store prefix holding index.json, as written by "
+                    "`shardtool pack` (e.g. /data/ds, file:///data/ds, s3://bucket/ds)")
+
+
+def dataset_fs(url: str, storage_options: dict | None = None):
+    """(filesystem, root path) of a dataset URL; an unknown protocol is a FormatError that says
+    what a dataset URL looks like (fsspec's own error names neither)."""
+    import fsspec  # lazily: it costs ~0.1-0.3 s of start-up, which pack never needs
+
+    protocol = fsspec.core.split_protocol(url)[0] if "::" not in url else None
+    if protocol is not None:
+        try:
+            fsspec.get_filesystem_class(protocol)  # known or registered at run time; ImportError if not installed
+        except ValueError:
+            raise FormatError(f"{url!r}: unknown protocol {protocol + '://'!r}; {DATASET_URL_HELP}") from None
+    return fsspec.core.url_to_fs(url, **(storage_options or {}))
+
+
+def read_manifest(fs, root: str, url: str) -> bytes:
+    """The bytes of ``index.json`` under ``root``; if there is none, a FormatError saying what
+    ``url`` is instead (a file such as a JSONL source, a directory without a dataset, nothing)."""
+    path = posixpath.join(root, MANIFEST_NAME) if root else MANIFEST_NAME
+    try:
+        return fs.cat_file(path)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        pass
+    try:
+        is_file, exists = fs.isfile(root), fs.exists(root)
+    except OSError:
+        is_file, exists = False, True
+    if is_file:
+        what = "is a file, not a dataset (to pack it: shardtool pack FILE -o DIR)"
+    elif exists:
+        what = f"holds no {MANIFEST_NAME}, so it is not a dataset (or its pack has not finished)"
+    else:
+        what = "does not exist"
+    raise FormatError(f"{url!r} {what}; {DATASET_URL_HELP}")
+
+
 def read_file(fs, path: str, *, what: str) -> bytes:
     try:
         return fs.cat_file(path)
@@ -91,14 +130,12 @@ class Dataset:
                  fs=None, root: str | None = None, manifest_bytes: bytes | None = None):
         self.url = url
         if fs is None:
-            import fsspec  # lazily: it costs ~0.1-0.3 s of start-up, which pack never needs
-
-            fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+            fs, root = dataset_fs(url, storage_options)
         self.fs = fs
         self.root = root.rstrip("/") if root not in ("/", None) else (root or "")
         self.allow_pickle = allow_pickle
         if manifest_bytes is None:
-            manifest_bytes = read_file(fs, self._path(MANIFEST_NAME), what=f"dataset {url}")
+            manifest_bytes = read_manifest(fs, self.root, url)
         self.manifest_bytes = manifest_bytes
         self.manifest = Manifest.from_json(manifest_bytes, source=f"{url}/{MANIFEST_NAME}")
         self.version = manifest_hash(manifest_bytes)
@@ -128,6 +165,12 @@ class Dataset:
 
     def __len__(self) -> int:
         return self.manifest.num_samples
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Every sample, decoded, in dataset order: shard by shard as the manifest lists them."""
+        for shard, count in enumerate(self.shard_counts.tolist()):
+            for i in range(count):
+                yield self.read(shard, i)
 
     # ------------------------------------------------------------------ metadata
     @property

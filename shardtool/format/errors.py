@@ -38,3 +38,29 @@ class BadSampleError(ShardtoolError):
 
 class PickleRefusedError(FormatError):
     """A field is pickled and the caller did not opt into unpickling it."""
+
+
+def add_note(exc: BaseException, note: str) -> BaseException:
+    """Attach ``note`` to ``exc`` (PEP 678) on every supported Python; returns ``exc``.
+
+    Python 3.11+ has ``BaseException.add_note``. Before it, calling that would raise an
+    AttributeError that hides the real error, and tracebacks do not print ``__notes__``; there the
+    note is appended to ``__notes__`` (pytest and 3.11+ read it; it survives pickling to a parent
+    process) and, when the message is a single string (every ShardtoolError, most others), to the
+    message too, so ``str(exc)`` and the printed traceback show it. Exceptions with structured
+    arguments (``OSError(errno, text)``) keep their arguments unchanged: only ``__notes__`` has it.
+    """
+    if not isinstance(note, str):
+        raise TypeError(f"note must be a str, not {type(note).__name__}")
+    native = getattr(exc, "add_note", None)
+    if callable(native):
+        native(note)
+        return exc
+    notes = getattr(exc, "__notes__", None)
+    if not isinstance(notes, list):
+        notes = []
+        exc.__notes__ = notes
+    notes.append(note)
+    if len(exc.args) == 1 and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n{note}",)
+    return exc

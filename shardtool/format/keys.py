@@ -7,6 +7,11 @@ with a dot would be read back as a different key.
 from __future__ import annotations
 
 MAX_KEY_BYTES = 200
+# Said in ``shardtool pack --help`` and the README.
+KEY_RULES = (f"A sample key is non-empty UTF-8 of at most {MAX_KEY_BYTES} bytes without '/', '\\', '.', NUL, "
+             "newline or other control characters: it becomes the tar member name KEY.FIELD, which must "
+             "stay inside the shard's directory, and WebDataset reads everything after the first '.' as "
+             "the field name.")
 _FORBIDDEN = {"/": "a '/'", "\\": "a '\\'", "\x00": "a NUL byte", "\n": "a newline", "\r": "a carriage return"}
 
 
@@ -51,3 +56,47 @@ def member_name_problem(name: str) -> str | None:
     if ".." in parts:
         return f"member path {name!r} contains '..'"
     return None
+
+
+# ---------------------------------------------------------------- keys from file paths
+# One file = one sample (``pack --per-file``): the key spells the file's relative path.
+_PATH_CHARS = {"/": "__", ".": "_", "\\": "_"}
+_HASH_HEX = 8  # the suffix: "-" + 8 hex digits of a hash of the path
+
+
+def path_key(rel: str) -> str:
+    """A valid key spelling the '/'-separated relative path ``rel``: '/' becomes '__'; '.', '\\'
+    and control characters become '_'; a key past the byte limit is cut and given a hash suffix.
+    ``a/b.c/d.txt`` → ``a__b_c__d_txt``."""
+    key = "".join(_PATH_CHARS.get(c) or ("_" if ord(c) < 32 or ord(c) == 127 else c) for c in rel)
+    if len(key.encode("utf-8")) > MAX_KEY_BYTES:
+        key = _hashed(key, rel, _HASH_HEX)
+    return key
+
+
+def _hashed(key: str, rel: str, hex_digits: int) -> str:
+    import hashlib
+
+    digest = hashlib.blake2b(rel.encode("utf-8"), digest_size=hex_digits // 2).hexdigest()
+    base = key.encode("utf-8")[: MAX_KEY_BYTES - hex_digits - 1].decode("utf-8", "ignore")
+    return f"{base}-{digest}"
+
+
+def keys_for_paths(rels: list[str]) -> list[str]:
+    """Unique valid keys for distinct relative paths, a pure function of the whole list.
+
+    Each path gets :func:`path_key`; the paths of any group that would share a key (``a.b`` and
+    ``a_b``; ``a/b`` and ``a__b``) each get ``-`` + a hash of their own path instead, so which
+    key a file gets does not depend on the order the paths are listed in.
+    """
+    keys = [path_key(r) for r in rels]
+    for hex_digits in (_HASH_HEX, 16, 32):
+        seen: dict[str, list[int]] = {}
+        for i, k in enumerate(keys):
+            seen.setdefault(k, []).append(i)
+        clashing = [i for group in seen.values() if len(group) > 1 for i in group]
+        if not clashing:
+            return keys
+        for i in clashing:
+            keys[i] = _hashed(path_key(rels[i]), rels[i], hex_digits)
+    raise ValueError("cannot give these paths unique keys (are some listed twice?)")

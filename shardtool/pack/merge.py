@@ -81,7 +81,9 @@ def merge(out: str, *, num_tasks: int | None = None) -> dict:
     publish_manifest(out, Manifest(first["shard_format"], fields, shards, first["length"]), all_lengths)
     skipped = [s for b in bodies for s in b.get("skipped", [])]
     return {"out": out, "tasks": num_tasks, "shards": len(shards), "samples": int(all_lengths.size),
-            "bytes": sum(s.bytes for s in shards), "skipped": skipped}
+            "bytes": sum(s.bytes for s in shards), "skipped": skipped,
+            "dropped": sum(b.get("dropped", 0) for b in bodies),
+            "truncated": sum(b.get("truncated", 0) for b in bodies)}
 
 
 def _check_keys(out: str, shards: list[ShardInfo], fields: list[FieldSpec], tar: bool) -> None:

@@ -6,25 +6,32 @@ environment reader (`shardtool.plan.env.array_task`).
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Callable
 
 from ..format.errors import ShardtoolError
-
 
 def strip_file_scheme(path: str) -> str:
     """``file:///data/x`` → ``/data/x``; any other path or URL is returned unchanged."""
     return path[len("file://"):] if path.startswith("file://") else path
 
 
-def load_function(spec: str) -> Callable:
-    """Import ``module:function`` (used for --length-fn, in the parent and in every worker)."""
+def load_function(spec: str, *, search_dir: str | None = None) -> Callable:
+    """Import ``module:function`` (used for --length-fn, in the parent and in every worker).
+
+    A module not importable from ``sys.path`` is looked for in ``search_dir`` (default: the
+    current directory), as ``python -m`` would find it but the ``shardtool`` command would not.
+    That directory is appended to ``sys.path``, so an installed module of the same name wins.
+    """
     mod_name, sep, fn_name = spec.partition(":")
     if not sep or not mod_name or not fn_name:
         raise ShardtoolError(f"--length-fn {spec!r} must look like module:function")
     try:
-        obj = importlib.import_module(mod_name)
+        obj = _import_here_too(mod_name, os.path.abspath(search_dir or os.getcwd()))
     except ImportError as e:
-        raise ShardtoolError(f"--length-fn {spec!r}: cannot import {mod_name!r} ({e})") from None
+        raise ShardtoolError(f"--length-fn {spec!r}: cannot import {mod_name!r} ({e}; looked in sys.path and "
+                             f"{os.path.abspath(search_dir or os.getcwd())})") from None
     for part in fn_name.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
@@ -32,3 +39,15 @@ def load_function(spec: str) -> Callable:
     if not callable(obj):
         raise ShardtoolError(f"--length-fn {spec!r} is not callable")
     return obj
+
+
+def _import_here_too(mod_name: str, directory: str):
+    try:
+        return importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        on_path = {os.path.abspath(p or os.curdir) for p in sys.path if isinstance(p, str)}
+        if e.name != mod_name.split(".")[0] or directory in on_path:
+            raise
+    sys.path.append(directory)
+    importlib.invalidate_caches()
+    return importlib.import_module(mod_name)

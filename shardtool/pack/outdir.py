@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,11 +26,54 @@ def fragment_name(task: int, num_tasks: int) -> str:
     return f"{TASKS_DIR}/task-{task:04d}-of-{num_tasks:04d}.json"
 
 
+@dataclass(frozen=True)
+class Before:
+    """What the output directory held before a pack touched it (see :func:`undo`)."""
+
+    out_existed: bool
+    shards_existed: bool
+    shard_files: frozenset
+
+
+def snapshot(out: str) -> Before:
+    try:
+        names = frozenset(os.listdir(os.path.join(out, "shards")))
+        shards_existed = True
+    except (FileNotFoundError, NotADirectoryError):
+        names, shards_existed = frozenset(), False
+    return Before(os.path.isdir(out), shards_existed, names)
+
+
+def undo(out: str, before: Before, *, task: int, num_tasks: int) -> None:
+    """Remove what a failed pack of ``task`` created, never what was there before: its temps and
+    the shard files it published (no manifest references them), and, packing alone, the
+    ``shards/`` and ``OUT`` directories it made (in a job array another task may be using them).
+    Does nothing once this pack's manifest or fragment is published."""
+    mine = os.path.join(out, MANIFEST_NAME if num_tasks == 1 else fragment_name(task, num_tasks))
+    if os.path.exists(mine):
+        return
+    remove_task_temps(out, task)
+    shard_dir = os.path.join(out, "shards")
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(shard_dir):
+            if SHARD_RE.match(name) and name.startswith(f"t{task:04d}-") and name not in before.shard_files:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(shard_dir, name))
+    if num_tasks != 1:
+        return
+    with contextlib.suppress(FileNotFoundError):  # written just before the manifest, useless without it
+        os.unlink(os.path.join(out, LENGTHS_NAME))
+    for made, path in ((not before.shards_existed, shard_dir), (not before.out_existed, out)):
+        if made:
+            with contextlib.suppress(OSError):  # not empty: something else is in there; keep it
+                os.rmdir(path)
+
+
 def prepare(out: str, *, task: int, num_tasks: int, overwrite: bool) -> None:
-    os.makedirs(os.path.join(out, "shards"), exist_ok=True)
     manifest = os.path.join(out, MANIFEST_NAME)
     if os.path.exists(manifest) and not overwrite:
         raise ShardtoolError(f"{out} already holds a dataset ({MANIFEST_NAME}); pass --overwrite to replace it")
+    os.makedirs(os.path.join(out, "shards"), exist_ok=True)
     # The manifest goes first: from here on no reader trusts shards we are about to rewrite.
     for name in (MANIFEST_NAME, LENGTHS_NAME):
         with contextlib.suppress(FileNotFoundError):

@@ -90,7 +90,9 @@ def read_unit(unit: Unit, *, max_sample_bytes: int, on_bad, whole_batches: bool 
         return _columnar(unit, whole_batches)
     if unit.kind == "tar":
         return _tar(unit, max_sample_bytes, on_bad)
-    return _tree(unit)
+    if unit.kind == "files":
+        return _files(unit, max_sample_bytes)
+    return _tree(unit, max_sample_bytes)
 
 
 # --------------------------------------------------------------------------- JSONL
@@ -240,14 +242,34 @@ def _tar(unit: Unit, max_member: int, on_bad) -> Iterator[Any]:
         yield pos, current, fields, f"member {first_member!r}"
 
 
-def _tree(unit: Unit) -> Iterator[Any]:
+def read_whole_file(path: str, max_bytes: int) -> bytes:
+    """The bytes of one source file; a file past the sample limit is refused before it is read."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise BadSampleError(f"cannot read ({e})", source=path) from None
+    if len(data) > max_bytes:
+        raise BadSampleError(f"file is larger than the {max_bytes}-byte sample limit (--max-sample-bytes)",
+                             source=path)
+    return data
+
+
+def _tree(unit: Unit, max_bytes: int) -> Iterator[Any]:
     for i, (key, members) in enumerate(unit.members):
-        fields = {}
         try:
-            for ext, path in members:
-                with open(path, "rb") as f:
-                    fields[ext] = f.read()
-        except OSError as e:
-            yield Bad(BadSampleError(f"cannot read ({e})", source=path))
+            fields = {ext: read_whole_file(path, max_bytes) for ext, path in members}
+        except BadSampleError as e:
+            yield Bad(e)
             continue
         yield i, key, fields, members[0][1]
+
+
+def _files(unit: Unit, max_bytes: int) -> Iterator[Any]:
+    for i, (key, rel, path) in enumerate(unit.members):
+        try:
+            data = read_whole_file(path, max_bytes)
+        except BadSampleError as e:
+            yield Bad(e)
+            continue
+        yield i, key, {"bin": data, "path": rel}, path

@@ -49,7 +49,8 @@ class Shaper:
     """Turns a reader's record into (key, payloads, values, length) for the shard writer."""
 
     def __init__(self, fields: list[FieldSpec], *, key_field: str | None, length_field: str | None,
-                 length_fn: Callable | None, key_width: int):
+                 length_fn: Callable | None, key_width: int, max_length: int | None = None,
+                 truncate: bool = False):
         self.fields = fields
         self.names = [f.name for f in fields]
         self.name_set = set(self.names)
@@ -63,6 +64,12 @@ class Shaper:
         spec = fields[self.length_idx] if self.length_idx >= 0 else None
         # Lengths of arrays and strings are len(); only other storages go through length_of.
         self.len_direct = spec is not None and spec.storage in ("array", "text")
+        # --max-length: a longer sample is dropped (shape returns None) or, with truncate, its
+        # length field's array is cut to max_length elements (was_truncated says so).
+        self.max_length = max_length
+        self.truncate = truncate
+        self.was_truncated = False
+        self.field_hint = ""  # appended to a field-set mismatch (the worker sets it per source kind)
 
     def key_of(self, position: int, key: str | None, obj: dict[str, Any], source: str, where: str) -> str:
         if key is None:
@@ -93,8 +100,8 @@ class Shaper:
             if self.length_field and self.length_field not in obj:
                 raise BadSampleError(f"missing length field {self.length_field!r}", source=source, position=where)
             got = sorted(k for k in obj if k != KEY_COLUMN)
-            raise BadSampleError(f"sample {key!r} has fields {got}, the dataset has {sorted(self.names)}",
-                                 source=source, position=where)
+            raise BadSampleError(f"sample {key!r} has fields {got}, the dataset has {sorted(self.names)}"
+                                 + self.field_hint, source=source, position=where)
         values = []
         payloads = []
         nbytes = 0
@@ -110,6 +117,16 @@ class Shaper:
             length = len(values[self.length_idx])
         else:
             length = self.length(key, values, nbytes, source, where)
+        self.was_truncated = False
+        if self.max_length is not None and length > self.max_length:
+            if not self.truncate:
+                return None
+            i = self.length_idx
+            values[i], payload = self.codecs[i](values[i][: self.max_length])
+            nbytes += len(payload) - len(payloads[i])
+            payloads[i] = payload
+            length = self.max_length
+            self.was_truncated = True
         return key, values, payloads, length, nbytes
 
     def length(self, key: str, values: list, nbytes: int, source: str, where: str) -> int:
@@ -202,3 +219,27 @@ def check_length_option(fields: list[FieldSpec], length_field: str | None) -> No
     if length_field is not None and length_field not in [f.name for f in fields]:
         raise ShardtoolError(f"--length {length_field!r} is not a field of the samples "
                              f"(fields: {', '.join(f.name for f in fields)})")
+
+
+MAX_LENGTH_POLICIES = ("drop", "truncate")
+
+
+def check_max_length_option(fields: list[FieldSpec], length_field: str | None, max_length: int | None,
+                            policy: str) -> bool:
+    """Validate --max-length / --max-length-policy; True when over-long samples are truncated."""
+    if policy not in MAX_LENGTH_POLICIES:
+        raise ShardtoolError(f"--max-length-policy must be one of {', '.join(MAX_LENGTH_POLICIES)}, got {policy!r}")
+    if max_length is None:
+        return False
+    if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < 1:
+        raise ShardtoolError(f"--max-length must be an integer ≥ 1, got {max_length!r}")
+    if policy != "truncate":
+        return False
+    spec = next((f for f in fields if f.name == length_field), None)
+    if spec is None or spec.storage != "array":
+        what = (f"--length {length_field!r} is stored as {spec.storage}" if spec is not None else
+                "the length is not a field (payload bytes or --length-fn)")
+        raise ShardtoolError(f"--max-length-policy truncate cuts the --length field's array to --max-length "
+                             f"elements, so it needs --length naming a 1-D array field; {what}. "
+                             "Use --max-length-policy drop to skip over-long samples instead")
+    return True

@@ -2,7 +2,8 @@
 
 A *unit* is the smallest piece of input one worker packs: a Parquet row group, a group of
 Arrow record batches, a ~32 MiB newline-aligned chunk of a plain JSONL file, a whole
-compressed JSONL or tar file, or a run of file-tree samples. Units are listed in input order
+compressed JSONL or tar file, or a run of file-tree samples (``tree``: files grouped by
+basename; ``files``: one file = one sample, with ``--per-file``). Units are listed in input order
 by every task identically, so slicing them is a pure function of (units, T, I, N), and sample
 positions (the default keys) come from unit counts, not from who packs what.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from ..format.errors import BadSampleError, ShardtoolError
 from ..format.keys import key_problem
 from .options import strip_file_scheme
+from .tree import PER_FILE_HINT, OnBad, per_file_samples, walk_files
 
 JSONL_CHUNK = 32 << 20
 TREE_CHUNK = 256
@@ -24,14 +26,15 @@ STRUCTURED = ("jsonl", "parquet", "arrow")
 
 @dataclass(frozen=True)
 class Unit:
-    kind: str  # jsonl | parquet | arrow | tar | tree
+    kind: str  # jsonl | parquet | arrow | tar | tree | files
     path: str
     start: int = 0  # jsonl: byte offset; parquet: row group; arrow: first batch; tree: first sample
     stop: int = -1
     count: int = -1  # samples (jsonl: lines) or -1 if not known without reading
     first_line: int = 0  # jsonl: line number of the chunk's first line in its file
     weight: int = 1  # bytes (or an estimate), for balancing
-    members: tuple = field(default=(), compare=False)  # tree: ((key, ((ext, path), ...)), ...)
+    # tree: ((key, ((ext, path), ...)), ...); files: ((key, relative path, path), ...)
+    members: tuple = field(default=(), compare=False)
 
     @property
     def structured(self) -> bool:
@@ -64,21 +67,30 @@ def expand_sources(srcs: list[str]) -> list[str]:
     return out
 
 
-def discover(srcs: list[str], *, skip_bad: bool, skipped: list[str]) -> list[Unit]:
+def discover(srcs: list[str], *, skip_bad: bool, skipped: list[str], per_file: bool = False) -> list[Unit]:
+    """Units of every source, in order. With ``skip_bad`` a bad source, or a bad file of a
+    directory source (only that file), is listed in ``skipped``; otherwise it raises."""
+    def on_bad(err: BadSampleError) -> None:
+        if not skip_bad:
+            raise err
+        skipped.append(str(err))
+
     units: list[Unit] = []
     for src in expand_sources(srcs):
         try:
-            units.extend(units_of(src))
+            units.extend(units_of(src, per_file=per_file, on_bad=on_bad))
         except BadSampleError as e:
-            if not skip_bad:
-                raise
-            skipped.append(str(e))
+            on_bad(e)
     return units
 
 
-def units_of(src: str) -> list[Unit]:
+def _raise(err: BadSampleError) -> None:
+    raise err
+
+
+def units_of(src: str, *, per_file: bool = False, on_bad: OnBad = _raise) -> list[Unit]:
     if os.path.isdir(src):
-        return tree_units(src)
+        return file_units(src, on_bad) if per_file else tree_units(src, on_bad)
     if not os.path.exists(src):
         raise BadSampleError("source does not exist", source=src)
     if not os.access(src, os.R_OK):
@@ -172,41 +184,49 @@ def tree_key(reldir: str, stem: str) -> str:
     return f"{reldir.replace(os.sep, '__').replace('/', '__')}__{stem}" if reldir else stem
 
 
-def tree_units(root: str) -> list[Unit]:
+def tree_units(root: str, on_bad: OnBad = _raise) -> list[Unit]:
     """Group files by (directory, basename up to the first '.'), WebDataset style."""
     groups: dict[str, list[tuple[str, str]]] = {}
     origin: dict[str, str] = {}
     sizes: dict[str, int] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        reldir = os.path.relpath(dirpath, root)
-        reldir = "" if reldir == "." else reldir
-        for name in sorted(filenames):
-            if name.startswith("."):
-                continue
-            path = os.path.join(dirpath, name)
-            stem, dot, ext = name.partition(".")
-            if not dot or not ext:
-                raise BadSampleError("file has no '<key>.<field>' name", source=path)
-            key = tree_key(reldir, stem)
-            problem = key_problem(key)
-            if problem:
-                raise BadSampleError(problem, source=path)
-            rel_group = os.path.join(reldir, stem)
-            if key in origin and origin[key] != rel_group:
-                raise BadSampleError(f"duplicate key {key!r} (also made from {origin[key]!r})", source=path)
-            origin[key] = rel_group
-            groups.setdefault(key, []).append((ext, path))
-            try:
-                sizes[key] = sizes.get(key, 0) + os.stat(path).st_size
-            except OSError as e:
-                raise BadSampleError(f"cannot stat ({e})", source=path) from None
+    for rel, path, size in walk_files(root, on_bad):
+        reldir, _, name = rel.rpartition("/")
+        stem, dot, ext = name.partition(".")
+        if not dot or not ext:
+            on_bad(BadSampleError("file has no '<key>.<field>' name" + PER_FILE_HINT, source=path))
+            continue
+        key = tree_key(reldir, stem)
+        problem = key_problem(key)
+        if problem:
+            on_bad(BadSampleError(problem + PER_FILE_HINT, source=path))
+            continue
+        rel_group = os.path.join(reldir, stem)
+        if key in origin and origin[key] != rel_group:
+            on_bad(BadSampleError(f"duplicate key {key!r} (also made from {origin[key]!r})" + PER_FILE_HINT,
+                                  source=path))
+            continue
+        origin[key] = rel_group
+        groups.setdefault(key, []).append((ext, path))
+        sizes[key] = sizes.get(key, 0) + size
     samples = sorted(groups.items(), key=lambda kv: origin[kv[0]])
-    units = []
-    for i in range(0, len(samples), TREE_CHUNK):
-        chunk = tuple((k, tuple(sorted(v))) for k, v in samples[i : i + TREE_CHUNK])
-        units.append(Unit("tree", root, i, i + len(chunk), len(chunk), 0,
-                          max(sum(sizes[k] for k, _ in chunk), 1), chunk))
+    chunks = [tuple((k, tuple(sorted(v))) for k, v in samples[i : i + TREE_CHUNK])
+              for i in range(0, len(samples), TREE_CHUNK)]
+    return _tree_chunk_units("tree", root, chunks, [sum(sizes[k] for k, _ in c) for c in chunks])
+
+
+def file_units(root: str, on_bad: OnBad = _raise) -> list[Unit]:
+    """One file = one sample (``--per-file``): fields ``bin`` (its bytes) and ``path``."""
+    samples = per_file_samples(root, on_bad)
+    chunks = [samples[i : i + TREE_CHUNK] for i in range(0, len(samples), TREE_CHUNK)]
+    return _tree_chunk_units("files", root, [tuple((k, rel, p) for k, rel, p, _ in c) for c in chunks],
+                             [sum(size for *_, size in c) for c in chunks])
+
+
+def _tree_chunk_units(kind: str, root: str, chunks: list[tuple], weights: list[int]) -> list[Unit]:
+    units, start = [], 0
+    for chunk, weight in zip(chunks, weights):
+        units.append(Unit(kind, root, start, start + len(chunk), len(chunk), 0, max(weight, 1), chunk))
+        start += len(chunk)
     return units
 
 

@@ -17,7 +17,7 @@ from ..format.arrowshard import check_schema
 from ..format.dataset import Dataset, is_local, open_dataset
 from ..format.errors import FormatError
 from ..format.fields import FieldSpec, decode_bytes, length_of
-from ..format.hashing import check_algo, hash_bytes
+from ..format.hashing import check_algo, hash_bytes, range_checksum
 from ..format.tarshard import check_sample_range
 
 
@@ -44,7 +44,7 @@ def verify_shard(ds: Dataset, shard: int) -> None:
         if len(data) != info.bytes:
             raise FormatError(f"{info.path}: {len(data)} bytes on disk, manifest says {info.bytes} (truncated?)")
         if hash_bytes(data) != info.hash:
-            raise FormatError(f"{info.path}: content hash does not match the manifest (corrupted)")
+            raise _corrupt_shard_error(ds, shard, data)
         idx = ds.shard_index(shard)  # checks the index's own hash, count, ranges and lengths
         if ds.manifest.shard_format == "tar":
             exts = [f.ext for f in ds.manifest.fields]
@@ -61,6 +61,50 @@ def verify_shard(ds: Dataset, shard: int) -> None:
     finally:
         if isinstance(data, mmap.mmap):
             data.close()
+
+
+def _failing_samples(ds: Dataset, shard: int, data) -> list[tuple[int, str]] | None:
+    """(index, key) of every sample whose byte range fails its index checksum; None when the
+    index cannot say (no checksums, or the index itself is bad)."""
+    try:
+        idx = ds.shard_index(shard)
+    except FormatError:
+        return None
+    if idx.checksums is None:
+        return None
+    bad, verdict = [], {}
+    for i in range(len(idx)):
+        off, size = int(idx.offsets[i]), int(idx.sizes[i])
+        ok = verdict.get((off, size))  # Arrow rows of one record batch share a range: hash it once
+        if ok is None:
+            ok = verdict[(off, size)] = range_checksum(data[off : off + size]) == int(idx.checksums[i])
+        if not ok:
+            bad.append((i, idx.keys[i]))
+    return bad
+
+
+def _corrupt_shard_error(ds: Dataset, shard: int, data) -> FormatError:
+    """The whole-shard hash failed: name the damaged samples where the per-sample checksums can."""
+    path = ds.manifest.shards[shard].path
+    bad = _failing_samples(ds, shard, data)
+    where = ""
+    if bad:
+        runs: list[list[tuple[int, str]]] = []
+        for i, key in bad:  # contiguous runs: an Arrow record batch fails as one range
+            if runs and runs[-1][-1][0] == i - 1:
+                runs[-1].append((i, key))
+            else:
+                runs.append([(i, key)])
+        named = ", ".join(f"#{r[0][0]} ({r[0][1]!r})" if len(r) == 1 else
+                          f"#{r[0][0]}..#{r[-1][0]} ({r[0][1]!r}..{r[-1][1]!r})" for r in runs[:5])
+        more = f" and {len(runs) - 5} more runs" if len(runs) > 5 else ""
+        where = f"; damaged sample{'s' if len(bad) > 1 else ''} {named}{more}"
+    elif bad is not None:
+        where = ("; every sample's bytes match their checksums, so the damage is outside them "
+                 "(tar end blocks or Arrow file metadata)")
+    err = FormatError(f"{path}: content hash does not match the manifest (corrupted){where}")
+    err.samples = [{"index": i, "key": key} for i, key in (bad or [])]
+    return err
 
 
 def _arrow_rows(data, fields, spec, shard: str):
@@ -144,6 +188,9 @@ def verify(url: str, *, storage_options: dict | None = None,
            progress: Callable[[int], None] | None = None, dataset: Dataset | None = None) -> dict:
     """Check a dataset; returns {"ok", "shards", "samples", "bytes", "bad": [{"shard", "error"}]}.
 
+    A bad entry whose shard failed its hash also lists, under ``"samples"``, the ``index`` (within
+    the shard) and ``key`` of every sample whose bytes fail their per-sample checksum.
+
     ``dataset``: the dataset at ``url``, already opened (and not yet read from) by the caller,
     which keeps it open and closes it; by default ``url`` is opened here.
     """
@@ -158,6 +205,8 @@ def verify(url: str, *, storage_options: dict | None = None,
             verify_shard(ds, s)
         except FormatError as e:
             bad.append({"shard": ds.manifest.shards[s].path, "error": str(e)})
+            if getattr(e, "samples", None):
+                bad[-1]["samples"] = e.samples
         except OSError as e:
             bad.append({"shard": ds.manifest.shards[s].path, "error": f"{ds.manifest.shards[s].path}: {e}"})
         if progress is not None:

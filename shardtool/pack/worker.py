@@ -45,6 +45,8 @@ class Job:
     samples_per_shard: int | None = None
     skip_bad: bool = False
     max_sample_bytes: int = 256 << 20
+    max_length: int | None = None
+    truncate: bool = False  # over max_length: cut the length field's array (else drop the sample)
 
 
 @dataclass
@@ -55,6 +57,12 @@ class JobResult:
     lengths: list[np.ndarray] = field(default_factory=list)
     keys: list[list[str]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    dropped: int = 0  # samples over --max-length, dropped
+    truncated: int = 0  # samples over --max-length, cut to it
+
+
+# A file tree whose samples disagree on their fields is usually a tree of unrelated files.
+TREE_FIELDS_HINT = " (a file tree: pack with --per-file to make each file one sample)"
 
 
 class _Roller:
@@ -138,7 +146,7 @@ def run_job(job: Job, progress: Callable[[int, int], None] | None = None) -> Job
     result = JobResult(job.task, job.worker)
     fn = load_function(job.length_fn) if job.length_fn else None
     shaper = Shaper(job.fields, key_field=job.key_field, length_field=job.length_field, length_fn=fn,
-                    key_width=job.key_width)
+                    key_width=job.key_width, max_length=job.max_length, truncate=job.truncate)
     roller = _Roller(job, result)
     tar = job.fmt == "tar"
     pending_n = pending_b = 0
@@ -163,6 +171,8 @@ def run_job(job: Job, progress: Callable[[int, int], None] | None = None) -> Job
         enc = fast.encode(cb.batch, pos0 + cb.pos)
         if enc is None or not seen.isdisjoint(enc.keys):
             return False
+        if job.max_length is not None and len(enc) and int(enc.lengths.max()) > job.max_length:
+            return False  # the row path drops or truncates the over-long samples
         roller.add_batch(enc)
         seen.update(enc.keys)
         if progress is not None:
@@ -172,6 +182,7 @@ def run_job(job: Job, progress: Callable[[int, int], None] | None = None) -> Job
     reading: list = []
     try:
         for unit, pos0 in zip(job.units, job.positions):
+            shaper.field_hint = TREE_FIELDS_HINT if unit.kind == "tree" else ""
             try:
                 recs_or_batches = read_unit(unit, max_sample_bytes=job.max_sample_bytes, on_bad=skip,
                                             whole_batches=fast is not None)
@@ -191,8 +202,11 @@ def run_job(job: Job, progress: Callable[[int, int], None] | None = None) -> Job
                             continue
                         pos, key, obj, where = rec
                         try:
-                            key, values, payloads, length, nbytes = shaper.shape(pos0 + pos, key, obj, unit.path,
-                                                                                 where)
+                            shaped = shaper.shape(pos0 + pos, key, obj, unit.path, where)
+                            if shaped is None:
+                                result.dropped += 1
+                                continue
+                            key, values, payloads, length, nbytes = shaped
                             if key in seen:
                                 raise BadSampleError(f"duplicate key {key!r}", source=unit.path, position=where)
                             if tar:
@@ -206,6 +220,7 @@ def run_job(job: Job, progress: Callable[[int, int], None] | None = None) -> Job
                             skip(e)
                             continue
                         seen.add(key)
+                        result.truncated += shaper.was_truncated
                         pending_n += 1
                         pending_b += nbytes
                         if pending_n >= PROGRESS_EVERY and progress is not None:
