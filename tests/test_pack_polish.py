@@ -74,7 +74,7 @@ def test_open_dataset_names_what_a_dataset_url_is(tmp_path):
 @pytest.mark.timeout(120)
 def test_loader_without_cache_gives_the_same_clear_errors(tmp_path):
     from shardtool.format.errors import FormatError as FE
-    from loader import ShardedLoader
+    from shardtool.loader import ShardedLoader
 
     jsonl = write_jsonl(str(tmp_path / "data.jsonl"), token_records(3))
     with pytest.raises(FE, match="unknown protocol 'fiel://'.*holding index.json"):
