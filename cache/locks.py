@@ -11,7 +11,9 @@ import errno
 import fcntl
 import os
 import time
-from typing import Iterator
+from typing import Callable, Iterator
+
+HELD, DONE, TIMED_OUT = "held", "done", "timed out"
 
 
 def _open(path: str) -> int:
@@ -22,21 +24,31 @@ def _open(path: str) -> int:
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
 
 
-def _acquire(fd: int, mode: int, timeout: float | None) -> bool:
-    if timeout is None:
-        fcntl.flock(fd, mode)
+def _try(fd: int, mode: int) -> bool:
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
         return True
-    deadline = time.monotonic() + timeout
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        return False
+
+
+def _acquire(fd: int, mode: int, timeout: float | None, done: Callable[[], bool] | None = None) -> str:
+    """Take the lock; with ``done``, poll it instead of blocking and give up (DONE) as soon as
+    ``done()`` says the work the lock guards was finished by its holder."""
+    if timeout is None and done is None:
+        fcntl.flock(fd, mode)
+        return HELD
+    deadline = None if timeout is None else time.monotonic() + timeout
     delay = 0.005
     while True:
-        try:
-            fcntl.flock(fd, mode | fcntl.LOCK_NB)
-            return True
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-        if time.monotonic() >= deadline:
-            return False
+        if _try(fd, mode):
+            return HELD
+        if done is not None and done():
+            return DONE
+        if deadline is not None and time.monotonic() >= deadline:
+            return TIMED_OUT
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
 
@@ -46,10 +58,23 @@ def locked(path: str, *, shared: bool = False, timeout: float | None = None) -> 
     """Hold the lock on ``path`` for the block; yields False (not held) if ``timeout`` ran out."""
     fd = _open(path)
     try:
-        held = _acquire(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX, timeout)
-        yield held
+        yield _acquire(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX, timeout) == HELD
     finally:
         os.close(fd)  # closing the descriptor releases the lock
+
+
+@contextlib.contextmanager
+def exclusive_unless(path: str, done: Callable[[], bool] | None, *, timeout: float | None = None) -> Iterator[str]:
+    """The exclusive lock for doing some work (fetching a shard), or DONE once ``done()`` is true.
+
+    Never blocks in the kernel: whoever holds the lock may, once the work is done, keep it as a
+    shared reader for as long as it reads (a loader with the shard open), so a waiter that only
+    blocked would wait for that reader, not for the work. Yields HELD, DONE or TIMED_OUT."""
+    fd = _open(path)
+    try:
+        yield _acquire(fd, fcntl.LOCK_EX, timeout, done)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

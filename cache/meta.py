@@ -15,7 +15,7 @@ from shardtool.format.manifest import Manifest, ShardInfo
 from .durability import must_fsync
 from .errors import CacheError, LocalFault, NotCached
 from .layout import VersionDir, lengths_rel
-from .locks import locked
+from .locks import DONE, TIMED_OUT, exclusive_unless
 from .retry import RetryPolicy
 from .store import Source, copy_shard, local_fault, read_verified_local, remove_temps_for, store_verified
 
@@ -77,13 +77,18 @@ def ensure_shard(vd: VersionDir, shard: int, info: ShardInfo, src: Source | None
     if not verify and vd.trusted(shard, info):
         return HIT
     lock_wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+    # While we wait, the holder may publish the shard and go on holding its lock as a reader:
+    # trust is re-checked between tries of the lock, never waited out (a cold-cache deadlock).
+    published = None if verify else (lambda: vd.trusted(shard, info))
     try:
-        ctx = locked(vd.lock_path(shard), timeout=lock_wait)
-        held = ctx.__enter__()
+        ctx = exclusive_unless(vd.lock_path(shard), published, timeout=lock_wait)
+        state = ctx.__enter__()
     except OSError as e:
         raise local_fault(e, f"lock of shard {info.path}") from None
     try:
-        if not held:
+        if state == DONE:
+            return HIT
+        if state == TIMED_OUT:
             raise CacheError(f"shard {info.path}: another process held its lock past the deadline")
         if not verify and vd.trusted(shard, info):
             return HIT  # another warmer or loader published it while we waited
