@@ -25,12 +25,13 @@ from .errors import BudgetError, CacheError, LocalFault, RemoteError
 from .evict import choose_fit, effective_limit, plan_eviction
 from .layout import VersionDir, record_source
 from .meta import COPIED, HIT, ensure_index, ensure_lengths, ensure_shard, store_manifest
+from .perms import DEFAULT_PERMS, Perms
 from .report import WarmReport
 from .retry import RetryPolicy
 from .store import Source, local_fault
 
 
-def check_cache_dir(cache_dir: str) -> None:
+def check_cache_dir(cache_dir: str, perms: Perms = DEFAULT_PERMS) -> None:
     """The directory must exist or be creatable under an existing parent, and be writable."""
     parent = os.path.dirname(os.path.abspath(cache_dir))
     if not os.path.isdir(cache_dir):
@@ -38,7 +39,7 @@ def check_cache_dir(cache_dir: str) -> None:
             raise LocalFault(f"cache directory {cache_dir} is missing and so is its parent {parent} "
                              "(is the local disk mounted?)")
         try:
-            os.makedirs(cache_dir, exist_ok=True)
+            perms.makedirs(cache_dir)
         except OSError as e:
             raise local_fault(e, f"cache directory {cache_dir}") from None
     probe = os.path.join(cache_dir, f".probe-{os.getpid()}-{threading.get_ident()}")
@@ -73,13 +74,14 @@ def warm(url: str, cache_dir: str, *, layout: NodeLayout | None = None, all_shar
          jobs: int = 8, max_bytes: int | None = None, min_free: int | None = None, best_effort: bool = False,
          strict: bool = False, timeout: float | None = None, verify: bool = False, durable: bool = False,
          retry: RetryPolicy = RetryPolicy(), storage_options: dict | None = None, progress: bool | None = None,
-         env: Mapping[str, str] | None = None, log=None) -> WarmReport:
+         env: Mapping[str, str] | None = None, log=None, perms: Perms = DEFAULT_PERMS) -> WarmReport:
     """Warm ``cache_dir`` with the shards node ``layout.node`` of ``layout.num_nodes`` reads (every
     shard with ``all_shards``). Never raises for remote or local failures: the returned report
     carries ``status`` and ``exit_code``. ``layout=None`` without ``all_shards`` means one node.
     ``durable``: fsync each shard before publishing it; by default shards are published once
     verified and re-verified if the machine reboots before the kernel wrote them back
-    (:mod:`cache.durability`)."""
+    (:mod:`cache.durability`). ``perms``: modes and group of what the warm writes (default 0644
+    files, 0755 directories, whatever the umask: the job's user must read what root warmed)."""
     began = time.monotonic()
     deadline = None if timeout is None else began + timeout
     if progress is None:
@@ -92,7 +94,7 @@ def warm(url: str, cache_dir: str, *, layout: NodeLayout | None = None, all_shar
     try:
         _warm(report, url, cache_dir, layout=None if all_shards else layout, jobs=jobs, max_bytes=max_bytes,
               min_free=min_free, best_effort=best_effort, deadline=deadline, verify=verify, durable=durable, retry=retry,
-              storage_options=storage_options, progress=progress, log=log)
+              storage_options=storage_options, progress=progress, log=log, perms=perms)
     except LocalFault as e:
         report.status, report.error = "local_fault", str(e)
     except (RemoteError, CacheError) as e:
@@ -107,8 +109,8 @@ def warm(url: str, cache_dir: str, *, layout: NodeLayout | None = None, all_shar
 
 
 def _warm(report: WarmReport, url, cache_dir, *, layout, jobs, max_bytes, min_free, best_effort, deadline,
-          verify, durable, retry, storage_options, progress, log) -> None:
-    check_cache_dir(cache_dir)
+          verify, durable, retry, storage_options, progress, log, perms) -> None:
+    check_cache_dir(cache_dir, perms)
     try:
         src = Source(url, storage_options)
     except (ImportError, ValueError) as e:
@@ -116,7 +118,7 @@ def _warm(report: WarmReport, url, cache_dir, *, layout, jobs, max_bytes, min_fr
     kw = dict(policy=retry, deadline=deadline)
     manifest_bytes = src.read_bytes(MANIFEST_NAME, **kw)
     ds = Dataset(url, fs=src.fs, root=src.root, manifest_bytes=manifest_bytes)
-    vd = VersionDir(cache_dir, ds.version)
+    vd = VersionDir(cache_dir, ds.version, perms)
     report.version, report.version_dir = ds.version, vd.root
     m = ds.manifest
     store_manifest(vd, manifest_bytes)
@@ -189,7 +191,8 @@ def _warm(report: WarmReport, url, cache_dir, *, layout, jobs, max_bytes, min_fr
                             fail(i, e)
                 recorded = None
                 try:
-                    record_source(cache_dir, url, ds.version)  # metadata is in place: an offline loader can start
+                    # metadata is in place: an offline loader can start
+                    record_source(cache_dir, url, ds.version, perms=perms)
                 except LocalFault as e:  # e.g. the copies filled the disk: a failing shard names it better
                     recorded = e
                 done, pending = wait(futs, return_when=FIRST_EXCEPTION)
