@@ -7,17 +7,19 @@ cache lacks is fetched into the user's own fallback cache, with one warning.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import grp
 import os
 import shutil
 import stat
+import time
 import warnings
 
 import pytest
 
 import cache
 from asuser import NOBODY, make_readable, preload, require_root, run_as, shared_tmpdir
-from cache import NodeLayout
+from cache import NodeLayout, admin
 from loader import ShardedLoader
 from loader.plan import shards_for_node
 from runcli import shardtool_cli
@@ -167,3 +169,37 @@ def test_warm_mode_and_group_make_a_tighter_cache_the_group_can_read(site):
 def test_warm_refuses_a_mode_that_is_not_a_file_mode_the_owner_can_write(site, bad):
     res = shardtool_cli("warm", site["src"], "--cache-dir", os.path.join(site["base"], "c2"), "--all", "--mode", bad)
     assert res.returncode == 2 and "--mode" in res.stderr, res.stderr
+
+
+def hold_while(src, cache_dir, shard, flag_dir):
+    """Read ``shard`` as the job's user and keep it open until the test says ``release``."""
+    c = cache.open_cache(src, cache_dir)
+    with c.reading(shard):
+        open(os.path.join(flag_dir, "holding"), "w").close()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(flag_dir, "release")):
+            if time.monotonic() > deadline:
+                raise TimeoutError("never released")
+            time.sleep(0.02)
+    return True
+
+
+def test_a_reader_that_cannot_write_the_cache_still_keeps_eviction_away(site):
+    shard = min(site["node0"])
+    flags = os.path.join(site["tmp"], "flags")
+    os.mkdir(flags)
+    os.chmod(flags, 0o777)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(run_as, hold_while, site["src"], site["cache"], shard, flags, env={"TMPDIR": site["tmp"]})
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(flags, "holding")):
+            assert time.monotonic() < deadline and not held.done(), held.result() if held.done() else "no start"
+            time.sleep(0.02)
+        # root clears the cache while the user reads: the shard being read stays (its shared lock,
+        # taken on a read-only descriptor, is seen by the writer)
+        res = admin.clear(site["cache"])
+        open(os.path.join(flags, "release"), "w").close()
+        assert held.result() is True
+    ds = open_dataset(site["src"])
+    path = cache.VersionDir(site["cache"], ds.version).path(ds.manifest.shards[shard].path)
+    assert res["busy"] == [path] and os.path.exists(path)
