@@ -3,7 +3,9 @@
 Failure policy for a prolog: a fault of this node (cache unusable, too small) is ``local_fault``
 (exit 3, so SLURM drains the node); a failure of the source is ``remote_failed``, which exits 0
 unless ``strict`` (then 1), because an outage seen by every node must not drain the cluster; the
-loader fetches what is missing on demand.
+loader fetches what is missing on demand. A URL with no dataset at all (the storage answers that
+its manifest does not exist, or the protocol is unknown) is a mistake in the job's set-up, not
+an outage: ``usage_error``, exit 2.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from shardtool.format.manifest import MANIFEST_NAME, lengths_from_bytes
 from .assign import NodeLayout, assigned_shards
 from .budget import disk_free, evict, scan
 from .durability import must_fsync
-from .errors import BudgetError, CacheError, LocalFault, RemoteError
+from .errors import BudgetError, CacheError, LocalFault, RemoteError, SourceMissing, UsageError
 from .evict import choose_fit, effective_limit, plan_eviction
 from .layout import VersionDir, record_source
 from .meta import COPIED, HIT, ensure_index, ensure_lengths, ensure_shard, store_manifest
@@ -97,6 +99,8 @@ def warm(url: str, cache_dir: str, *, layout: NodeLayout | None = None, all_shar
               storage_options=storage_options, progress=progress, log=log, perms=perms)
     except LocalFault as e:
         report.status, report.error = "local_fault", str(e)
+    except UsageError as e:
+        report.status, report.error = "usage_error", str(e)
     except (RemoteError, CacheError) as e:
         report.status, report.error = "remote_failed", str(e)
     report.seconds = time.monotonic() - began
@@ -113,10 +117,16 @@ def _warm(report: WarmReport, url, cache_dir, *, layout, jobs, max_bytes, min_fr
     check_cache_dir(cache_dir, perms)
     try:
         src = Source(url, storage_options)
-    except (ImportError, ValueError) as e:
+    except ValueError as e:  # fsspec: "Protocol not known: fiel"
+        raise UsageError(f"no dataset at {url}: {e}") from None
+    except ImportError as e:
         raise RemoteError(f"cannot open source {url}: {e}") from None
     kw = dict(policy=retry, deadline=deadline)
-    manifest_bytes = src.read_bytes(MANIFEST_NAME, **kw)
+    try:
+        manifest_bytes = src.read_bytes(MANIFEST_NAME, **kw)
+    except SourceMissing:
+        raise UsageError(f"no dataset at {url}: its manifest {src.path(MANIFEST_NAME)} does not exist "
+                         "(a mistyped path? an unreachable source is not an error without --strict)") from None
     ds = Dataset(url, fs=src.fs, root=src.root, manifest_bytes=manifest_bytes)
     vd = VersionDir(cache_dir, ds.version, perms)
     report.version, report.version_dir = ds.version, vd.root

@@ -35,7 +35,8 @@ exit codes:
      without --strict: it is logged and the loader fetches on demand. Also 0 with --best-effort
      when not everything fit (warnings printed).
   1  remote failure with --strict
-  2  usage error (bad arguments, node layout cannot be resolved)
+  2  usage error: bad arguments, node layout cannot be resolved, or no dataset at URL (the storage
+     answers that its index.json does not exist, or the protocol is unknown)
   3  local fault on this node: cache dir missing/unwritable/read-only, disk full, or the cache
      budget too small for this node's shards (a prolog exiting non-zero drains the node)
 """
@@ -162,7 +163,8 @@ def run(args) -> int:
     for w in report.warnings:
         print(f"shardtool warm: warning: {w}", file=sys.stderr)
     if report.error:
-        kind = {"local_fault": "local fault", "remote_failed": "remote failure"}.get(report.status, report.status)
+        kind = {"local_fault": "local fault", "remote_failed": "remote failure",
+                "usage_error": "error"}.get(report.status, report.status)
         tail = "" if report.exit_code else " (not fatal without --strict; the loader fetches on demand)"
         print(f"shardtool warm: {kind}: {report.error}{tail}", file=sys.stderr)
     print(report.summary(), file=sys.stderr)
