@@ -203,3 +203,22 @@ def test_a_reader_that_cannot_write_the_cache_still_keeps_eviction_away(site):
     ds = open_dataset(site["src"])
     path = cache.VersionDir(site["cache"], ds.version).path(ds.manifest.shards[shard].path)
     assert res["busy"] == [path] and os.path.exists(path)
+
+
+def _perms_for(mode, group):
+    import argparse
+
+    from shardtool.cli.cmd_warm import perms_from
+    try:
+        return perms_from(argparse.Namespace(mode=mode, group=group))
+    except ValueError as e:
+        return str(e)
+
+
+def test_warm_group_must_be_one_the_warming_user_can_give_files_to(site):
+    root_group = grp.getgrgid(0).gr_name
+    assert _perms_for("0640", root_group) == cache.Perms(0o640, 0)  # root may use any group
+    # another user may not: refused up front (exit 2), not a local fault halfway through the warm
+    refused = run_as(_perms_for, "0640", root_group)
+    assert isinstance(refused, str) and "--group" in refused and "member" in refused
+    assert run_as(_perms_for, "0640", grp.getgrgid(NOBODY).gr_name) == cache.Perms(0o640, NOBODY)

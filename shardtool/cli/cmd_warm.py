@@ -126,6 +126,8 @@ def perms_from(args):
         gid = None if args.group is None else parse_group(args.group)
     except ValueError as e:
         raise ValueError(f"--group: {e}") from None
+    if gid is not None and os.geteuid() != 0 and gid not in (os.getegid(), *os.getgroups()):
+        raise ValueError(f"--group {args.group}: only root or a member of the group can give files to it")
     return Perms(mode, gid)
 
 
