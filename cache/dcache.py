@@ -1,11 +1,16 @@
 """The loader's view of the cache: a Dataset whose metadata and shards come from the node-local
 cache, fetched from the source on a miss under the same per-shard locks as the warmer.
+
+A cache this process may not write (warmed by root, read by the job's user) is read as it is;
+its misses go to the user's own cache (:mod:`cache.usercache`), with one warning per process.
 """
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+import threading
+import warnings
+from typing import Callable, Iterator
 
 import fsspec
 
@@ -16,11 +21,13 @@ from ..format.sindex import ShardIndex
 from .budget import disk_free, evict, scan
 from .errors import BudgetError, NotCached, RemoteError
 from .evict import effective_limit, plan_eviction
-from .layout import VersionDir, record_source, recorded_version
-from .locks import locked
+from .layout import SOURCES_NAME, VersionDir, record_source, recorded_version
+from .locks import read_lock
 from .meta import ensure_index, ensure_lengths, ensure_shard, store_manifest
+from .perms import DEFAULT_PERMS, Perms
 from .retry import RetryPolicy
 from .store import Source
+from .usercache import can_write, own_cache_dir, user_cache_dir
 
 
 class CachedDataset(Dataset):
@@ -35,12 +42,16 @@ class CachedDataset(Dataset):
     @property
     def lengths(self):
         if self._lengths is None:
-            data = ensure_lengths(self._cache.vdir, self.manifest, self._cache.source(), **self._cache.kw)
+            data = self._cache.metadata(lambda vd, src: ensure_lengths(vd, self.manifest, src, **self._cache.kw))
             self._lengths = lengths_from_bytes(data, expected=self.manifest.num_samples, source=self.url)
         return self._lengths
 
     def load_index_bytes(self, shard: int) -> bytes:
-        return ensure_index(self._cache.vdir, self.manifest.shards[shard], self._cache.source(), **self._cache.kw)
+        info = self.manifest.shards[shard]
+        return self._cache.metadata(lambda vd, src: ensure_index(vd, info, src, **self._cache.kw))
+
+    def shard_path(self, shard: int) -> str:
+        return self._cache.shard_path(shard)
 
     # A shard is made present in the cache (fetched on a miss) before the base class opens it;
     # its path there is the base class's shard_path.
@@ -55,15 +66,24 @@ class CachedDataset(Dataset):
 
 
 class DatasetCache:
-    """One dataset version in one cache directory. Thread-safe; one per process is enough."""
+    """One dataset version in one cache directory. Thread-safe; one per process is enough.
+
+    ``read_only``: this process may not write the cache; what it lacks is fetched into the
+    user's own cache ``user_cache`` (default: :func:`cache.usercache.user_cache_dir`)."""
 
     def __init__(self, url: str, cache_dir: str, version: str, manifest_bytes: bytes, *,
                  storage_options: dict | None = None, source: Source | None = None,
                  retry: RetryPolicy = RetryPolicy(), max_bytes: int | None = None, min_free: int | None = None,
-                 allow_pickle: bool = False):
+                 allow_pickle: bool = False, perms: Perms = DEFAULT_PERMS, user_cache: str | None = None):
         self.url = url
         self.cache_dir = os.path.abspath(cache_dir)
-        self.vdir = VersionDir(cache_dir, version)
+        self.vdir = VersionDir(cache_dir, version, perms)
+        self.read_only = not can_write(self.vdir.root if os.path.isdir(self.vdir.root) else self.cache_dir)
+        self.user_cache = user_cache or user_cache_dir(os.environ)
+        self._user: VersionDir | None = None   # the user's own cache, once known to exist
+        self._user_lock = threading.Lock()
+        self._filling_user = False  # a miss was fetched into the user's cache (warned, recorded)
+        self._where: dict[int, VersionDir] = {}  # shard -> the cache holding its trusted copy
         self.version = version
         self.storage_options = storage_options
         self._source = source
@@ -83,35 +103,82 @@ class DatasetCache:
                 self._source_failed = True
         return self._source
 
+    # ------------------------------------------------------- where things are
+    def _user_vdir(self, *, create: bool) -> VersionDir | None:
+        """The user's own cache for this version (only for a read-only cache); None while it does
+        not exist and ``create`` is false. Creating it warns once: the job reads a cache it
+        cannot fill, which a site may want to fix in its prolog."""
+        if not self.read_only:
+            return None
+        with self._user_lock:
+            if self._user is None:
+                root = own_cache_dir(self.user_cache, create=create)
+                if root is None:
+                    return None
+                self._user = VersionDir(root, self.version)
+            if create and not self._filling_user:
+                self._filling_user = True
+                warnings.warn(f"shardtool cache {self.cache_dir} is not writable by this user (uid {os.geteuid()}): "
+                              f"what it lacks is fetched into the user cache {self._user.cache_dir} "
+                              "(set SHARDTOOL_USER_CACHE to choose where)", RuntimeWarning, stacklevel=3)
+                # so that an offline start finds what lands there
+                store_manifest(self._user, self.dataset.manifest_bytes)
+                record_source(self._user.cache_dir, self.url, self.version)
+            return self._user
+
+    def _store(self) -> VersionDir:
+        """Where a miss is fetched to: this cache, or the user's own when this one is read-only."""
+        return self._user_vdir(create=True) if self.read_only else self.vdir
+
+    def _holder(self, shard: int) -> VersionDir | None:
+        info = self.manifest.shards[shard]
+        for vd in (self.vdir, self._user_vdir(create=False)):
+            if vd is not None and vd.trusted(shard, info):
+                self._where[shard] = vd
+                return vd
+        return None
+
+    def metadata(self, fetch: Callable[[VersionDir, Source | None], bytes]) -> bytes:
+        """A small metadata file, ``fetch(vdir, source)``: from this cache, or where misses go."""
+        if self.read_only:
+            for vd in (self.vdir, self._user_vdir(create=False)):
+                if vd is not None:
+                    with contextlib.suppress(NotCached):
+                        return fetch(vd, None)  # no source: read what is there, write nothing
+        return fetch(self._store(), self.source())
+
     def shard_path(self, shard: int) -> str:
-        return self.vdir.path(self.manifest.shards[shard].path)
+        return self._where.get(shard, self.vdir).path(self.manifest.shards[shard].path)
 
     def is_cached(self, shard: int) -> bool:
-        return self.vdir.trusted(shard, self.manifest.shards[shard])
+        return self._holder(shard) is not None
 
     def local_shard(self, shard: int) -> str:
         """Path of a verified local copy of ``shard``, fetched into the cache on a miss."""
         info = self.manifest.shards[shard]
-        if self.vdir.trusted(shard, info):
-            return self.vdir.path(info.path)
+        held = self._holder(shard)
+        if held is not None:
+            return held.path(info.path)
         src = self.source()
         if src is None:
             raise NotCached(f"shard #{shard} {info.path} is not in the cache {self.vdir.root} "
                             f"and the source {self.url} cannot be opened")
-        self._make_room(shard)
+        store = self._store()
+        self._make_room(shard, store)
         try:
-            ensure_shard(self.vdir, shard, info, src, **self.kw)
+            ensure_shard(store, shard, info, src, **self.kw)
         except RemoteError as e:
-            raise NotCached(f"shard #{shard} {info.path} is not in the cache {self.vdir.root} and fetching it "
+            raise NotCached(f"shard #{shard} {info.path} is not in the cache {store.root} and fetching it "
                             f"failed: {e}") from e
-        return self.vdir.path(info.path)
+        self._where[shard] = store
+        return store.path(info.path)
 
-    def _make_room(self, shard: int) -> None:
+    def _make_room(self, shard: int, store: VersionDir) -> None:
         if self.max_bytes is None and self.min_free is None:
             return
         size = self.manifest.shards[shard].bytes
-        entries, where, used = scan(self.cache_dir, current=self.vdir, protected={shard})
-        limit = effective_limit(used, disk_free(self.cache_dir), max_bytes=self.max_bytes, min_free=self.min_free)
+        entries, where, used = scan(store.cache_dir, current=store, protected={shard})
+        limit = effective_limit(used, disk_free(store.cache_dir), max_bytes=self.max_bytes, min_free=self.min_free)
         if limit is None or used + size <= limit:
             return
         need = used + size - limit
@@ -133,9 +200,10 @@ class DatasetCache:
         lock) keeps away; yields the local path, fetching it first on a miss."""
         while True:
             path = self.local_shard(shard)
-            with locked(self.vdir.lock_path(shard), shared=True):
-                if self.vdir.trusted(shard, self.manifest.shards[shard]):
-                    self.vdir.touch(shard)
+            vd = self._where[shard]
+            with read_lock(vd.lock_path(shard), perms=vd.perms):
+                if vd.trusted(shard, self.manifest.shards[shard]):
+                    vd.touch(shard)
                     yield path
                     return
             # evicted between the fetch and the lock: fetch again
@@ -154,28 +222,15 @@ def _read_source_manifest(url: str, storage_options: dict | None, retry: RetryPo
         return None
 
 
-def open_cache(url: str, cache_dir: str, *, storage_options: dict | None = None, retry: RetryPolicy = RetryPolicy(),
-               max_bytes: int | None = None, min_free: int | None = None, allow_pickle: bool = False) -> DatasetCache:
-    """Open ``url`` through the node-local cache in ``cache_dir``.
-
-    The manifest comes from the source when it answers (and is stored in the cache); otherwise
-    the version the warmer recorded for this URL in ``cache_dir/sources.json`` is opened from the
-    cache alone. Raises NotCached if neither is possible.
-    """
-    os.makedirs(cache_dir, exist_ok=True)
-    found = _read_source_manifest(url, storage_options, retry)
-    if found is not None:
-        src, manifest_bytes = found
-        cache = DatasetCache(url, cache_dir, manifest_hash(manifest_bytes), manifest_bytes,
-                             storage_options=storage_options, source=src, retry=retry,
-                             max_bytes=max_bytes, min_free=min_free, allow_pickle=allow_pickle)
-        store_manifest(cache.vdir, manifest_bytes)
-        record_source(cache_dir, url, cache.version)
-        return cache
+def _offline(cache_dir: str, url: str) -> tuple[str, bytes]:
+    """(version, manifest bytes) recorded for ``url`` in ``cache_dir``; NotCached says why not."""
     version = recorded_version(cache_dir, url)
     if version is None:
+        sources = os.path.join(cache_dir, SOURCES_NAME)
+        why = (f"; {sources} exists but this user cannot read it (warm it again to give it the cache's mode)"
+               if os.path.exists(sources) and not os.access(sources, os.R_OK) else "")
         raise NotCached(f"source {url} is unreachable and the cache {cache_dir} has no record of it "
-                        "(sources.json); run `shardtool warm` while the source is reachable")
+                        f"(sources.json){why}; run `shardtool warm` while the source is reachable")
     vd = VersionDir(cache_dir, version)
     try:
         with open(vd.manifest_path, "rb") as f:
@@ -184,8 +239,40 @@ def open_cache(url: str, cache_dir: str, *, storage_options: dict | None = None,
         raise NotCached(f"source {url} is unreachable and its cached manifest {vd.manifest_path} is missing") from None
     if manifest_hash(manifest_bytes) != version:
         raise NotCached(f"cached manifest {vd.manifest_path} does not match its version {version}")
-    return DatasetCache(url, cache_dir, version, manifest_bytes, storage_options=storage_options, retry=retry,
-                        max_bytes=max_bytes, min_free=min_free, allow_pickle=allow_pickle)
+    return version, manifest_bytes
+
+
+def open_cache(url: str, cache_dir: str, *, storage_options: dict | None = None, retry: RetryPolicy = RetryPolicy(),
+               max_bytes: int | None = None, min_free: int | None = None, allow_pickle: bool = False,
+               perms: Perms = DEFAULT_PERMS, user_cache: str | None = None) -> DatasetCache:
+    """Open ``url`` through the node-local cache in ``cache_dir``.
+
+    The manifest comes from the source when it answers (and is stored in the cache); otherwise
+    the version the warmer recorded for this URL in ``cache_dir/sources.json`` is opened from the
+    cache alone. Raises NotCached if neither is possible. A cache this process may not write is
+    only read; its misses go to ``user_cache`` (see :mod:`cache.usercache`).
+    """
+    with contextlib.suppress(OSError):  # one this process cannot create is read through the user cache
+        perms.makedirs(cache_dir)
+    kw = dict(storage_options=storage_options, retry=retry, max_bytes=max_bytes, min_free=min_free,
+              allow_pickle=allow_pickle, perms=perms, user_cache=user_cache)
+    found = _read_source_manifest(url, storage_options, retry)
+    if found is not None:
+        src, manifest_bytes = found
+        cache = DatasetCache(url, cache_dir, manifest_hash(manifest_bytes), manifest_bytes, source=src, **kw)
+        if not cache.read_only:
+            store_manifest(cache.vdir, manifest_bytes)
+            record_source(cache_dir, url, cache.version, perms=perms)
+        return cache
+    try:
+        version, manifest_bytes = _offline(cache_dir, url)
+    except NotCached:
+        # what this user fetched before, beside a cache it cannot write
+        user = own_cache_dir(user_cache or user_cache_dir(os.environ), create=False)
+        if user is None or can_write(cache_dir) or recorded_version(user, url) is None:
+            raise
+        version, manifest_bytes = _offline(user, url)
+    return DatasetCache(url, cache_dir, version, manifest_bytes, **kw)
 
 
 __all__ = ["CachedDataset", "DatasetCache", "open_cache"]

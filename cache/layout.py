@@ -23,13 +23,14 @@ import contextlib
 import json
 import os
 import posixpath
+import stat
 import time
 
-from ..format.atomic import atomic_write_bytes
 from ..format.manifest import LENGTHS_NAME, MANIFEST_NAME, ShardInfo
 
 from .durability import stamp_fields, stamp_survives
 from .locks import locked
+from .perms import DEFAULT_PERMS, Perms
 from .store import local_fault, write_small
 
 SOURCES_NAME = "sources.json"
@@ -50,11 +51,13 @@ def normalize_url(url: str) -> str:
 
 
 class VersionDir:
-    """Paths and trust stamps of one dataset version inside a cache directory."""
+    """Paths and trust stamps of one dataset version inside a cache directory; ``perms``: the
+    modes and group of what is written into it (:mod:`cache.perms`)."""
 
-    def __init__(self, cache_dir: str, version: str):
+    def __init__(self, cache_dir: str, version: str, perms: Perms = DEFAULT_PERMS):
         self.cache_dir = os.path.abspath(cache_dir)
         self.version = version
+        self.perms = perms
         self.root = os.path.join(self.cache_dir, version_dirname(version))
         self.meta = os.path.join(self.root, META_DIR)
 
@@ -95,7 +98,7 @@ class VersionDir:
         body = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
                 "hash": info.hash, **stamp_fields(fsynced)}
         # Not fsynced: a stamp lost in a crash only costs one re-hash; a torn one fails to parse.
-        write_small(self.stamp_path(shard), json.dumps(body).encode())
+        write_small(self.stamp_path(shard), json.dumps(body).encode(), perms=self.perms)
 
     def drop_stamp(self, shard: int) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -122,7 +125,7 @@ class VersionDir:
     def write_assigned(self, shards: list[int], layout: dict) -> None:
         """Not fsynced: an eviction hint, rewritten by every warm."""
         body = {"shards": sorted(shards), "layout": layout, "written": time.time()}
-        write_small(self.assigned_path, json.dumps(body).encode())
+        write_small(self.assigned_path, json.dumps(body).encode(), perms=self.perms)
 
 
 def lengths_rel(manifest) -> str:
@@ -139,18 +142,34 @@ def read_sources(cache_dir: str) -> dict:
         return {}
 
 
-def record_source(cache_dir: str, url: str, version: str) -> None:
-    """Remember which version this URL served last, so an offline loader can find it. A cache
-    that cannot take the write (full, read-only) is a LocalFault, as for any cached file."""
-    key = normalize_url(url)
+def _recorded(cache_dir: str, key: str, entry: dict, perms: Perms) -> bool:
+    """The record is there, readable with the cache's mode (a cache written before files got it
+    has a 0600 sources.json, which the job's user cannot read: rewriting it fixes that)."""
+    if {k: read_sources(cache_dir).get(key, {}).get(k) for k in entry} != entry:
+        return False
     try:
-        with locked(os.path.join(cache_dir, ".sources.lock")):
-            data = read_sources(cache_dir)
-            entry = {"version": version, "dir": version_dirname(version)}
-            if {k: data.get(key, {}).get(k) for k in entry} == entry:
+        st = os.stat(os.path.join(cache_dir, SOURCES_NAME))
+    except OSError:
+        return False
+    return st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) == perms.mode
+
+
+def record_source(cache_dir: str, url: str, version: str, *, perms: Perms = DEFAULT_PERMS) -> None:
+    """Remember which version this URL served last, so an offline loader can find it. A cache
+    that cannot take the write (full, read-only) is a LocalFault, as for any cached file; one
+    that already has the record is not written, so reading needs no write access."""
+    key = normalize_url(url)
+    entry = {"version": version, "dir": version_dirname(version)}
+    if _recorded(cache_dir, key, entry, perms):
+        return
+    try:
+        with locked(os.path.join(cache_dir, ".sources.lock"), perms=perms):
+            if _recorded(cache_dir, key, entry, perms):
                 return
+            data = read_sources(cache_dir)
             data[key] = {**entry, "updated": time.time()}
-            atomic_write_bytes(os.path.join(cache_dir, SOURCES_NAME), json.dumps(data, indent=1).encode())
+            write_small(os.path.join(cache_dir, SOURCES_NAME), json.dumps(data, indent=1).encode(), perms=perms,
+                        durable=True)
     except OSError as e:
         raise local_fault(e, f"{SOURCES_NAME} of cache {cache_dir}") from None
 

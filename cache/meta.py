@@ -15,7 +15,7 @@ from ..format.manifest import Manifest, ShardInfo
 from .durability import must_fsync
 from .errors import CacheError, LocalFault, NotCached
 from .layout import VersionDir, lengths_rel
-from .locks import locked
+from .locks import DONE, TIMED_OUT, exclusive_unless
 from .retry import RetryPolicy
 from .store import Source, copy_shard, local_fault, read_verified_local, remove_temps_for, store_verified
 
@@ -25,7 +25,8 @@ HIT, VERIFIED, COPIED = "hit", "verified", "copied"
 def store_manifest(vd: VersionDir, manifest_bytes: bytes) -> None:
     if read_verified_local(vd.manifest_path, size=len(manifest_bytes), digest=None) == manifest_bytes:
         return
-    store_verified(vd.manifest_path, manifest_bytes, size=None, digest=None, what=f"manifest of {vd.version}")
+    store_verified(vd.manifest_path, manifest_bytes, size=None, digest=None, what=f"manifest of {vd.version}",
+                   perms=vd.perms)
 
 
 def ensure_small(vd: VersionDir, rel: str, size: int | None, digest: str | None, src: Source | None, *,
@@ -38,7 +39,7 @@ def ensure_small(vd: VersionDir, rel: str, size: int | None, digest: str | None,
     if src is None:
         raise NotCached(f"{what} is not in the cache {vd.root} and the source is unavailable")
     data = src.read_bytes(rel, policy=policy, deadline=deadline)
-    store_verified(path, data, size=size, digest=digest, what=what)
+    store_verified(path, data, size=size, digest=digest, what=what, perms=vd.perms)
     return data
 
 
@@ -77,13 +78,18 @@ def ensure_shard(vd: VersionDir, shard: int, info: ShardInfo, src: Source | None
     if not verify and vd.trusted(shard, info):
         return HIT
     lock_wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+    # While we wait, the holder may publish the shard and go on holding its lock as a reader:
+    # trust is re-checked between tries of the lock, never waited out (a cold-cache deadlock).
+    published = None if verify else (lambda: vd.trusted(shard, info))
     try:
-        ctx = locked(vd.lock_path(shard), timeout=lock_wait)
-        held = ctx.__enter__()
+        ctx = exclusive_unless(vd.lock_path(shard), published, timeout=lock_wait, perms=vd.perms)
+        state = ctx.__enter__()
     except OSError as e:
         raise local_fault(e, f"lock of shard {info.path}") from None
     try:
-        if not held:
+        if state == DONE:
+            return HIT
+        if state == TIMED_OUT:
             raise CacheError(f"shard {info.path}: another process held its lock past the deadline")
         if not verify and vd.trusted(shard, info):
             return HIT  # another warmer or loader published it while we waited
@@ -103,7 +109,7 @@ def ensure_shard(vd: VersionDir, shard: int, info: ShardInfo, src: Source | None
             raise NotCached(f"shard {info.path} is not in the cache {vd.root} and the source is unavailable")
         fsynced = must_fsync(durable)
         copy_shard(src, info, final, policy=policy, deadline=deadline, on_bytes=on_bytes, on_retry=on_retry,
-                   fsync=fsynced)
+                   fsync=fsynced, perms=vd.perms)
         try:
             vd.write_stamp(shard, info, fsynced=fsynced)
         except OSError as e:

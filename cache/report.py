@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from .errors import EXIT_LOCAL, EXIT_OK, EXIT_REMOTE
+from .errors import EXIT_LOCAL, EXIT_OK, EXIT_REMOTE, EXIT_USAGE
 
 
 @dataclass
@@ -29,7 +29,7 @@ class WarmReport:
     failures: list[dict] = field(default_factory=list)  # {"shard", "path", "error", "kind"}
     warnings: list[str] = field(default_factory=list)
     error: str | None = None
-    status: str = "ok"          # ok | remote_failed | local_fault | partial (best effort)
+    status: str = "ok"          # ok | remote_failed | local_fault | usage_error (no dataset) | partial
     strict: bool = False
     durable: bool = False       # shards fsynced before publishing (else re-verified after a reboot)
     seconds: float = 0.0
@@ -42,6 +42,8 @@ class WarmReport:
     def exit_code(self) -> int:
         if self.status == "local_fault":
             return EXIT_LOCAL
+        if self.status == "usage_error":
+            return EXIT_USAGE
         if self.status == "remote_failed" and self.strict:
             return EXIT_REMOTE
         return EXIT_OK

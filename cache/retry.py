@@ -1,5 +1,7 @@
 """Retrying transient source errors: exponential backoff with full jitter, per-attempt timeouts,
-an overall deadline; permanent errors (404, corrupt object, local faults) are raised at once.
+an overall deadline. Only the transient I/O errors declared below are retried; anything else is
+raised at once: a 404, a refusal or a storage client's other errors as a permanent RemoteError
+naming the object, our own errors and Python's (a TypeError is a bug, not an outage) as they are.
 """
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-from .errors import CacheError, LocalFault, RemoteError, SourceMissing, SourceRefused, SourceUnavailable
+from ..format.errors import ShardtoolError
+
+from .errors import RemoteError, SourceMissing, SourceRefused, SourceUnavailable
 
 T = TypeVar("T")
 
@@ -30,10 +34,40 @@ def backoff_delay(policy: RetryPolicy, failures: int, rng: random.Random) -> flo
     return rng.uniform(0, cap)
 
 
-def is_permanent(exc: BaseException) -> bool:
+# An OSError is an I/O failure worth another try (sockets, timeouts incl. fsspec's FSTimeoutError,
+# requests/urllib3 errors that botocore wraps, aiohttp's ClientOSError, our ShortRead and
+# HashMismatch) unless it is one of these, which another try cannot fix.
+PERMANENT_OS_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+
+# Network errors of the storage clients fsspec uses that are not OSErrors, matched by
+# (top-level package, class name) anywhere in the error's class hierarchy, so that none of these
+# packages has to be installed, let alone imported.
+TRANSIENT_CLIENT_ERRORS = frozenset({
+    ("botocore", "ConnectionError"),       # EndpointConnectionError, ConnectTimeoutError, ProxyConnectionError
+    ("botocore", "HTTPClientError"),       # ReadTimeoutError, ConnectionClosedError, ResponseStreamingError
+    ("botocore", "IncompleteReadError"),
+    ("aiohttp", "ClientConnectionError"),  # ServerDisconnectedError, ServerTimeoutError, ClientOSError
+    ("aiohttp", "ClientPayloadError"),     # the body ended early
+    ("urllib3", "ProtocolError"),          # connection aborted mid-response
+    ("http", "IncompleteRead"),
+    ("asyncio", "TimeoutError"),           # not an OSError before Python 3.11
+    ("concurrent", "TimeoutError"),
+})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether another try may succeed: a declared transient I/O error, or our own transient RemoteError."""
     if isinstance(exc, RemoteError):
-        return exc.permanent
-    return isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, LocalFault))
+        return not exc.permanent
+    if isinstance(exc, OSError):
+        return not isinstance(exc, PERMANENT_OS_ERRORS)
+    return any((k.__module__.partition(".")[0], k.__name__) in TRANSIENT_CLIENT_ERRORS for k in type(exc).__mro__)
+
+
+def raised_as_is(exc: BaseException) -> bool:
+    """Errors not retried that keep their own type: ours, and Python's own other than OSError
+    (TypeError, NameError, KeyError...: a bug, which must not read as an outage of the source)."""
+    return isinstance(exc, ShardtoolError) or (type(exc).__module__ == "builtins" and not isinstance(exc, OSError))
 
 
 def call_with_timeout(fn: Callable[[], T], timeout: float | None) -> T:
@@ -79,8 +113,8 @@ def with_retries(fn: Callable[[float | None], T], *, what: str, policy: RetryPol
         except FileNotFoundError:
             raise SourceMissing(f"{what}: not found in the source (404); not retried") from None
         except BaseException as e:
-            if is_permanent(e):
-                if isinstance(e, CacheError):
+            if not is_transient(e):
+                if raised_as_is(e):
                     raise
                 raise SourceRefused(f"{what}: {type(e).__name__}: {e}; not retried") from e
             failures += 1

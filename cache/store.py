@@ -25,6 +25,7 @@ from ..format.manifest import ShardInfo
 
 from .errors import LocalFault, SourceCorrupt, SourceUnavailable
 from .kcopy import DestinationError, copy_range
+from .perms import DEFAULT_PERMS, Perms
 from .retry import RetryPolicy, call_with_timeout, with_retries
 
 CHUNK = 16 << 20
@@ -40,7 +41,9 @@ class HashMismatch(OSError):
 
 
 def local_fault(e: OSError, what: str) -> LocalFault:
-    return LocalFault(f"cache write failed for {what}: {e.strerror or e} ({type(e).__name__}, errno {e.errno})")
+    fault = LocalFault(f"cache write failed for {what}: {e.strerror or e} ({type(e).__name__}, errno {e.errno})")
+    fault.errno = e.errno  # EACCES/EROFS: a cache this process may only read (see cache.dcache)
+    return fault
 
 
 class Source:
@@ -91,13 +94,19 @@ def remove_temps_for(final_path: str) -> None:
         os.unlink(temp_path_for(final_path))
 
 
-def _new_temp(final_path: str, what: str) -> tuple[int, str]:
+def _new_temp(final_path: str, what: str, perms: Perms) -> tuple[int, str]:
     tmp = temp_path_for(final_path)
     try:
-        os.makedirs(os.path.dirname(tmp), exist_ok=True)
-        return os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644), tmp
+        perms.makedirs(os.path.dirname(tmp))
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, perms.mode)
     except OSError as e:
         raise local_fault(e, what) from None
+    try:
+        perms.set_fd(fd)  # before any byte lands: the published file never had other permissions
+    except OSError as e:
+        os.close(fd)
+        raise local_fault(e, what) from None
+    return fd, tmp
 
 
 WRITEBACK_EVERY = 8 << 20
@@ -178,9 +187,9 @@ def _copy_stream(src: Source, info: ShardInfo, fd: int, what: str, began: float,
 
 
 def _copy_once(src: Source, info: ShardInfo, final_path: str, timeout: float | None,
-               stall: float | None, on_bytes: Callable[[int], None] | None, fsync: bool) -> None:
+               stall: float | None, on_bytes: Callable[[int], None] | None, fsync: bool, perms: Perms) -> None:
     what = f"shard {info.path}"
-    fd, tmp = _new_temp(final_path, what)
+    fd, tmp = _new_temp(final_path, what, perms)
     counted = 0
     began = time.monotonic()
 
@@ -223,12 +232,12 @@ def _copy_once(src: Source, info: ShardInfo, final_path: str, timeout: float | N
 
 def copy_shard(src: Source, info: ShardInfo, final_path: str, *, policy: RetryPolicy,
                deadline: float | None = None, on_bytes: Callable[[int], None] | None = None,
-               on_retry=None, fsync: bool = True) -> None:
+               on_retry=None, fsync: bool = True, perms: Perms = DEFAULT_PERMS) -> None:
     """Fetch one shard into ``final_path``, verified and atomic, retrying transient failures;
     ``fsync``: make it durable before the rename (else see :mod:`shardtool.cache.durability`)."""
     stall = None if src.local else policy.stall_timeout
     try:
-        with_retries(lambda t: _copy_once(src, info, final_path, t, stall, on_bytes, fsync),
+        with_retries(lambda t: _copy_once(src, info, final_path, t, stall, on_bytes, fsync, perms),
                      what=f"shard {info.path} ({src.path(info.path)})", policy=policy, deadline=deadline,
                      on_retry=on_retry)
     except SourceUnavailable as e:
@@ -238,36 +247,43 @@ def copy_shard(src: Source, info: ShardInfo, final_path: str, *, policy: RetryPo
         raise
 
 
-def store_verified(path: str, data: bytes, *, size: int | None, digest: str | None, what: str) -> None:
+def store_verified(path: str, data: bytes, *, size: int | None, digest: str | None, what: str,
+                   perms: Perms = DEFAULT_PERMS) -> None:
     """Write small metadata (manifest, lengths, index) atomically after checking it."""
     if size is not None and len(data) != size:
         raise SourceCorrupt(f"{what}: source has {len(data)} bytes, the manifest says {size}")
     if digest and hash_bytes(data) != digest:
         raise SourceCorrupt(f"{what}: source content does not match the hash in the manifest")
     try:
-        write_small(path, data)
+        write_small(path, data, perms=perms)
     except OSError as e:
         raise local_fault(e, what) from None
 
 
-def write_small(path: str, data: bytes) -> None:
-    """Atomic but not fsynced: small files are re-verified against the manifest on every read,
-    so one lost in a crash is refetched, and 1,000s of fsyncs would dominate a warm of small shards."""
+def write_small(path: str, data: bytes, *, perms: Perms = DEFAULT_PERMS, durable: bool = False) -> None:
+    """Atomic, with the cache's permissions; not fsynced unless ``durable``: small files are
+    re-verified against the manifest on every read, so one lost in a crash is refetched, and
+    1,000s of fsyncs would dominate a warm of small shards."""
     d, base = os.path.split(path)
     # Unique per writer (writers of one index may race without a lock, from processes in other
     # PID namespaces too), and cheaper than mkstemp; a killed writer's leftover goes at `cache gc`.
     tmp = os.path.join(d, f"{TMP_PREFIX}{base}.{os.getpid()}-{threading.get_ident()}-{os.urandom(4).hex()}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, perms.mode)
     except FileNotFoundError:
-        os.makedirs(d, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        perms.makedirs(d)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, perms.mode)
     try:
         try:
+            perms.set_fd(fd)
             _write_all(fd, data)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
+        if durable:
+            fsync_dir(d)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

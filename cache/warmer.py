@@ -3,7 +3,9 @@
 Failure policy for a prolog: a fault of this node (cache unusable, too small) is ``local_fault``
 (exit 3, so SLURM drains the node); a failure of the source is ``remote_failed``, which exits 0
 unless ``strict`` (then 1), because an outage seen by every node must not drain the cluster; the
-loader fetches what is missing on demand.
+loader fetches what is missing on demand. A URL with no dataset at all (the storage answers that
+its manifest does not exist, or the protocol is unknown) is a mistake in the job's set-up, not
+an outage: ``usage_error``, exit 2.
 """
 from __future__ import annotations
 
@@ -22,16 +24,17 @@ from ..plan import Layout, Placement
 from .assign import assigned_shards
 from .budget import disk_free, evict, scan
 from .durability import must_fsync
-from .errors import BudgetError, CacheError, LocalFault, RemoteError
+from .errors import BudgetError, CacheError, LocalFault, RemoteError, SourceMissing, UsageError
 from .evict import choose_fit, effective_limit, plan_eviction
 from .layout import VersionDir, record_source
 from .meta import COPIED, HIT, ensure_index, ensure_lengths, ensure_shard, store_manifest
+from .perms import DEFAULT_PERMS, Perms
 from .report import WarmReport
 from .retry import RetryPolicy
 from .store import Source, local_fault
 
 
-def check_cache_dir(cache_dir: str) -> None:
+def check_cache_dir(cache_dir: str, perms: Perms = DEFAULT_PERMS) -> None:
     """The directory must exist or be creatable under an existing parent, and be writable."""
     parent = os.path.dirname(os.path.abspath(cache_dir))
     if not os.path.isdir(cache_dir):
@@ -39,7 +42,7 @@ def check_cache_dir(cache_dir: str) -> None:
             raise LocalFault(f"cache directory {cache_dir} is missing and so is its parent {parent} "
                              "(is the local disk mounted?)")
         try:
-            os.makedirs(cache_dir, exist_ok=True)
+            perms.makedirs(cache_dir)
         except OSError as e:
             raise local_fault(e, f"cache directory {cache_dir}") from None
     probe = os.path.join(cache_dir, f".probe-{os.getpid()}-{threading.get_ident()}")
@@ -74,13 +77,14 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, all_sh
          jobs: int = 8, max_bytes: int | None = None, min_free: int | None = None, best_effort: bool = False,
          strict: bool = False, timeout: float | None = None, verify: bool = False, durable: bool = False,
          retry: RetryPolicy = RetryPolicy(), storage_options: dict | None = None, progress: bool | None = None,
-         env: Mapping[str, str] | None = None, log=None) -> WarmReport:
+         env: Mapping[str, str] | None = None, log=None, perms: Perms = DEFAULT_PERMS) -> WarmReport:
     """Warm ``cache_dir`` with the shards node ``placement.node`` of its layout reads (every shard
     with ``all_shards``). Never raises for remote or local failures: the returned report carries
     ``status`` and ``exit_code``. ``placement=None`` without ``all_shards`` means one node.
     ``durable``: fsync each shard before publishing it; by default shards are published once
     verified and re-verified if the machine reboots before the kernel wrote them back
-    (:mod:`shardtool.cache.durability`)."""
+    (:mod:`shardtool.cache.durability`). ``perms``: modes and group of what the warm writes (default
+    0644 files, 0755 directories, whatever the umask: the job's user must read what root warmed)."""
     began = time.monotonic()
     deadline = None if timeout is None else began + timeout
     if progress is None:
@@ -93,9 +97,11 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, all_sh
     try:
         _warm(report, url, cache_dir, placement=None if all_shards else placement, jobs=jobs, max_bytes=max_bytes,
               min_free=min_free, best_effort=best_effort, deadline=deadline, verify=verify, durable=durable, retry=retry,
-              storage_options=storage_options, progress=progress, log=log)
+              storage_options=storage_options, progress=progress, log=log, perms=perms)
     except LocalFault as e:
         report.status, report.error = "local_fault", str(e)
+    except UsageError as e:
+        report.status, report.error = "usage_error", str(e)
     except (RemoteError, CacheError) as e:
         report.status, report.error = "remote_failed", str(e)
     report.seconds = time.monotonic() - began
@@ -108,16 +114,22 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, all_sh
 
 
 def _warm(report: WarmReport, url, cache_dir, *, placement, jobs, max_bytes, min_free, best_effort, deadline,
-          verify, durable, retry, storage_options, progress, log) -> None:
-    check_cache_dir(cache_dir)
+          verify, durable, retry, storage_options, progress, log, perms) -> None:
+    check_cache_dir(cache_dir, perms)
     try:
         src = Source(url, storage_options)
-    except (ImportError, ValueError) as e:
+    except ValueError as e:  # fsspec: "Protocol not known: fiel"
+        raise UsageError(f"no dataset at {url}: {e}") from None
+    except ImportError as e:
         raise RemoteError(f"cannot open source {url}: {e}") from None
     kw = dict(policy=retry, deadline=deadline)
-    manifest_bytes = src.read_bytes(MANIFEST_NAME, **kw)
+    try:
+        manifest_bytes = src.read_bytes(MANIFEST_NAME, **kw)
+    except SourceMissing:
+        raise UsageError(f"no dataset at {url}: its manifest {src.path(MANIFEST_NAME)} does not exist "
+                         "(a mistyped path? an unreachable source is not an error without --strict)") from None
     ds = Dataset(url, fs=src.fs, root=src.root, manifest_bytes=manifest_bytes)
-    vd = VersionDir(cache_dir, ds.version)
+    vd = VersionDir(cache_dir, ds.version, perms)
     report.version, report.version_dir = ds.version, vd.root
     m = ds.manifest
     store_manifest(vd, manifest_bytes)
@@ -190,7 +202,8 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, jobs, max_bytes, min
                             fail(i, e)
                 recorded = None
                 try:
-                    record_source(cache_dir, url, ds.version)  # metadata is in place: an offline loader can start
+                    # metadata is in place: an offline loader can start
+                    record_source(cache_dir, url, ds.version, perms=perms)
                 except LocalFault as e:  # e.g. the copies filled the disk: a failing shard names it better
                     recorded = e
                 done, pending = wait(futs, return_when=FIRST_EXCEPTION)

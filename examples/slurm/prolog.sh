@@ -13,7 +13,8 @@
 # same order SLURM gives SLURM_NODEID to the job's tasks.
 #
 # Exit status (SLURM drains the node on non-zero): 0 ok, or a remote outage (logged; the loader
-# fetches on demand); 3 local fault (cache disk missing, read-only, full or too small); 2 config error.
+# fetches on demand); 3 local fault (cache disk missing, read-only, full or too small); 2 config error
+# (including a DATASET_URL with no dataset at it).
 set -u
 CONF="${SHARDTOOL_WARM_CONF:-/etc/slurm/shardtool-warm.conf}"
 log() { echo "shardtool-prolog[job ${SLURM_JOB_ID:-?} on ${SLURMD_NODENAME:-?}]: $*" >&2; }

@@ -24,12 +24,20 @@ fsynced first. Without --durable a shard the machine crashed before writing back
 before it is trusted, so nothing lost is ever served. A rerun skips what is already there and
 verified. Concurrent warmers (and a loader's fetch-on-miss) share per-shard flock locks.
 
+Permissions: a prolog warms as root, the job reads as its user. Whatever the umask, files the
+warm writes are 0644 and directories 0755, so every user can read the cache but only its owner
+can change it; --mode 0640 --group hpcusers restricts reading to one group (directories get
+search permission wherever the mode grants read). A job's user needs no write access: what the
+cache lacks, its loader fetches into the user's own cache (SHARDTOOL_USER_CACHE, else
+$TMPDIR/shardtool-cache-UID), with a warning.
+
 exit codes:
   0  success; also a remote failure (source unreachable, timed out, shard missing or corrupt)
      without --strict: it is logged and the loader fetches on demand. Also 0 with --best-effort
      when not everything fit (warnings printed).
   1  remote failure with --strict
-  2  usage error (bad arguments, node layout cannot be resolved)
+  2  usage error: bad arguments, node layout cannot be resolved, or no dataset at URL (the storage
+     answers that its index.json does not exist, or the protocol is unknown)
   3  local fault on this node: cache dir missing/unwritable/read-only, disk full, or the cache
      budget too small for this node's shards (a prolog exiting non-zero drains the node)
 """
@@ -82,11 +90,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "as soon as verified, like `cp`, and any not yet on disk when the machine crashes are "
                         "hashed again before they are trusted")
     p.add_argument("--verify", action="store_true", help="re-hash shards already in the cache instead of trusting stamps")
+    a = p.add_argument_group("permissions")
+    a.add_argument("--mode", default="0644",
+                   help="octal mode of the files the warm writes (default 0644: readable by every user, whatever "
+                        "the umask); directories get x wherever it grants r (0644 -> 0755, 0640 -> 0750)")
+    a.add_argument("--group", help="group (name or gid) of the files and directories the warm writes, e.g. with "
+                                   "--mode 0640 to let only that group's jobs read the cache")
     p.add_argument("--storage-option", "-o", action="append", type=parse_storage_option, metavar="KEY=VALUE",
                    help="fsspec storage option (repeatable; dotted keys nest, values parsed as JSON when possible)")
     p.add_argument("--report", metavar="FILE", help="write a JSON report (shards/bytes copied/skipped/failed, seconds, GB/s)")
     p.add_argument("--json", action="store_true", help="print the JSON report on stdout")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+
+
+def perms_from(args):
+    """The cache's permissions from --mode/--group; ValueError naming the option when bad."""
+    from ..cache.perms import Perms, parse_group, parse_mode
+
+    try:
+        mode = parse_mode(args.mode)
+    except ValueError as e:
+        raise ValueError(f"--mode: {e}") from None
+    try:
+        gid = None if args.group is None else parse_group(args.group)
+    except ValueError as e:
+        raise ValueError(f"--group: {e}") from None
+    if gid is not None and os.geteuid() != 0 and gid not in (os.getegid(), *os.getgroups()):
+        raise ValueError(f"--group {args.group}: only root or a member of the group can give files to it")
+    return Perms(mode, gid)
 
 
 def run(args) -> int:
@@ -96,6 +127,11 @@ def run(args) -> int:
 
     if args.jobs < 1 or args.retries < 1:
         print("shardtool warm: error: --jobs and --retries must be >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        perms = perms_from(args)
+    except ValueError as e:
+        print(f"shardtool warm: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     placement: Placement | None = None
     if not args.all:
@@ -108,7 +144,7 @@ def run(args) -> int:
     report = warm(args.url, args.cache_dir, placement=placement, all_shards=args.all, jobs=args.jobs,
                   max_bytes=args.max_bytes, min_free=args.min_free, best_effort=args.best_effort,
                   strict=args.strict, timeout=args.timeout, verify=args.verify, durable=args.durable, retry=policy,
-                  storage_options=storage_options_from(args),
+                  storage_options=storage_options_from(args), perms=perms,
                   progress=(not args.quiet) and sys.stderr.isatty())
     if args.report:
         from ..format.atomic import atomic_write_bytes
@@ -119,7 +155,8 @@ def run(args) -> int:
     for w in report.warnings:
         print(f"shardtool warm: warning: {w}", file=sys.stderr)
     if report.error:
-        kind = {"local_fault": "local fault", "remote_failed": "remote failure"}.get(report.status, report.status)
+        kind = {"local_fault": "local fault", "remote_failed": "remote failure",
+                "usage_error": "error"}.get(report.status, report.status)
         tail = "" if report.exit_code else " (not fatal without --strict; the loader fetches on demand)"
         print(f"shardtool warm: {kind}: {report.error}{tail}", file=sys.stderr)
     print(report.summary(), file=sys.stderr)
