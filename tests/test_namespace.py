@@ -135,3 +135,18 @@ def test_wheel_installs_one_namespace(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "batches/rank" in res.stdout
+
+
+def test_nothing_in_the_repository_imports_the_top_level_folders():
+    # From a checkout, `import loader` would load loader/ as a second, broken copy of shardtool.loader.
+    import re
+
+    pattern = re.compile(r"^\s*(from|import) (loader|cache)(\.|\s|$)")
+    bad = []
+    for folder in ("tests", "tests/faults", "tests/slurm", "benchmarks", "examples", "shardtool/cli"):
+        for name in sorted(os.listdir(os.path.join(REPO, folder))):
+            if name.endswith(".py"):
+                for n, line in enumerate(open(os.path.join(REPO, folder, name)), 1):
+                    if pattern.match(line) and "repo_cache" not in line:  # the shadowing test's own modules
+                        bad.append(f"{folder}/{name}:{n}: {line.strip()}")
+    assert not bad, bad
