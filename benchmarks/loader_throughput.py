@@ -85,14 +85,13 @@ def run_wds(root: str, kind: str, workers: int, max_s: float) -> dict:
 
 def run_ours(root: str, kind: str, workers: int, resume: bool, max_s: float) -> dict:
     from shardtool.loader import ShardedLoader
-    from shardtool.plan.state import LoaderState
 
     began = time.perf_counter()
     size = {"max_tokens": MAX_TOKENS} if kind == "tokens" else {"batch_size": IMAGE_BATCH}
     ld = ShardedLoader(root, num_workers=workers, pin_memory=False, **size)
     if resume:
         served = int(len(ld) * 0.9)
-        ld.load_state_dict(LoaderState.start(0, ld.fingerprint, ld.batching, ld.layout).with_served(served).to_dict())
+        ld.load_state_dict(ld.planner.start(0, ld.fingerprint, ld.data_layout).with_served(served).to_dict())
     out = consume(ld, kind, began, first_only=resume, max_s=max_s)
     out["padding_efficiency"] = ld.padding_efficiency if kind == "tokens" else None
     return out

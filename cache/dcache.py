@@ -23,7 +23,7 @@ from .errors import BudgetError, NotCached, RemoteError
 from .evict import effective_limit, plan_eviction
 from .layout import SOURCES_NAME, VersionDir, record_source, recorded_version
 from .locks import read_lock
-from .meta import ensure_index, ensure_lengths, ensure_shard, store_manifest
+from .meta import ensure_index, ensure_lengths, ensure_shard, ensure_summaries, store_manifest
 from .perms import DEFAULT_PERMS, Perms
 from .retry import RetryPolicy
 from .store import Source
@@ -49,6 +49,19 @@ class CachedDataset(Dataset):
     def load_index_bytes(self, shard: int) -> bytes:
         info = self.manifest.shards[shard]
         return self._cache.metadata(lambda vd, src: ensure_index(vd, info, src, **self._cache.kw))
+
+    def read_summaries_bytes(self) -> bytes | None:
+        return self._cache.metadata(lambda vd, src: ensure_summaries(vd, src, **self._cache.kw))
+
+    # A rank plans from its range's lengths: the sample indexes of its node's shards, which the
+    # warmer cached, rather than the dataset-wide lengths file (O(dataset) to fetch and hash).
+    def lengths_range(self, lo: int, hi: int):
+        if self._lengths is not None:
+            return self._lengths[lo:hi]
+        return self.lengths_from_indexes(lo, hi)
+
+    def shard_lengths(self, shard: int):
+        return None  # the index is the source of the lengths here: nothing to compare it with
 
     def shard_path(self, shard: int) -> str:
         return self._cache.shard_path(shard)

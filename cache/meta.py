@@ -11,9 +11,10 @@ import time
 from ..format.atomic import fsync_path
 from ..format.hashing import hash_file
 from ..format.manifest import Manifest, ShardInfo
+from ..format.summaries import SUMMARIES_NAME
 
 from .durability import must_fsync
-from .errors import CacheError, LocalFault, NotCached
+from .errors import CacheError, LocalFault, NotCached, SourceMissing
 from .layout import VersionDir, lengths_rel
 from .locks import DONE, TIMED_OUT, exclusive_unless
 from .retry import RetryPolicy
@@ -47,6 +48,23 @@ def ensure_lengths(vd: VersionDir, manifest: Manifest, src: Source | None, **kw)
     lf = manifest.lengths_file
     return ensure_small(vd, lengths_rel(manifest), lf.get("bytes"), lf.get("hash"), src,
                         what=f"lengths file {lengths_rel(manifest)}", **kw)
+
+
+def ensure_summaries(vd: VersionDir, src: Source | None, **kw) -> bytes | None:
+    """The per-shard summaries file, or None where the source has none (a dataset packed before
+    they existed). Not in the manifest: it is checked against it when loaded (format.summaries)."""
+    path = vd.path(SUMMARIES_NAME)
+    data = read_verified_local(path, size=None, digest=None)
+    if data is not None:
+        return data
+    if src is None:
+        raise NotCached(f"per-shard summaries are not in the cache {vd.root} and the source is unavailable")
+    try:
+        data = src.read_bytes(SUMMARIES_NAME, **kw)
+    except SourceMissing:
+        return None
+    store_verified(path, data, size=None, digest=None, what="per-shard summaries", perms=vd.perms)
+    return data
 
 
 def ensure_index(vd: VersionDir, info: ShardInfo, src: Source | None, **kw) -> bytes:
@@ -123,5 +141,5 @@ def ensure_shard(vd: VersionDir, shard: int, info: ShardInfo, src: Source | None
         ctx.__exit__(None, None, None)
 
 
-__all__ = ["HIT", "VERIFIED", "COPIED", "LocalFault", "ensure_index", "ensure_lengths", "ensure_shard",
+__all__ = ["HIT", "VERIFIED", "COPIED", "LocalFault", "ensure_index", "ensure_lengths", "ensure_shard", "ensure_summaries",
            "ensure_small", "store_manifest"]

@@ -13,21 +13,22 @@ import os
 import sys
 import threading
 import time
+import warnings
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Mapping
 
 
-from ..format.dataset import Dataset
+from ..format.dataset import Dataset, SummariesMissing
 from ..format.manifest import MANIFEST_NAME, lengths_from_bytes
 
-from ..plan import Layout, Placement
+from ..plan import DataLayout, Layout, Placement
 from .assign import assigned_shards
 from .budget import disk_free, evict, scan
 from .durability import must_fsync
 from .errors import BudgetError, CacheError, LocalFault, RemoteError, SourceMissing, UsageError
 from .evict import choose_fit, effective_limit, plan_eviction
 from .layout import VersionDir, record_source
-from .meta import COPIED, HIT, ensure_index, ensure_lengths, ensure_shard, store_manifest
+from .meta import COPIED, HIT, ensure_index, ensure_lengths, ensure_shard, ensure_summaries, store_manifest
 from .perms import DEFAULT_PERMS, Perms
 from .report import WarmReport
 from .retry import RetryPolicy
@@ -73,14 +74,17 @@ class _Progress:
             self.bar.close()
 
 
-def warm(url: str, cache_dir: str, *, placement: Placement | None = None, all_shards: bool = False,
+def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_layout: DataLayout | None = None,
+         all_shards: bool = False,
          jobs: int = 8, max_bytes: int | None = None, min_free: int | None = None, best_effort: bool = False,
          strict: bool = False, timeout: float | None = None, verify: bool = False, durable: bool = False,
          retry: RetryPolicy = RetryPolicy(), storage_options: dict | None = None, progress: bool | None = None,
          env: Mapping[str, str] | None = None, log=None, perms: Perms = DEFAULT_PERMS) -> WarmReport:
     """Warm ``cache_dir`` with the shards node ``placement.node`` of its layout reads (every shard
     with ``all_shards``). Never raises for remote or local failures: the returned report carries
-    ``status`` and ``exit_code``. ``placement=None`` without ``all_shards`` means one node.
+    ``status`` and ``exit_code``. ``placement=None`` without ``all_shards`` means one node;
+    ``data_layout`` says who reads what when model-parallel peers span nodes (pure data
+    parallelism over the placement's nodes when None), as the loader's mesh does.
     ``durable``: fsync each shard before publishing it; by default shards are published once
     verified and re-verified if the machine reboots before the kernel wrote them back
     (:mod:`shardtool.cache.durability`). ``perms``: modes and group of what the warm writes (default
@@ -95,7 +99,7 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, all_sh
                         layout=None if all_shards else placement.to_dict(), durable=must_fsync(durable))
     log = log or (lambda msg: print(f"shardtool warm: {msg}", file=sys.stderr))
     try:
-        _warm(report, url, cache_dir, placement=None if all_shards else placement, jobs=jobs, max_bytes=max_bytes,
+        _warm(report, url, cache_dir, placement=None if all_shards else placement, data_layout=data_layout, jobs=jobs, max_bytes=max_bytes,
               min_free=min_free, best_effort=best_effort, deadline=deadline, verify=verify, durable=durable, retry=retry,
               storage_options=storage_options, progress=progress, log=log, perms=perms)
     except LocalFault as e:
@@ -113,7 +117,7 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, all_sh
     return report
 
 
-def _warm(report: WarmReport, url, cache_dir, *, placement, jobs, max_bytes, min_free, best_effort, deadline,
+def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, max_bytes, min_free, best_effort, deadline,
           verify, durable, retry, storage_options, progress, log, perms) -> None:
     check_cache_dir(cache_dir, perms)
     try:
@@ -133,8 +137,17 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, jobs, max_bytes, min
     report.version, report.version_dir = ds.version, vd.root
     m = ds.manifest
     store_manifest(vd, manifest_bytes)
-    lengths = lengths_from_bytes(ensure_lengths(vd, m, src, **kw), expected=m.num_samples, source=url)
-    shards = assigned_shards(lengths, ds.shard_counts, placement)
+    summaries_bytes = ensure_summaries(vd, src, **kw)
+    # The lengths file too: the version directory stays a complete dataset root, and a dataset
+    # packed before per-shard summaries needs it to compute them.
+    ds._lengths = lengths_from_bytes(ensure_lengths(vd, m, src, **kw), expected=m.num_samples, source=url)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SummariesMissing)  # said once, below, not once per rank
+        summaries = ds.load_summaries(summaries_bytes)
+    if summaries_bytes is None:
+        report.warnings.append(f"dataset {url} has no per-shard summaries (packed by shardtool < 0.2): every "
+                               f"rank computes them from all lengths; run `shardtool upgrade {url}` once")
+    shards = assigned_shards(summaries, placement, data_layout)
     report.assigned = len(shards)
     report.assigned_bytes = sum(m.shards[i].bytes for i in shards)
     vd.write_assigned(shards, report.layout or {"all": True})

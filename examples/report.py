@@ -46,9 +46,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    from shardtool.plan import Batching, plan_epoch
-    from shardtool.plan import Layout
     from shardtool import open_dataset
+    from shardtool.plan import Batching, DataLayout, Layout
+    from shardtool.plan.simulate import epoch_remainder, simulate_epoch
 
     ds = open_dataset(args.dataset)
     keys = dataset_keys(ds)
@@ -56,14 +56,15 @@ def main(argv=None) -> int:
     if not per_rank:
         print(f"no logs in {args.log_dir}", file=sys.stderr)
         return 1
-    plan = plan_epoch(ds.lengths, ds.shard_counts, Layout(args.nodes, args.ranks_per_node),
-                      Batching(batch_size=args.batch_size, max_tokens=args.max_tokens, seed=args.seed), 0)
+    layout = DataLayout.pure_dp(Layout(args.nodes, args.ranks_per_node))
+    batching = Batching(batch_size=args.batch_size, max_tokens=args.max_tokens, seed=args.seed)
+    sim = simulate_epoch(ds, layout, batching, 0)
     epoch0 = [k for steps in per_rank.values() for e in steps.values() if e["epoch"] == 0 for k in e["keys"]]
-    remainder = {keys[i] for i in plan.remainder}
+    remainder = {keys[i] for i in epoch_remainder(ds, layout, batching, 0).tolist()}
     print(f"ranks: {len(per_rank)}; steps per rank: {sorted({len(s) for s in per_rank.values()})}")
     print(f"epoch 0: {len(epoch0)} samples served, {len(set(epoch0))} distinct, dataset {len(keys)}, "
           f"remainder {len(remainder)} ({len(remainder) / len(keys):.2%}), padding efficiency "
-          f"{plan.padding_efficiency:.3f}")
+          f"{sim.padding_efficiency:.3f}")
     ok = len({len(s) for s in per_rank.values()}) == 1
     ok &= len(epoch0) == len(set(epoch0)) and set(epoch0) == set(keys) - remainder
     losses = [e["loss"] for e in per_rank[0].values()]

@@ -9,9 +9,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ..format import ShardtoolError
-from ..plan import Batching, EpochPlan, plan_epoch
+from ..plan import Batching, Mesh, Planner, RankPlan, data_parallel
 from ..plan.env import rank_placement
-from ..plan.state import LoaderState, check_compatible, plan_for_state
+from ..plan.state import LoaderState, check_compatible
 from .collate import unpack_batch
 from .reader import BatchReader, describe_ids
 from .source import SourceSpec
@@ -38,14 +38,23 @@ class ShardedLoader:
     first batch. ``state_dict()`` describes the batches handed to the training loop so far and
     is identical on every rank; ``load_state_dict`` continues exactly there (on any world size).
 
+    With model parallelism (TP/PP/CP), say who is data-parallel: ``mesh`` (a torch DeviceMesh,
+    or a `shardtool.plan.Mesh`) with its data-parallel dimension(s) ``dp_dim`` (a name, or a tuple
+    of names for HSDP's replicate × shard), or ``dp_size`` (and ``dp_rank``). Every rank of one DP
+    rank then yields byte-identical batches; without either, every rank is its own DP rank.
+    ``shuffle=False`` reads each data group's range in dataset order; ``bucketing`` (default: as
+    ``shuffle``) sorts samples by length within shuffle windows to cut padding.
+
     ``set_epoch(e)`` selects epoch ``e``; for the epoch the loader is already in (say, after
     ``load_state_dict``) it keeps the position. After the last batch of an epoch the loader
     moves to the next epoch by itself, and its state says so.
     """
 
     def __init__(self, url: str, *, batch_size: int | None = None, max_tokens: int | None = None,
-                 shuffle: bool = True, seed: int = 0, rank: int | None = None, world_size: int | None = None,
-                 ranks_per_node: int | None = None, num_workers: int = 2, prefetch_factor: int = 2,
+                 shuffle: bool = True, seed: int = 0, bucketing: bool | None = None, rank: int | None = None,
+                 world_size: int | None = None, ranks_per_node: int | None = None, dp_rank: int | None = None,
+                 dp_size: int | None = None, mesh: Any = None, dp_dim: str | tuple[str, ...] = "dp",
+                 num_workers: int = 2, prefetch_factor: int = 2,
                  pin_memory: bool | None = None, cache_dir: str | None = None,
                  transform: Callable | None = None, collate_fn: Callable | None = None, pad_id: int = 0,
                  storage_options: dict | None = None, timeout: float = 300.0, window: int | None = None):
@@ -56,10 +65,12 @@ class ShardedLoader:
         if num_workers and (not isinstance(prefetch_factor, int) or prefetch_factor < 1):
             raise ValueError(f"prefetch_factor must be an int >= 1, found {prefetch_factor!r}")
         self.batching = Batching(batch_size=batch_size, max_tokens=max_tokens, shuffle=shuffle, seed=seed,
-                                 window=window)
+                                 window=window, bucketing=bucketing)
         dist = torch.distributed if torch.distributed.is_available() else None
         self.placement = rank_placement(rank, world_size, ranks_per_node, env=os.environ, dist=dist)
         self.rank, self.layout = self.placement.rank, self.placement.layout
+        self.data_layout, self.dp_rank = data_parallel(self.placement, dp_rank=dp_rank, dp_size=dp_size,
+                                                       mesh=_as_mesh(mesh), dp_dims=_dp_dims(dp_dim))
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
@@ -69,14 +80,13 @@ class ShardedLoader:
         self.pad_id = int(pad_id)
         self.spec = SourceSpec(url, cache_dir, storage_options)
         self.reader = BatchReader(self.spec, pad_id=self.pad_id)
-        ds = self.reader.source.dataset  # metadata only: manifest + lengths
+        ds = self.reader.source.dataset  # metadata only: manifest, summaries, this rank's range's lengths
         self.dataset = ds
         self.fingerprint = ds.version
-        self._lengths = ds.lengths
-        self._counts = ds.shard_counts
+        self.planner = Planner(ds, self.batching)
         self._epoch = 0
-        self._state = LoaderState.start(0, self.fingerprint, self.batching, self.layout)
-        self._plan: EpochPlan | None = None
+        self._state = self.planner.start(0, self.fingerprint, self.data_layout)  # ValueError: cannot plan
+        self._plan: RankPlan | None = None
         self._served = 0  # batches of the current plan handed to the training loop
         self._pass_start = 0
         self._checked_epoch: int | None = None
@@ -95,22 +105,25 @@ class ShardedLoader:
 
     def _start_epoch(self, epoch: int) -> None:
         self._epoch = epoch
-        self._state = LoaderState.start(epoch, self.fingerprint, self.batching, self.layout)
+        self._state = self.planner.start(epoch, self.fingerprint, self.data_layout)
         self._plan = None
         self._served = self._pass_start = 0
 
     @property
-    def plan(self) -> EpochPlan:
+    def plan(self) -> RankPlan:
+        """This rank's batches in the current epoch (segment): planned from its own group's range."""
         if self._plan is None:
-            self._plan = plan_epoch(self._lengths, self._counts, self.layout, self.batching, self._epoch)
+            self._plan = self.planner.rank_plan(self._state, self.dp_rank)
             self._log_plan()
         return self._plan
 
     def _log_plan(self) -> None:
         p = self._plan
-        log.info("epoch %d rank %d/%d: %d batches, padding efficiency %.3f, remainder %d samples",
-                 self._epoch, self.rank, self.layout.world_size, p.batches_per_rank, p.padding_efficiency,
-                 p.remainder.size)
+        left = f"remainder {p.remainder.size} samples of its group" if p.remainder is not None else \
+            f"{p.leftover_batches} batches left over by the resume's re-deal"
+        log.info("epoch %d rank %d/%d (DP rank %d of %d): %d batches, padding efficiency %.3f, %s",
+                 self._epoch, self.rank, self.layout.world_size, self.dp_rank, self.data_layout.dp_size,
+                 p.batches_per_rank, p.padding_efficiency, left)
 
     @property
     def length_field(self) -> str | None:
@@ -119,8 +132,11 @@ class ShardedLoader:
 
     @property
     def remainder(self) -> np.ndarray:
-        """Global ids of this epoch's samples that no rank serves (they rotate across epochs)."""
-        return self.plan.remainder
+        """Global ids of the samples of this rank's data group that no rank serves this epoch (they
+        rotate across epochs). After an elastic resume, the epoch's rest is re-dealt whole batches:
+        nothing more is left out but ``plan.leftover_batches``, and this is empty."""
+        rem = self.plan.remainder
+        return rem if rem is not None else np.zeros(0, np.int64)
 
     @property
     def padding_efficiency(self) -> float:
@@ -135,18 +151,24 @@ class ShardedLoader:
         """Position after the last batch handed out: small, JSON-ready, equal on every rank, no I/O."""
         plan = self.plan
         if self._served >= plan.batches_per_rank:
-            return LoaderState.start(self._epoch + 1, self.fingerprint, self.batching, self.layout).to_dict()
+            return self.planner.start(self._epoch + 1, self.fingerprint, self.data_layout).to_dict()
         return self._state.with_served(self._served).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where ``state`` (from `state_dict`, on any rank) was: on the same data
+        layout from the next batch; on another one (DP size changed) with the epoch's unserved
+        batches dealt over the new DP ranks. Refuses a state of another dataset or config."""
         try:
-            st = LoaderState.from_dict(state)
+            st = LoaderState.from_dict(state, batching=self.batching)
             check_compatible(st, self.fingerprint, self.batching)
-            plan, start = plan_for_state(self._lengths, self._counts, self.layout, self.batching, st)
-        except ValueError as e:
+            self.planner.check(st)
+            resumed = self.planner.continue_on(st, self.data_layout)
+            plan = self.planner.rank_plan(resumed, self.dp_rank)
+        except ValueError as e:  # StateError, and a plan that cannot be made for it
             raise LoaderStateError(f"cannot load this loader state: {e}") from None
+        start = resumed.last["served"]
         self._epoch = st.epoch
-        self._state = st.resumed_on(self.layout)
+        self._state = resumed
         self._plan = plan
         self._served = self._pass_start = start
         self._log_plan()
@@ -157,11 +179,9 @@ class ShardedLoader:
         n = plan.batches_per_rank
         self._pass_start = start = self._served
         self._check_ranks_agree(plan)
-        first = plan._first(self.rank)
         where = f"rank {self.rank}/{self.layout.world_size}, epoch {self._epoch}"
-        # This rank's n batches: absolute offsets into the plan's ids (n + 1 of them, [0] when n == 0).
-        batches = PlanBatches(self.reader, plan.sample_ids, plan.batch_offsets[first : first + n + 1],
-                              where=where, transform=self.transform, collate_fn=self.collate_fn, pad_id=self.pad_id)
+        batches = PlanBatches(self.reader, plan.ids, plan.offsets, where=where, transform=self.transform,
+                              collate_fn=self.collate_fn, pad_id=self.pad_id)
         return self._run(batches, start, n, where)
 
     def _run(self, batches: PlanBatches, start: int, n: int, where: str) -> Iterator[Any]:
@@ -189,7 +209,7 @@ class ShardedLoader:
             it.close()  # the worker pool, or the in-process generator
         self._start_epoch(self._epoch + 1)
 
-    def _check_ranks_agree(self, plan: EpochPlan) -> None:
+    def _check_ranks_agree(self, plan: RankPlan) -> None:
         """One all-reduce per epoch: every rank has the same dataset, config and batch count.
 
         Without it, a rank on another dataset version would wait forever in the first
@@ -219,3 +239,19 @@ class ShardedLoader:
 
     def close(self) -> None:
         self.reader.close()
+
+
+def _as_mesh(mesh: Any) -> Mesh | None:
+    """A shardtool Mesh from a torch DeviceMesh (its rank tensor and dimension names)."""
+    if mesh is None or isinstance(mesh, Mesh):
+        return mesh
+    names = getattr(mesh, "mesh_dim_names", None)
+    ranks = getattr(mesh, "mesh", None)
+    if names is None or ranks is None:
+        raise ValueError("mesh must be a torch.distributed.device_mesh.DeviceMesh with mesh_dim_names, or a "
+                         f"shardtool.plan.Mesh; found {type(mesh).__name__}")
+    return Mesh(tuple(names), np.asarray(ranks.cpu().numpy() if hasattr(ranks, "cpu") else ranks, dtype=np.int64))
+
+
+def _dp_dims(dp_dim: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (dp_dim,) if isinstance(dp_dim, str) else tuple(dp_dim)

@@ -18,7 +18,7 @@ def test_bench_generates_compares_and_writes_json_and_plot(tmp_path):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     cp = subprocess.run(
         [sys.executable, "-m", "shardtool", "bench", "--generate", "3000", "--ranks", "2", "--workers", "0,1",
-         "--max-tokens", "4096", "--max-batches", "10", "--step-ms", "2", "--compare", "webdataset",
+         "--max-tokens", "8192", "--max-batches", "10", "--step-ms", "2", "--compare", "webdataset",
          "--json", str(out_json), "--plot", str(out_png)],
         env=env, capture_output=True, text=True, timeout=280)
     assert cp.returncode == 0, cp.stdout + cp.stderr

@@ -20,9 +20,8 @@ import pytest
 from shardtool import cache
 from asuser import NOBODY, make_readable, preload, require_root, run_as, shared_tmpdir
 from shardtool.cache import admin
-from shardtool.plan import Layout, Placement
 from shardtool.loader import ShardedLoader
-from shardtool.plan import shards_for_node
+from shardtool.plan import DataLayout, Layout, Placement, shards_for_node
 from runcli import shardtool_cli
 from shardtool.format import open_dataset
 from shardtool.format.hashing import hash_file
@@ -98,7 +97,7 @@ def site():
         os.mkdir(tmp)
         os.chmod(tmp, 0o1777)
         ds = open_dataset(src)
-        node0 = set(shards_for_node(ds.lengths, ds.shard_counts, 0, 2))
+        node0 = set(shards_for_node(ds.summaries, DataLayout.pure_dp(Layout(2, 1)), 0))
         expected = {r: read_all(_loader(src, None, r)) for r in range(4)}
         yield {"base": base, "src": src, "cache": cache_dir, "tmp": tmp, "node0": node0, "expected": expected,
                "num_shards": len(SHARDS)}

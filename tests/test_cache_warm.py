@@ -30,7 +30,7 @@ def test_warm_copies_exactly_the_nodes_shards_and_rerun_skips(src, tmp_path):
     ds = open_dataset(src)
     for node in range(3):
         r = warm(src, str(tmp_path / f"n{node}"), placement=Placement(Layout(3, 1), node))
-        want = assigned_shards(ds.lengths, ds.shard_counts, Placement(Layout(3, 1), node))
+        want = assigned_shards(ds.summaries, Placement(Layout(3, 1), node))
         assert r.status == "ok" and r.exit_code == 0
         assert cached_files(r) == set(want) and r.shards_copied == len(want)
         again = warm(src, str(tmp_path / f"n{node}"), placement=Placement(Layout(3, 1), node))
@@ -113,7 +113,7 @@ def test_eviction_removes_unassigned_shards_first(src, tmp_path):
     ds = open_dataset(src)
     full = warm(src, str(tmp_path), all_shards=True)
     assert full.shards_copied == ds.num_shards
-    mine = set(assigned_shards(ds.lengths, ds.shard_counts, Placement(Layout(2, 1), 1)))
+    mine = set(assigned_shards(ds.summaries, Placement(Layout(2, 1), 1)))
     budget = sum(ds.manifest.shards[i].bytes for i in mine) + 10
     r = warm(src, str(tmp_path), placement=Placement(Layout(2, 1), 1), max_bytes=budget)
     assert r.status == "ok" and r.shards_copied == 0 and r.evicted_shards > 0

@@ -66,7 +66,8 @@ def test_every_sample_once_per_epoch_except_the_remainder(datasets, shards, fmt,
         ld.set_epoch(epoch)
         ld.plan  # noqa: B018 - plans the epoch
     n = len(loaders[0])
-    remainder = [keys[i] for i in loaders[0].remainder.tolist()]  # before the pass: then it is the next epoch's
+    # Each rank knows its data group's remainder; read before the pass (then it is the next epoch's).
+    remainder = [keys[i] for i in sorted(set().union(*(ld.remainder.tolist() for ld in loaders)))]
     assert all(len(ld) == n for ld in loaders), "every rank knows the same batch count up front"
     seen = []
     for ld in loaders:
@@ -125,7 +126,7 @@ def test_resume_yields_the_tail_of_the_uninterrupted_run(datasets, shards, fmt, 
         ld.load_state_dict(states[r])
         ld.set_epoch(states[r]["epoch"])  # the usual training loop calls this; it keeps the position
         if k == n:  # a finished epoch resumes at the next one, from its start
-            assert states[r]["epoch"] == 1 and len(ld) == len(ld.plan.rank_batches(r))
+            assert states[r]["epoch"] == 1 and len(ld) == len(ld.plan.batches())
         else:
             assert len(ld) == n - k
             assert read_all(ld) == full[r][k:]
@@ -149,10 +150,17 @@ def test_elastic_resume_serves_each_remaining_sample_once(datasets, shards, layo
     state = before[0].state_dict()
     after = [ShardedLoader(root, rank=r, world_size=new_layout[0], ranks_per_node=new_layout[1], **batching,
                            num_workers=0) for r in range(new_layout[0])]
-    counts = set()
     for ld in after:
         ld.load_state_dict(state)
-        left = [keys[i] for i in ld.remainder.tolist()]
+    # Not served this epoch: the remainder of its plan (the first layout's, or the new one's when
+    # nothing had been served yet), and the batches the re-deal left over (fewer than the new world).
+    planned = after if after[0].plan.remainder is not None else before
+    left = [keys[i] for i in sorted(set().union(*(ld.remainder.tolist() for ld in planned)))]
+    leftover = after[0].planner.left_over(after[0]._state)
+    assert len(leftover) < new_layout[0]
+    left += [keys[i] for b in leftover for i in b.tolist()]
+    counts = set()
+    for ld in after:
         batches = read_all(ld)
         counts.add(len(batches))
         served += [k for b in batches for k in b]

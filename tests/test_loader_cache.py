@@ -11,9 +11,8 @@ import shutil
 import pytest
 
 from shardtool import cache
-from shardtool.plan import Layout, Placement
 from shardtool.loader import ShardedLoader
-from shardtool.plan import shards_for_node
+from shardtool.plan import DataLayout, Layout, Placement, shards_for_node
 from test_loader_data import read_all, write_dataset
 
 pytestmark = pytest.mark.timeout(120)
@@ -55,7 +54,7 @@ def test_only_the_nodes_own_shards_are_cached(tmp_path):
     cache.warm(src, cdir, placement=Placement(Layout(2, 2), 1), progress=False)
     dc = cache.open_cache(src, cdir)
     ds = dc.dataset
-    mine = set(shards_for_node(ds.lengths, ds.shard_counts, 1, 2))
+    mine = set(shards_for_node(ds.summaries, DataLayout.pure_dp(Layout(2, 1)), 1))
     cached = {i for i in range(len(SHARDS)) if dc.is_cached(i)}
     assert cached == mine and 0 < len(mine) < len(SHARDS)
 
@@ -72,7 +71,7 @@ def test_a_shard_missing_from_the_cache_is_fetched_into_it_on_demand(tmp_path):
     assert read_all(ld) == expected
     dc = cache.open_cache(src, cdir)
     ds = dc.dataset
-    node1 = shards_for_node(ds.lengths, ds.shard_counts, 1, 2)
+    node1 = shards_for_node(ds.summaries, DataLayout.pure_dp(Layout(2, 1)), 1)
     assert all(dc.is_cached(i) for i in node1)
     # ...and once fetched, the source is no longer needed for them.
     shutil.move(src, str(tmp_path / "gone"))

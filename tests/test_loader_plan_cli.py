@@ -22,13 +22,18 @@ def test_plan_json_agrees_with_the_loaders(tmp_path):
                     "--epoch", "1", "--json")
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
-    ld = ShardedLoader(root, rank=3, world_size=4, ranks_per_node=2, batch_size=4, seed=3, num_workers=0)
-    ld.set_epoch(1)
-    assert rep["batches_per_rank"] == len(ld)
-    assert rep["remainder"] == ld.remainder.size
-    assert abs(rep["padding_efficiency"] - ld.padding_efficiency) < 1e-12
-    assert len(rep["per_node"]["shards"]) == 2 and sum(rep["per_node"]["samples"]) == 120
-    assert rep["planning_seconds"] >= 0
+    loaders = [ShardedLoader(root, rank=r, world_size=4, ranks_per_node=2, batch_size=4, seed=3, num_workers=0)
+               for r in range(4)]
+    for ld in loaders:
+        ld.set_epoch(1)
+    assert rep["batches_per_rank"] == len(loaders[3])
+    # Each rank knows its data group's remainder: one per node here.
+    assert rep["remainder_samples"] == loaders[0].remainder.size + loaders[2].remainder.size
+    served = sum(int(ld.plan.lengths.sum()) for ld in loaders)
+    padded = sum(ld.plan.lengths.sum() / ld.padding_efficiency for ld in loaders)
+    assert abs(rep["padding_efficiency"] - served / padded) < 1e-9
+    assert len(rep["per_node"]["shards"]) == 2 and rep["samples"] == 120
+    assert rep["plan_seconds"] >= 0 and rep["peak_rss_mb"] > 0
 
 
 @pytest.mark.timeout(150)
@@ -41,7 +46,17 @@ def test_plan_text_and_big_simulated_layouts(tmp_path):
     big = shardtool("plan", "--synthetic", "300000", "--simulate-nodes", "1024", "--ranks-per-node", "8",
                     "--batch-size", "8", "--json")
     assert big.returncode == 0, big.stderr
-    assert json.loads(big.stdout)["layout"]["world_size"] == 8192
+    rep = json.loads(big.stdout)
+    assert rep["layout"]["world_size"] == 8192 and rep["scope"] == "every group"
+    for key in ("plan_seconds", "peak_rss_mb", "batches_per_rank", "remainder_tokens_fraction",
+                "bytes_per_node_max_over_mean"):
+        assert key in rep
+    one = shardtool("plan", "--synthetic", "300000", "--simulate-nodes", "1024", "--ranks-per-node", "8",
+                    "--batch-size", "8", "--rank", "5000", "--json")
+    assert one.returncode == 0, one.stderr
+    mine = json.loads(one.stdout)
+    assert mine["scope"] == "rank" and mine["dp_rank"] == 5000 and mine["group"] == 625
+    assert mine["batches_per_rank"] == rep["batches_per_rank"] and 0 < mine["peak_rss_mb"] < rep["peak_rss_mb"] * 3
 
 
 @pytest.mark.timeout(150)

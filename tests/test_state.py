@@ -1,4 +1,4 @@
-"""Resume by position: exact on the same layout, elastic across layouts."""
+"""Resume by position: exact on the same layout, elastic across data layouts (plan v2)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardtool.plan import Batching, plan_epoch
-from shardtool.plan.state import LoaderState, check_compatible, plan_for_state, remaining_subset
-from shardtool.plan import Layout
+from shardtool.plan import ArraySource, Batching, DataLayout, Layout, Planner
+from shardtool.plan.state import LoaderState, StateError, _v1_fingerprint, check_compatible
 from strategies import LAYOUTS, cases, make_lengths
 
 settings.register_profile("state", max_examples=40, deadline=None)
@@ -20,126 +19,178 @@ settings.load_profile("state")
 DATASET = "manifest-sha-1234"
 
 
-def served_by(plan, start: int, stop: int) -> np.ndarray:
-    """Ids of batches [start, stop) of every rank."""
-    parts = [b for r in range(plan.layout.world_size) for b in plan.rank_batches(r)[start:stop]]
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
-
-
 def roundtrip(state: LoaderState) -> LoaderState:
     return LoaderState.from_dict(json.loads(json.dumps(state.to_dict())))
 
 
+def batches_of(planner: Planner, state: LoaderState, layout: DataLayout) -> list[list[np.ndarray]]:
+    """Every DP rank's batches of the state's current segment, each from a fresh planner (as ranks)."""
+    return [Planner(planner.source, planner.batching).rank_plan(state, d).batches() for d in range(layout.dp_size)]
+
+
+def reference_redeal(sequence_per_rank: list[list[np.ndarray]], served: int, new_size: int):
+    """The segment rule written out with lists: the unserved batches, rank by rank, cut into equal
+    shares for the new ranks; what does not divide evenly is left over."""
+    remaining = [b for rank in sequence_per_rank for b in rank[served:]]
+    n = len(remaining) // new_size
+    return [remaining[d * n : (d + 1) * n] for d in range(new_size)], remaining[n * new_size :]
+
+
 @given(cases(), st.floats(0, 1))
 def test_same_layout_resume_yields_exactly_the_uninterrupted_tail(case, where):
-    lengths, counts = case.data.lengths, case.data.shard_counts
-    plan = plan_epoch(lengths, counts, case.layout, case.batching, case.epoch)
-    k = int(where * plan.batches_per_rank)
-    state = roundtrip(LoaderState.start(case.epoch, DATASET, case.batching, case.layout).with_served(k))
+    source = ArraySource(case.data.lengths, case.data.shard_counts)
+    planner = Planner(source, case.batching)
+    layout = DataLayout.pure_dp(case.layout)
+    start = planner.start(case.epoch, DATASET, layout)
+    full = batches_of(planner, start, layout)
+    k = int(where * start.last["batches"])
+    state = roundtrip(start.with_served(k))
     check_compatible(state, DATASET, case.batching)
-    resumed, start = plan_for_state(lengths, counts, case.layout, case.batching, state)
-    assert start == k and resumed.batches_per_rank == plan.batches_per_rank
-    for rank in range(case.layout.world_size):
-        tail, again = plan.rank_batches(rank, k), resumed.rank_batches(rank, start)
-        assert len(tail) == len(again)
-        assert all(np.array_equal(a, b) for a, b in zip(tail, again))
+    planner.check(state)
+    resumed = planner.continue_on(state, layout)
+    assert resumed.last["served"] == k and len(resumed.segments) == 1
+    for d, rank in enumerate(batches_of(planner, resumed, layout)):
+        assert all(np.array_equal(a, b) for a, b in zip(rank[k:], full[d][k:])) and len(rank) == len(full[d])
 
 
-@given(cases(), st.lists(st.tuples(st.sampled_from(LAYOUTS), st.floats(0, 1)), min_size=1, max_size=2), st.floats(0, 1))
-def test_elastic_resumes_never_repeat_and_cover_the_epoch(case, resumes, where):
-    lengths, counts = case.data.lengths, case.data.shard_counts
-    plan = plan_epoch(lengths, counts, case.layout, case.batching, case.epoch)
-    k = int(where * plan.batches_per_rank)
-    state = LoaderState.start(case.epoch, DATASET, case.batching, case.layout).with_served(k)
-    served = [served_by(plan, 0, k)]
-    for layout, fraction in resumes:
-        state = roundtrip(state)
-        plan, start = plan_for_state(lengths, counts, layout, case.batching, state)
-        state = state.resumed_on(layout)
-        stop = start + int(fraction * (plan.batches_per_rank - start))
-        served.append(served_by(plan, start, stop))
-        state = state.with_served(stop)
-        for rank in range(layout.world_size):
-            assert len(plan.rank_batches(rank)) == plan.batches_per_rank
-    # Finish the epoch on the last layout.
-    plan, start = plan_for_state(lengths, counts, state_layout(state), case.batching, state)
-    served.append(served_by(plan, start, plan.batches_per_rank))
-    everything = np.concatenate(served)
+@given(cases(), st.lists(st.tuples(st.sampled_from(LAYOUTS), st.floats(0, 1)), min_size=1, max_size=3),
+       st.floats(0, 1))
+def test_elastic_chains_equal_the_written_out_rule_never_repeat_and_cover_the_epoch(case, resumes, where):
+    source = ArraySource(case.data.lengths, case.data.shard_counts)
+    planner = Planner(source, case.batching)
+    layout = DataLayout.pure_dp(case.layout)
+    state = planner.start(case.epoch, DATASET, layout)
+    # The rule written out: a stack of segments [layout, each rank's batches, served, left over];
+    # a resume on another layout drops trailing segments that served nothing, then continues the
+    # last one if it ran on that layout, else deals what it did not serve; a state left with no
+    # segment plans the epoch afresh.
+    stack = [[layout, batches_of(planner, state, layout), int(where * state.last["batches"]), []]]
+    for new, fraction in resumes:
+        new_layout = DataLayout.pure_dp(new)
+        state = roundtrip(state.with_served(stack[-1][2]))
+        planner.check(state)
+        if stack[-1][0] != new_layout:
+            while stack and stack[-1][2] == 0:
+                stack.pop()
+            if not stack:
+                fresh = planner.start(case.epoch, DATASET, new_layout)
+                stack = [[new_layout, batches_of(planner, fresh, new_layout), 0, []]]
+            elif stack[-1][0] != new_layout:
+                shares, extra = reference_redeal(stack[-1][1], stack[-1][2], new_layout.dp_size)
+                assert len(extra) < new_layout.dp_size
+                stack.append([new_layout, shares, 0, extra])
+        state = planner.continue_on(state, new_layout)
+        current = batches_of(planner, state, new_layout)
+        assert [[b.tolist() for b in r] for r in current] == [[b.tolist() for b in r] for r in stack[-1][1]]
+        assert len({len(r) for r in current}) == 1, "equal counts on every new rank"
+        start = stack[-1][2]
+        stack[-1][2] = start + int(fraction * (state.last["batches"] - start))
+    state = state.with_served(stack[-1][2])
+    # What each segment served, then the last one finished.
+    served = [b for _, rank, count, _ in stack[:-1] for r in rank for b in r[:count]]
+    served += [b for r in stack[-1][1] for b in r]
+    everything = np.concatenate(served) if served else np.zeros(0, np.int64)
     assert np.unique(everything).size == everything.size, "a sample was served twice"
-    assert np.array_equal(np.sort(np.concatenate([everything, plan.remainder])), np.arange(lengths.size))
-    after = remaining_subset(lengths, counts, case.batching, case.epoch, state.with_served(plan.batches_per_rank).segments)
-    assert np.array_equal(np.flatnonzero(after), plan.remainder)
-
-
-def state_layout(state: LoaderState) -> Layout:
-    last = state.segments[-1]
-    return Layout(last["world_size"] // last["ranks_per_node"], last["ranks_per_node"])
+    first = DataLayout.from_identity(state.segments[0])
+    remainder = np.unique(np.concatenate([planner.rank_plan(planner.start(case.epoch, DATASET, first), d).remainder
+                                          for d in range(first.dp_size)]))
+    left_over = [b for entry in stack for b in entry[3]]
+    unserved = np.concatenate([remainder, *left_over])
+    assert np.array_equal(np.sort(np.concatenate([everything, unserved])), np.arange(case.data.lengths.size))
+    assert sorted(b.tolist() for b in planner.left_over(state)) == sorted(b.tolist() for b in left_over)
 
 
 @pytest.mark.parametrize("before, after", [((4, 1), (3, 1)), ((1, 2), (2, 4)), ((1, 1), (2, 2)), ((2, 2), (1, 1))])
-def test_elastic_resume_examples(before, after):
+def test_elastic_resume_costs_about_a_ranks_share(before, after):
     lengths = make_lengths(np.random.default_rng(2), 6000, "lognormal")
     counts = np.full(14, 6000 // 14)
     counts[-1] += 6000 - counts.sum()
     batching = Batching(max_tokens=int(lengths.max()) * 4, seed=9)
-    first = plan_epoch(lengths, counts, Layout(*before), batching, 4)
-    k = first.batches_per_rank // 3
-    state = LoaderState.start(4, DATASET, batching, Layout(*before)).with_served(k)
-    plan, start = plan_for_state(lengths, counts, Layout(*after), batching, roundtrip(state))
-    assert start == 0
-    a, b = served_by(first, 0, k), plan.sample_ids
-    assert np.intersect1d(a, b).size == 0
-    assert np.array_equal(np.sort(np.concatenate([a, b, plan.remainder])), np.arange(lengths.size))
-    # After an elastic resume the world still drops less than one batch per rank.
-    assert lengths[plan.remainder].sum() < Layout(*after).world_size * batching.max_tokens
+    old, new = DataLayout.pure_dp(Layout(*before)), DataLayout.pure_dp(Layout(*after))
+    planner = Planner(ArraySource(lengths, counts), batching)
+    state = planner.start(4, DATASET, old)
+    state = planner.continue_on(state.with_served(state.last["batches"] // 3), new)
+    for d in range(new.dp_size):
+        mine = ArraySource(lengths, counts)
+        plan = Planner(mine, batching).rank_plan(roundtrip(state), d)
+        assert plan.batches_per_rank == state.last["batches"]
+        # Its batches are a contiguous run of old ranks' batches: it plans only the few old groups
+        # they come from, about old.dp_size / new.dp_size of them, not the whole dataset.
+        groups_read = len(set(mine.ranges_read))
+        assert groups_read <= -(-old.num_groups // new.dp_size) + 1
 
 
-def test_resume_at_the_end_of_an_epoch_on_a_bigger_world_plans_nothing():
+def test_resume_at_the_end_of_an_epoch_on_a_bigger_world_serves_nothing():
     lengths = make_lengths(np.random.default_rng(4), 500, "constant")
-    batching = Batching(batch_size=8)
-    first = plan_epoch(lengths, [500], Layout(1, 1), batching, 0)
-    state = LoaderState.start(0, DATASET, batching, Layout(1, 1)).with_served(first.batches_per_rank)
-    plan, start = plan_for_state(lengths, [500], Layout(4, 2), batching, state)
-    assert (plan.batches_per_rank, start) == (0, 0)
-    assert plan.rank_batches(7) == []
-    assert np.array_equal(plan.remainder, first.remainder)
+    planner = Planner(ArraySource(lengths, [500]), Batching(batch_size=8))
+    one = DataLayout.pure_dp(Layout(1, 1))
+    state = planner.start(0, DATASET, one)
+    state = planner.continue_on(state.with_served(state.last["batches"]), DataLayout.pure_dp(Layout(4, 2)))
+    assert state.last["batches"] == 0
+    assert all(planner.rank_plan(state, d).batches() == [] for d in range(8))
+
+
+def test_a_state_with_nothing_served_restarts_the_epoch_on_the_new_layout():
+    lengths = make_lengths(np.random.default_rng(4), 900, "lognormal")
+    planner = Planner(ArraySource(lengths, [300, 300, 300]), Batching(batch_size=8))
+    old, new = DataLayout.pure_dp(Layout(1, 1)), DataLayout.pure_dp(Layout(3, 1))
+    state = planner.continue_on(planner.start(2, DATASET, old), new)
+    assert state.segments == planner.start(2, DATASET, new).segments
 
 
 def test_state_is_small_and_json_roundtrips():
     batching = Batching(batch_size=4, seed=3)
-    state = LoaderState.start(7, DATASET, batching, Layout(2, 4)).with_served(12).resumed_on(Layout(3, 1))
+    state = LoaderState.start(7, DATASET, batching, DataLayout.pure_dp(Layout(2, 4)), 30).with_served(12)
+    state = state.resumed_on(DataLayout.pure_dp(Layout(3, 1)), 59)
     data = state.to_dict()
     assert data == {
-        "version": 1,
+        "version": 2,
         "epoch": 7,
         "dataset_fingerprint": DATASET,
         "batching_fingerprint": batching.fingerprint(),
         "segments": [
-            {"world_size": 8, "ranks_per_node": 4, "served": 12},
-            {"world_size": 3, "ranks_per_node": 1, "served": 0},
+            {"dp_size": 8, "groups": [[4, 2]], "batches": 30, "served": 12},
+            {"dp_size": 3, "groups": [[1, 3]], "batches": 59, "served": 0},
         ],
     }
     assert roundtrip(state) == state
     assert len(json.dumps(data)) < 400
-    # Continuing on the same layout adds no segment.
-    assert state.resumed_on(Layout(3, 1)) == state
+    big = LoaderState.start(0, DATASET, batching, DataLayout.pure_dp(Layout(1024, 8)), 65)
+    assert len(json.dumps(big.to_dict())) < 300, "a 8,192-rank layout is one run of equal groups"
+    assert state.resumed_on(DataLayout.pure_dp(Layout(3, 1)), 59) == state
 
 
 def test_incompatible_states_are_refused_with_found_and_expected():
     batching = Batching(max_tokens=4096)
-    state = LoaderState.start(0, DATASET, batching, Layout(1, 1))
+    planner = Planner(ArraySource(np.ones(100, np.int64), [100]), batching)
+    state = planner.start(0, DATASET, DataLayout.pure_dp(Layout(1, 1)))
     with pytest.raises(ValueError, match=r"found dataset fingerprint 'manifest-sha-1234', expected 'other'"):
         check_compatible(state, "other", batching)
     with pytest.raises(ValueError, match=r"another batching config: found fingerprint"):
         check_compatible(state, DATASET, Batching(max_tokens=8192))
-    with pytest.raises(ValueError, match=r"another batching config"):
-        plan_for_state(np.ones(10, np.int64), [10], Layout(1, 1), Batching(max_tokens=8192), state)
-    state.version = 99
-    with pytest.raises(ValueError, match=r"version: found 99, expected 1"):
-        check_compatible(state, DATASET, batching)
-    bad = {**LoaderState.start(0, DATASET, batching, Layout(1, 1)).to_dict(), "version": 2}
-    with pytest.raises(ValueError, match=r"version: found 2, expected 1"):
+    bad = {**state.to_dict(), "version": 3}
+    with pytest.raises(ValueError, match=r"version: found 3, expected 2"):
         LoaderState.from_dict(bad)
+    wrong = state.copy()
+    wrong.segments[0]["batches"] += 1
+    with pytest.raises(StateError, match="from another dataset or config"):
+        planner.check(wrong)
+
+
+def test_a_state_of_the_previous_release_loads_at_an_epoch_start_and_is_refused_mid_epoch():
+    batching = Batching(batch_size=4, seed=3)
+    v1 = {"version": 1, "epoch": 3, "dataset_fingerprint": DATASET, "batching_fingerprint": _v1_fingerprint(batching),
+          "segments": [{"world_size": 8, "ranks_per_node": 4, "served": 0}]}
+    state = LoaderState.from_dict(v1, batching=batching)
+    assert state.epoch == 3 and state.segments == [] and state.batching_fingerprint == batching.fingerprint()
+    planner = Planner(ArraySource(np.ones(400, np.int64), [400]), batching)
+    started = planner.continue_on(state, DataLayout.pure_dp(Layout(2, 2)))
+    assert started.segments == planner.start(3, DATASET, DataLayout.pure_dp(Layout(2, 2))).segments
+    with pytest.raises(StateError, match=r"another batching config"):
+        LoaderState.from_dict(v1, batching=Batching(batch_size=5))
+    mid = {**v1, "segments": [{"world_size": 8, "ranks_per_node": 4, "served": 5}]}
+    with pytest.raises(StateError, match=r"saved by shardtool 0.1 in the middle of epoch 3.*set_epoch\(3\)"):
+        LoaderState.from_dict(mid, batching=batching)
 
 
 @pytest.mark.parametrize(
@@ -147,20 +198,14 @@ def test_incompatible_states_are_refused_with_found_and_expected():
     [
         ({"epoch": -1}, "epoch must be an int >= 0"),
         ({"segments": []}, "non-empty list"),
-        ({"segments": [{"world_size": 6, "ranks_per_node": 4, "served": 0}]}, "multiple of ranks_per_node"),
-        ({"segments": [{"world_size": 2, "served": 0}]}, "expected keys"),
+        ({"segments": [{"dp_size": 6, "groups": [[4, 1]], "batches": 3, "served": 0}]}, "do not add up"),
+        ({"segments": [{"dp_size": 2, "groups": [[1, 2]], "batches": 3, "served": 4}]}, "served 4 of only 3"),
+        ({"segments": [{"dp_size": 2, "served": 0}]}, "expected keys"),
         ({"extra": 1}, "keys: found"),
     ],
 )
 def test_malformed_state_is_refused(change, message):
-    data = {**LoaderState.start(0, DATASET, Batching(batch_size=2), Layout(1, 1)).to_dict(), **change}
+    data = {**LoaderState.start(0, DATASET, Batching(batch_size=2), DataLayout.pure_dp(Layout(1, 1)), 5).to_dict(),
+            **change}
     with pytest.raises(ValueError, match=message):
         LoaderState.from_dict(data)
-
-
-def test_a_position_past_the_plan_is_refused():
-    lengths = np.full(100, 10)
-    batching = Batching(batch_size=10)
-    state = LoaderState.start(0, DATASET, batching, Layout(1, 1)).with_served(11)
-    with pytest.raises(ValueError, match="11 batches served per rank, but its plan has only 10"):
-        plan_for_state(lengths, [100], Layout(1, 1), batching, state)

@@ -101,7 +101,7 @@ def test_two_nodes_two_ranks_served_from_cache_alone(src, tmp_path):
     for node in range(2):
         c = open_cache(moved, caches[node])
         assert c.version == ds.version
-        want = assigned_shards(c.dataset.lengths, c.dataset.shard_counts, Placement(Layout(2, 1), node))
+        want = assigned_shards(c.dataset.summaries, Placement(Layout(2, 1), node))
         assert len(c.dataset.lengths) == len(ds)
         for i in want:
             with c.reading(i) as path:
@@ -136,7 +136,7 @@ def test_s3_source_through_a_real_local_s3_server(src, tmp_path, s3_server):  # 
     res = cli(url, "--cache-dir", cache_dir, "--nodes", 2, "--node-rank", 0, "--json", *opts, check=0)
     report = json.loads(res.stdout)
     ds = open_dataset(src)
-    assert report["shards_copied"] == len(assigned_shards(ds.lengths, ds.shard_counts, Placement(Layout(2, 1), 0)))
+    assert report["shards_copied"] == len(assigned_shards(ds.summaries, Placement(Layout(2, 1), 0)))
     c = open_cache(url, cache_dir, storage_options=s3_server.storage_options)
     missing = next(i for i in range(ds.num_shards) if not c.is_cached(i))
     assert hash_file(c.local_shard(missing))[0] == ds.manifest.shards[missing].hash  # fetch-on-miss from S3
@@ -173,7 +173,7 @@ def test_prolog_with_a_fake_minimal_environment(src, tmp_path):
         assert f"node {rank} of 3" in res.stderr
         report = json.load(open(tmp_path / "cache" / f"{node}.warm-42.json"))
         assert report["layout"]["node"] == rank and report["layout"]["num_nodes"] == 3
-        assert report["assigned"] == len(assigned_shards(ds.lengths, ds.shard_counts, Placement(Layout(3, 1), rank)))
+        assert report["assigned"] == len(assigned_shards(ds.summaries, Placement(Layout(3, 1), rank)))
     # a node whose cache root is gone is a local fault: the prolog exits non-zero (drain)
     conf.write_text(conf.read_text().replace(str(tmp_path / "cache"), str(tmp_path / "nope" / "x")))
     res = subprocess.run(["/bin/bash", os.path.join(REPO, "examples/slurm/prolog.sh")],

@@ -2,23 +2,36 @@
 from __future__ import annotations
 
 import json
+import os
+import resource
+import sys
+import tempfile
 import time
 
-HELP = "show the loading plan of a layout: batches per rank, padding, bytes and shards per node"
+HELP = "show the loading plan of a layout: batches per rank, padding, remainder, bytes per node, planning cost"
 DESCRIPTION = """\
-Plan one epoch of a dataset for a node layout, reading only its manifest and lengths file
-(no shard is opened), and print: batches per rank (equal on every rank), padding efficiency,
-the remainder (samples no rank serves this epoch; they rotate across epochs), bytes and shards
-each node must hold in its cache, and the planning time.
+Plan one epoch of a dataset for a layout from its metadata only (no shard is opened): the
+per-shard summaries, and per-sample lengths of the ranges planned.
+
+Without --rank it simulates every data group (as no training rank ever does) and prints batches
+per rank (equal on every rank), padding efficiency, the remainder (samples no rank serves this
+epoch; they rotate across epochs), bytes and shards each node must cache, and the planning time.
+With --rank R it evaluates exactly what training rank R computes at start-up — in a fresh
+process, reading the summaries and its own group's lengths — and prints its planning time and
+peak memory.
 
 Layouts far beyond this machine are fine: --simulate-nodes 1024 --ranks-per-node 8 only plans.
-Without a dataset, --synthetic N plans N lognormal lengths (median 350, the benchmarks' corpus) in
-shards of 10,000.
+Without a dataset, --synthetic N makes up N lognormal lengths (median 350, the benchmarks'
+corpus), shard by shard from per-shard seeds, so N = 1,000,000,000 needs no 8 GB array.
+
+Model parallelism: --dp-size D (the (dp, mp) mesh of DDP+TP), or --mesh "pp=2,dp=4,tp=2" with
+--dp-dim dp (several: --dp-dim rep,shard) for who reads what; data groups then follow the nodes
+hosting each DP rank's peers.
 
 examples:
   shardtool plan s3://bucket/ds --nodes 4 --ranks-per-node 8 --max-tokens 65536
   shardtool plan ./ds --simulate-nodes 1024 --ranks-per-node 8 --batch-size 32 --json
-  shardtool plan --synthetic 100000000 --simulate-nodes 1024 --ranks-per-node 8 --max-tokens 65536
+  shardtool plan --synthetic 1000000000 --simulate-nodes 1024 --ranks-per-node 8 --max-tokens 65536 --rank 4100
 """
 
 
@@ -29,43 +42,37 @@ def add_arguments(p) -> None:
     where.add_argument("--simulate-nodes", type=int, default=None, metavar="N",
                        help="same as --nodes; says that the layout is only planned, never run")
     p.add_argument("--ranks-per-node", type=int, default=1, metavar="G", help="ranks (GPUs) per node (default 1)")
+    p.add_argument("--dp-size", type=int, default=None, metavar="D",
+                   help="data-parallel size when each DP rank has model-parallel peers (default: every rank)")
+    p.add_argument("--mesh", default=None, metavar="SPEC", help='device mesh, row-major, e.g. "pp=2,dp=4,tp=2"')
+    p.add_argument("--dp-dim", default="dp", metavar="NAMES", help="the mesh's data-parallel dimension(s), "
+                   "comma-separated (default dp)")
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--batch-size", type=int, help="samples per batch")
     size.add_argument("--max-tokens", type=int, help="token budget per batch, padding counted")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed, as given to ShardedLoader (default 0)")
     p.add_argument("--epoch", type=int, default=0, help="which epoch to plan (default 0); the order and the "
                    "remainder change every epoch, node ranges never do")
-    p.add_argument("--no-shuffle", action="store_true", help="plan without shuffling")
+    p.add_argument("--no-shuffle", action="store_true", help="plan without shuffling (dataset order)")
+    p.add_argument("--rank", type=int, default=None, metavar="R",
+                   help="evaluate only what global rank R computes at start-up, in a fresh process")
     p.add_argument("--synthetic", type=int, default=None, metavar="N",
                    help="plan N synthetic lognormal lengths instead of a dataset")
-    p.add_argument("--json", action="store_true", help="print one JSON object (with per-node lists)")
+    p.add_argument("--samples-per-shard", type=int, default=10_000, metavar="K",
+                   help="shard size of --synthetic (default 10,000)")
+    p.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1),
+                   help="processes for the simulation of every group (default: up to 2)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _metadata(args):
-    import numpy as np
-
-    from ..format import open_dataset
-
-    if args.synthetic is not None:
-        from ..plan.synthetic import MAX_LENGTH, lognormal_lengths
-
-        lengths = lognormal_lengths(args.synthetic, high=min(args.max_tokens or MAX_LENGTH, MAX_LENGTH))
-        counts = np.full(-(-args.synthetic // 10_000), 10_000, dtype=np.int64)
-        counts[-1] = args.synthetic - 10_000 * (len(counts) - 1)
-        shard_bytes = counts * 4 * 350  # ~4 bytes per token
-        return f"synthetic:{args.synthetic}", lengths, counts, shard_bytes
-    ds = open_dataset(args.url)
-    shard_bytes = np.array([s.bytes for s in ds.manifest.shards], dtype=np.int64)
-    return args.url, ds.lengths, ds.shard_counts, shard_bytes
-
-
-def _summary(values) -> dict:
-    import numpy as np
-
-    v = np.asarray(values, dtype=np.float64)
-    if v.size == 0:
-        return {"min": 0, "mean": 0, "max": 0}
-    return {"min": float(v.min()), "mean": float(v.mean()), "max": float(v.max())}
+def peak_rss_mb() -> float:
+    """This process's peak resident memory. VmHWM, not rusage: Linux carries ru_maxrss across
+    exec, so a freshly spawned child would report its parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _human(n: float) -> str:
@@ -76,69 +83,183 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _layouts(args):
+    from ..plan import Layout, Placement, data_parallel, parse_mesh
+
+    nodes = args.simulate_nodes or args.nodes or 1
+    layout = Layout(nodes, args.ranks_per_node)
+    mesh = parse_mesh(args.mesh) if args.mesh else None
+    dims = tuple(d.strip() for d in args.dp_dim.split(",") if d.strip())
+    data, _ = data_parallel(Placement(layout, 0, 0), dp_size=args.dp_size, mesh=mesh, dp_dims=dims)
+    return layout, mesh, dims, data
+
+
+def _rank_job(args, summaries_path: str | None, result) -> None:
+    """What training rank ``args.rank`` computes at start-up, timed in this (fresh) process."""
+    from ..plan import Batching, Layout, Placement, Planner, data_parallel, parse_mesh
+    from ..plan.synthetic import SyntheticSource
+
+    began = time.perf_counter()
+    if summaries_path is not None:
+        from ..format.summaries import ShardSummaries
+
+        source = SyntheticSource(args.synthetic, samples_per_shard=args.samples_per_shard, seed=0)
+        with open(summaries_path, "rb") as f:
+            data = f.read()
+        source._summaries = ShardSummaries.from_bytes(data, lengths_hash=None, counts=source.shard_counts,
+                                                      total_tokens=None, source=summaries_path)
+    else:
+        from ..format import open_dataset
+
+        source = open_dataset(args.url)
+        source.summaries  # noqa: B018 - read, as a rank does at start-up
+    layout = Layout(args.simulate_nodes or args.nodes or 1, args.ranks_per_node)
+    mesh = parse_mesh(args.mesh) if args.mesh else None
+    dims = tuple(d.strip() for d in args.dp_dim.split(",") if d.strip())
+    data, dp_rank = data_parallel(Placement(layout, layout.node_of(args.rank), args.rank), dp_size=args.dp_size,
+                                  mesh=mesh, dp_dims=dims)
+    batching = Batching(batch_size=args.batch_size, max_tokens=args.max_tokens, shuffle=not args.no_shuffle,
+                        seed=args.seed)
+    planner = Planner(source, batching)
+    state = planner.start(args.epoch, "plan", data)
+    plan = planner.rank_plan(state, dp_rank)
+    seconds = time.perf_counter() - began
+    group, _ = data.group_of(dp_rank)
+    group_plan = planner.group(data, group, args.epoch)
+    tokens = int(group_plan.lengths.sum())
+    left = int(group_plan.batch_lengths(group_plan.remainder).sum()) if group_plan.remainder.size else 0
+    result.put({"rank": args.rank, "dp_rank": dp_rank, "group": group, "plan_seconds": seconds,
+                "peak_rss_mb": peak_rss_mb(),
+                "batches_per_rank": plan.batches_per_rank, "rank_samples": int(plan.ids.size),
+                "padding_efficiency": plan.padding_efficiency, "group_samples": int(group_plan.lengths.size),
+                "remainder_tokens_fraction": left / tokens if tokens else 0.0})
+
+
+def _evaluate_rank(args, source) -> dict:
+    import multiprocessing as mp
+
+    summaries_path = None
+    with tempfile.TemporaryDirectory(prefix="shardtool-plan-") as tmp:
+        if args.synthetic is not None:
+            summaries_path = os.path.join(tmp, "summaries.arrow")
+            with open(summaries_path, "wb") as f:
+                f.write(source.summaries.to_bytes("synthetic"))
+        ctx = mp.get_context("spawn")  # a fresh interpreter: its peak memory is a rank's own
+        result = ctx.Queue()
+        proc = ctx.Process(target=_rank_job, args=(args, summaries_path, result))
+        proc.start()
+        try:
+            out = result.get(timeout=3600)
+        finally:
+            proc.join(60)
+    return out
+
+
 def run(args) -> int:
     import numpy as np
 
-    from ..plan import Batching, Layout, node_shard_ranges, plan_epoch
-
-    from ..format import ShardtoolError
+    from ..format import ShardtoolError, open_dataset
+    from ..plan import Batching, group_cuts, group_shard_pieces
+    from ..plan.simulate import simulate_epoch
+    from ..plan.synthetic import SyntheticSource
 
     if args.url is None and args.synthetic is None:
         raise ShardtoolError("give a dataset URL or --synthetic N")
-    nodes = args.simulate_nodes or args.nodes or 1
     try:
-        layout = Layout(nodes, args.ranks_per_node)
-        batching = Batching(batch_size=args.batch_size, max_tokens=args.max_tokens,
-                            shuffle=not args.no_shuffle, seed=args.seed)
+        layout, mesh, dims, data = _layouts(args)
+        batching = Batching(batch_size=args.batch_size, max_tokens=args.max_tokens, shuffle=not args.no_shuffle,
+                            seed=args.seed)
+        if args.rank is not None:
+            layout.check_rank(args.rank)
     except ValueError as e:
         raise ShardtoolError(str(e)) from None
-    source, lengths, counts, shard_bytes = _metadata(args)
-    began = time.perf_counter()
-    try:
-        plan = plan_epoch(lengths, counts, layout, batching, args.epoch)
-    except ValueError as e:
-        raise ShardtoolError(str(e)) from None
-    plan_s = time.perf_counter() - began
-    began = time.perf_counter()
-    pieces = node_shard_ranges(lengths, counts, nodes)
-    nodes_s = time.perf_counter() - began
-    node_shards = [len(p) for p in pieces]
-    node_bytes = [int(sum(int(shard_bytes[s]) for s, _, _ in p)) for p in pieces]
-    node_samples = [int(sum(b - a for _, a, b in p)) for p in pieces]
-    shared = sum(1 for p in pieces for s, a, b in p if b - a < counts[s])
-    per_rank = np.diff(plan.batch_offsets).reshape(layout.world_size, plan.batches_per_rank) \
-        if plan.batches_per_rank else np.zeros((layout.world_size, 0), np.int64)
+    made = None
+    if args.synthetic is not None:
+        began = time.perf_counter()
+        source = SyntheticSource(args.synthetic, samples_per_shard=args.samples_per_shard, processes=args.processes)
+        source.summaries  # noqa: B018 - what a packed dataset stores
+        made = time.perf_counter() - began
+        name = f"synthetic:{args.synthetic}"
+        shard_bytes = source.summaries.tokens * 4  # int32 tokens
+    else:
+        source = open_dataset(args.url)
+        name = args.url
+        shard_bytes = np.array([s.bytes for s in source.manifest.shards], dtype=np.int64)
+    summaries = source.summaries
+    cuts = group_cuts(summaries, data.group_sizes)
+    pieces = group_shard_pieces(summaries, cuts)
+    per_node_shards = [sorted({s for g in data.groups_on_node(k) for s, _, _ in pieces[g]})
+                       for k in range(layout.num_nodes)]
+    node_bytes = np.array([int(shard_bytes[s].sum()) if s else 0 for s in per_node_shards], dtype=np.int64)
     report = {
-        "source": source,
-        "layout": {"nodes": nodes, "ranks_per_node": layout.ranks_per_node, "world_size": layout.world_size},
+        "source": name,
+        "layout": {"nodes": layout.num_nodes, "ranks_per_node": layout.ranks_per_node,
+                   "world_size": layout.world_size, "dp_size": data.dp_size, "data_groups": data.num_groups,
+                   "mesh": mesh.describe() if mesh else None, "dp_dims": list(dims)},
         "batching": {"batch_size": args.batch_size, "max_tokens": args.max_tokens, "seed": args.seed,
                      "epoch": args.epoch, "shuffle": not args.no_shuffle},
-        "samples": int(len(lengths)),
-        "shards": int(len(counts)),
-        "batches_per_rank": plan.batches_per_rank,
-        "samples_per_rank": _summary(per_rank.sum(axis=1)),
-        "padding_efficiency": plan.padding_efficiency,
-        "remainder": int(plan.remainder.size),
-        "shards_per_node": _summary(node_shards),
-        "bytes_per_node": _summary(node_bytes),
-        "samples_per_node": _summary(node_samples),
-        "split_shard_pieces": shared,
-        "planning_seconds": plan_s,
-        "node_assignment_seconds": nodes_s,
+        "samples": int(summaries.samples.sum()),
+        "shards": int(summaries.num_shards),
+        "synthetic_seconds": made,
+        "bytes_per_node": {"min": int(node_bytes.min()), "mean": float(node_bytes.mean()),
+                           "max": int(node_bytes.max())},
+        "bytes_per_node_max_over_mean": float(node_bytes.max() / node_bytes.mean()) if node_bytes.mean() else 1.0,
+        "shards_per_node": {"min": min(map(len, per_node_shards)), "max": max(map(len, per_node_shards))},
     }
+    if args.json and layout.num_nodes <= 4096:
+        report["per_node"] = {"shards": [len(s) for s in per_node_shards], "bytes": node_bytes.tolist()}
+    try:
+        if args.rank is not None:
+            report["scope"] = "rank"
+            report.update(_evaluate_rank(args, source))
+        else:
+            began = time.perf_counter()
+            sim = simulate_epoch(source, data, batching, args.epoch, processes=args.processes)
+            per_rank = sim.samples_per_rank
+            report.update({
+                "scope": "every group",
+                "plan_seconds": time.perf_counter() - began,
+                "peak_rss_mb": peak_rss_mb(),
+                "batches_per_rank": sim.shape.batches_per_rank,
+                "samples_per_rank": {"min": int(per_rank.min()), "max": int(per_rank.max())},
+                "padding_efficiency": sim.padding_efficiency,
+                "remainder_samples": sim.remainder_samples,
+                "remainder_tokens_fraction": sim.remainder_tokens_fraction,
+            })
+    except ValueError as e:
+        raise ShardtoolError(str(e)) from None
     if args.json:
-        report["per_node"] = {"shards": node_shards, "bytes": node_bytes, "samples": node_samples}
         print(json.dumps(report))
         return 0
-    b, s = report["bytes_per_node"], report["shards_per_node"]
-    print(f"dataset       {source}: {report['samples']:,} samples in {report['shards']:,} shards")
-    print(f"layout        {nodes} nodes x {layout.ranks_per_node} ranks = {layout.world_size} ranks")
-    print(f"batches/rank  {plan.batches_per_rank:,} (equal on every rank; samples/rank "
-          f"{report['samples_per_rank']['min']:,.0f}..{report['samples_per_rank']['max']:,.0f})")
-    print(f"padding eff.  {plan.padding_efficiency:.4f}")
-    print(f"remainder     {report['remainder']:,} samples not served this epoch (rotate across epochs)")
-    print(f"shards/node   min {s['min']:.0f}  mean {s['mean']:.1f}  max {s['max']:.0f}  "
-          f"({shared} pieces of shards split between nodes)")
-    print(f"bytes/node    min {_human(b['min'])}  mean {_human(b['mean'])}  max {_human(b['max'])} (whole shards to cache)")
-    print(f"planning      {plan_s:.3f} s (epoch plan), {nodes_s:.3f} s (node shards)")
+    _print(report, data)
     return 0
+
+
+def _print(report: dict, data) -> None:
+    lay, b = report["layout"], report["bytes_per_node"]
+    out = sys.stdout.write
+    out(f"dataset       {report['source']}: {report['samples']:,} samples in {report['shards']:,} shards\n")
+    if report["synthetic_seconds"] is not None:
+        out(f"              (made up, with its per-shard summaries, in {report['synthetic_seconds']:.1f} s)\n")
+    out(f"layout        {lay['nodes']} nodes x {lay['ranks_per_node']} ranks = {lay['world_size']} ranks; "
+        f"{data.describe()}\n")
+    out(f"batches/rank  {report['batches_per_rank']:,} (equal on every rank)\n")
+    if report["scope"] == "rank":
+        out(f"rank          {report['rank']} (DP rank {report['dp_rank']}, data group {report['group']} of "
+            f"{report['group_samples']:,} samples): {report['rank_samples']:,} samples\n")
+        out(f"padding eff.  {report['padding_efficiency']:.4f}\n")
+        out(f"remainder     {report['remainder_tokens_fraction']:.3%} of its group's tokens this epoch\n")
+        out(f"planning      {report['plan_seconds']:.3f} s, peak RSS {report['peak_rss_mb']:.0f} MB "
+            "(a fresh process, as a training rank at start-up)\n")
+    else:
+        spr = report["samples_per_rank"]
+        out(f"samples/rank  {spr['min']:,}..{spr['max']:,}\n")
+        out(f"padding eff.  {report['padding_efficiency']:.4f}\n")
+        out(f"remainder     {report['remainder_samples']:,} samples, {report['remainder_tokens_fraction']:.3%} of the "
+            "tokens, not served this epoch (rotates across epochs)\n")
+        out(f"planning      {report['plan_seconds']:.2f} s to simulate every group, peak RSS "
+            f"{report['peak_rss_mb']:.0f} MB (a training rank plans only its own: --rank R)\n")
+    s = report["shards_per_node"]
+    out(f"shards/node   {s['min']}..{s['max']}\n")
+    out(f"bytes/node    min {_human(b['min'])}  mean {_human(b['mean'])}  max {_human(b['max'])} "
+        f"(max/mean {report['bytes_per_node_max_over_mean']:.3f}; whole shards to cache)\n")

@@ -17,10 +17,15 @@ import pyarrow as pa
 
 from .arrowshard import KEY_COLUMN, check_schema, record_batch_from_range, row_values
 from .errors import FormatError
-from .fields import decode_bytes
+from .fields import decode_bytes, npy_layout
 from .hashing import hash_bytes, range_checksum
 from .manifest import MANIFEST_NAME, Manifest, check_length_summary, lengths_from_bytes, manifest_hash
 from .sindex import ShardIndex
+from .summaries import SUMMARIES_NAME, ShardSummaries
+
+
+class SummariesMissing(UserWarning):
+    """A dataset without usable per-shard summaries: planning reads every sample's length."""
 
 
 def is_local(fs) -> bool:
@@ -140,6 +145,7 @@ class Dataset:
         self.manifest = Manifest.from_json(manifest_bytes, source=f"{url}/{MANIFEST_NAME}")
         self.version = manifest_hash(manifest_bytes)
         self._lengths: np.ndarray | None = None
+        self._summaries: ShardSummaries | None = None
         self._indexes: dict[int, ShardIndex] = {}
         self._ranges: dict[int, Any] = {}
         self._arrow: dict[int, Any] = {}
@@ -186,12 +192,99 @@ class Dataset:
             self._lengths = lengths
         return self._lengths
 
+    def lengths_range(self, lo: int, hi: int) -> np.ndarray:
+        """Lengths of samples ``[lo, hi)`` without reading the others: a memory map of the local
+        lengths file, or one ranged read of a remote one (a planner reads only its own range)."""
+        if self._lengths is not None:
+            return self._lengths[lo:hi]
+        if not 0 <= lo <= hi <= self.manifest.num_samples:
+            raise ValueError(f"sample range [{lo}, {hi}) is outside [0, {self.manifest.num_samples}]")
+        path = self._path(self.manifest.lengths_file["path"])
+        try:
+            head = self.fs.cat_file(path, start=0, end=4096)
+            dtype, shape, _, offset = npy_layout(head)
+            if len(shape) != 1 or shape[0] != self.manifest.num_samples or dtype.kind not in "iu":
+                raise ValueError(f"expected {self.manifest.num_samples} integer lengths, found {shape} {dtype}")
+            if hi == lo:
+                return np.zeros(0, np.int64)
+            size = dtype.itemsize
+            data = self.fs.cat_file(path, start=offset + lo * size, end=offset + hi * size)
+        except FileNotFoundError:
+            raise FormatError(f"dataset {self.url}: lengths file {path} not found") from None
+        except ValueError as e:
+            raise FormatError(f"dataset {self.url}: unreadable lengths file {path} ({e})") from None
+        if len(data) != (hi - lo) * size:
+            raise FormatError(f"dataset {self.url}: lengths file {path} is cut short")
+        out = np.frombuffer(data, dtype=dtype).astype(np.int64)
+        if out.size and int(out.min()) < 0:
+            raise FormatError(f"dataset {self.url}: negative length in {path}")
+        return out
+
+    def lengths_from_indexes(self, lo: int, hi: int) -> np.ndarray:
+        """Lengths of samples ``[lo, hi)`` from the (hash-checked) sample indexes of the shards
+        holding them: for a reader that has those indexes at hand (the node cache) and not the
+        dataset-wide lengths file."""
+        first = int(np.searchsorted(self._offsets, lo, side="right")) - 1
+        parts = []
+        for shard in range(max(first, 0), self.num_shards):
+            begin, end = int(self._offsets[shard]), int(self._offsets[shard + 1])
+            if begin >= hi:
+                break
+            if end <= lo:
+                continue
+            idx = self._indexes.get(shard)
+            if idx is not None:
+                column = idx.lengths
+            else:
+                info = self.manifest.shards[shard]
+                try:
+                    table = pa.ipc.open_file(pa.py_buffer(self.load_index_bytes(shard))).read_all()
+                    column = table.column("length").to_numpy().astype(np.int64, copy=False)
+                except (pa.ArrowInvalid, OSError, KeyError) as e:
+                    raise FormatError(f"{info.path}: sample index is unreadable ({e})") from None
+                if column.size != info.samples:
+                    raise FormatError(f"{info.path}: index has {column.size} samples, manifest says {info.samples}")
+            parts.append(column[max(lo, begin) - begin : min(hi, end) - begin])
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    @property
+    def summaries(self) -> ShardSummaries:
+        """Per-shard counts, token sums and length histograms (O(shards) to read)."""
+        if self._summaries is None:
+            self._summaries = self.load_summaries(self.read_summaries_bytes())
+        return self._summaries
+
+    def read_summaries_bytes(self) -> bytes | None:
+        try:
+            return self.fs.cat_file(self._path(SUMMARIES_NAME))
+        except FileNotFoundError:
+            return None
+
+    def load_summaries(self, data: bytes | None) -> ShardSummaries:
+        """Summaries from ``data`` (the stored file's bytes), or computed from every sample's length
+        — with a warning, since that reads the whole lengths file on every rank — where a dataset
+        packed by an older shardtool has none or they do not match its lengths."""
+        import warnings
+
+        where = f"{self.url}/{SUMMARIES_NAME}"
+        total = (self.manifest.length.get("summary") or {}).get("total")
+        reason = "has no per-shard summaries (packed by shardtool < 0.2)"
+        if data is not None:
+            try:
+                return ShardSummaries.from_bytes(data, lengths_hash=self.manifest.lengths_file.get("hash"),
+                                                 counts=self.shard_counts, total_tokens=total, source=where)
+            except FormatError as e:
+                reason = f"has unusable per-shard summaries ({e})"
+        warnings.warn(f"dataset {self.url} {reason}: computing them from every sample's length, on every "
+                      f"rank; run `shardtool upgrade {self.url}` once to store them", SummariesMissing, stacklevel=3)
+        return ShardSummaries.from_lengths(self.lengths, self.shard_counts)
+
     @property
     def shard_counts(self) -> np.ndarray:
         return np.diff(self._offsets)
 
     def shard_lengths(self, shard: int) -> np.ndarray:
-        return self.lengths[self._offsets[shard] : self._offsets[shard + 1]]
+        return self.lengths_range(int(self._offsets[shard]), int(self._offsets[shard + 1]))
 
     def load_index_bytes(self, shard: int) -> bytes:
         info = self.manifest.shards[shard]

@@ -137,9 +137,10 @@ def npy_bytes(arr: np.ndarray) -> bytes:
     return _npy_header_of(arr.dtype, arr.shape) + arr.tobytes()
 
 
-def npy_decode(data: bytes | memoryview) -> np.ndarray:
-    """Parse npy bytes without ever unpickling (object arrays are refused)."""
-    mv = memoryview(data)
+def npy_layout(head: bytes | memoryview) -> tuple[np.dtype, tuple, bool, int]:
+    """(dtype, shape, fortran_order, data offset) from the first bytes of an npy payload (at
+    least its header), without ever unpickling (object arrays are refused)."""
+    mv = memoryview(head)
     if bytes(mv[:6]) != b"\x93NUMPY":
         raise ValueError("not an npy payload")
     major = mv[6]
@@ -149,6 +150,8 @@ def npy_decode(data: bytes | memoryview) -> np.ndarray:
     else:
         hlen = int.from_bytes(mv[8:12], "little")
         start = 12
+    if len(mv) < start + hlen:
+        raise ValueError("npy header is cut short")
     header = bytes(mv[start : start + hlen])
     parsed = _npy_parse_cache.get(header)
     if parsed is None:
@@ -159,9 +162,14 @@ def npy_decode(data: bytes | memoryview) -> np.ndarray:
         parsed = (dtype, tuple(d["shape"]), bool(d["fortran_order"]))
         if len(_npy_parse_cache) < 65536:
             _npy_parse_cache[header] = parsed
-    dtype, shape, fortran = parsed
+    return (*parsed, start + hlen)
+
+
+def npy_decode(data: bytes | memoryview) -> np.ndarray:
+    """Parse npy bytes without ever unpickling (object arrays are refused)."""
+    dtype, shape, fortran, offset = npy_layout(data)
     count = int(np.prod(shape)) if shape else 1
-    arr = np.frombuffer(mv, dtype=dtype, count=count, offset=start + hlen)
+    arr = np.frombuffer(memoryview(data), dtype=dtype, count=count, offset=offset)
     return arr.reshape(shape, order="F" if fortran else "C")
 
 

@@ -19,6 +19,7 @@ from .fields import FieldSpec, encode
 from .hashing import format_digest, hash_bytes, new_hasher, range_checksum
 from .manifest import LENGTHS_NAME, MANIFEST_NAME, Manifest, ShardInfo, lengths_to_bytes, length_summary
 from .sindex import ShardIndex
+from .summaries import SUMMARIES_NAME, ShardSummaries
 from .tarshard import TarShardWriter
 
 WRITE_BUFFER = 8 << 20
@@ -237,11 +238,20 @@ def range_checksums(path: str, offsets: np.ndarray, sizes: np.ndarray) -> np.nda
 
 
 def publish_manifest(root: str, manifest: Manifest, lengths: np.ndarray) -> bytes:
-    """Write ``lengths.npy`` then ``index.json``; the manifest goes last, as the commit marker."""
+    """Write ``lengths.npy``, the per-shard summaries, then ``index.json``; the manifest goes last,
+    as the commit marker."""
     data = lengths_to_bytes(lengths)
     atomic_write_bytes(os.path.join(root, LENGTHS_NAME), data)
     manifest.lengths_file = {"path": LENGTHS_NAME, "bytes": len(data), "hash": hash_bytes(data)}
+    write_summaries(root, manifest, lengths)
     manifest.length = {**manifest.length, "summary": length_summary(lengths)}
     body = manifest.to_json()
     atomic_write_bytes(os.path.join(root, MANIFEST_NAME), body)
     return body
+
+
+def write_summaries(root: str, manifest: Manifest, lengths: np.ndarray) -> None:
+    """``summaries.arrow``: per-shard counts, token sums and length histograms (see format.summaries)."""
+    counts = np.array([s.samples for s in manifest.shards], dtype=np.int64)
+    summaries = ShardSummaries.from_lengths(lengths, counts)
+    atomic_write_bytes(os.path.join(root, SUMMARIES_NAME), summaries.to_bytes(manifest.lengths_file["hash"]))

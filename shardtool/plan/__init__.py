@@ -1,43 +1,47 @@
 """The plan: which shards each node reads and which batches each rank serves.
 
-Pure numpy functions of the dataset metadata (sample lengths and shard counts), the layout and the
-batching config; no I/O, no torch. The loader, the cache warmer and `shardtool plan` all call these
-same functions, so the three agree by construction. Every decision lives here:
+Pure numpy functions of the dataset metadata (per-shard summaries, and the lengths of the one
+range a rank plans), the layout and the batching config; no torch. The loader, the cache warmer
+and `shardtool plan` all call these same functions, so the three agree by construction. Every
+decision lives here:
 
-- `layout`    — the job's nodes × ranks (`Layout`) and where one process sits in it (`Placement`)
+- `layout`    — the job's nodes × ranks (`Layout`), where one process sits (`Placement`), and who
+                reads what (`DataLayout`: DP size, data groups, their nodes)
 - `env`       — the one reader of torchrun / SLURM variables and explicit overrides
-- `ranges`    — node-sticky, token-balanced sample ranges; the shards a node must hold
+- `mesh`      — data layouts from a device mesh (TP/PP/CP replicas of a DP rank)
+- `source`    — what the planner reads (`PlanSource`: summaries + one range's lengths)
+- `ranges`    — node-sticky, token-balanced group ranges from the summaries; a node's shards
 - `batching`  — the batching config, seeds, length bucketing within shuffle windows
-- `balance`   — equal batch counts on every rank: surplus dropped (rotating), deficits split
-- `epoch`     — one epoch's exact ordered batches of every rank
-- `state`     — the resumable position (segments for elastic resume)
-- `synthetic` — the one lengths generator for synthetic corpora (tests, benchmarks, `--synthetic`)
+- `shape`     — what every rank computes alike: ranges, window, batches per DP rank
+- `balance`   — equal batch counts: the count, surplus dropped (rotating), deficits split
+- `group`     — one data group's epoch plan
+- `rank`      — one DP rank's batches, over resume segments (`Planner`)
+- `state`     — the resumable position
+- `simulate`  — every group at once, for `shardtool plan`
+- `synthetic` — the one lengths generator; a lazy synthetic plan source
 """
 
 from __future__ import annotations
 
-from .batching import PLAN_VERSION, Batching, resolve_window
+from .batching import PLAN_VERSION, Batching
 from .env import LayoutError, array_task, node_placement, rank_placement
-from .epoch import EpochPlan, plan_epoch
-from .layout import Layout, Placement
-from .ranges import node_ranges, node_shard_ranges, sample_locations, shards_for_node
-from .state import LoaderState
+from .group import GroupPlan, plan_group
+from .layout import DataLayout, Layout, Placement
+from .mesh import Mesh, data_layout, data_parallel, parse_mesh
+from .ranges import group_cuts, group_shard_pieces, sample_locations, shards_of_groups
+from .rank import Planner, RankPlan
+from .shape import PlanShape, plan_shape
+from .source import ArraySource, PlanSource
+from .state import LoaderState, StateError
 
 __all__ = [
-    "PLAN_VERSION",
-    "Batching",
-    "EpochPlan",
-    "Layout",
-    "LayoutError",
-    "LoaderState",
-    "Placement",
-    "array_task",
-    "node_placement",
-    "node_ranges",
-    "node_shard_ranges",
-    "plan_epoch",
-    "rank_placement",
-    "resolve_window",
-    "sample_locations",
-    "shards_for_node",
+    "PLAN_VERSION", "ArraySource", "Batching", "DataLayout", "GroupPlan", "Layout", "LayoutError", "LoaderState",
+    "Mesh", "PlanShape", "PlanSource", "Placement", "Planner", "RankPlan", "StateError", "array_task",
+    "data_layout", "data_parallel", "group_cuts", "group_shard_pieces", "node_placement", "parse_mesh", "plan_group", "plan_shape",
+    "rank_placement", "sample_locations", "shards_for_node", "shards_of_groups",
 ]
+
+
+def shards_for_node(summaries, layout: DataLayout, node: int) -> list[int]:
+    """Sorted shard indices node ``node`` reads under ``layout``: what its cache must hold."""
+    return shards_of_groups(summaries, group_cuts(summaries, layout.group_sizes), layout.groups_on_node(node))

@@ -6,44 +6,49 @@ import heapq
 
 import numpy as np
 
-__all__ = ["batches_per_rank", "fit_node", "deal_order"]
+__all__ = ["MAX_DROP", "batches_per_rank", "fit_group", "deal_order"]
 
 
-def batches_per_rank(node_batches: np.ndarray, node_samples: np.ndarray, ranks_per_node: int) -> int:
-    """The per-rank batch count n for the whole world (0 if some rank cannot get a batch).
+# Equal counts are chosen so that the batches dropped (estimated from the summaries) carry at
+# most this share of the epoch's tokens; deficit groups split batches instead, losing nothing.
+MAX_DROP = 0.002
 
-    Start from floor(total / world_size) and raise n until fewer than
-    world_size batches would be dropped world-wide: dropping loses samples for
-    this epoch, while splitting a deficit node's largest batches loses nothing.
-    n is capped so that every node can still split down to G*n non-empty
-    batches (a batch needs at least one sample).
+
+def batches_per_rank(group_batches: np.ndarray, group_tokens: np.ndarray, group_samples: np.ndarray,
+                     group_sizes: np.ndarray) -> int:
+    """The per-DP-rank batch count n for the whole world (0 if some rank cannot get a batch).
+
+    ``group_batches`` are each group's batch counts (exact, or estimated from the summaries): n
+    is the smallest count whose drop — what groups with more than k_g * n batches leave out —
+    carries at most MAX_DROP of the tokens, because dropping loses samples for this epoch while
+    splitting a deficit group's largest batches loses nothing. n is capped so that every group
+    can still split down to k_g * n non-empty batches (a batch needs at least one sample).
     """
-    g = ranks_per_node
-    world = g * node_batches.size
-    feasible = int(node_samples.min()) // g
-    # n = 0 would "drop fewer than world_size batches" on a small dataset, yet serve nothing:
-    # a rank always gets at least one batch when every node can split down to that.
-    low = max(1, int(node_batches.sum()) // world)
-    high = max(low, -(-int(node_batches.max()) // g))
+    batches = np.asarray(group_batches, dtype=np.float64)
+    tokens = np.asarray(group_tokens, dtype=np.float64)
+    sizes = np.asarray(group_sizes, dtype=np.int64)
+    feasible = int((np.asarray(group_samples, dtype=np.int64) // sizes).min())
+    per_batch = np.divide(tokens, batches, out=np.zeros_like(tokens), where=batches > 0)
+    allowed = MAX_DROP * float(tokens.sum())
 
-    def dropped(n: int) -> int:
-        return int(np.maximum(node_batches - g * n, 0).sum())
+    def dropped(n: int) -> float:
+        return float((np.maximum(batches - sizes * n, 0) * per_batch).sum())
 
-    # dropped() is non-increasing in n and dropped(high) == 0: binary search
-    # for the smallest n that drops fewer than world_size batches.
+    low, high = 1, max(1, int(np.ceil((batches / sizes).max(initial=1))))
+    # dropped() is non-increasing in n and dropped(high) == 0: the smallest n within the allowance.
     while low < high:
         mid = (low + high) // 2
-        if dropped(mid) < world:
+        if dropped(mid) <= allowed:
             high = mid
         else:
             low = mid + 1
     return min(low, feasible)
 
 
-def fit_node(starts: np.ndarray, target: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-    """Bring a node's batches (boundaries `starts`, last = end) to exactly `target`.
+def fit_group(starts: np.ndarray, target: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bring a group's batches (boundaries `starts`, last = end) to exactly `target`.
 
-    Returns (batch_starts, batch_stops) into the node's ordered ids. Surplus
+    Returns (batch_starts, batch_stops) into the group's ordered ids. Surplus
     batches are dropped from a window that moves with the epoch, so that even
     without shuffling a different set is left out each epoch. Deficits are
     filled by splitting the batches with most samples into near-equal parts,
@@ -80,6 +85,6 @@ def fit_node(starts: np.ndarray, target: int, epoch: int) -> tuple[np.ndarray, n
     return new_begin, new_end
 
 
-def deal_order(per_rank: int, ranks_per_node: int) -> np.ndarray:
-    """Node batch positions in rank-major order: local rank j gets batches j, j+G, j+2G, ..."""
-    return np.arange(per_rank * ranks_per_node).reshape(per_rank, ranks_per_node).T.ravel()
+def deal_order(per_rank: int, group_size: int) -> np.ndarray:
+    """Group batch positions in rank-major order: local rank j gets batches j, j+k, j+2k, ..."""
+    return np.arange(per_rank * group_size).reshape(per_rank, group_size).T.ravel()

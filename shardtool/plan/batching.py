@@ -1,4 +1,4 @@
-"""Batching config, seeds, and length bucketing of one node's samples."""
+"""Batching config, seeds, and length bucketing of one data group's samples."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-__all__ = ["Batching", "PLAN_VERSION", "node_rng", "resolve_window", "bucket", "gather_runs"]
+__all__ = ["Batching", "PLAN_VERSION", "group_rng", "resolve_window", "bucket", "gather_runs"]
 
 # Bumped whenever the planning algorithm changes the batches it produces, so a
 # saved position is never replayed against a different plan.
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 
 # A window of this many batches' worth of samples sorts enough neighbours
 # together to keep padding efficiency above 0.95 on lognormal text lengths,
@@ -39,7 +39,11 @@ class Batching:
     Default: 256 batches' worth of samples (256 * batch_size; or
     256 * max_tokens / mean length), which measured >= 0.95 padding efficiency
     on lognormal lengths. In batch_size mode the window is rounded up to a
-    multiple of batch_size so that only the node's last window has a short batch.
+    multiple of batch_size so that only the group's last window has a short batch.
+
+    `bucketing` sorts by length within windows; it defaults to `shuffle`, so that
+    ``shuffle=False`` gives plain dataset order (each data group reads its range in order, its
+    ranks take turns batch by batch, like ``DistributedSampler(shuffle=False)``).
     """
 
     batch_size: int | None = None
@@ -47,6 +51,7 @@ class Batching:
     shuffle: bool = True
     seed: int = 0
     window: int | None = None
+    bucketing: bool | None = None
 
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.max_tokens is None):
@@ -59,6 +64,10 @@ class Batching:
         _optional_positive("window", self.window)
         if not isinstance(self.shuffle, bool):
             raise ValueError(f"shuffle must be a bool, found {self.shuffle!r}")
+        if self.bucketing is None:
+            object.__setattr__(self, "bucketing", self.shuffle)
+        if not isinstance(self.bucketing, bool):
+            raise ValueError(f"bucketing must be a bool or None, found {self.bucketing!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an int >= 0, found {self.seed!r}")
 
@@ -70,22 +79,21 @@ class Batching:
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def node_rng(batching: Batching, epoch: int, node: int) -> np.random.Generator:
-    # Hashing the arguments (not hash(), not global state) makes every process
-    # derive the same stream for the same (seed, epoch, node).
-    return np.random.default_rng(np.random.SeedSequence([batching.seed, epoch, node, PLAN_VERSION]))
+def group_rng(batching: Batching, epoch: int, group: int, num_groups: int) -> np.random.Generator:
+    # Hashing the arguments (not hash(), not global state) makes every process derive the same
+    # stream for the same (seed, epoch, group of so many groups).
+    return np.random.default_rng(np.random.SeedSequence([batching.seed, epoch, group, num_groups, PLAN_VERSION]))
 
 
-def resolve_window(batching: Batching, lengths: np.ndarray) -> int:
-    """The window in samples; depends on the whole dataset so every subset plan agrees."""
+def resolve_window(batching: Batching, mean_weight: float) -> int:
+    """The window in samples, from the dataset's mean of max(length, 1) (the same for every group)."""
     if batching.batch_size is not None:
         size = batching.batch_size
         window = batching.window if batching.window is not None else WINDOW_BATCHES * size
         return -(-window // size) * size
     if batching.window is not None:
         return batching.window
-    mean = float(np.maximum(lengths, 1).mean()) if lengths.size else 1.0
-    return WINDOW_BATCHES * max(1, int(batching.max_tokens // mean))
+    return WINDOW_BATCHES * max(1, int(batching.max_tokens // max(mean_weight, 1.0)))
 
 
 def bucket(
@@ -95,18 +103,23 @@ def bucket(
     window: int,
     rng: np.random.Generator | None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Bucket one node's sample ids into batches.
+    """Bucket one group's samples into batches.
 
-    Returns (ordered_ids, starts): batch b is ordered_ids[starts[b]:starts[b+1]]
-    (starts ends with len(ordered_ids)), batches already in their shuffled order.
-    Without an rng nothing is random: windows follow id order, ties by id.
+    ``lengths[i]`` is the length of ``ids[i]``. Returns (ordered_ids, starts): batch b is
+    ordered_ids[starts[b]:starts[b+1]] (starts ends with len(ordered_ids)), batches already in
+    their shuffled order. Without an rng nothing is random: windows follow id order, ties by id.
+    Without ``batching.bucketing`` batches are cut in that order, with no sorting by length.
     """
     n = ids.size
     if n == 0:
         return ids, np.zeros(1, dtype=np.int64)
+    lens = lengths
     if rng is not None:
-        ids = ids[rng.permutation(n)]
-    lens = lengths[ids]
+        perm = rng.permutation(n)
+        ids, lens = ids[perm], lens[perm]
+    if not batching.bucketing:
+        starts = _in_order_starts(lens, batching)
+        return _shuffle_batches(ids, np.append(starts, n), rng)
     positions = np.arange(n, dtype=np.int64)
     if batching.batch_size is not None:
         window_id = positions // window
@@ -116,7 +129,7 @@ def bucket(
         window_id = positions * count // n
     # Longest first inside each window: then a batch opened at sample s is
     # padded to lengths[s] and its size follows from the budget alone.
-    order = np.lexsort((-lens, window_id))
+    order = _window_order(lens, window_id)
     ids, lens = ids[order], lens[order]
     window_starts = np.flatnonzero(np.diff(window_id, prepend=-1))
     window_stops = np.append(window_starts[1:], n)
@@ -124,13 +137,44 @@ def bucket(
         starts = _fixed_starts(window_starts, window_stops, batching.batch_size)
     else:
         starts = _budget_starts(window_starts, window_stops, lens, batching.max_tokens)
-    starts = np.append(starts, n)
-    if rng is not None:
-        sizes = np.diff(starts)
-        perm = rng.permutation(sizes.size)
-        ids = gather_runs(ids, starts[:-1][perm], sizes[perm])
-        starts = np.concatenate([[0], np.cumsum(sizes[perm])])
-    return ids, starts
+    return _shuffle_batches(ids, np.append(starts, n), rng)
+
+
+def _window_order(lens: np.ndarray, window_id: np.ndarray) -> np.ndarray:
+    """Stable order by (window, longest first): np.lexsort's, by two radix passes where lengths fit
+    16 bits (about 4x faster than lexsort on a group of 100k samples)."""
+    longest = int(lens.max(initial=0))
+    if longest >= 1 << 16 or int(window_id.max(initial=0)) >= 1 << 16:
+        return np.lexsort((-lens, window_id))
+    by_length = np.argsort((longest - lens).astype(np.uint16), kind="stable")
+    return by_length[np.argsort(window_id[by_length].astype(np.uint16), kind="stable")]
+
+
+def _shuffle_batches(ids: np.ndarray, starts: np.ndarray, rng) -> tuple[np.ndarray, np.ndarray]:
+    if rng is None:
+        return ids, starts
+    sizes = np.diff(starts)
+    perm = rng.permutation(sizes.size)
+    ids = gather_runs(ids, starts[:-1][perm], sizes[perm])
+    return ids, np.concatenate([[0], np.cumsum(sizes[perm])]).astype(np.int64)
+
+
+def _in_order_starts(lens: np.ndarray, batching: Batching) -> np.ndarray:
+    """Batch starts over samples in the given order: fixed sizes, or the longest-so-far times the
+    count within the budget (padding counted), never reordering."""
+    n = lens.size
+    if batching.batch_size is not None:
+        return np.arange(0, n, batching.batch_size, dtype=np.int64)
+    budget = batching.max_tokens
+    starts, s, longest = [0], 0, 0
+    for i, length in enumerate(np.maximum(lens, 1).tolist()):
+        longest_with = max(longest, length)
+        if (i - s + 1) * longest_with > budget:
+            starts.append(i)
+            s, longest = i, length
+        else:
+            longest = longest_with
+    return np.asarray(starts, dtype=np.int64)
 
 
 def _fixed_starts(window_starts: np.ndarray, window_stops: np.ndarray, size: int) -> np.ndarray:

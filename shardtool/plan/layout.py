@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Layout", "Placement", "require_positive_int"]
+__all__ = ["DataLayout", "Layout", "Placement", "require_positive_int"]
 
 
 def require_positive_int(name: str, value: Any) -> int:
@@ -85,3 +85,77 @@ class Placement:
     def to_dict(self) -> dict:
         return {"node": self.node, "num_nodes": self.layout.num_nodes, "ranks_per_node": self.layout.ranks_per_node,
                 "rank": self.rank, "from": self.source}
+
+
+@dataclass(frozen=True)
+class DataLayout:
+    """Who reads what: the data-parallel (DP) size and the *data groups*.
+
+    A data group is a contiguous block of DP ranks that read one contiguous, token-balanced range
+    of the data: the DP ranks of one node, or, when model-parallel peers (TP/PP/CP) of a DP rank
+    span nodes, every DP rank whose peers share those nodes. ``group_sizes[g]`` DP ranks form group
+    g; ``group_nodes[g]`` are the nodes hosting its ranks (what the warmer needs). Replicas — the
+    ranks of one DP rank — compute the same plan, so they get byte-identical batches.
+    """
+
+    dp_size: int
+    group_sizes: tuple[int, ...]
+    group_nodes: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        require_positive_int("dp_size", self.dp_size)
+        if not self.group_sizes or any(isinstance(k, bool) or not isinstance(k, int) or k < 1
+                                       for k in self.group_sizes):
+            raise ValueError(f"group_sizes must be ints >= 1, found {self.group_sizes!r}")
+        if sum(self.group_sizes) != self.dp_size:
+            raise ValueError(f"group sizes {self.group_sizes} do not add up to dp_size {self.dp_size}")
+        if len(self.group_nodes) != len(self.group_sizes):
+            raise ValueError("group_nodes must name the nodes of every group")
+
+    @classmethod
+    def pure_dp(cls, layout: Layout) -> "DataLayout":
+        """DDP/FSDP: every rank is its own DP rank, and each node's ranks form one group."""
+        return cls(layout.world_size, (layout.ranks_per_node,) * layout.num_nodes,
+                   tuple((n,) for n in range(layout.num_nodes)))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_sizes)
+
+    def first_dp_rank(self, group: int) -> int:
+        return sum(self.group_sizes[:group])
+
+    def group_of(self, dp_rank: int) -> tuple[int, int]:
+        """(group, index of ``dp_rank`` inside its group)."""
+        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank must be an int in [0, {self.dp_size}), found {dp_rank!r}")
+        first = 0
+        for g, k in enumerate(self.group_sizes):
+            if dp_rank < first + k:
+                return g, dp_rank - first
+            first += k
+        raise AssertionError("unreachable")  # sizes add up to dp_size
+
+    def groups_on_node(self, node: int) -> list[int]:
+        return [g for g, nodes in enumerate(self.group_nodes) if node in nodes]
+
+    def identity(self) -> dict:
+        """What the plan depends on (the nodes do not change which samples a DP rank reads)."""
+        runs: list[list[int]] = []
+        for k in self.group_sizes:
+            if runs and runs[-1][0] == k:
+                runs[-1][1] += 1
+            else:
+                runs.append([k, 1])
+        return {"dp_size": self.dp_size, "groups": runs}
+
+    @classmethod
+    def from_identity(cls, data: dict) -> "DataLayout":
+        """The layout a state segment recorded; its nodes are unknown (and never needed to replay it)."""
+        sizes = tuple(int(k) for k, count in data["groups"] for _ in range(int(count)))
+        return cls(int(data["dp_size"]), sizes, tuple(() for _ in sizes))
+
+    def describe(self) -> str:
+        sizes = sorted(set(self.group_sizes))
+        per = f"{sizes[0]}" if len(sizes) == 1 else "/".join(map(str, sizes))
+        return f"{self.dp_size} data-parallel rank(s) in {self.num_groups} data group(s) of {per}"

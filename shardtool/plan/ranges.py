@@ -1,92 +1,66 @@
-"""Which samples, and so which shards, each node owns.
+"""Which samples, and so which shards, each data group reads: node-sticky, token-balanced ranges.
 
-Ownership depends only on the sample lengths and the node count, never on seed,
-epoch or batching, so a node's cache stays valid across epochs and the cache
-warmer can compute it without any training config.
+Ranges depend only on the per-shard summaries and the data layout, never on seed, epoch or
+batching, so a node's cache stays valid across epochs and the warmer needs no training config.
+They are computed from the O(shards) summaries alone: a cut falls in the shard where the
+cumulative weight (sum of max(length, 1)) reaches the group's share, at the sample position that
+weight fraction of the shard gives. Every rank computes every cut without reading any per-sample
+length, and a boundary shard is split at a sample boundary between two neighbours.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
-__all__ = [
-    "as_lengths",
-    "as_shard_counts",
-    "node_ranges",
-    "node_shard_ranges",
-    "shards_for_node",
-    "sample_locations",
-]
+from ..format.summaries import ShardSummaries
+
+__all__ = ["group_cuts", "group_shard_pieces", "locate_ids", "sample_locations", "shards_of_groups"]
 
 
-def as_lengths(lengths) -> np.ndarray:
-    arr = np.asarray(lengths)
-    if arr.ndim != 1:
-        raise ValueError(f"lengths must be 1-D, found shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"lengths must be integers, found dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size and arr.min() < 0:
-        bad = int(np.argmin(arr))
-        raise ValueError(f"lengths must be >= 0, found {arr[bad]} at sample {bad}")
-    return arr
+def group_cuts(summaries: ShardSummaries, group_sizes: Sequence[int]) -> np.ndarray:
+    """Cut points: group g reads global sample ids [cuts[g], cuts[g+1]).
 
-
-def as_shard_counts(shard_counts, num_samples: int) -> np.ndarray:
-    counts = np.asarray(shard_counts)
-    if counts.ndim != 1 or (counts.size and not np.issubdtype(counts.dtype, np.integer)):
-        raise ValueError(f"shard_counts must be a 1-D integer array, found {counts.dtype} {counts.shape}")
-    counts = counts.astype(np.int64, copy=False)
-    if counts.size and counts.min() < 0:
-        raise ValueError(f"shard_counts must be >= 0, found {counts.min()}")
-    if int(counts.sum()) != num_samples:
-        raise ValueError(
-            f"shard_counts must add up to the number of lengths: found {int(counts.sum())}, "
-            f"expected {num_samples}"
-        )
-    return counts
-
-
-def _check_num_nodes(num_nodes: int) -> None:
-    if isinstance(num_nodes, bool) or not isinstance(num_nodes, (int, np.integer)) or num_nodes < 1:
-        raise ValueError(f"num_nodes must be an int >= 1, found {num_nodes!r}")
-
-
-def node_ranges(lengths, num_nodes: int) -> np.ndarray:
-    """Cut points: node k owns global sample ids [cuts[k], cuts[k+1]).
-
-    Each cut is the sample boundary nearest to k/num_nodes of the cumulative
-    token count, weighting every sample as max(length, 1) so that runs of empty
-    samples are still spread. Each node therefore holds total/num_nodes tokens
-    give or take one sample. With fewer samples than nodes some ranges are empty.
+    Group g's share of the total weight is group_sizes[g] / sum(group_sizes). Exact integer
+    arithmetic (Python ints: the products outgrow int64 at 10^9 samples), so every rank on every
+    machine gets the same cuts.
     """
-    lengths = as_lengths(lengths)
-    _check_num_nodes(num_nodes)
-    n = int(num_nodes)
-    # Integer arithmetic on cum * n vs k * total keeps the cuts exact (and
-    # identical on every machine) where float division could round either way.
-    bounds = np.zeros(lengths.size + 1, dtype=np.int64)
-    np.cumsum(np.maximum(lengths, 1), out=bounds[1:])
-    total = int(bounds[-1])
-    scaled = bounds * n
-    targets = np.arange(1, n, dtype=np.int64) * total
-    upper = np.searchsorted(scaled, targets, side="left")
-    lower = np.maximum(upper - 1, 0)
-    upper = np.minimum(upper, lengths.size)
-    take_lower = (targets - scaled[lower]) <= (scaled[upper] - targets)
-    inner = np.where(take_lower, lower, upper)
-    return np.concatenate([[0], inner, [lengths.size]]).astype(np.int64)
+    sizes = [int(k) for k in group_sizes]
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"group sizes must be >= 1, found {list(group_sizes)}")
+    counts = summaries.samples.tolist()
+    weights = summaries.weight.tolist()
+    offsets = np.concatenate([[0], np.cumsum(summaries.samples)]).astype(np.int64)
+    cum_w = np.concatenate([[0], np.cumsum(summaries.weight)]).astype(np.int64)
+    total, ranks = int(cum_w[-1]), sum(sizes)
+    cuts = [0]
+    before = 0
+    for k in sizes[:-1]:
+        before += k
+        # target weight = total * before / ranks, compared as total * before vs cum_w * ranks
+        target = total * before
+        if not counts:
+            cuts.append(0)
+            continue
+        # The last shard starting at or before the target (cum_w[s] * ranks <= target, in integers).
+        shard = min(int(np.searchsorted(cum_w, target // ranks, side="right")) - 1, len(counts) - 1)
+        inside = target - int(cum_w[shard]) * ranks  # weight into the shard, times `ranks`
+        span = weights[shard] * ranks
+        pos = int(offsets[shard])
+        if span > 0:
+            pos += min((2 * inside * counts[shard] + span) // (2 * span), counts[shard])
+        cuts.append(max(pos, cuts[-1]))
+    cuts.append(int(offsets[-1]))
+    return np.asarray(cuts, dtype=np.int64)
 
 
-def node_shard_ranges(lengths, shard_counts, num_nodes: int) -> list[list[tuple[int, int, int]]]:
-    """Per node, the (shard, start_in_shard, stop_in_shard) pieces it reads, in shard order.
+def group_shard_pieces(summaries: ShardSummaries, cuts: np.ndarray) -> list[list[tuple[int, int, int]]]:
+    """Per group, the (shard, start_in_shard, stop_in_shard) pieces it reads, in shard order.
 
     Empty shards are never listed: there is nothing in them to read or cache.
     """
-    lengths = as_lengths(lengths)
-    counts = as_shard_counts(shard_counts, lengths.size)
-    cuts = node_ranges(lengths, num_nodes)
-    offsets = np.concatenate([[0], np.cumsum(counts)])
+    offsets = np.concatenate([[0], np.cumsum(summaries.samples)]).astype(np.int64)
     result: list[list[tuple[int, int, int]]] = []
     for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
         pieces: list[tuple[int, int, int]] = []
@@ -101,12 +75,10 @@ def node_shard_ranges(lengths, shard_counts, num_nodes: int) -> list[list[tuple[
     return result
 
 
-def shards_for_node(lengths, shard_counts, node: int, num_nodes: int) -> list[int]:
-    """Sorted shard indices node `node` reads: what its cache must hold."""
-    _check_num_nodes(num_nodes)
-    if isinstance(node, bool) or not isinstance(node, (int, np.integer)) or not 0 <= node < num_nodes:
-        raise ValueError(f"node must be in [0, {num_nodes}), found {node!r}")
-    return [shard for shard, _, _ in node_shard_ranges(lengths, shard_counts, num_nodes)[int(node)]]
+def shards_of_groups(summaries: ShardSummaries, cuts: np.ndarray, groups: Sequence[int]) -> list[int]:
+    """Sorted shard indices the given groups read: what a node hosting them must cache."""
+    pieces = group_shard_pieces(summaries, cuts)
+    return sorted({shard for g in groups for shard, _, _ in pieces[g]})
 
 
 def sample_locations(shard_counts, ids) -> tuple[np.ndarray, np.ndarray]:

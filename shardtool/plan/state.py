@@ -1,92 +1,110 @@
 """Resumable loader state: a position in a deterministic plan, not a history.
 
-The state names the epoch and, per *segment* of that epoch, the layout it ran
-on and how many batches every rank served. Segment 0 is the epoch's plan; each
-resume onto a different layout closes the last segment and plans what is left
-of the epoch on the new layout as a new segment. Replaying the chain of plans
-(pure functions) recovers exactly which samples were served, so the state stays
-a few numbers, identical on every rank, whatever the dataset size.
-
-Remainder rule: a sample is "remaining" until it has been served. Samples left
-in a segment's remainder are therefore eligible again in the next segment; a
-sample is never served twice in an epoch, and at the end of the epoch the
-unserved samples are exactly the last segment's remainder.
+The state names the epoch and, per *segment* of that epoch, the data layout it ran on (DP size
+and data groups), the batches every DP rank had in it and how many it served. Segment 0 is the
+epoch's plan. A resume onto another data layout (a node lost, a DP size changed) closes the last
+segment and deals the batches it had not served yet — in their order, as whole batches — to the
+new layout's DP ranks in equal shares: segment j's DP rank d serves positions
+[d·n_j, (d+1)·n_j) of that sequence, n_j = (remaining batches) // (new DP size), and the few
+left over join the epoch's remainder. So nothing is served twice, every batch is still one of
+the epoch's plan, and replaying the chain is arithmetic plus the plans of the groups a rank's
+batches come from — about its own share. The state stays a few numbers, JSON, identical on
+every rank.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-import numpy as np
-
 from .batching import Batching
-from .epoch import EpochPlan, plan_subset
-from .layout import Layout
+from .layout import DataLayout
 
-__all__ = [
-    "STATE_VERSION",
-    "LoaderState",
-    "check_compatible",
-    "plan_for_state",
-    "remaining_subset",
-]
+__all__ = ["STATE_VERSION", "LoaderState", "StateError", "check_compatible"]
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+_SEGMENT_KEYS = {"dp_size", "groups", "batches", "served"}
 
 
-def _segment(world_size: Any, ranks_per_node: Any, served: Any) -> dict[str, int]:
-    for name, value, low in (("world_size", world_size, 1), ("ranks_per_node", ranks_per_node, 1), ("served", served, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"segment {name} must be an int >= {low}, found {value!r}")
-    if world_size % ranks_per_node:
-        raise ValueError(
-            f"segment world_size must be a multiple of ranks_per_node: found {world_size}, {ranks_per_node}"
-        )
-    return {"world_size": world_size, "ranks_per_node": ranks_per_node, "served": served}
+class StateError(ValueError):
+    """A loader state that cannot be used here; the message says why and what to do."""
 
 
-def _layout_of(segment: Mapping[str, int]) -> Layout:
-    return Layout(segment["world_size"] // segment["ranks_per_node"], segment["ranks_per_node"])
+def _int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise StateError(f"segment {name} must be an int >= {low}, found {value!r}")
+    return value
+
+
+def _segment(identity: Mapping[str, Any], batches: Any, served: Any) -> dict[str, Any]:
+    try:
+        layout = DataLayout.from_identity(identity)
+    except (KeyError, TypeError, ValueError) as e:
+        raise StateError(f"segment layout {dict(identity)!r} is malformed ({e})") from None
+    batches, served = _int("batches", batches, 0), _int("served", served, 0)
+    if served > batches:
+        raise StateError(f"segment served {served} of only {batches} batches")
+    return {**layout.identity(), "batches": batches, "served": served}
+
+
+def segment_layout(segment: Mapping[str, Any]) -> DataLayout:
+    return DataLayout.from_identity(segment)
+
+
+def _v1_fingerprint(batching: Batching) -> str:
+    """The batching fingerprint the previous release (plan version 1) gave this config."""
+    fields = {"batch_size": batching.batch_size, "max_tokens": batching.max_tokens, "shuffle": batching.shuffle,
+              "seed": batching.seed, "window": batching.window}
+    canonical = json.dumps({"plan_version": 1, **fields}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 @dataclass
 class LoaderState:
-    """Where the loader is: epoch, and batches served per rank in each layout segment."""
+    """Where the loader is: epoch, and per layout segment its batches per DP rank and those served."""
 
     epoch: int
     dataset_fingerprint: str
     batching_fingerprint: str
-    segments: list[dict[str, int]] = field(default_factory=list)
+    segments: list[dict[str, Any]] = field(default_factory=list)
     version: int = STATE_VERSION
 
     @classmethod
-    def start(cls, epoch: int, dataset_fingerprint: str, batching: Batching, layout: Layout) -> "LoaderState":
-        """The state before the first batch of `epoch` on `layout`."""
-        return cls(epoch, dataset_fingerprint, batching.fingerprint(), [_segment(layout.world_size, layout.ranks_per_node, 0)])
+    def start(cls, epoch: int, dataset_fingerprint: str, batching: Batching, layout: DataLayout,
+              batches: int) -> "LoaderState":
+        """The state before the first batch of ``epoch`` on ``layout`` (``batches`` per DP rank)."""
+        return cls(epoch, dataset_fingerprint, batching.fingerprint(), [_segment(layout.identity(), batches, 0)])
 
-    def resumed_on(self, layout: Layout) -> "LoaderState":
-        """This state continued on `layout`: a new segment if the layout changed (pair with `plan_for_state`)."""
-        if self.segments and _layout_of(self.segments[-1]) == layout:
-            return self.copy()
+    @property
+    def last(self) -> dict[str, Any]:
+        if not self.segments:
+            raise StateError("loader state has no segments")
+        return self.segments[-1]
+
+    def same_layout(self, layout: DataLayout) -> bool:
+        return bool(self.segments) and segment_layout(self.last).identity() == layout.identity()
+
+    def resumed_on(self, layout: DataLayout, batches: int) -> "LoaderState":
+        """This state continued on ``layout``: a new segment of ``batches`` per DP rank if the
+        layout changed (`shardtool.plan.rank.next_segment_batches` gives the count). A state with
+        no segment (the start of an epoch) starts its first one."""
         new = self.copy()
-        new.segments.append(_segment(layout.world_size, layout.ranks_per_node, 0))
+        if not self.same_layout(layout):
+            new.segments.append(_segment(layout.identity(), batches, 0))
         return new
 
     def with_served(self, served: int) -> "LoaderState":
-        """This state after every rank has served `served` batches of the current segment."""
-        if not self.segments:
-            raise ValueError("state has no segment to advance; create it with LoaderState.start")
+        """This state after every DP rank has served ``served`` batches of the current segment."""
         new = self.copy()
-        last = new.segments[-1]
-        new.segments[-1] = _segment(last["world_size"], last["ranks_per_node"], served)
+        last = new.last
+        new.segments[-1] = _segment(last, last["batches"], served)
         return new
 
     def copy(self) -> "LoaderState":
-        return LoaderState(
-            self.epoch, self.dataset_fingerprint, self.batching_fingerprint,
-            [dict(s) for s in self.segments], self.version,
-        )
+        return LoaderState(self.epoch, self.dataset_fingerprint, self.batching_fingerprint,
+                           [dict(s, groups=[list(g) for g in s["groups"]]) for s in self.segments], self.version)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -94,100 +112,67 @@ class LoaderState:
             "epoch": self.epoch,
             "dataset_fingerprint": self.dataset_fingerprint,
             "batching_fingerprint": self.batching_fingerprint,
-            "segments": [dict(s) for s in self.segments],
+            "segments": [dict(s, groups=[list(g) for g in s["groups"]]) for s in self.segments],
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "LoaderState":
+    def from_dict(cls, data: Mapping[str, Any], *, batching: Batching | None = None) -> "LoaderState":
+        """Parse a saved state. A state of the previous release (version 1) loads when it sits at
+        the start of an epoch (no batch served), which every plan version agrees on; ``batching``
+        (the config it is loaded under) checks that it was saved with the same config."""
         if not isinstance(data, Mapping):
-            raise ValueError(f"loader state must be a mapping, found {type(data).__name__}")
+            raise StateError(f"loader state must be a mapping, found {type(data).__name__}")
+        if data.get("version") == 1:
+            return cls._from_v1(data, batching)
         expected = {"version", "epoch", "dataset_fingerprint", "batching_fingerprint", "segments"}
         if set(data) != expected:
-            raise ValueError(f"loader state keys: found {sorted(data)}, expected {sorted(expected)}")
+            raise StateError(f"loader state keys: found {sorted(data)}, expected {sorted(expected)}")
         if data["version"] != STATE_VERSION:
-            raise ValueError(f"unsupported loader state version: found {data['version']!r}, expected {STATE_VERSION}")
-        epoch = data["epoch"]
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"loader state epoch must be an int >= 0, found {epoch!r}")
+            raise StateError(f"unsupported loader state version: found {data['version']!r}, expected {STATE_VERSION}")
+        epoch = _int("epoch", data["epoch"], 0)
         for key in ("dataset_fingerprint", "batching_fingerprint"):
             if not isinstance(data[key], str):
-                raise ValueError(f"loader state {key} must be a string, found {data[key]!r}")
+                raise StateError(f"loader state {key} must be a string, found {data[key]!r}")
         segments = data["segments"]
         if not isinstance(segments, Sequence) or isinstance(segments, str) or not segments:
-            raise ValueError(f"loader state segments must be a non-empty list, found {segments!r}")
+            raise StateError(f"loader state segments must be a non-empty list, found {segments!r}")
         parsed = []
         for seg in segments:
-            if not isinstance(seg, Mapping) or set(seg) != {"world_size", "ranks_per_node", "served"}:
-                raise ValueError(
-                    f"loader state segment: found {seg!r}, expected keys world_size, ranks_per_node, served"
-                )
-            parsed.append(_segment(seg["world_size"], seg["ranks_per_node"], seg["served"]))
+            if not isinstance(seg, Mapping) or set(seg) != _SEGMENT_KEYS:
+                raise StateError(f"loader state segment: found {seg!r}, expected keys {sorted(_SEGMENT_KEYS)}")
+            parsed.append(_segment(seg, seg["batches"], seg["served"]))
         return cls(epoch, data["dataset_fingerprint"], data["batching_fingerprint"], parsed, STATE_VERSION)
+
+    @classmethod
+    def _from_v1(cls, data: Mapping[str, Any], batching: Batching | None) -> "LoaderState":
+        segments = data.get("segments") or []
+        epoch = data.get("epoch")
+        at_start = len(segments) == 1 and isinstance(segments[0], Mapping) and segments[0].get("served") == 0
+        if not at_start:
+            raise StateError(
+                f"this loader state was saved by shardtool 0.1 in the middle of epoch {epoch!r}; its plan "
+                "(version 1) ordered batches differently from this release's, so that position cannot be "
+                "carried over exactly. Finish the epoch with shardtool 0.1, or start epoch "
+                f"{epoch!r} afresh here with loader.set_epoch({epoch!r}) (its samples served before the "
+                "checkpoint are then seen again)")
+        if batching is not None and data.get("batching_fingerprint") != _v1_fingerprint(batching):
+            raise StateError("loader state was saved with another batching config: found fingerprint "
+                             f"{data.get('batching_fingerprint')!r}, expected {_v1_fingerprint(batching)!r} for "
+                             f"{batching} (as shardtool 0.1 computed it)")
+        # No segment: the start of the epoch, on whatever layout loads it.
+        return cls(_int("epoch", epoch, 0), str(data.get("dataset_fingerprint")),
+                   batching.fingerprint() if batching is not None else "", [], STATE_VERSION)
 
 
 def check_compatible(state: LoaderState, dataset_fingerprint: str, batching: Batching) -> None:
-    """Refuse a state saved for another dataset, batching config or state version."""
-    if state.version != STATE_VERSION:
-        raise ValueError(f"unsupported loader state version: found {state.version!r}, expected {STATE_VERSION}")
+    """Refuse a state saved for another dataset or batching config."""
     if state.dataset_fingerprint != dataset_fingerprint:
-        raise ValueError(
+        raise StateError(
             "loader state was saved for another dataset: found dataset fingerprint "
             f"{state.dataset_fingerprint!r}, expected {dataset_fingerprint!r}"
         )
-    _check_batching(state, batching)
-
-
-def _check_batching(state: LoaderState, batching: Batching) -> None:
     if state.batching_fingerprint != batching.fingerprint():
-        raise ValueError(
+        raise StateError(
             "loader state was saved with another batching config: found fingerprint "
             f"{state.batching_fingerprint!r}, expected {batching.fingerprint()!r} for {batching}"
         )
-
-
-def _replay(lengths, shard_counts, batching: Batching, epoch: int, segments) -> tuple[np.ndarray, EpochPlan | None]:
-    """(mask of samples not served after all segments, plan of the last segment)."""
-    remaining = np.ones(np.asarray(lengths).shape[0], dtype=bool)
-    plan = None
-    for i, raw in enumerate(segments):
-        seg = _segment(raw["world_size"], raw["ranks_per_node"], raw["served"])
-        plan = plan_subset(
-            lengths, shard_counts, _layout_of(seg), batching, epoch,
-            subset=None if i == 0 else remaining, allow_empty=i > 0,
-        )
-        if seg["served"] > plan.batches_per_rank:
-            raise ValueError(
-                f"segment {i} of the loader state says {seg['served']} batches served per rank, "
-                f"but its plan has only {plan.batches_per_rank}: found a state from another dataset or config"
-            )
-        remaining[plan.served_ids(seg["served"])] = False
-    return remaining, plan
-
-
-def remaining_subset(lengths, shard_counts, batching: Batching, epoch: int, segments_so_far) -> np.ndarray:
-    """Boolean mask of this epoch's samples not yet served after the given segments.
-
-    Segment 0 is the full plan of the epoch; segment i+1 plans, on its own
-    layout, the samples segment i left unserved (its remainder included).
-    """
-    return _replay(lengths, shard_counts, batching, epoch, segments_so_far)[0]
-
-
-def plan_for_state(lengths, shard_counts, layout: Layout, batching: Batching, state: LoaderState) -> tuple[EpochPlan, int]:
-    """The plan to continue `state` on `layout`, and the batch index every rank starts at.
-
-    Same layout as the last segment: that segment's plan, from `served` on, so
-    the rest is exactly what an uninterrupted run would have yielded. Another
-    layout: the samples not yet served, planned on `layout`, from batch 0
-    (record it with `state.resumed_on(layout)`). If too few samples remain to
-    give every rank a batch, the plan has zero batches and they all form its remainder.
-    """
-    _check_batching(state, batching)
-    if not state.segments:
-        raise ValueError("loader state has no segments; create it with LoaderState.start")
-    same_layout = _layout_of(state.segments[-1]) == layout  # first: a bad last segment fails here, as before
-    remaining, plan = _replay(lengths, shard_counts, batching, state.epoch, state.segments)
-    if same_layout:
-        return plan, state.segments[-1]["served"]
-    plan = plan_subset(lengths, shard_counts, layout, batching, state.epoch, subset=remaining, allow_empty=True)
-    return plan, 0

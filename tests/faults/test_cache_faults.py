@@ -308,7 +308,7 @@ def test_budget_below_the_working_set_in_use_is_a_clear_error(src, tmp_path):
         assert cached(cache_dir, ds) == set(held)  # nothing evicted, nothing fetched over budget
         # a warm of another node's shards: the plan would evict the held (unassigned) shards, but
         # they are in use, so the budget cannot be met
-        mine = assigned_shards(ds.lengths, ds.shard_counts, Placement(Layout(2, 1), 1))
+        mine = assigned_shards(ds.summaries, Placement(Layout(2, 1), 1))
         assert not set(mine) & set(held)
         budget = sum(ds.manifest.shards[i].bytes for i in mine) + 10
         r = warm(src, cache_dir, placement=Placement(Layout(2, 1), 1), max_bytes=budget)

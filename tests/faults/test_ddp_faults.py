@@ -150,7 +150,7 @@ def sabotage_runs(sabotage_dataset, tmp_path_factory):
     root, keys = sabotage_dataset
     # A key that rank 1 reads in its 3rd batch, so the job is past its first steps.
     ld = ShardedLoader(root, batch_size=4, seed=1, rank=1, world_size=WORLD, num_workers=0)
-    bad = keys[int(ld.plan.rank_batches(1)[2][0])]
+    bad = keys[int(ld.plan.batches()[2][0])]
     base = tmp_path_factory.mktemp("ddp-sabotage-runs")
     jobs = [{"world": WORLD, "out": str(base / kind), "limit": PG_TIMEOUT + 30,
              "argv": ["--data", root, "--batch-size", "4", "--num-workers", "2",

@@ -176,7 +176,7 @@ def test_resume_on_three_simulated_ranks_at_the_last_batch(dataset):
 def test_a_hung_worker_is_an_error_naming_the_batch_within_the_timeout(dataset):
     root, keys = dataset
     probe = make(root)
-    bad = keys[int(probe.plan.rank_batches(0)[1][0])]
+    bad = keys[int(probe.plan.batches()[1][0])]
 
     def hang(sample):
         if sample["__key__"] == bad:
@@ -221,7 +221,7 @@ def _kill_on(kill_key, slow_key):
 @pytest.mark.timeout(60)
 def test_a_killed_worker_fails_the_rank_within_seconds(dataset):
     root, keys = dataset
-    batches = make(root).plan.rank_batches(0)
+    batches = make(root).plan.batches()
     ld = make(root, 2, transform=_kill_on(keys[int(batches[2][0])], keys[int(batches[1][0])]))
     began = time.monotonic()
     with pytest.raises(LoaderError, match=r"rank 0/1, epoch 0: batch \d+ could not be loaded.*killed"):
@@ -232,7 +232,7 @@ def test_a_killed_worker_fails_the_rank_within_seconds(dataset):
 @pytest.mark.timeout(60)
 def test_a_killed_worker_error_names_the_batch_it_was_reading(dataset):
     root, keys = dataset
-    batches = make(root).plan.rank_batches(0)
+    batches = make(root).plan.batches()
     # Worker 0 reads batches 0 and 2, worker 1 batch 1 (slow): worker 0 dies while batch 1 is awaited.
     bad = keys[int(batches[2][0])]
     ld = make(root, 2, transform=_kill_on(bad, keys[int(batches[1][0])]))
@@ -247,7 +247,7 @@ def test_a_worker_killed_during_the_training_step_is_a_loader_error(dataset):
     root, keys = dataset
     # batch 6 is handed to a worker when the trainer takes batch 2 (2 workers x prefetch 2 in flight):
     # read, and the worker killed, while the trainer sleeps in its step
-    bad = keys[int(make(root).plan.rank_batches(0)[6][0])]
+    bad = keys[int(make(root).plan.batches()[6][0])]
     ld = make(root, 2, transform=_kill_on(bad, None))
     with pytest.raises(LoaderError, match=r"rank 0/1, epoch 0: batch \d+"):
         for _ in ld:

@@ -120,9 +120,10 @@ def test_random_kills_and_resumes_serve_exactly_the_uninterrupted_run(tmp_path):
 
     total = collections.Counter()
     for epoch in range(EPOCHS):
-        ref = ShardedLoader(root, **CONFIG, rank=0, num_workers=0)
-        ref.set_epoch(epoch)
-        expected = [[[keys[g] for g in b.tolist()] for b in ref.plan.rank_batches(r)] for r in range(WORLD)]
+        refs = [ShardedLoader(root, **CONFIG, rank=r, num_workers=0) for r in range(WORLD)]
+        for ref in refs:
+            ref.set_epoch(epoch)
+        expected = [[[keys[g] for g in b.tolist()] for b in ref.plan.batches()] for ref in refs]
         assert [list(step) for step in zip(*expected)] == served[epoch], (
             f"epoch {epoch}: batches differ from the uninterrupted run")
         flat = [k for step in served[epoch] for b in step for k in b]

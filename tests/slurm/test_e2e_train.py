@@ -61,7 +61,7 @@ def test_prolog_warm_ddp_training_and_requeue_resume(slurm_cluster_with_prolog, 
     from shardtool.loader import ShardedLoader
     from shardtool.pack.synthetic import write_synthetic
     from shardtool.plan.synthetic import lognormal_lengths
-    from shardtool.plan import shards_for_node
+    from shardtool.plan import DataLayout, Layout, shards_for_node
     from shardtool.format import open_dataset
 
     work = tmp_path
@@ -77,7 +77,7 @@ def test_prolog_warm_ddp_training_and_requeue_resume(slurm_cluster_with_prolog, 
     assert a.ok, _explain(c, a)
     ds = open_dataset(dataset)
     for i, node in enumerate(NODES):
-        mine = shards_for_node(ds.lengths, ds.shard_counts, i, len(NODES))
+        mine = shards_for_node(ds.summaries, DataLayout.pure_dp(Layout(len(NODES), 1)), i)
         report = _warm_report(cache_root, node, a.jobid)
         assert report["status"] == "ok" and report["shards_copied"] == len(mine), report
         # Every shard this node's ranks read came from its own cache: the cache holds exactly

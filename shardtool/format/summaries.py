@@ -1,0 +1,136 @@
+"""Per-shard summaries: what a planner needs at scale, in O(number of shards).
+
+For every shard: its sample count, its token sum, its longest sample, its *weight* (sum of max(length, 1): the
+quantity node ranges balance, so that runs of empty samples are still spread) and a coarse
+length histogram — per octave of length, the count, the token sum and the sum of squared lengths
+of the samples in it (so a planner knows both where in the octave they lie and how spread out). A
+training rank reads these instead of every sample's length; it reads per-sample lengths only for
+its own range.
+
+Stored beside the manifest as ``summaries.arrow`` (an Arrow IPC file). It is derived from the
+lengths, so it is bound to them by the lengths file's hash rather than listed in the manifest:
+a dataset packed before summaries existed gets them with `shardtool upgrade` without changing
+its manifest, its version or the caches and loader states keyed on it.
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from .errors import FormatError
+
+__all__ = ["BINS", "SUMMARIES_NAME", "ShardSummaries", "length_bins"]
+
+SUMMARIES_NAME = "summaries.arrow"
+SUMMARIES_VERSION = "1"
+# Bin b holds lengths in [2^(b-1), 2^b) (bin 0: length 0); the last bin also everything longer
+# (2^30 and up: no sample of a trainable dataset).
+BINS = 32
+
+
+def length_bins(lengths: np.ndarray) -> np.ndarray:
+    """The histogram bin of every length: its bit length, capped at BINS - 1."""
+    exponent = np.frexp(np.asarray(lengths, dtype=np.float64))[1]
+    return np.minimum(exponent, BINS - 1).astype(np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class ShardSummaries:
+    samples: np.ndarray  # int64 [S]
+    tokens: np.ndarray  # int64 [S]: sum of lengths
+    weight: np.ndarray  # int64 [S]: sum of max(length, 1)
+    longest: np.ndarray  # int64 [S]: the longest sample (0 for an empty shard)
+    hist_count: np.ndarray  # int64 [S, BINS]
+    hist_tokens: np.ndarray  # int64 [S, BINS]
+    hist_squares: np.ndarray  # float64 [S, BINS]: sum of length^2 (exact to 53 bits: a variance, not an id)
+
+    @property
+    def num_shards(self) -> int:
+        return int(self.samples.size)
+
+    @classmethod
+    def from_lengths(cls, lengths: np.ndarray, counts: np.ndarray) -> "ShardSummaries":
+        """Summaries of shards holding ``counts`` consecutive samples of ``lengths`` each."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        counts = np.asarray(counts, dtype=np.int64)
+        shards = counts.size
+        owner = np.repeat(np.arange(shards, dtype=np.int64), counts)
+        cell = owner * BINS + length_bins(lengths)
+        size = shards * BINS
+        hist_count = np.bincount(cell, minlength=size).reshape(shards, BINS).astype(np.int64)
+        hist_tokens = np.bincount(cell, weights=lengths, minlength=size).reshape(shards, BINS)
+        squares = lengths.astype(np.float64) ** 2
+        hist_squares = np.bincount(cell, weights=squares, minlength=size).reshape(shards, BINS)
+        tokens = np.bincount(owner, weights=lengths, minlength=shards)
+        weight = np.bincount(owner, weights=np.maximum(lengths, 1), minlength=shards)
+        longest = np.zeros(shards, dtype=np.int64)
+        np.maximum.at(longest, owner, lengths)
+        # bincount sums in float64: exact below 2^53 tokens per shard, far past any real shard.
+        return cls(counts.copy(), tokens.astype(np.int64), weight.astype(np.int64), longest, hist_count,
+                   hist_tokens.astype(np.int64), hist_squares)
+
+    @classmethod
+    def concat(cls, parts: list["ShardSummaries"]) -> "ShardSummaries":
+        return cls(*(np.concatenate([getattr(p, name) for p in parts]) for name in
+                     ("samples", "tokens", "weight", "longest", "hist_count", "hist_tokens", "hist_squares")))
+
+    def to_bytes(self, lengths_hash: str) -> bytes:
+        def fixed(a: np.ndarray) -> pa.Array:
+            return pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1)), BINS)
+
+        table = pa.table({"samples": self.samples, "tokens": self.tokens, "weight": self.weight,
+                          "longest": self.longest, "hist_count": fixed(self.hist_count),
+                          "hist_tokens": fixed(self.hist_tokens), "hist_squares": fixed(self.hist_squares)})
+        meta = {"shardtool": "summaries", "version": SUMMARIES_VERSION, "bins": f"log2x{BINS}",
+                "lengths_hash": lengths_hash}
+        table = table.replace_schema_metadata(meta)
+        sink = io.BytesIO()
+        with pa.ipc.new_file(sink, table.schema) as w:
+            w.write_table(table)
+        return sink.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, lengths_hash: str | None, counts: np.ndarray, total_tokens: int | None,
+                   source: str) -> "ShardSummaries":
+        """Read and check against the manifest: the lengths they were computed from, every shard's
+        count, the dataset's token total. Raises FormatError naming ``source`` on any mismatch."""
+        try:
+            reader = pa.ipc.open_file(pa.py_buffer(data))
+            # One record batch (as written): its columns are zero-copy views of ``data``, where a
+            # table's chunked columns would be copied — at 10^5 shards, tens of MB per rank.
+            table = reader.get_batch(0) if reader.num_record_batches == 1 else reader.read_all().combine_chunks()
+        except (pa.ArrowInvalid, OSError) as e:
+            raise FormatError(f"{source}: unreadable summaries ({e})") from None
+        if isinstance(table, pa.Table):
+            table = table.to_batches()[0] if table.num_rows else pa.RecordBatch.from_pylist([], schema=table.schema)
+        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+        if meta.get("shardtool") != "summaries" or meta.get("bins") != f"log2x{BINS}":
+            raise FormatError(f"{source}: not shardtool per-shard summaries (version {meta.get('version')!r})")
+        if lengths_hash is not None and meta.get("lengths_hash") != lengths_hash:
+            raise FormatError(f"{source}: computed from other lengths than this dataset's (stale summaries)")
+
+        def col(name: str) -> np.ndarray:
+            return table.column(name).to_numpy().astype(np.int64, copy=False)
+
+        def hist(name: str, dtype=np.int64) -> np.ndarray:
+            flat = table.column(name).flatten().to_numpy().astype(dtype, copy=False)
+            return flat.reshape(table.num_rows, BINS)
+
+        try:
+            out = cls(col("samples"), col("tokens"), col("weight"), col("longest"), hist("hist_count"),
+                      hist("hist_tokens"), hist("hist_squares", np.float64))
+        except (KeyError, ValueError) as e:
+            raise FormatError(f"{source}: malformed summaries ({e})") from None
+        counts = np.asarray(counts, dtype=np.int64)
+        if out.samples.shape != counts.shape or not np.array_equal(out.samples, counts):
+            raise FormatError(f"{source}: per-shard sample counts disagree with the manifest")
+        if not np.array_equal(out.hist_count.sum(axis=1), out.samples) or \
+                not np.array_equal(out.hist_tokens.sum(axis=1), out.tokens):
+            raise FormatError(f"{source}: histograms disagree with the shard totals")
+        if total_tokens is not None and int(out.tokens.sum()) != int(total_tokens):
+            raise FormatError(f"{source}: token total {int(out.tokens.sum())} disagrees with the manifest's "
+                              f"{int(total_tokens)}")
+        return out

@@ -1,0 +1,216 @@
+"""One DP rank's batches: the plan a training rank computes at start-up, at each epoch and on resume.
+
+`Planner` holds the per-layout `PlanShape`s (from the summaries) and the `GroupPlan`s a rank
+needs — its own group's, and after an elastic resume the groups its re-dealt batches come from —
+so a rank's cost stays about its own share of the data. See `shardtool.plan.state` for the
+segment rule.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from .batching import Batching, gather_runs
+from .group import GroupPlan, plan_group
+from .layout import DataLayout
+from .shape import PlanShape, plan_shape
+from .source import PlanSource
+from .state import LoaderState, StateError, segment_layout
+
+__all__ = ["Planner", "RankPlan", "first_segment_batches"]
+
+
+@dataclass(frozen=True, eq=False)
+class RankPlan:
+    """DP rank ``dp_rank``'s batches in the current segment of ``epoch``: batch i is
+    ``ids[offsets[i] : offsets[i + 1]]``; ``lengths`` are the lengths of ``ids``."""
+
+    epoch: int
+    dp_rank: int
+    batches_per_rank: int
+    ids: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    remainder: np.ndarray | None  # the rank's group's unserved samples (segment 0), else None
+    leftover_batches: int  # batches no rank serves because a re-deal did not divide evenly
+
+    def batches(self, start: int = 0) -> list[np.ndarray]:
+        """The batches from ``start`` on, each an array of global sample ids (views, not copies)."""
+        bounds = self.offsets[start:].tolist()
+        return [self.ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def batch(self, i: int) -> np.ndarray:
+        if not 0 <= i < self.batches_per_rank:
+            raise ValueError(f"batch index must be in [0, {self.batches_per_rank}), found {i}")
+        return self.ids[self.offsets[i] : self.offsets[i + 1]]
+
+    @property
+    def padding_efficiency(self) -> float:
+        if not self.batches_per_rank:
+            return 1.0
+        sizes = np.diff(self.offsets)
+        lengths = np.maximum(self.lengths, 0)
+        longest = np.maximum.reduceat(lengths, self.offsets[:-1]) if lengths.size else np.zeros(0, np.int64)
+        padded = int((longest * sizes).sum())
+        return float(lengths.sum()) / padded if padded else 1.0
+
+
+def _in_previous(segments: list[dict], i: int, position: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(DP rank, batch) in segment i-1 of positions in segment i's sequence: segment i-1's
+    unserved batches, DP rank by DP rank."""
+    prev = segments[i - 1]
+    left = max(int(prev["batches"]) - int(prev["served"]), 1)
+    return position // left, int(prev["served"]) + position % left
+
+
+def to_first_segment(segments: list[dict], i: int, d: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where DP rank d's batch b of segment ``i`` comes from: (DP rank, batch) in segment 0."""
+    for j in range(i, 0, -1):
+        d, b = _in_previous(segments, j, d * int(segments[j]["batches"]) + b)
+    return d, b
+
+
+def first_segment_batches(segments: list[dict], j: int, dp_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where DP rank ``dp_rank``'s batches of segment ``j`` come from, in segment 0."""
+    n = int(segments[j]["batches"])
+    return to_first_segment(segments, j, np.full(n, dp_rank, dtype=np.int64), np.arange(n, dtype=np.int64))
+
+
+def _redeal(prev: dict, prev_layout: DataLayout, layout: DataLayout) -> tuple[int, int]:
+    """(batches per DP rank, batches left over) when ``prev``'s unserved batches go to ``layout``."""
+    remaining = prev_layout.dp_size * (int(prev["batches"]) - int(prev["served"]))
+    n = remaining // layout.dp_size
+    return n, remaining - n * layout.dp_size
+
+
+class Planner:
+    """Plans of one dataset and batching config; cheap to keep for the life of a loader."""
+
+    MAX_GROUPS = 8  # group plans kept: a rank's own, and the few an elastic resume draws from
+
+    def __init__(self, source: PlanSource, batching: Batching):
+        self.source = source
+        self.batching = batching
+        self._shapes: dict[str, PlanShape] = {}
+        self._groups: OrderedDict[tuple, GroupPlan] = OrderedDict()
+
+    def shape(self, layout: DataLayout) -> PlanShape:
+        key = repr(layout.identity())
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._shapes[key] = plan_shape(self.source.summaries, layout, self.batching)
+        return shape
+
+    def group(self, layout: DataLayout, group: int, epoch: int) -> GroupPlan:
+        key = (repr(layout.identity()), group, epoch)
+        plan = self._groups.get(key)
+        if plan is None:
+            plan = plan_group(self.source, self.shape(layout), group, epoch)
+            self._groups[key] = plan
+            while len(self._groups) > self.MAX_GROUPS:
+                self._groups.popitem(last=False)
+        else:
+            self._groups.move_to_end(key)
+        return plan
+
+    # ------------------------------------------------------------------ states
+    def start(self, epoch: int, dataset_fingerprint: str, layout: DataLayout) -> LoaderState:
+        """The state before the first batch of ``epoch`` on ``layout``."""
+        return LoaderState.start(epoch, dataset_fingerprint, self.batching, layout, self.shape(layout).batches_per_rank)
+
+    def continue_on(self, state: LoaderState, layout: DataLayout) -> LoaderState:
+        """``state`` continued on ``layout``: the same segment, or a new one dealing what is left."""
+        if not state.segments:
+            return LoaderState.start(state.epoch, state.dataset_fingerprint, self.batching, layout,
+                                     self.shape(layout).batches_per_rank)
+        if state.same_layout(layout):
+            return state.copy()
+        trimmed = state.copy()
+        # A segment in which nothing was served changed nothing: deal from the one before it, or
+        # plan the epoch afresh on the new layout (node-sticky ranges, no batch left over).
+        while trimmed.segments and trimmed.last["served"] == 0:
+            trimmed.segments.pop()
+        if not trimmed.segments:
+            return LoaderState.start(state.epoch, state.dataset_fingerprint, self.batching, layout,
+                                     self.shape(layout).batches_per_rank)
+        if trimmed.same_layout(layout):
+            return trimmed
+        n, _ = _redeal(trimmed.last, segment_layout(trimmed.last), layout)
+        return trimmed.resumed_on(layout, n)
+
+    def check(self, state: LoaderState) -> None:
+        """Every segment's batch count is what this dataset and config give: else the state was
+        saved for something else (another dataset version, config or planner)."""
+        for i, seg in enumerate(state.segments):
+            layout = segment_layout(seg)
+            if i == 0:
+                want = self.shape(layout).batches_per_rank
+            else:
+                want, _ = _redeal(state.segments[i - 1], segment_layout(state.segments[i - 1]), layout)
+            if seg["batches"] != want:
+                raise StateError(f"segment {i} of the loader state has {seg['batches']} batches per rank where "
+                                 f"this dataset and config give {want}: found a state from another dataset or config")
+
+    def _batch_ids(self, layout0: DataLayout, epoch: int, d0: np.ndarray, b0: np.ndarray) -> list[np.ndarray]:
+        firsts = np.cumsum([0, *layout0.group_sizes])
+        group = np.searchsorted(firsts, d0, side="right") - 1
+        out: list[np.ndarray] = []
+        for g, d, b in zip(group.tolist(), d0.tolist(), b0.tolist()):
+            out.append(self.group(layout0, g, epoch).batch(d - int(firsts[g]), b))
+        return out
+
+    def left_over(self, state: LoaderState) -> list[np.ndarray]:
+        """The batches of the epoch that the re-deals of ``state``'s segments left to no rank
+        (fewer than the new DP size each time). For tools and tests: it may plan many groups."""
+        segments = state.segments
+        if not segments:
+            return []
+        layout0 = segment_layout(segments[0])
+        out: list[np.ndarray] = []
+        for i in range(1, len(segments)):
+            layout = segment_layout(segments[i])
+            n, extra = _redeal(segments[i - 1], segment_layout(segments[i - 1]), layout)
+            position = np.arange(n * layout.dp_size, n * layout.dp_size + extra, dtype=np.int64)
+            d, b = _in_previous(segments, i, position)
+            d0, b0 = to_first_segment(segments, i - 1, d, b)
+            out += self._batch_ids(layout0, state.epoch, d0, b0)
+        return out
+
+    # ------------------------------------------------------------------ one rank
+    def rank_plan(self, state: LoaderState, dp_rank: int) -> RankPlan:
+        """DP rank ``dp_rank``'s batches in ``state``'s current (last) segment, from batch 0."""
+        segments = state.segments
+        j = len(segments) - 1
+        segment_layout(segments[j]).group_of(dp_rank)  # a DP rank of the current layout
+        layout0 = segment_layout(segments[0])
+        d0, b0 = first_segment_batches(segments, j, dp_rank)
+        firsts = np.cumsum([0, *layout0.group_sizes])
+        group = np.searchsorted(firsts, d0, side="right") - 1
+        n = int(segments[j]["batches"])
+        pieces = []  # per source group: (positions in this rank's order, their ids, sizes, lengths)
+        for g in np.unique(group).tolist():
+            plan = self.group(layout0, g, state.epoch)
+            where = np.flatnonzero(group == g)
+            index = (d0[where] - firsts[g]) * plan.batches_per_rank + b0[where]
+            starts, stops = plan.offsets[index], plan.offsets[index + 1]
+            got = gather_runs(plan.ids, starts, stops - starts)
+            pieces.append((where, got, stops - starts, plan.batch_lengths(got)))
+        size = np.zeros(n, dtype=np.int64)
+        for where, _, counts, _ in pieces:
+            size[where] = counts
+        offsets = np.concatenate([[0], np.cumsum(size)]).astype(np.int64)
+        ids = np.empty(int(offsets[-1]), dtype=np.int64)
+        lengths = np.empty_like(ids)
+        for where, got, counts, got_lengths in pieces:
+            dest = gather_runs(np.arange(ids.size, dtype=np.int64), offsets[where], counts)
+            ids[dest], lengths[dest] = got, got_lengths
+        leftover = sum(_redeal(segments[i - 1], segment_layout(segments[i - 1]), segment_layout(segments[i]))[1]
+                       for i in range(1, j + 1))
+        remainder = None
+        if j == 0:
+            g, _ = layout0.group_of(dp_rank)
+            remainder = self.group(layout0, g, state.epoch).remainder
+        return RankPlan(state.epoch, dp_rank, n, ids, offsets, lengths, remainder, leftover)

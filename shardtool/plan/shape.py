@@ -1,0 +1,179 @@
+"""The shape of an epoch's plan: what every rank computes alike, from the per-shard summaries only.
+
+Group ranges, the shuffle window and the number of batches every DP rank serves depend on the
+O(shards) summaries, the data layout and the batching config — never on any per-sample array —
+so 8,192 ranks agree on them without communicating, each at the cost of reading the summaries.
+
+Batch counts: in ``batch_size`` mode a group's count is exact (ceil(samples / batch_size): its
+windows are multiples of the batch size). In ``max_tokens`` mode it is estimated from the group's
+length histogram: a batch opened at a sample of length L holds floor(max_tokens / L) samples,
+so a window holds about sum(count_bin / floor(max_tokens / mean_bin)) batches, plus half a batch
+for its last one. The estimate only chooses the per-rank count; each group then fits its real
+batches to it (splitting, or dropping a rotating remainder), so a wrong estimate can never break
+equal counts — it shows as a larger remainder, which `shardtool plan` reports.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..format.summaries import BINS, ShardSummaries
+from .balance import batches_per_rank
+from .batching import Batching, resolve_window
+from .layout import DataLayout
+from .ranges import group_cuts
+
+__all__ = ["PlanShape", "group_histograms", "plan_shape"]
+
+
+@dataclass(frozen=True, eq=False)
+class PlanShape:
+    data_layout: DataLayout
+    batching: Batching
+    cuts: np.ndarray  # [G + 1] sample cut points
+    window: int
+    batches_per_rank: int
+    group_samples: np.ndarray  # [G] exact
+    group_tokens: np.ndarray  # [G] exact up to the partial boundary shards (pro rata)
+    group_batches: np.ndarray  # [G] exact (batch_size) or estimated (max_tokens) batches before fitting
+
+    @property
+    def group_sizes(self) -> np.ndarray:
+        return np.asarray(self.data_layout.group_sizes, dtype=np.int64)
+
+
+def group_histograms(summaries: ShardSummaries, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(count, tokens, squares) [G, BINS] of every group's range, partial shards pro rata.
+
+    Sums whole shards per group with reduceat (no cumulative [shards, BINS] copy: at 10^5 shards
+    that is the largest array a rank would hold) and adds the cut shards' fractions."""
+    hists = (summaries.hist_count, summaries.hist_tokens, summaries.hist_squares)
+    groups = len(cuts) - 1
+    if summaries.num_shards == 0:
+        zero = np.zeros((groups, BINS))
+        return zero, zero, zero
+    offsets = np.concatenate([[0], np.cumsum(summaries.samples)]).astype(np.int64)
+    shard = np.clip(np.searchsorted(offsets, cuts, side="right") - 1, 0, summaries.num_shards - 1)
+    frac = np.divide(cuts - offsets[shard], summaries.samples[shard], out=np.zeros(len(cuts)),
+                     where=summaries.samples[shard] > 0)[:, None]
+    edges = np.unique(np.concatenate([[0], shard]))  # the shards where a cut falls, and 0
+    out = []
+    for h in hists:
+        # Sums of the shards between consecutive edges; up to each cut = all edges before its
+        # shard, plus its fraction of that shard.
+        running = np.vstack([np.zeros((1, BINS)), np.cumsum(np.add.reduceat(h, edges, axis=0), axis=0)])
+        upto = running[np.searchsorted(edges, shard)] + frac * h[shard]
+        out.append(np.diff(upto, axis=0))
+    return out[0], out[1], out[2]
+
+
+def _bin_support(bins: int, points: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """Per histogram bin, ``points`` lengths spanning it ([2^(b-1), 2^b)), and their weights (how
+    many integers each stands for). Bin 0 is length 0."""
+    grid = np.zeros((bins, points))
+    span = np.zeros((bins, points))
+    for b in range(bins):
+        if b == 0:
+            grid[b, 0], span[b, 0] = 0, 1
+            continue
+        lo, hi = 1 << (b - 1), 1 << b
+        values = np.arange(lo, hi) if hi - lo <= points else np.linspace(lo, hi, points, endpoint=False)
+        grid[b, : len(values)] = np.floor(values)
+        span[b, : len(values)] = (hi - lo) / len(values)
+    return grid, span
+
+
+def _inverse_capacity(mean: np.ndarray, variance: np.ndarray, share: np.ndarray, window: float,
+                      budget: int) -> np.ndarray:
+    """Per bin, the expected batches per sample: 1 / floor(budget / L_open) over its lengths.
+
+    Within a bin (an octave) lengths follow an exponential tilt whose mean is the bin's mean (the
+    fit is a bisection on the tilt); the floor makes 1/capacity a step function of L, so its
+    average over the bin is not its value at the mean. A batch's capacity is set by its first,
+    longest sample: where lengths are sparse (the long tail) the cap(L) samples of a batch span
+    cap(L) / density lengths, so the opener is about half that longer than an average member.
+    A bin narrower than the tilt of its mean (lengths all alike: a pre-chunked corpus whose
+    samples are all 3,000 tokens) is that many parts a point at its mean, matching its variance.
+    ``share`` is each bin's share of the samples, ``window`` the samples sorted together.
+    """
+    bins = mean.shape[0]
+    grid, span = _bin_support(bins)
+    present = span > 0
+    lo = np.where(present, grid, np.inf).min(axis=1)
+    hi = np.where(present, grid, -np.inf).max(axis=1)
+    width = np.maximum(hi - lo, 1)
+    x = (grid - lo[:, None]) / width[:, None]
+    target = np.clip(mean, lo, hi)
+    tilt_lo, tilt_hi = np.full(bins, -60.0), np.full(bins, 60.0)
+
+    def weights(tilt):
+        w = span * np.exp(tilt[:, None] * (x - 0.5))
+        return np.where(present, w, 0.0)
+
+    for _ in range(60):
+        mid = (tilt_lo + tilt_hi) / 2
+        w = weights(mid)
+        got = (w * grid).sum(axis=1) / w.sum(axis=1)
+        tilt_lo = np.where(got < target, mid, tilt_lo)
+        tilt_hi = np.where(got < target, tilt_hi, mid)
+    w = weights((tilt_lo + tilt_hi) / 2)
+    norm = w.sum(axis=1, keepdims=True)
+    capacity = np.maximum(budget // np.maximum(grid, 1), 1)
+    # samples per integer length, in one window
+    density = np.divide(window * share[:, None] * w / norm, span, out=np.zeros_like(w), where=span > 0)
+    opener = grid + 0.5 * np.divide(capacity, density, out=np.zeros_like(w), where=density > 0)
+    spread = (w * (1.0 / np.maximum(budget // np.maximum(np.floor(opener), 1), 1))).sum(axis=1) / norm[:, 0]
+    tilt_mean = (w * grid).sum(axis=1) / norm[:, 0]
+    tilt_variance = (w * (grid - tilt_mean[:, None]) ** 2).sum(axis=1) / norm[:, 0]
+    point = np.clip(1.0 - np.divide(variance, tilt_variance, out=np.ones_like(variance), where=tilt_variance > 0),
+                    0.0, 1.0)
+    at_mean = 1.0 / np.maximum(budget // np.maximum(np.round(mean), 1), 1)
+    return point * at_mean + (1.0 - point) * spread
+
+
+def _estimate_batches(count: np.ndarray, tokens: np.ndarray, squares: np.ndarray, samples: np.ndarray,
+                      batching: Batching, window: int) -> np.ndarray:
+    if batching.batch_size is not None:
+        return -(-samples // batching.batch_size)
+    budget = batching.max_tokens
+    windows = -(-samples // window)
+    total_count, total_tokens, total_squares = count.sum(axis=0), tokens.sum(axis=0), squares.sum(axis=0)
+    mean = np.divide(total_tokens, total_count, out=np.zeros_like(total_tokens), where=total_count > 0)
+    variance = np.maximum(np.divide(total_squares, total_count, out=np.zeros_like(total_squares),
+                                    where=total_count > 0) - mean ** 2, 0.0)
+    if not batching.bucketing:
+        # In dataset order a batch is padded to its longest sample, which soon comes from the
+        # dataset's longest lengths: count every sample at the capacity of the top bin.
+        top = int(np.flatnonzero(total_count > 0).max(initial=0))
+        return samples / max(budget // max(int(np.ceil(mean[top])), 1), 1) + 0.5 * windows
+    share = total_count / max(total_count.sum(), 1)
+    # Samples sorted together: a window, or a whole group smaller than one.
+    sorted_together = float(np.median(samples / np.maximum(windows, 1))) if samples.size else float(window)
+    return count @ _inverse_capacity(mean, variance, share, sorted_together, budget) + 0.5 * windows
+
+
+def plan_shape(summaries: ShardSummaries, data_layout: DataLayout, batching: Batching) -> PlanShape:
+    """Ranges, window and batches per DP rank of ``data_layout`` (the same for every epoch)."""
+    if batching.max_tokens is not None and summaries.num_shards and int(summaries.longest.max()) > batching.max_tokens:
+        shard = int(np.argmax(summaries.longest))
+        raise ValueError(
+            f"shard #{shard} holds a sample of length {int(summaries.longest[shard])}, more than "
+            f"max_tokens={batching.max_tokens} ({int((summaries.longest > batching.max_tokens).sum())} shard(s) "
+            "hold such samples); raise max_tokens or filter these samples out")
+    cuts = group_cuts(summaries, data_layout.group_sizes)
+    samples = np.diff(cuts)
+    count, tokens, squares = group_histograms(summaries, cuts)
+    total = int(summaries.samples.sum())
+    mean_weight = float(summaries.weight.sum()) / total if total else 1.0
+    window = resolve_window(batching, mean_weight)
+    batches = _estimate_batches(count, tokens, squares, samples, batching, window)
+    sizes = np.asarray(data_layout.group_sizes, dtype=np.int64)
+    n = batches_per_rank(batches, tokens.sum(axis=1), samples, sizes) if total else 0
+    if n == 0:
+        small = int(np.argmin(samples / sizes)) if samples.size else 0
+        raise ValueError(
+            f"dataset too small for this layout: {total} samples cannot give each of {data_layout.dp_size} "
+            f"data-parallel ranks a batch ({data_layout.describe()}); data group {small} holds "
+            f"{int(samples[small]) if samples.size else 0} samples for {int(sizes[small])} ranks")
+    return PlanShape(data_layout, batching, cuts, window, n, samples, tokens.sum(axis=1), batches)

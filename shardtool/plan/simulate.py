@@ -1,0 +1,110 @@
+"""Every data group's plan of an epoch at once: what `shardtool plan` reports for a layout.
+
+A training rank never does this (it plans its own group); a simulation plans every group, one
+at a time so memory stays one group's, optionally in several processes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .batching import Batching
+from .group import plan_group
+from .layout import DataLayout
+from .shape import PlanShape, plan_shape
+from .source import PlanSource
+
+__all__ = ["GroupStats", "Simulation", "simulate_epoch"]
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    group: int
+    samples: int
+    tokens: int
+    served_samples: int
+    served_tokens: int
+    padded_tokens: int
+    samples_per_rank: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Simulation:
+    shape: PlanShape
+    groups: list[GroupStats]
+
+    @property
+    def remainder_samples(self) -> int:
+        return sum(g.samples - g.served_samples for g in self.groups)
+
+    @property
+    def remainder_tokens(self) -> int:
+        return sum(g.tokens - g.served_tokens for g in self.groups)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(g.tokens for g in self.groups)
+
+    @property
+    def remainder_tokens_fraction(self) -> float:
+        return self.remainder_tokens / self.total_tokens if self.total_tokens else 0.0
+
+    @property
+    def padding_efficiency(self) -> float:
+        padded = sum(g.padded_tokens for g in self.groups)
+        return sum(g.served_tokens for g in self.groups) / padded if padded else 1.0
+
+    @property
+    def samples_per_rank(self) -> np.ndarray:
+        return np.array([s for g in self.groups for s in g.samples_per_rank], dtype=np.int64)
+
+
+def _stats(source: PlanSource, shape: PlanShape, group: int, epoch: int) -> GroupStats:
+    plan = plan_group(source, shape, group, epoch)
+    lengths = plan.batch_lengths(plan.ids)
+    sizes = np.diff(plan.offsets)
+    padded = 0
+    if lengths.size:
+        longest = np.maximum.reduceat(np.maximum(lengths, 1), plan.offsets[:-1])
+        padded = int((longest * sizes).sum())
+    n = plan.batches_per_rank
+    per_rank = tuple(int(plan.offsets[(j + 1) * n] - plan.offsets[j * n]) for j in range(plan.size))
+    return GroupStats(group, int(plan.lengths.size), int(plan.lengths.sum()), int(plan.ids.size), int(lengths.sum()),
+                      padded, per_rank)
+
+
+# What forked simulation workers plan: set before the pool forks, so they inherit the source (a
+# dataset with open files and locks) instead of receiving it pickled.
+_FORKED: tuple | None = None
+
+
+def _forked_stats(group: int) -> GroupStats:
+    source, shape, epoch = _FORKED
+    return _stats(source, shape, group, epoch)
+
+
+def simulate_epoch(source: PlanSource, layout: DataLayout, batching: Batching, epoch: int = 0, *,
+                   processes: int = 1) -> Simulation:
+    global _FORKED
+    shape = plan_shape(source.summaries, layout, batching)
+    groups = list(range(layout.num_groups))
+    if processes > 1 and len(groups) > 1:
+        import multiprocessing as mp
+
+        _FORKED = (source, shape, epoch)
+        try:
+            with mp.get_context("fork").Pool(processes) as pool:
+                stats = pool.map(_forked_stats, groups, chunksize=max(1, len(groups) // (8 * processes)))
+        finally:
+            _FORKED = None
+    else:
+        stats = [_stats(source, shape, g, epoch) for g in groups]
+    return Simulation(shape, stats)
+
+
+def epoch_remainder(source: PlanSource, layout: DataLayout, batching: Batching, epoch: int = 0) -> np.ndarray:
+    """Global ids of the samples no rank serves in ``epoch`` (every group's remainder, sorted)."""
+    shape = plan_shape(source.summaries, layout, batching)
+    parts = [plan_group(source, shape, g, epoch).remainder for g in range(layout.num_groups)]
+    return np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
