@@ -13,6 +13,7 @@ from ..plan import Batching, EpochPlan, plan_epoch
 from ..plan.env import rank_placement
 from ..plan.state import LoaderState, check_compatible, plan_for_state
 from .collate import unpack_batch
+from .pool import WorkerFailed
 from .reader import BatchReader, describe_ids
 from .source import SourceSpec
 from .workers import PlanBatches, make_dataloader
@@ -174,11 +175,10 @@ class ShardedLoader:
                     batch = next(it)
                 except StopIteration:
                     raise LoaderError(f"{where}: the reader stopped after {b} of {n} batches") from None
-                except ShardtoolError:
-                    raise  # our reader's errors already name the shard and sample
-                except (RuntimeError, EOFError, ConnectionError) as e:
-                    # The worker pool's own failures: a worker killed, exited or timed out (a
-                    # worker killed mid-send can also surface as a broken pipe: EOF, reset).
+                except WorkerFailed as e:
+                    # The worker pool's own failures: a worker killed, exited or timed out. Anything
+                    # else (our reader's errors, the user's transform or collate_fn) is raised as
+                    # itself, with notes naming the batch and its shards.
                     raise LoaderError(
                         f"{where}: batch {b} could not be loaded ({describe_ids(self.reader, batches.batch_ids(b))}): "
                         f"a worker process failed, exited or was killed ({type(e).__name__}: {e})"
