@@ -169,6 +169,9 @@ def _worker_main(load: Callable, conn, slots: list[Slot], parent: int, parent_en
     import torch
 
     # Reading and decoding are numpy-vectorised; intra-op threads per worker only oversubscribe.
+    # And it is what makes a fork safe: a trainer that ran a model has a used OpenMP pool, which
+    # the child inherits without its threads; with one intra-op thread ATen runs ops inline and
+    # MKL/oneDNN stay serial, so a transform's torch ops never wait on that pool (test_loader_fork_omp).
     torch.set_num_threads(1)
     while True:
         try:
