@@ -93,40 +93,44 @@ def _restamp(verifier, shard: int, **change) -> None:
         json.dump(stamp, f)
 
 
-@pytest.mark.timeout(60)
-def test_every_shard_used_is_stamped_and_a_later_write_voids_its_stamp(tmp_path):
+def _served(root, workers: int = 0) -> int:
+    """Samples one pass of a loader over ``root`` serves."""
+    return sum(len(b["__key__"]) for b in ShardedLoader(root, batch_size=4, num_workers=workers))
+
+
+def _used_then_damaged(tmp_path, workers: int):
+    """A clean dataset read once (so its shards are stamped), then a byte of shard 0 flipped (size
+    kept; mtime and ctime move): (root, its stamps)."""
     from shardtool.loader.verify import InPlaceVerifier
 
     root, ds = _clean(tmp_path)
-    for _ in ShardedLoader(root, batch_size=4, num_workers=2):
-        pass
+    assert _served(root, workers) == 40
     verifier = InPlaceVerifier(ds)
     assert all(os.path.exists(verifier.stamp_path(s)) for s in range(ds.num_shards))
-    flip_byte(ds.shard_path(0), _token_offset(ds, 0, 3))  # size kept; mtime and ctime move
+    flip_byte(ds.shard_path(0), _token_offset(ds, 0, 3))
+    return root, verifier
+
+
+@pytest.mark.timeout(60)
+def test_every_shard_used_is_stamped_and_a_later_write_voids_its_stamp(tmp_path):
+    root, _ = _used_then_damaged(tmp_path, workers=2)
     with pytest.raises(FormatError, match=r"shard-00000.tar.*#3"):
-        for _ in ShardedLoader(root, batch_size=4, num_workers=0):
-            pass
+        _served(root)
 
 
 @pytest.mark.timeout(60)
 def test_a_stamp_vouches_only_for_the_file_it_saw_in_this_boot(tmp_path):
     from shardtool.cache.durability import boot_id
-    from shardtool.loader.verify import InPlaceVerifier
 
-    root, ds = _clean(tmp_path)
-    for _ in ShardedLoader(root, batch_size=4, num_workers=0):
-        pass
-    verifier = InPlaceVerifier(ds)
-    flip_byte(ds.shard_path(0), _token_offset(ds, 0, 3))
+    root, verifier = _used_then_damaged(tmp_path, workers=0)
     # A stamp from another boot, even for the file's exact stat, is not trusted: hashed again.
     _restamp(verifier, 0, boot="an-earlier-boot")
     with pytest.raises(FormatError, match="shard-00000.tar"):
-        for _ in ShardedLoader(root, batch_size=4, num_workers=0):
-            pass
+        _served(root)
     # A stamp of this boot for this exact file is what spares later processes the hash (here,
     # forged over a damaged file, it shows that the hash really is skipped).
     _restamp(verifier, 0, boot=boot_id())
-    assert sum(len(b["__key__"]) for b in ShardedLoader(root, batch_size=4, num_workers=0)) == 40
+    assert _served(root) == 40
 
 
 @pytest.mark.timeout(60)
