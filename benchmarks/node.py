@@ -8,7 +8,6 @@ the same run through their recommended set-up, so the ratios are measured, not q
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import resource
 import time
 from dataclasses import asdict, dataclass, field
@@ -155,7 +154,14 @@ def _webdataset_iter(cfg: BenchConfig, rank: int):
     return iter(loader)
 
 
-def _rank_main(name: str, cfg: BenchConfig, rank: int, queue) -> None:
+def rank_result(rank: int, name: str, cfg: BenchConfig) -> dict:
+    """One rank of reader ``name``, in its own (spawned) process: its `RankResult` as a dict."""
+    # Both sides' imports before the clock starts: a rank's start-up is not what we measure.
+    import torch  # noqa: F401
+    import webdataset  # noqa: F401
+
+    import shardtool.loader.sharded  # noqa: F401
+
     result = RankResult(name, rank, cfg.num_workers)
     try:
         t_start = time.perf_counter()
@@ -164,32 +170,24 @@ def _rank_main(name: str, cfg: BenchConfig, rank: int, queue) -> None:
     except Exception as e:  # reported to the parent, which prints it
         result.error = f"{type(e).__name__}: {e}"
     result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    queue.put(asdict(result))
+    return asdict(result)
 
 
 def run_node(name: str, cfg: BenchConfig, timeout: float = 600.0) -> list[RankResult]:
-    """Run ``cfg.ranks`` rank processes of reader ``name`` at once, as torchrun would on one node."""
-    # Import in the parent so neither side's start-up counts torch's import time per rank.
-    import torch  # noqa: F401
-    import webdataset  # noqa: F401
+    """Run ``cfg.ranks`` rank processes of reader ``name`` at once, as torchrun would on one node.
 
-    import shardtool.loader.sharded  # noqa: F401
+    A rank that fails or hangs past ``timeout`` seconds (then killed, with its workers) gets a
+    result with ``error`` naming the reader and the rank."""
+    from .ranks import run_ranks
 
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(name, cfg, r, queue), daemon=False) for r in range(cfg.ranks)]
-    for p in procs:
-        p.start()
-    results = []
-    deadline = time.time() + timeout
-    for _ in procs:
-        remaining = max(1.0, deadline - time.time())
-        results.append(RankResult(**queue.get(timeout=remaining)))
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    return sorted(results, key=lambda r: r.rank)
+    done, failed = run_ranks(rank_result, cfg.ranks, (name, cfg), timeout=timeout)
+    out = []
+    for r in range(cfg.ranks):
+        if r in done:
+            out.append(RankResult(**done[r]))
+        else:
+            out.append(RankResult(name, r, cfg.num_workers, error=f"{name} rank {r}/{cfg.ranks}: {failed[r]}"))
+    return out
 
 
 def summarize(results: list[RankResult]) -> dict:

@@ -10,9 +10,11 @@ Only small metadata crosses the pipe, pickled with plain `pickle`: multiprocessi
 pickler, as extended by torch, would give every tensor its own new shared-memory segment
 (the per-batch cost of descriptor passing, mmap and munmap this module exists to avoid).
 
-A worker that raises sends its traceback; one that dies, or sends nothing for ``timeout``
-seconds, is a `WorkerFailed` in the trainer. Workers are forked (they inherit the slots and
-the plan) and exit when told, when their pipe closes, or when the trainer is gone.
+A worker that raises sends its exception, which the trainer raises as itself (type, arguments
+and notes, plus a note with the worker's traceback; `WorkerRaised` where it cannot be rebuilt);
+one that dies, or sends nothing for ``timeout`` seconds, is a `WorkerFailed` in the trainer.
+Workers are forked (they inherit the slots and the plan) and exit when told, when their pipe
+closes, or when the trainer is gone.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import weakref
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
+from ..format.errors import add_note
 from .shmring import Slot, decode, encode
 
 POLL_PARENT_S = 1.0
@@ -33,6 +36,11 @@ POLL_PARENT_S = 1.0
 
 class WorkerFailed(RuntimeError):
     """A worker process died, exited or hung while loading a batch."""
+
+
+class WorkerRaised(Exception):
+    """User code raised in a worker an exception that cannot be rebuilt in the trainer as itself
+    (it does not survive pickling); the message carries its type, text and the worker's traceback."""
 
 
 class WorkerPool:
@@ -82,7 +90,7 @@ class WorkerPool:
         w, k = self._where(b)
         msg = self._receive(w, b)
         if msg[0] == "err":
-            raise _rebuild(msg[2], msg[3])
+            raise pickle.loads(msg[2]) if msg[2] is not None else WorkerRaised(msg[3])
         batch = decode(msg[2], self.slots[w][k], self.pin)
         nxt = b + self.workers * self.depth
         if nxt < self.n:
@@ -127,16 +135,6 @@ def _exit_reason(proc) -> str:
     return f"exited with code {code}"
 
 
-def _rebuild(exc_type: type | None, text: str) -> BaseException:
-    """The worker's exception, of its type where possible, its message the full traceback."""
-    if isinstance(exc_type, type) and issubclass(exc_type, Exception):
-        try:
-            return exc_type(text)
-        except Exception:
-            pass
-    return WorkerFailed(text)
-
-
 def _shutdown(procs: list, conns: list, slots: list) -> None:
     for c in conns:
         try:
@@ -171,6 +169,9 @@ def _worker_main(load: Callable, conn, slots: list[Slot], parent: int, parent_en
     import torch
 
     # Reading and decoding are numpy-vectorised; intra-op threads per worker only oversubscribe.
+    # And it is what makes a fork safe: a trainer that ran a model has a used OpenMP pool, which
+    # the child inherits without its threads; with one intra-op thread ATen runs ops inline and
+    # MKL/oneDNN stay serial, so a transform's torch ops never wait on that pool (test_loader_fork_omp).
     torch.set_num_threads(1)
     while True:
         try:
@@ -188,17 +189,21 @@ def _worker_main(load: Callable, conn, slots: list[Slot], parent: int, parent_en
             slot.reset()
             out = pickle.dumps(("ok", b, encode(load(b, slot.empty), slot)), pickle.HIGHEST_PROTOCOL)
         except Exception as e:
-            text = f"{type(e).__name__} in loader worker (pid {os.getpid()}):\n" + "".join(traceback.format_exception(e))
-            out = pickle.dumps(("err", b, _picklable_type(e), text))
+            out = pickle.dumps(("err", b, *_crossing(e)))
         try:
             conn.send_bytes(out)
         except OSError:
             return
 
 
-def _picklable_type(e: BaseException) -> type | None:
+def _crossing(e: Exception) -> tuple[bytes | None, str]:
+    """(the pickled exception, or None where it would not unpickle as itself; its full text)."""
+    where = f"in loader worker (pid {os.getpid()}):\n" + "".join(traceback.format_tb(e.__traceback__))
+    text = f"{type(e).__name__} " + where + "".join(traceback.format_exception_only(e))
     try:
-        pickle.loads(pickle.dumps(type(e)))
-        return type(e)
+        add_note(e, where.rstrip("\n"))
+        blob = pickle.dumps(e)
+        pickle.loads(blob)  # here, not in the trainer, where a failure would look like a dead worker
+        return blob, text
     except Exception:
-        return None
+        return None, text

@@ -13,6 +13,7 @@ from ..plan import Batching, Mesh, Planner, RankPlan, data_parallel
 from ..plan.env import rank_placement
 from ..plan.state import LoaderState, check_compatible
 from .collate import unpack_batch
+from .pool import WorkerFailed
 from .reader import BatchReader, describe_ids
 from .source import SourceSpec
 from .workers import PlanBatches, make_dataloader
@@ -47,7 +48,9 @@ class ShardedLoader:
 
     ``set_epoch(e)`` selects epoch ``e``; for the epoch the loader is already in (say, after
     ``load_state_dict``) it keeps the position. After the last batch of an epoch the loader
-    moves to the next epoch by itself, and its state says so.
+    moves to the next epoch by itself, and its state says so: resume with
+    ``start_epoch = loader.epoch``. After ``load_state_dict`` and before the loader is iterated,
+    ``set_epoch`` to an epoch before the loaded one is refused (it would replay that epoch).
     """
 
     def __init__(self, url: str, *, batch_size: int | None = None, max_tokens: int | None = None,
@@ -90,6 +93,7 @@ class ShardedLoader:
         self._served = 0  # batches of the current plan handed to the training loop
         self._pass_start = 0
         self._checked_epoch: int | None = None
+        self._loaded_epoch: int | None = None  # a loaded state's epoch, until the loader is iterated
 
     # ------------------------------------------------------------------ epoch and plan
     @property
@@ -101,6 +105,16 @@ class ShardedLoader:
             raise ValueError(f"epoch must be an int >= 0, found {epoch!r}")
         if epoch == self._epoch:
             return
+        if self._loaded_epoch is not None and epoch < self._loaded_epoch:
+            # Refused, not warned: the replay would be silent in the loss curve, cost a whole
+            # epoch and break "no sample repeated"; the fix is one line, and it fails before step 1.
+            raise LoaderStateError(
+                f"set_epoch({epoch}) after load_state_dict would go back from the loaded position in epoch "
+                f"{self._loaded_epoch} and serve epoch {epoch} again from its start. A state saved after the "
+                f"last batch of an epoch is the start of the next one. Resume with start_epoch = loader.epoch "
+                f"(after load_state_dict), not the epoch counter saved beside the state; to start over at an "
+                f"earlier epoch, do not load the state."
+            )
         self._start_epoch(epoch)
 
     def _start_epoch(self, epoch: int) -> None:
@@ -167,7 +181,7 @@ class ShardedLoader:
         except ValueError as e:  # StateError, and a plan that cannot be made for it
             raise LoaderStateError(f"cannot load this loader state: {e}") from None
         start = resumed.last["served"]
-        self._epoch = st.epoch
+        self._epoch = self._loaded_epoch = st.epoch
         self._state = resumed
         self._plan = plan
         self._served = self._pass_start = start
@@ -177,6 +191,7 @@ class ShardedLoader:
     def __iter__(self) -> Iterator[Any]:
         plan = self.plan
         n = plan.batches_per_rank
+        self._loaded_epoch = None  # the resume took effect: going back from here on is deliberate
         self._pass_start = start = self._served
         self._check_ranks_agree(plan)
         where = f"rank {self.rank}/{self.layout.world_size}, epoch {self._epoch}"
@@ -194,11 +209,10 @@ class ShardedLoader:
                     batch = next(it)
                 except StopIteration:
                     raise LoaderError(f"{where}: the reader stopped after {b} of {n} batches") from None
-                except ShardtoolError:
-                    raise  # our reader's errors already name the shard and sample
-                except (RuntimeError, EOFError, ConnectionError) as e:
-                    # The worker pool's own failures: a worker killed, exited or timed out (a
-                    # worker killed mid-send can also surface as a broken pipe: EOF, reset).
+                except WorkerFailed as e:
+                    # The worker pool's own failures: a worker killed, exited or timed out. Anything
+                    # else (our reader's errors, the user's transform or collate_fn) is raised as
+                    # itself, with notes naming the batch and its shards.
                     raise LoaderError(
                         f"{where}: batch {b} could not be loaded ({describe_ids(self.reader, batches.batch_ids(b))}): "
                         f"a worker process failed, exited or was killed ({type(e).__name__}: {e})"

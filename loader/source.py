@@ -1,8 +1,10 @@
 """Where shard bytes come from: the node-local cache, a local path, or a remote store.
 
-This is the loader's only seam to `shardtool.cache`: with a ``cache_dir`` a shard is a verified local
+This is the loader's seam to `shardtool.cache`: with a ``cache_dir`` a shard is a verified local
 file in the cache (fetched on a miss, protected from eviction while open); without one, local
-datasets are read in place and remote ones by ranged requests through fsspec.
+datasets are read in place, each shard verified before first use (loader/verify.py, which
+borrows the cache's trust stamps), and remote ones by ranged requests through fsspec, each
+sample checked against its index checksum.
 
 A `SourceSpec` is the picklable recipe; each process (the trainer and every DataLoader worker)
 opens its own `Source` from it, after fork, so no file handle or event loop is shared.
@@ -40,7 +42,8 @@ class MappedFile:
             self.close()
             raise FormatError(f"shard {shard_name}: cannot open {path} ({e.strerror})") from None
         try:
-            size = os.fstat(fd).st_size
+            self.stat = os.fstat(fd)  # of the file mapped, even if the path is replaced meanwhile
+            size = self.stat.st_size
             # mmap refuses empty files; an empty shard has no samples to read anyway.
             self.mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
         finally:
@@ -70,6 +73,7 @@ class Source:
     def __init__(self, spec: SourceSpec):
         self.spec = spec
         self._cache = None
+        self._verifier = None
         if spec.cache_dir:
             from ..cache import open_cache  # lazy: a loader without a cache never imports it
 
@@ -87,7 +91,13 @@ class Source:
         """Memory-map one shard; with a cache, fetch it on a miss and pin it while mapped."""
         name = self.dataset.manifest.shards[shard].path
         if self._cache is None:
-            return MappedFile(self.dataset.shard_path(shard), name)
+            mapped = MappedFile(self.dataset.shard_path(shard), name)
+            try:
+                self._verify(shard, mapped)
+            except BaseException:
+                mapped.close()
+                raise
+            return mapped
         stack = contextlib.ExitStack()
         try:
             path = self._cache.local_shard(shard)
@@ -96,3 +106,11 @@ class Source:
             stack.close()
             raise
         return MappedFile(path, name, release=stack.close)
+
+    def _verify(self, shard: int, mapped: MappedFile) -> None:
+        """A shard read in place gets the check the cache gives what it copies (loader/verify.py)."""
+        if self._verifier is None:
+            from .verify import InPlaceVerifier
+
+            self._verifier = InPlaceVerifier(self.dataset)
+        self._verifier.check(shard, mapped.buffer(), mapped.stat)

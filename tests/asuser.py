@@ -14,7 +14,7 @@ import os
 import tempfile
 import traceback
 
-import pytest
+from skips import needs_root
 
 NOBODY = 65534
 
@@ -25,9 +25,8 @@ class ChildFailed(AssertionError):
 
 def require_root() -> None:
     """Two real users need root to create the second one's process; elsewhere the test is skipped
-    (CI runs as root, and treats this skip as a failure)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: the test warms a cache as root and reads it as another user (uid 65534)")
+    (CI runs as root, and treats this skip as a failure: tests/skips.py)."""
+    needs_root("the test warms a cache as root and reads it as another user (uid 65534)")
 
 
 def shared_tmpdir(prefix: str) -> str:

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,73 @@ def test_bench_refuses_an_unknown_peer(tmp_path):
     cp = subprocess.run([sys.executable, "-m", "shardtool", "bench", "--generate", "200", "--compare", "nope",
                          "--step-ms", "1"], env=env, capture_output=True, text=True, timeout=120)
     assert cp.returncode == 2 and "unknown peer 'nope'" in cp.stderr
+
+
+def _session_procs(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (the bench and every rank and worker it started)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                fields = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                out.append(int(d))
+    return out
+
+
+def _bench(args, env, timeout):
+    """Run `shardtool bench ARGS` in its own session; on timeout kill all of it, then fail."""
+    proc = subprocess.Popen([sys.executable, "-m", "shardtool", "bench", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        for pid in _session_procs(proc.pid):
+            os.kill(pid, 9)
+        out, err = proc.communicate()
+        pytest.fail(f"shardtool bench {' '.join(args)} hung for {timeout} s\n{out}\n{err[-3000:]}")
+    return proc, out, err
+
+
+@pytest.mark.timeout(400)
+def test_bench_in_its_documented_form_does_not_hang(tmp_path):
+    # No --step-ms: the step is timed with a tiny model in the parent (intra-op threads > 1 where
+    # the machine has 2+ cores), and ranks must not inherit that used OpenMP pool.
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.pop(var, None)
+    out_json = tmp_path / "out.json"
+    proc, out, err = _bench(["--generate", "3000", "--ranks", "2", "--workers", "0", "--max-batches", "6",
+                             "--compare", "webdataset", "--json", str(out_json), "--timeout", "150"], env, 330)
+    assert proc.returncode == 0, out + err
+    assert "measured tiny-model step" in err
+    rows = json.loads(out_json.read_text())["rows"]
+    assert {r["reader"] for r in rows} == {"shardtool", "webdataset"}
+    assert all(not r["errors"] and r["batches_per_rank"] == [6, 6] for r in rows), rows
+
+
+@pytest.mark.timeout(200)
+def test_a_hung_rank_is_killed_at_the_timeout_and_named(tmp_path):
+    from shardtool.benchmarks.node import generate_token_dataset
+    from shardtool.format import open_dataset
+
+    url = generate_token_dataset(str(tmp_path / "ds"), 400, samples_per_shard=100)
+    stuck = open_dataset(url).shard_path(0)
+    os.unlink(stuck)
+    os.mkfifo(stuck)  # opening it blocks forever, like a read from a hung filesystem
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    began = time.monotonic()
+    proc, out, err = _bench([url, "--ranks", "2", "--workers", "0,2", "--step-ms", "1", "--timeout", "10"], env, 150)
+    assert proc.returncode == 1, out + err
+    for workers in (0, 2):
+        for rank in (0, 1):
+            assert f"shardtool (workers={workers}) failed: shardtool rank {rank}/2: timed out" in err, err
+    assert time.monotonic() - began < 120
+    deadline = time.monotonic() + 10  # multiprocessing's resource tracker exits once the bench has
+    while _session_procs(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = {p: open(f"/proc/{p}/cmdline").read().replace("\0", " ") for p in _session_procs(proc.pid)}
+    assert not left, left  # no rank or worker left behind

@@ -14,8 +14,12 @@ from shardtool.cache import VersionDir, open_cache, warm
 from shardtool.cache.durability import boot_id
 from shardtool.format import open_dataset
 from shardtool.format.hashing import hash_file
+from skips import require
 
-pytestmark = pytest.mark.skipif(boot_id() is None, reason="no kernel boot id here: every shard is fsynced")
+
+@pytest.fixture(autouse=True)
+def _needs_boot_id():
+    require(boot_id() is not None, "no kernel boot id here (/proc/sys/kernel/random/boot_id): every shard is fsynced")
 
 
 @pytest.fixture(scope="module")

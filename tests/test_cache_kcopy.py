@@ -4,6 +4,7 @@ import os
 import pytest
 
 from shardtool.cache.kcopy import METHODS, STEP, copy_range
+from skips import require
 
 
 def _files(tmp_path, data, src_dir=None):
@@ -49,8 +50,8 @@ def test_across_filesystems_falls_back_and_copies_exactly(tmp_path):
     # /dev/shm is a tmpfs: copy_file_range between it and the test's disk is refused by most
     # kernels (EXDEV), as between Lustre/GPFS and a node's NVMe; the next method must take over.
     shm = "/dev/shm"
-    if not os.path.isdir(shm) or os.stat(shm).st_dev == os.stat(str(tmp_path)).st_dev:
-        pytest.skip("no second filesystem at /dev/shm")
+    require(os.path.isdir(shm) and os.stat(shm).st_dev != os.stat(str(tmp_path)).st_dev,
+            "no second filesystem at /dev/shm")
     d = os.path.join(shm, f"kcopy-test-{os.getpid()}")
     os.makedirs(d, exist_ok=True)
     data = os.urandom(3 << 20)

@@ -35,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", default="", help="comma-separated peers: webdataset")
     p.add_argument("--json", dest="json_path", default=None, help="write all results as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG plot (throughput and wait vs workers)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a run is abandoned")
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds one run (one reader at one --workers value) may take; a rank still running "
+                        "then is killed with its workers, named on stderr, and the bench exits 1 (default 900)")
 
 
 def run(args) -> int:
@@ -84,8 +86,8 @@ def run(args) -> int:
             row = bench.summarize(bench.run_node(name, cfg, timeout=args.timeout))
             row["step_ms"] = step_ms
             rows.append(row)
-            if row["errors"]:
-                print(f"{name} (workers={workers}) failed: {row['errors'][0]}", file=sys.stderr)
+            for error in row["errors"]:
+                print(f"shardtool bench: {name} (workers={workers}) failed: {error}", file=sys.stderr)
     print(bench.format_table(rows))
     ratios = []
     for peer in peers:

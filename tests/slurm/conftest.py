@@ -7,15 +7,15 @@
         c = slurm_cluster_with_prolog(my_prolog)       # the default prolog is restored afterwards
 
 Tests using either fixture are marked `slurm` (select/deselect with -m). Where a cluster cannot run here
-(not root, not Linux, no slurm-wlm and no apt-get) they are skipped with the reason; set SLURM_TEST_REQUIRE=1
-(CI) to turn that skip into a failure.
+(not root, not Linux, no slurm-wlm and no apt-get) they are skipped with the reason; under SHARDTOOL_TEST_STRICT=1
+(CI) that skip is a failure (tests/skips.py).
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
+
+from skips import require
 
 from .harness import LocalSlurm, available
 
@@ -24,11 +24,7 @@ SLURM_FIXTURES = ("slurm_cluster", "slurm_cluster_with_prolog")
 
 def _require_slurm() -> None:
     ok, why = available()
-    if ok:
-        return
-    if os.environ.get("SLURM_TEST_REQUIRE") == "1":
-        pytest.fail(f"local SLURM cluster required (SLURM_TEST_REQUIRE=1) but unavailable: {why}")
-    pytest.skip(f"local SLURM cluster unavailable: {why}")
+    require(ok, f"local SLURM cluster unavailable: {why}")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,9 +1,10 @@
 """End to end on a real (local, 2-node) SLURM cluster, the way users run shardtool.
 
 The prolog warms each node's shards into that node's cache; the job runs torchrun on every node
-(2 ranks each, gloo) training a tiny LM through ShardedLoader(cache_dir=...); a second job is
-requeued mid-epoch after a checkpoint and must continue with exactly the batches (and losses)
-of an uninterrupted run. A rerun prolog copies nothing.
+(2 ranks each, gloo) training a tiny LM through ShardedLoader(cache_dir=...); a short job asked
+for as --ntasks-per-node=2 runs the same way; a further job is requeued mid-epoch after a
+checkpoint and must continue with exactly the batches (and losses) of an uninterrupted run. A
+rerun prolog copies nothing.
 """
 from __future__ import annotations
 
@@ -96,6 +97,21 @@ def test_prolog_warm_ddp_training_and_requeue_resume(slurm_cluster_with_prolog, 
     remainder = {keys[g] for g in probe.remainder}
     assert len(seen) == len(set(seen)), "a sample was served twice in one epoch"
     assert set(seen) == all_keys - remainder
+
+    # --- job C: the allocation asked for as tasks per node (sbatch -N2 --ntasks-per-node=2), as most
+    # users ask for 2 GPUs' worth of tasks: still one torchrun agent per node (two would collide
+    # on the rendezvous port), starting the node's 2 ranks; a short run
+    env_c = _job_env(c, work, dataset, cache_root, "c", "--max-steps 3")
+    del env_c["RANKS_PER_NODE"]  # the tasks per node asked for are the ranks per node
+    c_job = c.sbatch(sbatch, "-N2", "--ntasks-per-node=2", env=env_c, timeout=300)
+    assert c_job.ok, _explain(c, c_job)
+    out_c = c_job.read_output()
+    assert "EADDRINUSE" not in out_c and "can't honor" not in out_c, out_c[-3000:]
+    steps_c = read_step_logs(str(work / "log-c"))
+    assert sorted(steps_c) == [0, 1, 2, 3] and all(len(steps_c[r]) == 3 for r in range(4)), out_c[-3000:]
+    for rank in range(4):  # the same plan as job A: its first 3 batches on every rank
+        assert [steps_c[rank][s]["keys"] for s in sorted(steps_c[rank])] == \
+            [steps_a[rank][s]["keys"] for s in sorted(steps_a[rank])[:3]]
 
     # --- job B: same training, checkpoints every 5 steps, requeued mid-epoch after a checkpoint
     b = c.sbatch(sbatch, "-N2", env=_job_env(c, work, dataset, cache_root, "b", "--ckpt-every 5 --step-sleep 0.15"),
