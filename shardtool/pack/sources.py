@@ -127,7 +127,7 @@ def classify(source) -> list[Any]:
     if isinstance(source, (list, tuple)):
         if not source:
             return []
-        if all(isinstance(x, dict) for x in source):
+        if isinstance(source[0], dict):  # samples; any non-dict among them is a bad row, named by index
             return [source]
         if all(is_path(x) or _one_source(x) for x in source):
             return [os.fspath(x) if is_path(x) else x for x in source]
@@ -167,6 +167,12 @@ def memory_source(obj, name: str):
         nbytes = getattr(getattr(obj, "data", None), "nbytes", 0) or len(obj)
         return ArrowSlices(name, len(obj), lambda a, b: arrow[a:b], nbytes)
     if kind == "iterable":
+        # Arrow batches where the dataset is backed by Arrow data; a generator-backed one yields
+        # Python rows (its Arrow conversion refuses rows whose inferred types differ, e.g. an
+        # empty list after a list of ints).
+        examples = getattr(obj, "_ex_iterable", None)
+        if examples is not None and getattr(examples, "iter_arrow", None) is None:
+            return Stream(name, iter(obj), "dicts")
         return Stream(name, _tables_to_batches(obj.with_format("arrow").iter(batch_size=STREAM_BATCH_ROWS)), "arrow")
     try:
         import pyarrow.dataset as pads
