@@ -18,6 +18,8 @@ from .fields import FieldSpec, as_array, json_text
 KEY_COLUMN = "__key__"
 DEFAULT_BATCH_ROWS = 256
 DEFAULT_BATCH_BYTES = 1 << 20
+# Compressed batches are smaller: a reader decompresses a whole batch to read one of its samples.
+COMPRESSED_BATCH_BYTES = 64 << 10
 
 
 def arrow_type(spec: FieldSpec) -> pa.DataType:
@@ -69,7 +71,7 @@ class ArrowShardWriter:
     """
 
     def __init__(self, f: IO[bytes], fields: list[FieldSpec], *, batch_rows: int = DEFAULT_BATCH_ROWS,
-                 batch_bytes: int = DEFAULT_BATCH_BYTES, compression: str | None = None):
+                 batch_bytes: int | None = None, compression: str | None = None):
         self.fields = fields
         self.schema = schema_for(fields)
         self.sink = pa.PythonFile(f, mode="w")
@@ -77,6 +79,8 @@ class ArrowShardWriter:
         self.writer = pa.ipc.new_file(self.sink, self.schema, options=options)
         self.compressed = bool(compression)
         self.batch_rows = batch_rows
+        if batch_bytes is None:
+            batch_bytes = COMPRESSED_BATCH_BYTES if compression else DEFAULT_BATCH_BYTES
         self.batch_bytes = batch_bytes
         self._keys: list[str] = []
         self._cols: list[list[Any]] = [[] for _ in fields]
