@@ -1,9 +1,25 @@
 """Pack throughput: shardtool vs webdataset.ShardWriter (and MosaicML MDSWriter if installed).
 
-Same input, same run. Every measurement is a fresh process (start-up counted for both sides),
-sides alternate, and each figure is the median of 3. Prints samples/s, MB/s (input payload
-bytes) and shardtool's ratio to each peer. Targets (issue): token corpus from Parquet, single
-process, ≥ 8× ShardWriter's samples/s and ≥ 10× with --workers 2; images ≥ 1.5× ShardWriter's MB/s.
+Same input, same run. Every measurement is a fresh process, sides alternate, and each figure is
+the median of 3. Prints samples/s, MB/s (input payload bytes) and shardtool's ratio to each peer.
+
+Cases (``--cases``, default all):
+  parquet   token corpus from Parquet → tar (1, 2 workers) and Arrow; vs ShardWriter
+  jsonl     the same corpus from JSONL
+  images    an image-like file tree
+  columnar  Parquet (with an ``id`` column) → Arrow and → tar with ``--key id``, 1 and 2 workers,
+            against the columnar reference: read the Parquet and write it as one Arrow IPC file
+            with fsync (pyarrow, in a process of its own, same run)
+  dicts     a list of dicts and a generator of them vs ShardWriter fed the same dicts (the dicts
+            are built before the clock starts; in-process times)
+  tokenize  JSONL text → tokenized Arrow with a BPE tokenizer trained here, vs encoding the same
+            texts with ``tokenizers`` batch encode alone, same number of processes (texts in
+            memory before the clock starts; in-process times)
+
+Targets (issues): Parquet tokens, single process, ≥ 8× ShardWriter (≥ 10× with 2 workers);
+images ≥ 1.5× ShardWriter's MB/s; Parquet → Arrow ≥ 0.8× the columnar reference; Parquet → tar
+(--key) ≥ 25× ShardWriter (1 process); dicts ≥ 5× ShardWriter; tokenize-and-pack with 2 workers
+≥ 0.8× tokenizers alone with 2 processes.
 
     python -m benchmarks.pack_throughput            # 200k token samples, 20k images
     python -m benchmarks.pack_throughput --small    # 20k token samples, 2k images
@@ -26,12 +42,88 @@ SHARD_BYTES = 256 << 20
 
 
 # ----------------------------------------------------------------------------- the sides
-def side_shardtool(src: str, out: str, fmt: str, workers: int, length: str | None) -> int:
+def side_shardtool(src: str, out: str, fmt: str, workers: int, length: str | None, key: str | None = None) -> int:
     import shardtool
 
     r = shardtool.pack(src, out, format=fmt, workers=workers, length=length, shard_size=SHARD_BYTES,
-                       overwrite=True, quiet=True)
+                       overwrite=True, quiet=True, key=key)
     return r.samples
+
+
+def side_arrow_reference(src: str, out: str) -> int:
+    """The columnar reference: read the Parquet, write it as one Arrow IPC file, fsync."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(out, exist_ok=True)
+    pf = pq.ParquetFile(src)
+    n = 0
+    with open(os.path.join(out, "all.arrow"), "wb") as f:
+        with pa.ipc.new_file(f, pf.schema_arrow) as w:
+            for batch in pf.iter_batches(batch_size=65536):
+                w.write_batch(batch)
+                n += batch.num_rows
+        f.flush()
+        os.fsync(f.fileno())
+    return n
+
+
+def _dicts(src: str) -> list[dict]:
+    return [{"tokens": tokens, "source": source} for _, tokens, source in _parquet_rows(src)]
+
+
+def side_dicts(src: str, out: str, how: str) -> tuple[int, float]:
+    """(samples, seconds) packing the same dicts: shardtool from a list / a generator, or ShardWriter."""
+    rows = _dicts(src)
+    t0 = time.perf_counter()
+    if how == "shardwriter":
+        import webdataset as wds
+
+        os.makedirs(out, exist_ok=True)
+        with wds.ShardWriter(os.path.join(out, "shard-%06d.tar"), maxsize=SHARD_BYTES, maxcount=10**9, verbose=0) as w:
+            for pos, d in enumerate(rows):
+                w.write({"__key__": f"{pos:09d}", "tokens.npy": d["tokens"], "source.txt": d["source"]})
+        n = len(rows)
+    else:
+        import shardtool
+
+        source = rows if how == "list" else (d for d in rows)
+        n = shardtool.pack(source, out, length="tokens", shard_size=SHARD_BYTES, total=len(rows)).samples
+    return n, time.perf_counter() - t0
+
+
+def _encode_slice(tokenizer_path: str, texts: list[str]) -> int:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_path)
+    encode = getattr(tok, "encode_batch_fast", None) or tok.encode_batch
+    return len(encode(texts))
+
+
+def side_tokenize(src: str, out: str, how: str, workers: int) -> tuple[int, float]:
+    """(samples, seconds): tokenize-and-pack the JSONL, or encode its texts with tokenizers alone
+    in ``workers`` processes (one encoding thread each; one process: tokenizers' own threads)."""
+    tok_path = os.path.join(os.path.dirname(src), "tokenizer.json")
+    if how == "shardtool":
+        import shardtool
+
+        t0 = time.perf_counter()
+        n = shardtool.pack(src, out, format="arrow", key="id", text_field="text", tokenizer=tok_path, eos_id=1,
+                           workers=workers, shard_size=SHARD_BYTES, overwrite=True).samples
+        return n, time.perf_counter() - t0
+    with open(src, "rb") as f:
+        texts = [json.loads(line)["text"] for line in f]
+    t0 = time.perf_counter()
+    if workers == 1:
+        n = _encode_slice(tok_path, texts)
+    else:
+        import multiprocessing as mp
+
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        step = -(-len(texts) // workers)
+        with mp.get_context("fork").Pool(workers) as pool:
+            n = sum(pool.starmap(_encode_slice, [(tok_path, texts[i : i + step]) for i in range(0, len(texts), step)]))
+    return n, time.perf_counter() - t0
 
 
 def _parquet_rows(src: str):
@@ -106,14 +198,22 @@ def side_mds(src: str, out: str, kind: str) -> int:
 
 def _child(argv: list[str]) -> int:
     side, src, out, kind = argv[:4]
-    if side.startswith("shardtool"):
-        _, fmt, workers = side.split(":")
-        n = side_shardtool(src, out, fmt, int(workers), None if kind == "images" else "tokens")
+    seconds = None
+    if kind == "dicts":
+        n, seconds = side_dicts(src, out, side)
+    elif kind == "tokenize":
+        how, workers = side.split(":")
+        n, seconds = side_tokenize(src, out, how, int(workers))
+    elif side.startswith("shardtool"):
+        _, fmt, workers, *key = side.split(":")
+        n = side_shardtool(src, out, fmt, int(workers), None if kind == "images" else "tokens", key[0] if key else None)
+    elif side == "arrowref":
+        n = side_arrow_reference(src, out)
     elif side == "shardwriter":
-        n = side_shardwriter(src, out, kind)
+        n = side_shardwriter(src, out, "parquet" if kind == "columnar" else kind)
     else:
         n = side_mds(src, out, kind)
-    print(json.dumps({"samples": n}))
+    print(json.dumps({"samples": n, "seconds": seconds}))
     return 0
 
 
@@ -130,7 +230,10 @@ def measure(side: str, src: str, kind: str, work: str) -> dict:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise SystemExit(f"{side} failed:\n{proc.stderr[-3000:]}")
-    n = json.loads(proc.stdout.strip().splitlines()[-1])["samples"]
+    reply = json.loads(proc.stdout.strip().splitlines()[-1])
+    n = reply["samples"]
+    if reply.get("seconds") is not None:  # timed in the child (inputs built before the clock started)
+        wall = reply["seconds"]
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     shutil.rmtree(out, ignore_errors=True)
     # Untimed: flush what this side left dirty (ShardWriter never syncs), so the kernel's
@@ -161,14 +264,57 @@ def run_case(name: str, src: str, kind: str, sides: list[str], work: str, repeat
         res[s] = {"samples": n, "wall_s": wall, "cpu_s": cpu, "samples_per_s": n / wall, "MB_per_s": nbytes / wall / 1e6,
                   "walls": walls}
     print(f"\n== {name}: {res[sides[0]]['samples']:,} samples, {nbytes / 1e6:,.1f} MB input (median of {repeats})")
-    peer = res.get("shardwriter")
+    peer = res.get("shardwriter") or res.get("arrowref")
     for s, v in res.items():
         # The CPU-time ratio is a second view that other load on the machine distorts less.
-        ratio = (f"  ×{v['samples_per_s'] / peer['samples_per_s']:.2f} vs ShardWriter "
-                 f"(CPU time ×{peer['cpu_s'] / v['cpu_s']:.2f})") if peer and s != "shardwriter" else ""
+        ratio = (f"  ×{v['samples_per_s'] / peer['samples_per_s']:.2f} vs {'ShardWriter' if 'shardwriter' in res else 'reference'} "
+                 f"(CPU time ×{peer['cpu_s'] / v['cpu_s']:.2f})") if peer and s not in ("shardwriter", "arrowref") else ""
         print(f"  {s:22s} {v['samples_per_s']:>11,.0f} samples/s {v['MB_per_s']:>9,.1f} MB/s "
               f"(wall {v['wall_s']:.2f} s [{min(v['walls']):.2f}–{max(v['walls']):.2f}], cpu {v['cpu_s']:.2f} s){ratio}")
     return res
+
+
+def _keyed_parquet(tok_dir: str) -> str:
+    """The token corpus with an ``id`` column (``doc-<n>``), for --key; same row groups."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = os.path.join(tok_dir, "tokens-keyed.parquet")
+    if not os.path.exists(path):
+        src = pq.ParquetFile(os.path.join(tok_dir, "tokens.parquet"))
+        with pq.ParquetWriter(path, src.schema_arrow.insert(0, pa.field("id", pa.string()))) as w:
+            start = 0
+            for g in range(src.num_row_groups):
+                t = src.read_row_group(g)
+                w.write_table(t.add_column(0, "id", pa.array([f"doc-{i}" for i in range(start, start + t.num_rows)])))
+                start += t.num_rows
+    return path
+
+
+def _text_corpus(work: str, n: int) -> str:
+    """``n`` JSONL documents of seeded random words (lognormal lengths) and a BPE tokenizer
+    trained on them, beside it as tokenizer.json."""
+    import numpy as np
+
+    d = os.path.join(work, f"text-{n}")
+    path = os.path.join(d, "text.jsonl")
+    if os.path.exists(os.path.join(d, "tokenizer.json")):
+        return path
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    os.makedirs(d, exist_ok=True)
+    rng = np.random.default_rng(0)
+    vocab = ["".join(chr(97 + c) for c in rng.integers(0, 26, int(k))) for k in rng.integers(2, 10, 20_000)]
+    lengths = np.clip(rng.lognormal(np.log(250), 0.8, n), 5, 4000).astype(int)
+    texts = [" ".join(vocab[j] for j in rng.zipf(1.3, int(k)) % len(vocab)) for k in lengths]
+    with open(path, "w") as f:
+        for i, t in enumerate(texts):
+            f.write(json.dumps({"id": f"doc-{i}", "text": t}) + "\n")
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts[:5000], trainers.BpeTrainer(vocab_size=16_000, special_tokens=["[UNK]", "[EOS]"]))
+    tok.save(os.path.join(d, "tokenizer.json"))
+    return path
 
 
 def main(argv=None) -> int:
@@ -179,8 +325,8 @@ def main(argv=None) -> int:
     p.add_argument("--work", default=os.path.join(ROOT, "_work", "bench-pack"), help="corpus and output directory")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--cases", default="parquet,jsonl,images",
-                   help="comma-separated subset of parquet,jsonl,images (default: all)")
+    p.add_argument("--cases", default="parquet,jsonl,images,columnar,dicts,tokenize",
+                   help="comma-separated subset of parquet,jsonl,images,columnar,dicts,tokenize (default: all)")
     a = p.parse_args(argv)
     from benchmarks import corpus
 
@@ -215,6 +361,23 @@ def main(argv=None) -> int:
     if "images" in cases:
         results["images"] = run_case("image-like file tree", img_dir, "images",
                                      ["shardtool:tar:1", "shardtool:tar:2", "shardwriter"] + mds, a.work, a.repeats)
+    if "columnar" in cases:
+        keyed = _keyed_parquet(tok_dir)
+        results["columnar"] = run_case(
+            "Parquet with an id column, --key id (columnar reference: Parquet → one Arrow IPC file + fsync)", keyed,
+            "columnar", ["arrowref", "shardtool:arrow:1:id", "shardtool:arrow:2:id", "shardtool:tar:1:id",
+                         "shardtool:tar:2:id"], a.work, a.repeats)
+        results["columnar_vs_shardwriter"] = run_case(
+            "Parquet → tar with --key id vs ShardWriter", keyed, "columnar",
+            ["shardtool:tar:1:id", "shardwriter"], a.work, a.repeats)
+    if "dicts" in cases:
+        results["dicts"] = run_case("list / generator of dicts (in-process times)", os.path.join(tok_dir, "tokens.parquet"),
+                                    "dicts", ["list", "generator", "shardwriter"], a.work, a.repeats)
+    if "tokenize" in cases:
+        text = _text_corpus(a.work, n_tok // 4)
+        results["tokenize"] = run_case("JSONL text → tokenized Arrow vs tokenizers alone (in-process times)", text,
+                                       "tokenize", ["shardtool:1", "alone:1", "shardtool:2", "alone:2"], a.work,
+                                       a.repeats)
     print("\ntargets:")
     if "tokens_parquet" in results:
         tp = results["tokens_parquet"]
@@ -225,6 +388,26 @@ def main(argv=None) -> int:
         im = results["images"]
         print(f"  images MB/s, 1 process    : ×{im['shardtool:tar:1']['MB_per_s'] / im['shardwriter']['MB_per_s']:.2f} "
               "(target ≥ 1.5)")
+    if "columnar" in results:
+        c = results["columnar"]
+        ref = c["arrowref"]["samples_per_s"]
+        print(f"  Parquet → Arrow, 1 process / reference : ×{c['shardtool:arrow:1:id']['samples_per_s'] / ref:.2f} "
+              "(target ≥ 0.8)")
+        print(f"  Parquet → Arrow, 2 workers / reference : ×{c['shardtool:arrow:2:id']['samples_per_s'] / ref:.2f}")
+        cw = results["columnar_vs_shardwriter"]
+        print(f"  Parquet → tar --key, 1 process / ShardWriter : "
+              f"×{cw['shardtool:tar:1:id']['samples_per_s'] / cw['shardwriter']['samples_per_s']:.2f} (target ≥ 25)")
+    if "dicts" in results:
+        d = results["dicts"]
+        for how in ("list", "generator"):
+            print(f"  {how} of dicts / ShardWriter : ×{d[how]['samples_per_s'] / d['shardwriter']['samples_per_s']:.2f} "
+                  "(target ≥ 5)")
+    if "tokenize" in results:
+        t = results["tokenize"]
+        for w in (1, 2):
+            print(f"  tokenize-and-pack / tokenizers alone, {w} process(es) : "
+                  f"×{t[f'shardtool:{w}']['samples_per_s'] / t[f'alone:{w}']['samples_per_s']:.2f}"
+                  + (" (target ≥ 0.8)" if w == 2 else ""))
     print(f"  (load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs — other work shares them)")
     if a.json:
         with open(a.json, "w") as f:

@@ -141,6 +141,8 @@ class ShardView:
     def close(self) -> None:
         if self.tok_bytes is not None:
             self.tok_bytes.release()
+        if self._batches is not None:
+            self._batches.close()
         self.u8 = self.tok_view = self.tok_bytes = self._batches = None
         self.mapped.close()
 
@@ -203,10 +205,14 @@ def _data_buffer(col, spec: FieldSpec):
 
 
 class _CompressedBatches:
-    """Samples of a compressed Arrow shard: each record batch decompressed when first needed, the
-    last `KEEP` kept (batches are small, so a sample read decompresses little)."""
+    """Samples of a compressed Arrow shard: each record batch decompressed when first needed and
+    kept in a per-process cache of decompressed batches (`CACHE_BYTES` over every shard, least
+    recently used evicted), so a shard read again and again is decompressed about once."""
 
-    KEEP = 16
+    CACHE_BYTES = 256 << 20
+    _cache: OrderedDict = OrderedDict()  # (view id, batch) -> (fields' (buffer, starts, sizes), bytes)
+    _cached_bytes = 0
+    _next_id = 0
 
     def __init__(self, buf, index, fields: list[FieldSpec], name: str):
         try:
@@ -216,13 +222,18 @@ class _CompressedBatches:
         check_schema(self.reader.schema, fields, name)
         self.fields, self.name = fields, name
         self.batch, self.row = index.batch, index.row
-        self._kept: OrderedDict[int, list] = OrderedDict()
+        cls = _CompressedBatches
+        self.uid = cls._next_id
+        cls._next_id += 1
+        self._mine: set[int] = set()
 
     def _decoded(self, b: int) -> list:
-        got = self._kept.get(b)
-        if got is not None:
-            self._kept.move_to_end(b)
-            return got
+        cls = _CompressedBatches
+        key = (self.uid, b)
+        hit = cls._cache.get(key)
+        if hit is not None:
+            cls._cache.move_to_end(key)
+            return hit[0]
         try:
             rb = self.reader.get_batch(b)
         except (pa.ArrowInvalid, OSError, IndexError) as e:
@@ -234,9 +245,13 @@ class _CompressedBatches:
             base = data.address if data is not None else 0
             starts, sizes = _column_ranges(col, spec, base, rb.num_rows)
             got.append((data, starts, sizes))
-        self._kept[b] = got
-        if len(self._kept) > self.KEEP:
-            self._kept.popitem(last=False)
+        nbytes = rb.nbytes
+        cls._cache[key] = (got, nbytes)
+        cls._cached_bytes += nbytes
+        self._mine.add(b)
+        while cls._cached_bytes > cls.CACHE_BYTES and len(cls._cache) > 1:
+            (uid, old), (_, n) = cls._cache.popitem(last=False)
+            cls._cached_bytes -= n
         return got
 
     def field_bytes(self, i: int, j: int) -> bytes:
@@ -244,3 +259,11 @@ class _CompressedBatches:
         r = int(self.row[i])
         size = int(sizes[r])
         return data[int(starts[r]) : int(starts[r]) + size].to_pybytes() if size else b""
+
+    def close(self) -> None:
+        cls = _CompressedBatches
+        for b in self._mine:
+            hit = cls._cache.pop((self.uid, b), None)
+            if hit is not None:
+                cls._cached_bytes -= hit[1]
+        self._mine.clear()

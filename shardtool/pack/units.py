@@ -19,7 +19,7 @@ from ..format.keys import key_problem
 from .options import strip_file_scheme
 from .tree import PER_FILE_HINT, OnBad, per_file_samples, walk_files
 
-JSONL_CHUNK = 32 << 20
+JSONL_CHUNK = 8 << 20  # small enough to balance workers when samples are costly (tokenizing)
 TREE_CHUNK = 256
 ARROW_UNIT_ROWS = 65536
 STRUCTURED = ("jsonl", "parquet", "arrow", "memory")
