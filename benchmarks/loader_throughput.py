@@ -12,6 +12,9 @@ median of the per-round ratios with its min-max range (the noise of a shared mac
 state measurement stops after ``--max-seconds`` (both sides alike: same corpus, same rate).
 
     python -m benchmarks.loader_throughput [--small] [--dir DIR] [--repeats 3] [--max-seconds 30] [--json]
+
+``--compression zstd|lz4`` adds: the token corpus (random ids) packed as Arrow shards plain and
+compressed, ShardedLoader read throughput on each (num_workers 0 and 2, alternating, medians).
 """
 from __future__ import annotations
 
@@ -144,6 +147,35 @@ def measure(which: str, root: str, kind: str, workers: int, resume: bool = False
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def compression_runs(base: str, n: int, codec: str, repeats: int, max_s: float) -> dict:
+    """samples/s reading the same Arrow dataset plain and ``codec``-compressed, per worker count."""
+    import shardtool
+    from benchmarks import corpus
+
+    src = os.path.join(base, "tokens-src")
+    if not os.path.exists(os.path.join(src, "tokens.parquet")):
+        corpus.write_tokens(src, n, jsonl=False)
+    roots = {}
+    for comp in (None, codec):
+        roots[comp] = os.path.join(base, f"tokens-arrow-{comp or 'plain'}")
+        if not os.path.exists(os.path.join(roots[comp], "index.json")):
+            shardtool.pack(os.path.join(src, "tokens.parquet"), roots[comp], format="arrow", length="tokens",
+                           shard_size="64MiB", compression=comp)
+    out = {}
+    for w in (0, 2):
+        for root in roots.values():
+            measure("ours", root, "tokens", w, max_s=max_s)  # warm-up
+        runs: dict = {None: [], codec: []}
+        for r in range(repeats):
+            for comp in ((None, codec) if r % 2 == 0 else (codec, None)):
+                runs[comp].append(measure("ours", roots[comp], "tokens", w, max_s=max_s)["samples_per_s"])
+        plain, comp = statistics.median(runs[None]), statistics.median(runs[codec])
+        out[f"w{w}"] = {"plain_samples_per_s": plain, f"{codec}_samples_per_s": comp, "ratio": comp / plain}
+    info = shardtool.open_dataset(roots[codec]).manifest
+    out["size_ratio"] = sum(s.raw_bytes or s.bytes for s in info.shards) / info.num_bytes
+    return out
+
+
 # ---------------------------------------------------------------------- report
 def fmt(v, spec=",.0f") -> str:
     return "n/a" if v is None else format(v, spec)
@@ -176,6 +208,8 @@ def main() -> None:
     p.add_argument("--max-seconds", type=float, default=30.0,
                    help="stop a steady-state measurement after this long (both sides alike)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--compression", choices=["zstd", "lz4"],
+                   help="also measure reading Arrow shards compressed with this codec against plain ones")
     p.add_argument("--one", choices=["ours", "wds"], help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     p.add_argument("--kind", choices=["tokens", "images"], help=argparse.SUPPRESS)
@@ -210,8 +244,11 @@ def main() -> None:
     ratios = {name: statistics.median(v) for name, v in ratio_runs.items()}
     ratios["resume/fresh first batch w0"] = results["tokens/ours/w0"]["resume_first_batch_s"] / results["tokens/ours/w0"]["first_batch_s"]
     ratios["resume/fresh first batch w2"] = results["tokens/ours/w2"]["resume_first_batch_s"] / results["tokens/ours/w2"]["first_batch_s"]
+    compressed = (compression_runs(base, n_tok, args.compression, args.repeats, args.max_seconds)
+                  if args.compression else None)
     if args.json:
-        print(json.dumps({"results": results, "ratios": ratios, "ratio_runs": ratio_runs}, indent=1))
+        print(json.dumps({"results": results, "ratios": ratios, "ratio_runs": ratio_runs, "compression": compressed},
+                         indent=1))
         return
     head = (f"{'run':<18}{'samples/s':>12}{'tokens/s':>14}{'MB/s':>9}{'range':>17}{'1st batch':>11}{'resume 90%':>12}"
             f"{'pad eff':>9}{'RSS MB':>9}{'wkr RSS':>9}")
@@ -232,6 +269,12 @@ def main() -> None:
         else:
             note = f"(target <= 1.5x: {'met' if v <= 1.5 else 'MISSED'})"
         print(f"{k:<32}{v:8.2f}x  {note}")
+    if compressed:
+        print(f"\nArrow shards, {args.compression} vs plain (size ratio {compressed['size_ratio']:.2f}x):")
+        for w in ("w0", "w2"):
+            c = compressed[w]
+            print(f"  {w}: plain {c['plain_samples_per_s']:,.0f} samples/s, {args.compression} "
+                  f"{c[args.compression + '_samples_per_s']:,.0f} samples/s ({c['ratio']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,25 @@
 """Pack throughput: shardtool vs webdataset.ShardWriter (and MosaicML MDSWriter if installed).
 
-Same input, same run. Every measurement is a fresh process (start-up counted for both sides),
-sides alternate, and each figure is the median of 3. Prints samples/s, MB/s (input payload
-bytes) and shardtool's ratio to each peer. Targets (issue): token corpus from Parquet, single
-process, ≥ 8× ShardWriter's samples/s and ≥ 10× with --workers 2; images ≥ 1.5× ShardWriter's MB/s.
+Same input, same run. Every measurement is a fresh process, sides alternate, and each figure is
+the median of 3. Prints samples/s, MB/s (input payload bytes) and shardtool's ratio to each peer.
+
+Cases (``--cases``, default all):
+  parquet   token corpus from Parquet → tar (1, 2 workers) and Arrow; vs ShardWriter
+  jsonl     the same corpus from JSONL
+  images    an image-like file tree
+  columnar  Parquet (with an ``id`` column) → Arrow and → tar with ``--key id``, 1 and 2 workers,
+            against the columnar reference: read the Parquet and write it as one Arrow IPC file
+            with fsync (pyarrow, in a process of its own, same run)
+  dicts     a list of dicts and a generator of them vs ShardWriter fed the same dicts (the dicts
+            are built before the clock starts; in-process times)
+  tokenize  JSONL text → tokenized Arrow with a BPE tokenizer trained here, vs encoding the same
+            texts with ``tokenizers`` batch encode alone, same number of processes (texts in
+            memory before the clock starts; in-process times)
+
+Targets (issues): Parquet tokens, single process, ≥ 8× ShardWriter (≥ 10× with 2 workers);
+images ≥ 1.5× ShardWriter's MB/s; Parquet → Arrow ≥ 0.8× the columnar reference; Parquet → tar
+(--key) ≥ 25× ShardWriter (1 process); dicts ≥ 5× ShardWriter; tokenize-and-pack with 2 workers
+≥ 0.8× tokenizers alone with 2 processes.
 
     python -m benchmarks.pack_throughput            # 200k token samples, 20k images
     python -m benchmarks.pack_throughput --small    # 20k token samples, 2k images
@@ -26,11 +42,11 @@ SHARD_BYTES = 256 << 20
 
 
 # ----------------------------------------------------------------------------- the sides
-def side_shardtool(src: str, out: str, fmt: str, workers: int, length: str | None) -> int:
+def side_shardtool(src: str, out: str, fmt: str, workers: int, length: str | None, key: str | None = None) -> int:
     import shardtool
 
     r = shardtool.pack(src, out, format=fmt, workers=workers, length=length, shard_size=SHARD_BYTES,
-                       overwrite=True, quiet=True)
+                       overwrite=True, quiet=True, key=key)
     return r.samples
 
 
@@ -104,16 +120,28 @@ def side_mds(src: str, out: str, kind: str) -> int:
     return n
 
 
+from benchmarks.pack_sides import (  # noqa: E402
+    _keyed_parquet, _text_corpus, side_arrow_reference, side_dicts, side_tokenize)
+
+
 def _child(argv: list[str]) -> int:
     side, src, out, kind = argv[:4]
-    if side.startswith("shardtool"):
-        _, fmt, workers = side.split(":")
-        n = side_shardtool(src, out, fmt, int(workers), None if kind == "images" else "tokens")
+    seconds = None
+    if kind == "dicts":
+        n, seconds = side_dicts(src, out, side)
+    elif kind == "tokenize":
+        how, workers = side.split(":")
+        n, seconds = side_tokenize(src, out, how, int(workers))
+    elif side.startswith("shardtool"):
+        _, fmt, workers, *key = side.split(":")
+        n = side_shardtool(src, out, fmt, int(workers), None if kind == "images" else "tokens", key[0] if key else None)
+    elif side == "arrowref":
+        n = side_arrow_reference(src, out)
     elif side == "shardwriter":
-        n = side_shardwriter(src, out, kind)
+        n = side_shardwriter(src, out, "parquet" if kind == "columnar" else kind)
     else:
         n = side_mds(src, out, kind)
-    print(json.dumps({"samples": n}))
+    print(json.dumps({"samples": n, "seconds": seconds}))
     return 0
 
 
@@ -130,7 +158,10 @@ def measure(side: str, src: str, kind: str, work: str) -> dict:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise SystemExit(f"{side} failed:\n{proc.stderr[-3000:]}")
-    n = json.loads(proc.stdout.strip().splitlines()[-1])["samples"]
+    reply = json.loads(proc.stdout.strip().splitlines()[-1])
+    n = reply["samples"]
+    if reply.get("seconds") is not None:  # timed in the child (inputs built before the clock started)
+        wall = reply["seconds"]
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     shutil.rmtree(out, ignore_errors=True)
     # Untimed: flush what this side left dirty (ShardWriter never syncs), so the kernel's
@@ -161,11 +192,11 @@ def run_case(name: str, src: str, kind: str, sides: list[str], work: str, repeat
         res[s] = {"samples": n, "wall_s": wall, "cpu_s": cpu, "samples_per_s": n / wall, "MB_per_s": nbytes / wall / 1e6,
                   "walls": walls}
     print(f"\n== {name}: {res[sides[0]]['samples']:,} samples, {nbytes / 1e6:,.1f} MB input (median of {repeats})")
-    peer = res.get("shardwriter")
+    peer = res.get("shardwriter") or res.get("arrowref")
     for s, v in res.items():
         # The CPU-time ratio is a second view that other load on the machine distorts less.
-        ratio = (f"  ×{v['samples_per_s'] / peer['samples_per_s']:.2f} vs ShardWriter "
-                 f"(CPU time ×{peer['cpu_s'] / v['cpu_s']:.2f})") if peer and s != "shardwriter" else ""
+        ratio = (f"  ×{v['samples_per_s'] / peer['samples_per_s']:.2f} vs {'ShardWriter' if 'shardwriter' in res else 'reference'} "
+                 f"(CPU time ×{peer['cpu_s'] / v['cpu_s']:.2f})") if peer and s not in ("shardwriter", "arrowref") else ""
         print(f"  {s:22s} {v['samples_per_s']:>11,.0f} samples/s {v['MB_per_s']:>9,.1f} MB/s "
               f"(wall {v['wall_s']:.2f} s [{min(v['walls']):.2f}–{max(v['walls']):.2f}], cpu {v['cpu_s']:.2f} s){ratio}")
     return res
@@ -179,8 +210,8 @@ def main(argv=None) -> int:
     p.add_argument("--work", default=os.path.join(ROOT, "_work", "bench-pack"), help="corpus and output directory")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--cases", default="parquet,jsonl,images",
-                   help="comma-separated subset of parquet,jsonl,images (default: all)")
+    p.add_argument("--cases", default="parquet,jsonl,images,columnar,dicts,tokenize",
+                   help="comma-separated subset of parquet,jsonl,images,columnar,dicts,tokenize (default: all)")
     a = p.parse_args(argv)
     from benchmarks import corpus
 
@@ -215,6 +246,23 @@ def main(argv=None) -> int:
     if "images" in cases:
         results["images"] = run_case("image-like file tree", img_dir, "images",
                                      ["shardtool:tar:1", "shardtool:tar:2", "shardwriter"] + mds, a.work, a.repeats)
+    if "columnar" in cases:
+        keyed = _keyed_parquet(tok_dir)
+        results["columnar"] = run_case(
+            "Parquet with an id column, --key id (columnar reference: Parquet → one Arrow IPC file + fsync)", keyed,
+            "columnar", ["arrowref", "shardtool:arrow:1:id", "shardtool:arrow:2:id", "shardtool:tar:1:id",
+                         "shardtool:tar:2:id"], a.work, a.repeats)
+        results["columnar_vs_shardwriter"] = run_case(
+            "Parquet → tar with --key id vs ShardWriter", keyed, "columnar",
+            ["shardtool:tar:1:id", "shardwriter"], a.work, a.repeats)
+    if "dicts" in cases:
+        results["dicts"] = run_case("list / generator of dicts (in-process times)", os.path.join(tok_dir, "tokens.parquet"),
+                                    "dicts", ["list", "generator", "shardwriter"], a.work, a.repeats)
+    if "tokenize" in cases:
+        text = _text_corpus(a.work, n_tok // 4)
+        results["tokenize"] = run_case("JSONL text → tokenized Arrow vs tokenizers alone (in-process times)", text,
+                                       "tokenize", ["shardtool:1", "alone:1", "shardtool:2", "alone:2"], a.work,
+                                       a.repeats)
     print("\ntargets:")
     if "tokens_parquet" in results:
         tp = results["tokens_parquet"]
@@ -225,6 +273,26 @@ def main(argv=None) -> int:
         im = results["images"]
         print(f"  images MB/s, 1 process    : ×{im['shardtool:tar:1']['MB_per_s'] / im['shardwriter']['MB_per_s']:.2f} "
               "(target ≥ 1.5)")
+    if "columnar" in results:
+        c = results["columnar"]
+        ref = c["arrowref"]["samples_per_s"]
+        print(f"  Parquet → Arrow, 1 process / reference : ×{c['shardtool:arrow:1:id']['samples_per_s'] / ref:.2f} "
+              "(target ≥ 0.8)")
+        print(f"  Parquet → Arrow, 2 workers / reference : ×{c['shardtool:arrow:2:id']['samples_per_s'] / ref:.2f}")
+        cw = results["columnar_vs_shardwriter"]
+        print(f"  Parquet → tar --key, 1 process / ShardWriter : "
+              f"×{cw['shardtool:tar:1:id']['samples_per_s'] / cw['shardwriter']['samples_per_s']:.2f} (target ≥ 25)")
+    if "dicts" in results:
+        d = results["dicts"]
+        for how in ("list", "generator"):
+            print(f"  {how} of dicts / ShardWriter : ×{d[how]['samples_per_s'] / d['shardwriter']['samples_per_s']:.2f} "
+                  "(target ≥ 5)")
+    if "tokenize" in results:
+        t = results["tokenize"]
+        for w in (1, 2):
+            print(f"  tokenize-and-pack / tokenizers alone, {w} process(es) : "
+                  f"×{t[f'shardtool:{w}']['samples_per_s'] / t[f'alone:{w}']['samples_per_s']:.2f}"
+                  + (" (target ≥ 0.8)" if w == 2 else ""))
     print(f"  (load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs — other work shares them)")
     if a.json:
         with open(a.json, "w") as f:

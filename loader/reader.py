@@ -60,7 +60,7 @@ class BatchReader:
         mapped = src.map_shard(shard)
         try:
             v = ShardView(mapped, index, ds.manifest.fields, tar=self.tar, pad_field=self.pad_field,
-                          allow_pickle=ds.allow_pickle)
+                          allow_pickle=ds.allow_pickle, compressed=ds.manifest.compression is not None)
         except BaseException:
             mapped.close()
             raise

@@ -8,10 +8,15 @@ file read from a buffer is zero-copy). Reading a sample is then slicing the map.
 For the length field, when it is a 1-D integer array, `token_ranges` gives where the elements
 of a batch's samples start and how many there are (vectorised), so a batch is gathered with
 one memcpy per row and no per-sample decoding.
+
+A compressed Arrow shard's buffers are not in the file as they are read, so its samples are read
+from decompressed record batches instead (`_CompressedBatches`: one batch decompressed when a
+sample needs it, the last few kept); the uncompressed path is unchanged.
 """
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from typing import Any, Callable
 
 import numpy as np
@@ -53,7 +58,7 @@ class ShardView:
     """Byte ranges of every field of every sample of one shard, and its map."""
 
     def __init__(self, mapped: MappedFile, index, fields: list[FieldSpec], *, tar: bool,
-                 pad_field: str | None, allow_pickle: bool = False):
+                 pad_field: str | None, allow_pickle: bool = False, compressed: bool = False):
         self.mapped = mapped
         self.name = mapped.shard_name
         self.keys = np.array(index.keys, dtype=object)
@@ -61,6 +66,14 @@ class ShardView:
         n, nf = len(index), len(fields)
         buf = mapped.buffer()
         self.u8 = np.frombuffer(buf, dtype=np.uint8)
+        self.decoders = [decoder(f, tar, allow_pickle, f"shard {self.name}") for f in fields]
+        self.tok_view = self.tok_bytes = None
+        self.pad_col = next((j for j, f in enumerate(fields) if f.name == pad_field), None)
+        self._batches = None
+        if compressed and not tar:
+            self._batches = _CompressedBatches(buf, index, fields, self.name)
+            self.bytes_fields = [False] * nf  # no slices of the map to hand out
+            return
         if tar:
             self.starts = index.offsets.astype(np.int64)[:, None] + index.field_offsets.astype(np.int64)
             self.sizes = index.field_sizes.astype(np.int64).reshape(n, nf)
@@ -68,10 +81,7 @@ class ShardView:
             self.starts, self.sizes = _arrow_ranges(buf, mapped.size, index, fields, self.name)
         if n and int((self.starts + self.sizes).max(initial=0)) > mapped.size:
             raise FormatError(f"shard {self.name}: sample index points past the end of the shard")
-        self.decoders = [decoder(f, tar, allow_pickle, f"shard {self.name}") for f in fields]
         self.bytes_fields = [yields_bytes(f, tar) for f in fields]
-        self.tok_view = self.tok_bytes = None
-        self.pad_col = next((j for j, f in enumerate(fields) if f.name == pad_field), None)
         if self.pad_col is not None and is_int_array(fields[self.pad_col]):
             self._fast_tokens(fields[self.pad_col], tar)
 
@@ -106,6 +116,8 @@ class ShardView:
         return start // item, size // item
 
     def raw(self, j: int, i: int) -> bytes:
+        if self._batches is not None:
+            return self._batches.field_bytes(i, j)
         a = int(self.starts[i, j])
         return self.mapped.buffer()[a : a + int(self.sizes[i, j])]
 
@@ -129,7 +141,9 @@ class ShardView:
     def close(self) -> None:
         if self.tok_bytes is not None:
             self.tok_bytes.release()
-        self.u8 = self.tok_view = self.tok_bytes = None
+        if self._batches is not None:
+            self._batches.close()
+        self.u8 = self.tok_view = self.tok_bytes = self._batches = None
         self.mapped.close()
 
 
@@ -160,8 +174,10 @@ def _arrow_ranges(buf, file_size: int, index, fields: list[FieldSpec], name: str
     starts, sizes = starts[pos], sizes[pos]
     starts[sizes == 0] = 0  # an empty buffer may live anywhere
     if len(starts) and ((starts < 0) | (starts + sizes > file_size)).any():
-        # Buffers outside the map mean Arrow decompressed or copied them.
-        raise FormatError(f"{name}: Arrow buffers are not in the file (compressed shard?); not supported")
+        # Buffers outside the map mean Arrow decompressed or copied them: a shard compressed
+        # though its manifest says it is not.
+        raise FormatError(f"{name}: Arrow buffers are not in the file (a compressed shard the manifest does not "
+                          "declare compressed?)")
     return starts, sizes
 
 
@@ -179,3 +195,75 @@ def _column_ranges(col, spec: FieldSpec, base: int, m: int) -> tuple[np.ndarray,
     offs = np.frombuffer(bufs[1], dtype=np.int32)[col.offset : col.offset + m + 1].astype(np.int64)
     addr = (bufs[2].address - base) if bufs[2] is not None else 0
     return addr + offs[:-1], np.diff(offs)
+
+
+def _data_buffer(col, spec: FieldSpec):
+    """The buffer holding a column's values, which `_column_ranges` addresses are relative to."""
+    if spec.storage == "array":
+        return col.values.buffers()[1]
+    return col.buffers()[1] if spec.storage == "int" else col.buffers()[2]
+
+
+class _CompressedBatches:
+    """Samples of a compressed Arrow shard: each record batch decompressed when first needed and
+    kept in a per-process cache of decompressed batches (`CACHE_BYTES` over every shard, least
+    recently used evicted), so a shard read again and again is decompressed about once."""
+
+    CACHE_BYTES = 256 << 20
+    _cache: OrderedDict = OrderedDict()  # (view id, batch) -> (fields' (buffer, starts, sizes), bytes)
+    _cached_bytes = 0
+    _next_id = 0
+
+    def __init__(self, buf, index, fields: list[FieldSpec], name: str):
+        try:
+            self.reader = pa.ipc.open_file(pa.py_buffer(buf))
+        except (pa.ArrowInvalid, OSError) as e:
+            raise FormatError(f"{name}: not a readable Arrow IPC file ({e})") from None
+        check_schema(self.reader.schema, fields, name)
+        self.fields, self.name = fields, name
+        self.batch, self.row = index.batch, index.row
+        cls = _CompressedBatches
+        self.uid = cls._next_id
+        cls._next_id += 1
+        self._mine: set[int] = set()
+
+    def _decoded(self, b: int) -> list:
+        cls = _CompressedBatches
+        key = (self.uid, b)
+        hit = cls._cache.get(key)
+        if hit is not None:
+            cls._cache.move_to_end(key)
+            return hit[0]
+        try:
+            rb = self.reader.get_batch(b)
+        except (pa.ArrowInvalid, OSError, IndexError) as e:
+            raise FormatError(f"{self.name}: record batch {b} cannot be decompressed ({e})") from None
+        got = []
+        for j, spec in enumerate(self.fields):
+            col = rb.column(j + 1)
+            data = _data_buffer(col, spec)
+            base = data.address if data is not None else 0
+            starts, sizes = _column_ranges(col, spec, base, rb.num_rows)
+            got.append((data, starts, sizes))
+        nbytes = rb.nbytes
+        cls._cache[key] = (got, nbytes)
+        cls._cached_bytes += nbytes
+        self._mine.add(b)
+        while cls._cached_bytes > cls.CACHE_BYTES and len(cls._cache) > 1:
+            (uid, old), (_, n) = cls._cache.popitem(last=False)
+            cls._cached_bytes -= n
+        return got
+
+    def field_bytes(self, i: int, j: int) -> bytes:
+        data, starts, sizes = self._decoded(int(self.batch[i]))[j]
+        r = int(self.row[i])
+        size = int(sizes[r])
+        return data[int(starts[r]) : int(starts[r]) + size].to_pybytes() if size else b""
+
+    def close(self) -> None:
+        cls = _CompressedBatches
+        for b in self._mine:
+            hit = cls._cache.pop((self.uid, b), None)
+            if hit is not None:
+                cls._cached_bytes -= hit[1]
+        self._mine.clear()

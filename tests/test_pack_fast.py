@@ -1,4 +1,4 @@
-"""The columnar fast path writes exactly the bytes the row-by-row path writes."""
+"""The columnar path writes exactly the bytes the sample-by-sample path writes (tar and Arrow)."""
 from __future__ import annotations
 
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 import shardtool
 from data_gen import dir_digest
 from shardtool.format.tarshard import _header_slow, headers_batch
-from shardtool.pack import fastcol
+from shardtool.pack import columns, fastcol
 
 
 @settings(max_examples=60, deadline=None)
@@ -41,24 +41,29 @@ def _table(n: int, seed: int, nulls: bool) -> pa.Table:
                      "id": pa.array(ids)})
 
 
+@pytest.mark.parametrize("fmt", ["tar", "arrow"])
 @pytest.mark.parametrize("opts", [
     dict(length="tokens"),
     dict(),
     dict(length="text", shard_size=20_000),
     dict(length="id", samples_per_shard=7, skip_bad=True),
     dict(length="tokens", shard_size=9_000, workers=2),
+    dict(length="tokens", key="name", shard_size=30_000),
+    dict(length="tokens", max_length=30),
 ])
 @pytest.mark.timeout(120)
-def test_fast_path_is_byte_identical(tmp_path, monkeypatch, opts):
+def test_fast_path_is_byte_identical(tmp_path, monkeypatch, opts, fmt):
     src = str(tmp_path / "in.parquet")
     table = _table(300, 1, nulls="skip_bad" in opts)
     if opts.get("length") == "id":
         table = table.set_column(4, "id", pa.array(np.abs(table.column("id").to_numpy())))
+    if "key" in opts:
+        table = table.append_column("name", pa.array([f"doc-{i:05d}" for i in range(table.num_rows)]))
     pq.write_table(table, src, row_group_size=64)
-    fast = shardtool.pack(src, str(tmp_path / "fast"), **opts)
-    monkeypatch.setattr(fastcol.BatchEncoder, "encode", lambda self, batch, first: None)
-    slow = shardtool.pack(src, str(tmp_path / "slow"), **opts)
-    assert fast.samples == slow.samples and fast.skipped == slow.skipped
+    fast = shardtool.pack(src, str(tmp_path / "fast"), format=fmt, **opts)
+    monkeypatch.setattr(columns.ColumnShaper, "shape", lambda self, *a, **k: None)
+    slow = shardtool.pack(src, str(tmp_path / "slow"), format=fmt, **opts)
+    assert fast.samples == slow.samples and fast.skipped == slow.skipped and fast.dropped == slow.dropped
     assert dir_digest(str(tmp_path / "fast")) == dir_digest(str(tmp_path / "slow"))
 
 
@@ -69,8 +74,10 @@ def test_fast_path_takes_clean_batches():
     batch = _table(50, 2, nulls=False).to_batches()[0]
     first = {n: _column_values(batch.column(n))[0] for n in batch.schema.names}
     fields = [infer_field(n, v) for n, v in first.items()]
-    enc = fastcol.BatchEncoder(fields, key_width=9, length_field="tokens", shard_size=None).encode(batch, 0)
-    assert enc is not None and len(enc) == 50 and enc.keys[0] == "000000000"
+    sb = columns.ColumnShaper(fields, key_field=None, length_field="tokens", key_width=9).shape(batch, np.arange(50))
+    assert sb is not None and len(sb) == 50
+    enc = fastcol.TarEncoder(fields, shard_size=None).encode(sb)
+    assert enc is not None and len(enc) == 50 and enc.keys[0].as_py() == "000000000"
 
 
 @pytest.mark.timeout(30)

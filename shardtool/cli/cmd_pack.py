@@ -8,7 +8,7 @@ import textwrap
 from ..format.keys import KEY_RULES
 from ._args import size_arg
 
-HELP = "pack files, JSONL, Parquet/Arrow or WebDataset tars into indexed shards"
+HELP = "pack files, JSONL, Parquet/Arrow or WebDataset tars into indexed shards (optionally tokenizing text)"
 DESCRIPTION = """\
 Pack raw samples into an indexed dataset (index.json + shards/ + per-shard sample index).
 
@@ -29,13 +29,25 @@ Sources (any mix):
   *.jsonl[.gz|.zst]       one sample per line (a JSON object; its keys are the fields)
   *.parquet, *.arrow      one sample per row (columns are the fields)
   *.tar[.gz]              existing WebDataset shards, re-sharded and indexed
+(In Python, shardtool.pack() also takes a pyarrow Table, RecordBatchReader or dataset, a
+Hugging Face Dataset or IterableDataset, or a list or generator of dicts.)
 
 In a DIR, hidden files and directories (names starting with '.') are ignored; symbolic
 links to files are followed, links to directories are not descended.
 
 {rules}
-Keys come from file or member names, from --key FIELD, or are the running position
-(000000042).
+Keys come from file or member names, from --key FIELD (that column is the key, not also a
+field), or are the running position (000000042).
+
+Tokenizing: --tokenizer tokenizer.json --text-field text turns each sample's text into a field
+'tokens' of token ids (Hugging Face tokenizers, batch-encoded in every worker; needs
+pip install 'shardtool[tokenize]'; a local file only, never downloaded), stored as uint16 when
+the vocabulary has at most 65,536 ids, else uint32, with --eos-id N appended to each; the length
+is the token count. The text itself is dropped unless --keep-text.
+
+Compression: --format arrow --compression zstd|lz4 compresses each small record batch (Arrow
+IPC buffer compression); the loader, cache, verify and inspect read such shards; tar shards are
+never compressed (they stay WebDataset tars).
 
 Bad input is an error naming the file and line/row/member. --skip-bad skips it instead:
 every skipped sample, file, member or source is listed with its reason, and a pack that
@@ -48,6 +60,8 @@ SLURM_ARRAY_TASK_ID) each task packs a disjoint slice; then `shardtool merge OUT
 
 Examples:
   shardtool pack corpus.parquet -o ds --length tokens --shard-size 512MiB --workers 8
+  shardtool pack corpus.jsonl -o ds --text-field text --tokenizer tok/tokenizer.json --eos-id 0 --workers 8
+  shardtool pack corpus.parquet -o ds --format arrow --compression zstd --key id --length tokens
   shardtool pack corpus.jsonl -o ds --length tokens --max-length 4096 --max-length-policy truncate
   shardtool pack images/ -o ds --samples-per-shard 10000
   shardtool pack /usr/share/doc -o docs --per-file --skip-bad --max-skip-fraction 0.01
@@ -58,8 +72,15 @@ def add_arguments(p) -> None:
     p.add_argument("sources", nargs="+", metavar="SRC", help="input files, directories or glob patterns")
     p.add_argument("-o", "--out", required=True, metavar="OUT", help="output dataset directory")
     p.add_argument("--format", choices=["tar", "arrow"], default="tar", help="shard format (default: tar)")
-    p.add_argument("--key", metavar="FIELD", help="take sample keys from FIELD (JSONL/Parquet/Arrow); "
-                   "default: the running position, zero-padded")
+    p.add_argument("--key", metavar="FIELD", help="take sample keys from FIELD (JSONL/Parquet/Arrow; FIELD is then "
+                   "not stored as a field); default: the running position, zero-padded")
+    p.add_argument("--compression", choices=["zstd", "lz4", "none"], help="--format arrow only: compress each record "
+                   "batch (default none)")
+    t = p.add_argument_group("tokenizing (see above)")
+    t.add_argument("--tokenizer", metavar="PATH", help="a Hugging Face tokenizer.json (or a directory holding one)")
+    t.add_argument("--text-field", metavar="FIELD", help="the text field to tokenize (with --tokenizer)")
+    t.add_argument("--eos-id", type=int, metavar="N", help="append token id N to every sample's ids")
+    t.add_argument("--keep-text", action="store_true", help="keep the text field as well as the token ids")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--length", metavar="FIELD", help="sample length = len(FIELD), or its value if an integer "
                    "(default: payload bytes)")
@@ -104,7 +125,9 @@ def run(args) -> int:
                           task_index=args.task_index, skip_bad=args.skip_bad, overwrite=args.overwrite,
                           quiet=args.quiet or args.json, max_sample_bytes=args.max_sample_bytes,
                           per_file=args.per_file, max_length=args.max_length,
-                          max_length_policy=args.max_length_policy, max_skip_fraction=args.max_skip_fraction)
+                          max_length_policy=args.max_length_policy, max_skip_fraction=args.max_skip_fraction,
+                          tokenizer=args.tokenizer, text_field=args.text_field, eos_id=args.eos_id,
+                          keep_text=args.keep_text, compression=args.compression)
     except OSError as e:
         # Disk full, quota, permissions on OUT: a one-line error, not a traceback. (Unreadable
         # *inputs* are BadSampleErrors already; this is the output side.)

@@ -18,6 +18,8 @@ from .fields import FieldSpec, as_array, json_text
 KEY_COLUMN = "__key__"
 DEFAULT_BATCH_ROWS = 256
 DEFAULT_BATCH_BYTES = 1 << 20
+# Compressed batches are smaller: a reader decompresses a whole batch to read one of its samples.
+COMPRESSED_BATCH_BYTES = 64 << 10
 
 
 def arrow_type(spec: FieldSpec) -> pa.DataType:
@@ -48,45 +50,103 @@ def _column(spec: FieldSpec, values: list[Any]) -> pa.Array:
     return pa.array(values, type=arrow_type(spec))
 
 
+def _concat(pieces: list[pa.RecordBatch], schema: pa.Schema) -> pa.RecordBatch:
+    """One record batch of ``pieces``, in fresh buffers. The IPC writer's bytes depend on how a
+    batch's buffers are laid out (a slice of a Parquet batch and a freshly built batch of the same
+    values serialise differently), so every batch is rebuilt before it is written: then a shard's
+    bytes depend only on its values, whichever source or code path produced them."""
+    return pa.RecordBatch.from_arrays(
+        [pa.concat_arrays([p.column(j) for p in pieces]) for j in range(len(schema))], schema=schema)
+
+
 class ArrowShardWriter:
-    """Buffers rows and writes small record batches, recording each batch's byte range."""
+    """Writes small record batches, recording each batch's byte range.
+
+    Samples arrive one at a time (:meth:`write`, Python values) or as whole record batches in the
+    shard's schema (:meth:`write_batch`); either way a batch is cut after the sample that brings it
+    to ``batch_rows`` rows or ``batch_bytes`` payload bytes, so the same samples give the same
+    batches, and the same bytes, by either route. ``compression`` (``zstd`` or ``lz4``) compresses
+    each batch's buffers (Arrow IPC buffer compression); batches stay small, so reading one sample
+    decompresses at most ``batch_bytes`` or so.
+    """
 
     def __init__(self, f: IO[bytes], fields: list[FieldSpec], *, batch_rows: int = DEFAULT_BATCH_ROWS,
-                 batch_bytes: int = DEFAULT_BATCH_BYTES):
+                 batch_bytes: int | None = None, compression: str | None = None):
         self.fields = fields
         self.schema = schema_for(fields)
         self.sink = pa.PythonFile(f, mode="w")
-        self.writer = pa.ipc.new_file(self.sink, self.schema)
+        options = pa.ipc.IpcWriteOptions(compression=compression) if compression else None
+        self.writer = pa.ipc.new_file(self.sink, self.schema, options=options)
+        self.compressed = bool(compression)
         self.batch_rows = batch_rows
+        if batch_bytes is None:
+            batch_bytes = COMPRESSED_BATCH_BYTES if compression else DEFAULT_BATCH_BYTES
         self.batch_bytes = batch_bytes
         self._keys: list[str] = []
         self._cols: list[list[Any]] = [[] for _ in fields]
+        self._pieces: list[pa.RecordBatch] = []
+        self._pending_rows = 0
         self._pending_bytes = 0
         self.batch_ranges: list[tuple[int, int]] = []
+        self.raw_bytes = 0  # what the record batches would take uncompressed
 
     def write(self, key: str, values: list[Any], approx_bytes: int) -> tuple[int, int]:
         """Queue one sample; returns its (batch number, row in batch)."""
-        row = len(self._keys)
+        where = (len(self.batch_ranges), self._pending_rows)
         self._keys.append(key)
         for col, v in zip(self._cols, values):
             col.append(v)
+        self._pending_rows += 1
         self._pending_bytes += approx_bytes
-        where = (len(self.batch_ranges), row)
-        if len(self._keys) >= self.batch_rows or self._pending_bytes >= self.batch_bytes:
+        if self._pending_rows >= self.batch_rows or self._pending_bytes >= self.batch_bytes:
             self._flush()
         return where
 
-    def _flush(self) -> None:
+    def write_batch(self, batch: pa.RecordBatch, sample_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Queue a record batch in the shard's schema (``sample_bytes``: each row's payload bytes);
+        returns every row's (batch number, row in batch), as :meth:`write` would have."""
+        self._rows_to_piece()
+        n = batch.num_rows
+        batch_no = np.empty(n, dtype=np.int32)
+        row = np.empty(n, dtype=np.int32)
+        cum = np.cumsum(np.asarray(sample_bytes, dtype=np.int64))
+        i = 0
+        while i < n:
+            base = int(cum[i - 1]) if i else 0
+            # The sample that closes the current batch: by row count, or by payload bytes.
+            j = min(i + self.batch_rows - self._pending_rows - 1,
+                    i + int(np.searchsorted(cum[i:], base + self.batch_bytes - self._pending_bytes, side="left")))
+            stop = min(j + 1, n)
+            batch_no[i:stop] = len(self.batch_ranges)
+            row[i:stop] = self._pending_rows + np.arange(stop - i)
+            self._pieces.append(batch.slice(i, stop - i))
+            self._pending_rows += stop - i
+            self._pending_bytes += int(cum[stop - 1]) - base
+            if j < n:
+                self._flush()
+            i = stop
+        return batch_no, row
+
+    def _rows_to_piece(self) -> None:
         if not self._keys:
             return
         arrays = [pa.array(self._keys, type=pa.string())]
         arrays += [_column(spec, col) for spec, col in zip(self.fields, self._cols)]
-        batch = pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+        self._pieces.append(pa.RecordBatch.from_arrays(arrays, schema=self.schema))
+        self._keys = []
+        self._cols = [[] for _ in self.fields]
+
+    def _flush(self) -> None:
+        self._rows_to_piece()
+        if not self._pieces:
+            return
+        batch = _concat(self._pieces, self.schema)
         start = self.sink.tell()
         self.writer.write_batch(batch)
         self.batch_ranges.append((start, self.sink.tell() - start))
-        self._keys = []
-        self._cols = [[] for _ in self.fields]
+        self.raw_bytes += pa.ipc.get_record_batch_size(batch)
+        self._pieces = []
+        self._pending_rows = 0
         self._pending_bytes = 0
 
     def close(self) -> None:

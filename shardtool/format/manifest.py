@@ -20,6 +20,7 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "index.json"
 LENGTHS_NAME = "lengths.npy"
 SHARD_FORMATS = ("tar", "arrow")
+COMPRESSIONS = ("zstd", "lz4")  # Arrow IPC buffer compression of arrow shards
 
 
 def safe_relpath(path: str, what: str) -> str:
@@ -43,9 +44,12 @@ class ShardInfo:
     index: str
     index_bytes: int
     index_hash: str
+    # A compressed Arrow shard's size uncompressed (for the ratio `inspect` reports); absent
+    # (None, and not written) for uncompressed shards, so their manifests are unchanged.
+    raw_bytes: int | None = None
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if v is not None}
 
     @classmethod
     def from_dict(cls, d: dict, i: int) -> "ShardInfo":
@@ -58,6 +62,7 @@ class ShardInfo:
                 index=safe_relpath(d["index"], f"shard #{i} index"),
                 index_bytes=int(d["index_bytes"]),
                 index_hash=str(d["index_hash"]),
+                raw_bytes=None if d.get("raw_bytes") is None else int(d["raw_bytes"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise FormatError(f"manifest shard #{i}: malformed entry ({e})") from None
@@ -90,6 +95,7 @@ class Manifest:
     length: dict[str, Any]  # {"field": name|None, "unit": str, "fn": "mod:func"|None, "summary": {...}}
     lengths_file: dict[str, Any] = field(default_factory=dict)  # {"path", "bytes", "hash"}
     extra: dict[str, Any] = field(default_factory=dict)
+    compression: str | None = None  # arrow shards: the IPC buffer codec, or None
 
     @property
     def num_samples(self) -> int:
@@ -120,6 +126,7 @@ class Manifest:
             "shardtool": "dataset",
             "format_version": FORMAT_VERSION,
             "shard_format": self.shard_format,
+            **({"compression": self.compression} if self.compression else {}),
             "num_samples": self.num_samples,
             "num_bytes": self.num_bytes,
             "fields": [f.to_dict() for f in self.fields],
@@ -149,9 +156,13 @@ class Manifest:
         try:
             fields = [FieldSpec.from_dict(f) for f in d["fields"]]
             shards = [ShardInfo.from_dict(s, i) for i, s in enumerate(d["shards"])]
-            m = cls(fmt, fields, shards, dict(d["length"]), dict(d.get("lengths") or {}), dict(d.get("extra") or {}))
+            m = cls(fmt, fields, shards, dict(d["length"]), dict(d.get("lengths") or {}), dict(d.get("extra") or {}),
+                    d.get("compression"))
         except (KeyError, TypeError) as e:
             raise FormatError(f"{source}: missing or malformed entry {e}") from None
+        if m.compression is not None and (fmt != "arrow" or m.compression not in COMPRESSIONS):
+            raise FormatError(f"{source}: compression {m.compression!r} is not supported for {fmt} shards "
+                              f"(arrow shards: {', '.join(COMPRESSIONS)})")
         if m.lengths_file:
             m.lengths_file["path"] = safe_relpath(m.lengths_file.get("path", ""), "lengths file")
         seen = set()

@@ -23,7 +23,7 @@ _BAD_KEY_RE = r"[/\\\x00-\x1f.]|^$"
 
 @dataclass
 class ShardIndex:
-    keys: list[str]
+    keys: list[str]  # read from a file: a list; being written: a list or an Arrow string array
     offsets: np.ndarray  # uint64, byte offset of the sample (tar) or of its record batch (arrow)
     sizes: np.ndarray  # uint64
     lengths: np.ndarray  # int64
@@ -40,7 +40,7 @@ class ShardIndex:
 
     def to_bytes(self, field_names: list[str]) -> bytes:
         cols = {
-            "key": pa.array(self.keys, type=pa.string()),
+            "key": self.keys if isinstance(self.keys, pa.Array) else pa.array(self.keys, type=pa.string()),
             "offset": pa.array(self.offsets.astype(np.uint64)),
             "size": pa.array(self.sizes.astype(np.uint64)),
             "length": pa.array(self.lengths.astype(np.int64)),
@@ -114,6 +114,17 @@ class ShardIndex:
             )
 
 
+def bad_keys(column) -> int | None:
+    """Index of the first key pack would never write (``keys.key_problem``), or None; one
+    vectorised pass over the column (``column`` has no nulls)."""
+    import pyarrow.compute as pc
+
+    bad = pc.or_(pc.match_substring_regex(column, _BAD_KEY_RE), pc.greater(pc.binary_length(column), MAX_KEY_BYTES))
+    if not pc.any(bad).as_py():
+        return None
+    return int(np.flatnonzero(bad.to_numpy(zero_copy_only=False))[0])
+
+
 def check_keys(column, shard: str) -> None:
     """Refuse an index (hand-made or hostile) holding a key pack would never write, or a key twice.
 
@@ -125,9 +136,8 @@ def check_keys(column, shard: str) -> None:
     column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     if column.null_count:
         raise FormatError(f"{shard}: sample index holds a null key")
-    bad = pc.or_(pc.match_substring_regex(column, _BAD_KEY_RE), pc.greater(pc.binary_length(column), MAX_KEY_BYTES))
-    if pc.any(bad).as_py():
-        i = int(np.flatnonzero(bad.to_numpy(zero_copy_only=False))[0])
+    i = bad_keys(column)
+    if i is not None:
         key = column[i].as_py()
         raise FormatError(f"{shard}: sample #{i} has an invalid key ({key_problem(key) or f'key {key!r}'})")
     if pc.count_distinct(column).as_py() != len(column):

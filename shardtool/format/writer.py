@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from .arrowshard import ArrowShardWriter
 from .atomic import atomic_write_bytes, make_temp_path, publish
@@ -70,9 +71,16 @@ class _HashingFile(io.RawIOBase):
 
 
 class ShardFileWriter:
-    """Writes one shard (tar or arrow) + its sample index under ``root/rel_path``."""
+    """Writes one shard (tar or arrow) + its sample index under ``root/rel_path``.
 
-    def __init__(self, root: str, rel_path: str, shard_format: str, fields: list[FieldSpec]):
+    Samples arrive one at a time (:meth:`add`, :meth:`add_encoded`) or in blocks (tar members
+    laid out by the caller, :meth:`add_tar_block`; Arrow record batches, :meth:`add_arrow_batch`).
+    Index columns of blocks stay arrays; per-sample ones are kept as lists and turned into a chunk
+    of arrays whenever a block follows them, so both kinds interleave in order.
+    """
+
+    def __init__(self, root: str, rel_path: str, shard_format: str, fields: list[FieldSpec], *,
+                 compression: str | None = None):
         self.root = root
         self.rel_path = rel_path
         self.index_rel = rel_path.rsplit(".", 1)[0] + ".idx.arrow"
@@ -82,77 +90,74 @@ class ShardFileWriter:
         self.tmp = make_temp_path(self.final)
         self._raw = open(self.tmp, "wb", buffering=WRITE_BUFFER)
         self._hf = _HashingFile(self._raw)
-        self.keys: list[str] = []
-        self.offsets: list[int] = []
-        self.sizes: list[int] = []
-        self.lengths: list[int] = []
-        self.field_offsets: list[list[int]] = []
-        self.field_sizes: list[list[int]] = []
-        self.batch: list[int] = []
-        self.row: list[int] = []
-        # Tar samples added in blocks keep their index columns as arrays, in order with the
-        # per-sample lists above (flushed into a chunk whenever a block follows them).
-        self._chunks: list[tuple[np.ndarray, ...]] = []
+        self.count = 0
+        self.index_keys: pa.Array | None = None  # every key, once finished
+        # per-sample columns not yet in a chunk: keys, lengths, then tar (offset, size, field
+        # offsets, field sizes) or arrow (batch, row)
+        self._rows: list[list] = [[] for _ in range(6 if shard_format == "tar" else 4)]
+        self._chunks: list[tuple] = []
         if shard_format == "tar":
             self._tar = TarShardWriter(self._hf, [f.ext for f in fields])
         else:
-            self._arrow = ArrowShardWriter(self._hf, fields)
+            self._arrow = ArrowShardWriter(self._hf, fields, compression=compression)
+
+    def _add_row(self, key: str, length: int, *rest) -> None:
+        self.count += 1
+        for column, v in zip(self._rows, (key, length, *rest)):
+            column.append(v)
 
     def add(self, key: str, values: list[Any], length: int, approx_bytes: int | None = None) -> int:
         """Append a sample (values in ``fields`` order); returns its byte size in the shard (tar)."""
-        self.keys.append(key)
-        self.lengths.append(length)
         if self.shard_format == "tar":
             payloads = [encode(spec, v) for spec, v in zip(self.fields, values)]
             e = self._tar.write(key, payloads)
-            self.offsets.append(e.offset)
-            self.sizes.append(e.size)
-            self.field_offsets.append(e.field_offsets)
-            self.field_sizes.append(e.field_sizes)
+            self._add_row(key, length, e.offset, e.size, e.field_offsets, e.field_sizes)
             return e.size
         size = approx_bytes if approx_bytes is not None else 0
-        b, r = self._arrow.write(key, values, size)
-        self.batch.append(b)
-        self.row.append(r)
+        self._add_row(key, length, *self._arrow.write(key, values, size))
         return size
 
     def add_encoded(self, key: str, values: list[Any], payloads: list[bytes], length: int) -> None:
         """Append a sample whose tar payloads the caller already encoded (the packer's hot path)."""
-        self.keys.append(key)
-        self.lengths.append(length)
         if self.shard_format == "tar":
-            offset, size, field_offsets, field_sizes = self._tar.write_fast(key, payloads)
-            self.offsets.append(offset)
-            self.sizes.append(size)
-            self.field_offsets.append(field_offsets)
-            self.field_sizes.append(field_sizes)
+            self._add_row(key, length, *self._tar.write_fast(key, payloads))
         else:
-            b, r = self._arrow.write(key, values, sum(len(p) for p in payloads))
-            self.batch.append(b)
-            self.row.append(r)
+            self._add_row(key, length, *self._arrow.write(key, values, sum(len(p) for p in payloads)))
 
-    def add_tar_block(self, data, keys: list[str], offsets: np.ndarray, field_offsets: np.ndarray,
+    def add_tar_block(self, data, keys, offsets: np.ndarray, field_offsets: np.ndarray,
                       field_sizes: np.ndarray, lengths: np.ndarray) -> None:
         """Append consecutive samples whose tar members the caller laid out in ``data``.
 
-        ``offsets`` (n + 1,) are the sample boundaries relative to ``data``'s start;
-        ``field_offsets`` / ``field_sizes`` are (n, F) as in the sample index. One large write
-        (and one hash update) instead of one per sample.
+        ``keys``: a list or an Arrow string array; ``offsets`` (n + 1,) are the sample boundaries
+        relative to ``data``'s start; ``field_offsets`` / ``field_sizes`` are (n, F) as in the
+        sample index. One large write (and one hash update) instead of one per sample.
         """
         base = self._tar.write_block(data)
         self._flush_rows()
-        self.keys.extend(keys)
-        self._chunks.append((offsets[:-1] + base, np.diff(offsets), lengths, field_offsets, field_sizes))
+        self._chunks.append((_key_array(keys), lengths, offsets[:-1] + base, np.diff(offsets), field_offsets,
+                             field_sizes))
+        self.count += len(lengths)
+
+    def add_arrow_batch(self, batch, lengths: np.ndarray, sample_bytes: np.ndarray) -> None:
+        """Append the rows of a record batch in the shard's schema (``__key__`` + fields)."""
+        batch_no, row = self._arrow.write_batch(batch, sample_bytes)
+        self._flush_rows()
+        self._chunks.append((batch.column(0), lengths, batch_no, row))
+        self.count += len(lengths)
 
     def _flush_rows(self) -> None:
-        if not self.offsets:
+        rows = self._rows
+        if not rows[0]:
             return
-        F = len(self.fields)
-        self._chunks.append((np.array(self.offsets, dtype=np.int64), np.array(self.sizes, dtype=np.int64),
-                             np.array(self.lengths, dtype=np.int64),
-                             np.array(self.field_offsets, dtype=np.int64).reshape(-1, F),
-                             np.array(self.field_sizes, dtype=np.int64).reshape(-1, F)))
-        for column in (self.offsets, self.sizes, self.lengths, self.field_offsets, self.field_sizes):
+        cols: list[Any] = [pa.array(rows[0], type=pa.string()), np.array(rows[1], dtype=np.int64)]
+        if self.shard_format == "tar":
+            F = len(self.fields)
+            cols += [np.array(rows[2], dtype=np.int64), np.array(rows[3], dtype=np.int64),
+                     np.array(rows[4], dtype=np.int64).reshape(-1, F), np.array(rows[5], dtype=np.int64).reshape(-1, F)]
+        else:
+            cols += [np.array(rows[2], dtype=np.int32), np.array(rows[3], dtype=np.int32)]
+        self._chunks.append(tuple(cols))
+        for column in rows:
             column.clear()
 
     def abort(self) -> None:
@@ -164,21 +169,32 @@ class ShardFileWriter:
             except OSError:
                 pass
 
+    def _columns(self) -> list:
+        """The index columns over every chunk, concatenated."""
+        self._flush_rows()
+        F = len(self.fields)
+        if not self._chunks:
+            empty = np.zeros(0, np.int64)
+            if self.shard_format == "tar":
+                return [pa.array([], pa.string()), empty, empty, empty, np.zeros((0, F), np.int64),
+                        np.zeros((0, F), np.int64)]
+            return [pa.array([], pa.string()), empty, np.zeros(0, np.int32), np.zeros(0, np.int32)]
+        keys = pa.concat_arrays([c[0] for c in self._chunks])
+        return [keys] + [np.concatenate([c[k] for c in self._chunks]) for k in range(1, len(self._chunks[0]))]
+
     def finish(self) -> tuple[ShardInfo, np.ndarray]:
+        raw_bytes = None
         try:
             if self.shard_format == "tar":
                 self._tar.close()
-                self._flush_rows()
-                F = len(self.fields)
-                chunks = self._chunks or [(np.zeros(0, np.int64),) * 3 + (np.zeros((0, F), np.int64),) * 2]
-                offsets, sizes, tar_lengths, field_offsets, field_sizes = (
-                    np.concatenate([c[k] for c in chunks]) for k in range(5))
+                keys, lengths, offsets, sizes, field_offsets, field_sizes = self._columns()
                 offsets = offsets.astype(np.uint64)
                 sizes = sizes.astype(np.uint64)
             else:
                 self._arrow.close()
+                keys, lengths, batch, row = self._columns()
                 ranges = np.array(self._arrow.batch_ranges, dtype=np.uint64).reshape(-1, 2)
-                b = np.array(self.batch, dtype=np.int64)
+                b = batch.astype(np.int64)
                 offsets = ranges[b, 0] if len(b) else np.zeros(0, np.uint64)
                 sizes = ranges[b, 1] if len(b) else np.zeros(0, np.uint64)
             self._raw.flush()
@@ -186,25 +202,28 @@ class ShardFileWriter:
         except BaseException:
             self.abort()
             raise
-        n = len(self.keys)
-        if self.shard_format == "tar":
-            lengths = tar_lengths.astype(np.int64)
-        else:
-            lengths = np.array(self.lengths, dtype=np.int64)
-        idx = ShardIndex(self.keys, offsets, sizes, lengths)
+        n = len(keys)
+        lengths = lengths.astype(np.int64)
+        idx = ShardIndex(keys, offsets, sizes, lengths)
         if self.shard_format == "tar":
             idx.field_offsets = field_offsets.astype(np.uint32).reshape(n, len(self.fields))
             idx.field_sizes = field_sizes.astype(np.uint64).reshape(n, len(self.fields))
         else:
-            idx.batch = np.array(self.batch, dtype=np.int32)
-            idx.row = np.array(self.row, dtype=np.int32)
+            idx.batch = batch
+            idx.row = row
+        # Each checksum covers the bytes as stored: for a compressed Arrow shard, the compressed
+        # record batch, so a ranged read is verified before anything decompresses it.
         idx.checksums = range_checksums(self.tmp, offsets, sizes)
         index_bytes = idx.to_bytes([f.name for f in self.fields])
         shard_hash = format_digest(self._hf.h)
         shard_bytes = self._hf.pos
+        if self.shard_format == "arrow" and self._arrow.compressed:
+            stored = sum(size for _, size in self._arrow.batch_ranges)
+            raw_bytes = shard_bytes - stored + self._arrow.raw_bytes
         # Shard first, then its index: an index on disk always describes a complete shard.
         publish(self.tmp, self.final)
         atomic_write_bytes(os.path.join(self.root, self.index_rel), index_bytes)
+        self.index_keys = keys
         info = ShardInfo(
             path=self.rel_path,
             samples=n,
@@ -213,8 +232,15 @@ class ShardFileWriter:
             index=self.index_rel,
             index_bytes=len(index_bytes),
             index_hash=hash_bytes(index_bytes),
+            raw_bytes=raw_bytes,
         )
         return info, lengths
+
+
+def _key_array(keys) -> pa.Array:
+    if isinstance(keys, pa.ChunkedArray):
+        return keys.combine_chunks()
+    return keys if isinstance(keys, pa.Array) else pa.array(keys, type=pa.string())
 
 
 def range_checksums(path: str, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:

@@ -58,9 +58,9 @@ def merge(out: str, *, num_tasks: int | None = None) -> dict:
     bodies = [_load(have[t]) for t in range(num_tasks)]
     first = bodies[0]
     for t, b in enumerate(bodies):
-        for k in ("shard_format", "fields", "length"):
-            if b[k] != first[k]:
-                raise ShardtoolError(f"task {t} disagrees with task 0 on {k}: {b[k]!r} vs {first[k]!r}")
+        for k in ("shard_format", "fields", "length", "compression"):
+            if b.get(k) != first.get(k):
+                raise ShardtoolError(f"task {t} disagrees with task 0 on {k}: {b.get(k)!r} vs {first.get(k)!r}")
     fields = [FieldSpec.from_dict(f) for f in first["fields"]]
     shards: list[ShardInfo] = []
     lengths = []
@@ -78,7 +78,8 @@ def merge(out: str, *, num_tasks: int | None = None) -> dict:
     if all_lengths.size == 0:
         raise ShardtoolError(f"{out}: the job array packed no samples")
     outdir.remove_orphans(out, {p for s in shards for p in (s.path, s.index)})
-    publish_manifest(out, Manifest(first["shard_format"], fields, shards, first["length"]), all_lengths)
+    publish_manifest(out, Manifest(first["shard_format"], fields, shards, first["length"],
+                                   compression=first.get("compression")), all_lengths)
     skipped = [s for b in bodies for s in b.get("skipped", [])]
     return {"out": out, "tasks": num_tasks, "shards": len(shards), "samples": int(all_lengths.size),
             "bytes": sum(s.bytes for s in shards), "skipped": skipped,

@@ -25,6 +25,12 @@ def _report(n: int, b: int) -> None:
 
 def _worker_main(job: Job, q, conn) -> None:
     _init_worker(q)
+    if job.tokenize is not None:
+        # One encoding thread per pack worker: the workers are the parallelism (and tokenizers
+        # would otherwise start a thread per core in every one of them).
+        import os
+
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
         out = ("ok", run_job(job, _report))
     except BaseException as e:  # sent to the parent, which re-raises it

@@ -83,10 +83,42 @@ class ColumnBatch:
     batch: Any
 
 
+@dataclass
+class RowChunk:
+    """Consecutive good records ``(pos, key, fields_dict, where)`` of a JSONL or dict source, for
+    callers that pack them as one batch (``read_unit(..., whole_batches=True)``)."""
+
+    records: list
+
+
+ROW_CHUNK = 4096
+
+
+def chunk_rows(records: Iterator[Any], size: int = ROW_CHUNK) -> Iterator[Any]:
+    """Good records grouped into RowChunks; a Bad record ends the chunk and passes on alone."""
+    chunk: list = []
+    for rec in records:
+        if rec.__class__ is Bad:
+            if chunk:
+                yield RowChunk(chunk)
+                chunk = []
+            yield rec
+            continue
+        chunk.append(rec)
+        if len(chunk) >= size:
+            yield RowChunk(chunk)
+            chunk = []
+    if chunk:
+        yield RowChunk(chunk)
+
+
 def read_unit(unit: Unit, *, max_sample_bytes: int, on_bad, whole_batches: bool = False) -> Iterator[Any]:
-    if unit.kind == "jsonl":
-        return _jsonl(unit, max_sample_bytes)
-    if unit.kind in ("parquet", "arrow"):
+    """The unit's samples; with ``whole_batches``, Arrow data as ColumnBatches and dict records
+    as RowChunks (Bad records always come alone)."""
+    if unit.kind in ("jsonl", "memory") and (unit.kind == "jsonl" or unit.obj.items == "dicts"):
+        records = _jsonl(unit, max_sample_bytes) if unit.kind == "jsonl" else _dicts(unit)
+        return chunk_rows(records) if whole_batches else records
+    if unit.kind in ("parquet", "arrow", "memory"):
         return _columnar(unit, whole_batches)
     if unit.kind == "tar":
         return _tar(unit, max_sample_bytes, on_bad)
@@ -162,6 +194,9 @@ def _column_values(col) -> list:
 def _batches(unit: Unit):
     import pyarrow as pa
 
+    if unit.kind == "memory":
+        yield from unit.obj.batches(unit.start, unit.stop)
+        return
     if unit.kind == "parquet":
         import pyarrow.parquet as pq
 
@@ -204,9 +239,22 @@ def batch_rows(unit: Unit, batch, pos: int) -> Iterator[Any]:
 
 
 def _row_where(unit: Unit, pos: int) -> str:
+    if unit.kind == "memory":
+        return f"row {unit.start + pos}"
     if unit.kind == "parquet":
         return f"row group {unit.start}, row {pos}"
     return f"record batches {unit.start}.., row {pos}" if unit.start else f"row {pos}"
+
+
+def _dicts(unit: Unit) -> Iterator[Any]:
+    """Records of a sequence or stream of dicts; anything else is a Bad row, named by its index."""
+    for pos, obj in enumerate(unit.obj.batches(unit.start, unit.stop)):
+        where = f"row {unit.start + pos}"
+        if not isinstance(obj, dict):
+            yield Bad(BadSampleError(f"expected a dict (one sample), got {type(obj).__name__}",
+                                     source=unit.path, position=where))
+            continue
+        yield pos, None, obj, where
 
 
 # --------------------------------------------------------------------------- tar and trees

@@ -28,13 +28,17 @@ def field_name_problem(name: str) -> str | None:
     return None
 
 
-def infer_fields(kind: str, obj: dict[str, Any], *, source: str, where: str) -> list[FieldSpec]:
-    """Fields of the dataset from its first sample (file trees / tars: one raw field per extension)."""
+def infer_fields(kind: str, obj: dict[str, Any], *, source: str, where: str,
+                 key_field: str | None = None) -> list[FieldSpec]:
+    """Fields of the dataset from its first sample (file trees / tars: one raw field per extension).
+    The ``key_field`` column is the key, not also a field."""
     if kind in ("tree", "tar"):
         return [FieldSpec.raw(ext) for ext in sorted(obj)]
+    if key_field is not None and key_field not in obj:
+        raise BadSampleError(f"missing key field {key_field!r}", source=source, position=where)
     specs = []
     for name, value in obj.items():
-        if name in _RESERVED:
+        if name in _RESERVED or name == key_field:
             continue
         problem = field_name_problem(name)
         if problem:
@@ -70,8 +74,11 @@ class Shaper:
         self.truncate = truncate
         self.was_truncated = False
         self.field_hint = ""  # appended to a field-set mismatch (the worker sets it per source kind)
+        self.key_from_data = False  # the last key came from the sample (a name or a column), not its position
+        self.not_fields = {KEY_COLUMN} | ({key_field} if key_field else set())
 
     def key_of(self, position: int, key: str | None, obj: dict[str, Any], source: str, where: str) -> str:
+        self.key_from_data = True
         if key is None:
             if self.key_field is not None:
                 if self.key_field not in obj:
@@ -87,6 +94,7 @@ class Shaper:
             elif KEY_COLUMN in obj:
                 key = obj[KEY_COLUMN]
             else:
+                self.key_from_data = False
                 return f"{position:0{self.key_width}d}"
         problem = key_problem(key)
         if problem:
@@ -96,10 +104,10 @@ class Shaper:
     def shape(self, position: int, key: str | None, obj: dict[str, Any], source: str, where: str):
         key = self.key_of(position, key, obj, source, where)
         keys = obj.keys()
-        if keys != self.name_set and not (KEY_COLUMN in obj and keys - {KEY_COLUMN} == self.name_set):
+        if keys != self.name_set and keys - self.not_fields != self.name_set:
             if self.length_field and self.length_field not in obj:
                 raise BadSampleError(f"missing length field {self.length_field!r}", source=source, position=where)
-            got = sorted(k for k in obj if k != KEY_COLUMN)
+            got = sorted(k for k in obj if k not in self.not_fields)
             raise BadSampleError(f"sample {key!r} has fields {got}, the dataset has {sorted(self.names)}"
                                  + self.field_hint, source=source, position=where)
         values = []

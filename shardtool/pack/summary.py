@@ -34,6 +34,10 @@ def inspect(url: str, *, storage_options: dict | None = None, peek: bool = True)
         "fields": [f.to_dict() for f in m.fields],
         "length": m.length,
     }
+    if m.compression:
+        raw = sum(s.raw_bytes if s.raw_bytes is not None else s.bytes for s in m.shards)
+        out["compression"] = {"codec": m.compression, "uncompressed_bytes": raw,
+                              "ratio": raw / m.num_bytes if m.num_bytes else 1.0}
     if peek and m.num_samples:
         shard = int(np.flatnonzero(counts)[0])
         sample = ds.read(shard, 0)
@@ -45,6 +49,10 @@ def inspect(url: str, *, storage_options: dict | None = None, peek: bool = True)
 def render(info: dict) -> str:
     lines = [f"{info['url']}  ({info['shard_format']}, version {info['version']})",
              f"  samples {info['samples']:,} in {info['shards']} shards, {info['bytes'] / 1e6:,.1f} MB"]
+    comp = info.get("compression")
+    if comp:
+        lines.append(f"  compressed with {comp['codec']}: {comp['uncompressed_bytes'] / 1e6:,.1f} MB uncompressed, "
+                     f"ratio {comp['ratio']:.2f}x")
     sps = info.get("samples_per_shard")
     if sps:
         lines.append(f"  samples per shard {sps['min']:,}..{sps['max']:,}")

@@ -12,21 +12,22 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..format.errors import BadSampleError, ShardtoolError
 from ..format.keys import key_problem
 from .options import strip_file_scheme
 from .tree import PER_FILE_HINT, OnBad, per_file_samples, walk_files
 
-JSONL_CHUNK = 32 << 20
+JSONL_CHUNK = 8 << 20  # small enough to balance workers when samples are costly (tokenizing)
 TREE_CHUNK = 256
 ARROW_UNIT_ROWS = 65536
-STRUCTURED = ("jsonl", "parquet", "arrow")
+STRUCTURED = ("jsonl", "parquet", "arrow", "memory")
 
 
 @dataclass(frozen=True)
 class Unit:
-    kind: str  # jsonl | parquet | arrow | tar | tree | files
+    kind: str  # jsonl | parquet | arrow | tar | tree | files | memory (an in-memory source, see sources.py)
     path: str
     start: int = 0  # jsonl: byte offset; parquet: row group; arrow: first batch; tree: first sample
     stop: int = -1
@@ -35,6 +36,12 @@ class Unit:
     weight: int = 1  # bytes (or an estimate), for balancing
     # tree: ((key, ((ext, path), ...)), ...); files: ((key, relative path, path), ...)
     members: tuple = field(default=(), compare=False)
+    obj: Any = field(default=None, compare=False, repr=False)  # memory: the source's adapter
+
+    @property
+    def stream(self) -> bool:
+        """A one-shot source (a generator, a RecordBatchReader): read once, by one process."""
+        return self.kind == "memory" and self.count < 0
 
     @property
     def structured(self) -> bool:
@@ -260,7 +267,9 @@ def positions(units: list[Unit]) -> list[int]:
         out.append(acc)
         if u.structured:
             if u.count < 0:
-                raise ShardtoolError(f"internal: unit of {u.path} was not counted")
+                if not u.stream:
+                    raise ShardtoolError(f"internal: unit of {u.path} was not counted")
+                acc = -1 << 62  # unknown after a stream: its job counts positions as it reads
             acc += u.count
     out.append(acc)
     return out

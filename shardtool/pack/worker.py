@@ -2,30 +2,33 @@
 
 Shard names carry the task and worker number (``t0003-w01-000042.tar``), so workers and job
 array tasks never collide, and for a fixed split the same input gives the same bytes.
+
+Structured data goes through the columnar path as whole batches (Arrow record batches as read;
+JSONL lines and dicts gathered into chunks): ``columns.ColumnShaper`` → tar members laid out by
+``fastcol`` or record batches written as they are. A batch that path declines is packed sample
+by sample (``schema.Shaper``), which also raises the errors naming the bad sample; both paths
+write the same bytes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from ..format.errors import BadSampleError
 from ..format.fields import FieldSpec
 from ..format.tarshard import BLOCK
-from ..format.writer import ShardFileWriter
+from .columns import ColumnShaper, ShardBatch, dicts_to_batch
+from .fastcol import TarEncoder
 from .options import load_function
-from .fastcol import BatchEncoder, EncodedBatch
 from .prefetch import prefetch
-from .readers import Bad, ColumnBatch, batch_rows, read_unit
+from .readers import Bad, ColumnBatch, RowChunk, batch_rows, read_unit
+from .roller import Roller, shard_name  # noqa: F401  (shard_name: re-exported for callers)
 from .schema import Shaper
 from .units import Unit
 
 PROGRESS_EVERY = 1024
-
-
-def shard_name(task: int, worker: int, seq: int, fmt: str) -> str:
-    return f"shards/t{task:04d}-w{worker:02d}-{seq:06d}.{fmt}"
 
 
 @dataclass
@@ -47,6 +50,10 @@ class Job:
     max_sample_bytes: int = 256 << 20
     max_length: int | None = None
     truncate: bool = False  # over max_length: cut the length field's array (else drop the sample)
+    source_fields: list[FieldSpec] | None = None  # the sources' fields, before tokenizing (default: fields)
+    tokenize: Any = None  # a tokenize.Tokenize, or None
+    compression: str | None = None  # arrow shards: zstd | lz4
+    running_positions: bool = False  # a stream is among the units: positions are counted as read
 
 
 @dataclass
@@ -55,7 +62,7 @@ class JobResult:
     worker: int
     shards: list[dict] = field(default_factory=list)
     lengths: list[np.ndarray] = field(default_factory=list)
-    keys: list[list[str]] = field(default_factory=list)
+    keys: list = field(default_factory=list)  # an Arrow string array per shard
     skipped: list[str] = field(default_factory=list)
     dropped: int = 0  # samples over --max-length, dropped
     truncated: int = 0  # samples over --max-length, cut to it
@@ -65,175 +72,158 @@ class JobResult:
 TREE_FIELDS_HINT = " (a file tree: pack with --per-file to make each file one sample)"
 
 
-class _Roller:
-    """Starts a new shard when the next sample would pass the size or count limit."""
+class _Packer:
+    def __init__(self, job: Job, result: JobResult, progress: Callable[[int, int], None] | None):
+        self.job, self.result, self.progress = job, result, progress
+        fn = load_function(job.length_fn) if job.length_fn else None
+        self.shaper = Shaper(job.fields, key_field=job.key_field, length_field=job.length_field, length_fn=fn,
+                             key_width=job.key_width, max_length=job.max_length, truncate=job.truncate)
+        # A length function sees one sample at a time: no columnar path then.
+        self.columns = None if fn is not None else ColumnShaper(
+            job.fields, key_field=job.key_field, length_field=job.length_field, key_width=job.key_width,
+            max_length=job.max_length, truncate=job.truncate)
+        self.tar = TarEncoder(job.fields, shard_size=job.shard_size) if job.fmt == "tar" else None
+        self.source_fields = job.source_fields or job.fields
+        self.roller = Roller(job, result)
+        self.seen: set[str] = set()  # keys taken from the data (positions cannot repeat)
+        self.pending_n = self.pending_b = 0
+        self.nf_block = BLOCK * len(job.fields)
 
-    def __init__(self, job: Job, result: JobResult):
-        self.job = job
-        self.result = result
-        self.seq = 0
-        self.w: ShardFileWriter | None = None
-        self.cur_bytes = 0
+    def skip(self, err: BadSampleError) -> None:
+        if not self.job.skip_bad:
+            raise err
+        self.result.skipped.append(str(err))
 
-    def _open_next(self) -> None:
+    # ------------------------------------------------------------------ whole batches
+    def batch(self, unit: Unit, pos0: int, item) -> None:
+        if item.__class__ is ColumnBatch:
+            batch, json_as_text = item.batch, False
+            positions = np.arange(pos0 + item.pos, pos0 + item.pos + batch.num_rows, dtype=np.int64)
+            rows = lambda: batch_rows(unit, item.batch, item.pos)  # noqa: E731
+        else:
+            batch = dicts_to_batch([r[2] for r in item.records], self.source_fields, self.job.key_field)
+            json_as_text = True
+            positions = pos0 + np.array([r[0] for r in item.records], dtype=np.int64)
+            rows = lambda: item.records  # noqa: E731
+        if self.columns is not None and batch is not None:
+            if self.job.tokenize is not None:
+                batch = self.job.tokenize.batch(batch)
+            sb = None if batch is None else self.columns.shape(batch, positions, json_as_text=json_as_text)
+            if sb is not None and self._write(sb):
+                self.result.dropped += self.columns.dropped
+                return
+        for rec in rows():
+            self.row(unit, pos0, rec)
+
+    def _write(self, sb: ShardBatch) -> bool:
+        """Append a shard batch; False (nothing written) when the per-sample path must take it."""
         job = self.job
-        self.w = ShardFileWriter(job.out, shard_name(job.task, job.worker, self.seq, job.fmt), job.fmt, job.fields)
-        self.seq += 1
-        self.cur_bytes = 0
+        if len(sb) == 0:
+            return True
+        if sb.keys_from_data:
+            keys = sb.batch.column(0).to_pylist()
+            if len(set(keys)) != len(keys) or not self.seen.isdisjoint(keys):
+                return False  # the per-sample path names the duplicate
+        if self.tar is not None:
+            enc = self.tar.encode(sb)
+            if enc is None:
+                return False
+            data = memoryview(enc.data)
 
-    def add(self, key, values, payloads, length, sample_bytes, source, where) -> None:
-        job = self.job
-        if job.shard_size is not None and sample_bytes > job.shard_size:
-            raise BadSampleError(f"sample {key!r} is {sample_bytes} bytes, larger than the shard size "
-                                 f"({job.shard_size} bytes)", source=source, position=where)
-        if self.w is not None and (
-            (job.samples_per_shard is not None and len(self.w.keys) >= job.samples_per_shard)
-            or (job.shard_size is not None and self.cur_bytes + sample_bytes + 2 * BLOCK > job.shard_size)
-        ):
-            self.finish()
-        if self.w is None:
-            self._open_next()
-        self.w.add_encoded(key, values, payloads, length)
-        self.cur_bytes += sample_bytes
+            def put(w, i, j):
+                a, b = int(enc.offsets[i]), int(enc.offsets[j])
+                w.add_tar_block(data[a:b], enc.keys.slice(i, j - i), enc.offsets[i : j + 1] - a,
+                                enc.field_offsets[i:j], enc.field_sizes[i:j], enc.lengths[i:j])
 
-    def add_batch(self, enc: EncodedBatch) -> None:
-        """Same shard cuts as calling :meth:`add` per sample, decided on the cumulative sizes."""
-        job = self.job
-        offsets = enc.offsets
-        n = len(enc)
-        i = 0
-        while i < n:
-            if self.w is None:
-                self._open_next()
-            have = len(self.w.keys)
-            k = n - i
-            if job.samples_per_shard is not None:
-                k = min(k, job.samples_per_shard - have)
-            if job.shard_size is not None and k > 0:
-                # Sample i+m fits while cur + (offsets[i+m+1] - offsets[i]) + 2 blocks <= limit.
-                room = job.shard_size - 2 * BLOCK - self.cur_bytes + int(offsets[i])
-                k = min(k, int(np.searchsorted(offsets[i + 1 : i + 1 + k], room, side="right")))
-            if k <= 0:
-                if have == 0:
-                    k = 1  # a fresh shard always takes the next sample
-                else:
-                    self.finish()
-                    continue
-            j = i + k
-            a, b = int(offsets[i]), int(offsets[j])
-            self.w.add_tar_block(memoryview(enc.data)[a:b], enc.keys[i:j], offsets[i : j + 1] - a,
-                                 enc.field_offsets[i:j], enc.field_sizes[i:j], enc.lengths[i:j])
-            self.cur_bytes += b - a
-            i = j
+            self.roller.add_batch(enc.offsets, put)
+            payload = enc.payload_bytes
+        else:
+            sample_bytes = sb.sizes.sum(axis=1)
+            if job.shard_size is not None and int(sample_bytes.max()) > job.shard_size:
+                return False  # the per-sample path reports it
+            offsets = np.zeros(len(sb) + 1, dtype=np.int64)
+            np.cumsum(sample_bytes, out=offsets[1:])
 
-    def finish(self) -> None:
-        if self.w is None:
+            def put(w, i, j):
+                w.add_arrow_batch(sb.batch.slice(i, j - i), sb.lengths[i:j], sample_bytes[i:j])
+
+            self.roller.add_batch(offsets, put)
+            payload = int(offsets[-1])
+        if sb.keys_from_data:
+            self.seen.update(keys)
+        if self.progress is not None:
+            self.progress(len(sb), payload)
+        return True
+
+    # ------------------------------------------------------------------ one sample
+    def row(self, unit: Unit, pos0: int, rec) -> None:
+        if rec.__class__ is Bad:
+            self.skip(rec.error)
             return
-        keys = self.w.keys
-        info, lengths = self.w.finish()
-        self.result.shards.append(info.to_dict())
-        self.result.lengths.append(lengths)
-        self.result.keys.append(keys)
-        self.w = None
+        job = self.job
+        pos, key, obj, where = rec
+        try:
+            if job.tokenize is not None and unit.structured:
+                obj = job.tokenize.row(obj, unit.path, where)
+            shaped = self.shaper.shape(pos0 + pos, key, obj, unit.path, where)
+            if shaped is None:
+                self.result.dropped += 1
+                return
+            key, values, payloads, length, nbytes = shaped
+            if self.shaper.key_from_data and key in self.seen:
+                raise BadSampleError(f"duplicate key {key!r}", source=unit.path, position=where)
+            sample_bytes = nbytes
+            if self.tar is not None:
+                sample_bytes += self.nf_block + sum(-len(p) % BLOCK for p in payloads)
+            self.roller.add(key, values, payloads, length, sample_bytes, unit.path, where)
+        except BadSampleError as e:
+            self.skip(e)
+            return
+        if self.shaper.key_from_data:
+            self.seen.add(key)
+        self.result.truncated += self.shaper.was_truncated
+        self.pending_n += 1
+        self.pending_b += nbytes
+        if self.pending_n >= PROGRESS_EVERY and self.progress is not None:
+            self.progress(self.pending_n, self.pending_b)
+            self.pending_n = self.pending_b = 0
 
-    def abort(self) -> None:
-        if self.w is not None:
-            self.w.abort()
-            self.w = None
+    # ------------------------------------------------------------------ the job
+    def run(self) -> None:
+        job = self.job
+        reading: list = []
+        running = 0
+        try:
+            for unit, pos0 in zip(job.units, job.positions):
+                if job.running_positions:
+                    pos0 = running
+                self.shaper.field_hint = TREE_FIELDS_HINT if unit.kind == "tree" else ""
+                try:
+                    items = read_unit(unit, max_sample_bytes=job.max_sample_bytes, on_bad=self.skip,
+                                      whole_batches=self.columns is not None)
+                    if self.columns is not None and unit.kind in ("parquet", "arrow"):
+                        items = prefetch(items)
+                        reading.append(items)
+                    for item in items:
+                        if item.__class__ is ColumnBatch or item.__class__ is RowChunk:
+                            self.batch(unit, pos0, item)
+                        else:
+                            self.row(unit, pos0, item)
+                except BadSampleError as e:  # the unit itself is unreadable past this point
+                    self.skip(e)
+                if job.running_positions:
+                    running += unit.count if unit.count >= 0 else unit.obj.consumed
+            self.roller.finish()
+        except BaseException:
+            for it in reading:  # stop read-ahead threads now, not when the traceback is freed
+                it.close()
+            self.roller.abort()
+            raise
+        if self.progress is not None and self.pending_n:
+            self.progress(self.pending_n, self.pending_b)
 
 
 def run_job(job: Job, progress: Callable[[int, int], None] | None = None) -> JobResult:
     result = JobResult(job.task, job.worker)
-    fn = load_function(job.length_fn) if job.length_fn else None
-    shaper = Shaper(job.fields, key_field=job.key_field, length_field=job.length_field, length_fn=fn,
-                    key_width=job.key_width, max_length=job.max_length, truncate=job.truncate)
-    roller = _Roller(job, result)
-    tar = job.fmt == "tar"
-    pending_n = pending_b = 0
-    seen: set[str] = set()
-    nf_block = BLOCK * len(job.fields)
-
-    def skip(err: BadSampleError) -> None:
-        if not job.skip_bad:
-            raise err
-        result.skipped.append(str(err))
-
-    # Whole Arrow batches go through the columnar fast path when keys are positions and the
-    # length is a field (or bytes); it declines any batch it cannot encode exactly.
-    fast = None
-    if tar and job.key_field is None and job.length_fn is None:
-        fast = BatchEncoder(job.fields, key_width=job.key_width, length_field=job.length_field,
-                            shard_size=job.shard_size)
-        if not fast.ok:
-            fast = None
-
-    def pack_batch(cb: ColumnBatch, pos0: int) -> bool:
-        enc = fast.encode(cb.batch, pos0 + cb.pos)
-        if enc is None or not seen.isdisjoint(enc.keys):
-            return False
-        if job.max_length is not None and len(enc) and int(enc.lengths.max()) > job.max_length:
-            return False  # the row path drops or truncates the over-long samples
-        roller.add_batch(enc)
-        seen.update(enc.keys)
-        if progress is not None:
-            progress(len(enc), enc.payload_bytes)
-        return True
-
-    reading: list = []
-    try:
-        for unit, pos0 in zip(job.units, job.positions):
-            shaper.field_hint = TREE_FIELDS_HINT if unit.kind == "tree" else ""
-            try:
-                recs_or_batches = read_unit(unit, max_sample_bytes=job.max_sample_bytes, on_bad=skip,
-                                            whole_batches=fast is not None)
-                if fast is not None and unit.kind in ("parquet", "arrow"):
-                    recs_or_batches = prefetch(recs_or_batches)
-                    reading.append(recs_or_batches)
-                for batch_rec in recs_or_batches:
-                    if batch_rec.__class__ is ColumnBatch:
-                        if pack_batch(batch_rec, pos0):
-                            continue
-                        recs = batch_rows(unit, batch_rec.batch, batch_rec.pos)
-                    else:
-                        recs = (batch_rec,)
-                    for rec in recs:
-                        if rec.__class__ is Bad:
-                            skip(rec.error)
-                            continue
-                        pos, key, obj, where = rec
-                        try:
-                            shaped = shaper.shape(pos0 + pos, key, obj, unit.path, where)
-                            if shaped is None:
-                                result.dropped += 1
-                                continue
-                            key, values, payloads, length, nbytes = shaped
-                            if key in seen:
-                                raise BadSampleError(f"duplicate key {key!r}", source=unit.path, position=where)
-                            if tar:
-                                sample_bytes = nbytes + nf_block
-                                for p in payloads:
-                                    sample_bytes += -len(p) % BLOCK
-                            else:
-                                sample_bytes = nbytes
-                            roller.add(key, values, payloads, length, sample_bytes, unit.path, where)
-                        except BadSampleError as e:
-                            skip(e)
-                            continue
-                        seen.add(key)
-                        result.truncated += shaper.was_truncated
-                        pending_n += 1
-                        pending_b += nbytes
-                        if pending_n >= PROGRESS_EVERY and progress is not None:
-                            progress(pending_n, pending_b)
-                            pending_n = pending_b = 0
-            except BadSampleError as e:  # the unit itself is unreadable past this point
-                skip(e)
-        roller.finish()
-    except BaseException:
-        for it in reading:  # stop read-ahead threads now, not when the traceback is freed
-            it.close()
-        roller.abort()
-        raise
-    if progress is not None and pending_n:
-        progress(pending_n, pending_b)
+    _Packer(job, result, progress).run()
     return result
