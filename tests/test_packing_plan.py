@@ -169,6 +169,13 @@ def test_take_and_with_ids_select_batches():
     assert batch.span_len.tolist() == rows.span_len[a:b].tolist() + rows.span_len[: rows.row_offsets[1]].tolist()
 
 
+def test_row_tokens_of_rows_without_spans():
+    z = np.zeros(0, np.int64)
+    rows = Rows(8, np.array([0, 0, 2, 2]), np.array([0, 1]), np.array([0, 0]), np.array([3, 4]), z, 0)
+    assert rows.row_tokens().tolist() == [0, 7, 0]
+    assert rows.take(np.array([1, 0])).row_tokens().tolist() == [7, 0]
+
+
 def test_lognormal_window_fill_and_splits():
     lengths = lognormal_lengths(35_000, seed=3)
     best = pack_rows(lengths, Packing(8192, "best-fit", eos_id=0))

@@ -118,8 +118,9 @@ class Rows:
 
     def row_tokens(self) -> np.ndarray:
         """Real tokens per row."""
-        return np.add.reduceat(self.span_len, self.row_offsets[:-1]) if self.span_len.size else \
-            np.zeros(self.num_rows, np.int64)
+        before = np.zeros(len(self.span_len) + 1, np.int64)
+        np.cumsum(self.span_len, out=before[1:])
+        return before[self.row_offsets[1:]] - before[self.row_offsets[:-1]]
 
     def fill_rate(self) -> float:
         """Real tokens / row tokens (1.0 for no rows)."""
