@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..format import FormatError
+from ..plan.batching import gather_runs
 from ..plan.packing import Packing, Rows
 from .collate import KEY, Alloc
 from .reader import BatchReader
@@ -117,12 +118,13 @@ def _finish(block: np.ndarray, lay: _Layout, keys: Sequence[Any], *, name: str, 
     lab[:-1] = flat[1:]
     lab[-1:] = IGNORE_INDEX
     lab[lay.flat_start + lay.rows.span_len - 1] = IGNORE_INDEX
-    for r, n in enumerate(lay.row_tokens.tolist()):  # padding is always a row's tail
-        if n < seq:
-            ids[r, n:] = pad_id
-            labels[r, n:] = IGNORE_INDEX
+    # Padding is each row's tail, usually a few tokens (best-fit fills rows to ~0.999).
+    row_start = np.arange(b, dtype=np.int64) * seq
+    pad = gather_runs(_counting(b * seq), row_start + lay.row_tokens, seq - lay.row_tokens)
+    flat[pad] = pad_id
+    lab[pad] = IGNORE_INDEX
     # Pieces start the segments; a row without pieces is one segment of padding.
-    empty = np.flatnonzero(lay.row_tokens == 0) * seq
+    empty = row_start[lay.row_tokens == 0]
     starts = np.union1d(lay.flat_start, empty) if empty.size else lay.flat_start
     seg_len = np.diff(np.append(starts, b * seq))
     cu = alloc(b * packing.max_docs_per_row + 1, np.int32)

@@ -186,6 +186,18 @@ def test_lognormal_window_fill_and_splits():
     assert abs(est - best.num_rows) / best.num_rows < 0.01
 
 
+def test_rows_estimate_for_no_split_subtracts_what_it_drops():
+    lengths = lognormal_lengths(20_000, seed=4)
+    packing = Packing(2048, "no-split", eos_id=0)
+    rows = pack_rows(lengths, packing)
+    long = lengths + 1 > 2048
+    est = rows_estimate(int(lengths.sum()), len(lengths), packing, too_long=(int(long.sum()), int(lengths[long].sum())))
+    assert abs(est - rows.num_rows) / rows.num_rows < 0.01
+    assert rows_estimate(int(lengths.sum()), len(lengths), packing) > 1.05 * rows.num_rows  # without: counted as packed
+    with pytest.raises(ValueError, match="exceeds the totals"):
+        rows_estimate(10, 2, packing, too_long=(3, 5))
+
+
 @pytest.mark.parametrize("kwargs, msg", [
     ({"seq_len": 0}, "seq_len"), ({"seq_len": True}, "seq_len"), ({"seq_len": 8, "policy": "greedy"}, "policy"),
     ({"seq_len": 8, "eos_id": -1}, "eos_id"), ({"seq_len": 8, "max_docs_per_row": 0}, "max_docs_per_row"),

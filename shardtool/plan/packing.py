@@ -197,18 +197,28 @@ def _bounded_row_starts(cum: np.ndarray, seq: int, maxd: int) -> np.ndarray:
     return np.asarray(starts, dtype=np.int64)
 
 
-def rows_estimate(token_count: int, doc_count: int, packing: Packing, *, windows: int = 1) -> float:
+def rows_estimate(token_count: int, doc_count: int, packing: Packing, *, windows: int = 1,
+                  too_long: tuple[int, int] | None = None) -> float:
     """Expected rows for ``doc_count`` documents of ``token_count`` tokens (as stored; the eos is
     added here), packed in ``windows`` windows.
 
     ``concat``: exact for one window, ceil(tokens / seq_len), unless ``max_docs_per_row`` binds;
     over several windows each window's last row is on average half empty. ``best-fit``: rows are
     close to full (fill ~0.999 on text-like lengths), so the same count plus the last, partly
-    filled rows of each window. ``no-split``: an upper bound (it cannot know what is dropped).
+    filled rows of each window. ``no-split`` drops the documents longer than a row: give
+    ``too_long`` = (documents, tokens) of those (length + eos > seq_len, e.g. from a length
+    histogram with an edge there); without it the estimate counts them as packed.
     """
     _int_at_least("token_count", token_count, 0)
     _int_at_least("doc_count", doc_count, 0)
     _int_at_least("windows", windows, 1)
+    if packing.policy == "no-split" and too_long is not None:
+        long_docs, long_tokens = too_long
+        _int_at_least("too_long documents", long_docs, 0)
+        _int_at_least("too_long tokens", long_tokens, 0)
+        if long_docs > doc_count or long_tokens > token_count:
+            raise ValueError(f"too_long {too_long} exceeds the totals ({doc_count} documents, {token_count} tokens)")
+        doc_count, token_count = doc_count - long_docs, token_count - long_tokens
     tokens = int(token_count) + int(doc_count) * packing.extra_tokens
     if tokens == 0:
         return 0.0
