@@ -10,7 +10,7 @@ in buckets by remaining room, with the non-empty buckets as bits of one Python i
 - equal pieces come in runs, and best fit sends a run to one row until it is full: the row with
   the least room r >= L takes min(r // L, pieces left, row's piece bound) at once, then the next.
 
-On text-like lengths that is a few events per hundred pieces (~5M documents/s per core).
+On text-like lengths that is a few events per hundred pieces (~3M documents/s per core).
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -61,7 +61,7 @@ class Packing:
     seq_len: int
     policy: str = "best-fit"
     eos_id: int | None = None
-    max_docs_per_row: int | None = field(default=None)
+    max_docs_per_row: int | None = None
 
     def __post_init__(self) -> None:
         _int_at_least("seq_len", self.seq_len, 1)
