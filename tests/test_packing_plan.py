@@ -219,3 +219,15 @@ def test_default_piece_bound_and_fingerprint():
     assert Packing(np.int64(8)).max_docs_per_row == 8 and type(Packing(np.int64(8)).seq_len) is int
     assert Packing(8, "concat").fingerprint() != Packing(8, "best-fit").fingerprint()
     assert Packing(8).fingerprint() == Packing(8, max_docs_per_row=8).fingerprint()
+
+
+def test_the_packing_stage_does_not_import_torch():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "import sys, shardtool.plan.packing, shardtool.plan.bestfit; print('torch' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": root}, cwd=root)
+    assert res.returncode == 0 and res.stdout.strip() == "False", res.stdout + res.stderr
