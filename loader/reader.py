@@ -147,8 +147,34 @@ class BatchReader:
                 out.append((self._view(int(s_sorted[a])), rows, local[rows]))
         return out
 
-    def _gather_tokens(self, groups, b: int, alloc: Alloc) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Padded tokens and lengths, or None when some payload is not a plain array."""
+    def token_sources(self, ids: np.ndarray) -> tuple[list, list, np.ndarray, np.ndarray, np.ndarray, np.dtype] | None:
+        """Where the tokens of ``ids`` lie in the mapped shards, for callers that copy them
+        themselves (packed batches): (keys, buffers, which, first, count, dtype) — sample k's
+        tokens are elements ``first[k] : first[k] + count[k]`` (of ``dtype``) of the raw bytes
+        ``buffers[which[k]]``. None for remote shards, or when the length field is not a plain
+        integer array (then `read_samples` decodes them)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if not self.source.local:
+            return None
+        groups = self._groups(*self.locate(ids))
+        if not groups or groups[0][0].pad_col is None or any(v.tok_view is None for v, _, _ in groups):
+            return None
+        pieces = self._token_pieces(groups)
+        if pieces is None:
+            return None
+        rows, which, first, n, bufs = pieces
+        keys = np.empty(len(ids), dtype=object)
+        by_id = [np.empty(len(ids), np.int64) for _ in range(3)]
+        for v, r, li in groups:
+            keys[r] = v.keys[li]
+        for out, values in zip(by_id, (which, first, n)):
+            out[rows] = values
+        return keys.tolist(), bufs, *by_id, groups[0][0].tok_view.dtype
+
+    @staticmethod
+    def _token_pieces(groups) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list] | None:
+        """(rows of the batch, buffer index, first element, element count, buffers) of every
+        sample of ``groups``; None when some payload is not a plain array."""
         # Per-shard pieces are concatenated once, so the per-batch numpy work does not grow with
         # the number of shards a batch spans (a shuffled batch touches most of a node's shards).
         rows_l, first_l, n_l, bufs = [], [], [], []
@@ -164,6 +190,14 @@ class BatchReader:
         first = np.concatenate(first_l) if first_l else np.zeros(0, np.int64)
         n = np.concatenate(n_l) if n_l else np.zeros(0, np.int64)
         which = np.repeat(np.arange(len(bufs)), [len(x) for x in rows_l]) if bufs else np.zeros(0, np.int64)
+        return rows, which, first, n, bufs
+
+    def _gather_tokens(self, groups, b: int, alloc: Alloc) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Padded tokens and lengths, or None when some payload is not a plain array."""
+        pieces = self._token_pieces(groups)
+        if pieces is None:
+            return None
+        rows, which, first, n, bufs = pieces
         counts = alloc(b, np.int64)
         counts[rows] = n
         width = int(counts.max(initial=0))
