@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 import shardtool
 from shardtool.format.errors import BadSampleError, ShardtoolError
 
-datasets = pytest.importorskip("datasets")
+import datasets  # noqa: E402  a declared test dependency
 
 
 def _rows(n: int = 300, seed: int = 0) -> list[dict]:
