@@ -28,18 +28,27 @@ from shardtool.loader import ShardedLoader  # changed line 1 of 2
 
 
 class TinyLM(nn.Module):
-    def __init__(self, vocab: int, dim: int = 64, layers: int = 2, heads: int = 4):
+    def __init__(self, vocab: int, dim: int = 64, layers: int = 2, heads: int = 4, max_len: int = 8192):
         super().__init__()
-        self.vocab = vocab
+        self.vocab, self.heads = vocab, heads
         self.embed = nn.Embedding(vocab, dim)
+        self.position = nn.Embedding(max_len, dim)
         layer = nn.TransformerEncoderLayer(dim, heads, dim * 2, dropout=0.0, batch_first=True)
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(dim, vocab)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                attend: torch.Tensor | None = None) -> torch.Tensor:
+        """``attend`` [B, 1, S, S] (True = may attend, e.g. shardtool.loader.packed.block_causal_mask):
+        packed rows attend within their documents only; default: plain causal."""
         n = tokens.shape[1]
-        causal = torch.triu(torch.full((n, n), float("-inf"), device=tokens.device), diagonal=1)
-        return self.head(self.blocks(self.embed(tokens), mask=causal))
+        if positions is None:
+            positions = torch.arange(n, device=tokens.device).expand_as(tokens)
+        if attend is None:
+            mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=tokens.device), diagonal=1)
+        else:  # nn.Transformer's bool masks say where NOT to attend, one per (batch, head)
+            mask = (~attend[:, 0]).repeat_interleave(self.heads, dim=0)
+        return self.head(self.blocks(self.embed(tokens) + self.position(positions), mask=mask))
 
 
 def parse_args(argv=None):
@@ -52,7 +61,12 @@ def parse_args(argv=None):
     g.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in total")
-    p.add_argument("--seq-len", type=int, default=128, help="truncate sequences to this many tokens for the model")
+    p.add_argument("--seq-len", type=int, default=128, help="truncate sequences to this many tokens for the model; "
+                   "with --packing, the length of every packed row")
+    p.add_argument("--packing", choices=["best-fit", "concat", "no-split"], default=None,
+                   help="pack documents into rows of exactly --seq-len tokens (with --batch-size rows per batch); "
+                   "no token attends across a document boundary")
+    p.add_argument("--eos-id", type=int, default=None, help="with --packing: an end-of-sequence token after each document")
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -63,6 +77,18 @@ def parse_args(argv=None):
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (to simulate a bigger model)")
     p.add_argument("--collective-timeout", type=float, default=120.0, help="seconds before a stuck collective fails")
     return p.parse_args(argv)
+
+
+def packed_step(model, batch: dict, vocab: int, device) -> torch.Tensor:
+    """Loss on packed rows: per-document positions and a block-diagonal causal mask, so no token
+    sees another document; labels are -100 across document boundaries and on padding."""
+    from shardtool.loader.packed import block_causal_mask
+
+    tokens = batch["input_ids"].to(device, non_blocking=True) % vocab
+    labels = batch["labels"].to(device, non_blocking=True)
+    labels = torch.where(labels >= 0, labels % vocab, labels)
+    logits = model(tokens, batch["position_ids"].to(device), block_causal_mask(batch).to(device))
+    return F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=-100)
 
 
 def save_checkpoint(path: str, payload: dict) -> None:
@@ -82,13 +108,18 @@ def main(argv=None) -> int:
     rank = dist.get_rank() if distributed else 0
     torch.manual_seed(args.seed)
 
-    if args.batch_size is None and args.max_tokens is None:
-        args.max_tokens = 4096
+    if args.packing:
+        args.batch_size = args.batch_size or 8
+        pack = dict(seq_len=args.seq_len, packing=args.packing, eos_id=args.eos_id)
+    else:
+        pack = {}
+        if args.batch_size is None and args.max_tokens is None:
+            args.max_tokens = 4096
     loader = ShardedLoader(args.data, batch_size=args.batch_size, max_tokens=args.max_tokens,  # changed line 2 of 2
-                           seed=args.seed, num_workers=args.num_workers, cache_dir=args.cache_dir)
+                           seed=args.seed, num_workers=args.num_workers, cache_dir=args.cache_dir, **pack)
     field = args.field or loader.length_field
 
-    model = TinyLM(args.vocab).to(device)
+    model = TinyLM(args.vocab, max_len=max(args.seq_len, 1)).to(device)
     ddp = nn.parallel.DistributedDataParallel(model) if distributed else model
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
 
@@ -112,9 +143,12 @@ def main(argv=None) -> int:
     while epoch < args.epochs and not done:
         loader.set_epoch(epoch)
         for batch in loader:
-            tokens = batch[field][:, : args.seq_len].to(device, non_blocking=True) % args.vocab
-            logits = ddp(tokens[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
+            if args.packing:
+                loss = packed_step(ddp, batch, args.vocab, device)
+            else:
+                tokens = batch[field][:, : args.seq_len].to(device, non_blocking=True) % args.vocab
+                logits = ddp(tokens[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

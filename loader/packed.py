@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ..format import FormatError
-from ..plan.batching import gather_runs
+from ..plan.arrays import gather_runs
 from ..plan.packing import Packing, Rows
 from .collate import KEY, Alloc
 from .reader import BatchReader

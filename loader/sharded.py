@@ -10,6 +10,7 @@ import numpy as np
 
 from ..format import ShardtoolError
 from ..plan import Batching, Mesh, Planner, RankPlan, data_parallel
+from ..plan.packing import Packing
 from ..plan.env import rank_placement
 from ..plan.state import LoaderState, check_compatible
 from .collate import unpack_batch
@@ -46,6 +47,13 @@ class ShardedLoader:
     ``shuffle=False`` reads each data group's range in dataset order; ``bucketing`` (default: as
     ``shuffle``) sorts samples by length within shuffle windows to cut padding.
 
+    Sequence packing: ``seq_len`` with ``batch_size`` (rows per batch) yields batches of exactly
+    ``batch_size`` rows of ``seq_len`` tokens, documents packed by ``packing`` ("best-fit",
+    "concat" or "no-split"), ``eos_id`` appended to each document if given; the batch carries
+    ``input_ids`` (the dataset's token field, packed), ``labels``, ``position_ids``,
+    ``cu_seqlens``, ``max_seqlen`` (see `shardtool.loader.packed`), and the rows are planned like
+    batches: equal counts, exact and elastic resume.
+
     ``set_epoch(e)`` selects epoch ``e``; for the epoch the loader is already in (say, after
     ``load_state_dict``) it keeps the position. After the last batch of an epoch the loader
     moves to the next epoch by itself, and its state says so: resume with
@@ -57,7 +65,8 @@ class ShardedLoader:
                  shuffle: bool = True, seed: int = 0, bucketing: bool | None = None, rank: int | None = None,
                  world_size: int | None = None, ranks_per_node: int | None = None, dp_rank: int | None = None,
                  dp_size: int | None = None, mesh: Any = None, dp_dim: str | tuple[str, ...] = "dp",
-                 num_workers: int = 2, prefetch_factor: int = 2,
+                 seq_len: int | None = None, packing: str = "best-fit", eos_id: int | None = None,
+                 max_docs_per_row: int | None = None, num_workers: int = 2, prefetch_factor: int = 2,
                  pin_memory: bool | None = None, cache_dir: str | None = None,
                  transform: Callable | None = None, collate_fn: Callable | None = None, pad_id: int = 0,
                  storage_options: dict | None = None, timeout: float = 300.0, window: int | None = None):
@@ -67,8 +76,14 @@ class ShardedLoader:
             raise ValueError(f"num_workers must be an int >= 0, found {num_workers!r}")
         if num_workers and (not isinstance(prefetch_factor, int) or prefetch_factor < 1):
             raise ValueError(f"prefetch_factor must be an int >= 1, found {prefetch_factor!r}")
+        self.packing = None
+        if seq_len is not None:
+            if transform is not None or collate_fn is not None:
+                raise ValueError("packing builds its own batches: transform and collate_fn are not supported with "
+                                 "seq_len (pack the transformed tokens instead)")
+            self.packing = Packing(seq_len, packing, eos_id=eos_id, max_docs_per_row=max_docs_per_row)
         self.batching = Batching(batch_size=batch_size, max_tokens=max_tokens, shuffle=shuffle, seed=seed,
-                                 window=window, bucketing=bucketing)
+                                 window=window, bucketing=bucketing, packing=self.packing)
         dist = torch.distributed if torch.distributed.is_available() else None
         self.placement = rank_placement(rank, world_size, ranks_per_node, env=os.environ, dist=dist)
         self.rank, self.layout = self.placement.rank, self.placement.layout
@@ -154,7 +169,8 @@ class ShardedLoader:
 
     @property
     def padding_efficiency(self) -> float:
-        return self.plan.padding_efficiency
+        """Real tokens / tokens of the padded batches: bucketed batches, or packed rows (fill rate)."""
+        return self.plan.fill_rate if self.packing is not None else self.plan.padding_efficiency
 
     def __len__(self) -> int:
         """Batches the current pass yields: the whole epoch, or what remains of it after a resume."""
@@ -195,8 +211,15 @@ class ShardedLoader:
         self._pass_start = start = self._served
         self._check_ranks_agree(plan)
         where = f"rank {self.rank}/{self.layout.world_size}, epoch {self._epoch}"
+        packed = None
+        if self.packing is not None:
+            from .packed import PackedReader
+
+            packed = PackedReader(self.reader, self.packing, name="input_ids", pad_id=self.pad_id,
+                                  rows_per_batch=self.batching.batch_size)
         batches = PlanBatches(self.reader, plan.ids, plan.offsets, where=where, transform=self.transform,
-                              collate_fn=self.collate_fn, pad_id=self.pad_id)
+                              collate_fn=self.collate_fn, pad_id=self.pad_id, packed=packed,
+                              packed_rows=plan.batch_rows if packed is not None else None)
         return self._run(batches, start, n, where)
 
     def _run(self, batches: PlanBatches, start: int, n: int, where: str) -> Iterator[Any]:

@@ -19,10 +19,12 @@ from .reader import BatchReader, describe_ids
 
 
 class PlanBatches:
-    """Batch b: the batch of global sample ids ``ids[offsets[b]:offsets[b+1]]``, read and collated."""
+    """Batch b: the batch of global sample ids ``ids[offsets[b]:offsets[b+1]]``, read and collated;
+    or, packed, the rows ``packed_rows(b)`` read by ``packed`` (a `PackedReader`)."""
 
     def __init__(self, reader: BatchReader, ids: np.ndarray, offsets: np.ndarray, *, where: str,
-                 transform: Callable | None = None, collate_fn: Callable | None = None, pad_id: int = 0):
+                 transform: Callable | None = None, collate_fn: Callable | None = None, pad_id: int = 0,
+                 packed: Any = None, packed_rows: Callable | None = None):
         self.reader = reader
         self.ids = ids
         self.offsets = offsets
@@ -30,6 +32,7 @@ class PlanBatches:
         self.transform = transform
         self.collate_fn = collate_fn
         self.pad_id = pad_id
+        self.packed, self.packed_rows = packed, packed_rows
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -41,6 +44,8 @@ class PlanBatches:
         """Batch b; ``alloc`` (in a worker): where its arrays are born, a shared-memory slot."""
         ids = self.batch_ids(b)
         try:
+            if self.packed is not None:
+                return self.packed.read(self.packed_rows(b), alloc)
             if self.transform is None and self.collate_fn is None:
                 # Only a worker's output crosses a process boundary: pack bytes there only.
                 return self.reader.read_batch(ids, pack=alloc is not None, alloc=alloc)

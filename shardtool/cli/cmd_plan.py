@@ -50,6 +50,11 @@ def add_arguments(p) -> None:
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--batch-size", type=int, help="samples per batch")
     size.add_argument("--max-tokens", type=int, help="token budget per batch, padding counted")
+    pk = p.add_argument_group("sequence packing (with --batch-size: rows per batch)")
+    pk.add_argument("--seq-len", type=int, default=None, metavar="S", help="pack documents into rows of S tokens")
+    pk.add_argument("--packing", choices=["best-fit", "concat", "no-split"], default="best-fit",
+                    help="how documents fill rows (default best-fit)")
+    pk.add_argument("--eos-id", type=int, default=None, metavar="ID", help="an end-of-sequence token after each document")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed, as given to ShardedLoader (default 0)")
     p.add_argument("--epoch", type=int, default=0, help="which epoch to plan (default 0); the order and the "
                    "remainder change every epoch, node ranges never do")
@@ -94,6 +99,15 @@ def _layouts(args):
     return layout, mesh, dims, data
 
 
+def _batching(args):
+    from ..plan import Batching
+    from ..plan.packing import Packing
+
+    packing = Packing(args.seq_len, args.packing, eos_id=args.eos_id) if args.seq_len is not None else None
+    return Batching(batch_size=args.batch_size, max_tokens=args.max_tokens, shuffle=not args.no_shuffle,
+                    seed=args.seed, packing=packing)
+
+
 def _rank_job(args, summaries_path: str | None, result) -> None:
     """What training rank ``args.rank`` computes at start-up, timed in this (fresh) process."""
     from ..plan import Batching, Layout, Placement, Planner, data_parallel, parse_mesh
@@ -118,8 +132,7 @@ def _rank_job(args, summaries_path: str | None, result) -> None:
     dims = tuple(d.strip() for d in args.dp_dim.split(",") if d.strip())
     data, dp_rank = data_parallel(Placement(layout, layout.node_of(args.rank), args.rank), dp_size=args.dp_size,
                                   mesh=mesh, dp_dims=dims)
-    batching = Batching(batch_size=args.batch_size, max_tokens=args.max_tokens, shuffle=not args.no_shuffle,
-                        seed=args.seed)
+    batching = _batching(args)
     planner = Planner(source, batching)
     state = planner.start(args.epoch, "plan", data)
     plan = planner.rank_plan(state, dp_rank)
@@ -128,10 +141,14 @@ def _rank_job(args, summaries_path: str | None, result) -> None:
     group_plan = planner.group(data, group, args.epoch)
     tokens = int(group_plan.lengths.sum())
     left = int(group_plan.batch_lengths(group_plan.remainder).sum()) if group_plan.remainder.size else 0
+    if group_plan.rows is not None:
+        left = group_plan.left_out.tokens
+        tokens = group_plan.rows.tokens + left
     result.put({"rank": args.rank, "dp_rank": dp_rank, "group": group, "plan_seconds": seconds,
                 "peak_rss_mb": peak_rss_mb(),
                 "batches_per_rank": plan.batches_per_rank, "rank_samples": int(plan.ids.size),
-                "padding_efficiency": plan.padding_efficiency, "group_samples": int(group_plan.lengths.size),
+                "padding_efficiency": plan.fill_rate if plan.rows is not None else plan.padding_efficiency,
+                "group_samples": int(group_plan.lengths.size),
                 "remainder_tokens_fraction": left / tokens if tokens else 0.0})
 
 
@@ -159,7 +176,7 @@ def run(args) -> int:
     import numpy as np
 
     from ..format import ShardtoolError, open_dataset
-    from ..plan import Batching, group_cuts, group_shard_pieces
+    from ..plan import group_cuts, group_shard_pieces
     from ..plan.simulate import simulate_epoch
     from ..plan.synthetic import SyntheticSource
 
@@ -167,8 +184,7 @@ def run(args) -> int:
         raise ShardtoolError("give a dataset URL or --synthetic N")
     try:
         layout, mesh, dims, data = _layouts(args)
-        batching = Batching(batch_size=args.batch_size, max_tokens=args.max_tokens, shuffle=not args.no_shuffle,
-                            seed=args.seed)
+        batching = _batching(args)
         if args.rank is not None:
             layout.check_rank(args.rank)
     except ValueError as e:
@@ -197,7 +213,8 @@ def run(args) -> int:
                    "world_size": layout.world_size, "dp_size": data.dp_size, "data_groups": data.num_groups,
                    "mesh": mesh.describe() if mesh else None, "dp_dims": list(dims)},
         "batching": {"batch_size": args.batch_size, "max_tokens": args.max_tokens, "seed": args.seed,
-                     "epoch": args.epoch, "shuffle": not args.no_shuffle},
+                     "epoch": args.epoch, "shuffle": not args.no_shuffle, "seq_len": args.seq_len,
+                     "packing": args.packing if args.seq_len else None, "eos_id": args.eos_id},
         "samples": int(summaries.samples.sum()),
         "shards": int(summaries.num_shards),
         "synthetic_seconds": made,
@@ -226,6 +243,9 @@ def run(args) -> int:
                 "remainder_samples": sim.remainder_samples,
                 "remainder_tokens_fraction": sim.remainder_tokens_fraction,
             })
+            if batching.packing is not None:
+                report.update({"fill_rate": sim.fill_rate, "documents_split": sim.split_docs,
+                               "documents_dropped": sim.dropped_docs, "rows_per_rank": report.pop("samples_per_rank")})
     except ValueError as e:
         raise ShardtoolError(str(e)) from None
     if args.json:
@@ -247,14 +267,23 @@ def _print(report: dict, data) -> None:
     if report["scope"] == "rank":
         out(f"rank          {report['rank']} (DP rank {report['dp_rank']}, data group {report['group']} of "
             f"{report['group_samples']:,} samples): {report['rank_samples']:,} samples\n")
-        out(f"padding eff.  {report['padding_efficiency']:.4f}\n")
+        out(f"{'fill rate' if report['batching']['seq_len'] else 'padding eff.':<14}"
+            f"{report['padding_efficiency']:.4f}\n")
         out(f"remainder     {report['remainder_tokens_fraction']:.3%} of its group's tokens this epoch\n")
         out(f"planning      {report['plan_seconds']:.3f} s, peak RSS {report['peak_rss_mb']:.0f} MB "
             "(a fresh process, as a training rank at start-up)\n")
     else:
-        spr = report["samples_per_rank"]
-        out(f"samples/rank  {spr['min']:,}..{spr['max']:,}\n")
-        out(f"padding eff.  {report['padding_efficiency']:.4f}\n")
+        if "fill_rate" in report:
+            rpr = report["rows_per_rank"]
+            out(f"rows/rank     {rpr['min']:,}..{rpr['max']:,} of {report['batching']['seq_len']:,} tokens "
+                f"({report['batching']['packing']})\n")
+            out(f"fill rate     {report['fill_rate']:.4f} (real tokens / row tokens)\n")
+            out(f"documents     {report['documents_split']:,} split into pieces, {report['documents_dropped']:,} "
+                "dropped (longer than a row, no-split)\n")
+        else:
+            spr = report["samples_per_rank"]
+            out(f"samples/rank  {spr['min']:,}..{spr['max']:,}\n")
+            out(f"padding eff.  {report['padding_efficiency']:.4f}\n")
         out(f"remainder     {report['remainder_samples']:,} samples, {report['remainder_tokens_fraction']:.3%} of the "
             "tokens, not served this epoch (rotates across epochs)\n")
         out(f"planning      {report['plan_seconds']:.2f} s to simulate every group, peak RSS "

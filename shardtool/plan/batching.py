@@ -8,6 +8,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from .arrays import gather_runs
+from .packing import Packing
+
 __all__ = ["Batching", "PLAN_VERSION", "group_rng", "resolve_window", "bucket", "gather_runs"]
 
 # Bumped whenever the planning algorithm changes the batches it produces, so a
@@ -44,6 +47,10 @@ class Batching:
     `bucketing` sorts by length within windows; it defaults to `shuffle`, so that
     ``shuffle=False`` gives plain dataset order (each data group reads its range in order, its
     ranks take turns batch by batch, like ``DistributedSampler(shuffle=False)``).
+
+    `packing` (a `Packing`) packs each window's documents into rows of exactly ``seq_len`` tokens
+    instead of bucketing them; ``batch_size`` is then rows per batch and the default window 256
+    batches' worth of tokens.
     """
 
     batch_size: int | None = None
@@ -52,6 +59,7 @@ class Batching:
     seed: int = 0
     window: int | None = None
     bucketing: bool | None = None
+    packing: Packing | None = None
 
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.max_tokens is None):
@@ -70,12 +78,17 @@ class Batching:
             raise ValueError(f"bucketing must be a bool or None, found {self.bucketing!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an int >= 0, found {self.seed!r}")
+        if self.packing is not None:
+            if not isinstance(self.packing, Packing):
+                raise ValueError(f"packing must be a shardtool.plan.packing.Packing, found {self.packing!r}")
+            if self.batch_size is None:
+                raise ValueError("packing takes batch_size (rows of seq_len tokens per batch), not max_tokens")
 
     def fingerprint(self) -> str:
         """Stable short hex id of this config and of the planning algorithm version."""
-        canonical = json.dumps(
-            {"plan_version": PLAN_VERSION, **asdict(self)}, sort_keys=True, separators=(",", ":")
-        )
+        fields = asdict(self)
+        fields["packing"] = self.packing.fingerprint() if self.packing is not None else None
+        canonical = json.dumps({"plan_version": PLAN_VERSION, **fields}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
@@ -87,6 +100,11 @@ def group_rng(batching: Batching, epoch: int, group: int, num_groups: int) -> np
 
 def resolve_window(batching: Batching, mean_weight: float) -> int:
     """The window in samples, from the dataset's mean of max(length, 1) (the same for every group)."""
+    if batching.packing is not None:
+        if batching.window is not None:
+            return batching.window
+        tokens = WINDOW_BATCHES * batching.batch_size * batching.packing.seq_len
+        return max(1, int(tokens // max(mean_weight, 1.0)))
     if batching.batch_size is not None:
         size = batching.batch_size
         window = batching.window if batching.window is not None else WINDOW_BATCHES * size
@@ -198,12 +216,3 @@ def _budget_starts(
             s += capacity[s]
         # The loop may overshoot the window end; the next window starts fresh.
     return np.asarray(starts, dtype=np.int64)
-
-
-def gather_runs(values: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Concatenate values[starts[i] : starts[i] + sizes[i]] over i, without a Python loop."""
-    total = int(sizes.sum())
-    if total == 0:
-        return values[:0]
-    shift = np.repeat(starts - (np.cumsum(sizes) - sizes), sizes)
-    return values[np.arange(total, dtype=np.int64) + shift]

@@ -1,5 +1,6 @@
-"""One data group's epoch: its range's samples → shuffled, bucketed batches → exactly k × n of
-them → dealt to its k DP ranks. Costs O(the group's share): it reads only its range's lengths."""
+"""One data group's epoch: its range's samples → shuffled batches (bucketed by length, or packed
+into rows of ``seq_len`` tokens) → exactly k × n of them → dealt to its k DP ranks. Costs
+O(the group's share): it reads only its range's lengths."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .arrays import gather_runs
 from .balance import deal_order, fit_group
-from .batching import bucket, gather_runs, group_rng
+from .batching import bucket, group_rng
+from .packing import Rows, pack_rows
 from .shape import PlanShape
 from .source import PlanSource, as_lengths
 
@@ -17,7 +20,12 @@ __all__ = ["GroupPlan", "plan_group"]
 
 @dataclass(frozen=True, eq=False)
 class GroupPlan:
-    """Local DP rank j's b-th batch is ``ids[offsets[j*n + b] : offsets[j*n + b + 1]]``."""
+    """Local DP rank j's b-th batch is ``ids[offsets[j*n + b] : offsets[j*n + b + 1]]``.
+
+    Packed plans also hold ``rows`` (spans over global ids, in the same dealt order): batch q's
+    rows are ``rows`` rows ``row_offsets[q] : row_offsets[q + 1]``, and its ids are the documents
+    of its spans, span by span.
+    """
 
     group: int
     size: int  # DP ranks in the group
@@ -26,11 +34,18 @@ class GroupPlan:
     lengths: np.ndarray  # lengths of the group's samples [first, first + len)
     ids: np.ndarray
     offsets: np.ndarray
-    remainder: np.ndarray  # the group's samples no rank serves this epoch
+    remainder: np.ndarray  # the group's samples of which no rank serves a token this epoch
+    rows: Rows | None = None
+    row_offsets: np.ndarray | None = None
+    left_out: Rows | None = None  # packed: the rows dropped to reach equal counts (pieces included)
 
     def batch(self, local_rank: int, index: int) -> np.ndarray:
         b = local_rank * self.batches_per_rank + index
         return self.ids[self.offsets[b] : self.offsets[b + 1]]
+
+    def batch_rows(self, local_rank: int, index: int) -> Rows:
+        b = local_rank * self.batches_per_rank + index
+        return self.rows.take(np.arange(self.row_offsets[b], self.row_offsets[b + 1]))
 
     def batch_lengths(self, ids: np.ndarray) -> np.ndarray:
         return self.lengths[ids - self.first]
@@ -38,7 +53,8 @@ class GroupPlan:
 
 def plan_group(source: PlanSource, shape: PlanShape, group: int, epoch: int) -> GroupPlan:
     """Group ``group``'s plan for ``epoch``: permuted by rng(seed, epoch, group) when shuffling,
-    bucketed by length within windows, batch order shuffled, fitted to k × n batches, dealt."""
+    bucketed by length (or packed) within windows, batch order shuffled, fitted to k × n
+    batches, dealt."""
     if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
         raise ValueError(f"epoch must be an int >= 0, found {epoch!r}")
     batching = shape.batching
@@ -54,6 +70,8 @@ def plan_group(source: PlanSource, shape: PlanShape, group: int, epoch: int) -> 
     n = shape.batches_per_rank
     ids = np.arange(lo, hi, dtype=np.int64)
     rng = group_rng(batching, int(epoch), group, shape.data_layout.num_groups) if batching.shuffle else None
+    if batching.packing is not None:
+        return _packed(shape, group, int(epoch), lo, lengths, ids, rng, k, n)
     ordered, starts = bucket(ids, lengths, batching, shape.window, rng)
     if n == 0:
         return GroupPlan(group, k, 0, lo, lengths, np.zeros(0, np.int64), np.zeros(1, np.int64), ids)
@@ -65,3 +83,47 @@ def plan_group(source: PlanSource, shape: PlanShape, group: int, epoch: int) -> 
     served = np.zeros(hi - lo, dtype=bool)
     served[kept - lo] = True
     return GroupPlan(group, k, n, lo, lengths, kept, offsets, ids[~served])
+
+
+def _packed(shape: PlanShape, group: int, epoch: int, lo: int, lengths: np.ndarray, ids: np.ndarray, rng,
+            k: int, n: int) -> GroupPlan:
+    """Windows of the (permuted) group packed into rows; rows shuffled; exactly k × n batches of
+    at most batch_size rows: surplus rows dropped (a window that moves with the epoch), or, short
+    of rows, the batches share them out evenly (the loader pads a short batch with empty rows)."""
+    packing, per_batch = shape.batching.packing, shape.batching.batch_size
+    count = ids.size
+    if rng is not None:
+        perm = rng.permutation(count)
+        ids, window_lengths = ids[perm], lengths[perm]
+    else:
+        window_lengths = lengths
+    windows = -(-count // shape.window) if count else 0
+    cuts = (np.arange(windows + 1, dtype=np.int64) * count) // max(windows, 1)
+    rows = Rows.concat([pack_rows(window_lengths[a:b], packing).with_ids(ids[a:b])
+                        for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist())], packing.seq_len)
+    order = rng.permutation(rows.num_rows) if rng is not None else np.arange(rows.num_rows)
+    target = k * n
+    have = rows.num_rows
+    if have > target * per_batch:
+        surplus = have - target * per_batch
+        drop = np.zeros(have, dtype=bool)
+        drop[order[(epoch * surplus + np.arange(surplus)) % have]] = True
+        left_out = rows.take(np.flatnonzero(drop))
+        order = order[~drop[order]]
+    else:
+        left_out = rows.take(np.zeros(0, np.int64))
+    rows = rows.take(order)
+    # Rows per batch: full batches, or (short of rows) shared out evenly over all target batches.
+    sizes = np.full(target, per_batch, np.int64) if rows.num_rows == target * per_batch else \
+        np.diff((np.arange(target + 1, dtype=np.int64) * rows.num_rows) // max(target, 1))
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    dealt = deal_order(n, k)
+    row_begin, row_count = starts[:-1][dealt], sizes[dealt]
+    rows = rows.take(gather_runs(np.arange(rows.num_rows, dtype=np.int64), row_begin, row_count))
+    row_offsets = np.concatenate([[0], np.cumsum(row_count)]).astype(np.int64)
+    span_offsets = rows.row_offsets[row_offsets]
+    served = np.zeros(count, dtype=bool)
+    served[rows.span_pos - lo] = True
+    all_ids = np.arange(lo, lo + count, dtype=np.int64)
+    return GroupPlan(group, k, n, lo, lengths, rows.span_pos, span_offsets, all_ids[~served], rows, row_offsets,
+                     left_out)

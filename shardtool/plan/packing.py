@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .batching import gather_runs
+from .arrays import gather_runs
 
 __all__ = ["PACKING_VERSION", "POLICIES", "Packing", "Rows", "default_max_docs", "pack_rows", "rows_estimate"]
 
@@ -136,6 +136,18 @@ class Rows:
         np.cumsum(sizes, out=offsets[1:])
         return Rows(self.seq_len, offsets, self.span_pos[idx], self.span_start[idx], self.span_len[idx],
                     self.dropped, self.split_docs)
+
+    @classmethod
+    def concat(cls, parts: list["Rows"], seq_len: int) -> "Rows":
+        """The rows of ``parts``, in order; ``dropped`` and ``split_docs`` added up."""
+        if not parts:
+            empty = np.zeros(0, np.int64)
+            return cls(seq_len, np.zeros(1, np.int64), empty, empty, empty, empty, 0)
+        spans = np.cumsum([0, *(len(p.span_pos) for p in parts)])
+        offsets = np.concatenate([[0], *(p.row_offsets[1:] + s for p, s in zip(parts, spans[:-1]))])
+        return cls(seq_len, offsets.astype(np.int64), *(np.concatenate([getattr(p, k) for p in parts])
+                                                        for k in ("span_pos", "span_start", "span_len", "dropped")),
+                   sum(p.split_docs for p in parts))
 
     def with_ids(self, ids: np.ndarray) -> "Rows":
         """The same rows with positions mapped through ``ids`` (e.g. window position -> global id)."""

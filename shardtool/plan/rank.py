@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .batching import Batching, gather_runs
+from .arrays import gather_runs
+from .batching import Batching
 from .group import GroupPlan, plan_group
 from .layout import DataLayout
+from .packing import Rows
 from .shape import PlanShape, plan_shape
 from .source import PlanSource
 from .state import LoaderState, StateError, segment_layout
@@ -36,6 +38,19 @@ class RankPlan:
     lengths: np.ndarray
     remainder: np.ndarray | None  # the rank's group's unserved samples (segment 0), else None
     leftover_batches: int  # batches no rank serves because a re-deal did not divide evenly
+    rows: Rows | None = None  # packed: every batch's rows; batch i is rows row_offsets[i]:row_offsets[i+1]
+    row_offsets: np.ndarray | None = None
+
+    def batch_rows(self, i: int) -> Rows:
+        return self.rows.take(np.arange(self.row_offsets[i], self.row_offsets[i + 1]))
+
+    @property
+    def fill_rate(self) -> float:
+        """Packed: real tokens / row tokens over this rank's batches (rows_per_batch rows each)."""
+        if self.rows is None or not self.batches_per_rank:
+            return 1.0
+        per_batch = max(int(np.diff(self.row_offsets).max(initial=1)), 1)
+        return self.rows.tokens / (self.batches_per_rank * per_batch * self.rows.seq_len)
 
     def batches(self, start: int = 0) -> list[np.ndarray]:
         """The batches from ``start`` on, each an array of global sample ids (views, not copies)."""
@@ -56,6 +71,18 @@ class RankPlan:
         longest = np.maximum.reduceat(lengths, self.offsets[:-1]) if lengths.size else np.zeros(0, np.int64)
         padded = int((longest * sizes).sum())
         return float(lengths.sum()) / padded if padded else 1.0
+
+
+def _in_rank_order(parts: list[Rows], counts: list[np.ndarray], where: list[np.ndarray], n: int,
+                   seq_len: int) -> tuple[Rows, np.ndarray]:
+    """The rows of a rank's n batches, gathered group by group, put back in the rank's order."""
+    every = Rows.concat(parts, seq_len)
+    sizes = np.concatenate(counts) if counts else np.zeros(0, np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if sizes.size else sizes
+    position = np.concatenate(where) if where else np.zeros(0, np.int64)
+    order = np.argsort(position, kind="stable")  # rank batch p comes from gathered batch order[p]
+    rows = every.take(gather_runs(np.arange(every.num_rows, dtype=np.int64), starts[order], sizes[order]))
+    return rows, np.concatenate([[0], np.cumsum(sizes[order])]).astype(np.int64)
 
 
 def _in_previous(segments: list[dict], i: int, position: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -191,6 +218,7 @@ class Planner:
         group = np.searchsorted(firsts, d0, side="right") - 1
         n = int(segments[j]["batches"])
         pieces = []  # per source group: (positions in this rank's order, their ids, sizes, lengths)
+        row_parts, row_counts, row_where = [], [], []  # packed: the same batches' rows
         for g in np.unique(group).tolist():
             plan = self.group(layout0, g, state.epoch)
             where = np.flatnonzero(group == g)
@@ -198,6 +226,11 @@ class Planner:
             starts, stops = plan.offsets[index], plan.offsets[index + 1]
             got = gather_runs(plan.ids, starts, stops - starts)
             pieces.append((where, got, stops - starts, plan.batch_lengths(got)))
+            if plan.rows is not None:
+                first, count = plan.row_offsets[index], plan.row_offsets[index + 1] - plan.row_offsets[index]
+                row_parts.append(plan.rows.take(gather_runs(np.arange(plan.rows.num_rows), first, count)))
+                row_counts.append(count)
+                row_where.append(where)
         size = np.zeros(n, dtype=np.int64)
         for where, _, counts, _ in pieces:
             size[where] = counts
@@ -213,4 +246,7 @@ class Planner:
         if j == 0:
             g, _ = layout0.group_of(dp_rank)
             remainder = self.group(layout0, g, state.epoch).remainder
-        return RankPlan(state.epoch, dp_rank, n, ids, offsets, lengths, remainder, leftover)
+        rows = row_offsets = None
+        if self.batching.packing is not None:
+            rows, row_offsets = _in_rank_order(row_parts, row_counts, row_where, n, self.batching.packing.seq_len)
+        return RankPlan(state.epoch, dp_rank, n, ids, offsets, lengths, remainder, leftover, rows, row_offsets)

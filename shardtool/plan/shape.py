@@ -134,10 +134,12 @@ def _inverse_capacity(mean: np.ndarray, variance: np.ndarray, share: np.ndarray,
 
 def _estimate_batches(count: np.ndarray, tokens: np.ndarray, squares: np.ndarray, samples: np.ndarray,
                       batching: Batching, window: int) -> np.ndarray:
+    windows = -(-samples // window)
+    if batching.packing is not None:
+        return _estimate_packed(count, tokens, samples, windows, batching)
     if batching.batch_size is not None:
         return -(-samples // batching.batch_size)
     budget = batching.max_tokens
-    windows = -(-samples // window)
     total_count, total_tokens, total_squares = count.sum(axis=0), tokens.sum(axis=0), squares.sum(axis=0)
     mean = np.divide(total_tokens, total_count, out=np.zeros_like(total_tokens), where=total_count > 0)
     variance = np.maximum(np.divide(total_squares, total_count, out=np.zeros_like(total_squares),
@@ -151,6 +153,31 @@ def _estimate_batches(count: np.ndarray, tokens: np.ndarray, squares: np.ndarray
     # Samples sorted together: a window, or a whole group smaller than one.
     sorted_together = float(np.median(samples / np.maximum(windows, 1))) if samples.size else float(window)
     return count @ _inverse_capacity(mean, variance, share, sorted_together, budget) + 0.5 * windows
+
+
+def _estimate_packed(count: np.ndarray, tokens: np.ndarray, samples: np.ndarray, windows: np.ndarray,
+                     batching: Batching) -> np.ndarray:
+    """Batches of packed rows: each group's rows (`rows_estimate`, from its token and document
+    counts) over rows per batch. For no-split, the documents longer than a row are left out,
+    counted from the histogram (a bin straddling the row length pro rata)."""
+    from .packing import rows_estimate
+
+    packing = batching.packing
+    limit = packing.seq_len - packing.extra_tokens  # longest length that fits a row
+    low = np.array([0] + [1 << (b - 1) for b in range(1, BINS)], dtype=np.float64)
+    high = np.array([1] + [1 << b for b in range(1, BINS)], dtype=np.float64)
+    over = np.clip((high - 1 - limit) / np.maximum(high - low, 1), 0.0, 1.0)  # share of each bin above limit
+    out = np.zeros(samples.size)
+    for g in range(samples.size):
+        too_long = None
+        if packing.policy == "no-split":
+            docs = int(round(float((count[g] * over).sum())))
+            long_tokens = int(round(float((tokens[g] * over).sum())))
+            too_long = (min(docs, int(samples[g])), min(long_tokens, int(round(float(tokens[g].sum())))))
+        rows = rows_estimate(int(round(float(tokens[g].sum()))), int(samples[g]), packing,
+                             windows=max(int(windows[g]), 1), too_long=too_long)
+        out[g] = rows / batching.batch_size
+    return out
 
 
 def plan_shape(summaries: ShardSummaries, data_layout: DataLayout, batching: Batching) -> PlanShape:

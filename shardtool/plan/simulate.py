@@ -27,6 +27,8 @@ class GroupStats:
     served_tokens: int
     padded_tokens: int
     samples_per_rank: tuple[int, ...]
+    split_docs: int = 0  # packed: documents cut into pieces
+    dropped_docs: int = 0  # packed, no-split: documents longer than a row, left out
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,12 +58,27 @@ class Simulation:
         return sum(g.served_tokens for g in self.groups) / padded if padded else 1.0
 
     @property
+    def fill_rate(self) -> float:
+        """Packed: real tokens / tokens of the rows (padded batches of batch_size rows)."""
+        return self.padding_efficiency
+
+    @property
+    def split_docs(self) -> int:
+        return sum(g.split_docs for g in self.groups)
+
+    @property
+    def dropped_docs(self) -> int:
+        return sum(g.dropped_docs for g in self.groups)
+
+    @property
     def samples_per_rank(self) -> np.ndarray:
         return np.array([s for g in self.groups for s in g.samples_per_rank], dtype=np.int64)
 
 
 def _stats(source: PlanSource, shape: PlanShape, group: int, epoch: int) -> GroupStats:
     plan = plan_group(source, shape, group, epoch)
+    if plan.rows is not None:
+        return _packed_stats(plan, shape)
     lengths = plan.batch_lengths(plan.ids)
     sizes = np.diff(plan.offsets)
     padded = 0
@@ -77,6 +94,19 @@ def _stats(source: PlanSource, shape: PlanShape, group: int, epoch: int) -> Grou
 # What forked simulation workers plan: set before the pool forks, so they inherit the source (a
 # dataset with open files and locks) instead of receiving it pickled.
 _FORKED: tuple | None = None
+
+
+def _packed_stats(plan, shape: PlanShape) -> GroupStats:
+    """Tokens count the eos packing adds; the remainder is the rows dropped for equal counts (no-split's
+    over-long documents are counted apart, as dropped)."""
+    packing, per_batch = shape.batching.packing, shape.batching.batch_size
+    rows, left = plan.rows, plan.left_out
+    served = rows.tokens
+    n, k = plan.batches_per_rank, plan.size
+    per_rank = tuple(int(plan.row_offsets[(j + 1) * n] - plan.row_offsets[j * n]) for j in range(k))
+    return GroupStats(plan.group, int(plan.lengths.size), served + left.tokens, int(np.unique(rows.span_pos).size),
+                      served, k * n * per_batch * packing.seq_len, per_rank, split_docs=rows.split_docs + left.split_docs,
+                      dropped_docs=int(rows.dropped.size + left.dropped.size))
 
 
 def _forked_stats(group: int) -> GroupStats:
