@@ -45,7 +45,7 @@ class GroupPlan:
 
     def batch_rows(self, local_rank: int, index: int) -> Rows:
         b = local_rank * self.batches_per_rank + index
-        return self.rows.take(np.arange(self.row_offsets[b], self.row_offsets[b + 1]))
+        return self.rows.slice(int(self.row_offsets[b]), int(self.row_offsets[b + 1]))
 
     def batch_lengths(self, ids: np.ndarray) -> np.ndarray:
         return self.lengths[ids - self.first]

@@ -42,7 +42,7 @@ class RankPlan:
     row_offsets: np.ndarray | None = None
 
     def batch_rows(self, i: int) -> Rows:
-        return self.rows.take(np.arange(self.row_offsets[i], self.row_offsets[i + 1]))
+        return self.rows.slice(int(self.row_offsets[i]), int(self.row_offsets[i + 1]))
 
     @property
     def fill_rate(self) -> float:
