@@ -53,18 +53,10 @@ def ensure_lengths(vd: VersionDir, manifest: Manifest, src: Source | None, **kw)
 def ensure_summaries(vd: VersionDir, src: Source | None, **kw) -> bytes | None:
     """The per-shard summaries file, or None where the source has none (a dataset packed before
     they existed). Not in the manifest: it is checked against it when loaded (format.summaries)."""
-    path = vd.path(SUMMARIES_NAME)
-    data = read_verified_local(path, size=None, digest=None)
-    if data is not None:
-        return data
-    if src is None:
-        raise NotCached(f"per-shard summaries are not in the cache {vd.root} and the source is unavailable")
     try:
-        data = src.read_bytes(SUMMARIES_NAME, **kw)
+        return ensure_small(vd, SUMMARIES_NAME, None, None, src, what="per-shard summaries", **kw)
     except SourceMissing:
         return None
-    store_verified(path, data, size=None, digest=None, what="per-shard summaries", perms=vd.perms)
-    return data
 
 
 def ensure_index(vd: VersionDir, info: ShardInfo, src: Source | None, **kw) -> bytes:

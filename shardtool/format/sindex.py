@@ -21,6 +21,14 @@ from .keys import MAX_KEY_BYTES, key_problem
 _BAD_KEY_RE = r"[/\\\x00-\x1f.]|^$"
 
 
+def ipc_file_bytes(table: pa.Table) -> bytes:
+    """A table as the bytes of an Arrow IPC file (the format of every small Arrow sidecar)."""
+    sink = io.BytesIO()
+    with pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue()
+
+
 @dataclass
 class ShardIndex:
     keys: list[str]  # read from a file: a list; being written: a list or an Arrow string array
@@ -54,11 +62,7 @@ class ShardIndex:
             cols["row"] = pa.array(self.row.astype(np.int32))
         if self.checksums is not None:
             cols["xxh3_64"] = pa.array(self.checksums.astype(np.uint64))
-        table = pa.table(cols)
-        sink = io.BytesIO()
-        with pa.ipc.new_file(sink, table.schema) as w:
-            w.write_table(table)
-        return sink.getvalue()
+        return ipc_file_bytes(pa.table(cols))
 
     @classmethod
     def from_bytes(cls, data: bytes, field_names: list[str], *, shard: str, tar: bool) -> "ShardIndex":

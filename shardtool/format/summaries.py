@@ -14,13 +14,13 @@ its manifest, its version or the caches and loader states keyed on it.
 """
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
 from .errors import FormatError
+from .sindex import ipc_file_bytes
 
 __all__ = ["BINS", "SUMMARIES_NAME", "ShardSummaries", "length_bins"]
 
@@ -86,11 +86,7 @@ class ShardSummaries:
                           "hist_tokens": fixed(self.hist_tokens), "hist_squares": fixed(self.hist_squares)})
         meta = {"shardtool": "summaries", "version": SUMMARIES_VERSION, "bins": f"log2x{BINS}",
                 "lengths_hash": lengths_hash}
-        table = table.replace_schema_metadata(meta)
-        sink = io.BytesIO()
-        with pa.ipc.new_file(sink, table.schema) as w:
-            w.write_table(table)
-        return sink.getvalue()
+        return ipc_file_bytes(table.replace_schema_metadata(meta))
 
     @classmethod
     def from_bytes(cls, data: bytes, *, lengths_hash: str | None, counts: np.ndarray, total_tokens: int | None,
