@@ -18,7 +18,7 @@ from .errors import BudgetError, NotCached, RemoteError
 from .evict import effective_limit, plan_eviction
 from .layout import VersionDir, record_source, recorded_version
 from .locks import locked
-from .meta import ensure_index, ensure_lengths, ensure_shard, store_manifest
+from .meta import COPIED, ensure_index, ensure_lengths, ensure_shard, store_manifest
 from .retry import RetryPolicy
 from .store import Source
 
@@ -73,6 +73,7 @@ class DatasetCache:
         self.kw = {"policy": retry, "deadline": None}
         self.dataset = CachedDataset(self, manifest_bytes, allow_pickle=allow_pickle)
         self.manifest = self.dataset.manifest
+        self.fetched_bytes = 0  # shard bytes this object copied from the source (fetch-on-miss)
 
     def source(self) -> Source | None:
         """The source filesystem, opened lazily (None if it cannot even be opened)."""
@@ -100,7 +101,8 @@ class DatasetCache:
                             f"and the source {self.url} cannot be opened")
         self._make_room(shard)
         try:
-            ensure_shard(self.vdir, shard, info, src, **self.kw)
+            if ensure_shard(self.vdir, shard, info, src, **self.kw) == COPIED:
+                self.fetched_bytes += info.bytes
         except RemoteError as e:
             raise NotCached(f"shard #{shard} {info.path} is not in the cache {self.vdir.root} and fetching it "
                             f"failed: {e}") from e

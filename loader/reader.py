@@ -19,6 +19,7 @@ from ..format import FormatError
 
 from .collate import KEY, PACK_MIN_BYTES, Alloc, PackedBytes, collate_samples
 from ..plan.ranges import locate_ids
+from .probe import READING, REMOTE, Probe
 from .shardview import ShardView
 from .source import Source, SourceSpec
 
@@ -34,6 +35,9 @@ class BatchReader:
         self._source: Source | None = None
         self._views: OrderedDict[int, ShardView] = OrderedDict()
         self._scratch_buf: np.ndarray | None = None
+        self.probe: Probe | None = None  # counters and what is being read (loader/probe.py)
+        self._remote_seen: set[int] = set()
+        self._last_remote_batch: tuple | None = None
 
     # ------------------------------------------------------------------ per-process state
     @property
@@ -41,12 +45,14 @@ class BatchReader:
         # A forked worker must not share the parent's maps or remote sessions: reopen.
         if self._pid != os.getpid():
             self._views = OrderedDict()
+            self._remote_seen = set()
             self._source = self.spec.open()
             self._pid = os.getpid()
             m = self._source.dataset.manifest
             self.offsets = m.shard_offsets()
             self.pad_field = m.length.get("field")
             self.tar = m.shard_format == "tar"
+            self.tier = self._source.tier
         return self._source
 
     def _view(self, shard: int) -> ShardView:
@@ -56,6 +62,7 @@ class BatchReader:
             return v
         src = self.source
         ds = src.dataset
+        token = self.probe.opening(shard, src) if self.probe is not None else None
         index = ds.shard_index(shard)
         mapped = src.map_shard(shard)
         try:
@@ -64,6 +71,8 @@ class BatchReader:
         except BaseException:
             mapped.close()
             raise
+        if token is not None:
+            self.probe.opened(token, src)
         self._views[shard] = v
         while len(self._views) > self.max_open:
             _, old = self._views.popitem(last=False)
@@ -90,8 +99,41 @@ class BatchReader:
         shard, local = self.locate(ids)
         if not self.source.local:
             ds = self.source.dataset
+            if self.probe is not None:
+                return [self._remote_sample(ds, s, i) for s, i in zip(shard.tolist(), local.tolist())]
             return [ds.read(int(s), int(i)) for s, i in zip(shard.tolist(), local.tolist())]
+        if self.probe is not None:
+            self._count(shard, self._groups(shard, local))
+        return self._local_samples(shard, local)
+
+    def _local_samples(self, shard: np.ndarray, local: np.ndarray) -> list[dict[str, Any]]:
         return [self._view(s).sample(i) for s, i in zip(shard.tolist(), local.tolist())]
+
+    def _remote_sample(self, ds, s: int, i: int) -> dict[str, Any]:
+        """One ranged read, announced and counted: a shard's first read in this process is its open."""
+        token = self.probe.opening(s, self.source) if s not in self._remote_seen else None
+        idx = ds.shard_index(s)
+        off, size = int(idx.offsets[i]), int(idx.sizes[i])
+        self.probe.at(s, off, size, REMOTE)
+        out = ds.read(s, i)
+        if token is not None:
+            self._remote_seen.add(s)
+            self.probe.opened(token, self.source)
+        # An Arrow record batch holds many samples and is fetched once per run of its rows.
+        if self.tar or (s, int(idx.batch[i])) != self._last_remote_batch:
+            self.probe.read(REMOTE, size)
+        if not self.tar:
+            self._last_remote_batch = (s, int(idx.batch[i]))
+        return out
+
+    def _count(self, shard: np.ndarray, groups) -> None:
+        """Payload bytes of a batch's samples, and where its reading starts (for the watchdog)."""
+        if not groups:
+            return
+        nbytes = int(np.concatenate([v.sample_bytes[li] for v, _, li in groups]).sum())
+        v, _, li = groups[0]  # the batch's lowest shard (groups are in shard order)
+        self.probe.at(int(shard.min()), int(v.starts[li[0]].min()), nbytes, self.tier, READING)
+        self.probe.read(self.tier, nbytes)
 
     def index_lengths(self, ids: np.ndarray) -> np.ndarray:
         return self.source.dataset.lengths[np.asarray(ids, dtype=np.int64)]
@@ -112,10 +154,12 @@ class BatchReader:
             return self.collate(self.read_samples(ids), ids, pad_id=self.pad_id, alloc=alloc)
         shard, local = self.locate(ids)
         groups = self._groups(shard, local)
+        if self.probe is not None:
+            self._count(shard, groups)
         fields = self.source.dataset.manifest.fields
         pad_col = groups[0][0].pad_col if groups else None
         if pad_col is not None and any(v.tok_view is None for v, _, _ in groups):
-            return self.collate(self.read_samples(ids), ids, pad_id=self.pad_id, alloc=alloc)
+            return self.collate(self._local_samples(shard, local), ids, pad_id=self.pad_id, alloc=alloc)
         b = len(ids)
         keys = np.empty(b, dtype=object)
         for v, rows, li in groups:
@@ -124,7 +168,7 @@ class BatchReader:
         if pad_col is not None:
             tokens = self._gather_tokens(groups, b, alloc)
             if tokens is None:
-                return self.collate(self.read_samples(ids), ids, pad_id=self.pad_id, alloc=alloc)
+                return self.collate(self._local_samples(shard, local), ids, pad_id=self.pad_id, alloc=alloc)
             out[fields[pad_col].name], out["lengths"] = tokens
         else:
             out["lengths"] = torch.from_numpy(self.index_lengths(ids))  # Dataset.shard_index checked: = the index's

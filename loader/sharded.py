@@ -13,6 +13,7 @@ from ..plan import Batching, EpochPlan, plan_epoch
 from ..plan.env import rank_placement
 from ..plan.state import LoaderState, check_compatible, plan_for_state
 from .collate import unpack_batch
+from .observe import Observer
 from .reader import BatchReader, describe_ids
 from .source import SourceSpec
 from .workers import PlanBatches, make_dataloader
@@ -41,6 +42,16 @@ class ShardedLoader:
     ``set_epoch(e)`` selects epoch ``e``; for the epoch the loader is already in (say, after
     ``load_state_dict``) it keeps the position. After the last batch of an epoch the loader
     moves to the next epoch by itself, and its state says so.
+
+    Observability: ``metrics()`` returns this rank's counters (see there). Every
+    ``metrics_every`` steps (0: never) the rank appends one JSON line to a node-local file in
+    ``metrics_dir`` (default: ``<cache_dir>/metrics/<run>``, else ``$TMPDIR/shardtool-metrics/<run>``);
+    ``shardtool stats`` merges those files. ``metrics_reduce=True`` adds an all-gather across
+    ranks at those steps; rank 0 logs min/median/max wait and throughput and the slowest rank.
+    A batch not delivered within ``stall_timeout`` seconds (None: no watchdog; independent of
+    the workers' ``timeout``) raises `LoaderError` naming the shard, byte offset and tier being
+    read, after dumping the stacks of the trainer and every worker next to the metric lines.
+    ``metrics=False`` keeps no counters at all (the watchdog still fires, without read details).
     """
 
     def __init__(self, url: str, *, batch_size: int | None = None, max_tokens: int | None = None,
@@ -48,7 +59,9 @@ class ShardedLoader:
                  ranks_per_node: int | None = None, num_workers: int = 2, prefetch_factor: int = 2,
                  pin_memory: bool | None = None, cache_dir: str | None = None,
                  transform: Callable | None = None, collate_fn: Callable | None = None, pad_id: int = 0,
-                 storage_options: dict | None = None, timeout: float = 300.0, window: int | None = None):
+                 storage_options: dict | None = None, timeout: float = 300.0, window: int | None = None,
+                 metrics: bool = True, metrics_every: int | None = 100, metrics_dir: str | None = None,
+                 metrics_reduce: bool = False, stall_timeout: float | None = 300.0):
         import torch
 
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -80,6 +93,10 @@ class ShardedLoader:
         self._served = 0  # batches of the current plan handed to the training loop
         self._pass_start = 0
         self._checked_epoch: int | None = None
+        self._obs = Observer(self.reader, self.placement, num_workers=num_workers, prefetch_factor=prefetch_factor,
+                             metrics=metrics, metrics_every=metrics_every, metrics_dir=metrics_dir,
+                             metrics_reduce=metrics_reduce, cache_dir=cache_dir, stall_timeout=stall_timeout,
+                             source_name=url)
 
     # ------------------------------------------------------------------ epoch and plan
     @property
@@ -165,13 +182,18 @@ class ShardedLoader:
         return self._run(batches, start, n, where)
 
     def _run(self, batches: PlanBatches, start: int, n: int, where: str) -> Iterator[Any]:
-        dl = make_dataloader(batches, start, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
-                             pin_memory=self.pin_memory, timeout=self.timeout)
+        watch = self._obs.begin_pass(batches, start, n, where, self._epoch)  # before the workers fork
+        try:
+            dl = make_dataloader(batches, start, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
+                                 pin_memory=self.pin_memory, timeout=self.timeout, worker_init=self._obs.worker_init)
+        except BaseException:
+            self._obs.end_pass(complete=False)
+            raise
         it = iter(dl)
         try:
             for b in range(start, n):
                 try:
-                    batch = next(it)
+                    batch = watch.next(it, b)
                 except StopIteration:
                     raise LoaderError(f"{where}: the reader stopped after {b} of {n} batches") from None
                 except ShardtoolError:
@@ -187,6 +209,7 @@ class ShardedLoader:
                 yield unpack_batch(batch)
         finally:
             it.close()  # the worker pool, or the in-process generator
+            self._obs.end_pass(complete=self._served >= n)
         self._start_epoch(self._epoch + 1)
 
     def _check_ranks_agree(self, plan: EpochPlan) -> None:
@@ -217,5 +240,31 @@ class ShardedLoader:
                 "Every rank must open the same dataset version with the same batching and state."
             )
 
+    # ------------------------------------------------------------------ observability
+    def metrics(self) -> dict[str, Any]:
+        """This rank's loader metrics as a plain dict, cheap enough to call every step.
+
+        ``cumulative``: since the first batch was asked for; ``window``: since the previous call.
+        Each has the time the training loop waited in ``next()`` (``wait_s``, ``wait_fraction``),
+        the time workers spent producing batches, samples/tokens per second and padding
+        efficiency (tokens from the index lengths), bytes read per tier (node ``cache``, ``local``
+        files read in place, ``remote``: ranged reads plus whole shards fetched on a cache miss),
+        cache hits/misses/fetched bytes, shard opens with p50/p99 open latency, tokens per source,
+        and worker starts/restarts. ``cache_behind_shards``: shards of the next batches that are
+        neither cached nor being fetched, at the last check.
+        """
+        return self._obs.metrics(self._epoch, self._served)
+
+    @property
+    def metrics_path(self) -> str:
+        """This rank's JSONL file of metric lines (one per ``metrics_every`` steps; node-local by default)."""
+        return self._obs.file.path
+
+    @property
+    def rank_summary(self) -> dict | None:
+        """The last cross-rank summary (``metrics_reduce=True``): min/median/max, the slowest rank."""
+        return self._obs.rank_summary
+
     def close(self) -> None:
+        self._obs.close()
         self.reader.close()

@@ -68,6 +68,7 @@ class ShardView:
             self.starts, self.sizes = _arrow_ranges(buf, mapped.size, index, fields, self.name)
         if n and int((self.starts + self.sizes).max(initial=0)) > mapped.size:
             raise FormatError(f"shard {self.name}: sample index points past the end of the shard")
+        self.sample_bytes = self.sizes.sum(axis=1)  # payload bytes per sample: what a read touches
         self.decoders = [decoder(f, tar, allow_pickle, f"shard {self.name}") for f in fields]
         self.bytes_fields = [yields_bytes(f, tar) for f in fields]
         self.tok_view = self.tok_bytes = None

@@ -38,6 +38,16 @@ class PlanBatches:
 
     def load(self, b: int, alloc: Alloc | None = None) -> Any:
         """Batch b; ``alloc`` (in a worker): where its arrays are born, a shared-memory slot."""
+        probe = self.reader.probe
+        if probe is None:
+            return self._load(b, alloc)
+        began = probe.batch_begin(b)
+        try:
+            return self._load(b, alloc)
+        finally:
+            probe.batch_end(began)
+
+    def _load(self, b: int, alloc: Alloc | None) -> Any:
         ids = self.batch_ids(b)
         try:
             if self.transform is None and self.collate_fn is None:
@@ -62,13 +72,13 @@ class PlanBatches:
 
 
 def make_dataloader(dataset: PlanBatches, start: int, *, num_workers: int, prefetch_factor: int,
-                    pin_memory: bool, timeout: float) -> Iterator[Any]:
+                    pin_memory: bool, timeout: float, worker_init: Callable[[int], None] | None = None) -> Iterator[Any]:
     """Batches ``start .. len(dataset)-1`` in order (the name predates our own worker pool)."""
     pin = bool(pin_memory) and torch.cuda.is_available()
     if num_workers == 0:
         return _in_process(dataset, start, pin)
     return WorkerPool(dataset.load, start, len(dataset), num_workers=num_workers, prefetch_factor=prefetch_factor,
-                      timeout=timeout, pin=pin)
+                      timeout=timeout, pin=pin, worker_init=worker_init)
 
 
 def _in_process(dataset: PlanBatches, start: int, pin: bool) -> Iterator[Any]:

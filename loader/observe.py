@@ -1,0 +1,203 @@
+"""Everything the loader observes about itself, behind two hooks in its iteration loop.
+
+`Observer` owns the shared counter table (loader/probe.py), the trainer-side `Meter`, the
+metric lines and cross-rank summary (loader/metricslog.py), the stall `Watchdog` and the
+check that the node cache is ahead of the plan. `ShardedLoader` calls `worker_init` in each
+worker, `begin_pass` once per pass and `Pass.next` instead of ``next()`` for every batch.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+
+from ..format import ShardtoolError
+from . import metricslog
+from .metrics import Meter, Snapshot
+from .probe import CACHE, PHASES, Probe, Table
+from .watchdog import StallInterrupt, Watchdog
+
+log = logging.getLogger("shardtool.loader.metrics")
+CACHE_CHECK_S = 5.0  # how often the watchdog thread looks at the cache ahead of the plan
+
+
+class Observer:
+    def __init__(self, reader, placement, *, num_workers: int, prefetch_factor: int, metrics: bool,
+                 metrics_every: int | None, metrics_dir: str | None, metrics_reduce: bool, cache_dir: str | None,
+                 stall_timeout: float | None, source_name: str, env=os.environ):
+        every = 0 if metrics_every is None else metrics_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"metrics_every must be an int >= 0 (0: no metric lines), found {metrics_every!r}")
+        if stall_timeout is not None and not stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be > 0 seconds (None: no watchdog), found {stall_timeout!r}")
+        self.reader = reader
+        self.rank, self.layout, self.node = placement.rank, placement.layout, placement.node
+        self.workers = num_workers
+        self.lookahead = max(32, 4 * num_workers * prefetch_factor)
+        self.table = Table(num_workers + 1)  # with metrics off, only the workers' pids (for stack dumps)
+        reader.probe = Probe(self.table) if metrics else None
+        self.meter = Meter(self.table, source_name) if metrics else None
+        self.every = every if metrics else 0
+        self.reduce = metrics_reduce and metrics
+        self.started = time.time()
+        self.host = metricslog.host_name()
+        self.run = metricslog.run_id(env, self.layout.world_size, os.getpid(), self.started)
+        self.dir = metricslog.default_dir(metrics_dir, cache_dir, self.run, env)
+        self.file = metricslog.MetricsFile(self.dir, self.host, self.rank)
+        manifest = reader.source.dataset.manifest
+        self.watchdog = (Watchdog(self.table, num_workers, stall_timeout, dump_dir=self.dir, details=metrics,
+                                  describe=lambda act: describe_activity(manifest, act))
+                         if stall_timeout is not None else None)
+        self.cache_behind = 0
+        self.rank_summary: dict | None = None
+        self._user_since: Snapshot | None = None
+        self._line_since: Snapshot | None = None
+        self._pass_complete = True
+        self._pass_epoch: int | None = None
+
+    # ------------------------------------------------------------------ hooks
+    def worker_init(self, w: int) -> None:
+        if self.reader.probe is not None:
+            self.reader.probe.bind(w + 1)
+        else:
+            self.table.announce(w + 1)
+        if self.watchdog is not None:
+            self.watchdog.worker_init(w)
+
+    def begin_pass(self, batches, start: int, n: int, where: str, epoch: int) -> "Pass":
+        # A pass that continues an epoch whose previous pass stopped early (an error, a stall,
+        # a loop left and re-entered) started its workers again: those are restarts.
+        restart = (not self._pass_complete) and self._pass_epoch == epoch and self.workers > 0
+        self._pass_complete, self._pass_epoch = False, epoch
+        if self.meter is not None:
+            self.meter.start_pass(self.reader.source.dataset.lengths, batches.ids, batches.offsets, self.workers,
+                                  restart)
+        p = Pass(self, batches, start, n, epoch)
+        p.check_cache()  # at once: the first batches are the ones a cold cache stalls
+        if self.watchdog is not None:
+            self.watchdog.start_pass(where, extra_check=p.check_cache)
+        return p
+
+    def end_pass(self, complete: bool) -> None:
+        self._pass_complete = complete
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        self.table.forget_workers()
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+
+    # ------------------------------------------------------------------ reporting
+    def metrics(self, epoch: int, batch: int) -> dict:
+        if self.meter is None:
+            raise RuntimeError("this loader was made with metrics=False: it keeps no metrics")
+        now = self.meter.snapshot()
+        out = self._report(now, self._user_since, epoch, batch)
+        self._user_since = now
+        return out
+
+    def _report(self, now: Snapshot, since: Snapshot | None, epoch: int, batch: int) -> dict:
+        return {"rank": self.rank, "world_size": self.layout.world_size, "node": self.node, "host": self.host,
+                "epoch": epoch, "batch": batch, "step": self.meter.steps, "time": time.time(),
+                "cache_behind_shards": self.cache_behind,
+                "cumulative": self.meter.section(now), "window": self.meter.section(now, since)}
+
+    def line(self, epoch: int, batch: int) -> None:
+        """Every ``metrics_every`` steps: one JSON line, and the cross-rank summary if asked for."""
+        now = self.meter.snapshot()
+        out = self._report(now, self._line_since, epoch, batch)
+        self._line_since = now
+        out.update(v=metricslog.LINE_VERSION, run=self.run, pid=os.getpid(), start=self.started)
+        if self.reduce:
+            s = metricslog.reduce_ranks(out["window"], rank=self.rank, world_size=self.layout.world_size,
+                                        node=self.node)
+            if s is not None:
+                self.rank_summary = s
+                if self.rank == 0:
+                    out["ranks"] = s
+                    log.info("%s", metricslog.format_summary(s, out["step"]))
+        self.file.append(out)
+
+
+
+def describe_activity(m, act: dict) -> str:
+    """What a process is doing, from its probe row, in words (for the stall error)."""
+    name = m.shards[act["shard"]].path if 0 <= act["shard"] < len(m.shards) else f"#{act['shard']}"
+    if act["phase"] == PHASES[0]:
+        return f"working on batch {act['batch']} outside a read (decode, transform or collate) for {act['for_s']:.1f} s"
+    size = f", {act['size']} bytes" if act["size"] else ""
+    return f"{act['phase']} shard {name} at byte offset {act['offset']}{size} (tier {act['tier']}) for {act['for_s']:.1f} s"
+
+
+class Pass:
+    """One pass over ``range(start, n)``: timing, accounting and the watchdog around each batch."""
+
+    def __init__(self, obs: Observer, batches, start: int, n: int, epoch: int):
+        self.obs, self.batches, self.n, self.epoch = obs, batches, n, epoch
+        self.meter, self.wd = obs.meter, obs.watchdog
+        self.position = start
+        self._next_cache_check = 0.0
+        self._warned = False
+
+    def next(self, it, b: int):
+        wd = self.wd
+        began = time.perf_counter()
+        if wd is not None:
+            wd.since, wd.waiting_for = began, b
+        try:
+            try:
+                batch = next(it)
+            finally:
+                wait = time.perf_counter() - began
+                if wd is not None:
+                    wd.waiting_for = None
+        except StallInterrupt:
+            wd.waiting_for = None  # first: no second interrupt may land outside this wait
+            raise self._stalled(b) from None
+        except (RuntimeError, EOFError, OSError) as e:
+            # The pool's own timeout may run out first (both default to 300 s): same stall, same report.
+            if wd is not None and not isinstance(e, ShardtoolError) and (wd.fired == b or wait >= wd.timeout):
+                raise self._stalled(b) from e
+            raise
+        if wd is not None and wd.fired == b:
+            raise self._stalled(b)  # declared stalled from a thread we could not interrupt
+        self.position = b + 1
+        m = self.meter
+        if m is not None:
+            m.delivered(b, wait)
+            if self.obs.every and m.steps % self.obs.every == 0:
+                self.obs.line(self.epoch, b + 1)
+        return batch
+
+    def _stalled(self, b: int):
+        from .sharded import LoaderError
+
+        return LoaderError(self.wd.fire(b))
+
+    def check_cache(self) -> None:
+        """In the watchdog thread: warn when the shards of the next batches are neither in the
+        node cache nor being fetched (no warm running for them) — before the GPUs wait."""
+        now = time.monotonic()
+        if now < self._next_cache_check:
+            return
+        self._next_cache_check = now + CACHE_CHECK_S
+        src = self.obs.reader.source
+        if src.tier != CACHE:
+            return
+        b = self.position
+        offs = self.batches.offsets
+        ids = self.batches.ids[offs[b] : offs[min(b + self.obs.lookahead, self.n)]]
+        shards = np.unique(self.obs.reader.locate(ids)[0]).tolist() if len(ids) else []
+        missing = [s for s in shards if not src.is_cached(s) and not src.being_fetched(s)]
+        self.obs.cache_behind = len(missing)
+        if missing and not self._warned:
+            self._warned = True
+            m = src.dataset.manifest
+            log.warning("rank %d: the node cache is behind the plan: %d of the %d shards the next %d batches read "
+                        "are not cached and nobody is fetching them (no warm running), e.g. %s; each will be "
+                        "fetched from the source when a batch needs it, which stalls that batch. Run `shardtool "
+                        "warm` for this node (e.g. in the job prolog).", self.obs.rank, len(missing), len(shards),
+                        min(self.obs.lookahead, self.n - b), m.shards[missing[0]].path)
