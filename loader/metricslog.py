@@ -4,8 +4,8 @@ Each rank appends one JSON line per ``metrics_every`` steps to its own file,
 ``<dir>/<host>-rank<rank>.jsonl``: one small append every N steps, never one per step, and by
 default on node-local disk (under the cache directory, else ``$TMPDIR``), in a directory per run
 so that ``shardtool stats`` never mixes two jobs. The run id comes from the scheduler or launcher
-(SLURM job, torchrun run id); without one a single process makes its own, while ranks of a
-launch with no id share ``local``.
+(SLURM job, torchrun run id, else the rendezvous address); without any, a single process
+makes its own and the ranks of a launch share ``local``.
 
 ``metrics_reduce``: every N steps, one all-gather of five numbers per rank gives min / median /
 max of wait and throughput across ranks and names the slowest rank and its node; rank 0 logs it.
@@ -37,7 +37,8 @@ def run_id(env: Mapping[str, str], world_size: int, pid: int, now: float) -> str
         return f"torchrun-{elastic}"
     if world_size == 1:
         return time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f"-{pid}"
-    return "local"
+    port = env.get("MASTER_PORT", "").strip()  # a static rendezvous: the same on every node
+    return f"master-{env.get('MASTER_ADDR', '').strip()}-{port}" if port else "local"
 
 
 def default_dir(metrics_dir: str | None, cache_dir: str | None, run: str, env: Mapping[str, str]) -> str:

@@ -146,7 +146,9 @@ def test_default_metric_dir_is_node_local_and_per_run(data):
     env = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "TMPDIR": "/local/tmp"}
     assert run_id(env, 8, 1, 0.0) == "slurm-77.0"
     assert run_id({"TORCHELASTIC_RUN_ID": "abc"}, 8, 1, 0.0) == "torchrun-abc"
-    assert run_id({"TORCHELASTIC_RUN_ID": "none"}, 8, 1, 0.0) == "local"
+    assert run_id({"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}, 8, 1, 0.0) == \
+        "master-n1-29500"
+    assert run_id({}, 8, 1, 0.0) == "local"
     assert run_id({}, 1, 42, 0.0).endswith("-42")
     assert default_dir(None, None, "slurm-77.0", env) == "/local/tmp/shardtool-metrics/slurm-77.0"
     assert default_dir(None, "/nvme/c", "slurm-77.0", env) == "/nvme/c/metrics/slurm-77.0"
