@@ -32,7 +32,9 @@ class Meter:
     def __init__(self, table: P.Table, source_name: str):
         self.table = table
         self.source_name = source_name
-        self.trainer = np.zeros(TRAINER, dtype=np.float64)
+        # Plain attributes: adding to one costs a fraction of a numpy scalar store, every step.
+        self.wait_s = 0.0
+        self.steps = self.samples = self.tokens = self.padded = self.worker_starts = self.worker_restarts = 0
         self.began: float | None = None  # first request for a batch: where cumulative time starts
         self._samples = self._tokens = self._padded = ()
 
@@ -42,9 +44,9 @@ class Meter:
         """Per-batch samples, tokens and padded tokens of this pass's plan (``offsets``: n + 1)."""
         if self.began is None:
             self.began = time.perf_counter()
-        self.trainer[T_STARTS] += workers
+        self.worker_starts += workers
         if restart:
-            self.trainer[T_RESTARTS] += workers
+            self.worker_restarts += workers
         offsets = np.asarray(offsets, dtype=np.int64)
         base = int(offsets[0])
         lens = lengths[ids[base : int(offsets[-1])]].astype(np.int64)
@@ -61,21 +63,17 @@ class Meter:
         self._padded = (samples * longest).tolist()
 
     def delivered(self, b: int, wait_s: float) -> None:
-        t = self.trainer
-        t[T_WAIT] += wait_s
-        t[T_BATCHES] += 1
-        t[T_SAMPLES] += self._samples[b]
-        t[T_TOKENS] += self._tokens[b]
-        t[T_PADDED] += self._padded[b]
-
-    @property
-    def steps(self) -> int:
-        return int(self.trainer[T_BATCHES])
+        self.wait_s += wait_s
+        self.steps += 1
+        self.samples += self._samples[b]
+        self.tokens += self._tokens[b]
+        self.padded += self._padded[b]
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self) -> Snapshot:
-        t = self.trainer.copy()
-        t[T_TIME] = time.perf_counter() - (self.began if self.began is not None else time.perf_counter())
+        now = time.perf_counter()
+        t = np.array([now - (self.began if self.began is not None else now), self.wait_s, self.steps, self.samples,
+                      self.tokens, self.padded, self.worker_starts, self.worker_restarts], dtype=np.float64)
         return Snapshot(np.concatenate([t, self.table.totals()]))
 
     def section(self, now: Snapshot, since: Snapshot | None = None) -> dict:

@@ -137,7 +137,7 @@ class Pass:
 
     def __init__(self, obs: Observer, batches, start: int, n: int, epoch: int):
         self.obs, self.batches, self.n, self.epoch = obs, batches, n, epoch
-        self.meter, self.wd = obs.meter, obs.watchdog
+        self.meter, self.wd, self.every = obs.meter, obs.watchdog, obs.every
         self.position = start
         self._next_cache_check = 0.0
         self._warned = False
@@ -168,7 +168,7 @@ class Pass:
         m = self.meter
         if m is not None:
             m.delivered(b, wait)
-            if self.obs.every and m.steps % self.obs.every == 0:
+            if self.every and m.steps % self.every == 0:
                 self.obs.line(self.epoch, b + 1)
         return batch
 

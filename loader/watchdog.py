@@ -106,9 +106,6 @@ class Watchdog:
             self._finalizer()  # the workers are gone: their dump files too
             self._finalizer = None
 
-    def overdue(self) -> bool:
-        return self.waiting_for is not None and time.perf_counter() - self.since >= self.timeout
-
     def _watch(self, stop: threading.Event, extra_check) -> None:
         poll = min(1.0, max(self.timeout / 8, 0.05))
         while not stop.wait(poll):
