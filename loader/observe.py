@@ -77,7 +77,7 @@ class Observer:
         p = Pass(self, batches, start, n, epoch)
         p.check_cache()  # at once: the first batches are the ones a cold cache stalls
         if self.watchdog is not None:
-            self.watchdog.start_pass(where, extra_check=p.check_cache)
+            self.watchdog.start_pass(where)
         return p
 
     def end_pass(self, complete: bool) -> None:
@@ -119,6 +119,11 @@ class Observer:
                 if self.rank == 0:
                     out["ranks"] = s
                     log.info("%s", metricslog.format_summary(s, out["step"]))
+            else:
+                self.reduce = False
+                log.warning("rank %d: metrics_reduce needs an initialised torch.distributed process group whose "
+                            "ranks are the loader's (rank %d of %d); no cross-rank summary", self.rank, self.rank,
+                            self.layout.world_size)
         self.file.append(out)
 
 
@@ -139,11 +144,15 @@ class Pass:
         self.obs, self.batches, self.n, self.epoch = obs, batches, n, epoch
         self.meter, self.wd, self.every = obs.meter, obs.watchdog, obs.every
         self.position = start
+        self._armed = self.wd is None  # the watchdog thread starts at the first wait, after the fork
         self._next_cache_check = 0.0
         self._warned = False
 
     def next(self, it, b: int):
         wd = self.wd
+        if not self._armed:
+            self._armed = True
+            wd.arm(self.check_cache)
         began = time.perf_counter()
         if wd is not None:
             wd.since, wd.waiting_for = began, b

@@ -136,15 +136,14 @@ class Probe:
         c[i + BUSY_PHASE] = phase
         c[i + BUSY_SINCE] = time.monotonic()
 
-    def mapped_read(self, shard: int, offset: int, tier: int, nbytes: int) -> None:
-        """A batch read from memory maps, first sample at ``offset`` of ``shard``: announced (the
-        batch's start time stands) and counted, in five stores."""
+    def mapped_read(self, shard: int, offset: int, tier: int) -> None:
+        """A batch about to be read from memory maps, its first sample at ``offset`` of ``shard``
+        (the batch's start time stands: four stores, every batch)."""
         c, i = self.cells, self.base
         c[i + BUSY_SHARD] = shard
         c[i + BUSY_OFFSET] = offset
         c[i + BUSY_TIER] = tier
         c[i + BUSY_PHASE] = READING
-        c[i + BYTES_OF_TIER[tier]] += nbytes
 
     def read(self, tier: int, nbytes: int) -> None:
         self.cells[self.base + BYTES_OF_TIER[tier]] += nbytes

@@ -103,7 +103,7 @@ class BatchReader:
                 return [self._remote_sample(ds, s, i) for s, i in zip(shard.tolist(), local.tolist())]
             return [ds.read(int(s), int(i)) for s, i in zip(shard.tolist(), local.tolist())]
         if self.probe is not None:
-            self._count(shard, self._groups(shard, local))
+            self._count(self._groups(shard, local))
         return self._local_samples(shard, local)
 
     def _local_samples(self, shard: np.ndarray, local: np.ndarray) -> list[dict[str, Any]]:
@@ -126,18 +126,20 @@ class BatchReader:
             self._last_remote_batch = (s, int(idx.batch[i]))
         return out
 
-    def _count(self, shard: np.ndarray, groups) -> None:
-        """Payload bytes of a batch's samples, and where its reading starts (for the watchdog)."""
-        if not groups:
+    def _announce(self, shard: np.ndarray, groups) -> None:
+        """Where a batch's reading from the maps starts: what the watchdog reports if it hangs."""
+        if groups:
+            v, rows, li = groups[0]  # the batch's lowest shard (groups are in shard order)
+            self.probe.mapped_read(int(shard[rows[0]]), int(v.starts[li[0], 0]), self.tier)
+
+    def _count(self, groups, per_group=None) -> None:
+        """Payload bytes of a batch's samples (``per_group``: already gathered, else from the views)."""
+        if self.probe is None or not groups:
             return
+        parts = per_group if per_group is not None else [v.sample_bytes[li] for v, _, li in groups]
         # np.add.reduce, not .sum(): this runs every batch and the method's Python wrapper is
         # a third of the cost at these sizes.
-        v, rows, li = groups[0]  # the batch's lowest shard (groups are in shard order)
-        if len(groups) == 1:
-            nbytes = int(np.add.reduce(v.sample_bytes[li]))
-        else:
-            nbytes = int(np.add.reduce(np.concatenate([g.sample_bytes[i] for g, _, i in groups])))
-        self.probe.mapped_read(int(shard[rows[0]]), int(v.starts[li[0], 0]), self.tier, nbytes)
+        self.probe.read(self.tier, int(np.add.reduce(parts[0] if len(parts) == 1 else np.concatenate(parts))))
 
     def index_lengths(self, ids: np.ndarray) -> np.ndarray:
         return self.source.dataset.lengths[np.asarray(ids, dtype=np.int64)]
@@ -159,10 +161,11 @@ class BatchReader:
         shard, local = self.locate(ids)
         groups = self._groups(shard, local)
         if self.probe is not None:
-            self._count(shard, groups)
+            self._announce(shard, groups)
         fields = self.source.dataset.manifest.fields
         pad_col = groups[0][0].pad_col if groups else None
         if pad_col is not None and any(v.tok_view is None for v, _, _ in groups):
+            self._count(groups)
             return self.collate(self._local_samples(shard, local), ids, pad_id=self.pad_id, alloc=alloc)
         b = len(ids)
         keys = np.empty(b, dtype=object)
@@ -170,11 +173,13 @@ class BatchReader:
             keys[rows] = v.keys[li]
         out: dict[str, Any] = {KEY: keys.tolist()}
         if pad_col is not None:
-            tokens = self._gather_tokens(groups, b, alloc)
+            tokens = self._gather_tokens(groups, b, alloc)  # counts the batch's bytes
             if tokens is None:
+                self._count(groups)
                 return self.collate(self._local_samples(shard, local), ids, pad_id=self.pad_id, alloc=alloc)
             out[fields[pad_col].name], out["lengths"] = tokens
         else:
+            self._count(groups)
             out["lengths"] = torch.from_numpy(self.index_lengths(ids))  # Dataset.shard_index checked: = the index's
         for j, spec in enumerate(fields):
             if j == pad_col:
@@ -199,7 +204,7 @@ class BatchReader:
         """Padded tokens and lengths, or None when some payload is not a plain array."""
         # Per-shard pieces are concatenated once, so the per-batch numpy work does not grow with
         # the number of shards a batch spans (a shuffled batch touches most of a node's shards).
-        rows_l, first_l, n_l, bufs = [], [], [], []
+        rows_l, first_l, n_l, bytes_l, bufs = [], [], [], [], []
         for v, rows, li in groups:
             r = v.token_ranges(li)
             if r is None:
@@ -207,7 +212,9 @@ class BatchReader:
             rows_l.append(rows)
             first_l.append(r[0])
             n_l.append(r[1])
+            bytes_l.append(r[2])
             bufs.append(v.tok_bytes)
+        self._count(groups, bytes_l)
         rows = np.concatenate(rows_l) if rows_l else np.zeros(0, np.int64)
         first = np.concatenate(first_l) if first_l else np.zeros(0, np.int64)
         n = np.concatenate(n_l) if n_l else np.zeros(0, np.int64)

@@ -82,8 +82,8 @@ class Watchdog:
         faulthandler.register(DUMP_SIGNAL, file=self.dump_fds[w], all_threads=True, chain=False)
 
     # ------------------------------------------------------------------ trainer side
-    def start_pass(self, where: str, extra_check=None) -> None:
-        """Before the pass's workers fork (they inherit their dump files)."""
+    def start_pass(self, where: str) -> None:
+        """Before the pass's workers fork: they inherit their dump files."""
         self.dump_fds = [_anonymous_fd(0) for _ in range(self.workers)]
         self._finalizer = weakref.finalize(self, _close_fds, self.dump_fds)
         self.where = where
@@ -92,6 +92,10 @@ class Watchdog:
         if self._main and signal.getsignal(STALL_SIGNAL) is not _on_stall_signal:
             signal.signal(STALL_SIGNAL, _on_stall_signal)
         _active.add(self)
+
+    def arm(self, extra_check=None) -> None:
+        """After the workers forked (a fork copies no thread, but could copy a lock one holds):
+        the watching thread, which also runs ``extra_check`` every poll."""
         self._stop = threading.Event()
         threading.Thread(target=self._watch, args=(self._stop, extra_check), name="shardtool-watchdog",
                          daemon=True).start()

@@ -180,3 +180,51 @@ def test_cold_cache_warns_before_the_first_batch(data, tmp_path, caplog):
     list(warm_ld)
     assert not [r for r in caplog.records if "behind the plan" in r.getMessage()]
     assert warm_ld.metrics()["cache_behind_shards"] == 0
+
+
+def test_a_pass_continued_after_an_error_counts_its_worker_restarts(data, tmp_path):
+    root, _, where = data
+    flag = tmp_path / "failed-once"
+    target = sorted(where)[40]
+
+    def fail_once(sample):
+        if sample["__key__"] == target and not flag.exists():
+            flag.touch()
+            raise ValueError(f"injected failure on {target}")
+        return sample
+
+    ld = ShardedLoader(root, batch_size=5, seed=2, num_workers=2, transform=fail_once, pin_memory=False,
+                       metrics_dir=str(tmp_path))
+    n, got = len(ld), []
+    with pytest.raises(Exception, match="injected failure"):
+        for b in ld:
+            got.append(b)
+    got += list(ld)  # the same epoch goes on where it stopped, with fresh workers
+    c = ld.metrics()["cumulative"]
+    assert len(got) == n == c["batches"]
+    assert c["worker_starts"] == 4 and c["worker_restarts"] == 2
+
+
+def test_metrics_reduce_without_a_process_group_says_so_once(data, tmp_path, caplog):
+    root, _, _ = data
+    caplog.set_level(logging.WARNING, logger="shardtool.loader")
+    ld = ShardedLoader(root, batch_size=5, num_workers=0, metrics_every=2, metrics_reduce=True,
+                       metrics_dir=str(tmp_path))
+    list(ld)
+    said = [r for r in caplog.records if "metrics_reduce needs" in r.getMessage()]
+    assert len(said) == 1 and ld.rank_summary is None
+
+
+@pytest.mark.parametrize("fmt", ["tar", "arrow"])
+def test_every_read_path_counts_the_same_bytes(fmt, tmp_path):
+    # The vectorised token gather counts from its own table, the sample-by-sample path (any
+    # transform) from the views: the same samples must give the same bytes, in either format.
+    root, _ = write_dataset(str(tmp_path / fmt), [23, 9, 31], fmt=fmt, seed=8)
+    got = set()
+    for kw in ({}, {"transform": lambda s: s}, {"num_workers": 2}):
+        ld = ShardedLoader(root, batch_size=5, seed=2, pin_memory=False, metrics_dir=str(tmp_path),
+                           **{"num_workers": 0, **kw})
+        list(ld)
+        c = ld.metrics()["cumulative"]
+        got.add((c["bytes_read"]["local"], c["samples"]))
+    assert len(got) == 1 and next(iter(got))[0] > 0
