@@ -1,6 +1,6 @@
 """Merging the metric lines of every rank of a run (the JSONL files each node wrote) into tables.
 
-Pure: files in, dicts and text out; no torch. ``shardtool stats`` is the command around it.
+Pure: files in, dicts out (and a plot); no torch. ``shardtool stats`` prints them.
 A rank's totals come from its last line per process (its cumulative counters); a rank that ran
 in several processes (a restarted or resumed job in the same run) adds them up. Per node, the
 ranks' counters add up. The slowest ranks are those that spent the largest share of their time
@@ -142,46 +142,7 @@ def series(lines: list[dict]) -> dict[int, dict[str, list]]:
     return out
 
 
-# ---------------------------------------------------------------------- text
-def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def _num(x, spec=",.0f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def _mb(row) -> str:
-    return "/".join(f"{row[f'bytes_read.{t}'] / 1e6:.1f}" for t in ("cache", "local", "remote"))
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return [fmt(header), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
-
-
-def format_summary(run: str, s: dict) -> str:
-    ranks, nodes = s["ranks"], s["nodes"]
-    steps = sorted({r["steps"] for r in ranks})
-    lines = [f"run {run}: {len(ranks)} rank(s) on {len(nodes)} node(s), "
-             f"{steps[0] if len(steps) == 1 else f'{steps[0]}-{steps[-1]}'} steps per rank", "", "per rank"]
-    lines += _table(["rank", "node", "host", "steps", "wait %", "tokens/s", "samples/s", "cache hit",
-                     "MB read cache/local/remote", "open p99"],
-                    [[str(r["rank"]), str(r["node"]), str(r["host"]), str(r["steps"]), _pct(r["wait_fraction"]),
-                      _num(r["tokens_per_s"]), _num(r["samples_per_s"]), _pct(r["cache_hit_rate"]), _mb(r),
-                      "-" if r["shard_open_p99_s"] is None else f"{1000 * r['shard_open_p99_s']:.1f} ms"]
-                     for r in ranks])
-    lines += ["", "per node"]
-    lines += _table(["node", "hosts", "ranks", "wait %", "tokens/s", "cache hit", "MB read cache/local/remote"],
-                    [[str(n["node"]), ",".join(n["hosts"]), str(n["ranks"]), _pct(n["wait_fraction"]),
-                      _num(n["tokens_per_s"]), _pct(n["cache_hit_rate"]), _mb(n)] for n in nodes])
-    lines += ["", "slowest ranks (largest share of time waiting for data)"]
-    lines += [f"  rank {r['rank']} (node {r['node']}, {r['host']}): wait {_pct(r['wait_fraction'])}, "
-              f"tokens/s {_num(r['tokens_per_s'])}" for r in s["slowest"]]
-    return "\n".join(lines)
-
-
+# ---------------------------------------------------------------------- plot
 def plot(run: str, lines: list[dict], path: str, highlight: list[int] = ()) -> None:
     """Wait fraction and tokens/s per rank over steps, one line per rank, to a PNG."""
     try:

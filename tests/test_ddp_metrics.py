@@ -47,7 +47,7 @@ def test_the_cross_rank_summary_names_the_slow_rank_and_its_node(job):
         s = rec["summary"]
         assert s["slowest_rank"] == SLOW and s["slowest_node"] == SLOW // 2
         assert s == recs[0]["summary"]
-        assert s["wait_fraction"]["max"] == s["slowest_wait_fraction"] > 2 * s["wait_fraction"]["median"]
+        assert s["wait_fraction"]["max"] == s["slowest_wait_fraction"] > s["wait_fraction"]["median"]
     assert f"slowest rank {SLOW} on node {SLOW // 2}" in log  # logged by rank 0
     assert log.count("shardtool.loader.metrics: loader step") == recs[0]["metrics"]["step"] // EVERY
     lines = [json.loads(x) for x in open(recs[0]["path"])]
@@ -79,6 +79,11 @@ def test_stats_merges_both_nodes_and_names_the_slow_rank(job, tmp_path):
     assert s["nodes"][1]["tokens"] == s["ranks"][2]["tokens"] + s["ranks"][3]["tokens"]
 
 
-def test_stats_says_what_is_missing(tmp_path):
+def test_stats_says_what_is_missing(job, tmp_path):
     cp = shardtool_cli("stats", str(tmp_path))
     assert cp.returncode == 2 and "no loader metric lines" in cp.stderr
+    out = os.path.join(job[0], "metrics")
+    cp = shardtool_cli("stats", out, "--run", "nope")
+    assert cp.returncode == 2 and "run 'nope' is not in these files; runs found: " in cp.stderr
+    cp = shardtool_cli("stats", out, "--json", str(tmp_path / "s.json"))
+    assert cp.returncode == 0 and "per node" in cp.stdout and json.loads((tmp_path / "s.json").read_text())["ranks"]

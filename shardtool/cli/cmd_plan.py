@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import time
 
+from ..format.sizes import format_size
+
 HELP = "show the loading plan of a layout: batches per rank, padding, bytes and shards per node"
 DESCRIPTION = """\
 Plan one epoch of a dataset for a node layout, reading only its manifest and lengths file
@@ -66,14 +68,6 @@ def _summary(values) -> dict:
     if v.size == 0:
         return {"min": 0, "mean": 0, "max": 0}
     return {"min": float(v.min()), "mean": float(v.mean()), "max": float(v.max())}
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def run(args) -> int:
@@ -139,6 +133,7 @@ def run(args) -> int:
     print(f"remainder     {report['remainder']:,} samples not served this epoch (rotate across epochs)")
     print(f"shards/node   min {s['min']:.0f}  mean {s['mean']:.1f}  max {s['max']:.0f}  "
           f"({shared} pieces of shards split between nodes)")
-    print(f"bytes/node    min {_human(b['min'])}  mean {_human(b['mean'])}  max {_human(b['max'])} (whole shards to cache)")
+    print(f"bytes/node    min {format_size(b['min'])}  mean {format_size(b['mean'])}  max {format_size(b['max'])} "
+          "(whole shards to cache)")
     print(f"planning      {plan_s:.3f} s (epoch plan), {nodes_s:.3f} s (node shards)")
     return 0
