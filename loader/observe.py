@@ -127,7 +127,6 @@ class Observer:
         self.file.append(out)
 
 
-
 def describe_activity(m, act: dict) -> str:
     """What a process is doing, from its probe row, in words (for the stall error)."""
     name = m.shards[act["shard"]].path if 0 <= act["shard"] < len(m.shards) else f"#{act['shard']}"

@@ -114,7 +114,10 @@ class Watchdog:
         poll = min(1.0, max(self.timeout / 8, 0.05))
         while not stop.wait(poll):
             if extra_check is not None:
-                extra_check()
+                try:
+                    extra_check()
+                except Exception as e:  # noqa: BLE001 - a failed side check must not end the watch
+                    log.debug("watchdog side check failed: %s", e)
             b = self.waiting_for
             if b is None:
                 continue
