@@ -29,14 +29,16 @@ class Snapshot:
 class Meter:
     """Trainer-side counters of one loader, and the reading processes' table."""
 
-    def __init__(self, table: P.Table, source_name: str):
+    def __init__(self, table: P.Table, source_name: str, in_process: bool = False):
         self.table = table
         self.source_name = source_name
+        # num_workers=0: batches are produced inside next(), so producing them is the wait.
+        self.in_process = in_process
         # Plain attributes: adding to one costs a fraction of a numpy scalar store, every step.
         self.wait_s = 0.0
         self.steps = self.samples = self.tokens = self.padded = self.worker_starts = self.worker_restarts = 0
         self.began: float | None = None  # first request for a batch: where cumulative time starts
-        self._samples = self._tokens = self._padded = ()
+        self.batch_samples = self.batch_tokens = self.batch_padded = ()
 
     # ------------------------------------------------------------------ per pass / per step
     def start_pass(self, lengths: np.ndarray, ids: np.ndarray, offsets: np.ndarray, workers: int,
@@ -57,17 +59,11 @@ class Meter:
         full = samples > 0
         if full.any():
             longest[full] = np.maximum.reduceat(lens, rel[:-1][full])
-        # Lists: indexing one is several times cheaper per step than indexing a numpy array.
-        self._samples = samples.tolist()
-        self._tokens = (cum[rel[1:]] - cum[rel[:-1]]).tolist()
-        self._padded = (samples * longest).tolist()
-
-    def delivered(self, b: int, wait_s: float) -> None:
-        self.wait_s += wait_s
-        self.steps += 1
-        self.samples += self._samples[b]
-        self.tokens += self._tokens[b]
-        self.padded += self._padded[b]
+        # Lists: indexing one is several times cheaper per step than indexing a numpy array
+        # (`Pass.next` adds them up as batches are handed over).
+        self.batch_samples = samples.tolist()
+        self.batch_tokens = (cum[rel[1:]] - cum[rel[:-1]]).tolist()
+        self.batch_padded = (samples * longest).tolist()
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self) -> Snapshot:
@@ -79,36 +75,39 @@ class Meter:
     def section(self, now: Snapshot, since: Snapshot | None = None) -> dict:
         """The counters between ``since`` (None: the start) and ``now``, as a plain dict."""
         d = now.v - since.v if since is not None else now.v
-        t, c = d[:TRAINER], d[TRAINER:]
-        seconds = float(t[T_TIME])
-        batches, samples, tokens, padded = (int(x) for x in t[[T_BATCHES, T_SAMPLES, T_TOKENS, T_PADDED]])
+        # One conversion to Python numbers: per-element numpy access would cost more than the rest.
+        t, c = d[:TRAINER].tolist(), d[TRAINER : TRAINER + P.HIST0].tolist()
+        seconds, wait = t[T_TIME], t[T_WAIT]
+        samples, tokens, padded = int(t[T_SAMPLES]), int(t[T_TOKENS]), int(t[T_PADDED])
         hits, misses = int(c[P.HITS]), int(c[P.MISSES])
-        hist = c[P.HIST]
+        p50 = p99 = None
+        if c[P.OPENS]:
+            p50, p99 = P.percentiles(d[TRAINER + P.HIST0 :], (0.50, 0.99))
         return {
             "seconds": seconds,
-            "batches": batches,
+            "batches": int(t[T_BATCHES]),
             "samples": samples,
             "tokens": tokens,
             "padded_tokens": padded,
-            "wait_s": float(t[T_WAIT]),
-            "wait_fraction": _ratio(t[T_WAIT], seconds),
+            "wait_s": wait,
+            "wait_fraction": _ratio(wait, seconds),
             "samples_per_s": _ratio(samples, seconds),
             "tokens_per_s": _ratio(tokens, seconds),
             "padding_efficiency": _ratio(tokens, padded),
             "tokens_by_source": {self.source_name: tokens},
             "worker_starts": int(t[T_STARTS]),
             "worker_restarts": int(t[T_RESTARTS]),
-            "produce_s": float(c[P.PRODUCE_S]),
-            "batches_produced": int(c[P.BATCHES]),
+            "produce_s": wait if self.in_process else c[P.PRODUCE_S],
+            "batches_produced": int(t[T_BATCHES] if self.in_process else c[P.BATCHES]),
             "bytes_read": {"cache": int(c[P.BYTES_CACHE]), "local": int(c[P.BYTES_LOCAL]),
                            "remote": int(c[P.BYTES_REMOTE])},
             "cache": {"hits": hits, "misses": misses, "hit_rate": _ratio(hits, hits + misses),
                       "fetch_bytes": int(c[P.FETCH_BYTES])},
             "shard_opens": int(c[P.OPENS]),
-            "shard_open_p50_s": P.percentile(hist, 0.50),
-            "shard_open_p99_s": P.percentile(hist, 0.99),
+            "shard_open_p50_s": p50,
+            "shard_open_p99_s": p99,
         }
 
 
-def _ratio(a, b) -> float | None:
-    return float(a) / float(b) if b else None
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import numpy as np
@@ -16,7 +17,7 @@ import numpy as np
 from ..format import ShardtoolError
 from . import metricslog
 from .metrics import Meter, Snapshot
-from .probe import CACHE, PHASES, Probe, Table
+from .probe import BUSY_PHASE, CACHE, IDLE, PHASES, TIERS, Probe, Table
 from .watchdog import StallInterrupt, Watchdog
 
 log = logging.getLogger("shardtool.loader.metrics")
@@ -37,8 +38,8 @@ class Observer:
         self.workers = num_workers
         self.lookahead = max(32, 4 * num_workers * prefetch_factor)
         self.table = Table(num_workers + 1)  # with metrics off, only the workers' pids (for stack dumps)
-        reader.probe = Probe(self.table) if metrics else None
-        self.meter = Meter(self.table, source_name) if metrics else None
+        reader.probe = Probe(self.table, num_workers) if metrics else None
+        self.meter = Meter(self.table, source_name, in_process=num_workers == 0) if metrics else None
         self.every = every if metrics else 0
         self.reduce = metrics_reduce and metrics
         self.started = time.time()
@@ -46,10 +47,10 @@ class Observer:
         self.run = metricslog.run_id(env, self.layout.world_size, os.getpid(), self.started)
         self.dir = metricslog.default_dir(metrics_dir, cache_dir, self.run, env)
         self.file = metricslog.MetricsFile(self.dir, self.host, self.rank)
-        manifest = reader.source.dataset.manifest
+        self._current: dict = {}  # the pass's batches, for the watchdog (no reference back to us)
+        where = BatchStart(reader, self._current)
         self.watchdog = (Watchdog(self.table, num_workers, stall_timeout, dump_dir=self.dir, details=metrics,
-                                  describe=lambda act: describe_activity(manifest, act))
-                         if stall_timeout is not None else None)
+                                  describe=where.describe) if stall_timeout is not None else None)
         self.cache_behind = 0
         self.rank_summary: dict | None = None
         self._user_since: Snapshot | None = None
@@ -71,9 +72,11 @@ class Observer:
         # a loop left and re-entered) started its workers again: those are restarts.
         restart = (not self._pass_complete) and self._pass_epoch == epoch and self.workers > 0
         self._pass_complete, self._pass_epoch = False, epoch
+        self.table.a[0, BUSY_PHASE] = IDLE  # a read left by an error of the last pass is over
         if self.meter is not None:
             self.meter.start_pass(self.reader.source.dataset.lengths, batches.ids, batches.offsets, self.workers,
                                   restart)
+        self._current["batches"] = batches
         p = Pass(self, batches, start, n, epoch)
         p.check_cache()  # at once: the first batches are the ones a cold cache stalls
         if self.watchdog is not None:
@@ -82,18 +85,26 @@ class Observer:
 
     def end_pass(self, complete: bool) -> None:
         self._pass_complete = complete
+        self._flush()
         if self.watchdog is not None:
             self.watchdog.stop()
         self.table.forget_workers()
 
+    def _flush(self) -> None:
+        """This process's uncounted batch bytes (with num_workers=0, the trainer reads them)."""
+        if self.reader.probe is not None:
+            self.reader.probe.flush()
+
     def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
+        self.file.close()
 
     # ------------------------------------------------------------------ reporting
     def metrics(self, epoch: int, batch: int) -> dict:
         if self.meter is None:
             raise RuntimeError("this loader was made with metrics=False: it keeps no metrics")
+        self._flush()
         now = self.meter.snapshot()
         out = self._report(now, self._user_since, epoch, batch)
         self._user_since = now
@@ -107,6 +118,7 @@ class Observer:
 
     def line(self, epoch: int, batch: int) -> None:
         """Every ``metrics_every`` steps: one JSON line, and the cross-rank summary if asked for."""
+        self._flush()
         now = self.meter.snapshot()
         out = self._report(now, self._line_since, epoch, batch)
         self._line_since = now
@@ -127,13 +139,45 @@ class Observer:
         self.file.append(out)
 
 
-def describe_activity(m, act: dict) -> str:
-    """What a process is doing, from its probe row, in words (for the stall error)."""
-    name = m.shards[act["shard"]].path if 0 <= act["shard"] < len(m.shards) else f"#{act['shard']}"
-    if act["phase"] == PHASES[0]:
-        return f"working on batch {act['batch']} outside a read (decode, transform or collate) for {act['for_s']:.1f} s"
-    size = f", {act['size']} bytes" if act["size"] else ""
-    return f"{act['phase']} shard {name} at byte offset {act['offset']}{size} (tier {act['tier']}) for {act['for_s']:.1f} s"
+class BatchStart:
+    """What a process is doing, in words, from its probe row and the plan (for the stall error).
+
+    Reads from memory maps are not announced per batch (that would cost more than the rest of
+    the metrics): for a process inside a batch but in no announced open, fetch or ranged read,
+    the plan says where the batch begins, and the trainer's copy of that shard's index the
+    byte offset (read here with a short limit: the index may sit on the very mount that hangs).
+    """
+
+    INDEX_WAIT_S = 1.0
+
+    def __init__(self, reader, current: dict):
+        self.reader, self.current = reader, current
+
+    def describe(self, act: dict) -> str:
+        m = self.reader.source.dataset.manifest
+        if act["phase"] != PHASES[0]:
+            name = m.shards[act["shard"]].path if 0 <= act["shard"] < len(m.shards) else f"#{act['shard']}"
+            size = f", {act['size']} bytes" if act["size"] else ""
+            return (f"{act['phase']} shard {name} at byte offset {act['offset']}{size} (tier {act['tier']}) "
+                    f"for {act['for_s']:.1f} s")
+        return (f"inside batch {act['batch']} for {act['for_s']:.1f} s, in no open, fetch or ranged read (so reading "
+                f"from the memory-mapped shards, or decoding, transforming, collating: the stacks say which); "
+                f"{self.begins(act['batch'])}")
+
+    def begins(self, b: int) -> str:
+        batches = self.current.get("batches")
+        ids = batches.batch_ids(b) if batches is not None and 0 <= b < len(batches) else ()
+        if not len(ids):
+            return f"batch {b} is not in this pass"
+        shard, local = self.reader.locate(ids[:1])
+        s, i = int(shard[0]), int(local[0])
+        src = self.reader.source
+        done: list = []
+        t = threading.Thread(target=lambda: done.append(int(src.dataset.shard_index(s).offsets[i])), daemon=True)
+        t.start()
+        t.join(self.INDEX_WAIT_S)
+        at = f"byte offset {done[0]}" if done else f"sample #{i} (its index did not load within {self.INDEX_WAIT_S:g} s)"
+        return f"batch {b} begins at shard {src.dataset.manifest.shards[s].path} {at} (tier {TIERS[src.tier - 1]})"
 
 
 class Pass:
@@ -174,8 +218,12 @@ class Pass:
             raise self._stalled(b)  # declared stalled from a thread we could not interrupt
         self.position = b + 1
         m = self.meter
-        if m is not None:
-            m.delivered(b, wait)
+        if m is not None:  # Meter.delivered, inlined: a call per step costs more than the counting
+            m.wait_s += wait
+            m.steps += 1
+            m.samples += m.batch_samples[b]
+            m.tokens += m.batch_tokens[b]
+            m.padded += m.batch_padded[b]
             if self.every and m.steps % self.every == 0:
                 self.obs.line(self.epoch, b + 1)
         return batch

@@ -35,6 +35,7 @@ HIST0 = 17
 HIST_BUCKETS = 128
 HIST_PER_OCTAVE = 4
 HIST_FLOOR_S = 1e-6
+FLUSH_BATCHES = 4  # a worker adds up its queued batch bytes at least this often (see Probe.flush)
 COLUMNS = HIST0 + HIST_BUCKETS
 COUNTERS = slice(0, OPENS + 1)
 HIST = slice(HIST0, COLUMNS)
@@ -55,16 +56,18 @@ class Table:
         """Counters and histogram summed over rows (a copy: a snapshot)."""
         return self.a.sum(axis=0)
 
-    def activity(self, row: int) -> dict | None:
-        """What process ``row`` is reading now, or None if it is not inside a batch."""
+    def activity(self, row: int, batch: int | None = None, waited: float = 0.0) -> dict | None:
+        """What process ``row`` is reading now, or None if it is not inside a batch. The trainer
+        (row 0) does not mark its batches (it is inside ``next()``): the caller says which one
+        and for how long it has waited."""
         r = self.a[row]
-        if r[BUSY_BATCH] < 0:
+        if batch is None and r[BUSY_BATCH] < 0:
             return None
-        tier = int(r[BUSY_TIER])
-        return {"pid": int(r[PID]), "batch": int(r[BUSY_BATCH]), "shard": int(r[BUSY_SHARD]),
-                "offset": int(r[BUSY_OFFSET]), "size": int(r[BUSY_SIZE]),
-                "tier": TIERS[tier - 1] if tier else None, "phase": PHASES.get(int(r[BUSY_PHASE]), "?"),
-                "for_s": time.monotonic() - r[BUSY_SINCE]}
+        tier, phase = int(r[BUSY_TIER]), int(r[BUSY_PHASE])
+        return {"pid": int(r[PID]) or os.getpid(), "batch": int(r[BUSY_BATCH]) if batch is None else batch,
+                "shard": int(r[BUSY_SHARD]), "offset": int(r[BUSY_OFFSET]), "size": int(r[BUSY_SIZE]),
+                "tier": TIERS[tier - 1] if tier else None, "phase": PHASES.get(phase, "?"),
+                "for_s": time.monotonic() - r[BUSY_SINCE] if phase != IDLE or batch is None else waited}
 
     def announce(self, row: int) -> None:
         """In the process of ``row``: its pid, so the watchdog can ask it for its stacks."""
@@ -86,13 +89,14 @@ def bucket(seconds: float) -> int:
     return min(int(HIST_PER_OCTAVE * math.log2(seconds / HIST_FLOOR_S)), HIST_BUCKETS - 1)
 
 
-def percentile(hist: np.ndarray, q: float) -> float | None:
-    """The ``q`` quantile (0..1) of a latency histogram: the geometric middle of its bucket."""
-    total = float(hist.sum())
+def percentiles(hist: np.ndarray, qs: tuple[float, ...]) -> list[float | None]:
+    """Quantiles ``qs`` (0..1) of a latency histogram: the geometric middle of their buckets."""
+    cum = np.cumsum(hist)
+    total = float(cum[-1]) if len(cum) else 0.0
     if total <= 0:
-        return None
-    k = int(np.searchsorted(np.cumsum(hist), q * total - 1e-9))
-    return HIST_FLOOR_S * 2.0 ** ((k + 0.5) / HIST_PER_OCTAVE)
+        return [None for _ in qs]
+    ks = np.searchsorted(cum, [q * total - 1e-9 for q in qs]).tolist()
+    return [HIST_FLOOR_S * 2.0 ** ((k + 0.5) / HIST_PER_OCTAVE) for k in ks]
 
 
 class Probe:
@@ -101,30 +105,59 @@ class Probe:
     Called per batch in the hot path, so each method is a handful of memoryview stores.
     """
 
-    def __init__(self, table: Table):
+    def __init__(self, table: Table, workers: int = 0):
         self.table = table
         self.cells = table.cells
         self.base = 0
+        self.stride = max(workers, 1)  # a worker's batches of a pass are this far apart
+        # Batches read by the token gather whose bytes are not added up yet (see `flush`).
+        self.counts: list = []
+        self.counts_other = 0
+        self.counts_item = self.counts_tier = 0
 
     def bind(self, row: int) -> None:
-        """In a worker, before its first batch: write to row ``row`` from now on."""
+        """In a worker, before its first batch: write to row ``row`` from now on. The trainer
+        itself (num_workers=0) marks no batches: it is inside ``next()``, which it times."""
         self.base = row * COLUMNS
         self.table.announce(row)
 
     def batch_begin(self, b: int) -> float:
+        """Batch ``b`` starts. Reads from memory maps are not announced one by one (that costs
+        more than the rest of the metrics together): the watchdog finds where ``b`` starts."""
         c, i = self.cells, self.base
         now = time.monotonic()
         c[i + BUSY_BATCH] = b
-        c[i + BUSY_PHASE] = IDLE
-        c[i + BUSY_SIZE] = 0
         c[i + BUSY_SINCE] = now
         return now
 
-    def batch_end(self, began: float) -> None:
+    def batch_end(self, began: float, last: bool) -> None:
+        """``last``: this process's last batch of the pass, so nothing stays uncounted."""
         c, i = self.cells, self.base
         c[i + PRODUCE_S] += time.monotonic() - began
         c[i + BATCHES] += 1
         c[i + BUSY_BATCH] = -1
+        if last or len(self.counts) >= FLUSH_BATCHES:
+            self.flush()
+
+    def batch_failed(self) -> None:
+        """The batch raised: nothing is being read any more (the phase may be left mid-read)."""
+        c, i = self.cells, self.base
+        c[i + BUSY_BATCH] = -1
+        c[i + BUSY_PHASE] = IDLE
+        self.flush()
+
+    def flush(self) -> None:
+        """Add up the bytes of the batches the reader queued in ``counts`` (their element counts;
+        ``counts_other``: their bytes besides elements of ``counts_item`` bytes). The reader only
+        appends, a C call: a Python call per batch cost, in place, more than all other metrics."""
+        if self.counts:
+            total = int(np.concatenate(self.counts).sum()) * self.counts_item + self.counts_other
+            self.counts, self.counts_other = [], 0
+            self.read(self.counts_tier, total)
+
+    def done_reading(self) -> None:
+        """An announced open, fetch or ranged read returned: back to unannounced work."""
+        self.cells[self.base + BUSY_PHASE] = IDLE
 
     def at(self, shard: int, offset: int, size: int, tier: int, phase: int = READING) -> None:
         """Announce the read about to start (what the watchdog reports if it never returns)."""
@@ -135,15 +168,6 @@ class Probe:
         c[i + BUSY_TIER] = tier
         c[i + BUSY_PHASE] = phase
         c[i + BUSY_SINCE] = time.monotonic()
-
-    def mapped_read(self, shard: int, offset: int, tier: int) -> None:
-        """A batch about to be read from memory maps, its first sample at ``offset`` of ``shard``
-        (the batch's start time stands: four stores, every batch)."""
-        c, i = self.cells, self.base
-        c[i + BUSY_SHARD] = shard
-        c[i + BUSY_OFFSET] = offset
-        c[i + BUSY_TIER] = tier
-        c[i + BUSY_PHASE] = READING
 
     def read(self, tier: int, nbytes: int) -> None:
         self.cells[self.base + BYTES_OF_TIER[tier]] += nbytes
@@ -161,6 +185,7 @@ class Probe:
         (a miss is an open that copied the shard from the source)."""
         began, fetched_before = token
         c, i = self.cells, self.base
+        c[i + BUSY_PHASE] = IDLE
         c[i + OPENS] += 1
         c[i + HIST0 + bucket(time.monotonic() - began)] += 1
         if src.tier == CACHE:

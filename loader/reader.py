@@ -116,6 +116,7 @@ class BatchReader:
         off, size = int(idx.offsets[i]), int(idx.sizes[i])
         self.probe.at(s, off, size, REMOTE)
         out = ds.read(s, i)
+        self.probe.done_reading()
         if token is not None:
             self._remote_seen.add(s)
             self.probe.opened(token, self.source)
@@ -126,20 +127,11 @@ class BatchReader:
             self._last_remote_batch = (s, int(idx.batch[i]))
         return out
 
-    def _announce(self, shard: np.ndarray, groups) -> None:
-        """Where a batch's reading from the maps starts: what the watchdog reports if it hangs."""
+    def _count(self, groups) -> None:
+        """Payload bytes of a batch's samples (every field), from the views."""
         if groups:
-            v, rows, li = groups[0]  # the batch's lowest shard (groups are in shard order)
-            self.probe.mapped_read(int(shard[rows[0]]), int(v.starts[li[0], 0]), self.tier)
-
-    def _count(self, groups, per_group=None) -> None:
-        """Payload bytes of a batch's samples (``per_group``: already gathered, else from the views)."""
-        if self.probe is None or not groups:
-            return
-        parts = per_group if per_group is not None else [v.sample_bytes[li] for v, _, li in groups]
-        # np.add.reduce, not .sum(): this runs every batch and the method's Python wrapper is
-        # a third of the cost at these sizes.
-        self.probe.read(self.tier, int(np.add.reduce(parts[0] if len(parts) == 1 else np.concatenate(parts))))
+            parts = [v.sample_bytes[li] for v, _, li in groups]
+            self.probe.read(self.tier, int((parts[0] if len(parts) == 1 else np.concatenate(parts)).sum()))
 
     def index_lengths(self, ids: np.ndarray) -> np.ndarray:
         return self.source.dataset.lengths[np.asarray(ids, dtype=np.int64)]
@@ -160,12 +152,11 @@ class BatchReader:
             return self.collate(self.read_samples(ids), ids, pad_id=self.pad_id, alloc=alloc)
         shard, local = self.locate(ids)
         groups = self._groups(shard, local)
-        if self.probe is not None:
-            self._announce(shard, groups)
         fields = self.source.dataset.manifest.fields
         pad_col = groups[0][0].pad_col if groups else None
         if pad_col is not None and any(v.tok_view is None for v, _, _ in groups):
-            self._count(groups)
+            if self.probe is not None:
+                self._count(groups)
             return self.collate(self._local_samples(shard, local), ids, pad_id=self.pad_id, alloc=alloc)
         b = len(ids)
         keys = np.empty(b, dtype=object)
@@ -175,11 +166,13 @@ class BatchReader:
         if pad_col is not None:
             tokens = self._gather_tokens(groups, b, alloc)  # counts the batch's bytes
             if tokens is None:
-                self._count(groups)
+                if self.probe is not None:
+                    self._count(groups)
                 return self.collate(self._local_samples(shard, local), ids, pad_id=self.pad_id, alloc=alloc)
             out[fields[pad_col].name], out["lengths"] = tokens
         else:
-            self._count(groups)
+            if self.probe is not None:
+                self._count(groups)
             out["lengths"] = torch.from_numpy(self.index_lengths(ids))  # Dataset.shard_index checked: = the index's
         for j, spec in enumerate(fields):
             if j == pad_col:
@@ -204,7 +197,8 @@ class BatchReader:
         """Padded tokens and lengths, or None when some payload is not a plain array."""
         # Per-shard pieces are concatenated once, so the per-batch numpy work does not grow with
         # the number of shards a batch spans (a shuffled batch touches most of a node's shards).
-        rows_l, first_l, n_l, bytes_l, bufs = [], [], [], [], []
+        rows_l, first_l, n_l, bufs = [], [], [], []
+        other = 0  # bytes besides the tokens, where constant per sample (else None)
         for v, rows, li in groups:
             r = v.token_ranges(li)
             if r is None:
@@ -212,12 +206,22 @@ class BatchReader:
             rows_l.append(rows)
             first_l.append(r[0])
             n_l.append(r[1])
-            bytes_l.append(r[2])
             bufs.append(v.tok_bytes)
-        self._count(groups, bytes_l)
+            if other is not None:
+                other = None if v.bytes_besides_tokens is None else other + len(li) * v.bytes_besides_tokens
         rows = np.concatenate(rows_l) if rows_l else np.zeros(0, np.int64)
         first = np.concatenate(first_l) if first_l else np.zeros(0, np.int64)
         n = np.concatenate(n_l) if n_l else np.zeros(0, np.int64)
+        probe = self.probe
+        if probe is not None:
+            if other is None:
+                self._count(groups)
+            else:  # queued, added up by the probe: no Python call per batch (Probe.flush)
+                probe.counts.append(n)
+                probe.counts_other += other
+                probe.counts_item, probe.counts_tier = groups[0][0].tok_view.itemsize, self.tier
+                if len(probe.counts) >= 64:  # num_workers=0 flushes at metrics() and pass end
+                    probe.flush()
         which = np.repeat(np.arange(len(bufs)), [len(x) for x in rows_l]) if bufs else np.zeros(0, np.int64)
         counts = alloc(b, np.int64)
         counts[rows] = n

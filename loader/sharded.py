@@ -251,7 +251,9 @@ class ShardedLoader:
         files read in place, ``remote``: ranged reads plus whole shards fetched on a cache miss),
         cache hits/misses/fetched bytes, shard opens with p50/p99 open latency, tokens per source,
         and worker starts/restarts. ``cache_behind_shards``: shards of the next batches that are
-        neither cached nor being fetched, at the last check.
+        neither cached nor being fetched, at the last check. Workers read ahead and publish their
+        byte counts every few batches, so their counters may lead or trail the batches handed over
+        by a few; at the end of a pass they are exact.
         """
         return self._obs.metrics(self._epoch, self._served)
 

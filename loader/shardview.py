@@ -82,19 +82,21 @@ class ShardView:
         self.tok_view = np.frombuffer(self.mapped.buffer(), dtype=np.dtype(spec.dtype),
                                       count=self.mapped.size // np.dtype(spec.dtype).itemsize)
         self.tok_bytes = memoryview(self.mapped.buffer()).cast("B")  # rows are copied as raw bytes
-        r = self._parse(self.starts[:, self.pad_col], self.sizes[:, self.pad_col], npy=tar)
-        # One row per sample, so that a batch's gather touches one cache line per sample for all
-        # three (the per-batch byte count would otherwise miss the cache on a third array).
-        self._tok_table = None if r is None else np.stack([r[0], r[1], self.sample_bytes], axis=1)
+        self._tok_ranges = self._parse(self.starts[:, self.pad_col], self.sizes[:, self.pad_col], npy=tar)
+        # When every sample has the same bytes besides its tokens (a token-only shard: the npy
+        # header), a batch's payload bytes follow from its token counts, with no gather of its own.
+        self.bytes_besides_tokens = None
+        if self._tok_ranges is not None and len(self.sample_bytes):
+            other = self.sample_bytes - self._tok_ranges[1] * self.tok_view.itemsize
+            if (other == other[0]).all():
+                self.bytes_besides_tokens = int(other[0])
 
-    def token_ranges(self, li: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """(first element, element count) of the length field's payload for samples ``li``, and
-        the payload bytes of those samples (every field); None where a payload is not a plain
-        array (the caller decodes sample by sample)."""
-        if self._tok_table is None:
+    def token_ranges(self, li: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(first element, element count) of the length field's payload for samples ``li``;
+        None where a payload is not a plain array (the caller decodes sample by sample)."""
+        if self._tok_ranges is None:
             return None
-        t = self._tok_table[li]
-        return t[:, 0], t[:, 1], t[:, 2]
+        return self._tok_ranges[0][li], self._tok_ranges[1][li]
 
     def _parse(self, start: np.ndarray, size: np.ndarray, *, npy: bool) -> tuple[np.ndarray, np.ndarray] | None:
         """(first element, element count) of every sample's payload at byte ``start``, ``size``

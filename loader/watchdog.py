@@ -145,8 +145,10 @@ class Watchdog:
     def _reading(self, b: int) -> str:
         if not self.details:
             return "no read details (metrics=False)"
-        rows = range(1, self.workers + 1) if self.workers else [0]
-        acts = {r: self.table.activity(r) for r in rows}
+        if self.workers:
+            acts = {r: self.table.activity(r) for r in range(1, self.workers + 1)}
+        else:  # the trainer reads batch b itself, inside next()
+            acts = {0: self.table.activity(0, batch=b, waited=time.perf_counter() - self.since)}
         owner = next((r for r, a in acts.items() if a is not None and a["batch"] == b), None)
         if owner is None:
             busy = [f"worker {r - 1}: batch {a['batch']}, {self.describe(a)}" for r, a in acts.items() if a]

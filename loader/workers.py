@@ -38,16 +38,6 @@ class PlanBatches:
 
     def load(self, b: int, alloc: Alloc | None = None) -> Any:
         """Batch b; ``alloc`` (in a worker): where its arrays are born, a shared-memory slot."""
-        probe = self.reader.probe
-        if probe is None:
-            return self._load(b, alloc)
-        began = probe.batch_begin(b)
-        try:
-            return self._load(b, alloc)
-        finally:
-            probe.batch_end(began)
-
-    def _load(self, b: int, alloc: Alloc | None) -> Any:
         ids = self.batch_ids(b)
         try:
             if self.transform is None and self.collate_fn is None:
@@ -63,6 +53,19 @@ class PlanBatches:
             e.add_note(f"while loading batch {b} of {self.where}: {describe_ids(self.reader, ids)}")
             raise
 
+    def load_in_worker(self, b: int, alloc: Alloc | None = None) -> Any:
+        """`load`, marked and timed in the worker's probe row (the trainer times its own batches:
+        with num_workers=0 they are produced inside its next())."""
+        probe = self.reader.probe
+        began = probe.batch_begin(b)
+        try:
+            out = self.load(b, alloc)
+        except BaseException:
+            probe.batch_failed()
+            raise
+        probe.batch_end(began, last=b + probe.stride >= len(self))
+        return out
+
     def _transform(self, sample: dict, gid: int) -> Any:
         try:
             return self.transform(sample)
@@ -77,7 +80,8 @@ def make_dataloader(dataset: PlanBatches, start: int, *, num_workers: int, prefe
     pin = bool(pin_memory) and torch.cuda.is_available()
     if num_workers == 0:
         return _in_process(dataset, start, pin)
-    return WorkerPool(dataset.load, start, len(dataset), num_workers=num_workers, prefetch_factor=prefetch_factor,
+    load = dataset.load if dataset.reader.probe is None else dataset.load_in_worker
+    return WorkerPool(load, start, len(dataset), num_workers=num_workers, prefetch_factor=prefetch_factor,
                       timeout=timeout, pin=pin, worker_init=worker_init)
 
 

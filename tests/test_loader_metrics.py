@@ -216,10 +216,12 @@ def test_metrics_reduce_without_a_process_group_says_so_once(data, tmp_path, cap
 
 
 @pytest.mark.parametrize("fmt", ["tar", "arrow"])
-def test_every_read_path_counts_the_same_bytes(fmt, tmp_path):
-    # The vectorised token gather counts from its own table, the sample-by-sample path (any
+@pytest.mark.parametrize("extra", [True, False])
+def test_every_read_path_counts_the_same_bytes(fmt, extra, tmp_path):
+    # The token gather counts a token-only shard from its element counts (the rest of a sample,
+    # an npy header, is the same for all), other shards and the sample-by-sample path (any
     # transform) from the views: the same samples must give the same bytes, in either format.
-    root, _ = write_dataset(str(tmp_path / fmt), [23, 9, 31], fmt=fmt, seed=8)
+    root, _ = write_dataset(str(tmp_path / fmt), [23, 9, 31], fmt=fmt, seed=8, extra=extra)
     got = set()
     for kw in ({}, {"transform": lambda s: s}, {"num_workers": 2}):
         ld = ShardedLoader(root, batch_size=5, seed=2, pin_memory=False, metrics_dir=str(tmp_path),
@@ -228,3 +230,15 @@ def test_every_read_path_counts_the_same_bytes(fmt, tmp_path):
         c = ld.metrics()["cumulative"]
         got.add((c["bytes_read"]["local"], c["samples"]))
     assert len(got) == 1 and next(iter(got))[0] > 0
+
+
+def test_open_latency_percentiles_come_from_a_log_histogram():
+    from shardtool.loader import probe
+
+    hist = np.zeros(probe.HIST_BUCKETS)
+    for seconds, times in ((0.001, 98), (1.0, 2)):
+        hist[probe.bucket(seconds)] += times
+    p50, p99 = probe.percentiles(hist, (0.5, 0.99))
+    step = 2 ** (1 / probe.HIST_PER_OCTAVE)  # the bucket width: the resolution promised
+    assert 0.001 / step <= p50 <= 0.001 * step and 1.0 / step <= p99 <= 1.0 * step
+    assert probe.percentiles(np.zeros(probe.HIST_BUCKETS), (0.5,)) == [None]

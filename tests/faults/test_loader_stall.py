@@ -13,6 +13,7 @@ import re
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import faultfs  # noqa: F401  registers faulty://
@@ -132,3 +133,29 @@ def test_a_slow_batch_within_the_limit_is_not_a_stall(tmp_path):
     assert sum(len(b["__key__"]) for b in slow) == ld.metrics()["cumulative"]["samples"] == 12
     assert ld.metrics()["cumulative"]["wait_s"] > 2.0  # slow indeed, both batches together
     assert not (tmp_path / "m").exists()  # no dump, and no metric line before step 100
+
+
+def _hang_on_s000050(sample):
+    if sample["__key__"] == "s000050":
+        time.sleep(3600)
+    return sample
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stall_outside_any_read_names_where_the_batch_begins(tmp_path, workers):
+    # Not a read: a transform that never returns. The error says so, and where the batch's reading began.
+    root, keys = write_dataset(str(tmp_path / "d"), [30, 25, 40, 20], seed=4)
+    ld = ShardedLoader(root, batch_size=6, num_workers=workers, stall_timeout=STALL, transform=_hang_on_s000050,
+                       metrics_dir=str(tmp_path / "m"))
+    ds = open_dataset(root)
+    gid = keys.index("s000050")
+    b = next(i for i in range(len(ld)) if gid in ld.plan.batch(0, i).tolist())
+    first = int(ld.plan.batch(0, b)[0])
+    offs = ds.manifest.shard_offsets()
+    s = int(np.searchsorted(offs, first, side="right") - 1)
+    offset = int(ds.shard_index(s).offsets[first - int(offs[s])])
+    err, took = stalled(ld)
+    msg = str(err)
+    assert took < STALL + SLACK and f"inside batch {b} for" in msg, msg
+    assert f"batch {b} begins at shard {ds.manifest.shards[s].path} byte offset {offset} (tier local)" in msg
+    assert "_hang_on_s000050" in dump_of(err)
