@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardtool.format.sizes import format_size
 from shardtool.loader import ShardedLoader  # changed line 1 of 2
 
 
@@ -79,7 +80,7 @@ def metrics_line(rank: int, step: int, m: dict) -> str:
     """One line of the loader's metrics since the previous line: what a training log shows."""
     w = m["window"]
     hit = w["cache"]["hit_rate"]
-    read = ", ".join(f"{t} {n / 1e6:.1f} MB" for t, n in w["bytes_read"].items() if n) or "nothing new"
+    read = ", ".join(f"{t} {format_size(n)}" for t, n in w["bytes_read"].items() if n) or "nothing new"
     return (f"[rank {rank}] step {step}: data wait {100 * (w['wait_fraction'] or 0):.1f}%, "
             f"{w['tokens_per_s'] or 0:,.0f} tokens/s, {w['samples_per_s'] or 0:,.0f} samples/s, "
             f"cache hit {'-' if hit is None else f'{100 * hit:.0f}%'}, read {read}")
