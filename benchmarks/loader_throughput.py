@@ -15,6 +15,10 @@ state measurement stops after ``--max-seconds`` (both sides alike: same corpus, 
 
 ``--compression zstd|lz4`` adds: the token corpus (random ids) packed as Arrow shards plain and
 compressed, ShardedLoader read throughput on each (num_workers 0 and 2, alternating, medians).
+
+``--metrics-overhead`` measures instead what the loader's metrics cost: the token corpus with
+num_workers 0 and 2, metrics on (counters, a metric line every 100 steps) against
+``metrics=False``, paired and alternating like the peer comparison; target: within 3% tokens/s.
 """
 from __future__ import annotations
 
@@ -86,12 +90,13 @@ def run_wds(root: str, kind: str, workers: int, max_s: float) -> dict:
     return consume(loader, kind, began, max_s=max_s)
 
 
-def run_ours(root: str, kind: str, workers: int, resume: bool, max_s: float) -> dict:
+def run_ours(root: str, kind: str, workers: int, resume: bool, max_s: float, metrics: bool = True) -> dict:
     from shardtool.loader import ShardedLoader
 
     began = time.perf_counter()
     size = {"max_tokens": MAX_TOKENS} if kind == "tokens" else {"batch_size": IMAGE_BATCH}
-    ld = ShardedLoader(root, num_workers=workers, pin_memory=False, **size)
+    ld = ShardedLoader(root, num_workers=workers, pin_memory=False, metrics=metrics,
+                       metrics_dir=os.path.join(os.path.dirname(root), "metrics"), **size)
     if resume:
         served = int(len(ld) * 0.9)
         ld.load_state_dict(ld.planner.start(0, ld.fingerprint, ld.data_layout).with_served(served).to_dict())
@@ -133,11 +138,12 @@ def one(args) -> None:
     if args.one == "wds":
         out = run_wds(args.root, args.kind, args.workers, args.max_seconds)
     else:
-        out = run_ours(args.root, args.kind, args.workers, args.resume, args.max_seconds)
+        out = run_ours(args.root, args.kind, args.workers, args.resume, args.max_seconds, args.one == "ours")
     print(json.dumps(out))
 
 
 def measure(which: str, root: str, kind: str, workers: int, resume: bool = False, max_s: float = 30.0) -> dict:
+    """One run in its own process; ``which``: "ours", "ours-nometrics" (metrics=False) or "wds"."""
     cmd = [sys.executable, os.path.abspath(__file__), "--one", which, "--root", root, "--kind", kind,
            "--workers", str(workers), "--max-seconds", str(max_s)] + (["--resume"] if resume else [])
     env = {**os.environ, "PYTHONPATH": ROOT}
@@ -200,6 +206,27 @@ def paired(root: str, kind: str, workers: int, repeats: int, max_s: float) -> tu
     return out, ratios
 
 
+def metrics_overhead(tok: str, repeats: int, max_s: float, as_json: bool) -> None:
+    """tokens/s with metrics on over off, per round (alternating who goes first); the median."""
+    out = {}
+    for w in (0, 2):
+        for which in ("ours", "ours-nometrics"):
+            measure(which, tok, "tokens", w, max_s=max_s)  # warm-up, alike for both
+        ratios = []
+        for r in range(repeats):
+            order = ("ours", "ours-nometrics") if r % 2 == 0 else ("ours-nometrics", "ours")
+            got = {which: measure(which, tok, "tokens", w, max_s=max_s)["tokens_per_s"] for which in order}
+            ratios.append(got["ours"] / got["ours-nometrics"])
+        out[f"metrics on/off tokens/s w{w}"] = {"median": statistics.median(ratios), "runs": ratios}
+    if as_json:
+        print(json.dumps(out, indent=1))
+        return
+    for name, r in out.items():
+        v = r["median"]
+        print(f"{name:<32}{v:8.3f}x  [{min(r['runs']):.3f}-{max(r['runs']):.3f}] "
+              f"(target >= 0.97x: {'met' if v >= 0.97 else 'MISSED'})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="20k token samples, 1,500 images (a quick run)")
@@ -210,7 +237,9 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--compression", choices=["zstd", "lz4"],
                    help="also measure reading Arrow shards compressed with this codec against plain ones")
-    p.add_argument("--one", choices=["ours", "wds"], help=argparse.SUPPRESS)
+    p.add_argument("--metrics-overhead", action="store_true",
+                   help="measure metrics on vs off (tokens/s, num_workers 0 and 2) instead of the peer comparison")
+    p.add_argument("--one", choices=["ours", "ours-nometrics", "wds"], help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     p.add_argument("--kind", choices=["tokens", "images"], help=argparse.SUPPRESS)
     p.add_argument("--workers", type=int, default=0, help=argparse.SUPPRESS)
@@ -226,12 +255,14 @@ def main() -> None:
     if not os.path.exists(os.path.join(tok, "index.json")):
         os.makedirs(tok, exist_ok=True)
         write_tokens(tok, n_tok, 10_000)
-    if not os.path.exists(os.path.join(img, "index.json")):
+    if not args.metrics_overhead and not os.path.exists(os.path.join(img, "index.json")):
         os.makedirs(img, exist_ok=True)
         write_images(img, n_img, 500)
     print(f"corpora in {base} ({time.perf_counter() - t:.1f} s): {n_tok:,} token samples, {n_img:,} images; "
           f"{args.repeats} paired runs per configuration, at most {args.max_seconds:g} s each", file=sys.stderr)
 
+    if args.metrics_overhead:
+        return metrics_overhead(tok, args.repeats, args.max_seconds, args.json)
     results, ratio_runs = {}, {}
     configs = [("tokens", 0, "tokens samples/s ours/wds w0"), ("tokens", 2, "tokens samples/s ours/wds w2"),
                ("images", 2, "images MB/s ours/wds w2")]

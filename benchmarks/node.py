@@ -41,10 +41,19 @@ class RankResult:
     wait_s: float = 0.0
     peak_rss_mb: float = 0.0
     error: str | None = None
+    steady: float | None = None  # the loader's own steady-state window, when it reports one
+    loader: dict | None = None  # shardtool's loader.metrics() over the steady state (plain dicts)
 
     @property
     def steady_s(self) -> float:
-        return max(self.wall_s - self.first_batch_s, 1e-9)
+        return max(self.steady if self.steady is not None else self.wall_s - self.first_batch_s, 1e-9)
+
+    def use_loader_metrics(self, m: dict) -> None:
+        """Counts, wait and steady time as the loader measured them (its window after the first batch)."""
+        w = m["window"]
+        self.loader = m
+        self.samples, self.tokens, self.padded_tokens = w["samples"], w["tokens"], w["padded_tokens"]
+        self.wait_s, self.steady = w["wait_s"], w["seconds"]
 
 
 @dataclass
@@ -81,8 +90,11 @@ def _batch_stats(batch: dict) -> tuple[int, int, int, int]:
 
 
 def consume(it, result: RankResult, cfg: BenchConfig, t_start: float) -> None:
-    """The simulated training loop; fills ``result`` in place."""
+    """The simulated training loop; fills ``result`` in place. A reader whose iterator has
+    ``metrics()`` (shardtool) reports its own counters: the call after the first batch opens
+    the steady-state window, the last one closes it, and those numbers replace ours."""
     step_s = cfg.step_ms / 1000.0
+    metrics = getattr(it, "metrics", None)
     while True:
         t0 = time.perf_counter()
         try:
@@ -92,6 +104,8 @@ def consume(it, result: RankResult, cfg: BenchConfig, t_start: float) -> None:
         t1 = time.perf_counter()
         if result.batches == 0:
             result.first_batch_s = t1 - t_start
+            if metrics is not None:
+                metrics()
         else:
             result.wait_s += t1 - t0
         s, tok, pad, nb = _batch_stats(batch)
@@ -106,15 +120,35 @@ def consume(it, result: RankResult, cfg: BenchConfig, t_start: float) -> None:
         if cfg.max_batches and result.batches >= cfg.max_batches:
             break
     result.wall_s = time.perf_counter() - t_start
+    if metrics is not None and result.batches:
+        result.use_loader_metrics(metrics())
+
+
+class _LoaderIter:
+    """A ShardedLoader pass that also answers ``metrics()``."""
+
+    def __init__(self, loader):
+        self.loader, self.it = loader, iter(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.it)
+
+    def metrics(self) -> dict:
+        return self.loader.metrics()
 
 
 @reader("shardtool")
 def _shardtool_iter(cfg: BenchConfig, rank: int):
     from shardtool.loader import ShardedLoader
 
+    # No metric lines: the bench reads metrics() itself and writes them into its own JSON.
     ld = ShardedLoader(cfg.url, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, seed=cfg.seed,
-                       rank=rank, world_size=cfg.ranks, ranks_per_node=cfg.ranks, num_workers=cfg.num_workers)
-    return iter(ld)
+                       rank=rank, world_size=cfg.ranks, ranks_per_node=cfg.ranks, num_workers=cfg.num_workers,
+                       metrics_every=0)
+    return _LoaderIter(ld)
 
 
 @reader("webdataset")
@@ -198,6 +232,7 @@ def summarize(results: list[RankResult]) -> dict:
     nbytes = sum(r.bytes for r in results)
     padded = sum(r.padded_tokens for r in results)
     waits = [r.wait_s / r.steady_s for r in results]
+    loader = merge_loader_metrics([r.loader["window"] for r in results if r.loader], steady)
     return {
         "reader": results[0].reader,
         "ranks": len(results),
@@ -212,7 +247,29 @@ def summarize(results: list[RankResult]) -> dict:
         "wall_s": wall,
         "peak_rss_mb": max(r.peak_rss_mb for r in results),
         "errors": [r.error for r in results if r.error],
+        # Read from the loader (shardtool only): bytes read from storage, cache hits, open latency.
+        "read_mb_per_s": loader["read_mb_per_s"] if loader else None,
+        "cache_hit_rate": loader["cache"]["hit_rate"] if loader else None,
+        "shard_open_p99_ms": 1000 * loader["shard_open_p99_s"] if loader and loader["shard_open_p99_s"] else None,
+        "loader": loader,
+        "loader_per_rank": [r.loader for r in results if r.loader] or None,
     }
+
+
+def merge_loader_metrics(windows: list[dict], steady: float) -> dict | None:
+    """The node's view of the ranks' loader metrics: counters added, rates over the node's time."""
+    if not windows:
+        return None
+    add = lambda f: sum(f(w) for w in windows)  # noqa: E731
+    hits, misses = add(lambda w: w["cache"]["hits"]), add(lambda w: w["cache"]["misses"])
+    read = {t: add(lambda w, t=t: w["bytes_read"][t]) for t in ("cache", "local", "remote")}
+    p99 = [w["shard_open_p99_s"] for w in windows if w["shard_open_p99_s"] is not None]
+    return {"wait_fraction_per_rank": [w["wait_fraction"] for w in windows], "produce_s": add(lambda w: w["produce_s"]),
+            "bytes_read": read, "read_mb_per_s": sum(read.values()) / steady / 1e6,
+            "cache": {"hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else None,
+                      "fetch_bytes": add(lambda w: w["cache"]["fetch_bytes"])},
+            "shard_opens": add(lambda w: w["shard_opens"]), "shard_open_p99_s": max(p99) if p99 else None,
+            "worker_restarts": add(lambda w: w["worker_restarts"])}
 
 
 def measure_step_ms(batch_tokens: int = 4096, seq_len: int = 128, repeats: int = 3) -> float:
@@ -244,7 +301,8 @@ def measure_step_ms(batch_tokens: int = 4096, seq_len: int = 128, repeats: int =
 def format_table(rows: list[dict]) -> str:
     cols = [("reader", "{}"), ("num_workers", "{}"), ("samples_per_s", "{:,.0f}"), ("tokens_per_s", "{:,.0f}"),
             ("mb_per_s", "{:,.1f}"), ("first_batch_s", "{:.2f}"), ("wait_fraction", "{:.1%}"),
-            ("padding_efficiency", "{:.3f}"), ("peak_rss_mb", "{:,.0f}")]
+            ("padding_efficiency", "{:.3f}"), ("peak_rss_mb", "{:,.0f}"), ("read_mb_per_s", "{:,.1f}"),
+            ("cache_hit_rate", "{:.1%}"), ("shard_open_p99_ms", "{:.1f}")]
     header = " | ".join(c for c, _ in cols)
     lines = [header, " | ".join("---" for _ in cols)]
     for r in rows:

@@ -23,7 +23,7 @@ from .errors import BudgetError, NotCached, RemoteError
 from .evict import effective_limit, plan_eviction
 from .layout import SOURCES_NAME, VersionDir, record_source, recorded_version
 from .locks import read_lock
-from .meta import ensure_index, ensure_lengths, ensure_shard, ensure_summaries, store_manifest
+from .meta import COPIED, ensure_index, ensure_lengths, ensure_shard, ensure_summaries, store_manifest
 from .perms import DEFAULT_PERMS, Perms
 from .retry import RetryPolicy
 from .store import Source
@@ -106,6 +106,7 @@ class DatasetCache:
         self.kw = {"policy": retry, "deadline": None}
         self.dataset = CachedDataset(self, manifest_bytes, allow_pickle=allow_pickle)
         self.manifest = self.dataset.manifest
+        self.fetched_bytes = 0  # shard bytes this object copied from the source (fetch-on-miss)
 
     def source(self) -> Source | None:
         """The source filesystem, opened lazily (None if it cannot even be opened)."""
@@ -179,7 +180,8 @@ class DatasetCache:
         store = self._store()
         self._make_room(shard, store)
         try:
-            ensure_shard(store, shard, info, src, **self.kw)
+            if ensure_shard(store, shard, info, src, **self.kw) == COPIED:
+                self.fetched_bytes += info.bytes
         except RemoteError as e:
             raise NotCached(f"shard #{shard} {info.path} is not in the cache {store.root} and fetching it "
                             f"failed: {e}") from e

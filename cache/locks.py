@@ -129,3 +129,16 @@ def try_exclusive(path: str, *, perms: Perms = DEFAULT_PERMS) -> Iterator[bool]:
     """Exclusive lock without waiting: False means someone is fetching or reading the shard."""
     with locked(path, timeout=0, perms=perms) as held:
         yield held
+
+
+def held_exclusively(path: str) -> bool:
+    """Whether someone holds ``path``'s exclusive lock (fetching or evicting) right now: a
+    non-blocking shared attempt, on a read-only descriptor where this process may not write."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False  # no lock file: nobody ever locked the shard
+    try:
+        return _acquire(fd, fcntl.LOCK_SH, 0) != HELD
+    finally:
+        os.close(fd)

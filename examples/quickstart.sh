@@ -6,6 +6,8 @@
 #   4. load      train a tiny LM with DDP, 2 nodes x 2 ranks (torchrun, gloo), each node
 #                reading only from its cache, with the source renamed away mid-way
 #   5. report    what each rank trained on, and loader throughput vs webdataset
+#   6. stats     the loader metrics every rank logged during training, merged over both
+#                nodes (shardtool stats: wait, tokens/s, cache hits, slowest ranks; a plot)
 #
 #   bash examples/quickstart.sh            # WORK=_work/quickstart SAMPLES=20000 by default
 set -euo pipefail
@@ -47,7 +49,8 @@ for node in 0 1; do
   GLOO_SOCKET_IFNAME=lo OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --nnodes 2 --node_rank "$node" \
     --nproc_per_node 2 --master_addr 127.0.0.1 --master_port "$port" examples/train_ddp.py \
     --data "$W/dataset" --cache-dir "$W/node$node/cache" --max-tokens 8192 --seq-len 64 --num-workers 1 \
-    --log-dir "$W/train-logs" --ckpt-dir "$W/ckpt" --ckpt-every 20 --collective-timeout 120 &
+    --log-dir "$W/train-logs" --ckpt-dir "$W/ckpt" --ckpt-every 20 --collective-timeout 120 \
+    --metrics-every 10 --metrics-dir "$W/node$node/metrics" &
   pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p"; done
@@ -58,5 +61,7 @@ step "5. report"
 # A 5 ms simulated step: a GPU step of a small model; `--step-ms` omitted measures a CPU one.
 "${ST[@]}" bench "$W/dataset" --ranks 2 --workers 0,2 --max-tokens 8192 --max-batches "${BENCH_BATCHES:-100}" \
   --step-ms 5 --compare webdataset --json "$W/bench.json"
+step "6. loader metrics of the training run, every rank of both nodes (node-local files)"
+"${ST[@]}" stats "$W/node0/metrics" "$W/node1/metrics" --plot "$W/loader-stats.png"
 echo
-echo "done: dataset, caches, logs and bench.json are in $W"
+echo "done: dataset, caches, logs, bench.json and loader-stats.png are in $W"

@@ -9,12 +9,18 @@ Run under torchrun (CPU/gloo here, GPU/nccl when CUDA is present):
 Compared with a DataLoader + DistributedSampler script, two lines change: the import and the
 construction of the loader. The loader's ``state_dict()`` goes into the same checkpoint as the
 model and optimizer, so a killed or requeued job resumes at exactly the next batch.
+
+Every ``--metrics-every`` steps each rank's loader appends a metric line to a node-local file
+(``--metrics-dir``, default under the cache dir or $TMPDIR), rank 0 prints one line of its
+loader metrics and, with several ranks, logs which rank waited longest for data. Afterwards,
+``shardtool stats DIR...`` merges the files of every node.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import logging
 import os
 import sys
 import time
@@ -24,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardtool.format.sizes import format_size
 from shardtool.loader import ShardedLoader  # changed line 1 of 2
 
 
@@ -76,6 +83,10 @@ def parse_args(argv=None):
     p.add_argument("--log-dir", default=None, help="write per-rank JSONL logs of sample keys and stats here")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (to simulate a bigger model)")
     p.add_argument("--collective-timeout", type=float, default=120.0, help="seconds before a stuck collective fails")
+    p.add_argument("--metrics-every", type=int, default=50,
+                   help="steps between loader metric lines (JSONL per rank; rank 0 prints one); 0: none")
+    p.add_argument("--metrics-dir", default=None,
+                   help="node-local directory for the metric lines (default: <cache-dir>/metrics/<run> or $TMPDIR)")
     return p.parse_args(argv)
 
 
@@ -89,6 +100,16 @@ def packed_step(model, batch: dict, vocab: int, device) -> torch.Tensor:
     labels = torch.where(labels >= 0, labels % vocab, labels)
     logits = model(tokens, batch["position_ids"].to(device), block_causal_mask(batch).to(device))
     return F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=-100)
+
+
+def metrics_line(rank: int, step: int, m: dict) -> str:
+    """One line of the loader's metrics since the previous line: what a training log shows."""
+    w = m["window"]
+    hit = w["cache"]["hit_rate"]
+    read = ", ".join(f"{t} {format_size(n)}" for t, n in w["bytes_read"].items() if n) or "nothing new"
+    return (f"[rank {rank}] step {step}: data wait {100 * (w['wait_fraction'] or 0):.1f}%, "
+            f"{w['tokens_per_s'] or 0:,.0f} tokens/s, {w['samples_per_s'] or 0:,.0f} samples/s, "
+            f"cache hit {'-' if hit is None else f'{100 * hit:.0f}%'}, read {read}")
 
 
 def save_checkpoint(path: str, payload: dict) -> None:
@@ -115,8 +136,12 @@ def main(argv=None) -> int:
         pack = {}
         if args.batch_size is None and args.max_tokens is None:
             args.max_tokens = 4096
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("shardtool.loader.metrics").setLevel(logging.INFO)  # rank 0's cross-rank summary
     loader = ShardedLoader(args.data, batch_size=args.batch_size, max_tokens=args.max_tokens,  # changed line 2 of 2
-                           seed=args.seed, num_workers=args.num_workers, cache_dir=args.cache_dir, **pack)
+                           seed=args.seed, num_workers=args.num_workers, cache_dir=args.cache_dir,
+                           metrics_every=args.metrics_every, metrics_dir=args.metrics_dir, metrics_reduce=distributed,
+                           **pack)
     field = args.field or loader.length_field
 
     model = TinyLM(args.vocab, max_len=max(args.seq_len, 1)).to(device)
@@ -159,6 +184,8 @@ def main(argv=None) -> int:
                 log.write(json.dumps({"epoch": epoch, "step": step, "loss": round(loss.item(), 4),
                                       "keys": list(batch["__key__"])}) + "\n")
                 log.flush()
+            if args.metrics_every and step % args.metrics_every == 0 and rank == 0:
+                print(metrics_line(rank, step, loader.metrics()), flush=True)
             if ckpt_path and step % args.ckpt_every == 0:
                 if rank == 0:
                     os.makedirs(args.ckpt_dir, exist_ok=True)
@@ -174,8 +201,8 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - t0
     summary = {"rank": rank, "steps": step, "epochs_done": epoch, "seconds": round(elapsed, 3),
                "batches_per_epoch": len(loader)}
-    if hasattr(loader, "stats"):
-        summary["loader"] = loader.stats()
+    summary["loader"] = loader.metrics()["cumulative"]
+    summary["metrics_file"] = loader.metrics_path
     print(json.dumps(summary), flush=True)
     if args.log_dir:
         with open(os.path.join(args.log_dir, f"summary.rank{rank}.json"), "w") as f:

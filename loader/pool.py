@@ -47,7 +47,8 @@ class WorkerPool:
     """Iterator over ``load(b, alloc)`` for b in ``range(start, n)``, computed by worker processes."""
 
     def __init__(self, load: Callable[[int, Callable], Any], start: int, n: int, *, num_workers: int,
-                 prefetch_factor: int, timeout: float, pin: bool = False):
+                 prefetch_factor: int, timeout: float, pin: bool = False,
+                 worker_init: Callable[[int], None] | None = None):
         self.start, self.n, self.next_b = start, n, start
         self.workers, self.depth = num_workers, prefetch_factor
         self.timeout, self.pin = timeout, pin
@@ -60,7 +61,8 @@ class WorkerPool:
         for w in range(num_workers):
             mine, theirs = ctx.Pipe(duplex=True)
             self.conns.append(mine)
-            p = ctx.Process(target=_worker_main, args=(load, theirs, self.slots[w], parent, list(self.conns)),
+            p = ctx.Process(target=_worker_main, args=(load, theirs, self.slots[w], parent, list(self.conns),
+                                                       worker_init, w),
                             name=f"shardtool-loader-{w}", daemon=True)
             p.start()
             theirs.close()
@@ -162,7 +164,8 @@ def _shutdown(procs: list, conns: list, slots: list) -> None:
 
 
 # ---------------------------------------------------------------------- worker process
-def _worker_main(load: Callable, conn, slots: list[Slot], parent: int, parent_ends: list) -> None:
+def _worker_main(load: Callable, conn, slots: list[Slot], parent: int, parent_ends: list,
+                 worker_init: Callable[[int], None] | None = None, w: int = 0) -> None:
     for c in parent_ends:  # so that our pipe (and our siblings') sees EOF when the trainer dies
         c.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
@@ -173,6 +176,8 @@ def _worker_main(load: Callable, conn, slots: list[Slot], parent: int, parent_en
     # the child inherits without its threads; with one intra-op thread ATen runs ops inline and
     # MKL/oneDNN stay serial, so a transform's torch ops never wait on that pool (test_loader_fork_omp).
     torch.set_num_threads(1)
+    if worker_init is not None:
+        worker_init(w)
     while True:
         try:
             while not conn.poll(POLL_PARENT_S):

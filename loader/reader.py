@@ -19,6 +19,7 @@ from ..format import FormatError
 
 from .collate import KEY, PACK_MIN_BYTES, Alloc, PackedBytes, collate_samples
 from ..plan.ranges import locate_ids
+from .probe import REMOTE, Probe
 from .shardview import ShardView
 from .source import Source, SourceSpec
 
@@ -34,6 +35,9 @@ class BatchReader:
         self._source: Source | None = None
         self._views: OrderedDict[int, ShardView] = OrderedDict()
         self._scratch_buf: np.ndarray | None = None
+        self.probe: Probe | None = None  # counters and what is being read (loader/probe.py)
+        self._remote_seen: set[int] = set()
+        self._last_remote_batch: tuple | None = None
 
     # ------------------------------------------------------------------ per-process state
     @property
@@ -41,12 +45,14 @@ class BatchReader:
         # A forked worker must not share the parent's maps or remote sessions: reopen.
         if self._pid != os.getpid():
             self._views = OrderedDict()
+            self._remote_seen = set()
             self._source = self.spec.open()
             self._pid = os.getpid()
             m = self._source.dataset.manifest
             self.offsets = m.shard_offsets()
             self.pad_field = m.length.get("field")
             self.tar = m.shard_format == "tar"
+            self.tier = self._source.tier
         return self._source
 
     def _view(self, shard: int) -> ShardView:
@@ -56,6 +62,7 @@ class BatchReader:
             return v
         src = self.source
         ds = src.dataset
+        token = self.probe.opening(shard, src) if self.probe is not None else None
         index = ds.shard_index(shard)
         mapped = src.map_shard(shard)
         try:
@@ -64,6 +71,8 @@ class BatchReader:
         except BaseException:
             mapped.close()
             raise
+        if token is not None:
+            self.probe.opened(token, src)
         self._views[shard] = v
         while len(self._views) > self.max_open:
             _, old = self._views.popitem(last=False)
@@ -90,11 +99,50 @@ class BatchReader:
         shard, local = self.locate(ids)
         if not self.source.local:
             ds = self.source.dataset
+            if self.probe is not None:
+                return [self._remote_sample(ds, s, i) for s, i in zip(shard.tolist(), local.tolist())]
             return [ds.read(int(s), int(i)) for s, i in zip(shard.tolist(), local.tolist())]
+        if self.probe is not None:
+            self._count(self._groups(shard, local))
+        return self._local_samples(shard, local)
+
+    def _local_samples(self, shard: np.ndarray, local: np.ndarray) -> list[dict[str, Any]]:
         return [self._view(s).sample(i) for s, i in zip(shard.tolist(), local.tolist())]
 
+    def _remote_sample(self, ds, s: int, i: int) -> dict[str, Any]:
+        """One ranged read, announced and counted: a shard's first read in this process is its open."""
+        token = self.probe.opening(s, self.source) if s not in self._remote_seen else None
+        idx = ds.shard_index(s)
+        off, size = int(idx.offsets[i]), int(idx.sizes[i])
+        self.probe.at(s, off, size, REMOTE)
+        out = ds.read(s, i)
+        self.probe.done_reading()
+        if token is not None:
+            self._remote_seen.add(s)
+            self.probe.opened(token, self.source)
+        # An Arrow record batch holds many samples and is fetched once per run of its rows.
+        if self.tar or (s, int(idx.batch[i])) != self._last_remote_batch:
+            self.probe.read(REMOTE, size)
+        if not self.tar:
+            self._last_remote_batch = (s, int(idx.batch[i]))
+        return out
+
+    def _count(self, groups) -> None:
+        """Payload bytes of a batch's samples (every field), from the views."""
+        if groups:
+            parts = [v.sample_bytes[li] for v, _, li in groups]
+            self.probe.read(self.tier, int((parts[0] if len(parts) == 1 else np.concatenate(parts)).sum()))
+
     def index_lengths(self, ids: np.ndarray) -> np.ndarray:
-        return self.source.dataset.lengths[np.asarray(ids, dtype=np.int64)]
+        """The lengths the sample indexes record for ``ids`` (the shards read anyway; never the
+        dataset's whole lengths array)."""
+        shard, local = self.locate(ids)
+        out = np.empty(len(shard), dtype=np.int64)
+        ds = self.source.dataset
+        for s in np.unique(shard).tolist():
+            mask = shard == s
+            out[mask] = ds.shard_index(s).lengths[local[mask]]
+        return out
 
     def collate(self, samples: list[Any], ids: np.ndarray, *, pad_id: int,
                 alloc: Alloc | None = None) -> dict[str, Any]:
@@ -115,18 +163,24 @@ class BatchReader:
         fields = self.source.dataset.manifest.fields
         pad_col = groups[0][0].pad_col if groups else None
         if pad_col is not None and any(v.tok_view is None for v, _, _ in groups):
-            return self.collate(self.read_samples(ids), ids, pad_id=self.pad_id, alloc=alloc)
+            if self.probe is not None:
+                self._count(groups)
+            return self.collate(self._local_samples(shard, local), ids, pad_id=self.pad_id, alloc=alloc)
         b = len(ids)
         keys = np.empty(b, dtype=object)
         for v, rows, li in groups:
             keys[rows] = v.keys[li]
         out: dict[str, Any] = {KEY: keys.tolist()}
         if pad_col is not None:
-            tokens = self._gather_tokens(groups, b, alloc)
+            tokens = self._gather_tokens(groups, b, alloc)  # counts the batch's bytes
             if tokens is None:
-                return self.collate(self.read_samples(ids), ids, pad_id=self.pad_id, alloc=alloc)
+                if self.probe is not None:
+                    self._count(groups)
+                return self.collate(self._local_samples(shard, local), ids, pad_id=self.pad_id, alloc=alloc)
             out[fields[pad_col].name], out["lengths"] = tokens
         else:
+            if self.probe is not None:
+                self._count(groups)
             out["lengths"] = torch.from_numpy(self.index_lengths(ids))  # Dataset.shard_index checked: = the index's
         for j, spec in enumerate(fields):
             if j == pad_col:
@@ -171,13 +225,13 @@ class BatchReader:
             out[rows] = values
         return keys.tolist(), bufs, *by_id, groups[0][0].tok_view.dtype
 
-    @staticmethod
-    def _token_pieces(groups) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list] | None:
+    def _token_pieces(self, groups) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list] | None:
         """(rows of the batch, buffer index, first element, element count, buffers) of every
         sample of ``groups``; None when some payload is not a plain array."""
         # Per-shard pieces are concatenated once, so the per-batch numpy work does not grow with
         # the number of shards a batch spans (a shuffled batch touches most of a node's shards).
         rows_l, first_l, n_l, bufs = [], [], [], []
+        other = 0  # bytes besides the tokens, where constant per sample (else None)
         for v, rows, li in groups:
             r = v.token_ranges(li)
             if r is None:
@@ -186,9 +240,21 @@ class BatchReader:
             first_l.append(r[0])
             n_l.append(r[1])
             bufs.append(v.tok_bytes)
+            if other is not None:
+                other = None if v.bytes_besides_tokens is None else other + len(li) * v.bytes_besides_tokens
         rows = np.concatenate(rows_l) if rows_l else np.zeros(0, np.int64)
         first = np.concatenate(first_l) if first_l else np.zeros(0, np.int64)
         n = np.concatenate(n_l) if n_l else np.zeros(0, np.int64)
+        probe = self.probe
+        if probe is not None:
+            if other is None:
+                self._count(groups)
+            else:  # queued, added up by the probe: no Python call per batch (Probe.flush)
+                probe.counts.append(n)
+                probe.counts_other += other
+                probe.counts_item, probe.counts_tier = groups[0][0].tok_view.itemsize, self.tier
+                if len(probe.counts) >= 64:  # num_workers=0 flushes at metrics() and pass end
+                    probe.flush()
         which = np.repeat(np.arange(len(bufs)), [len(x) for x in rows_l]) if bufs else np.zeros(0, np.int64)
         return rows, which, first, n, bufs
 

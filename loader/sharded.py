@@ -15,6 +15,7 @@ from ..plan.env import rank_placement
 from ..plan.state import LoaderState, check_compatible
 from .collate import unpack_batch
 from .pool import WorkerFailed
+from .observe import Observer
 from .reader import BatchReader, describe_ids
 from .source import SourceSpec
 from .workers import PlanBatches, make_dataloader
@@ -59,6 +60,16 @@ class ShardedLoader:
     moves to the next epoch by itself, and its state says so: resume with
     ``start_epoch = loader.epoch``. After ``load_state_dict`` and before the loader is iterated,
     ``set_epoch`` to an epoch before the loaded one is refused (it would replay that epoch).
+
+    Observability: ``metrics()`` returns this rank's counters (see there). Every
+    ``metrics_every`` steps (0: never) the rank appends one JSON line to a node-local file in
+    ``metrics_dir`` (default: ``<cache_dir>/metrics/<run>``, else ``$TMPDIR/shardtool-metrics/<run>``);
+    ``shardtool stats`` merges those files. ``metrics_reduce=True`` adds an all-gather across
+    ranks at those steps; rank 0 logs min/median/max wait and throughput and the slowest rank.
+    A batch not delivered within ``stall_timeout`` seconds (None: no watchdog; independent of
+    the workers' ``timeout``) raises `LoaderError` naming the shard, byte offset and tier being
+    read, after dumping the stacks of the trainer and every worker next to the metric lines.
+    ``metrics=False`` keeps no counters at all (the watchdog still fires, without read details).
     """
 
     def __init__(self, url: str, *, batch_size: int | None = None, max_tokens: int | None = None,
@@ -69,7 +80,9 @@ class ShardedLoader:
                  max_docs_per_row: int | None = None, num_workers: int = 2, prefetch_factor: int = 2,
                  pin_memory: bool | None = None, cache_dir: str | None = None,
                  transform: Callable | None = None, collate_fn: Callable | None = None, pad_id: int = 0,
-                 storage_options: dict | None = None, timeout: float = 300.0, window: int | None = None):
+                 storage_options: dict | None = None, timeout: float = 300.0, window: int | None = None,
+                 metrics: bool = True, metrics_every: int | None = 100, metrics_dir: str | None = None,
+                 metrics_reduce: bool = False, stall_timeout: float | None = 300.0):
         import torch
 
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -109,6 +122,10 @@ class ShardedLoader:
         self._pass_start = 0
         self._checked_epoch: int | None = None
         self._loaded_epoch: int | None = None  # a loaded state's epoch, until the loader is iterated
+        self._obs = Observer(self.reader, self.placement, num_workers=num_workers, prefetch_factor=prefetch_factor,
+                             metrics=metrics, metrics_every=metrics_every, metrics_dir=metrics_dir,
+                             metrics_reduce=metrics_reduce, cache_dir=cache_dir, stall_timeout=stall_timeout,
+                             source_name=url)
 
     # ------------------------------------------------------------------ epoch and plan
     @property
@@ -218,18 +235,24 @@ class ShardedLoader:
             packed = PackedReader(self.reader, self.packing, name="input_ids", pad_id=self.pad_id,
                                   rows_per_batch=self.batching.batch_size)
         batches = PlanBatches(self.reader, plan.ids, plan.offsets, where=where, transform=self.transform,
-                              collate_fn=self.collate_fn, pad_id=self.pad_id, packed=packed,
-                              packed_rows=plan.batch_rows if packed is not None else None)
+                              collate_fn=self.collate_fn, pad_id=self.pad_id, lengths=plan.lengths, packed=packed,
+                              packed_rows=plan.batch_rows if packed is not None else None,
+                              packed_stats=plan.packed_stats(self.batching.batch_size) if packed is not None else None)
         return self._run(batches, start, n, where)
 
     def _run(self, batches: PlanBatches, start: int, n: int, where: str) -> Iterator[Any]:
-        dl = make_dataloader(batches, start, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
-                             pin_memory=self.pin_memory, timeout=self.timeout)
+        watch = self._obs.begin_pass(batches, start, n, where, self._epoch)  # before the workers fork
+        try:
+            dl = make_dataloader(batches, start, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
+                                 pin_memory=self.pin_memory, timeout=self.timeout, worker_init=self._obs.worker_init)
+        except BaseException:
+            self._obs.end_pass(complete=False)
+            raise
         it = iter(dl)
         try:
             for b in range(start, n):
                 try:
-                    batch = next(it)
+                    batch = watch.next(it, b)
                 except StopIteration:
                     raise LoaderError(f"{where}: the reader stopped after {b} of {n} batches") from None
                 except WorkerFailed as e:
@@ -244,6 +267,7 @@ class ShardedLoader:
                 yield unpack_batch(batch)
         finally:
             it.close()  # the worker pool, or the in-process generator
+            self._obs.end_pass(complete=self._served >= n)
         self._start_epoch(self._epoch + 1)
 
     def _check_ranks_agree(self, plan: RankPlan) -> None:
@@ -274,7 +298,35 @@ class ShardedLoader:
                 "Every rank must open the same dataset version with the same batching and state."
             )
 
+    # ------------------------------------------------------------------ observability
+    def metrics(self) -> dict[str, Any]:
+        """This rank's loader metrics as a plain dict, cheap enough to call every step.
+
+        ``cumulative``: since the first batch was asked for; ``window``: since the previous call.
+        Each has the time the training loop waited in ``next()`` (``wait_s``, ``wait_fraction``),
+        the time workers spent producing batches, samples/tokens per second and padding
+        efficiency (tokens from the index lengths), bytes read per tier (node ``cache``, ``local``
+        files read in place, ``remote``: ranged reads plus whole shards fetched on a cache miss),
+        cache hits/misses/fetched bytes, shard opens with p50/p99 open latency, tokens per source,
+        and worker starts/restarts. ``cache_behind_shards``: shards of the next batches that are
+        neither cached nor being fetched, at the last check. Workers read ahead and publish their
+        byte counts every few batches, so their counters may lead or trail the batches handed over
+        by a few; at the end of a pass they are exact.
+        """
+        return self._obs.metrics(self._epoch, self._served)
+
+    @property
+    def metrics_path(self) -> str:
+        """This rank's JSONL file of metric lines (one per ``metrics_every`` steps; node-local by default)."""
+        return self._obs.file.path
+
+    @property
+    def rank_summary(self) -> dict | None:
+        """The last cross-rank summary (``metrics_reduce=True``): min/median/max, the slowest rank."""
+        return self._obs.rank_summary
+
     def close(self) -> None:
+        self._obs.close()
         self.reader.close()
 
 

@@ -68,11 +68,15 @@ class ShardView:
         self.u8 = np.frombuffer(buf, dtype=np.uint8)
         self.decoders = [decoder(f, tar, allow_pickle, f"shard {self.name}") for f in fields]
         self.tok_view = self.tok_bytes = None
+        self._tok_ranges = self.bytes_besides_tokens = None
         self.pad_col = next((j for j, f in enumerate(fields) if f.name == pad_field), None)
         self._batches = None
         if compressed and not tar:
             self._batches = _CompressedBatches(buf, index, fields, self.name)
             self.bytes_fields = [False] * nf  # no slices of the map to hand out
+            # A read touches its record batch: each sample's share of its batch's stored bytes.
+            _, where, rows = np.unique(index.batch, return_inverse=True, return_counts=True)
+            self.sample_bytes = index.sizes.astype(np.int64) // rows[where.reshape(-1)]
             return
         if tar:
             self.starts = index.offsets.astype(np.int64)[:, None] + index.field_offsets.astype(np.int64)
@@ -81,6 +85,7 @@ class ShardView:
             self.starts, self.sizes = _arrow_ranges(buf, mapped.size, index, fields, self.name)
         if n and int((self.starts + self.sizes).max(initial=0)) > mapped.size:
             raise FormatError(f"shard {self.name}: sample index points past the end of the shard")
+        self.sample_bytes = self.sizes.sum(axis=1)  # payload bytes per sample: what a read touches
         self.bytes_fields = [yields_bytes(f, tar) for f in fields]
         if self.pad_col is not None and is_int_array(fields[self.pad_col]):
             self._fast_tokens(fields[self.pad_col], tar)
@@ -92,6 +97,13 @@ class ShardView:
                                       count=self.mapped.size // np.dtype(spec.dtype).itemsize)
         self.tok_bytes = memoryview(self.mapped.buffer()).cast("B")  # rows are copied as raw bytes
         self._tok_ranges = self._parse(self.starts[:, self.pad_col], self.sizes[:, self.pad_col], npy=tar)
+        # When every sample has the same bytes besides its tokens (a token-only shard: the npy
+        # header), a batch's payload bytes follow from its token counts, with no gather of its own.
+        self.bytes_besides_tokens = None
+        if self._tok_ranges is not None and len(self.sample_bytes):
+            other = self.sample_bytes - self._tok_ranges[1] * self.tok_view.itemsize
+            if (other == other[0]).all():
+                self.bytes_besides_tokens = int(other[0])
 
     def token_ranges(self, li: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """(first element, element count) of the length field's payload for samples ``li``;

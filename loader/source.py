@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from ..format import Dataset, FormatError, open_dataset
 from ..format.dataset import is_local
 
+from .probe import CACHE, LOCAL, REMOTE
+
 
 @dataclass(frozen=True)
 class SourceSpec:
@@ -86,6 +88,28 @@ class Source:
     def local(self) -> bool:
         """Shards are local files (cache or local dataset): read by memory map."""
         return self._cache is not None or is_local(self.dataset.fs)
+
+    @property
+    def tier(self) -> int:
+        """Where shard bytes come from: the node cache, a local path in place, or a remote store."""
+        return CACHE if self._cache is not None else LOCAL if self.local else REMOTE
+
+    @property
+    def fetched_bytes(self) -> int:
+        """Shard bytes this process fetched into the cache on a miss so far (0 without a cache)."""
+        return self._cache.fetched_bytes if self._cache is not None else 0
+
+    def is_cached(self, shard: int) -> bool | None:
+        """Whether the node cache holds a verified copy of ``shard``; None without a cache."""
+        return None if self._cache is None else self._cache.is_cached(shard)
+
+    def being_fetched(self, shard: int) -> bool:
+        """Someone (a warm, another rank's fetch-on-miss) holds the shard's fetch lock right now."""
+        if self._cache is None:
+            return False
+        from ..cache.locks import held_exclusively
+
+        return held_exclusively(self._cache.vdir.lock_path(shard))
 
     def map_shard(self, shard: int) -> MappedFile:
         """Memory-map one shard; with a cache, fetch it on a miss and pin it while mapped."""

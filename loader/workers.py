@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from ..format.errors import add_note
+from ..format.errors import FormatError, add_note
 from .collate import Alloc
 from .pool import WorkerPool
 from .reader import BatchReader, describe_ids
@@ -24,7 +24,8 @@ class PlanBatches:
 
     def __init__(self, reader: BatchReader, ids: np.ndarray, offsets: np.ndarray, *, where: str,
                  transform: Callable | None = None, collate_fn: Callable | None = None, pad_id: int = 0,
-                 packed: Any = None, packed_rows: Callable | None = None):
+                 lengths: np.ndarray | None = None, packed: Any = None, packed_rows: Callable | None = None,
+                 packed_stats: tuple | None = None):
         self.reader = reader
         self.ids = ids
         self.offsets = offsets
@@ -32,10 +33,25 @@ class PlanBatches:
         self.transform = transform
         self.collate_fn = collate_fn
         self.pad_id = pad_id
-        self.packed, self.packed_rows = packed, packed_rows
+        self.lengths = lengths  # of ``ids``, from the plan (never the dataset's whole lengths array)
+        self.packed, self.packed_rows, self.packed_stats = packed, packed_rows, packed_stats
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
+
+    def stats(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per batch: samples (packed: document pieces), real tokens, padded tokens."""
+        if self.packed_stats is not None:
+            return self.packed_stats
+        rel = np.asarray(self.offsets, dtype=np.int64) - int(self.offsets[0])
+        lens = np.asarray(self.lengths[int(self.offsets[0]) : int(self.offsets[-1])], dtype=np.int64)
+        samples = np.diff(rel)
+        cum = np.concatenate([[0], np.cumsum(lens)])
+        longest = np.zeros(len(samples), dtype=np.int64)
+        full = samples > 0
+        if full.any():
+            longest[full] = np.maximum.reduceat(np.maximum(lens, 1), rel[:-1][full])
+        return samples, cum[rel[1:]] - cum[rel[:-1]], samples * longest
 
     def batch_ids(self, b: int) -> np.ndarray:
         return self.ids[self.offsets[b] : self.offsets[b + 1]]
@@ -48,7 +64,9 @@ class PlanBatches:
                 return self.packed.read(self.packed_rows(b), alloc)
             if self.transform is None and self.collate_fn is None:
                 # Only a worker's output crosses a process boundary: pack bytes there only.
-                return self.reader.read_batch(ids, pack=alloc is not None, alloc=alloc)
+                batch = self.reader.read_batch(ids, pack=alloc is not None, alloc=alloc)
+                self._check_lengths(b, ids, batch["lengths"])
+                return batch
             samples = self.reader.read_samples(ids)
             if self.transform is not None:
                 samples = [self._transform(s, g) for s, g in zip(samples, ids.tolist())]
@@ -59,6 +77,31 @@ class PlanBatches:
             add_note(e, f"while loading batch {b} of {self.where}: {describe_ids(self.reader, ids)}")
             raise
 
+    def load_in_worker(self, b: int, alloc: Alloc | None = None) -> Any:
+        """`load`, marked and timed in the worker's probe row (the trainer times its own batches:
+        with num_workers=0 they are produced inside its next())."""
+        probe = self.reader.probe
+        began = probe.batch_begin(b)
+        try:
+            out = self.load(b, alloc)
+        except BaseException:
+            probe.batch_failed()
+            raise
+        probe.batch_end(began, last=b + probe.stride >= len(self))
+        return out
+
+    def _check_lengths(self, b: int, ids: np.ndarray, got) -> None:
+        """What was read has the lengths the plan bucketed by (the lengths file): a dataset whose
+        lengths file and data disagree would break the token budget, so it is an error."""
+        if self.lengths is None:
+            return
+        want = self.lengths[self.offsets[b] : self.offsets[b + 1]]
+        got = got.numpy() if hasattr(got, "numpy") else np.asarray(got)
+        if not np.array_equal(got, want):
+            k = int(np.flatnonzero(got != want)[0])
+            raise FormatError(f"{self.reader.where(int(ids[k]))}: its data has length {int(got[k])}, the dataset's "
+                              f"lengths file says {int(want[k])} (the plan was made from it); run shardtool verify")
+
     def _transform(self, sample: dict, gid: int) -> Any:
         try:
             return self.transform(sample)
@@ -68,13 +111,14 @@ class PlanBatches:
 
 
 def make_dataloader(dataset: PlanBatches, start: int, *, num_workers: int, prefetch_factor: int,
-                    pin_memory: bool, timeout: float) -> Iterator[Any]:
+                    pin_memory: bool, timeout: float, worker_init: Callable[[int], None] | None = None) -> Iterator[Any]:
     """Batches ``start .. len(dataset)-1`` in order (the name predates our own worker pool)."""
     pin = bool(pin_memory) and torch.cuda.is_available()
     if num_workers == 0:
         return _in_process(dataset, start, pin)
-    return WorkerPool(dataset.load, start, len(dataset), num_workers=num_workers, prefetch_factor=prefetch_factor,
-                      timeout=timeout, pin=pin)
+    load = dataset.load if dataset.reader.probe is None else dataset.load_in_worker
+    return WorkerPool(load, start, len(dataset), num_workers=num_workers, prefetch_factor=prefetch_factor,
+                      timeout=timeout, pin=pin, worker_init=worker_init)
 
 
 def _in_process(dataset: PlanBatches, start: int, pin: bool) -> Iterator[Any]:

@@ -10,7 +10,9 @@ open, a cat, each read call of an open file — like one ranged GET each):
 - ``missing``: [substring, ...] — matching paths raise FileNotFoundError (a 404);
 - ``stall``: {substring: [seconds, k]} — the first k reads on a matching path sleep ``seconds`` first;
 - ``short``: {substring: k} — the first k opens of a matching path end early (half the file);
-- ``refuse``: True — every request raises ConnectionRefusedError (the source is down).
+- ``refuse``: True — every request raises ConnectionRefusedError (the source is down);
+- ``hang``: [substring, ...] — requests on matching paths never return (a server that accepted
+  the connection and went silent); only a signal whose handler raises ends the wait.
 
 Fault counters live on the instance (``cachable = False``), so each ``url_to_fs`` starts fresh;
 ``fs.requests`` counts requests per path for assertions ("one try, no retry storm").
@@ -31,7 +33,7 @@ class FaultyFileSystem(AbstractFileSystem):
 
     def __init__(self, target_protocol: str = "file", target_options: dict | None = None, *, latency: float = 0.0,
                  transient: dict | None = None, missing=(), stall: dict | None = None, short: dict | None = None,
-                 refuse: bool = False, **kw):
+                 refuse: bool = False, hang=(), **kw):
         super().__init__(**kw)
         self.fs = fsspec.filesystem(target_protocol, **(target_options or {}))
         self.latency = latency
@@ -40,6 +42,7 @@ class FaultyFileSystem(AbstractFileSystem):
         self.stall = {k: tuple(v) for k, v in (stall or {}).items()}
         self.short = dict(short or {})
         self.refuse = refuse
+        self.hang = list(hang)
         self.requests: collections.Counter = collections.Counter()
         self._used: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
@@ -62,6 +65,8 @@ class FaultyFileSystem(AbstractFileSystem):
             time.sleep(self.latency)
         if self.refuse:
             raise ConnectionRefusedError(f"faultfs: connection refused for {path}")
+        while any(h in path for h in self.hang):
+            time.sleep(3600)
         if any(m in path for m in self.missing):
             raise FileNotFoundError(f"faultfs: {path} not found (404)")
         if self._take(self.transient, path) is not None:

@@ -30,6 +30,16 @@ def test_bench_generates_compares_and_writes_json_and_plot(tmp_path):
         assert not r["errors"] and r["batches_per_rank"] == [10, 10]
         assert r["samples_per_s"] > 0 and 0.0 <= r["wait_fraction"] <= 1.0
     assert rows[("shardtool", 0)]["padding_efficiency"] > 0.9
+    for w in (0, 1):  # shardtool's numbers are the loader's own metrics, carried whole in the JSON
+        r = rows[("shardtool", w)]
+        per_rank = r["loader_per_rank"]
+        assert [m["rank"] for m in per_rank] == [0, 1]
+        assert all(m["window"]["batches"] == 9 for m in per_rank)  # after the first batch, as the harness times
+        wait = [m["window"]["wait_s"] / m["window"]["seconds"] for m in per_rank]
+        assert r["wait_fraction"] == pytest.approx(sum(wait) / 2)
+        assert r["loader"]["bytes_read"]["local"] > 0 and r["read_mb_per_s"] > 0
+        assert r["loader"]["worker_restarts"] == 0
+    assert rows[("webdataset", 1)]["loader"] is None
     assert {x["num_workers"] for x in report["ratios"]} == {0, 1}
     assert "shardtool / webdataset samples/s at num_workers=0" in cp.stdout
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -57,3 +57,7 @@ def test_quickstart_main_job_end_to_end(tmp_path):
     readers = {r["reader"] for r in bench["rows"]}
     assert readers == {"shardtool", "webdataset"} and not any(r["errors"] for r in bench["rows"])
     assert (work / "dataset" / "index.json").exists()  # moved back after training from the caches
+    stats = out.split("== 6. loader metrics")[1]
+    assert "4 rank(s) on 2 node(s)" in stats and "slowest ranks" in stats, stats
+    assert "data wait" in out  # train_ddp.py's metric line on rank 0
+    assert (work / "loader-stats.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

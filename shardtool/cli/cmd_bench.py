@@ -10,7 +10,10 @@ DESCRIPTION = """\
 Runs G loader ranks on this node as real processes (as torchrun would), each with its own
 workers, consuming batches like a training loop with a simulated step time, and reports per
 node: samples/s, tokens/s, MB/s, time to first batch, padding efficiency, peak RSS, and the
-data-wait fraction (share of steady-state time spent waiting for the next batch).
+data-wait fraction (share of steady-state time spent waiting for the next batch). For shardtool
+these come from the loader's own metrics (loader.metrics(), the window after the first batch),
+with bytes read from storage (read_mb_per_s), cache hit rate and shard-open p99; the JSON
+carries each rank's full metrics under "loader_per_rank". Peers are timed by the harness.
 
   shardtool bench DATASET --ranks 2 --workers 0,2 --compare webdataset
   shardtool bench --generate 20000 --json out.json --plot out.png

@@ -8,6 +8,8 @@ import sys
 import tempfile
 import time
 
+from ..format.sizes import format_size
+
 HELP = "show the loading plan of a layout: batches per rank, padding, remainder, bytes per node, planning cost"
 DESCRIPTION = """\
 Plan one epoch of a dataset for a layout from its metadata only (no shard is opened): the
@@ -78,14 +80,6 @@ def peak_rss_mb() -> float:
             return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
     except (OSError, StopIteration):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _layouts(args):
@@ -290,5 +284,5 @@ def _print(report: dict, data) -> None:
             f"{report['peak_rss_mb']:.0f} MB (a training rank plans only its own: --rank R)\n")
     s = report["shards_per_node"]
     out(f"shards/node   {s['min']}..{s['max']}\n")
-    out(f"bytes/node    min {_human(b['min'])}  mean {_human(b['mean'])}  max {_human(b['max'])} "
+    out(f"bytes/node    min {format_size(b['min'])}  mean {format_size(b['mean'])}  max {format_size(b['max'])} "
         f"(max/mean {report['bytes_per_node_max_over_mean']:.3f}; whole shards to cache)\n")

@@ -283,7 +283,12 @@ class Dataset:
     def shard_counts(self) -> np.ndarray:
         return np.diff(self._offsets)
 
-    def shard_lengths(self, shard: int) -> np.ndarray:
+    def shard_lengths(self, shard: int) -> np.ndarray | None:
+        """The lengths file's lengths of ``shard``'s samples, to check its index against; None
+        for a remote dataset whose lengths are not loaded (one more ranged request per shard
+        index: the loader checks what it reads against its plan's lengths instead)."""
+        if self._lengths is None and not is_local(self.fs):
+            return None
         return self.lengths_range(int(self._offsets[shard]), int(self._offsets[shard + 1]))
 
     def load_index_bytes(self, shard: int) -> bytes:

@@ -9,7 +9,7 @@ import re
 
 from .errors import ShardtoolError
 
-__all__ = ["SizeError", "parse_size"]
+__all__ = ["SizeError", "format_size", "parse_size"]
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*(?:([kmgtp])(i?)b?|b)?\s*", re.IGNORECASE)
 EXAMPLES = "examples: 262144, 500M, 500MB, 1.5G, 10Gi, 10GiB"
@@ -39,3 +39,12 @@ def parse_size(text: str | int | None, *, what: str = "size", positive: bool = F
     if value < 0 or (positive and value == 0):
         raise SizeError(f"{what} {text!r} must be {'positive' if positive else 'zero or more'}")
     return value
+
+
+def format_size(n: float) -> str:
+    """Bytes for people: ``512 B``, ``1.5 KiB``, ``3.2 GiB`` (powers of 1024, up to TiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -44,6 +44,13 @@ class RankPlan:
     def batch_rows(self, i: int) -> Rows:
         return self.rows.slice(int(self.row_offsets[i]), int(self.row_offsets[i + 1]))
 
+    def packed_stats(self, rows_per_batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Packed, per batch: pieces, real tokens, tokens of its rows_per_batch rows."""
+        spans = np.diff(self.rows.row_offsets[self.row_offsets])
+        before = np.concatenate([[0], np.cumsum(self.rows.span_len)])
+        tokens = before[self.rows.row_offsets[self.row_offsets[1:]]] - before[self.rows.row_offsets[self.row_offsets[:-1]]]
+        return spans, tokens, np.full(self.batches_per_rank, rows_per_batch * self.rows.seq_len, np.int64)
+
     @property
     def fill_rate(self) -> float:
         """Packed: real tokens / row tokens over this rank's batches (rows_per_batch rows each)."""

@@ -1,0 +1,172 @@
+"""Merging the metric lines of every rank of a run (the JSONL files each node wrote) into tables.
+
+Pure: files in, dicts out (and a plot); no torch. ``shardtool stats`` prints them.
+A rank's totals come from its last line per process (its cumulative counters); a rank that ran
+in several processes (a restarted or resumed job in the same run) adds them up. Per node, the
+ranks' counters add up. The slowest ranks are those that spent the largest share of their time
+waiting for data: in synchronous training the whole job steps at their pace.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections import defaultdict
+
+# Cumulative counters that add up across processes and ranks (nested: "a.b").
+ADDITIVE = ("seconds", "batches", "samples", "tokens", "padded_tokens", "wait_s", "produce_s",
+            "bytes_read.cache", "bytes_read.local", "bytes_read.remote", "cache.hits", "cache.misses",
+            "cache.fetch_bytes", "shard_opens", "worker_starts", "worker_restarts")
+
+
+class StatsError(ValueError):
+    """No metric lines where the user pointed, or the run asked for is not there."""
+
+
+def metric_files(paths: list[str]) -> list[str]:
+    files = []
+    for p in paths:
+        if os.path.isdir(p):
+            files += glob.glob(os.path.join(p, "**", "*.jsonl"), recursive=True)
+        elif os.path.isfile(p):
+            files.append(p)
+        else:
+            raise StatsError(f"{p}: no such file or directory")
+    return sorted(set(files))
+
+
+def read_lines(files: list[str]) -> tuple[list[dict], int]:
+    """Every metric line of ``files``, and how many lines could not be read (a torn last line)."""
+    lines, bad = [], 0
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for text in f:
+                try:
+                    line = json.loads(text)
+                except ValueError:
+                    bad += 1
+                    continue
+                if isinstance(line, dict) and "cumulative" in line and "rank" in line:
+                    lines.append(line)
+    return lines, bad
+
+
+def runs(lines: list[dict]) -> dict[str, list[dict]]:
+    """Lines per run id, oldest run first."""
+    out: dict[str, list[dict]] = defaultdict(list)
+    for line in lines:
+        out[str(line.get("run", "?"))].append(line)
+    return dict(sorted(out.items(), key=lambda kv: min(x.get("time", 0) for x in kv[1])))
+
+
+def _get(d: dict, key: str) -> float:
+    for part in key.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return float(d or 0)
+
+
+SECONDS = {"seconds", "wait_s", "produce_s"}
+
+
+def _sum(rows: list[dict], key: str, get=lambda row, k: row[k]):
+    total = sum(get(r, key) for r in rows)
+    return float(total) if key in SECONDS else int(total)
+
+
+def _totals(cums: list[dict]) -> dict:
+    t = {k: _sum(cums, k, _get) for k in ADDITIVE}
+    t["wait_fraction"] = t["wait_s"] / t["seconds"] if t["seconds"] else None
+    t["tokens_per_s"] = t["tokens"] / t["seconds"] if t["seconds"] else None
+    t["samples_per_s"] = t["samples"] / t["seconds"] if t["seconds"] else None
+    t["padding_efficiency"] = t["tokens"] / t["padded_tokens"] if t["padded_tokens"] else None
+    opens = t["cache.hits"] + t["cache.misses"]
+    t["cache_hit_rate"] = t["cache.hits"] / opens if opens else None
+    return t
+
+
+def _sessions(lines: list[dict]) -> list[list[dict]]:
+    """One rank's lines per process (pid, start), each in step order, oldest process first."""
+    by: dict[tuple, list[dict]] = defaultdict(list)
+    for line in lines:
+        by[(line.get("start", 0), line.get("pid", 0))].append(line)
+    return [sorted(v, key=lambda x: x.get("step", 0)) for _, v in sorted(by.items())]
+
+
+def summarize(lines: list[dict], top: int = 3) -> dict:
+    """Per rank, per node and the slowest ranks of one run's lines."""
+    per_rank: dict[int, list[dict]] = defaultdict(list)
+    for line in lines:
+        per_rank[int(line["rank"])].append(line)
+    ranks = []
+    for r, rl in sorted(per_rank.items()):
+        sessions = _sessions(rl)
+        last = [s[-1] for s in sessions]
+        row = {"rank": r, "node": last[-1].get("node"), "host": last[-1].get("host"),
+               "steps": sum(int(x.get("step", 0)) for x in last), "processes": len(sessions),
+               **_totals([x["cumulative"] for x in last])}
+        p99 = [x["cumulative"].get("shard_open_p99_s") for x in last]
+        row["shard_open_p99_s"] = max((p for p in p99 if p is not None), default=None)
+        ranks.append(row)
+    nodes = []
+    for node in sorted({r["node"] for r in ranks}, key=lambda n: (n is None, n)):
+        mine = [r for r in ranks if r["node"] == node]
+        t = {k: _sum(mine, k) for k in ADDITIVE}
+        row = {"node": node, "hosts": sorted({str(r["host"]) for r in mine}), "ranks": len(mine), **t,
+               "wait_fraction": t["wait_s"] / t["seconds"] if t["seconds"] else None,
+               "tokens_per_s": sum(r["tokens_per_s"] or 0 for r in mine)}
+        opens = t["cache.hits"] + t["cache.misses"]
+        row["cache_hit_rate"] = t["cache.hits"] / opens if opens else None
+        nodes.append(row)
+    slowest = sorted(ranks, key=lambda r: (-(r["wait_fraction"] or 0), r["tokens_per_s"] or 0))[:top]
+    return {"ranks": ranks, "nodes": nodes,
+            "slowest": [{k: r[k] for k in ("rank", "node", "host", "wait_fraction", "tokens_per_s")} for r in slowest]}
+
+
+def series(lines: list[dict]) -> dict[int, dict[str, list]]:
+    """Per rank: step, wait fraction and tokens/s of every line's window (for plots); the steps
+    of a later process of the same rank continue after the earlier one's."""
+    per_rank: dict[int, list[dict]] = defaultdict(list)
+    for line in lines:
+        per_rank[int(line["rank"])].append(line)
+    out = {}
+    for r, rl in sorted(per_rank.items()):
+        steps, wait, tps, offset = [], [], [], 0
+        for s in _sessions(rl):
+            for x in s:
+                w = x.get("window", {})
+                steps.append(offset + int(x.get("step", 0)))
+                wait.append(w.get("wait_fraction"))
+                tps.append(w.get("tokens_per_s"))
+            offset = steps[-1] if steps else offset
+        out[r] = {"step": steps, "wait_fraction": wait, "tokens_per_s": tps}
+    return out
+
+
+# ---------------------------------------------------------------------- plot
+def plot(run: str, lines: list[dict], path: str, highlight: list[int] = ()) -> None:
+    """Wait fraction and tokens/s per rank over steps, one line per rank, to a PNG."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise StatsError("--plot needs matplotlib: pip install 'shardtool[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = series(lines)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for r, d in data.items():
+        style = {"linewidth": 2.2, "label": f"rank {r}"} if r in highlight else {"linewidth": 0.9, "alpha": 0.7}
+        if len(data) <= 12:
+            style.setdefault("label", f"rank {r}")
+        ax1.plot(d["step"], [100 * (w or 0) for w in d["wait_fraction"]], **style)
+        ax2.plot(d["step"], [t or 0 for t in d["tokens_per_s"]], **style)
+    ax1.set_ylabel("data wait (% of time)")
+    ax2.set_ylabel("tokens/s")
+    ax2.set_xlabel("step")
+    ax1.set_title(f"shardtool loader, run {run}")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
