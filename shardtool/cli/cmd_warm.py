@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-from ._args import size_arg
+from ._args import add_storage_option_argument, size_arg, storage_options_from
 from ._layout import LAYOUT_HELP, add_layout_arguments, data_layout_of, describe_layout, parsed_mesh
 
 HELP = "copy exactly this node's shards (verified, atomic, parallel) into a node-local cache"
@@ -54,27 +53,6 @@ examples:
   shardtool warm ./ds --cache-dir /local/cache --nodes 2 --node-rank 0 --mesh pp=2,dp=2   # PP across nodes
 """.format(layout=LAYOUT_HELP)
 
-def parse_storage_option(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, found {text!r}")
-    try:
-        return key, json.loads(value)
-    except ValueError:
-        return key, value
-
-
-def storage_options_from(args) -> dict | None:
-    opts: dict = {}
-    for k, v in args.storage_option or []:
-        node = opts
-        *parents, leaf = k.split(".")  # client_kwargs.endpoint_url=http://...
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = v
-    return opts or None
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="dataset root: local path, file://, s3://, gs://, http(s)://")
     p.add_argument("--cache-dir", required=True, help="node-local cache directory")
@@ -110,8 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the umask); directories get x wherever it grants r (0644 -> 0755, 0640 -> 0750)")
     a.add_argument("--group", help="group (name or gid) of the files and directories the warm writes, e.g. with "
                                    "--mode 0640 to let only that group's jobs read the cache")
-    p.add_argument("--storage-option", "-o", action="append", type=parse_storage_option, metavar="KEY=VALUE",
-                   help="fsspec storage option (repeatable; dotted keys nest, values parsed as JSON when possible)")
+    add_storage_option_argument(p)
     p.add_argument("--report", metavar="FILE", help="write a JSON report (shards/bytes copied/skipped/failed, seconds, GB/s)")
     p.add_argument("--json", action="store_true", help="print the JSON report on stdout")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
