@@ -10,6 +10,7 @@ MASTER_ADDR, MASTER_PORT and the job's ``env`` set, its output in DIR/rank<r>.lo
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -18,7 +19,7 @@ import time
 import traceback
 from typing import Callable
 
-__all__ = ["free_port", "run_job"]
+__all__ = ["free_port", "run_job", "run_jobs_file"]
 
 
 def free_port() -> int:
@@ -76,3 +77,13 @@ def run_job(job: dict, rank_main: Callable[[list[str]], int]) -> list[list]:
             os.waitpid(pid, 0)
             done[r] = [None, time.monotonic() - began]
     return [done[r] for r in range(world)]
+
+
+def run_jobs_file(path: str, rank_main: Callable[[list[str]], int]) -> int:
+    """Run the jobs listed in the JSON file ``path`` one after another; print one JSON line of
+    results per job: ``{"out": DIR, "ranks": [[returncode, seconds], ...]}``."""
+    with open(path) as f:
+        jobs = json.load(f)
+    for job in jobs:
+        print(json.dumps({"out": job["out"], "ranks": run_job(job, rank_main)}), flush=True)
+    return 0

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from shardtool.loader import ShardedLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from forkranks import run_job  # noqa: E402
+from forkranks import run_jobs_file  # noqa: E402
 
 
 def digest(batch: dict) -> str:
@@ -116,11 +116,7 @@ def main() -> int:
         known, rest = p.parse_known_args()
         os.makedirs(known.out, exist_ok=True)
         return rank_main(["--out", known.out, *rest])
-    with open(sys.argv[1]) as f:
-        jobs = json.load(f)
-    for job in jobs:
-        print(json.dumps({"out": job["out"], "ranks": run_job(job, rank_main)}), flush=True)
-    return 0
+    return run_jobs_file(sys.argv[1], rank_main)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,9 @@ import sys
 import pytest
 
 from cachedata import child_env, make_dataset
+from prolog import prolog_conf, run_prolog
 from shardtool.format import open_dataset
 from shardtool.plan import DataLayout, Layout, Mesh, data_layout, parse_mesh, shards_for_node
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def warm(*args, timeout=120) -> subprocess.CompletedProcess:
@@ -87,19 +86,12 @@ def test_mesh_gives_ranks_per_node_and_bad_layouts_exit_2(src, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_prolog_passes_the_mesh_from_its_config(src, tmp_path):
-    fake_scontrol = tmp_path / "scontrol"
-    fake_scontrol.write_text("#!/bin/bash\n[ \"$1 $2\" = 'show hostnames' ] || exit 1\nprintf 'gpu-a\\ngpu-b\\n'\n")
-    fake_scontrol.chmod(0o755)
-    conf = tmp_path / "warm.conf"
-    conf.write_text(f"SHARDTOOL_PYTHON={sys.executable}\nSCONTROL={fake_scontrol}\nDATASET_URL={src}\n"
-                    f"CACHE_ROOT={tmp_path / 'cache'}\nMESH=pp=2,dp=2\nDP_DIM=dp\nRANKS_PER_NODE=2\n")
+    hosts = ["gpu-a", "gpu-b"]
+    conf = prolog_conf(tmp_path, src, hosts, tmp_path / "cache", MESH="pp=2,dp=2", DP_DIM="dp", RANKS_PER_NODE=2)
     os.makedirs(tmp_path / "cache")
     ds = open_dataset(src)
-    for rank, node in enumerate(["gpu-a", "gpu-b"]):
-        penv = {"SLURM_JOB_ID": "7", "SLURMD_NODENAME": node, "SLURM_JOB_NODELIST": "gpu-[a-b]",
-                "SLURM_JOB_NUM_NODES": "2", "SHARDTOOL_WARM_CONF": str(conf), "PYTHONPATH": REPO}
-        res = subprocess.run(["/bin/bash", os.path.join(REPO, "examples/slurm/prolog.sh")], env=penv,
-                             capture_output=True, text=True, timeout=100)
+    for node in hosts:
+        res = run_prolog(conf, node, job_id="7", nodelist="gpu-[a-b]", num_nodes=2)
         assert res.returncode == 0, res.stderr
         report = json.load(open(tmp_path / "cache" / f"{node}.warm-7.json"))
         assert report["data_layout"]["mesh"] == "pp=2,dp=2" and report["layout"]["ranks_per_node"] == 2

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from shardtool.loader import ShardedLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the launcher
-from forkranks import run_job  # noqa: E402
+from forkranks import run_jobs_file  # noqa: E402
 
 
 def _write(out: str, rank: int, record: dict) -> None:
@@ -134,11 +134,7 @@ def main() -> int:
 
     torch is imported once here and every rank is forked from this process (tests/forkranks.py).
     """
-    with open(sys.argv[1]) as f:
-        jobs = json.load(f)
-    for job in jobs:
-        print(json.dumps({"out": job["out"], "ranks": run_job(job, rank_main)}), flush=True)
-    return 0
+    return run_jobs_file(sys.argv[1], rank_main)
 
 
 if __name__ == "__main__":
