@@ -153,7 +153,8 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
     shards = assigned_shards(summaries, placement, data_layout)
     report.assigned = len(shards)
     report.assigned_bytes = sum(m.shards[i].bytes for i in shards)
-    vd.write_assigned(shards, {**report.layout, "data_layout": report.data_layout} if report.layout else {"all": True})
+    recorded = {**report.layout, "data_layout": report.data_layout} if report.layout else {"all": True}
+    vd.write_assigned(shards, recorded)
 
     failed: dict[int, str] = {}
 
