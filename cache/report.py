@@ -14,6 +14,9 @@ class WarmReport:
     version: str | None = None
     version_dir: str | None = None
     layout: dict | None = None
+    # Who reads what (None with --all): DP size, data groups, this node's groups and DP ranks,
+    # and the mesh they came from; the shards warmed are those groups' ranges.
+    data_layout: dict | None = None
     assigned: int = 0
     assigned_bytes: int = 0
     shards_copied: int = 0
@@ -74,4 +77,32 @@ class WarmReport:
             lay = self.layout
             line += (f"; node {lay['node']} of {lay['num_nodes']}, {lay['ranks_per_node']} rank(s) per node "
                      f"(from {lay['from']})")
+        if self.data_layout is not None:
+            line += "; " + describe_data_layout(self.data_layout)
         return line
+
+
+def data_layout_dict(data, node: int) -> dict:
+    """The report's view of a `shardtool.plan.DataLayout` from node ``node``'s side."""
+    groups = data.groups_on_node(node)
+    dp_ranks = [d for g in groups for d in range(data.first_dp_rank(g), data.first_dp_rank(g) + data.group_sizes[g])]
+    return {"dp_size": data.dp_size, "data_groups": data.num_groups, "node_groups": groups,
+            "node_dp_ranks": dp_ranks, "describe": data.describe(), "mesh": None, "dp_dims": None}
+
+
+def _span(values: list[int]) -> str:
+    if not values:
+        return "none"
+    if values == list(range(values[0], values[-1] + 1)):
+        return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
+    return ",".join(map(str, values))
+
+
+def describe_data_layout(d: dict) -> str:
+    """"2 data-parallel rank(s) in 1 data group(s) of 2 (mesh pp=2,dp=2, DP dim dp); this node
+    reads data group 0 (DP ranks 0-1)"."""
+    where = f" (mesh {d['mesh']}, DP dim {','.join(d['dp_dims'] or ['dp'])})" if d.get("mesh") else ""
+    ranks = d["node_dp_ranks"]
+    groups = d["node_groups"]
+    return (f"{d['describe']}{where}; this node reads data group{'s' if len(groups) != 1 else ''} {_span(groups)} "
+            f"(DP rank{'s' if len(ranks) != 1 else ''} {_span(ranks)})")

@@ -30,7 +30,7 @@ from .evict import choose_fit, effective_limit, plan_eviction
 from .layout import VersionDir, record_source
 from .meta import COPIED, HIT, ensure_index, ensure_lengths, ensure_shard, ensure_summaries, store_manifest
 from .perms import DEFAULT_PERMS, Perms
-from .report import WarmReport
+from .report import WarmReport, data_layout_dict
 from .retry import RetryPolicy
 from .store import Source, local_fault
 
@@ -97,6 +97,9 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
         placement = Placement(Layout(1, 1), 0, source="default: one node")
     report = WarmReport(url=url, cache_dir=os.path.abspath(cache_dir), strict=strict,
                         layout=None if all_shards else placement.to_dict(), durable=must_fsync(durable))
+    if not all_shards:
+        data = data_layout if data_layout is not None else DataLayout.pure_dp(placement.layout)
+        report.data_layout = data_layout_dict(data, placement.node)
     log = log or (lambda msg: print(f"shardtool warm: {msg}", file=sys.stderr))
     try:
         _warm(report, url, cache_dir, placement=None if all_shards else placement, data_layout=data_layout, jobs=jobs, max_bytes=max_bytes,
@@ -150,7 +153,8 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
     shards = assigned_shards(summaries, placement, data_layout)
     report.assigned = len(shards)
     report.assigned_bytes = sum(m.shards[i].bytes for i in shards)
-    vd.write_assigned(shards, report.layout or {"all": True})
+    recorded = {**report.layout, "data_layout": report.data_layout} if report.layout else {"all": True}
+    vd.write_assigned(shards, recorded)
 
     failed: dict[int, str] = {}
 

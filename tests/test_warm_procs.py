@@ -12,6 +12,7 @@ import time
 import pytest
 
 from cachedata import child_env, make_dataset
+from prolog import prolog_conf, run_prolog
 from shardtool.plan import Layout, Placement
 from shardtool.cache import VersionDir, assigned_shards, open_cache
 from shardtool.cache.store import temp_path_for
@@ -154,28 +155,18 @@ def test_usage_errors_exit_2(src, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_prolog_with_a_fake_minimal_environment(src, tmp_path):
-    fake_scontrol = tmp_path / "scontrol"
-    fake_scontrol.write_text("#!/bin/bash\n# fake: expands the node list the way scontrol show hostnames does\n"
-                             "[ \"$1 $2\" = 'show hostnames' ] || exit 1\nprintf 'gpu-a\\ngpu-b\\ngpu-c\\n'\n")
-    fake_scontrol.chmod(0o755)
-    conf = tmp_path / "warm.conf"
-    conf.write_text(f"SHARDTOOL_PYTHON={sys.executable}\nSCONTROL={fake_scontrol}\nDATASET_URL={src}\n"
-                    f"CACHE_ROOT={tmp_path / 'cache'}\nJOBS=4\n")
+    hosts = ["gpu-a", "gpu-b", "gpu-c"]
+    conf = prolog_conf(tmp_path, src, hosts, tmp_path / "cache", JOBS=4)
     os.makedirs(tmp_path / "cache")
     ds = open_dataset(src)
-    for rank, node in enumerate(["gpu-a", "gpu-b", "gpu-c"]):
-        # No PATH, only what a prolog has (plus PYTHONPATH so this checkout's code runs).
-        penv = {"SLURM_JOB_ID": "42", "SLURMD_NODENAME": node, "SLURM_JOB_NODELIST": "gpu-[a-c]",
-                "SLURM_JOB_NUM_NODES": "3", "SHARDTOOL_WARM_CONF": str(conf), "PYTHONPATH": REPO}
-        res = subprocess.run(["/bin/bash", os.path.join(REPO, "examples/slurm/prolog.sh")], env=penv,
-                             capture_output=True, text=True, timeout=100)
+    for rank, node in enumerate(hosts):
+        res = run_prolog(conf, node, job_id="42", nodelist="gpu-[a-c]", num_nodes=3)
         assert res.returncode == 0, res.stderr
         assert f"node {rank} of 3" in res.stderr
         report = json.load(open(tmp_path / "cache" / f"{node}.warm-42.json"))
         assert report["layout"]["node"] == rank and report["layout"]["num_nodes"] == 3
         assert report["assigned"] == len(assigned_shards(ds.summaries, Placement(Layout(3, 1), rank)))
     # a node whose cache root is gone is a local fault: the prolog exits non-zero (drain)
-    conf.write_text(conf.read_text().replace(str(tmp_path / "cache"), str(tmp_path / "nope" / "x")))
-    res = subprocess.run(["/bin/bash", os.path.join(REPO, "examples/slurm/prolog.sh")],
-                         env={**penv, "SLURMD_NODENAME": "gpu-a"}, capture_output=True, text=True, timeout=100)
+    conf = prolog_conf(tmp_path, src, hosts, tmp_path / "nope" / "x", JOBS=4)
+    res = run_prolog(conf, "gpu-a", job_id="42", nodelist="gpu-[a-c]", num_nodes=3)
     assert res.returncode == 3, res.stderr

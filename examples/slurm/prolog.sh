@@ -7,7 +7,8 @@
 #   SLURM_JOB_NODELIST (Slurm 22.05 names it SLURM_NODELIST in a prolog), SLURM_JOB_NUM_NODES
 #                                           set with PrologFlags=Alloc (SLURM_NODEID is NOT set)
 # and on the config file $SHARDTOOL_WARM_CONF (default /etc/slurm/shardtool-warm.conf), which gives
-# absolute paths: SHARDTOOL_PYTHON, SCONTROL, DATASET_URL, CACHE_ROOT (see warm.conf.example).
+# absolute paths: SHARDTOOL_PYTHON, SCONTROL, DATASET_URL, CACHE_ROOT, and optionally the data
+# layout of model-parallel jobs: MESH, DP_DIM, DP_SIZE, RANKS_PER_NODE (see warm.conf.example).
 #
 # Node rank = position of $SLURMD_NODENAME in `scontrol show hostnames $SLURM_JOB_NODELIST`, the
 # same order SLURM gives SLURM_NODEID to the job's tasks.
@@ -50,6 +51,11 @@ ARGS=(-m shardtool warm "$DATASET_URL" --cache-dir "$CACHE_DIR" --nodes "$N" --n
 [ -n "${MAX_BYTES:-}" ] && ARGS+=(--max-bytes "$MAX_BYTES")
 [ -n "${MIN_FREE:-}" ] && ARGS+=(--min-free "$MIN_FREE")
 [ -n "${TIMEOUT:-}" ] && ARGS+=(--timeout "$TIMEOUT")
+# The data layout, as ShardedLoader gets it (empty: pure data parallelism).
+[ -n "${MESH:-}" ] && ARGS+=(--mesh "$MESH")
+[ -n "${DP_DIM:-}" ] && ARGS+=(--dp-dim "$DP_DIM")
+[ -n "${DP_SIZE:-}" ] && ARGS+=(--dp-size "$DP_SIZE")
+[ -n "${RANKS_PER_NODE:-}" ] && ARGS+=(--ranks-per-node "$RANKS_PER_NODE")
 # shellcheck disable=SC2206
 [ -n "${EXTRA_ARGS:-}" ] && ARGS+=($EXTRA_ARGS)
 

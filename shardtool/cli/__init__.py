@@ -12,7 +12,7 @@ import sys
 
 from ..format.errors import ShardtoolError
 
-COMMANDS = ["pack", "merge", "inspect", "verify", "plan", "warm", "cache", "bench", "stats"]
+COMMANDS = ["pack", "merge", "inspect", "verify", "upgrade", "plan", "warm", "cache", "bench", "stats"]
 
 
 def _load(name: str):

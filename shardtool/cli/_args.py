@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from ..format.sizes import SizeError, parse_size
 
@@ -12,3 +13,29 @@ def size_arg(text: str) -> int:
         return parse_size(text)
     except SizeError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_storage_option(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, found {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def storage_options_from(args) -> dict | None:
+    opts: dict = {}
+    for k, v in args.storage_option or []:
+        node = opts
+        *parents, leaf = k.split(".")  # client_kwargs.endpoint_url=http://...
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = v
+    return opts or None
+
+
+def add_storage_option_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage-option", "-o", action="append", type=parse_storage_option, metavar="KEY=VALUE",
+                   help="fsspec storage option (repeatable; dotted keys nest, values parsed as JSON when possible)")

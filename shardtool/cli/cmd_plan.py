@@ -9,6 +9,7 @@ import tempfile
 import time
 
 from ..format.sizes import format_size
+from ._layout import LAYOUT_HELP, add_layout_arguments, data_layout_of, describe_layout
 
 HELP = "show the loading plan of a layout: batches per rank, padding, remainder, bytes per node, planning cost"
 DESCRIPTION = """\
@@ -26,15 +27,13 @@ Layouts far beyond this machine are fine: --simulate-nodes 1024 --ranks-per-node
 Without a dataset, --synthetic N makes up N lognormal lengths (median 350, the benchmarks'
 corpus), shard by shard from per-shard seeds, so N = 1,000,000,000 needs no 8 GB array.
 
-Model parallelism: --dp-size D (the (dp, mp) mesh of DDP+TP), or --mesh "pp=2,dp=4,tp=2" with
---dp-dim dp (several: --dp-dim rep,shard) for who reads what; data groups then follow the nodes
-hosting each DP rank's peers.
+{layout}
 
 examples:
   shardtool plan s3://bucket/ds --nodes 4 --ranks-per-node 8 --max-tokens 65536
   shardtool plan ./ds --simulate-nodes 1024 --ranks-per-node 8 --batch-size 32 --json
   shardtool plan --synthetic 1000000000 --simulate-nodes 1024 --ranks-per-node 8 --max-tokens 65536 --rank 4100
-"""
+""".format(layout=LAYOUT_HELP)
 
 
 def add_arguments(p) -> None:
@@ -44,11 +43,7 @@ def add_arguments(p) -> None:
     where.add_argument("--simulate-nodes", type=int, default=None, metavar="N",
                        help="same as --nodes; says that the layout is only planned, never run")
     p.add_argument("--ranks-per-node", type=int, default=1, metavar="G", help="ranks (GPUs) per node (default 1)")
-    p.add_argument("--dp-size", type=int, default=None, metavar="D",
-                   help="data-parallel size when each DP rank has model-parallel peers (default: every rank)")
-    p.add_argument("--mesh", default=None, metavar="SPEC", help='device mesh, row-major, e.g. "pp=2,dp=4,tp=2"')
-    p.add_argument("--dp-dim", default="dp", metavar="NAMES", help="the mesh's data-parallel dimension(s), "
-                   "comma-separated (default dp)")
+    add_layout_arguments(p)
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--batch-size", type=int, help="samples per batch")
     size.add_argument("--max-tokens", type=int, help="token budget per batch, padding counted")
@@ -82,15 +77,10 @@ def peak_rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _layouts(args):
-    from ..plan import Layout, Placement, data_parallel, parse_mesh
+def _layout(args):
+    from ..plan import Layout
 
-    nodes = args.simulate_nodes or args.nodes or 1
-    layout = Layout(nodes, args.ranks_per_node)
-    mesh = parse_mesh(args.mesh) if args.mesh else None
-    dims = tuple(d.strip() for d in args.dp_dim.split(",") if d.strip())
-    data, _ = data_parallel(Placement(layout, 0, 0), dp_size=args.dp_size, mesh=mesh, dp_dims=dims)
-    return layout, mesh, dims, data
+    return Layout(args.simulate_nodes or args.nodes or 1, args.ranks_per_node)
 
 
 def _batching(args):
@@ -104,7 +94,7 @@ def _batching(args):
 
 def _rank_job(args, summaries_path: str | None, result) -> None:
     """What training rank ``args.rank`` computes at start-up, timed in this (fresh) process."""
-    from ..plan import Batching, Layout, Placement, Planner, data_parallel, parse_mesh
+    from ..plan import Placement, Planner
     from ..plan.synthetic import SyntheticSource
 
     began = time.perf_counter()
@@ -121,11 +111,8 @@ def _rank_job(args, summaries_path: str | None, result) -> None:
 
         source = open_dataset(args.url)
         source.summaries  # noqa: B018 - read, as a rank does at start-up
-    layout = Layout(args.simulate_nodes or args.nodes or 1, args.ranks_per_node)
-    mesh = parse_mesh(args.mesh) if args.mesh else None
-    dims = tuple(d.strip() for d in args.dp_dim.split(",") if d.strip())
-    data, dp_rank = data_parallel(Placement(layout, layout.node_of(args.rank), args.rank), dp_size=args.dp_size,
-                                  mesh=mesh, dp_dims=dims)
+    layout = _layout(args)
+    data, dp_rank = data_layout_of(args, Placement(layout, layout.node_of(args.rank), args.rank))
     batching = _batching(args)
     planner = Planner(source, batching)
     state = planner.start(args.epoch, "plan", data)
@@ -170,14 +157,16 @@ def run(args) -> int:
     import numpy as np
 
     from ..format import ShardtoolError, open_dataset
-    from ..plan import group_cuts, group_shard_pieces
+    from ..plan import Placement, group_cuts, group_shard_pieces
     from ..plan.simulate import simulate_epoch
     from ..plan.synthetic import SyntheticSource
 
     if args.url is None and args.synthetic is None:
         raise ShardtoolError("give a dataset URL or --synthetic N")
     try:
-        layout, mesh, dims, data = _layouts(args)
+        layout = _layout(args)
+        data, _ = data_layout_of(args, Placement(layout, 0))
+        described = describe_layout(args)
         batching = _batching(args)
         if args.rank is not None:
             layout.check_rank(args.rank)
@@ -205,7 +194,7 @@ def run(args) -> int:
         "source": name,
         "layout": {"nodes": layout.num_nodes, "ranks_per_node": layout.ranks_per_node,
                    "world_size": layout.world_size, "dp_size": data.dp_size, "data_groups": data.num_groups,
-                   "mesh": mesh.describe() if mesh else None, "dp_dims": list(dims)},
+                   **described},
         "batching": {"batch_size": args.batch_size, "max_tokens": args.max_tokens, "seed": args.seed,
                      "epoch": args.epoch, "shuffle": not args.no_shuffle, "seq_len": args.seq_len,
                      "packing": args.packing if args.seq_len else None, "eos_id": args.eos_id},

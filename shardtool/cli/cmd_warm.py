@@ -2,21 +2,28 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-from ._args import size_arg
+from ._args import add_storage_option_argument, size_arg, storage_options_from
+from ._layout import LAYOUT_HELP, add_layout_arguments, data_layout_of, describe_layout, parsed_mesh
 
 HELP = "copy exactly this node's shards (verified, atomic, parallel) into a node-local cache"
 DESCRIPTION = """\
 Copy into CACHE_DIR exactly the shards this node's ranks will read, plus the manifest, the lengths
 file and those shards' sample indexes, so the loader (cache_dir=...) starts and runs from the cache
 even if the source is unreachable. The node's shards come from the same pure function the loader
-uses; they depend only on the dataset and the node count (no seed or batching config).
+uses; they depend only on the dataset and the layout (no seed or batching config).
 
 Node layout: --nodes/--node-rank/--ranks-per-node, else SLURM_JOB_NUM_NODES, SLURM_NODEID and
 SLURM_NTASKS_PER_NODE or SLURM_GPUS_ON_NODE. --all warms every shard.
+
+Data layout: give the warm the same description the loader gets (ShardedLoader's dp_size= or
+mesh= and dp_dim=), so it caches what this node's ranks will read; pure data parallelism (every
+rank its own DP rank, DDP/FSDP) needs none.
+{layout}
+With --mesh and no --ranks-per-node, ranks per node are the mesh's ranks over the nodes when
+nothing says more than one (under torchrun in srun, SLURM counts one task per node).
 
 Each shard goes to a temp file (copied in the kernel from a local or parallel filesystem, as cp
 does), is checked against the manifest's size and hash and renamed; with --durable it is also
@@ -40,28 +47,11 @@ exit codes:
      answers that its index.json does not exist, or the protocol is unknown)
   3  local fault on this node: cache dir missing/unwritable/read-only, disk full, or the cache
      budget too small for this node's shards (a prolog exiting non-zero drains the node)
-"""
 
-def parse_storage_option(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, found {text!r}")
-    try:
-        return key, json.loads(value)
-    except ValueError:
-        return key, value
-
-
-def storage_options_from(args) -> dict | None:
-    opts: dict = {}
-    for k, v in args.storage_option or []:
-        node = opts
-        *parents, leaf = k.split(".")  # client_kwargs.endpoint_url=http://...
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = v
-    return opts or None
-
+examples:
+  shardtool warm s3://bucket/ds --cache-dir /local/cache --nodes 4 --node-rank 1 --ranks-per-node 8
+  shardtool warm ./ds --cache-dir /local/cache --nodes 2 --node-rank 0 --mesh pp=2,dp=2   # PP across nodes
+""".format(layout=LAYOUT_HELP)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="dataset root: local path, file://, s3://, gs://, http(s)://")
@@ -70,8 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nodes", type=int, help="number of nodes (default: SLURM_JOB_NUM_NODES, else 1)")
     g.add_argument("--node-rank", type=int, help="this node's index in [0, nodes) (default: SLURM_NODEID)")
     g.add_argument("--ranks-per-node", type=int,
-                   help="ranks per node (recorded; does not change the node's shards)")
+                   help="ranks per node (with pure data parallelism only recorded: it does not change the node's "
+                        "shards; with --dp-size or --mesh it places the model-parallel peers)")
     g.add_argument("--all", action="store_true", help="warm every shard of the dataset")
+    add_layout_arguments(p.add_argument_group("data layout (as given to ShardedLoader)"))
     p.add_argument("--jobs", "-j", type=int, default=8, help="concurrent transfers (default 8)")
     b = p.add_argument_group("budget")
     b.add_argument("--max-bytes", type=size_arg, help="most bytes the cache may hold (e.g. 800G, 750GiB)")
@@ -96,8 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the umask); directories get x wherever it grants r (0644 -> 0755, 0640 -> 0750)")
     a.add_argument("--group", help="group (name or gid) of the files and directories the warm writes, e.g. with "
                                    "--mode 0640 to let only that group's jobs read the cache")
-    p.add_argument("--storage-option", "-o", action="append", type=parse_storage_option, metavar="KEY=VALUE",
-                   help="fsspec storage option (repeatable; dotted keys nest, values parsed as JSON when possible)")
+    add_storage_option_argument(p)
     p.add_argument("--report", metavar="FILE", help="write a JSON report (shards/bytes copied/skipped/failed, seconds, GB/s)")
     p.add_argument("--json", action="store_true", help="print the JSON report on stdout")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
@@ -120,6 +111,21 @@ def perms_from(args):
     return Perms(mode, gid)
 
 
+def mesh_placement(args, placement):
+    """``placement`` with ranks per node from --mesh where nothing else gave more than one."""
+    from ..plan import Layout, LayoutError, Placement
+
+    mesh, layout = parsed_mesh(args), placement.layout
+    if mesh is None or args.ranks_per_node is not None or layout.ranks_per_node != 1 or \
+            mesh.ranks.size == layout.world_size:
+        return placement
+    if mesh.ranks.size % layout.num_nodes:
+        raise LayoutError(f"the mesh {mesh.describe()} has {mesh.ranks.size} ranks, which do not divide over "
+                          f"{layout.num_nodes} node(s); give --nodes and --ranks-per-node of the job")
+    return Placement(Layout(layout.num_nodes, mesh.ranks.size // layout.num_nodes), placement.node, None,
+                     f"{placement.source}; ranks per node from --mesh")
+
+
 def run(args) -> int:
     from ..cache import RetryPolicy, warm
     from ..cache.errors import EXIT_USAGE
@@ -134,18 +140,31 @@ def run(args) -> int:
         print(f"shardtool warm: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     placement: Placement | None = None
+    data = None
+    if args.all and (args.mesh or args.dp_size is not None):
+        print("shardtool warm: error: --all warms every shard; --mesh and --dp-size do not apply", file=sys.stderr)
+        return EXIT_USAGE
     if not args.all:
         try:
             placement = node_placement(args.nodes, args.node_rank, args.ranks_per_node, env=os.environ)
+            if args.mesh or args.dp_size is not None:
+                placement = mesh_placement(args, placement)
+                try:
+                    data, _ = data_layout_of(args, placement)
+                except LayoutError as e:
+                    raise LayoutError(f"{e} ({placement.describe()}; --nodes and --ranks-per-node must be "
+                                      "the training job's)") from None
         except LayoutError as e:
             print(f"shardtool warm: error: {e}", file=sys.stderr)
             return EXIT_USAGE
     policy = RetryPolicy(attempts=args.retries, attempt_timeout=args.attempt_timeout, stall_timeout=args.stall_timeout)
-    report = warm(args.url, args.cache_dir, placement=placement, all_shards=args.all, jobs=args.jobs,
+    report = warm(args.url, args.cache_dir, placement=placement, data_layout=data, all_shards=args.all, jobs=args.jobs,
                   max_bytes=args.max_bytes, min_free=args.min_free, best_effort=args.best_effort,
                   strict=args.strict, timeout=args.timeout, verify=args.verify, durable=args.durable, retry=policy,
                   storage_options=storage_options_from(args), perms=perms,
                   progress=(not args.quiet) and sys.stderr.isatty())
+    if report.data_layout is not None and args.mesh:
+        report.data_layout.update(describe_layout(args))
     if args.report:
         from ..format.atomic import atomic_write_bytes
         try:

@@ -266,18 +266,24 @@ class Dataset:
         packed by an older shardtool has none or they do not match its lengths."""
         import warnings
 
-        where = f"{self.url}/{SUMMARIES_NAME}"
-        total = (self.manifest.length.get("summary") or {}).get("total")
-        reason = "has no per-shard summaries (packed by shardtool < 0.2)"
-        if data is not None:
-            try:
-                return ShardSummaries.from_bytes(data, lengths_hash=self.manifest.lengths_file.get("hash"),
-                                                 counts=self.shard_counts, total_tokens=total, source=where)
-            except FormatError as e:
-                reason = f"has unusable per-shard summaries ({e})"
+        summaries, reason = self.stored_summaries(data)
+        if summaries is not None:
+            return summaries
         warnings.warn(f"dataset {self.url} {reason}: computing them from every sample's length, on every "
                       f"rank; run `shardtool upgrade {self.url}` once to store them", SummariesMissing, stacklevel=3)
         return ShardSummaries.from_lengths(self.lengths, self.shard_counts)
+
+    def stored_summaries(self, data: bytes | None) -> tuple[ShardSummaries | None, str]:
+        """(the stored summaries, "") when ``data`` is usable for this dataset, else (None, why not)."""
+        if data is None:
+            return None, "has no per-shard summaries (packed by shardtool < 0.2)"
+        total = (self.manifest.length.get("summary") or {}).get("total")
+        try:
+            return ShardSummaries.from_bytes(data, lengths_hash=self.manifest.lengths_file.get("hash"),
+                                             counts=self.shard_counts, total_tokens=total,
+                                             source=f"{self.url}/{SUMMARIES_NAME}"), ""
+        except FormatError as e:
+            return None, f"has unusable per-shard summaries ({e})"
 
     @property
     def shard_counts(self) -> np.ndarray:

@@ -276,8 +276,12 @@ def publish_manifest(root: str, manifest: Manifest, lengths: np.ndarray) -> byte
     return body
 
 
-def write_summaries(root: str, manifest: Manifest, lengths: np.ndarray) -> None:
-    """``summaries.arrow``: per-shard counts, token sums and length histograms (see format.summaries)."""
+def summaries_bytes(manifest: Manifest, lengths: np.ndarray) -> bytes:
+    """The ``summaries.arrow`` of a dataset: per-shard counts, token sums and length histograms of
+    ``lengths`` (see format.summaries), bound to the manifest's lengths file by its hash."""
     counts = np.array([s.samples for s in manifest.shards], dtype=np.int64)
-    summaries = ShardSummaries.from_lengths(lengths, counts)
-    atomic_write_bytes(os.path.join(root, SUMMARIES_NAME), summaries.to_bytes(manifest.lengths_file["hash"]))
+    return ShardSummaries.from_lengths(lengths, counts).to_bytes(manifest.lengths_file.get("hash") or "")
+
+
+def write_summaries(root: str, manifest: Manifest, lengths: np.ndarray) -> None:
+    atomic_write_bytes(os.path.join(root, SUMMARIES_NAME), summaries_bytes(manifest, lengths))

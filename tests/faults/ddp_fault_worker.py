@@ -20,7 +20,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -29,6 +28,9 @@ import torch
 import torch.distributed as dist
 
 from shardtool.loader import ShardedLoader
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the launcher
+from forkranks import run_jobs_file  # noqa: E402
 
 
 def _write(out: str, rank: int, record: dict) -> None:
@@ -127,72 +129,12 @@ def rank_main(argv: list[str]) -> int:
 
 
 # ------------------------------------------------------------------------------ the launcher
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_rank(rank: int, world: int, port: int, out: str, argv: list[str]) -> int:
-    pid = os.fork()
-    if pid:
-        return pid
-    # The rank: its own session (so a kill reaches its DataLoader workers), its own log.
-    code = 1
-    try:
-        os.setsid()
-        fd = os.open(os.path.join(out, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        code = rank_main(["--out", out, *argv])
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def run_job(job: dict) -> list[list]:
-    """Fork the job's ranks, wait up to its limit (killing what is left), return [returncode, seconds] per rank.
-
-    A returncode of None means the rank was still running at the limit; -N means killed by signal N.
-    """
-    world, out, limit = job["world"], job["out"], job["limit"]
-    os.makedirs(out, exist_ok=True)
-    port = _free_port()
-    began = time.monotonic()
-    pids = [_start_rank(r, world, port, out, job["argv"]) for r in range(world)]
-    done: dict[int, list] = {}
-    while len(done) < world and time.monotonic() - began < limit:
-        for r, pid in enumerate(pids):
-            if r in done:
-                continue
-            got, status = os.waitpid(pid, os.WNOHANG)
-            if got:
-                done[r] = [os.waitstatus_to_exitcode(status), time.monotonic() - began]
-        time.sleep(0.05)
-    for r, pid in enumerate(pids):
-        if r not in done:
-            os.killpg(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            done[r] = [None, time.monotonic() - began]
-    return [done[r] for r in range(world)]
-
-
 def main() -> int:
     """Run the jobs in JOBS.json one after another; print one JSON line of results per job.
 
-    torch is imported once here and every rank is forked from this process: a fresh
-    interpreter per rank would spend seconds per rank importing torch on a busy machine.
+    torch is imported once here and every rank is forked from this process (tests/forkranks.py).
     """
-    with open(sys.argv[1]) as f:
-        jobs = json.load(f)
-    for job in jobs:
-        print(json.dumps({"out": job["out"], "ranks": run_job(job)}), flush=True)
-    return 0
+    return run_jobs_file(sys.argv[1], rank_main)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,99 @@
+"""`shardtool warm` takes the loader's data layout (--dp-size, --mesh/--dp-dim) and warms what the
+node's ranks read: the same shards as the planner's `shards_for_node` for that layout, said in
+the summary line and the JSON report; the SLURM prolog passes the layout through from its config."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cachedata import child_env, make_dataset
+from prolog import prolog_conf, run_prolog
+from shardtool.format import open_dataset
+from shardtool.plan import DataLayout, Layout, Mesh, data_layout, parse_mesh, shards_for_node
+
+
+def warm(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardtool", "warm", *map(str, args)], capture_output=True,
+                          text=True, env=child_env(), timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return make_dataset(str(tmp_path_factory.mktemp("src") / "ds"), shards=16, samples=5, sample_bytes=2000)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout_args, nodes, rpn, expect", [
+    # DP x TP with TP peers adjacent: 4 nodes x 2 ranks, dp 4 -> one DP rank per node
+    (["--dp-size", "4"], 4, 2, lambda lay: data_layout(Mesh.row_major(("dp", "mp"), (4, 2)), ("dp",), lay)[0]),
+    # PP stages across nodes: every DP rank has a stage on nodes 0-1 and on nodes 2-3
+    (["--mesh", "pp=2,dp=4"], 4, 2, lambda lay: data_layout(parse_mesh("pp=2,dp=4"), ("dp",), lay)[0]),
+    # HSDP: replicate x shard are both data-parallel
+    (["--mesh", "rep=2,shard=2,tp=2", "--dp-dim", "rep,shard"], 4, 2,
+     lambda lay: data_layout(parse_mesh("rep=2,shard=2,tp=2"), ("rep", "shard"), lay)[0]),
+    # pure data parallelism, as before
+    ([], 4, 2, DataLayout.pure_dp),
+])
+def test_each_node_warms_the_shards_its_ranks_read(src, tmp_path, layout_args, nodes, rpn, expect):
+    ds = open_dataset(src)
+    layout = Layout(nodes, rpn)
+    data = expect(layout)
+    for node in range(nodes):
+        res = warm(src, "--cache-dir", tmp_path / f"n{node}", "--nodes", nodes, "--node-rank", node,
+                   "--ranks-per-node", rpn, "--json", "-q", *layout_args)
+        assert res.returncode == 0, res.stderr
+        report = json.loads(res.stdout)
+        want = shards_for_node(ds.summaries, data, node)
+        assert report["assigned"] == len(want) and report["shards_copied"] == len(want)
+        cached = sorted(i for i, s in enumerate(ds.manifest.shards)
+                        if os.path.exists(os.path.join(report["version_dir"], s.path)))
+        assert cached == want
+        d = report["data_layout"]
+        assert d["dp_size"] == data.dp_size and d["data_groups"] == data.num_groups
+        assert d["node_groups"] == data.groups_on_node(node)
+        assert d["describe"] in res.stderr  # the summary line says it too
+        if "--mesh" in layout_args:
+            mesh = layout_args[layout_args.index("--mesh") + 1]
+            assert d["mesh"] == mesh and f"mesh {mesh}" in res.stderr
+    if layout_args[:1] == ["--mesh"] and "pp=2" in layout_args[1]:
+        # a DP rank's stages on two nodes: those nodes hold the same range
+        assert data.group_nodes == ((0, 2), (1, 3))
+
+
+@pytest.mark.timeout(120)
+def test_mesh_gives_ranks_per_node_and_bad_layouts_exit_2(src, tmp_path):
+    res = warm(src, "--cache-dir", tmp_path / "a", "--nodes", 2, "--node-rank", 1, "--mesh", "pp=2,dp=2,tp=2",
+               "--json", "-q")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["layout"]["ranks_per_node"] == 4 and "ranks per node from --mesh" in report["layout"]["from"]
+    bad = [
+        (["--nodes", 2, "--node-rank", 0, "--dp-size", 4], "dp_size must divide the world size 2"),
+        (["--nodes", 2, "--node-rank", 0, "--mesh", "pp=3,dp=1"], "do not divide over 2 node(s)"),
+        (["--nodes", 2, "--node-rank", 0, "--ranks-per-node", 2, "--mesh", "pp=2,dp=4"], "has 8 ranks, the job 4"),
+        (["--nodes", 2, "--node-rank", 0, "--mesh", "pp=2,dp=2", "--dp-dim", "data"], "not in the mesh"),
+        (["--nodes", 2, "--node-rank", 0, "--mesh", "pp2"], "name=size"),
+        (["--all", "--mesh", "dp=2"], "--all warms every shard"),
+    ]
+    for args, message in bad:
+        res = warm(src, "--cache-dir", tmp_path / "b", *args)
+        assert res.returncode == 2 and message in res.stderr, (args, res.stderr)
+
+
+@pytest.mark.timeout(120)
+def test_prolog_passes_the_mesh_from_its_config(src, tmp_path):
+    hosts = ["gpu-a", "gpu-b"]
+    conf = prolog_conf(tmp_path, src, hosts, tmp_path / "cache", MESH="pp=2,dp=2", DP_DIM="dp", RANKS_PER_NODE=2)
+    os.makedirs(tmp_path / "cache")
+    ds = open_dataset(src)
+    for node in hosts:
+        res = run_prolog(conf, node, job_id="7", nodelist="gpu-[a-b]", num_nodes=2)
+        assert res.returncode == 0, res.stderr
+        report = json.load(open(tmp_path / "cache" / f"{node}.warm-7.json"))
+        assert report["data_layout"]["mesh"] == "pp=2,dp=2" and report["layout"]["ranks_per_node"] == 2
+        # both DP ranks have a pipeline stage on each node: each node warms every shard
+        assert report["assigned"] == ds.num_shards
