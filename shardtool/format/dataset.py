@@ -6,8 +6,6 @@ ranged request per read.
 """
 from __future__ import annotations
 
-import errno
-import os
 import posixpath
 import threading
 from typing import Any, Iterator
@@ -21,111 +19,14 @@ from .fields import decode_bytes, npy_layout
 from .hashing import hash_bytes, range_checksum
 from .manifest import MANIFEST_NAME, Manifest, check_length_summary, lengths_from_bytes, manifest_hash
 from .sindex import ShardIndex
+from .storage import dataset_fs, is_local, open_range, read_file, read_manifest
 from .summaries import SUMMARIES_NAME, ShardSummaries
+
+__all__ = ["Dataset", "SummariesMissing", "decode_sample", "is_local", "open_dataset", "open_range"]
 
 
 class SummariesMissing(UserWarning):
     """A dataset without usable per-shard summaries: planning reads every sample's length."""
-
-
-def is_local(fs) -> bool:
-    return "file" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,))
-
-
-class LocalRange:
-    """Positioned reads on one local file descriptor (thread-safe, no seek state)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
-
-    def read(self, offset: int, size: int) -> bytes:
-        data = os.pread(self.fd, size, offset)
-        if len(data) != size:
-            raise FormatError(f"{self.path}: short read at offset {offset} ({len(data)} of {size} bytes); shard truncated?")
-        return data
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-class RemoteRange:
-    """One ranged request per read; no read-ahead, which would waste bandwidth on random access."""
-
-    def __init__(self, fs, path: str):
-        self.fs = fs
-        self.path = path
-
-    def read(self, offset: int, size: int) -> bytes:
-        try:
-            data = self.fs.cat_file(self.path, start=offset, end=offset + size)
-        except FileNotFoundError:
-            raise FormatError(f"{self.path}: shard not found (404)") from None
-        except OSError as e:
-            # A range wholly past the end of a truncated object is an HTTP 416, which s3fs
-            # reports as EINVAL without the object's name.
-            if e.errno == errno.EINVAL or "not satisfiable" in str(e):
-                raise FormatError(f"{self.path}: range {offset}..{offset + size} is past the end of the object "
-                                  f"({e}); shard truncated?") from None
-            raise
-        if len(data) != size:
-            raise FormatError(f"{self.path}: short read at offset {offset} ({len(data)} of {size} bytes); shard truncated?")
-        return data
-
-    def close(self) -> None:
-        pass
-
-
-def open_range(fs, path: str):
-    return LocalRange(path) if is_local(fs) else RemoteRange(fs, path)
-
-
-DATASET_URL_HELP = ("a dataset URL names a directory or object-store prefix holding index.json, as written by "
-                    "`shardtool pack` (e.g. /data/ds, file:///data/ds, s3://bucket/ds)")
-
-
-def dataset_fs(url: str, storage_options: dict | None = None):
-    """(filesystem, root path) of a dataset URL; an unknown protocol is a FormatError that says
-    what a dataset URL looks like (fsspec's own error names neither)."""
-    import fsspec  # lazily: it costs ~0.1-0.3 s of start-up, which pack never needs
-
-    protocol = fsspec.core.split_protocol(url)[0] if "::" not in url else None
-    if protocol is not None:
-        try:
-            fsspec.get_filesystem_class(protocol)  # known or registered at run time; ImportError if not installed
-        except ValueError:
-            raise FormatError(f"{url!r}: unknown protocol {protocol + '://'!r}; {DATASET_URL_HELP}") from None
-    return fsspec.core.url_to_fs(url, **(storage_options or {}))
-
-
-def read_manifest(fs, root: str, url: str) -> bytes:
-    """The bytes of ``index.json`` under ``root``; if there is none, a FormatError saying what
-    ``url`` is instead (a file such as a JSONL source, a directory without a dataset, nothing)."""
-    path = posixpath.join(root, MANIFEST_NAME) if root else MANIFEST_NAME
-    try:
-        return fs.cat_file(path)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        pass
-    try:
-        is_file, exists = fs.isfile(root), fs.exists(root)
-    except OSError:
-        is_file, exists = False, True
-    if is_file:
-        what = "is a file, not a dataset (to pack it: shardtool pack FILE -o DIR)"
-    elif exists:
-        what = f"holds no {MANIFEST_NAME}, so it is not a dataset (or its pack has not finished)"
-    else:
-        what = "does not exist"
-    raise FormatError(f"{url!r} {what}; {DATASET_URL_HELP}")
-
-
-def read_file(fs, path: str, *, what: str) -> bytes:
-    try:
-        return fs.cat_file(path)
-    except FileNotFoundError:
-        raise FormatError(f"{what}: {path} not found") from None
 
 
 class Dataset:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 __all__ = ["DataLayout", "Layout", "Placement", "require_positive_int"]
 
 
@@ -127,14 +129,11 @@ class DataLayout:
 
     def group_of(self, dp_rank: int) -> tuple[int, int]:
         """(group, index of ``dp_rank`` inside its group)."""
-        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < self.dp_size:
+        if isinstance(dp_rank, bool) or not isinstance(dp_rank, (int, np.integer)) or not 0 <= dp_rank < self.dp_size:
             raise ValueError(f"dp_rank must be an int in [0, {self.dp_size}), found {dp_rank!r}")
-        first = 0
-        for g, k in enumerate(self.group_sizes):
-            if dp_rank < first + k:
-                return g, dp_rank - first
-            first += k
-        raise AssertionError("unreachable")  # sizes add up to dp_size
+        firsts = np.cumsum([0, *self.group_sizes])
+        g = int(np.searchsorted(firsts, dp_rank, side="right")) - 1  # sizes add up to dp_size: g < groups
+        return g, int(dp_rank) - int(firsts[g])
 
     def groups_on_node(self, node: int) -> list[int]:
         return [g for g, nodes in enumerate(self.group_nodes) if node in nodes]
