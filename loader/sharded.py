@@ -61,7 +61,16 @@ class ShardedLoader:
     ``set_epoch`` to an epoch before the loaded one is refused (it would replay that epoch).
     """
 
-    def __init__(self, url: str, *, batch_size: int | None = None, max_tokens: int | None = None,
+    def __new__(cls, url: Any = None, *args: Any, **kwargs: Any) -> "ShardedLoader":
+        from ..plan.mixture import Mixture
+
+        if cls is ShardedLoader and isinstance(url, Mixture):
+            from .mixed import MixtureLoader  # the mixture's own iteration and state
+
+            return super().__new__(MixtureLoader)
+        return super().__new__(cls)
+
+    def __init__(self, url: Any, *, batch_size: int | None = None, max_tokens: int | None = None,
                  shuffle: bool = True, seed: int = 0, bucketing: bool | None = None, rank: int | None = None,
                  world_size: int | None = None, ranks_per_node: int | None = None, dp_rank: int | None = None,
                  dp_size: int | None = None, mesh: Any = None, dp_dim: str | tuple[str, ...] = "dp",
@@ -69,7 +78,8 @@ class ShardedLoader:
                  max_docs_per_row: int | None = None, num_workers: int = 2, prefetch_factor: int = 2,
                  pin_memory: bool | None = None, cache_dir: str | None = None,
                  transform: Callable | None = None, collate_fn: Callable | None = None, pad_id: int = 0,
-                 storage_options: dict | None = None, timeout: float = 300.0, window: int | None = None):
+                 storage_options: dict | None = None, timeout: float = 300.0, window: int | None = None,
+                 steps: int | None = None, tokens: int | None = None):
         import torch
 
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -96,6 +106,14 @@ class ShardedLoader:
         self.transform = transform
         self.collate_fn = collate_fn
         self.pad_id = int(pad_id)
+        self._open(url, cache_dir=cache_dir, storage_options=storage_options, steps=steps, tokens=tokens)
+
+    def _open(self, url: str, *, cache_dir: str | None, storage_options: dict | None, steps: int | None,
+              tokens: int | None) -> None:
+        """The dataset and its plan (a `Mixture` opens its sources instead: loader/mixed.py)."""
+        if steps is not None or tokens is not None:
+            raise ValueError("steps= and tokens= give the length of a Mixture; a single dataset is read by epochs "
+                             "(len(loader) batches each, set_epoch to choose one)")
         self.spec = SourceSpec(url, cache_dir, storage_options)
         self.reader = BatchReader(self.spec, pad_id=self.pad_id)
         ds = self.reader.source.dataset  # metadata only: manifest, summaries, this rank's range's lengths
@@ -188,6 +206,9 @@ class ShardedLoader:
         """Continue exactly where ``state`` (from `state_dict`, on any rank) was: on the same data
         layout from the next batch; on another one (DP size changed) with the epoch's unserved
         batches dealt over the new DP ranks. Refuses a state of another dataset or config."""
+        if isinstance(state, dict) and state.get("kind") == "mixture":
+            raise LoaderStateError("cannot load this loader state: it was saved by a loader of a Mixture; load it "
+                                   "into ShardedLoader(Mixture(...)) of those sources")
         try:
             st = LoaderState.from_dict(state, batching=self.batching)
             check_compatible(st, self.fingerprint, self.batching)
@@ -237,13 +258,16 @@ class ShardedLoader:
                     # else (our reader's errors, the user's transform or collate_fn) is raised as
                     # itself, with notes naming the batch and its shards.
                     raise LoaderError(
-                        f"{where}: batch {b} could not be loaded ({describe_ids(self.reader, batches.batch_ids(b))}): "
+                        f"{where}: batch {b} could not be loaded ({batches.describe(b)}): "
                         f"a worker process failed, exited or was killed ({type(e).__name__}: {e})"
                     ) from e
                 self._served = b + 1
                 yield unpack_batch(batch)
         finally:
             it.close()  # the worker pool, or the in-process generator
+        self._pass_done()
+
+    def _pass_done(self) -> None:
         self._start_epoch(self._epoch + 1)
 
     def _check_ranks_agree(self, plan: RankPlan) -> None:
@@ -252,26 +276,38 @@ class ShardedLoader:
         Without it, a rank on another dataset version would wait forever in the first
         all-reduce of training after the others ran out of batches.
         """
+        if self._checked_epoch == self._epoch or not self._in_process_group():
+            return
+        self._checked_epoch = self._epoch
+        ident = f"{self.fingerprint}/{self.batching.fingerprint()}/{self._epoch}"
+        self._agree([plan.batches_per_rank, self._served], ident, "(batches per rank, dataset/config, position)",
+                    "Every rank must open the same dataset version with the same batching and state.")
+
+    def _in_process_group(self) -> bool:
+        """torch.distributed is initialised with this loader's layout (an explicit layout that is
+        not the process group's has nobody to compare with)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return False
+        return dist.get_world_size() == self.layout.world_size and dist.get_rank() == self.rank
+
+    def _agree(self, numbers: list[int], ident: str, what: str, fix: str) -> None:
+        """All-reduce ``numbers`` and a digest of ``ident`` (MAX of them and of their negatives):
+        LoaderError naming the ranges if any rank differs."""
         import torch
         import torch.distributed as dist
 
-        if self._checked_epoch == self._epoch or not (dist.is_available() and dist.is_initialized()):
-            return
-        if dist.get_world_size() != self.layout.world_size or dist.get_rank() != self.rank:
-            return  # an explicit layout that is not the process group's: nothing to compare with
-        self._checked_epoch = self._epoch
-        ident = f"{self.fingerprint}/{self.batching.fingerprint()}/{self._epoch}".encode()
-        digest = int(hashlib.sha256(ident).hexdigest()[:15], 16)
-        mine = [plan.batches_per_rank, digest, self._served]
+        digest = int(hashlib.sha256(ident.encode()).hexdigest()[:15], 16)
+        mine = [numbers[0], digest, *numbers[1:]]
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
         t = torch.tensor(mine + [-x for x in mine], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        hi, neg_lo = t[:3].tolist(), t[3:].tolist()
+        hi, neg_lo = t[: len(mine)].tolist(), t[len(mine):].tolist()
         if any(h != -lo for h, lo in zip(hi, neg_lo)):
             raise LoaderError(
-                f"rank {self.rank}: ranks disagree on (batches per rank, dataset/config, position): "
-                f"this rank has {mine}; ranges across ranks {list(zip([-x for x in neg_lo], hi))}. "
-                "Every rank must open the same dataset version with the same batching and state."
+                f"rank {self.rank}: ranks disagree on {what}: this rank has {mine}; ranges across ranks "
+                f"{list(zip([-x for x in neg_lo], hi))}. {fix}"
             )
 
     def close(self) -> None:

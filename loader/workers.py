@@ -40,6 +40,10 @@ class PlanBatches:
     def batch_ids(self, b: int) -> np.ndarray:
         return self.ids[self.offsets[b] : self.offsets[b + 1]]
 
+    def describe(self, b: int) -> str:
+        """Batch b's samples and shards, for an error message."""
+        return describe_ids(self.reader, self.batch_ids(b))
+
     def load(self, b: int, alloc: Alloc | None = None) -> Any:
         """Batch b; ``alloc`` (in a worker): where its arrays are born, a shared-memory slot."""
         ids = self.batch_ids(b)
