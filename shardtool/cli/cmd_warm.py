@@ -15,6 +15,9 @@ file and those shards' sample indexes, so the loader (cache_dir=...) starts and 
 even if the source is unreachable. The node's shards come from the same pure function the loader
 uses; they depend only on the dataset and the node count (no seed or batching config).
 
+A mixture file (mix.json, see `shardtool plan --help`) warms every source's range for this node in
+one call, one line per source; with a budget, no source's warm evicts another's shards.
+
 Node layout: --nodes/--node-rank/--ranks-per-node, else SLURM_JOB_NUM_NODES, SLURM_NODEID and
 SLURM_NTASKS_PER_NODE or SLURM_GPUS_ON_NODE. --all warms every shard.
 
@@ -64,7 +67,8 @@ def storage_options_from(args) -> dict | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("url", help="dataset root: local path, file://, s3://, gs://, http(s)://")
+    p.add_argument("url", help="dataset root: local path, file://, s3://, gs://, http(s)://; or a mixture file "
+                               "(.json/.yaml) to warm every source it names")
     p.add_argument("--cache-dir", required=True, help="node-local cache directory")
     g = p.add_argument_group("node layout")
     g.add_argument("--nodes", type=int, help="number of nodes (default: SLURM_JOB_NUM_NODES, else 1)")
@@ -124,6 +128,7 @@ def run(args) -> int:
     from ..cache import RetryPolicy, warm
     from ..cache.errors import EXIT_USAGE
     from ..plan import LayoutError, Placement, node_placement
+    from ..plan.mixture import is_mixture_file
 
     if args.jobs < 1 or args.retries < 1:
         print("shardtool warm: error: --jobs and --retries must be >= 1", file=sys.stderr)
@@ -141,6 +146,8 @@ def run(args) -> int:
             print(f"shardtool warm: error: {e}", file=sys.stderr)
             return EXIT_USAGE
     policy = RetryPolicy(attempts=args.retries, attempt_timeout=args.attempt_timeout, stall_timeout=args.stall_timeout)
+    if is_mixture_file(args.url):  # every source of the mixture, one report
+        from ..cache.mixwarm import warm_mixture as warm
     report = warm(args.url, args.cache_dir, placement=placement, all_shards=args.all, jobs=args.jobs,
                   max_bytes=args.max_bytes, min_free=args.min_free, best_effort=args.best_effort,
                   strict=args.strict, timeout=args.timeout, verify=args.verify, durable=args.durable, retry=policy,
