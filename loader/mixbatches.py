@@ -15,6 +15,7 @@ static shape B * max_docs_per_row + 1. Every batch that is a dict also carries `
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -27,7 +28,7 @@ from ..plan.mixstate import MixtureState
 from ..plan.packing import Packing, Rows
 from ..plan.rank import RankPlan
 from .collate import KEY, Alloc
-from .packed import PackedReader
+from .packed import PackedReader, read_together
 from .reader import BatchReader, describe_ids
 from .workers import PlanBatches
 
@@ -92,8 +93,8 @@ class MixtureBatches:
         parts = []
         for epoch, index, count in pieces:
             plan = self.plan(name, epoch)
-            parts.append(plan.rows.take(np.arange(plan.row_offsets[index], plan.row_offsets[index + count])))
-        return Rows.concat(parts, self.packing.seq_len)
+            parts.append(plan.rows.slice(int(plan.row_offsets[index]), int(plan.row_offsets[index + count])))
+        return parts[0] if len(parts) == 1 else Rows.concat(parts, self.packing.seq_len)
 
     def describe(self, b: int) -> str:
         """Step b's units and their shards, for an error message."""
@@ -128,27 +129,32 @@ class MixtureBatches:
         return batch
 
     def _packed(self, parts: list[tuple[str, list[Piece]]], alloc: Alloc) -> dict[str, Any]:
+        # Each unit is one row, or none where a source's plan is short of rows: such a unit is a
+        # row of padding in its place, so every source's rows are exactly its units.
+        rows = [(name, _padded(self._rows(name, pieces), sum(c for _, _, c in pieces))) for name, pieces in parts]
+        extra = {"__source__": [name for name, r in rows for _ in range(r.num_rows)],
+                 **self._tally({name: r.num_rows for name, r in rows}, {name: r.tokens for name, r in rows})}
+        batch = read_together([(self.packed[name], r) for name, r in rows], self.rows, alloc)
+        if batch is None:  # remote shards, decoded payloads, or sources of other token dtypes
+            batch = self._by_part(rows, alloc)
+        return {**batch, **extra}
+
+    def _by_part(self, rows: list[tuple[str, Rows]], alloc: Alloc) -> dict[str, Any]:
+        """The batch read source by source, each into its rows of one block; piece boundaries joined."""
         b, seq, maxd = self.rows, self.packing.seq_len, self.packing.max_docs_per_row
         block = alloc((3, b, seq), np.int64)
         first = 0
         keys: list[Any] = []
-        sources: list[str] = []
         starts, lengths = [], []
         longest = 0
-        counts, tokens = {}, {}
-        for name, pieces in parts:
-            count = sum(c for _, _, c in pieces)
-            rows = self._rows(name, pieces)
-            # Each source's rows are a batch of their own written into their rows of the block; its
-            # boundaries are the real entries of its cu_seqlens (the rest repeat count * seq).
-            out = self.packed[name].read(rows, np.empty, rows_per_batch=count, into=block[:, first : first + count])
-            cu = out["cu_seqlens"].numpy()
+        for name, part in rows:
+            count = part.num_rows
+            out = self.packed[name].read(part, np.empty, rows_per_batch=count, into=block[:, first : first + count])
+            cu = out["cu_seqlens"].numpy()  # its real entries, then count * seq
             starts.append(cu[cu < count * seq].astype(np.int64) + first * seq)
             lengths.append(out["lengths"].numpy())
             keys += out[KEY]
-            sources += [name] * count
             longest = max(longest, out["max_seqlen"])
-            counts[name], tokens[name] = count, rows.tokens
             first += count
         if first != b:
             raise RuntimeError(f"mixture step has {first} rows, expected {b}")  # the composition's invariant
@@ -160,5 +166,12 @@ class MixtureBatches:
         row_tokens[:] = np.concatenate(lengths)
         return {KEY: keys, "input_ids": torch.from_numpy(block[0]), "labels": torch.from_numpy(block[1]),
                 "position_ids": torch.from_numpy(block[2]), "cu_seqlens": torch.from_numpy(cu),
-                "max_seqlen": int(longest), "lengths": torch.from_numpy(row_tokens), "__source__": sources,
-                **self._tally(counts, tokens)}
+                "max_seqlen": int(longest), "lengths": torch.from_numpy(row_tokens)}
+
+
+def _padded(rows: Rows, count: int) -> Rows:
+    """``rows`` followed by empty rows, ``count`` rows in all."""
+    if rows.num_rows == count:
+        return rows
+    offsets = np.concatenate([rows.row_offsets, np.full(count - rows.num_rows, rows.row_offsets[-1])])
+    return dataclasses.replace(rows, row_offsets=offsets.astype(np.int64))

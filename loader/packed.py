@@ -29,6 +29,7 @@ allocation in a worker, fewer fresh pages in the trainer).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
@@ -41,7 +42,7 @@ from ..plan.packing import Packing, Rows
 from .collate import KEY, Alloc
 from .reader import BatchReader
 
-__all__ = ["IGNORE_INDEX", "PackedReader", "block_causal_mask", "packed_batch"]
+__all__ = ["IGNORE_INDEX", "PackedReader", "block_causal_mask", "packed_batch", "read_together"]
 
 IGNORE_INDEX = -100  # what torch.nn.functional.cross_entropy ignores by default
 
@@ -187,8 +188,13 @@ class PackedReader:
         src = self.reader.token_sources(lay.docs)
         if src is None:
             return self._decoded(rows, lay, alloc, into)
+        return self._copied(lay, src, alloc, into, self.reader.where)
+
+    def _copied(self, lay: _Layout, src: tuple, alloc: Alloc, into: np.ndarray | None,
+                where: Callable[[int], str]) -> dict[str, Any]:
+        """The batch of ``lay`` from ``src`` (`BatchReader.token_sources` of ``lay.docs``)."""
         keys, bufs, which, first, counts, dtype = src
-        n = lay.copy_counts(counts, self.reader.where)
+        n = lay.copy_counts(counts, where)
         item = dtype.itemsize
         # Raw-byte copies in the stored dtype (a memoryview slice assignment is a bare memcpy,
         # as in BatchReader), then one vectorised widening: cheaper than a cast per piece.
@@ -196,7 +202,7 @@ class PackedReader:
         dst = memoryview(narrow.reshape(-1).view(np.uint8))
         d = lay.doc_of_span
         for at, w, a, k in zip((lay.flat_start * item).tolist(), which[d].tolist(),
-                               ((first[d] + rows.span_start) * item).tolist(), (n * item).tolist()):
+                               ((first[d] + lay.rows.span_start) * item).tolist(), (n * item).tolist()):
             dst[at : at + k] = bufs[w][a : a + k]
         dst.release()
         block = _block(lay, alloc, into)
@@ -222,6 +228,41 @@ class PackedReader:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_scratch_buf": None}  # a worker makes its own
+
+
+SOURCE_SHIFT = 40  # read_together's document ids: part i's sample g is (i << 40) + g
+
+
+def read_together(parts: Sequence[tuple[PackedReader, Rows]], rows_per_batch: int,
+                  alloc: Alloc = np.empty) -> dict[str, Any] | None:
+    """One packed batch of the rows of several readers (a mixture's sources), part after part:
+    one layout, one pass of token copies and one finish, as for the rows of one dataset. Uses the
+    first reader's name, pad id and scratch. None when a part's tokens are not raw arrays in its
+    mapped shards, or the parts store tokens in different dtypes (then read part by part)."""
+    first_reader = parts[0][0]
+    shifted, sources = [], []
+    for i, (reader, rows) in enumerate(parts):
+        src = reader.reader.token_sources(np.unique(rows.span_pos))
+        if src is None:
+            return None
+        sources.append(src)
+        shifted.append(dataclasses.replace(rows, span_pos=rows.span_pos + (i << SOURCE_SHIFT)))
+    if len({src[5] for src in sources}) != 1:
+        return None
+    lay = _Layout(Rows.concat(shifted, first_reader.packing.seq_len), first_reader.packing, rows_per_batch)
+    keys, bufs, which = [], [], []
+    for src in sources:
+        keys += src[0]
+        which.append(src[2] + len(bufs))
+        bufs += src[1]
+    joined = (keys, bufs, np.concatenate(which), np.concatenate([src[3] for src in sources]),
+              np.concatenate([src[4] for src in sources]), sources[0][5])
+
+    def where(doc: int) -> str:
+        part, gid = doc >> SOURCE_SHIFT, doc & ((1 << SOURCE_SHIFT) - 1)
+        return parts[part][0].reader.where(gid)
+
+    return first_reader._copied(lay, joined, alloc, None, where)
 
 
 def block_causal_mask(batch: dict[str, Any]) -> torch.Tensor:

@@ -54,6 +54,11 @@ class ShardedLoader:
     ``cu_seqlens``, ``max_seqlen`` (see `shardtool.loader.packed`), and the rows are planned like
     batches: equal counts, exact and elastic resume.
 
+    A `shardtool.plan.mixture.Mixture` instead of ``url`` reads several datasets by token
+    weights (loader/mixed.py): give its length as ``steps`` (or ``tokens``); a mixture has no
+    epoch, ``len(loader)`` is the steps left and ``set_epoch`` is refused; each batch names its
+    source(s) in ``__source__``; state and resume work across weight, source and layout changes.
+
     ``set_epoch(e)`` selects epoch ``e``; for the epoch the loader is already in (say, after
     ``load_state_dict``) it keeps the position. After the last batch of an epoch the loader
     moves to the next epoch by itself, and its state says so: resume with

@@ -9,6 +9,7 @@ import json
 import shutil
 
 import numpy as np
+import torch
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -325,3 +326,21 @@ def test_a_cache_dir_holds_every_source_and_serves_without_them(data, tmp_path):
     for n in WEIGHTS:
         shutil.move(roots[n], roots[n] + "-gone")
     assert [run(ld)[0] for ld in loaders(mix, steps=40, cache_dir=cache, num_workers=2, **BUCKETED)] == expected
+
+
+def test_sources_storing_tokens_in_other_dtypes_give_the_same_packed_batches(data, tmp_path):
+    """Rows of sources of one token dtype are read in one pass; of several dtypes, source by
+    source into one block. Both give the same batch."""
+    root, _ = write_dataset(str(tmp_path / "code16"), SOURCES["code"], seed=1, prefix="c", dtype="i2")
+    same = mixture(data, {"web": 0.5, "code": 0.5})
+    other = Mixture({"web": (data["web"][0], 0.5), "code": (root, 0.5)})
+    a = list(loaders(same, world=1, steps=30, **PACKED)[0])
+    b = list(loaders(other, world=1, steps=30, **PACKED)[0])
+    assert any(len(set(x["__source__"])) > 1 for x in a)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            if hasattr(x[k], "numpy"):
+                assert torch.equal(x[k], y[k]), k
+            else:
+                assert x[k] == y[k], k

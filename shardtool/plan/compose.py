@@ -18,6 +18,7 @@ source's cursor only ever moves forward.
 """
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 from typing import Sequence
@@ -39,6 +40,12 @@ def integer_shares(weights: Sequence[Fraction], tokens: Sequence[int], units: Se
     return tuple(i // g for i in ints)
 
 
+@functools.lru_cache(maxsize=64)
+def _scales(shares: tuple[int, ...]) -> tuple[int, ...]:
+    lcm = math.lcm(*(a for a in shares if a))
+    return tuple(lcm // a if a else 0 for a in shares)
+
+
 def webster_counts(shares: Sequence[int], n: int) -> list[int]:
     """Units of each source among the first ``n`` units of the Webster sequence of ``shares``."""
     if n <= 0:
@@ -50,12 +57,15 @@ def webster_counts(shares: Sequence[int], n: int) -> list[int]:
     # arrived, by y_hi = (2n + k)/A at least n.
     lo_num, hi_num = 2 * n - k - 1, 2 * n + k
     base = [max((lo_num * a + total) // (2 * total), 0) if a else 0 for a in shares]
+    # Arrival (2j - 1) / a_s as the integer (2j - 1) * (L / a_s), L = lcm of the shares: the same
+    # order as the fractions, several times cheaper to sort.
+    scale = _scales(tuple(shares))
     candidates = []
     for s, a in enumerate(shares):
         if not a:
             continue
         last = (hi_num * a + total) // (2 * total)
-        candidates += [(Fraction(2 * j - 1, a), s) for j in range(base[s] + 1, last + 1)]
+        candidates += [((2 * j - 1) * scale[s], s) for j in range(base[s] + 1, last + 1)]
     candidates.sort()
     out = list(base)
     for _, s in candidates[: n - sum(base)]:
@@ -78,6 +88,7 @@ class Composition:
             raise ValueError("every schedule entry needs a share per source, at least one > 0")
         self.units_per_step = int(units_per_step)
         self.first_step = self.starts[0]
+        self._last: dict[int, tuple[int, ...]] = {}
         # Counts at each entry's start, so that a position costs one entry's closed form.
         self._carried = [[0] * len(self.shares[0])]
         for i in range(1, len(self.starts)):
@@ -93,9 +104,16 @@ class Composition:
         """Units of every source in steps [first_step, step)."""
         if step <= self.first_step:
             return [0] * self.num_sources
+        hit = self._last.get(step)
+        if hit is not None:
+            return list(hit)
         i = max(j for j, s in enumerate(self.starts) if s < step)
         got = webster_counts(self.shares[i], (step - self.starts[i]) * self.units_per_step)
-        return [c + g for c, g in zip(self._carried[i], got)]
+        out = [c + g for c, g in zip(self._carried[i], got)]
+        if len(self._last) >= 4:  # steps come in order: step t's end is step t + 1's start
+            self._last.clear()
+        self._last[step] = tuple(out)
+        return out
 
     def step_units(self, step: int) -> list[int]:
         """Units of every source in step ``step``."""
