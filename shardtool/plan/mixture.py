@@ -106,14 +106,7 @@ class Mixture:
             raise MixtureError(f"schedule must be a list of (from_step, weights), found {schedule!r}")
         out, last = [], 0
         for entry in schedule:
-            if isinstance(entry, Mapping):
-                if set(entry) != {"from_step", "weights"}:
-                    raise MixtureError(f"schedule entry {dict(entry)!r}: expected keys from_step and weights")
-                step, weights = entry["from_step"], entry["weights"]
-            elif isinstance(entry, Sequence) and not isinstance(entry, str) and len(entry) == 2:
-                step, weights = entry
-            else:
-                raise MixtureError(f"schedule entry {entry!r}: expected (from_step, {{name: weight}})")
+            step, weights = _pair(f"schedule entry {entry!r}", entry, ("from_step", "weights"))
             if isinstance(step, bool) or not isinstance(step, int) or step < 1:
                 raise MixtureError(f"schedule entry {entry!r}: from_step must be an int >= 1 (the sources' "
                                    "weights are the weights from step 0)")
@@ -168,14 +161,7 @@ class Mixture:
             raise MixtureError("'sources' must map each source name to {\"url\": ..., \"weight\": ...}")
         sources = []
         for name, spec in raw.items():
-            if isinstance(spec, Mapping):
-                if set(spec) != {"url", "weight"}:
-                    raise MixtureError(f"source {name!r}: expected keys url and weight, found {sorted(spec)}")
-                url, weight = spec["url"], spec["weight"]
-            elif isinstance(spec, Sequence) and not isinstance(spec, str) and len(spec) == 2:
-                url, weight = spec
-            else:
-                raise MixtureError(f"source {name!r}: expected {{\"url\": ..., \"weight\": ...}}, found {spec!r}")
+            url, weight = _pair(f"source {name!r}", spec, ("url", "weight"))
             sources.append(MixtureSource(str(name), _resolve(url, base_dir), weight))
         return cls(sources, data.get("schedule"), data.get("max_repeat", DEFAULT_MAX_REPEAT))
 
@@ -213,6 +199,17 @@ class Mixture:
         return f"Mixture({parts}{more}, max_repeat={self.max_repeat})"
 
 
+def _pair(what: str, value: Any, keys: tuple[str, str]) -> tuple[Any, Any]:
+    """Two values given as ``{keys[0]: a, keys[1]: b}`` or as a pair (the file's two forms)."""
+    if isinstance(value, Mapping):
+        if set(value) != set(keys):
+            raise MixtureError(f"{what}: expected keys {keys[0]} and {keys[1]}, found {sorted(value)}")
+        return value[keys[0]], value[keys[1]]
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) == 2:
+        return value[0], value[1]
+    raise MixtureError(f"{what}: expected {{{keys[0]!r}: ..., {keys[1]!r}: ...}} or a pair, found {value!r}")
+
+
 def _parse_sources(sources: Any) -> tuple[MixtureSource, ...]:
     if isinstance(sources, Mapping):
         items = []
@@ -220,9 +217,7 @@ def _parse_sources(sources: Any) -> tuple[MixtureSource, ...]:
             if isinstance(spec, MixtureSource):
                 items.append(spec)
                 continue
-            if isinstance(spec, (str, bytes)) or not isinstance(spec, Sequence) or len(spec) != 2:
-                raise MixtureError(f"source {name!r}: expected (url, weight), found {spec!r}")
-            items.append(MixtureSource(name, spec[0], spec[1]))
+            items.append(MixtureSource(name, *_pair(f"source {name!r}", spec, ("url", "weight"))))
     elif isinstance(sources, Sequence) and not isinstance(sources, (str, bytes)):
         items = list(sources)
         if not all(isinstance(s, MixtureSource) for s in items):
