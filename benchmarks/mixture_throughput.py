@@ -14,7 +14,8 @@ Plan time: what one training rank computes at start-up for a 3-source mixture of
 samples in all (50/30/20%, synthetic lognormal lengths; the per-shard summaries made beforehand,
 as a dataset stores them), on 1,024 x 8 and 8 x 8 ranks: the mixture planner (every source's
 shape from its summaries), the composition, and the rank's plan of its first units of every
-source, in a fresh process, with its peak RSS. Target: <= 2 s (the per-rank target of plan v2).
+source, in a fresh process, with its peak RSS. Target on 1,024 x 8: <= 2 s (the per-rank target
+of plan v2); on 8 x 8 a rank plans an eighth of every source, so its time grows with the share.
 
     python -m benchmarks.mixture_throughput [--n 200000] [--repeats 3] [--max-seconds 20] \\
         [--plan-n 100000000] [--skip-plan | --skip-throughput] [--json]
@@ -224,8 +225,11 @@ def main() -> None:
         print(f"{name:<14} mixture {r['mixture_tokens_per_s']:>12,.0f} tok/s  single {r['single_tokens_per_s']:>12,.0f} "
               f"tok/s  ratio {r['ratio']:.3f} [{lo:.3f}-{hi:.3f}] (target >= 0.9: {'met' if r['ratio'] >= 0.9 else 'MISSED'})")
     for r in results.get("plan", []):
+        # The target is plan v2's, per rank of a large layout; on 8 x 8 a rank plans 1/8 of every source.
+        goal = f"target <= 2 s: {'met' if r['plan_seconds'] <= 2 else 'MISSED'}" if r["layout"] == "1024x8" else \
+            "grows with the share"
         print(f"plan {r['layout']:<7} {r['kind']:<9} {r['plan_seconds']:.3f} s, peak RSS {r['peak_rss_mb']:.0f} MB "
-              f"(3 sources, {args.plan_n:,} samples; target <= 2 s: {'met' if r['plan_seconds'] <= 2 else 'MISSED'})")
+              f"(3 sources, {args.plan_n:,} samples; {goal})")
 
 
 if __name__ == "__main__":
