@@ -100,3 +100,29 @@ def test_the_example_trains_a_mixture_and_resumes_under_new_weights(mix, tmp_pat
                 plan_keys += [[keys[name][g] for g in plan.batch(i)] for i in range(plan.batches_per_rank)]
                 epoch += 1
             assert served == plan_keys[: len(served)], name
+
+
+@pytest.mark.timeout(300)
+def test_killed_and_resumed_ranks_serve_exactly_the_uninterrupted_batches(mix, tmp_path):
+    path, _ = mix
+    steps, cut = 50, 23
+    expected = []
+    for r in range(2):
+        ld = ShardedLoader(Mixture.from_file(path), steps=steps, max_tokens=160, seed=2, rank=r, world_size=2,
+                           ranks_per_node=2, num_workers=0)
+        expected.append([[b["__source__"], list(b["__key__"])] for b in ld])
+    worker = os.path.join(REPO, "tests", "mixture_worker.py")
+    common = ["--mixture", path, "--steps", str(steps), "--ranks-per-node", "2"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    first = torchrun(worker, *common, "--out", str(a), "--stop-at", str(cut), "--num-workers", "2", nproc=2, timeout=200)
+    assert first.returncode == 0, first.stderr[-4000:]
+    states = [json.loads((a / f"state-rank{r}.json").read_text()) for r in range(2)]
+    assert states[0] == states[1] and states[0]["step"] == cut
+    second = torchrun(worker, *common, "--out", str(b), "--resume", str(a / "state-rank0.json"), "--num-workers", "0",
+                      nproc=2, timeout=200)
+    assert second.returncode == 0, second.stderr[-4000:]
+    for r in range(2):
+        before = json.loads((a / f"rank{r}.json").read_text())["batches"]
+        after = json.loads((b / f"rank{r}.json").read_text())["batches"]
+        assert before + after == expected[r]

@@ -344,3 +344,16 @@ def test_sources_storing_tokens_in_other_dtypes_give_the_same_packed_batches(dat
                 assert torch.equal(x[k], y[k]), k
             else:
                 assert x[k] == y[k], k
+
+
+def test_model_parallel_peers_of_a_dp_rank_get_identical_batches(data):
+    mix = mixture(data, WEIGHTS)
+    lds = [ShardedLoader(mix, steps=30, rank=r, world_size=4, ranks_per_node=4, dp_size=2, num_workers=0, seed=5,
+                         **PACKED) for r in range(4)]
+    got = {}
+    for ld in lds:
+        got.setdefault(ld.dp_rank, []).append(run(ld)[0])
+    assert sorted(got) == [0, 1] and all(len(v) == 2 for v in got.values())
+    for peers in got.values():
+        assert peers[0] == peers[1]
+    assert got[0][0] != got[1][0]
