@@ -33,7 +33,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardtool.loader import Mixture, ShardedLoader  # changed line 1 of 2
+from shardtool.loader import ShardedLoader  # changed line 1 of 2
+from shardtool.loader import Mixture  # only for --mixture
 
 
 class TinyLM(nn.Module):
