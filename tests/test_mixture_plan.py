@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mixplans import Served, planner_of, shares_error
@@ -22,24 +22,31 @@ def roundtrip(state: MixtureState) -> MixtureState:
 
 
 # ---------------------------------------------------------------------- token shares
-# Shares are measured on text-like sources (10,000-40,000 samples each): there every source's
-# expected tokens per unit, from its summaries, is within ~0.2% of what its plan serves. On tiny
-# corpora with rows not much longer than their documents the plan's estimate of rows per rank
-# (plan/shape.py) can be a few percent off, and a source's share with it.
+# Shares are measured on text-like sources (10,000-40,000 samples each). A source's expected
+# tokens per unit comes from its summaries: its tokens less the rows equal counts drop, as the
+# plan estimates them (plan/shape.py) — typically within 0.2% of what a pass serves, up to ~0.6%
+# (a 11k-sample source at rows of 1024). A share then errs by about p (1 - p) times that
+# difference: the span bound below is 0.15%, not the 0.1% the counts alone would give. On tiny
+# corpora with rows not much longer than their documents the estimate can be a few percent off.
+UNEVEN_ESTIMATES = MixtureCase((10943, 26275, 38041, 11413), (0.02, 0.02, 0.02, 0.03), Layout(2, 1),
+                               Batching(batch_size=4, seed=11419, packing=Packing(1024)), 11419, corpus=True)
+
+
 @settings(max_examples=30, deadline=None)
 @given(mixture_cases(packed=True, corpus=True))
-def test_packed_token_shares_within_1pct_every_100_steps_and_01pct_over_the_span(case):
+@example(UNEVEN_ESTIMATES)  # share error 0.107%: s3's estimate 0.56% off
+def test_packed_token_shares_within_1pct_every_100_steps_and_015pct_over_the_span(case):
     """A window of 100 steps of >= 4 rows is >= 400 units per rank: the rule's count bound
-    (~2 units) is <= 0.5% of it; over 2,000 steps it is ~0.01%."""
+    (~2 units) is <= 0.5% of it; over 2,000 steps the counts err by ~0.01%, the estimates more."""
     planner = planner_of(case.sources(), case.weights, case.batching, case.layout)
     tokens = Served(planner).step_tokens(planner.start(), range(2000))
     whole, window = shares_error(tokens, case.weights, 100)
-    assert window <= 0.01 and whole <= 0.001, (whole, window)
+    assert window <= 0.01 and whole <= 0.0015, (whole, window)
 
 
 @settings(max_examples=30, deadline=None)
 @given(mixture_cases(packed=False, corpus=True))
-def test_bucketed_token_shares_within_5pct_every_100_steps_and_01pct_over_the_span(case):
+def test_bucketed_token_shares_within_5pct_every_100_steps_and_015pct_over_the_span(case):
     """One whole batch of one source a step: over w steps a source's share of the batches is
     within ~2/w of its target (the rule's count bound: 2% at w = 100), and a batch's real tokens
     vary with the lengths in it (a batch opened by a sample of 0.6 x max_tokens holds only that
@@ -47,7 +54,7 @@ def test_bucketed_token_shares_within_5pct_every_100_steps_and_01pct_over_the_sp
     planner = planner_of(case.sources(), case.weights, case.batching, case.layout)
     tokens = Served(planner).step_tokens(planner.start(), range(4000))
     whole, window = shares_error(tokens, case.weights, 100)
-    assert window <= 0.05 and whole <= 0.001, (whole, window)
+    assert window <= 0.05 and whole <= 0.0015, (whole, window)
 
 
 def test_a_schedule_moves_the_shares_at_its_steps():
