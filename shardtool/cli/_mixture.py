@@ -81,8 +81,9 @@ def plan_mixture(args) -> int:
 def _print(report: dict, data, human) -> None:
     out = sys.stdout.write
     lay = report["layout"]
+    per_step = "one batch of one source" if report["units"] == "batches" else f"{report['units_per_step']} rows"
     out(f"mixture       {report['source']}: {len(report['sources'])} sources, {report['steps']:,} steps of "
-        f"{report['units_per_step']} {report['units']} per rank, {report['tokens']:,.0f} tokens expected\n")
+        f"{per_step} per rank, {report['tokens']:,.0f} tokens expected\n")
     out(f"layout        {lay['nodes']} nodes x {lay['ranks_per_node']} ranks = {lay['world_size']} ranks; "
         f"{data.describe()}\n")
     if len(report["schedule"]) > 1:
