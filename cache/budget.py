@@ -41,14 +41,17 @@ def cached_versions(cache_dir: str):
 
 
 def scan(cache_dir: str, *, current: VersionDir | None = None, assigned: set[int] | None = None,
-         protected: set[int] = frozenset()) -> tuple[list[Entry], dict, int]:
-    """Every cached shard file of every version as eviction entries; returns (entries, where, used)."""
+         protected: set[int] = frozenset(), keep: frozenset[str] = frozenset()) -> tuple[list[Entry], dict, int]:
+    """Every cached shard file of every version as eviction entries; returns (entries, where, used).
+    ``keep``: versions (the other datasets of a mixture) whose assigned shards are protected too."""
     entries: list[Entry] = []
     where: dict = {}
     used = 0
     for vd, m in cached_versions(cache_dir):
         is_current = current is not None and vd.root == current.root
-        mine = (assigned if assigned is not None else vd.read_assigned()) if is_current else set()
+        kept = not is_current and vd.version in keep
+        mine = (assigned if assigned is not None else vd.read_assigned()) if is_current else \
+            vd.read_assigned() if kept else set()
         for i, info in enumerate(m.shards):
             p = vd.path(info.path)
             try:
@@ -58,7 +61,7 @@ def scan(cache_dir: str, *, current: VersionDir | None = None, assigned: set[int
             key = (os.path.basename(vd.root), i)
             used += st.st_size
             entries.append(Entry(key, st.st_size, i in mine, vd.last_used(i) or st.st_mtime,
-                                 protected=is_current and i in protected))
+                                 protected=(is_current and i in protected) or (kept and i in mine)))
             where[key] = Cached(vd, i, p, st.st_size)
     return entries, where, used
 

@@ -15,7 +15,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import Mapping
+from typing import Iterable, Mapping
 
 
 from ..format.dataset import Dataset, SummariesMissing
@@ -79,7 +79,8 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
          jobs: int = 8, max_bytes: int | None = None, min_free: int | None = None, best_effort: bool = False,
          strict: bool = False, timeout: float | None = None, verify: bool = False, durable: bool = False,
          retry: RetryPolicy = RetryPolicy(), storage_options: dict | None = None, progress: bool | None = None,
-         env: Mapping[str, str] | None = None, log=None, perms: Perms = DEFAULT_PERMS) -> WarmReport:
+         env: Mapping[str, str] | None = None, log=None, perms: Perms = DEFAULT_PERMS,
+         keep: Iterable[str] = ()) -> WarmReport:
     """Warm ``cache_dir`` with the shards node ``placement.node`` of its layout reads (every shard
     with ``all_shards``). Never raises for remote or local failures: the returned report carries
     ``status`` and ``exit_code``. ``placement=None`` without ``all_shards`` means one node;
@@ -88,7 +89,9 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
     ``durable``: fsync each shard before publishing it; by default shards are published once
     verified and re-verified if the machine reboots before the kernel wrote them back
     (:mod:`shardtool.cache.durability`). ``perms``: modes and group of what the warm writes (default
-    0644 files, 0755 directories, whatever the umask: the job's user must read what root warmed)."""
+    0644 files, 0755 directories, whatever the umask: the job's user must read what root warmed).
+    ``keep``: dataset versions whose assigned shards a budget must not evict (the other sources of
+    a mixture warmed into the same cache: `shardtool.cache.mixwarm`)."""
     began = time.monotonic()
     deadline = None if timeout is None else began + timeout
     if progress is None:
@@ -104,7 +107,7 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
     try:
         _warm(report, url, cache_dir, placement=None if all_shards else placement, data_layout=data_layout, jobs=jobs, max_bytes=max_bytes,
               min_free=min_free, best_effort=best_effort, deadline=deadline, verify=verify, durable=durable, retry=retry,
-              storage_options=storage_options, progress=progress, log=log, perms=perms)
+              storage_options=storage_options, progress=progress, log=log, perms=perms, keep=frozenset(keep))
     except LocalFault as e:
         report.status, report.error = "local_fault", str(e)
     except UsageError as e:
@@ -121,7 +124,7 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
 
 
 def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, max_bytes, min_free, best_effort, deadline,
-          verify, durable, retry, storage_options, progress, log, perms) -> None:
+          verify, durable, retry, storage_options, progress, log, perms, keep=frozenset()) -> None:
     check_cache_dir(cache_dir, perms)
     try:
         src = Source(url, storage_options)
@@ -169,7 +172,7 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
             report.bytes_skipped += m.shards[i].bytes
         else:
             todo.append(i)
-    todo = _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log)
+    todo = _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log, keep)
 
     bar = _Progress(sum(m.shards[i].bytes for i in todo), progress)
     lock = threading.Lock()
@@ -240,11 +243,12 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
         log(f"failed shard #{i} {m.shards[i].path}: {failed[i]}")
 
 
-def _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log) -> list[int]:
+def _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log,
+                keep=frozenset()) -> list[int]:
     if max_bytes is None and min_free is None:
         return todo
     incoming = sum(m.shards[i].bytes for i in todo)
-    entries, where, used = scan(cache_dir, current=vd, assigned=set(shards), protected=set(shards))
+    entries, where, used = scan(cache_dir, current=vd, assigned=set(shards), protected=set(shards), keep=keep)
     limit = effective_limit(used, disk_free(cache_dir), max_bytes=max_bytes, min_free=min_free)
     victims, shortfall = plan_eviction(entries, used=used, limit=limit, incoming=incoming)
     if shortfall:

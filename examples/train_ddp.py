@@ -14,6 +14,15 @@ Every ``--metrics-every`` steps each rank's loader appends a metric line to a no
 (``--metrics-dir``, default under the cache dir or $TMPDIR), rank 0 prints one line of its
 loader metrics and, with several ranks, logs which rank waited longest for data. Afterwards,
 ``shardtool stats DIR...`` merges the files of every node.
+
+A mixture of datasets (weights in tokens, see the README's "Mixtures") runs for --steps steps
+instead of epochs, and may resume under other weights:
+
+    torchrun --nproc_per_node=2 examples/train_ddp.py --mixture mix.json --steps 1000 --seq-len 512 \
+        --packing best-fit --batch-size 8 --ckpt-dir ckpt/
+    # ... killed; requeued with new weights from the checkpoint's step on:
+    torchrun --nproc_per_node=2 examples/train_ddp.py --mixture mix.json --steps 1000 ... \
+        --ckpt-dir ckpt/ --weights web=0.5,code=0.3,math=0.2
 """
 from __future__ import annotations
 
@@ -32,6 +41,7 @@ import torch.nn.functional as F
 
 from shardtool.format.sizes import format_size
 from shardtool.loader import ShardedLoader  # changed line 1 of 2
+from shardtool.loader import Mixture  # only for --mixture
 
 
 class TinyLM(nn.Module):
@@ -60,7 +70,13 @@ class TinyLM(nn.Module):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", required=True, help="dataset URL (path, file://, s3://, ...)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", help="dataset URL (path, file://, s3://, ...)")
+    src.add_argument("--mixture", help="a mixture file (JSON/YAML: datasets and token weights); runs --steps steps")
+    p.add_argument("--steps", type=int, default=None, help="with --mixture: the run's length in steps (global batches)")
+    p.add_argument("--weights", default=None, metavar="NAME=W,...",
+                   help="with --mixture: these weights instead of the file's (and its schedule), e.g. at a resume: "
+                        "every source continues from where it was")
     p.add_argument("--cache-dir", default=None, help="node-local cache directory (warmed by `shardtool warm`)")
     p.add_argument("--field", default=None, help="token field (default: the dataset's length field)")
     g = p.add_mutually_exclusive_group()
@@ -112,6 +128,16 @@ def metrics_line(rank: int, step: int, m: dict) -> str:
             f"cache hit {'-' if hit is None else f'{100 * hit:.0f}%'}, read {read}")
 
 
+def mixture_of(args) -> Mixture:
+    if args.steps is None:
+        raise SystemExit("--mixture needs --steps N: a mixture has no epoch")
+    mixture = Mixture.from_file(args.mixture)
+    if args.weights:
+        pairs = [item.split("=", 1) for item in args.weights.split(",") if item]
+        mixture = mixture.with_weights({name: value for name, value in pairs})
+    return mixture
+
+
 def save_checkpoint(path: str, payload: dict) -> None:
     # Temp file + rename: a kill while saving keeps the previous checkpoint intact.
     tmp = f"{path}.tmp.{os.getpid()}"
@@ -138,10 +164,13 @@ def main(argv=None) -> int:
             args.max_tokens = 4096
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("shardtool.loader.metrics").setLevel(logging.INFO)  # rank 0's cross-rank summary
-    loader = ShardedLoader(args.data, batch_size=args.batch_size, max_tokens=args.max_tokens,  # changed line 2 of 2
+    data, length = args.data, {}
+    if args.mixture:
+        data, length = mixture_of(args), {"steps": args.steps}
+    loader = ShardedLoader(data, batch_size=args.batch_size, max_tokens=args.max_tokens,  # changed line 2 of 2
                            seed=args.seed, num_workers=args.num_workers, cache_dir=args.cache_dir,
                            metrics_every=args.metrics_every, metrics_dir=args.metrics_dir, metrics_reduce=distributed,
-                           **pack)
+                           **pack, **length)
     field = args.field or loader.length_field
 
     model = TinyLM(args.vocab, max_len=max(args.seq_len, 1)).to(device)
@@ -155,7 +184,7 @@ def main(argv=None) -> int:
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optim"])
         loader.load_state_dict(ck["loader"])
-        step, epoch = ck["step"], loader.epoch
+        step, epoch = ck["step"], 0 if args.mixture else loader.epoch
         print(f"[rank {rank}] resumed from step {step} (epoch {epoch})", flush=True)
 
     log = None
@@ -165,8 +194,11 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     done = False
-    while epoch < args.epochs and not done:
-        loader.set_epoch(epoch)
+    while (args.mixture or epoch < args.epochs) and not done:
+        if args.mixture:
+            done = True  # a mixture has no epochs: one pass serves its --steps steps
+        else:
+            loader.set_epoch(epoch)
         for batch in loader:
             if args.packing:
                 loss = packed_step(ddp, batch, args.vocab, device)
@@ -182,7 +214,7 @@ def main(argv=None) -> int:
                 time.sleep(args.step_sleep)
             if log:
                 log.write(json.dumps({"epoch": epoch, "step": step, "loss": round(loss.item(), 4),
-                                      "keys": list(batch["__key__"])}) + "\n")
+                                      "keys": list(batch["__key__"]), "source": batch.get("__source__")}) + "\n")
                 log.flush()
             if args.metrics_every and step % args.metrics_every == 0 and rank == 0:
                 print(metrics_line(rank, step, loader.metrics()), flush=True)
@@ -203,6 +235,8 @@ def main(argv=None) -> int:
                "batches_per_epoch": len(loader)}
     summary["loader"] = loader.metrics()["cumulative"]
     summary["metrics_file"] = loader.metrics_path
+    if args.mixture:
+        summary["mixture"] = loader.report()
     print(json.dumps(summary), flush=True)
     if args.log_dir:
         with open(os.path.join(args.log_dir, f"summary.rank{rank}.json"), "w") as f:

@@ -6,10 +6,14 @@ cheap for code that only needs the error types.
 """
 from __future__ import annotations
 
-__all__ = ["LoaderError", "LoaderStateError", "ShardedLoader"]
+__all__ = ["LoaderError", "LoaderStateError", "Mixture", "MixtureSource", "ShardedLoader"]
 
 
 def __getattr__(name: str):
+    if name in ("Mixture", "MixtureSource"):  # the config ShardedLoader(Mixture(...), steps=...) takes
+        from ..plan import mixture
+
+        return getattr(mixture, name)
     if name in __all__:
         from . import sharded
 

@@ -29,9 +29,12 @@ class Snapshot:
 class Meter:
     """Trainer-side counters of one loader, and the reading processes' table."""
 
-    def __init__(self, table: P.Table, source_name: str, in_process: bool = False):
+    def __init__(self, table: P.Table, source_names: list[str], in_process: bool = False):
         self.table = table
-        self.source_name = source_name
+        self.source_names = list(source_names)
+        # A mixture's tokens per source (`count_step`); one dataset's are all its tokens.
+        self.source_tokens = [0] * len(self.source_names) if len(self.source_names) > 1 else []
+        self.per_step = None  # a mixture: step -> (samples, tokens, padded, tokens per source)
         # num_workers=0: batches are produced inside next(), so producing them is the wait.
         self.in_process = in_process
         # Plain attributes: adding to one costs a fraction of a numpy scalar store, every step.
@@ -52,25 +55,44 @@ class Meter:
         # Lists: indexing one is several times cheaper per step than indexing a numpy array
         # (`Pass.next` adds them up as batches are handed over).
         self.batch_samples, self.batch_tokens, self.batch_padded = samples.tolist(), tokens.tolist(), padded.tolist()
+        self.per_step = None
+
+    def start_steps(self, per_step, workers: int, restart: bool) -> None:
+        """A mixture's pass: its steps' counts come from ``per_step(b)`` as each is handed over
+        (a mixture runs for millions of steps; its per-step plan is a closed form, not a table)."""
+        none = np.zeros(0, dtype=np.int64)
+        self.start_pass(none, none, none, workers, restart)
+        self.per_step = per_step
+
+    def count_step(self, b: int) -> None:
+        samples, tokens, padded, by_source = self.per_step(b)
+        self.samples += samples
+        self.tokens += tokens
+        self.padded += padded
+        for i, name in enumerate(self.source_names):
+            self.source_tokens[i] += by_source.get(name, 0)
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self) -> Snapshot:
         now = time.perf_counter()
         t = np.array([now - (self.began if self.began is not None else now), self.wait_s, self.steps, self.samples,
-                      self.tokens, self.padded, self.worker_starts, self.worker_restarts], dtype=np.float64)
+                      self.tokens, self.padded, self.worker_starts, self.worker_restarts, *self.source_tokens],
+                     dtype=np.float64)
         return Snapshot(np.concatenate([t, self.table.totals()]))
 
     def section(self, now: Snapshot, since: Snapshot | None = None) -> dict:
         """The counters between ``since`` (None: the start) and ``now``, as a plain dict."""
         d = now.v - since.v if since is not None else now.v
         # One conversion to Python numbers: per-element numpy access would cost more than the rest.
-        t, c = d[:TRAINER].tolist(), d[TRAINER : TRAINER + P.HIST0].tolist()
+        k = TRAINER + len(self.source_tokens)
+        t, c = d[:TRAINER].tolist(), d[k : k + P.HIST0].tolist()
+        by_source = d[TRAINER:k].tolist()
         seconds, wait = t[T_TIME], t[T_WAIT]
         samples, tokens, padded = int(t[T_SAMPLES]), int(t[T_TOKENS]), int(t[T_PADDED])
         hits, misses = int(c[P.HITS]), int(c[P.MISSES])
         p50 = p99 = None
         if c[P.OPENS]:
-            p50, p99 = P.percentiles(d[TRAINER + P.HIST0 :], (0.50, 0.99))
+            p50, p99 = P.percentiles(d[k + P.HIST0 :], (0.50, 0.99))
         return {
             "seconds": seconds,
             "batches": int(t[T_BATCHES]),
@@ -82,7 +104,8 @@ class Meter:
             "samples_per_s": _ratio(samples, seconds),
             "tokens_per_s": _ratio(tokens, seconds),
             "padding_efficiency": _ratio(tokens, padded),
-            "tokens_by_source": {self.source_name: tokens},
+            "tokens_by_source": ({n: int(v) for n, v in zip(self.source_names, by_source)} if by_source
+                                 else {self.source_names[0]: tokens}),
             "worker_starts": int(t[T_STARTS]),
             "worker_restarts": int(t[T_RESTARTS]),
             "produce_s": wait if self.in_process else c[P.PRODUCE_S],

@@ -25,21 +25,25 @@ CACHE_CHECK_S = 5.0  # how often the watchdog thread looks at the cache ahead of
 
 
 class Observer:
-    def __init__(self, reader, placement, *, num_workers: int, prefetch_factor: int, metrics: bool,
+    def __init__(self, readers: dict, placement, *, num_workers: int, prefetch_factor: int, metrics: bool,
                  metrics_every: int | None, metrics_dir: str | None, metrics_reduce: bool, cache_dir: str | None,
-                 stall_timeout: float | None, source_name: str, env=os.environ):
+                 stall_timeout: float | None, env=os.environ):
+        """``readers``: the dataset's reader under its URL, or a mixture's under its source names."""
         every = 0 if metrics_every is None else metrics_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"metrics_every must be an int >= 0 (0: no metric lines), found {metrics_every!r}")
         if stall_timeout is not None and not stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0 seconds (None: no watchdog), found {stall_timeout!r}")
-        self.reader = reader
+        self.readers = dict(readers)
         self.rank, self.layout, self.node = placement.rank, placement.layout, placement.node
         self.workers = num_workers
         self.lookahead = max(32, 4 * num_workers * prefetch_factor)
         self.table = Table(num_workers + 1)  # with metrics off, only the workers' pids (for stack dumps)
-        reader.probe = Probe(self.table, num_workers) if metrics else None
-        self.meter = Meter(self.table, source_name, in_process=num_workers == 0) if metrics else None
+        # One probe per process, shared by a mixture's readers: they read in the same process row.
+        self.probe = Probe(self.table, num_workers) if metrics else None
+        for reader in self.readers.values():
+            reader.probe = self.probe
+        self.meter = Meter(self.table, list(self.readers), in_process=num_workers == 0) if metrics else None
         self.every = every if metrics else 0
         self.reduce = metrics_reduce and metrics
         self.started = time.time()
@@ -48,7 +52,7 @@ class Observer:
         self.dir = metricslog.default_dir(metrics_dir, cache_dir, self.run, env)
         self.file = metricslog.MetricsFile(self.dir, self.host, self.rank)
         self._current: dict = {}  # the pass's batches, for the watchdog (no reference back to us)
-        where = BatchStart(reader, self._current)
+        where = BatchStart(self.readers, self._current)
         self.watchdog = (Watchdog(self.table, num_workers, stall_timeout, dump_dir=self.dir, details=metrics,
                                   describe=where.describe) if stall_timeout is not None else None)
         self.cache_behind = 0
@@ -60,8 +64,8 @@ class Observer:
 
     # ------------------------------------------------------------------ hooks
     def worker_init(self, w: int) -> None:
-        if self.reader.probe is not None:
-            self.reader.probe.bind(w + 1)
+        if self.probe is not None:
+            self.probe.bind(w + 1)
         else:
             self.table.announce(w + 1)
         if self.watchdog is not None:
@@ -74,7 +78,11 @@ class Observer:
         self._pass_complete, self._pass_epoch = False, epoch
         self.table.a[0, BUSY_PHASE] = IDLE  # a read left by an error of the last pass is over
         if self.meter is not None:
-            self.meter.start_pass(*batches.stats(), self.workers, restart)
+            stats = batches.stats()
+            if callable(stats):
+                self.meter.start_steps(stats, self.workers, restart)
+            else:
+                self.meter.start_pass(*stats, self.workers, restart)
         self._current["batches"] = batches
         p = Pass(self, batches, start, n, epoch)
         p.check_cache()  # at once: the first batches are the ones a cold cache stalls
@@ -91,8 +99,8 @@ class Observer:
 
     def _flush(self) -> None:
         """This process's uncounted batch bytes (with num_workers=0, the trainer reads them)."""
-        if self.reader.probe is not None:
-            self.reader.probe.flush()
+        if self.probe is not None:
+            self.probe.flush()
 
     def close(self) -> None:
         if self.watchdog is not None:
@@ -149,13 +157,21 @@ class BatchStart:
 
     INDEX_WAIT_S = 1.0
 
-    def __init__(self, reader, current: dict):
-        self.reader, self.current = reader, current
+    def __init__(self, readers: dict, current: dict):
+        self.readers, self.current = readers, current
+        self.reader = next(iter(readers.values()))
+
+    def shard_name(self, s: int) -> str:
+        names = {n: r.source.dataset.manifest.shards for n, r in self.readers.items()}
+        if len(names) == 1:
+            (shards,) = names.values()
+            return shards[s].path if 0 <= s < len(shards) else f"#{s}"
+        # A mixture's probe row holds a shard number, not its source: every source's shard of that number.
+        return f"#{s} (" + " or ".join(f"source {n!r}: {sh[s].path}" for n, sh in names.items() if 0 <= s < len(sh)) + ")"
 
     def describe(self, act: dict) -> str:
-        m = self.reader.source.dataset.manifest
         if act["phase"] != PHASES[0]:
-            name = m.shards[act["shard"]].path if 0 <= act["shard"] < len(m.shards) else f"#{act['shard']}"
+            name = self.shard_name(act["shard"])
             size = f", {act['size']} bytes" if act["size"] else ""
             return (f"{act['phase']} shard {name} at byte offset {act['offset']}{size} (tier {act['tier']}) "
                     f"for {act['for_s']:.1f} s")
@@ -165,7 +181,11 @@ class BatchStart:
 
     def begins(self, b: int) -> str:
         batches = self.current.get("batches")
-        ids = batches.batch_ids(b) if batches is not None and 0 <= b < len(batches) else ()
+        if batches is None or not 0 <= b < len(batches):
+            return f"batch {b} is not in this pass"
+        if not hasattr(batches, "batch_ids"):  # a mixture's step: its units of each source
+            return f"step {b} reads {batches.describe(b)}"
+        ids = batches.batch_ids(b)
         if not len(ids):
             return f"batch {b} is not in this pass"
         shard, local = self.reader.locate(ids[:1])
@@ -220,9 +240,12 @@ class Pass:
         if m is not None:  # Meter.delivered, inlined: a call per step costs more than the counting
             m.wait_s += wait
             m.steps += 1
-            m.samples += m.batch_samples[b]
-            m.tokens += m.batch_tokens[b]
-            m.padded += m.batch_padded[b]
+            if m.per_step is None:
+                m.samples += m.batch_samples[b]
+                m.tokens += m.batch_tokens[b]
+                m.padded += m.batch_padded[b]
+            else:
+                m.count_step(b)
             if self.every and m.steps % self.every == 0:
                 self.obs.line(self.epoch, b + 1)
         return batch
@@ -239,13 +262,16 @@ class Pass:
         if now < self._next_cache_check:
             return
         self._next_cache_check = now + CACHE_CHECK_S
-        src = self.obs.reader.source
+        if not hasattr(self.batches, "ids"):
+            return  # a mixture's steps: no one id table to look ahead in (not checked)
+        (reader,) = self.obs.readers.values()
+        src = reader.source
         if src.tier != CACHE:
             return
         b = self.position
         offs = self.batches.offsets
         ids = self.batches.ids[offs[b] : offs[min(b + self.obs.lookahead, self.n)]]
-        shards = np.unique(self.obs.reader.locate(ids)[0]).tolist() if len(ids) else []
+        shards = np.unique(reader.locate(ids)[0]).tolist() if len(ids) else []
         missing = [s for s in shards if not src.is_cached(s) and not src.being_fetched(s)]
         self.obs.cache_behind = len(missing)
         if missing and not self._warned:

@@ -29,6 +29,7 @@ allocation in a worker, fewer fresh pages in the trainer).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
@@ -41,7 +42,7 @@ from ..plan.packing import Packing, Rows
 from .collate import KEY, Alloc
 from .reader import BatchReader
 
-__all__ = ["IGNORE_INDEX", "PackedReader", "block_causal_mask", "packed_batch"]
+__all__ = ["IGNORE_INDEX", "PackedReader", "block_causal_mask", "packed_batch", "read_together"]
 
 IGNORE_INDEX = -100  # what torch.nn.functional.cross_entropy ignores by default
 
@@ -138,19 +139,30 @@ def _finish(block: np.ndarray, lay: _Layout, keys: Sequence[Any], *, name: str, 
             "max_seqlen": int(seg_len.max(initial=0)), "lengths": torch.from_numpy(lengths)}
 
 
+def _block(lay: _Layout, alloc: Alloc, into: np.ndarray | None) -> np.ndarray:
+    if into is None:
+        return alloc((3, lay.b, lay.seq), np.int64)
+    if into.shape != (3, lay.b, lay.seq) or into.dtype != np.int64:
+        raise ValueError(f"into must be int64 of shape {(3, lay.b, lay.seq)}, found {into.dtype} {into.shape}")
+    return into
+
+
 def packed_batch(rows: Rows, tokens_of: Callable[[np.ndarray], Sequence[Any]], packing: Packing, *,
                  keys_of: Callable[[np.ndarray], Sequence[Any]] | None = None, name: str = "input_ids",
-                 pad_id: int = 0, rows_per_batch: int | None = None, alloc: Alloc = np.empty) -> dict[str, Any]:
+                 pad_id: int = 0, rows_per_batch: int | None = None, alloc: Alloc = np.empty,
+                 into: np.ndarray | None = None) -> dict[str, Any]:
     """The packed batch of ``rows`` (span_pos = sample ids). ``tokens_of(ids)`` gives the 1-D
     integer token arrays of the sorted distinct ``ids``, ``keys_of(ids)`` their keys (default:
-    the ids). ``rows_per_batch`` pads a short batch with rows of padding to a fixed shape."""
+    the ids). ``rows_per_batch`` pads a short batch with rows of padding to a fixed shape.
+    ``into``: an int64 [3, B, S] block (rows of a larger batch) to write tokens, labels and
+    positions into, instead of a new one."""
     lay = _Layout(rows, packing, rows_per_batch)
     arrays = list(tokens_of(lay.docs))
     if len(arrays) != len(lay.docs):
         raise ValueError(f"tokens_of returned {len(arrays)} arrays for {len(lay.docs)} samples")
     counts = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
     n = lay.copy_counts(counts, lambda g: f"sample {g}")
-    block = alloc((3, lay.b, lay.seq), np.int64)
+    block = _block(lay, alloc, into)
     flat = block[0].reshape(-1)
     for dst, d, a, k in zip(lay.flat_start.tolist(), lay.doc_of_span.tolist(), rows.span_start.tolist(), n.tolist()):
         flat[dst : dst + k] = arrays[d][a : a + k]
@@ -167,15 +179,22 @@ class PackedReader:
         self.name, self.pad_id, self.rows_per_batch = name, int(pad_id), rows_per_batch
         self._scratch_buf: np.ndarray | None = None
 
-    def read(self, rows: Rows, alloc: Alloc | None = None) -> dict[str, Any]:
-        """The packed batch of ``rows`` (span_pos = global sample ids)."""
+    def read(self, rows: Rows, alloc: Alloc | None = None, *, rows_per_batch: int | None = None,
+             into: np.ndarray | None = None) -> dict[str, Any]:
+        """The packed batch of ``rows`` (span_pos = global sample ids), of ``rows_per_batch`` rows
+        (default: the reader's); ``into``: see `packed_batch`."""
         alloc = alloc or np.empty
-        lay = _Layout(rows, self.packing, self.rows_per_batch)
+        lay = _Layout(rows, self.packing, rows_per_batch or self.rows_per_batch)
         src = self.reader.token_sources(lay.docs)
         if src is None:
-            return self._decoded(rows, lay, alloc)
+            return self._decoded(rows, lay, alloc, into)
+        return self._copied(lay, src, alloc, into, self.reader.where)
+
+    def _copied(self, lay: _Layout, src: tuple, alloc: Alloc, into: np.ndarray | None,
+                where: Callable[[int], str]) -> dict[str, Any]:
+        """The batch of ``lay`` from ``src`` (`BatchReader.token_sources` of ``lay.docs``)."""
         keys, bufs, which, first, counts, dtype = src
-        n = lay.copy_counts(counts, self.reader.where)
+        n = lay.copy_counts(counts, where)
         item = dtype.itemsize
         # Raw-byte copies in the stored dtype (a memoryview slice assignment is a bare memcpy,
         # as in BatchReader), then one vectorised widening: cheaper than a cast per piece.
@@ -183,14 +202,14 @@ class PackedReader:
         dst = memoryview(narrow.reshape(-1).view(np.uint8))
         d = lay.doc_of_span
         for at, w, a, k in zip((lay.flat_start * item).tolist(), which[d].tolist(),
-                               ((first[d] + rows.span_start) * item).tolist(), (n * item).tolist()):
+                               ((first[d] + lay.rows.span_start) * item).tolist(), (n * item).tolist()):
             dst[at : at + k] = bufs[w][a : a + k]
         dst.release()
-        block = alloc((3, lay.b, lay.seq), np.int64)
+        block = _block(lay, alloc, into)
         np.copyto(block[0], narrow)
         return _finish(block, lay, keys, name=self.name, pad_id=self.pad_id, alloc=alloc)
 
-    def _decoded(self, rows: Rows, lay: _Layout, alloc: Alloc) -> dict[str, Any]:
+    def _decoded(self, rows: Rows, lay: _Layout, alloc: Alloc, into: np.ndarray | None) -> dict[str, Any]:
         """Remote shards, or payloads that are not plain arrays: decode sample by sample."""
         field = self.reader.pad_field
         samples = self.reader.read_samples(lay.docs)
@@ -199,7 +218,7 @@ class PackedReader:
                               f"this dataset's length field is {field!r}")
         return packed_batch(rows, lambda _: [s[field] for s in samples], self.packing,
                             keys_of=lambda _: [s[KEY] for s in samples], name=self.name, pad_id=self.pad_id,
-                            rows_per_batch=self.rows_per_batch, alloc=alloc)
+                            rows_per_batch=lay.b, alloc=alloc, into=into)
 
     def _scratch(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
         need = int(np.prod(shape)) * dtype.itemsize
@@ -209,6 +228,41 @@ class PackedReader:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_scratch_buf": None}  # a worker makes its own
+
+
+SOURCE_SHIFT = 40  # read_together's document ids: part i's sample g is (i << 40) + g
+
+
+def read_together(parts: Sequence[tuple[PackedReader, Rows]], rows_per_batch: int,
+                  alloc: Alloc = np.empty) -> dict[str, Any] | None:
+    """One packed batch of the rows of several readers (a mixture's sources), part after part:
+    one layout, one pass of token copies and one finish, as for the rows of one dataset. Uses the
+    first reader's name, pad id and scratch. None when a part's tokens are not raw arrays in its
+    mapped shards, or the parts store tokens in different dtypes (then read part by part)."""
+    first_reader = parts[0][0]
+    shifted, sources = [], []
+    for i, (reader, rows) in enumerate(parts):
+        src = reader.reader.token_sources(np.unique(rows.span_pos))
+        if src is None:
+            return None
+        sources.append(src)
+        shifted.append(dataclasses.replace(rows, span_pos=rows.span_pos + (i << SOURCE_SHIFT)))
+    if len({src[5] for src in sources}) != 1:
+        return None
+    lay = _Layout(Rows.concat(shifted, first_reader.packing.seq_len), first_reader.packing, rows_per_batch)
+    keys, bufs, which = [], [], []
+    for src in sources:
+        keys += src[0]
+        which.append(src[2] + len(bufs))
+        bufs += src[1]
+    joined = (keys, bufs, np.concatenate(which), np.concatenate([src[3] for src in sources]),
+              np.concatenate([src[4] for src in sources]), sources[0][5])
+
+    def where(doc: int) -> str:
+        part, gid = doc >> SOURCE_SHIFT, doc & ((1 << SOURCE_SHIFT) - 1)
+        return parts[part][0].reader.where(gid)
+
+    return first_reader._copied(lay, joined, alloc, None, where)
 
 
 def block_causal_mask(batch: dict[str, Any]) -> torch.Tensor:

@@ -250,9 +250,12 @@ class BatchReader:
             if other is None:
                 self._count(groups)
             else:  # queued, added up by the probe: no Python call per batch (Probe.flush)
+                item = groups[0][0].tok_view.itemsize
+                if probe.counts and (probe.counts_item != item or probe.counts_tier != self.tier):
+                    probe.flush()  # a mixture's readers share the probe: sources of other dtypes or tiers
                 probe.counts.append(n)
                 probe.counts_other += other
-                probe.counts_item, probe.counts_tier = groups[0][0].tok_view.itemsize, self.tier
+                probe.counts_item, probe.counts_tier = item, self.tier
                 if len(probe.counts) >= 64:  # num_workers=0 flushes at metrics() and pass end
                     probe.flush()
         which = np.repeat(np.arange(len(bufs)), [len(x) for x in rows_l]) if bufs else np.zeros(0, np.int64)

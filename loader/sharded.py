@@ -55,6 +55,11 @@ class ShardedLoader:
     ``cu_seqlens``, ``max_seqlen`` (see `shardtool.loader.packed`), and the rows are planned like
     batches: equal counts, exact and elastic resume.
 
+    A `shardtool.plan.mixture.Mixture` instead of ``url`` reads several datasets by token
+    weights (loader/mixed.py): give its length as ``steps`` (or ``tokens``); a mixture has no
+    epoch, ``len(loader)`` is the steps left and ``set_epoch`` is refused; each batch names its
+    source(s) in ``__source__``; state and resume work across weight, source and layout changes.
+
     ``set_epoch(e)`` selects epoch ``e``; for the epoch the loader is already in (say, after
     ``load_state_dict``) it keeps the position. After the last batch of an epoch the loader
     moves to the next epoch by itself, and its state says so: resume with
@@ -72,7 +77,16 @@ class ShardedLoader:
     ``metrics=False`` keeps no counters at all (the watchdog still fires, without read details).
     """
 
-    def __init__(self, url: str, *, batch_size: int | None = None, max_tokens: int | None = None,
+    def __new__(cls, url: Any = None, *args: Any, **kwargs: Any) -> "ShardedLoader":
+        from ..plan.mixture import Mixture
+
+        if cls is ShardedLoader and isinstance(url, Mixture):
+            from .mixed import MixtureLoader  # the mixture's own iteration and state
+
+            return super().__new__(MixtureLoader)
+        return super().__new__(cls)
+
+    def __init__(self, url: Any, *, batch_size: int | None = None, max_tokens: int | None = None,
                  shuffle: bool = True, seed: int = 0, bucketing: bool | None = None, rank: int | None = None,
                  world_size: int | None = None, ranks_per_node: int | None = None, dp_rank: int | None = None,
                  dp_size: int | None = None, mesh: Any = None, dp_dim: str | tuple[str, ...] = "dp",
@@ -82,7 +96,8 @@ class ShardedLoader:
                  transform: Callable | None = None, collate_fn: Callable | None = None, pad_id: int = 0,
                  storage_options: dict | None = None, timeout: float = 300.0, window: int | None = None,
                  metrics: bool = True, metrics_every: int | None = 100, metrics_dir: str | None = None,
-                 metrics_reduce: bool = False, stall_timeout: float | None = 300.0):
+                 metrics_reduce: bool = False, stall_timeout: float | None = 300.0, steps: int | None = None,
+                 tokens: int | None = None):
         import torch
 
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -109,6 +124,22 @@ class ShardedLoader:
         self.transform = transform
         self.collate_fn = collate_fn
         self.pad_id = int(pad_id)
+        self._open(url, cache_dir=cache_dir, storage_options=storage_options, steps=steps, tokens=tokens)
+        try:
+            self._obs = Observer(self._readers(), self.placement, num_workers=num_workers,
+                                 prefetch_factor=prefetch_factor, metrics=metrics, metrics_every=metrics_every,
+                                 metrics_dir=metrics_dir, metrics_reduce=metrics_reduce, cache_dir=cache_dir,
+                                 stall_timeout=stall_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, url: str, *, cache_dir: str | None, storage_options: dict | None, steps: int | None,
+              tokens: int | None) -> None:
+        """The dataset and its plan (a `Mixture` opens its sources instead: loader/mixed.py)."""
+        if steps is not None or tokens is not None:
+            raise ValueError("steps= and tokens= give the length of a Mixture; a single dataset is read by epochs "
+                             "(len(loader) batches each, set_epoch to choose one)")
         self.spec = SourceSpec(url, cache_dir, storage_options)
         self.reader = BatchReader(self.spec, pad_id=self.pad_id)
         ds = self.reader.source.dataset  # metadata only: manifest, summaries, this rank's range's lengths
@@ -122,10 +153,10 @@ class ShardedLoader:
         self._pass_start = 0
         self._checked_epoch: int | None = None
         self._loaded_epoch: int | None = None  # a loaded state's epoch, until the loader is iterated
-        self._obs = Observer(self.reader, self.placement, num_workers=num_workers, prefetch_factor=prefetch_factor,
-                             metrics=metrics, metrics_every=metrics_every, metrics_dir=metrics_dir,
-                             metrics_reduce=metrics_reduce, cache_dir=cache_dir, stall_timeout=stall_timeout,
-                             source_name=url)
+
+    def _readers(self) -> dict[str, BatchReader]:
+        """The readers the metrics count, by source name (one dataset: its URL)."""
+        return {str(self.spec.url): self.reader}
 
     # ------------------------------------------------------------------ epoch and plan
     @property
@@ -205,6 +236,9 @@ class ShardedLoader:
         """Continue exactly where ``state`` (from `state_dict`, on any rank) was: on the same data
         layout from the next batch; on another one (DP size changed) with the epoch's unserved
         batches dealt over the new DP ranks. Refuses a state of another dataset or config."""
+        if isinstance(state, dict) and state.get("kind") == "mixture":
+            raise LoaderStateError("cannot load this loader state: it was saved by a loader of a Mixture; load it "
+                                   "into ShardedLoader(Mixture(...)) of those sources")
         try:
             st = LoaderState.from_dict(state, batching=self.batching)
             check_compatible(st, self.fingerprint, self.batching)
@@ -244,7 +278,8 @@ class ShardedLoader:
         watch = self._obs.begin_pass(batches, start, n, where, self._epoch)  # before the workers fork
         try:
             dl = make_dataloader(batches, start, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
-                                 pin_memory=self.pin_memory, timeout=self.timeout, worker_init=self._obs.worker_init)
+                                 pin_memory=self.pin_memory, timeout=self.timeout, worker_init=self._obs.worker_init,
+                                 probe=self._obs.probe)
         except BaseException:
             self._obs.end_pass(complete=False)
             raise
@@ -260,7 +295,7 @@ class ShardedLoader:
                     # else (our reader's errors, the user's transform or collate_fn) is raised as
                     # itself, with notes naming the batch and its shards.
                     raise LoaderError(
-                        f"{where}: batch {b} could not be loaded ({describe_ids(self.reader, batches.batch_ids(b))}): "
+                        f"{where}: batch {b} could not be loaded ({batches.describe(b)}): "
                         f"a worker process failed, exited or was killed ({type(e).__name__}: {e})"
                     ) from e
                 self._served = b + 1
@@ -268,6 +303,9 @@ class ShardedLoader:
         finally:
             it.close()  # the worker pool, or the in-process generator
             self._obs.end_pass(complete=self._served >= n)
+        self._pass_done()
+
+    def _pass_done(self) -> None:
         self._start_epoch(self._epoch + 1)
 
     def _check_ranks_agree(self, plan: RankPlan) -> None:
@@ -276,26 +314,38 @@ class ShardedLoader:
         Without it, a rank on another dataset version would wait forever in the first
         all-reduce of training after the others ran out of batches.
         """
+        if self._checked_epoch == self._epoch or not self._in_process_group():
+            return
+        self._checked_epoch = self._epoch
+        ident = f"{self.fingerprint}/{self.batching.fingerprint()}/{self._epoch}"
+        self._agree([plan.batches_per_rank, self._served], ident, "(batches per rank, dataset/config, position)",
+                    "Every rank must open the same dataset version with the same batching and state.")
+
+    def _in_process_group(self) -> bool:
+        """torch.distributed is initialised with this loader's layout (an explicit layout that is
+        not the process group's has nobody to compare with)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return False
+        return dist.get_world_size() == self.layout.world_size and dist.get_rank() == self.rank
+
+    def _agree(self, numbers: list[int], ident: str, what: str, fix: str) -> None:
+        """All-reduce ``numbers`` and a digest of ``ident`` (MAX of them and of their negatives):
+        LoaderError naming the ranges if any rank differs."""
         import torch
         import torch.distributed as dist
 
-        if self._checked_epoch == self._epoch or not (dist.is_available() and dist.is_initialized()):
-            return
-        if dist.get_world_size() != self.layout.world_size or dist.get_rank() != self.rank:
-            return  # an explicit layout that is not the process group's: nothing to compare with
-        self._checked_epoch = self._epoch
-        ident = f"{self.fingerprint}/{self.batching.fingerprint()}/{self._epoch}".encode()
-        digest = int(hashlib.sha256(ident).hexdigest()[:15], 16)
-        mine = [plan.batches_per_rank, digest, self._served]
+        digest = int(hashlib.sha256(ident.encode()).hexdigest()[:15], 16)
+        mine = [numbers[0], digest, *numbers[1:]]
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
         t = torch.tensor(mine + [-x for x in mine], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        hi, neg_lo = t[:3].tolist(), t[3:].tolist()
+        hi, neg_lo = t[: len(mine)].tolist(), t[len(mine):].tolist()
         if any(h != -lo for h, lo in zip(hi, neg_lo)):
             raise LoaderError(
-                f"rank {self.rank}: ranks disagree on (batches per rank, dataset/config, position): "
-                f"this rank has {mine}; ranges across ranks {list(zip([-x for x in neg_lo], hi))}. "
-                "Every rank must open the same dataset version with the same batching and state."
+                f"rank {self.rank}: ranks disagree on {what}: this rank has {mine}; ranges across ranks "
+                f"{list(zip([-x for x in neg_lo], hi))}. {fix}"
             )
 
     # ------------------------------------------------------------------ observability
@@ -326,7 +376,8 @@ class ShardedLoader:
         return self._obs.rank_summary
 
     def close(self) -> None:
-        self._obs.close()
+        if hasattr(self, "_obs"):
+            self._obs.close()
         self.reader.close()
 
 

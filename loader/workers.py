@@ -7,6 +7,7 @@ order, so the batch sequence never depends on ``num_workers``.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -56,6 +57,10 @@ class PlanBatches:
     def batch_ids(self, b: int) -> np.ndarray:
         return self.ids[self.offsets[b] : self.offsets[b + 1]]
 
+    def describe(self, b: int) -> str:
+        """Batch b's samples and shards, for an error message."""
+        return describe_ids(self.reader, self.batch_ids(b))
+
     def load(self, b: int, alloc: Alloc | None = None) -> Any:
         """Batch b; ``alloc`` (in a worker): where its arrays are born, a shared-memory slot."""
         ids = self.batch_ids(b)
@@ -76,19 +81,6 @@ class PlanBatches:
         except Exception as e:
             add_note(e, f"while loading batch {b} of {self.where}: {describe_ids(self.reader, ids)}")
             raise
-
-    def load_in_worker(self, b: int, alloc: Alloc | None = None) -> Any:
-        """`load`, marked and timed in the worker's probe row (the trainer times its own batches:
-        with num_workers=0 they are produced inside its next())."""
-        probe = self.reader.probe
-        began = probe.batch_begin(b)
-        try:
-            out = self.load(b, alloc)
-        except BaseException:
-            probe.batch_failed()
-            raise
-        probe.batch_end(began, last=b + probe.stride >= len(self))
-        return out
 
     def _check_lengths(self, b: int, ids: np.ndarray, got) -> None:
         """What was read has the lengths the plan bucketed by (the lengths file): a dataset whose
@@ -111,14 +103,30 @@ class PlanBatches:
 
 
 def make_dataloader(dataset: PlanBatches, start: int, *, num_workers: int, prefetch_factor: int,
-                    pin_memory: bool, timeout: float, worker_init: Callable[[int], None] | None = None) -> Iterator[Any]:
-    """Batches ``start .. len(dataset)-1`` in order (the name predates our own worker pool)."""
+                    pin_memory: bool, timeout: float, worker_init: Callable[[int], None] | None = None,
+                    probe=None) -> Iterator[Any]:
+    """Batches ``start .. len(dataset)-1`` in order (the name predates our own worker pool);
+    ``probe``: the workers' metrics (loader/probe.py), None for none. ``dataset``: `PlanBatches`,
+    or anything with its ``load`` and ``len`` (a mixture's steps)."""
     pin = bool(pin_memory) and torch.cuda.is_available()
     if num_workers == 0:
         return _in_process(dataset, start, pin)
-    load = dataset.load if dataset.reader.probe is None else dataset.load_in_worker
+    load = dataset.load if probe is None else functools.partial(_timed_load, dataset.load, probe, len(dataset))
     return WorkerPool(load, start, len(dataset), num_workers=num_workers, prefetch_factor=prefetch_factor,
                       timeout=timeout, pin=pin, worker_init=worker_init)
+
+
+def _timed_load(load: Callable, probe, n: int, b: int, alloc: Alloc | None = None) -> Any:
+    """``load(b)`` marked and timed in the worker's probe row (the trainer times its own batches:
+    with num_workers=0 they are produced inside its next())."""
+    began = probe.batch_begin(b)
+    try:
+        out = load(b, alloc)
+    except BaseException:
+        probe.batch_failed()
+        raise
+    probe.batch_end(began, last=b + probe.stride >= n)
+    return out
 
 
 def _in_process(dataset: PlanBatches, start: int, pin: bool) -> Iterator[Any]:

@@ -91,3 +91,54 @@ def cases(draw, mode: str | None = None, min_size: int = 400, any_window: bool =
     data = draw(datasets(min_size=min_size))
     batching = draw(batchings(data.lengths, mode, any_window))
     return Case(data, draw(layouts), batching, draw(st.integers(0, 1000)))
+
+
+# ---------------------------------------------------------------------- mixtures
+MIXTURE_LAYOUTS = [Layout(1, 1), Layout(2, 1), Layout(1, 2), Layout(2, 2)]
+
+
+@dataclass(frozen=True)
+class MixtureCase:
+    sizes: tuple[int, ...]
+    weights: tuple[float, ...]
+    layout: Layout
+    batching: Batching
+    seed: int
+    corpus: bool = False  # the benchmarks' text-like lengths (median 350, up to 8192), else short ones
+
+    def sources(self):
+        """{name: ArraySource} of lognormal lengths: median 60 up to 700 tokens, or the corpus's."""
+        from shardtool.plan import ArraySource
+
+        rng = np.random.default_rng(self.seed)
+        out = {}
+        for i, size in enumerate(self.sizes):
+            lengths = lognormal_lengths(size, seed=rng) if self.corpus else \
+                lognormal_lengths(size, seed=rng, median=60, high=700)
+            out[f"s{i}"] = ArraySource(lengths, make_shard_counts(rng, size, 8, False))
+        return out
+
+
+@st.composite
+def mixture_cases(draw, packed: bool, min_size: int = 300, max_size: int = 1500, max_sources: int = 4,
+                  corpus: bool = False) -> MixtureCase:
+    """Small sources of short lengths (rows of 128-512 tokens, batches of 1024-4096), or with
+    ``corpus`` text-like sources of 10,000-40,000 samples (rows of 1024-4096 tokens, at least 4 a
+    step; batches of 8192-32768 tokens), the scale where the shares are measured."""
+    from shardtool.plan.packing import Packing
+
+    k = draw(st.integers(1, max_sources))
+    if corpus:
+        min_size, max_size = 10000, 40000
+    sizes = tuple(draw(st.integers(min_size, max_size)) for _ in range(k))
+    weights = tuple(draw(st.integers(2, 100)) / 100 for _ in range(k))
+    seed = draw(st.integers(0, 2**31))
+    if packed:
+        rows = draw(st.integers(4, 8)) if corpus else draw(st.integers(2, 8))
+        seq = draw(st.sampled_from([1024, 2048, 4096] if corpus else [128, 256, 512]))
+        batching = Batching(batch_size=rows, seed=seed,
+                            packing=Packing(seq, draw(st.sampled_from(["best-fit", "concat"]))))
+    else:
+        budget = draw(st.sampled_from([8192, 16384, 32768] if corpus else [1024, 2048, 4096]))
+        batching = Batching(max_tokens=budget, seed=seed)
+    return MixtureCase(sizes, weights, draw(st.sampled_from(MIXTURE_LAYOUTS)), batching, seed, corpus)

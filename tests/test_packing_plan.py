@@ -231,3 +231,12 @@ def test_the_packing_stage_does_not_import_torch():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": root}, cwd=root)
     assert res.returncode == 0 and res.stdout.strip() == "False", res.stdout + res.stderr
+
+
+def test_a_slice_of_rows_is_the_same_as_taking_them():
+    rows = pack_rows(np.array([5, 0, 17, 3, 40, 8, 1, 22], dtype=np.int64), Packing(16, "concat"))
+    for a in range(rows.num_rows + 1):
+        for z in range(a, rows.num_rows + 1):
+            got, want = rows.slice(a, z), rows.take(np.arange(a, z))
+            for field in ("row_offsets", "span_pos", "span_start", "span_len"):
+                assert np.array_equal(getattr(got, field), getattr(want, field)), (a, z, field)

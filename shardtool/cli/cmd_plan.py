@@ -29,7 +29,17 @@ corpus), shard by shard from per-shard seeds, so N = 1,000,000,000 needs no 8 GB
 
 {layout}
 
+A mixture file (JSON, or YAML with PyYAML installed) names datasets and their weights in tokens,
+optionally a schedule of weight changes by step and max_repeat (default 10):
+  {{"sources": {{"web": {{"url": "s3://bucket/web", "weight": 0.7}},
+               "code": {{"url": "/lustre/code", "weight": 0.3}}}},
+   "schedule": [{{"from_step": 90000, "weights": {{"web": 0.5, "code": 0.5}}}}], "max_repeat": 10}}
+`shardtool plan mix.json --steps N` plans N steps and prints per source its target and realized
+token share, tokens, source-epochs (passes over it) and bytes per node; a span that would pass
+over a source more than max_repeat times is refused with a table (exit 1).
+
 examples:
+  shardtool plan mix.json --steps 100000 --nodes 4 --ranks-per-node 8 --seq-len 4096 --batch-size 8
   shardtool plan s3://bucket/ds --nodes 4 --ranks-per-node 8 --max-tokens 65536
   shardtool plan ./ds --simulate-nodes 1024 --ranks-per-node 8 --batch-size 32 --json
   shardtool plan --synthetic 1000000000 --simulate-nodes 1024 --ranks-per-node 8 --max-tokens 65536 --rank 4100
@@ -37,7 +47,7 @@ examples:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("url", nargs="?", help="dataset root (local path or fsspec URL)")
+    p.add_argument("url", nargs="?", help="dataset root (local path or fsspec URL), or a mixture file")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--nodes", type=int, default=None, help="number of nodes (default 1)")
     where.add_argument("--simulate-nodes", type=int, default=None, metavar="N",
@@ -64,6 +74,11 @@ def add_arguments(p) -> None:
                    help="shard size of --synthetic (default 10,000)")
     p.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1),
                    help="processes for the simulation of every group (default: up to 2)")
+    mx = p.add_argument_group("mixtures (URL is a mixture file: .json or .yaml)")
+    length = mx.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, default=None, metavar="N", help="steps (global batches) to plan")
+    length.add_argument("--tokens", type=int, default=None, metavar="T",
+                        help="expected tokens to plan (all ranks), converted into steps")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -153,14 +168,33 @@ def _evaluate_rank(args, source) -> dict:
     return out
 
 
+def node_shards(summaries, data, layout, shard_bytes):
+    """(per node: the sorted shards it caches, bytes per node) of one dataset under ``data``."""
+    import numpy as np
+
+    from ..plan import group_cuts, group_shard_pieces
+
+    pieces = group_shard_pieces(summaries, group_cuts(summaries, data.group_sizes))
+    per_node = [sorted({s for g in data.groups_on_node(k) for s, _, _ in pieces[g]}) for k in range(layout.num_nodes)]
+    return per_node, np.array([int(shard_bytes[s].sum()) if s else 0 for s in per_node], dtype=np.int64)
+
+
 def run(args) -> int:
     import numpy as np
 
     from ..format import ShardtoolError, open_dataset
-    from ..plan import Placement, group_cuts, group_shard_pieces
+    from ..plan import Placement
+    from ..plan.mixture import is_mixture_file
     from ..plan.simulate import simulate_epoch
     from ..plan.synthetic import SyntheticSource
 
+    if args.url is not None and is_mixture_file(args.url):
+        from ._mixture import plan_mixture
+
+        return plan_mixture(args)
+    if args.steps is not None or args.tokens is not None:
+        raise ShardtoolError("--steps and --tokens give the length of a mixture (a mixture file); a dataset is "
+                             "planned by epochs (--epoch)")
     if args.url is None and args.synthetic is None:
         raise ShardtoolError("give a dataset URL or --synthetic N")
     try:
@@ -185,11 +219,7 @@ def run(args) -> int:
         name = args.url
         shard_bytes = np.array([s.bytes for s in source.manifest.shards], dtype=np.int64)
     summaries = source.summaries
-    cuts = group_cuts(summaries, data.group_sizes)
-    pieces = group_shard_pieces(summaries, cuts)
-    per_node_shards = [sorted({s for g in data.groups_on_node(k) for s, _, _ in pieces[g]})
-                       for k in range(layout.num_nodes)]
-    node_bytes = np.array([int(shard_bytes[s].sum()) if s else 0 for s in per_node_shards], dtype=np.int64)
+    per_node_shards, node_bytes = node_shards(summaries, data, layout, shard_bytes)
     report = {
         "source": name,
         "layout": {"nodes": layout.num_nodes, "ranks_per_node": layout.ranks_per_node,

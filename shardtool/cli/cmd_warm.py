@@ -15,6 +15,9 @@ file and those shards' sample indexes, so the loader (cache_dir=...) starts and 
 even if the source is unreachable. The node's shards come from the same pure function the loader
 uses; they depend only on the dataset and the layout (no seed or batching config).
 
+A mixture file (mix.json, see `shardtool plan --help`) warms every source's range for this node in
+one call, one line per source; with a budget, no source's warm evicts another's shards.
+
 Node layout: --nodes/--node-rank/--ranks-per-node, else SLURM_JOB_NUM_NODES, SLURM_NODEID and
 SLURM_NTASKS_PER_NODE or SLURM_GPUS_ON_NODE. --all warms every shard.
 
@@ -54,7 +57,8 @@ examples:
 """.format(layout=LAYOUT_HELP)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("url", help="dataset root: local path, file://, s3://, gs://, http(s)://")
+    p.add_argument("url", help="dataset root: local path, file://, s3://, gs://, http(s)://; or a mixture file "
+                               "(.json/.yaml) to warm every source it names")
     p.add_argument("--cache-dir", required=True, help="node-local cache directory")
     g = p.add_argument_group("node layout")
     g.add_argument("--nodes", type=int, help="number of nodes (default: SLURM_JOB_NUM_NODES, else 1)")
@@ -130,6 +134,7 @@ def run(args) -> int:
     from ..cache import RetryPolicy, warm
     from ..cache.errors import EXIT_USAGE
     from ..plan import LayoutError, Placement, node_placement
+    from ..plan.mixture import is_mixture_file
 
     if args.jobs < 1 or args.retries < 1:
         print("shardtool warm: error: --jobs and --retries must be >= 1", file=sys.stderr)
@@ -158,13 +163,16 @@ def run(args) -> int:
             print(f"shardtool warm: error: {e}", file=sys.stderr)
             return EXIT_USAGE
     policy = RetryPolicy(attempts=args.retries, attempt_timeout=args.attempt_timeout, stall_timeout=args.stall_timeout)
+    if is_mixture_file(args.url):  # every source of the mixture, one report
+        from ..cache.mixwarm import warm_mixture as warm
     report = warm(args.url, args.cache_dir, placement=placement, data_layout=data, all_shards=args.all, jobs=args.jobs,
                   max_bytes=args.max_bytes, min_free=args.min_free, best_effort=args.best_effort,
                   strict=args.strict, timeout=args.timeout, verify=args.verify, durable=args.durable, retry=policy,
                   storage_options=storage_options_from(args), perms=perms,
                   progress=(not args.quiet) and sys.stderr.isatty())
-    if report.data_layout is not None and args.mesh:
-        report.data_layout.update(describe_layout(args))
+    for r in getattr(report, "reports", {"": report}).values():  # a mixture: each source's report
+        if r.data_layout is not None and args.mesh:
+            r.data_layout.update(describe_layout(args))
     if args.report:
         from ..format.atomic import atomic_write_bytes
         try:

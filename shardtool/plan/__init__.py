@@ -17,6 +17,11 @@ decision lives here:
 - `group`     — one data group's epoch plan
 - `rank`      — one DP rank's batches, over resume segments (`Planner`)
 - `state`     — the resumable position
+- `mixture`   — a mixture's sources, token weights and schedule (`Mixture`)
+- `compose`   — which source every unit of a mixture comes from: a closed form of the step
+- `mixstate`  — a mixture's resumable position (step and phase)
+- `mixplan`   — one DP rank's units of a mixture, every source its own cursor (`MixturePlanner`)
+- `mixspan`   — what a span of steps takes from each source; max_repeat
 - `simulate`  — every group at once, for `shardtool plan`
 - `synthetic` — the one lengths generator; a lazy synthetic plan source
 """
@@ -28,6 +33,7 @@ from .env import LayoutError, array_task, node_placement, rank_placement
 from .group import GroupPlan, plan_group
 from .layout import DataLayout, Layout, Placement
 from .mesh import Mesh, data_layout, data_parallel, parse_mesh
+from .mixture import Mixture, MixtureError, MixtureSource
 from .ranges import group_cuts, group_shard_pieces, sample_locations, shards_of_groups
 from .rank import Planner, RankPlan
 from .shape import PlanShape, plan_shape
@@ -36,7 +42,7 @@ from .state import LoaderState, StateError
 
 __all__ = [
     "PLAN_VERSION", "ArraySource", "Batching", "DataLayout", "GroupPlan", "Layout", "LayoutError", "LoaderState",
-    "Mesh", "PlanShape", "PlanSource", "Placement", "Planner", "RankPlan", "StateError", "array_task",
+    "Mesh", "Mixture", "MixtureError", "MixtureSource", "PlanShape", "PlanSource", "Placement", "Planner", "RankPlan", "StateError", "array_task",
     "data_layout", "data_parallel", "group_cuts", "group_shard_pieces", "node_placement", "parse_mesh", "plan_group", "plan_shape",
     "rank_placement", "sample_locations", "shards_for_node", "shards_of_groups",
 ]

@@ -1,0 +1,200 @@
+"""Step b of a mixture, read and put together: its units of each source, from that source's reader.
+
+`MixtureBatches` has the interface of `PlanBatches` (``load(b, alloc)``, ``len``, ``describe``),
+so the same worker pool loads it and the batch sequence never depends on ``num_workers``. Which
+units step b takes is a closed form of b (`shardtool.plan.mixplan`): a worker needs nothing but
+the step, and plans a source's next epoch itself when the step reaches it.
+
+Bucketed mixtures take one whole batch of one source per step: the batch is that source's, as
+a single-dataset loader would give it. Packed mixtures take ``batch_size`` rows per step from
+several sources; each source's rows are written straight into their rows of one [3, B, S]
+block (no concatenation copy) and the piece boundaries joined into one ``cu_seqlens`` of the
+static shape B * max_docs_per_row + 1. Every batch that is a dict also carries ``__source__``
+(the source's name; packed: one per row), ``per_source`` ({name: units}) and
+``per_source_tokens`` ({name: real tokens}, padding not counted), for every source of the mixture.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..format.errors import add_note
+from ..plan.mixplan import MixturePlanner, Piece
+from ..plan.mixstate import MixtureState
+from ..plan.packing import Packing, Rows
+from ..plan.rank import RankPlan
+from .collate import KEY, Alloc
+from .packed import PackedReader, read_together
+from .reader import BatchReader, describe_ids
+from .workers import PlanBatches
+
+__all__ = ["MixtureBatches"]
+
+
+class MixtureBatches:
+    """Steps ``0 .. steps - 1`` of DP rank ``dp_rank`` under ``state``'s phase."""
+
+    def __init__(self, planner: MixturePlanner, state: MixtureState, dp_rank: int, readers: dict[str, BatchReader],
+                 steps: int, *, where: str, transform: Callable | None = None, collate_fn: Callable | None = None,
+                 pad_id: int = 0, packing: Packing | None = None):
+        self.planner, self.state, self.dp_rank = planner, state, dp_rank
+        self.readers, self.steps, self.where = readers, steps, where
+        self.transform, self.collate_fn, self.pad_id = transform, collate_fn, pad_id
+        self.packing = packing
+        self.rows = planner.units_per_step
+        self.names = planner.mixture.names
+        self.packed = {n: PackedReader(r, packing, name="input_ids", pad_id=pad_id) for n, r in readers.items()} \
+            if packing is not None else None
+        self._plans: OrderedDict[tuple[str, int], RankPlan] = OrderedDict()
+
+    def __len__(self) -> int:
+        return self.steps
+
+    # ------------------------------------------------------------------ plans, per process
+    def plan(self, name: str, epoch: int) -> RankPlan:
+        """This rank's units of ``name`` in ``epoch``; the current and next epoch of every source kept."""
+        key = (name, epoch)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self.planner.rank_plan(self.state, name, epoch, self.dp_rank)
+            while len(self._plans) > 2 * len(self.names):
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return plan
+
+    def prepare(self, step: int) -> None:
+        """Plan every source's epoch at ``step`` now, so that forked workers inherit the plans."""
+        for name, pieces in self.planner.step_pieces(self.state, step):
+            for epoch, _, _ in pieces:
+                self.plan(name, epoch)
+        positions = self.planner.positions(self.state.at(step))
+        for name, position in positions.items():
+            self.plan(name, position.epoch)
+
+    def units(self, b: int) -> list[tuple[str, list[Piece]]]:
+        return self.planner.step_pieces(self.state, b)
+
+    def _ids(self, name: str, pieces: list[Piece]) -> np.ndarray:
+        parts = []
+        for epoch, index, count in pieces:
+            plan = self.plan(name, epoch)
+            if self.packing is not None:
+                parts.append(np.unique(self._rows(name, [(epoch, index, count)]).span_pos))
+            else:
+                parts.append(plan.ids[plan.offsets[index] : plan.offsets[index + count]])
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def _rows(self, name: str, pieces: list[Piece]) -> Rows:
+        parts = []
+        for epoch, index, count in pieces:
+            plan = self.plan(name, epoch)
+            parts.append(plan.rows.slice(int(plan.row_offsets[index]), int(plan.row_offsets[index + count])))
+        return parts[0] if len(parts) == 1 else Rows.concat(parts, self.packing.seq_len)
+
+    def describe(self, b: int) -> str:
+        """Step b's units and their shards, for an error message."""
+        return "; ".join(f"source {name!r} epoch {pieces[0][0]} unit {pieces[0][1]}: "
+                         f"{describe_ids(self.readers[name], self._ids(name, pieces))}" for name, pieces in self.units(b))
+
+    def stats(self) -> Callable[[int], tuple[int, int, int, dict[str, int]]]:
+        """What the metrics count per step, asked for as each step is handed over (`step_stats`)."""
+        return self.step_stats
+
+    def step_stats(self, b: int) -> tuple[int, int, int, dict[str, int]]:
+        """Step b: samples (packed: document pieces), real tokens, padded tokens, real tokens per source."""
+        samples = tokens = padded = 0
+        by_source: dict[str, int] = {}
+        for name, pieces in self.units(b):
+            if self.packing is not None:
+                rows = self._rows(name, pieces)
+                n, t, p = len(rows.span_len), rows.tokens, sum(c for _, _, c in pieces) * self.packing.seq_len
+            else:
+                n = t = p = 0
+                for epoch, index, count in pieces:
+                    plan = self.plan(name, epoch)
+                    lens = plan.lengths[plan.offsets[index] : plan.offsets[index + count]]
+                    n, t = n + len(lens), t + int(lens.sum())
+                    p += len(lens) * max(int(lens.max(initial=1)), 1)
+            samples, tokens, padded = samples + n, tokens + t, padded + p
+            by_source[name] = by_source.get(name, 0) + t
+        return samples, tokens, padded, by_source
+
+    # ------------------------------------------------------------------ loading
+    def load(self, b: int, alloc: Alloc | None = None) -> Any:
+        parts = self.units(b)
+        try:
+            if self.packing is not None:
+                return self._packed(parts, alloc or np.empty)
+            return self._bucketed(parts, alloc)
+        except Exception as e:
+            add_note(e, f"at mixture step {b} of {self.where}")
+            raise
+
+    def _tally(self, counts: dict[str, int], tokens: dict[str, int]) -> dict[str, Any]:
+        return {"per_source": {n: counts.get(n, 0) for n in self.names},
+                "per_source_tokens": {n: tokens.get(n, 0) for n in self.names}}
+
+    def _bucketed(self, parts: list[tuple[str, list[Piece]]], alloc: Alloc | None) -> Any:
+        ((name, ((epoch, index, _),)),) = parts  # one unit a step: a whole batch of one source
+        plan = self.plan(name, epoch)
+        where = f"{self.where}, source {name!r} epoch {epoch}"
+        batch = PlanBatches(self.readers[name], plan.ids, plan.offsets, where=where, transform=self.transform,
+                            collate_fn=self.collate_fn, pad_id=self.pad_id).load(index, alloc)
+        if isinstance(batch, dict):
+            tokens = int(plan.lengths[plan.offsets[index] : plan.offsets[index + 1]].sum())
+            batch["__source__"] = name
+            batch.update(self._tally({name: 1}, {name: tokens}))
+        return batch
+
+    def _packed(self, parts: list[tuple[str, list[Piece]]], alloc: Alloc) -> dict[str, Any]:
+        # Each unit is one row, or none where a source's plan is short of rows: such a unit is a
+        # row of padding in its place, so every source's rows are exactly its units.
+        rows = [(name, _padded(self._rows(name, pieces), sum(c for _, _, c in pieces))) for name, pieces in parts]
+        extra = {"__source__": [name for name, r in rows for _ in range(r.num_rows)],
+                 **self._tally({name: r.num_rows for name, r in rows}, {name: r.tokens for name, r in rows})}
+        batch = read_together([(self.packed[name], r) for name, r in rows], self.rows, alloc)
+        if batch is None:  # remote shards, decoded payloads, or sources of other token dtypes
+            batch = self._by_part(rows, alloc)
+        return {**batch, **extra}
+
+    def _by_part(self, rows: list[tuple[str, Rows]], alloc: Alloc) -> dict[str, Any]:
+        """The batch read source by source, each into its rows of one block; piece boundaries joined."""
+        b, seq, maxd = self.rows, self.packing.seq_len, self.packing.max_docs_per_row
+        block = alloc((3, b, seq), np.int64)
+        first = 0
+        keys: list[Any] = []
+        starts, lengths = [], []
+        longest = 0
+        for name, part in rows:
+            count = part.num_rows
+            out = self.packed[name].read(part, np.empty, rows_per_batch=count, into=block[:, first : first + count])
+            cu = out["cu_seqlens"].numpy()  # its real entries, then count * seq
+            starts.append(cu[cu < count * seq].astype(np.int64) + first * seq)
+            lengths.append(out["lengths"].numpy())
+            keys += out[KEY]
+            longest = max(longest, out["max_seqlen"])
+            first += count
+        if first != b:
+            raise RuntimeError(f"mixture step has {first} rows, expected {b}")  # the composition's invariant
+        cu = alloc(b * maxd + 1, np.int32)
+        flat = np.concatenate(starts)
+        cu[: flat.size] = flat
+        cu[flat.size :] = b * seq
+        row_tokens = alloc(b, np.int64)
+        row_tokens[:] = np.concatenate(lengths)
+        return {KEY: keys, "input_ids": torch.from_numpy(block[0]), "labels": torch.from_numpy(block[1]),
+                "position_ids": torch.from_numpy(block[2]), "cu_seqlens": torch.from_numpy(cu),
+                "max_seqlen": int(longest), "lengths": torch.from_numpy(row_tokens)}
+
+
+def _padded(rows: Rows, count: int) -> Rows:
+    """``rows`` followed by empty rows, ``count`` rows in all."""
+    if rows.num_rows == count:
+        return rows
+    offsets = np.concatenate([rows.row_offsets, np.full(count - rows.num_rows, rows.row_offsets[-1])])
+    return dataclasses.replace(rows, row_offsets=offsets.astype(np.int64))

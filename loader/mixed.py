@@ -1,0 +1,203 @@
+"""`ShardedLoader(Mixture(...), steps=...)`: batches of several datasets by token weights, resumable.
+
+`ShardedLoader` constructs this class when given a `shardtool.plan.mixture.Mixture`; everything
+but the dataset (layout, batching or packing, workers, caches) is configured as for one dataset.
+A mixture has no epoch: it runs for ``steps`` steps (or ``tokens`` expected tokens, converted
+into steps), each source passing over its data as often as the weights need, with a fresh
+shuffle each time, up to ``max_repeat`` passes (refused before the first batch otherwise).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+from ..format import ShardtoolError
+from ..plan.mixplan import MixturePlanner
+from ..plan.mixspan import check_repeat, span, steps_for_tokens
+from ..plan.mixstate import MixtureState
+from ..plan.mixture import Mixture, MixtureError
+from ..plan.state import StateError
+from .mixbatches import MixtureBatches
+from .reader import BatchReader
+from .sharded import LoaderStateError, ShardedLoader
+from .source import SourceSpec
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MixtureLoader"]
+
+
+class MixtureLoader(ShardedLoader):
+    """The loader of a mixture (see the module docstring and `ShardedLoader`).
+
+    ``len(loader)`` is the steps left; one pass yields them all, after which the loader is done
+    (``len(loader) == 0``). ``state_dict()`` is the step and the current phase (JSON, identical
+    on every rank); ``load_state_dict`` continues there — also under other weights or schedule,
+    with sources added or removed, or on another data layout, each source from its own cursor."""
+
+    def _open(self, mixture: Mixture, *, cache_dir: str | None, storage_options: dict | None, steps: int | None,
+              tokens: int | None) -> None:
+        if (steps is None) == (tokens is None):
+            raise ValueError("a mixture has no epoch: give its length as exactly one of steps= (global batches) "
+                             f"and tokens= (expected tokens, all ranks); found steps={steps!r}, tokens={tokens!r}")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"steps must be an int >= 1, found {steps!r}")
+        self.mixture = mixture
+        self.readers: dict[str, BatchReader] = {}
+        datasets, versions = {}, {}
+        try:
+            for src in mixture.sources:
+                self.readers[src.name] = reader = BatchReader(SourceSpec(src.url, cache_dir, storage_options),
+                                                              pad_id=self.pad_id)
+                try:
+                    datasets[src.name] = reader.source.dataset
+                except ShardtoolError as e:
+                    raise type(e)(f"mixture source {src.name!r}: {e}") from None
+                versions[src.name] = datasets[src.name].version
+            self.datasets = datasets
+            self.planner = MixturePlanner(mixture, datasets, versions, self.batching, self.data_layout)
+            self._state = self.planner.start()
+            self.steps = steps if steps is not None else steps_for_tokens(self.planner, self._state, tokens)
+            check_repeat(self.planner, self._state, self.steps)
+        except BaseException:
+            self.close()
+            raise
+        self._served = self._pass_start = 0
+        self._epoch = 0  # for the metrics' pass bookkeeping only: the whole run is one pass
+        self._checked = False
+
+    # ------------------------------------------------------------------ length and position
+    @property
+    def epoch(self) -> int:
+        raise AttributeError("a mixture has no epoch: it runs for steps= steps (loader.step served so far, "
+                             "len(loader) left); each source's own passes are in loader.source_epochs")
+
+    def set_epoch(self, epoch: int) -> None:
+        raise LoaderStateError(f"set_epoch({epoch!r}) on a mixture: a mixture has no epoch. It yields steps= steps in "
+                               "one pass (len(loader) left) and resumes from state_dict(); each source repeats with "
+                               "a fresh shuffle on its own. Drop the set_epoch call (and the epoch loop around it)")
+
+    @property
+    def step(self) -> int:
+        """Steps (global batches) handed to the training loop so far."""
+        return self._served
+
+    def __len__(self) -> int:
+        return self.steps - self._pass_start
+
+    @property
+    def source_epochs(self) -> dict[str, int]:
+        """The source-epoch every source is in at the current step."""
+        return {n: st.epoch for n, st in self.planner.positions(self._state.at(self._served)).items()}
+
+    @property
+    def length_field(self) -> str | None:
+        if self.packing is not None:
+            return "input_ids"
+        fields = {ds.manifest.length.get("field") for ds in self.datasets.values()}
+        if len(fields) != 1:
+            raise ValueError(f"the sources of this mixture store their tokens under different fields {sorted(map(str, fields))}; "
+                             "each batch carries its own source's field (batch['__source__'] names the source)")
+        return fields.pop()
+
+    @property
+    def plan(self) -> Any:
+        raise AttributeError("a mixture has no single plan: see loader.report() and each batch's per_source")
+
+    @property
+    def remainder(self) -> Any:
+        raise AttributeError("a mixture has no epoch remainder: each source's own passes leave theirs")
+
+    @property
+    def padding_efficiency(self) -> float:
+        raise AttributeError("a mixture has no single plan: each source's padding depends on its lengths")
+
+    def report(self) -> dict[str, Any]:
+        """Where the run is, per source: the schedule's token share and the composition's over the
+        current phase so far, units and expected tokens so far in the phase (closed form, no I/O),
+        the source-epoch it is in and the source-epochs it will have begun by ``steps``."""
+        st = self._state
+        begin = st.at(st.phase.from_step)
+        done = {s.name: s for s in span(self.planner, begin, self._served)}
+        whole = {s.name: s for s in span(self.planner, begin, self.steps)}
+        epochs = self.source_epochs
+        per = {name: {"weight_share": whole[name].weight_share,
+                      "realized_share": done[name].realized_share if self._served > begin.step else None,
+                      "units_in_phase": done[name].units, "tokens_in_phase": done[name].tokens,
+                      "source_epoch": epochs[name], "source_epochs_by_end": whole[name].epochs_touched}
+               for name in st.phase.names}
+        return {"step": self._served, "steps": self.steps, "phase_from_step": st.phase.from_step,
+                "phases_before": st.phases_before, "per_source": per}
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch handed out: small, JSON-ready, equal on every rank, no I/O."""
+        return self._state.at(self._served).to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at ``state``'s step. Unchanged mixture and layout: the next batch exactly. Other
+        weights or schedule, sources added or removed, another data layout: a new phase from that
+        step in which every kept source continues from its cursor (nothing repeated, nothing
+        skipped), a new source starts at its beginning. Refuses a state of another dataset
+        version, batching config, or one past ``steps``."""
+        try:
+            st = MixtureState.from_dict(state)
+            resumed = self.planner.resume(st)
+            if resumed.step > self.steps:
+                raise StateError(f"the loader state is at step {resumed.step}, past steps={self.steps}: nothing is left "
+                                 "to serve; give the run's whole length as steps=")
+            check_repeat(self.planner, resumed, self.steps)
+        except MixtureError:
+            raise  # max_repeat: the table says what to change
+        except ValueError as e:  # StateError, and a plan that cannot be made for it
+            raise LoaderStateError(f"cannot load this loader state: {e}") from None
+        if resumed.phase is not st.phase:
+            log.info("mixture resumed at step %d in a new phase (%s)", resumed.step, self._phase_change(st, resumed))
+        self._state = resumed
+        self._served = self._pass_start = resumed.step
+        self._checked = False
+
+    @staticmethod
+    def _phase_change(old: MixtureState, new: MixtureState) -> str:
+        what = []
+        if old.phase.names != new.phase.names:
+            what.append(f"sources {list(old.phase.names)} -> {list(new.phase.names)}")
+        if old.phase.schedule != new.phase.schedule:
+            what.append("weights or schedule changed")
+        if old.phase.layout.identity() != new.phase.layout.identity():
+            what.append(f"layout {old.phase.layout.identity()} -> {new.phase.layout.identity()}")
+        return "; ".join(what)
+
+    # ------------------------------------------------------------------ iteration
+    def __iter__(self) -> Iterator[Any]:
+        self._pass_start = start = self._served
+        self._check_mixture_ranks_agree()
+        where = f"rank {self.rank}/{self.layout.world_size}"
+        batches = MixtureBatches(self.planner, self._state, self.dp_rank, self.readers, self.steps, where=where,
+                                 transform=self.transform, collate_fn=self.collate_fn, pad_id=self.pad_id,
+                                 packing=self.packing)
+        if start < self.steps:
+            batches.prepare(start)  # before the workers fork: they inherit these plans
+        return self._run(batches, start, self.steps, where)
+
+    def _pass_done(self) -> None:
+        self._pass_start = self._served  # the run is over: len(loader) is 0, the state says step == steps
+
+    def _check_mixture_ranks_agree(self) -> None:
+        """Once per loaded position: every rank has the same sources, config, phase and step."""
+        if self._checked or not self._in_process_group():
+            return
+        self._checked = True
+        ident = f"{self.planner.fingerprint}/{self._state.at(0).to_dict()}"
+        self._agree([self.steps, self._served], ident, "(steps, mixture/state, step)",
+                    "Every rank must open the same mixture (sources, weights, versions) with the same batching "
+                    "and state.")
+
+    def _readers(self) -> dict[str, BatchReader]:
+        return self.readers
+
+    def close(self) -> None:
+        if hasattr(self, "_obs"):
+            self._obs.close()
+        for reader in getattr(self, "readers", {}).values():
+            reader.close()
