@@ -95,8 +95,7 @@ class Slot:
         end = off + nbytes
         if end > os.fstat(self.fd).st_size:
             os.ftruncate(self.fd, max(end, 2 * self._mapped, INITIAL_SLOT_BYTES))
-        mm = self._map(end)
-        arr = np.ndarray(shape, dtype=dtype, buffer=mm, offset=off)
+        arr = _view(self._map(end), off, shape, dtype)
         self.used = end
         if nbytes:
             self._allocs[arr.ctypes.data] = off
@@ -109,13 +108,20 @@ class Slot:
     def array(self, offset: int, shape: tuple, dtype: str) -> np.ndarray:
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
-        return np.ndarray(shape, dtype=dtype, buffer=self._map(offset + nbytes), offset=offset)
+        return _view(self._map(offset + nbytes), offset, shape, dtype)
 
     def close(self) -> None:
         self._release()
         fd, self.fd = self.fd, -1
         if fd >= 0:
             os.close(fd)
+
+
+def _view(mm: mmap.mmap, offset: int, shape: tuple, dtype: np.dtype) -> np.ndarray:
+    # frombuffer, not ndarray(buffer=): it holds a buffer export on the mapping, so `_release`
+    # cannot unmap it while an array of this batch still views it (ndarray(buffer=) holds none,
+    # and a slot that grew mid-batch left the batch's first arrays pointing at unmapped pages).
+    return np.frombuffer(mm, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
 
 
 # ---------------------------------------------------------------------- batch <-> slot

@@ -157,3 +157,23 @@ def test_workers_exit_when_the_trainer_is_killed(tmp_path):
         time.sleep(0.2)
     assert not any(os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]
                    for p in workers)
+
+
+def test_arrays_allocated_before_a_slot_grows_stay_writable():
+    """A batch that outgrows its slot mid-batch: what was allocated before still reads and writes
+    the slot (run in a child: the failure this guards against is a segfault)."""
+    code = textwrap.dedent("""
+        import numpy as np
+        from shardtool.loader.shmring import INITIAL_SLOT_BYTES, Slot, decode, encode
+        s = Slot()
+        first = s.empty((INITIAL_SLOT_BYTES // 16,), np.int64)  # half the slot
+        grown = s.empty((INITIAL_SLOT_BYTES,), np.int64)  # 8x the slot: it is remapped
+        first[:] = 3
+        grown[:] = 4
+        back = decode(encode({"a": first, "b": grown, "c": first[::2]}, s), s)
+        assert (back["a"] == 3).all() and (back["b"] == 4).all() and (back["c"] == 3).all()
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
