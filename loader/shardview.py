@@ -228,7 +228,9 @@ class _CompressedBatches:
 
     def __init__(self, buf, index, fields: list[FieldSpec], name: str):
         try:
-            self.reader = pa.ipc.open_file(pa.py_buffer(buf))
+            # One thread: a record batch is small, and Arrow's pool spent more on handing its
+            # columns out than on decompressing them (131 against 196 us a 64 KiB zstd batch).
+            self.reader = pa.ipc.open_file(pa.py_buffer(buf), options=pa.ipc.IpcReadOptions(use_threads=False))
         except (pa.ArrowInvalid, OSError) as e:
             raise FormatError(f"{name}: not a readable Arrow IPC file ({e})") from None
         check_schema(self.reader.schema, fields, name)
