@@ -240,16 +240,19 @@ def read_together(parts: Sequence[tuple[PackedReader, Rows]], rows_per_batch: in
     first reader's name, pad id and scratch. None when a part's tokens are not raw arrays in its
     mapped shards, or the parts store tokens in different dtypes (then read part by part)."""
     first_reader = parts[0][0]
-    shifted, sources = [], []
-    for i, (reader, rows) in enumerate(parts):
-        src = reader.reader.token_sources(np.unique(rows.span_pos))
+    shifted = [dataclasses.replace(rows, span_pos=rows.span_pos + (i << SOURCE_SHIFT)) for i, (_, rows) in enumerate(parts)]
+    lay = _Layout(Rows.concat(shifted, first_reader.packing.seq_len), first_reader.packing, rows_per_batch)
+    # The layout's sorted distinct documents are each part's, part after part (the shift): no
+    # np.unique of its own per part.
+    cuts = np.searchsorted(lay.docs, np.arange(1, len(parts), dtype=np.int64) << SOURCE_SHIFT).tolist()
+    sources = []
+    for i, ((reader, _), a, z) in enumerate(zip(parts, [0, *cuts], [*cuts, len(lay.docs)])):
+        src = reader.reader.token_sources(lay.docs[a:z] - (i << SOURCE_SHIFT))
         if src is None:
             return None
         sources.append(src)
-        shifted.append(dataclasses.replace(rows, span_pos=rows.span_pos + (i << SOURCE_SHIFT)))
     if len({src[5] for src in sources}) != 1:
         return None
-    lay = _Layout(Rows.concat(shifted, first_reader.packing.seq_len), first_reader.packing, rows_per_batch)
     keys, bufs, which = [], [], []
     for src in sources:
         keys += src[0]
