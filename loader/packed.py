@@ -240,7 +240,8 @@ def read_together(parts: Sequence[tuple[PackedReader, Rows]], rows_per_batch: in
     first reader's name, pad id and scratch. None when a part's tokens are not raw arrays in its
     mapped shards, or the parts store tokens in different dtypes (then read part by part)."""
     first_reader = parts[0][0]
-    shifted = [dataclasses.replace(rows, span_pos=rows.span_pos + (i << SOURCE_SHIFT)) for i, (_, rows) in enumerate(parts)]
+    shifted = [dataclasses.replace(rows, span_pos=rows.span_pos + (i << SOURCE_SHIFT))
+               for i, (_, rows) in enumerate(parts)]
     lay = _Layout(Rows.concat(shifted, first_reader.packing.seq_len), first_reader.packing, rows_per_batch)
     # The layout's sorted distinct documents are each part's, part after part (the shift): no
     # np.unique of its own per part.
