@@ -99,6 +99,10 @@ def parse_args(argv=None):
     p.add_argument("--log-dir", default=None, help="write per-rank JSONL logs of sample keys and stats here")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (to simulate a bigger model)")
     p.add_argument("--collective-timeout", type=float, default=120.0, help="seconds before a stuck collective fails")
+    p.add_argument("--stall-timeout", type=float, default=None,
+                   help="seconds a batch may take before the loader raises, naming the shard it reads and dumping "
+                        "the stacks (default: half of --collective-timeout, so that a rank stuck on its data is "
+                        "named instead of its peers timing out in a collective)")
     p.add_argument("--metrics-every", type=int, default=50,
                    help="steps between loader metric lines (JSONL per rank; rank 0 prints one); 0: none")
     p.add_argument("--metrics-dir", default=None,
@@ -170,7 +174,7 @@ def main(argv=None) -> int:
     loader = ShardedLoader(data, batch_size=args.batch_size, max_tokens=args.max_tokens,  # changed line 2 of 2
                            seed=args.seed, num_workers=args.num_workers, cache_dir=args.cache_dir,
                            metrics_every=args.metrics_every, metrics_dir=args.metrics_dir, metrics_reduce=distributed,
-                           **pack, **length)
+                           stall_timeout=args.stall_timeout or args.collective_timeout / 2, **pack, **length)
     field = args.field or loader.length_field
 
     model = TinyLM(args.vocab, max_len=max(args.seq_len, 1)).to(device)
