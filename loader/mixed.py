@@ -170,6 +170,7 @@ class MixtureLoader(ShardedLoader):
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
+        self._close_pass()
         self._pass_start = start = self._served
         self._check_mixture_ranks_agree()
         where = f"rank {self.rank}/{self.layout.world_size}"
@@ -178,7 +179,8 @@ class MixtureLoader(ShardedLoader):
                                  packing=self.packing)
         if start < self.steps:
             batches.prepare(start)  # before the workers fork: they inherit these plans
-        return self._run(batches, start, self.steps, where)
+        self._pass = self._run(batches, start, self.steps, where)
+        return self._pass
 
     def _pass_done(self) -> None:
         self._pass_start = self._served  # the run is over: len(loader) is 0, the state says step == steps

@@ -161,11 +161,21 @@ class ShardedLoader:
     # ------------------------------------------------------------------ epoch and plan
     @property
     def epoch(self) -> int:
+        self._settle()
         return self._epoch
+
+    def _settle(self) -> None:
+        """Once every batch of the epoch was handed over, the loader is in the next epoch, whether
+        or not the consumer asked for one more batch and saw StopIteration: a trainer that stops
+        after len(loader) batches (Lightning does) gets the next epoch from its next iter()."""
+        if self._plan is not None and self._served and self._served >= self._plan.batches_per_rank:
+            self._close_pass()
+            self._pass_done()
 
     def set_epoch(self, epoch: int) -> None:
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, found {epoch!r}")
+        self._settle()
         if epoch == self._epoch:
             return
         if self._loaded_epoch is not None and epoch < self._loaded_epoch:
@@ -256,6 +266,8 @@ class ShardedLoader:
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
+        self._settle()
+        self._close_pass()
         plan = self.plan
         n = plan.batches_per_rank
         self._loaded_epoch = None  # the resume took effect: going back from here on is deliberate
@@ -272,7 +284,15 @@ class ShardedLoader:
                               collate_fn=self.collate_fn, pad_id=self.pad_id, lengths=plan.lengths, packed=packed,
                               packed_rows=plan.batch_rows if packed is not None else None,
                               packed_stats=plan.packed_stats(self.batching.batch_size) if packed is not None else None)
-        return self._run(batches, start, n, where)
+        self._pass = self._run(batches, start, n, where)
+        return self._pass
+
+    def _close_pass(self) -> None:
+        """End the previous pass's generator (its worker pool) before another begins: a consumer
+        that stops at len(loader), or breaks out early, leaves it suspended at its last batch."""
+        previous, self._pass = getattr(self, "_pass", None), None
+        if previous is not None:
+            previous.close()
 
     def _run(self, batches: PlanBatches, start: int, n: int, where: str) -> Iterator[Any]:
         watch = self._obs.begin_pass(batches, start, n, where, self._epoch)  # before the workers fork
@@ -376,6 +396,7 @@ class ShardedLoader:
         return self._obs.rank_summary
 
     def close(self) -> None:
+        self._close_pass()
         if hasattr(self, "_obs"):
             self._obs.close()
         self.reader.close()
