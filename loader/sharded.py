@@ -48,6 +48,11 @@ class ShardedLoader:
     ``shuffle=False`` reads each data group's range in dataset order; ``bucketing`` (default: as
     ``shuffle``) sorts samples by length within shuffle windows to cut padding.
 
+    Equal counts on several DP ranks may leave out a surplus of at most 0.2% of the epoch's
+    tokens (it rotates across epochs; `remainder` lists it). One DP rank serves every sample, and
+    so does ``drop_last=False`` on any number (ranks short of batches split some instead);
+    ``drop_last=True`` allows the surplus on one rank too.
+
     Sequence packing: ``seq_len`` with ``batch_size`` (rows per batch) yields batches of exactly
     ``batch_size`` rows of ``seq_len`` tokens, documents packed by ``packing`` ("best-fit",
     "concat" or "no-split"), ``eos_id`` appended to each document if given; the batch carries
@@ -97,7 +102,7 @@ class ShardedLoader:
                  storage_options: dict | None = None, timeout: float = 300.0, window: int | None = None,
                  metrics: bool = True, metrics_every: int | None = 100, metrics_dir: str | None = None,
                  metrics_reduce: bool = False, stall_timeout: float | None = 300.0, steps: int | None = None,
-                 tokens: int | None = None):
+                 tokens: int | None = None, drop_last: bool | None = None):
         import torch
 
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -111,7 +116,7 @@ class ShardedLoader:
                                  "seq_len (pack the transformed tokens instead)")
             self.packing = Packing(seq_len, packing, eos_id=eos_id, max_docs_per_row=max_docs_per_row)
         self.batching = Batching(batch_size=batch_size, max_tokens=max_tokens, shuffle=shuffle, seed=seed,
-                                 window=window, bucketing=bucketing, packing=self.packing)
+                                 window=window, bucketing=bucketing, packing=self.packing, drop_last=drop_last)
         dist = torch.distributed if torch.distributed.is_available() else None
         self.placement = rank_placement(rank, world_size, ranks_per_node, env=os.environ, dist=dist)
         self.rank, self.layout = self.placement.rank, self.placement.layout

@@ -15,6 +15,7 @@ from s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.format import open_dataset
 from shardtool.format.dataset import SummariesMissing
 from shardtool.format.summaries import SUMMARIES_NAME
+from shardtool.format.writer import summaries_bytes
 from shardtool.loader import ShardedLoader
 from test_loader_data import write_dataset
 
@@ -48,9 +49,10 @@ def test_old_dataset_warns_plans_the_same_and_upgrade_removes_the_warning(packed
     with open(os.path.join(old, "index.json"), "rb") as f:
         manifest = f.read()
     version = open_dataset(old).version
-    expected = batches(root)
     with pytest.warns(SummariesMissing, match="shardtool upgrade"):
-        assert batches(old) == expected, "without summaries the plan is the same, computed from every length"
+        # Without summaries the plan is computed from every length, as the version that packed it
+        # planned (no weight sketch: node ranges cut shards pro rata).
+        expected = batches(old)
         # A loader state saved before the upgrade must stay valid after it.
         ld = ShardedLoader(old, **BATCHING, rank=0, world_size=2, ranks_per_node=1, num_workers=0)
         it = iter(ld)
@@ -66,8 +68,11 @@ def test_old_dataset_warns_plans_the_same_and_upgrade_removes_the_warning(packed
     assert "upgraded" in res.stdout and "index.json and the dataset version are unchanged" in res.stdout
     with open(os.path.join(old, "index.json"), "rb") as f:
         assert f.read() == manifest
-    with open(os.path.join(old, SUMMARIES_NAME), "rb") as f, open(os.path.join(root, SUMMARIES_NAME), "rb") as g:
-        assert f.read() == g.read(), "the same file pack writes"
+    with open(os.path.join(old, SUMMARIES_NAME), "rb") as f:
+        stored = f.read()
+    ds = open_dataset(root)
+    assert stored == summaries_bytes(ds.manifest, ds.lengths, sketch=False), "pack's file, less the sketch"
+    assert open_dataset(old).summaries.sketch is None and ds.summaries.sketch is not None
     assert not [n for n in os.listdir(old) if n.startswith(".tmp-")], "no temp file left behind"
     with warnings.catch_warnings():
         warnings.simplefilter("error", SummariesMissing)
@@ -113,7 +118,8 @@ def test_stale_summaries_are_replaced_and_a_broken_dataset_is_left_alone(packed,
 @pytest.mark.timeout(180)
 def test_upgrade_on_a_real_s3_api_server(packed, tmp_path, s3_server):  # noqa: F811
     root, _ = packed
-    url = s3_server.upload(old_copy(root, str(tmp_path / "old")), "upgrade-test/ds")
+    old = old_copy(root, str(tmp_path / "old"))
+    url = s3_server.upload(old, "upgrade-test/ds")
     ep = s3_server.endpoint
     opts = ["-o", "key=testing", "-o", "secret=testing", "-o", f"client_kwargs.endpoint_url={ep}",
             "-o", "client_kwargs.region_name=us-east-1"]
@@ -125,10 +131,13 @@ def test_upgrade_on_a_real_s3_api_server(packed, tmp_path, s3_server):  # noqa: 
     report = json.loads(res.stdout)
     assert report["needed"] and report["written"].endswith(SUMMARIES_NAME) and report["version"] == version
     fs = s3_server.fs()
-    with open(os.path.join(root, SUMMARIES_NAME), "rb") as f:
-        assert fs.cat_file(f"upgrade-test/ds/{SUMMARIES_NAME}") == f.read()
+    local = open_dataset(root)
+    assert fs.cat_file(f"upgrade-test/ds/{SUMMARIES_NAME}") == summaries_bytes(local.manifest, local.lengths,
+                                                                                sketch=False)
+    with pytest.warns(SummariesMissing):
+        before = batches(old)  # the plan before the upgrade: from every length
     with warnings.catch_warnings():
         warnings.simplefilter("error", SummariesMissing)
         ds = open_dataset(url, storage_options=s3_server.storage_options)
         assert ds.version == version and ds.summaries.num_shards == ds.num_shards
-        assert batches(url, storage_options=s3_server.storage_options) == batches(root)
+        assert batches(url, storage_options=s3_server.storage_options) == before

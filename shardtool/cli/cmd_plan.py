@@ -66,6 +66,9 @@ def add_arguments(p) -> None:
     p.add_argument("--epoch", type=int, default=0, help="which epoch to plan (default 0); the order and the "
                    "remainder change every epoch, node ranges never do")
     p.add_argument("--no-shuffle", action="store_true", help="plan without shuffling (dataset order)")
+    p.add_argument("--drop-last", choices=["auto", "yes", "no"], default="auto",
+                   help="may equal counts leave out a surplus (<= 0.2%% of tokens, rotating)? auto (default): "
+                   "yes with several data-parallel ranks, no with one; as ShardedLoader(drop_last=)")
     p.add_argument("--rank", type=int, default=None, metavar="R",
                    help="evaluate only what global rank R computes at start-up, in a fresh process")
     p.add_argument("--synthetic", type=int, default=None, metavar="N",
@@ -104,7 +107,7 @@ def _batching(args):
 
     packing = Packing(args.seq_len, args.packing, eos_id=args.eos_id) if args.seq_len is not None else None
     return Batching(batch_size=args.batch_size, max_tokens=args.max_tokens, shuffle=not args.no_shuffle,
-                    seed=args.seed, packing=packing)
+                    seed=args.seed, packing=packing, drop_last={"auto": None, "yes": True, "no": False}[args.drop_last])
 
 
 def _rank_job(args, summaries_path: str | None, result) -> None:

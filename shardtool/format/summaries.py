@@ -21,11 +21,13 @@ import pyarrow as pa
 
 from .errors import FormatError
 from .sindex import ipc_file_bytes
+from .sketch import ShardSketch
 
 __all__ = ["BINS", "SUMMARIES_NAME", "ShardSummaries", "length_bins"]
 
 SUMMARIES_NAME = "summaries.arrow"
 SUMMARIES_VERSION = "1"
+SKETCH_VERSION = "2"  # version 1 plus the weight-quantile sketch (format.sketch)
 # Bin b holds lengths in [2^(b-1), 2^b) (bin 0: length 0); the last bin also everything longer
 # (2^30 and up: no sample of a trainable dataset).
 BINS = 32
@@ -46,14 +48,16 @@ class ShardSummaries:
     hist_count: np.ndarray  # int64 [S, BINS]
     hist_tokens: np.ndarray  # int64 [S, BINS]
     hist_squares: np.ndarray  # float64 [S, BINS]: sum of length^2 (exact to 53 bits: a variance, not an id)
+    sketch: ShardSketch | None = None  # weight quantiles inside shards (None: packed before they existed)
 
     @property
     def num_shards(self) -> int:
         return int(self.samples.size)
 
     @classmethod
-    def from_lengths(cls, lengths: np.ndarray, counts: np.ndarray) -> "ShardSummaries":
-        """Summaries of shards holding ``counts`` consecutive samples of ``lengths`` each."""
+    def from_lengths(cls, lengths: np.ndarray, counts: np.ndarray, sketch_cells: int | None = None) -> "ShardSummaries":
+        """Summaries of shards holding ``counts`` consecutive samples of ``lengths`` each; with a
+        sketch of ``sketch_cells`` cells a shard (`format.sketch`; None: none, as packs before it)."""
         lengths = np.asarray(lengths, dtype=np.int64)
         counts = np.asarray(counts, dtype=np.int64)
         shards = counts.size
@@ -69,23 +73,35 @@ class ShardSummaries:
         longest = np.zeros(shards, dtype=np.int64)
         np.maximum.at(longest, owner, lengths)
         # bincount sums in float64: exact below 2^53 tokens per shard, far past any real shard.
+        sketch = ShardSketch.from_lengths(lengths, counts, sketch_cells) if sketch_cells and sketch_cells > 1 else None
         return cls(counts.copy(), tokens.astype(np.int64), weight.astype(np.int64), longest, hist_count,
-                   hist_tokens.astype(np.int64), hist_squares)
+                   hist_tokens.astype(np.int64), hist_squares, sketch)
 
     @classmethod
     def concat(cls, parts: list["ShardSummaries"]) -> "ShardSummaries":
+        sketches = [p.sketch for p in parts]
+        if any(k is None for k in sketches) and not all(k is None for k in sketches):
+            raise ValueError("summaries with and without a sketch cannot be joined")
         return cls(*(np.concatenate([getattr(p, name) for p in parts]) for name in
-                     ("samples", "tokens", "weight", "longest", "hist_count", "hist_tokens", "hist_squares")))
+                     ("samples", "tokens", "weight", "longest", "hist_count", "hist_tokens", "hist_squares")),
+                   ShardSketch.concat(sketches) if parts and sketches[0] is not None else None)
 
     def to_bytes(self, lengths_hash: str) -> bytes:
         def fixed(a: np.ndarray) -> pa.Array:
             return pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1)), BINS)
 
-        table = pa.table({"samples": self.samples, "tokens": self.tokens, "weight": self.weight,
-                          "longest": self.longest, "hist_count": fixed(self.hist_count),
-                          "hist_tokens": fixed(self.hist_tokens), "hist_squares": fixed(self.hist_squares)})
+        columns = {"samples": self.samples, "tokens": self.tokens, "weight": self.weight,
+                   "longest": self.longest, "hist_count": fixed(self.hist_count),
+                   "hist_tokens": fixed(self.hist_tokens), "hist_squares": fixed(self.hist_squares)}
         meta = {"shardtool": "summaries", "version": SUMMARIES_VERSION, "bins": f"log2x{BINS}",
                 "lengths_hash": lengths_hash}
+        if self.sketch is not None:
+            inner = self.sketch.cells - 1
+            for name in ("pos", "tokens", "weight"):
+                columns[f"sketch_{name}"] = pa.FixedSizeListArray.from_arrays(
+                    pa.array(getattr(self.sketch, name).reshape(-1)), inner)
+            meta.update(version=SKETCH_VERSION, sketch_cells=str(self.sketch.cells))
+        table = pa.table(columns)
         return ipc_file_bytes(table.replace_schema_metadata(meta))
 
     @classmethod
@@ -116,8 +132,17 @@ class ShardSummaries:
             return flat.reshape(table.num_rows, BINS)
 
         try:
+            sketch = None
+            if "sketch_cells" in meta:
+                cells = int(meta["sketch_cells"])
+
+                def inner(name: str) -> np.ndarray:
+                    flat = table.column(name).flatten().to_numpy().astype(np.int64, copy=False)
+                    return flat.reshape(table.num_rows, cells - 1)
+
+                sketch = ShardSketch(cells, inner("sketch_pos"), inner("sketch_tokens"), inner("sketch_weight"))
             out = cls(col("samples"), col("tokens"), col("weight"), col("longest"), hist("hist_count"),
-                      hist("hist_tokens"), hist("hist_squares", np.float64))
+                      hist("hist_tokens"), hist("hist_squares", np.float64), sketch)
         except (KeyError, ValueError) as e:
             raise FormatError(f"{source}: malformed summaries ({e})") from None
         counts = np.asarray(counts, dtype=np.int64)

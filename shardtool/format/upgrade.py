@@ -61,7 +61,9 @@ def upgrade_dataset(url: str, *, storage_options: dict | None = None, check: boo
     report = UpgradeReport(url, ds.version, ds.num_shards, len(ds), stored is None, reason)
     if stored is not None or check:
         return report
-    data = summaries_bytes(ds.manifest, ds.lengths)  # ds.lengths checks them against the manifest's hash
+    # ds.lengths checks them against the manifest's hash. No sketch: the node ranges, and so the
+    # node caches and loader states of this dataset, stay what they were (format.sketch).
+    data = summaries_bytes(ds.manifest, ds.lengths, sketch=False)
     path = posixpath.join(ds.root, SUMMARIES_NAME) if ds.root else SUMMARIES_NAME
     if is_local(ds.fs):
         atomic_write_bytes(path, data)

@@ -21,6 +21,7 @@ from .hashing import format_digest, hash_bytes, new_hasher, range_checksum
 from .manifest import LENGTHS_NAME, MANIFEST_NAME, Manifest, ShardInfo, lengths_to_bytes, length_summary
 from .sindex import ShardIndex
 from .summaries import SUMMARIES_NAME, ShardSummaries
+from .sketch import sketch_cells
 from .tarshard import TarShardWriter
 
 WRITE_BUFFER = 8 << 20
@@ -276,11 +277,14 @@ def publish_manifest(root: str, manifest: Manifest, lengths: np.ndarray) -> byte
     return body
 
 
-def summaries_bytes(manifest: Manifest, lengths: np.ndarray) -> bytes:
+def summaries_bytes(manifest: Manifest, lengths: np.ndarray, *, sketch: bool = True) -> bytes:
     """The ``summaries.arrow`` of a dataset: per-shard counts, token sums and length histograms of
-    ``lengths`` (see format.summaries), bound to the manifest's lengths file by its hash."""
+    ``lengths`` (see format.summaries), bound to the manifest's lengths file by its hash; with the
+    weight-quantile sketch where node ranges cut shards (``sketch=False``: without, so a dataset
+    packed before it keeps its node ranges, and its node caches stay valid)."""
     counts = np.array([s.samples for s in manifest.shards], dtype=np.int64)
-    return ShardSummaries.from_lengths(lengths, counts).to_bytes(manifest.lengths_file.get("hash") or "")
+    cells = sketch_cells(len(counts)) if sketch else None
+    return ShardSummaries.from_lengths(lengths, counts, cells).to_bytes(manifest.lengths_file.get("hash") or "")
 
 
 def write_summaries(root: str, manifest: Manifest, lengths: np.ndarray) -> None:

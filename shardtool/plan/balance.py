@@ -14,22 +14,24 @@ __all__ = ["MAX_DROP", "batches_per_rank", "fit_group", "deal_order"]
 MAX_DROP = 0.002
 
 
-def batches_per_rank(group_batches: np.ndarray, group_tokens: np.ndarray, group_samples: np.ndarray,
-                     group_sizes: np.ndarray) -> int:
+def batches_per_rank(group_batches: np.ndarray, group_tokens: np.ndarray, group_capacity: np.ndarray,
+                     group_sizes: np.ndarray, max_drop: float = MAX_DROP) -> int:
     """The per-DP-rank batch count n for the whole world (0 if some rank cannot get a batch).
 
     ``group_batches`` are each group's batch counts (exact, or estimated from the summaries): n
     is the smallest count whose drop — what groups with more than k_g * n batches leave out —
-    carries at most MAX_DROP of the tokens, because dropping loses samples for this epoch while
+    carries at most ``max_drop`` of the tokens (0: nothing dropped), because dropping loses samples for this epoch while
     splitting a deficit group's largest batches loses nothing. n is capped so that every group
-    can still split down to k_g * n non-empty batches (a batch needs at least one sample).
+    can still split down to k_g * n non-empty batches: ``group_capacity`` is the most batches a
+    group's range can be split into — its samples for bucketed batches (a batch needs a sample),
+    its tokens for packed rows (a row can be cut anywhere, and a batch needs one token).
     """
     batches = np.asarray(group_batches, dtype=np.float64)
     tokens = np.asarray(group_tokens, dtype=np.float64)
     sizes = np.asarray(group_sizes, dtype=np.int64)
-    feasible = int((np.asarray(group_samples, dtype=np.int64) // sizes).min())
+    feasible = int((np.asarray(group_capacity, dtype=np.int64) // sizes).min())
     per_batch = np.divide(tokens, batches, out=np.zeros_like(tokens), where=batches > 0)
-    allowed = MAX_DROP * float(tokens.sum())
+    allowed = max_drop * float(tokens.sum())
 
     def dropped(n: int) -> float:
         return float((np.maximum(batches - sizes * n, 0) * per_batch).sum())

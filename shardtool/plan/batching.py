@@ -51,6 +51,13 @@ class Batching:
     `packing` (a `Packing`) packs each window's documents into rows of exactly ``seq_len`` tokens
     instead of bucketing them; ``batch_size`` is then rows per batch and the default window 256
     batches' worth of tokens.
+
+    `drop_last`: whether equal batch counts may leave a little out. ``True``: the count is the
+    smallest whose surplus carries at most 0.2% of the tokens (`balance.MAX_DROP`; it rotates
+    across epochs), groups short of it split batches. ``False``: nothing is left out — the count
+    is the largest group's, every other group splits batches to reach it (exact in ``batch_size``
+    mode; with a token budget or packing the counts are estimated, so a rare surplus can remain).
+    Default (None): ``True`` with several DP ranks, ``False`` with one (nothing to equalise).
     """
 
     batch_size: int | None = None
@@ -60,6 +67,7 @@ class Batching:
     window: int | None = None
     bucketing: bool | None = None
     packing: Packing | None = None
+    drop_last: bool | None = None
 
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.max_tokens is None):
@@ -78,6 +86,8 @@ class Batching:
             raise ValueError(f"bucketing must be a bool or None, found {self.bucketing!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an int >= 0, found {self.seed!r}")
+        if self.drop_last is not None and not isinstance(self.drop_last, bool):
+            raise ValueError(f"drop_last must be a bool or None, found {self.drop_last!r}")
         if self.packing is not None:
             if not isinstance(self.packing, Packing):
                 raise ValueError(f"packing must be a shardtool.plan.packing.Packing, found {self.packing!r}")
@@ -88,8 +98,14 @@ class Batching:
         """Stable short hex id of this config and of the planning algorithm version."""
         fields = asdict(self)
         fields["packing"] = self.packing.fingerprint() if self.packing is not None else None
+        if self.drop_last is None:
+            del fields["drop_last"]  # the default: fingerprints (and saved states) from before it still match
         canonical = json.dumps({"plan_version": PLAN_VERSION, **fields}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def drops(self, dp_size: int) -> bool:
+        """Whether equal counts may drop a surplus (`drop_last` resolved for ``dp_size`` DP ranks)."""
+        return dp_size > 1 if self.drop_last is None else self.drop_last
 
 
 def group_rng(batching: Batching, epoch: int, group: int, num_groups: int) -> np.random.Generator:

@@ -12,6 +12,7 @@ from .arrays import gather_runs
 from .balance import deal_order, fit_group
 from .batching import bucket, group_rng
 from .packing import Rows, pack_rows
+from .rowsplit import split_rows
 from .shape import PlanShape
 from .source import PlanSource, as_lengths
 
@@ -89,7 +90,8 @@ def _packed(shape: PlanShape, group: int, epoch: int, lo: int, lengths: np.ndarr
             k: int, n: int) -> GroupPlan:
     """Windows of the (permuted) group packed into rows; rows shuffled; exactly k × n batches of
     at most batch_size rows: surplus rows dropped (a window that moves with the epoch), or, short
-    of rows, the batches share them out evenly (the loader pads a short batch with empty rows)."""
+    of rows, the batches share them out evenly (the loader pads a short batch with empty rows),
+    the fullest rows cut in parts where there are fewer rows than batches."""
     packing, per_batch = shape.batching.packing, shape.batching.batch_size
     count = ids.size
     if rng is not None:
@@ -113,6 +115,8 @@ def _packed(shape: PlanShape, group: int, epoch: int, lo: int, lengths: np.ndarr
     else:
         left_out = rows.take(np.zeros(0, np.int64))
     rows = rows.take(order)
+    if rows.num_rows < target:  # fewer rows than batches: cut the fullest, as bucketing splits batches
+        rows = split_rows(rows, target)
     # Rows per batch: full batches, or (short of rows) shared out evenly over all target batches.
     sizes = np.full(target, per_batch, np.int64) if rows.num_rows == target * per_batch else \
         np.diff((np.arange(target + 1, dtype=np.int64) * rows.num_rows) // max(target, 1))

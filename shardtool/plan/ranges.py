@@ -3,8 +3,9 @@
 Ranges depend only on the per-shard summaries and the data layout, never on seed, epoch or
 batching, so a node's cache stays valid across epochs and the warmer needs no training config.
 They are computed from the O(shards) summaries alone: a cut falls in the shard where the
-cumulative weight (sum of max(length, 1)) reaches the group's share, at the sample position that
-weight fraction of the shard gives. Every rank computes every cut without reading any per-sample
+cumulative weight (sum of max(length, 1)) reaches the group's share, at the point of the shard's
+weight sketch nearest that share (`format.sketch`: so the tokens on each side are exact), or, for
+a dataset packed before the sketch, at the sample position that weight fraction of the shard gives. Every rank computes every cut without reading any per-sample
 length, and a boundary shard is split at a sample boundary between two neighbours.
 """
 
@@ -46,13 +47,24 @@ def group_cuts(summaries: ShardSummaries, group_sizes: Sequence[int]) -> np.ndar
         # The last shard starting at or before the target (cum_w[s] * ranks <= target, in integers).
         shard = min(int(np.searchsorted(cum_w, target // ranks, side="right")) - 1, len(counts) - 1)
         inside = target - int(cum_w[shard]) * ranks  # weight into the shard, times `ranks`
-        span = weights[shard] * ranks
         pos = int(offsets[shard])
-        if span > 0:
+        if summaries.sketch is not None:
+            pos += _nearest_point(summaries, shard, inside, ranks)
+        elif weights[shard] > 0:
+            span = weights[shard] * ranks
             pos += min((2 * inside * counts[shard] + span) // (2 * span), counts[shard])
         cuts.append(max(pos, cuts[-1]))
     cuts.append(int(offsets[-1]))
     return np.asarray(cuts, dtype=np.int64)
+
+
+def _nearest_point(summaries: ShardSummaries, shard: int, inside: int, ranks: int) -> int:
+    """The sketch point of ``shard`` whose weight before it is nearest ``inside / ranks`` (the
+    first of equals): where the cut goes, so that both sides' token counts are known exactly."""
+    pos, _, weight = summaries.sketch.points(shard, int(summaries.samples[shard]), int(summaries.tokens[shard]),
+                                             int(summaries.weight[shard]))
+    error = np.abs(weight * ranks - inside)  # int64: weights < 2^63 / ranks on any real dataset
+    return int(pos[int(np.argmin(error))])
 
 
 def group_shard_pieces(summaries: ShardSummaries, cuts: np.ndarray) -> list[list[tuple[int, int, int]]]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..format.summaries import BINS, ShardSummaries
-from .balance import batches_per_rank
+from .balance import MAX_DROP, batches_per_rank
 from .batching import Batching, resolve_window
 from .layout import DataLayout
 from .ranges import group_cuts
@@ -57,15 +57,32 @@ def group_histograms(summaries: ShardSummaries, cuts: np.ndarray) -> tuple[np.nd
     shard = np.clip(np.searchsorted(offsets, cuts, side="right") - 1, 0, summaries.num_shards - 1)
     frac = np.divide(cuts - offsets[shard], summaries.samples[shard], out=np.zeros(len(cuts)),
                      where=summaries.samples[shard] > 0)[:, None]
+    token_frac = _token_fractions(summaries, cuts, shard, offsets, frac[:, 0])[:, None]
     edges = np.unique(np.concatenate([[0], shard]))  # the shards where a cut falls, and 0
     out = []
-    for h in hists:
+    for h, f in zip(hists, (frac, token_frac, token_frac)):
         # Sums of the shards between consecutive edges; up to each cut = all edges before its
         # shard, plus its fraction of that shard.
         running = np.vstack([np.zeros((1, BINS)), np.cumsum(np.add.reduceat(h, edges, axis=0), axis=0)])
-        upto = running[np.searchsorted(edges, shard)] + frac * h[shard]
+        upto = running[np.searchsorted(edges, shard)] + f * h[shard]
         out.append(np.diff(upto, axis=0))
     return out[0], out[1], out[2]
+
+
+def _token_fractions(summaries: ShardSummaries, cuts: np.ndarray, shard: np.ndarray, offsets: np.ndarray,
+                     frac: np.ndarray) -> np.ndarray:
+    """Per cut, the share of its shard's tokens before it: exact where the cut is a point of the
+    shard's sketch (every cut of a dataset packed with one), else the share of its samples."""
+    out = frac.copy()
+    if summaries.sketch is None:
+        return out
+    for i, (cut, s) in enumerate(zip(cuts.tolist(), shard.tolist())):
+        within, total = cut - int(offsets[s]), int(summaries.tokens[s])
+        if 0 < within < int(summaries.samples[s]) and total > 0:
+            exact = summaries.sketch.prefix_tokens(s, within)
+            if exact is not None:
+                out[i] = exact / total
+    return out
 
 
 def _bin_support(bins: int, points: int = 128) -> tuple[np.ndarray, np.ndarray]:
@@ -167,6 +184,9 @@ def _estimate_packed(count: np.ndarray, tokens: np.ndarray, samples: np.ndarray,
     low = np.array([0] + [1 << (b - 1) for b in range(1, BINS)], dtype=np.float64)
     high = np.array([1] + [1 << b for b in range(1, BINS)], dtype=np.float64)
     over = np.clip((high - 1 - limit) / np.maximum(high - low, 1), 0.0, 1.0)  # share of each bin above limit
+    # Documents whose piece, not their tokens, fills a row's share (length + eos < seq / max_docs).
+    piece_limit = packing.seq_len / packing.max_docs_per_row - packing.extra_tokens
+    below = np.clip((piece_limit - low) / np.maximum(high - low, 1), 0.0, 1.0)
     out = np.zeros(samples.size)
     for g in range(samples.size):
         too_long = None
@@ -174,10 +194,20 @@ def _estimate_packed(count: np.ndarray, tokens: np.ndarray, samples: np.ndarray,
             docs = int(round(float((count[g] * over).sum())))
             long_tokens = int(round(float((tokens[g] * over).sum())))
             too_long = (min(docs, int(samples[g])), min(long_tokens, int(round(float(tokens[g].sum())))))
+        short = (float((count[g] * below).sum()), float((tokens[g] * below).sum()))
         rows = rows_estimate(int(round(float(tokens[g].sum()))), int(samples[g]), packing,
-                             windows=max(int(windows[g]), 1), too_long=too_long)
+                             windows=max(int(windows[g]), 1), too_long=too_long, short=short)
         out[g] = rows / batching.batch_size
     return out
+
+
+def _capacity(tokens: np.ndarray, samples: np.ndarray, batching: Batching) -> np.ndarray:
+    """The most batches each group's range can be split into: one sample each when bucketing; one
+    token each when packing (rows are cut at any token, so documents longer than a row never limit
+    the count of rows, as they would if counted as samples)."""
+    if batching.packing is None:
+        return samples
+    return np.floor(tokens.sum(axis=1)).astype(np.int64) + samples * batching.packing.extra_tokens
 
 
 def plan_shape(summaries: ShardSummaries, data_layout: DataLayout, batching: Batching) -> PlanShape:
@@ -196,7 +226,9 @@ def plan_shape(summaries: ShardSummaries, data_layout: DataLayout, batching: Bat
     window = resolve_window(batching, mean_weight)
     batches = _estimate_batches(count, tokens, squares, samples, batching, window)
     sizes = np.asarray(data_layout.group_sizes, dtype=np.int64)
-    n = batches_per_rank(batches, tokens.sum(axis=1), samples, sizes) if total else 0
+    max_drop = MAX_DROP if batching.drops(data_layout.dp_size) else 0.0
+    n = batches_per_rank(batches, tokens.sum(axis=1), _capacity(tokens, samples, batching), sizes,
+                         max_drop) if total else 0
     if n == 0:
         small = int(np.argmin(samples / sizes)) if samples.size else 0
         raise ValueError(

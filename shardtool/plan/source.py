@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..format.sketch import sketch_cells
 from ..format.summaries import ShardSummaries
 
 __all__ = ["ArraySource", "PlanSource", "as_lengths", "as_shard_counts"]
@@ -53,12 +54,15 @@ def as_shard_counts(shard_counts, num_samples: int) -> np.ndarray:
 
 
 class ArraySource:
-    """A plan source over in-memory lengths (tests, small tools); records the ranges it served."""
+    """A plan source over in-memory lengths (tests, small tools); records the ranges it served.
+    Its summaries are those `shardtool pack` stores (with the sketch; ``sketch=False``: as a
+    dataset packed before it)."""
 
-    def __init__(self, lengths, shard_counts):
+    def __init__(self, lengths, shard_counts, *, sketch: bool = True):
         self.lengths = as_lengths(lengths)
         self.shard_counts = as_shard_counts(shard_counts, self.lengths.size)
-        self.summaries = ShardSummaries.from_lengths(self.lengths, self.shard_counts)
+        cells = sketch_cells(self.shard_counts.size) if sketch else None
+        self.summaries = ShardSummaries.from_lengths(self.lengths, self.shard_counts, cells)
         self.ranges_read: list[tuple[int, int]] = []
 
     def lengths_range(self, lo: int, hi: int) -> np.ndarray:

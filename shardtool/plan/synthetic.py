@@ -14,6 +14,7 @@ from statistics import NormalDist
 import numpy as np
 
 from ..format.summaries import ShardSummaries
+from ..format.sketch import sketch_cells
 
 __all__ = ["MAX_LENGTH", "MEDIAN", "SIGMA", "SyntheticSource", "lognormal_lengths"]
 
@@ -66,7 +67,7 @@ class SyntheticSource:
     def _chunk(self, first: int) -> ShardSummaries:
         last = min(first + self.CHUNK, len(self.shard_counts))
         lengths = np.concatenate([self.shard_lengths(s) for s in range(first, last)])
-        return ShardSummaries.from_lengths(lengths, self.shard_counts[first:last])
+        return ShardSummaries.from_lengths(lengths, self.shard_counts[first:last], sketch_cells(len(self.shard_counts)))
 
     @property
     def summaries(self) -> ShardSummaries:
@@ -81,7 +82,7 @@ class SyntheticSource:
             else:
                 parts = [self._chunk(f) for f in firsts]
             self._summaries = ShardSummaries.concat(parts) if parts else ShardSummaries.from_lengths(
-                np.zeros(0, np.int64), self.shard_counts)
+                np.zeros(0, np.int64), self.shard_counts, sketch_cells(len(self.shard_counts)))
         return self._summaries
 
     def lengths_range(self, lo: int, hi: int) -> np.ndarray:

@@ -1,0 +1,99 @@
+"""Real text made on this machine, for tests that must see real shapes (long, heavy-tailed documents):
+the Python standard library's source files, and the text files of /usr/share/doc.
+
+Synthetic lognormal corpora hide what these show: most stdlib files are longer than a 512-token
+row, a few are over 100k bytes, and /usr/share/doc has single files of several MB."""
+from __future__ import annotations
+
+import os
+import sysconfig
+
+import numpy as np
+
+STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def stdlib_files(limit: int | None = None, *, subdirs: tuple[str, ...] = ()) -> list[str]:
+    """Sorted paths of the stdlib's non-empty .py files (not site-packages), or of ``subdirs`` of it."""
+    roots = [os.path.join(STDLIB, d) for d in subdirs] or [STDLIB]
+    paths = []
+    for root in roots:
+        for d, dirs, files in os.walk(root):
+            dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "__pycache__"))
+            paths += [os.path.join(d, f) for f in sorted(files) if f.endswith(".py")]
+    paths = [p for p in sorted(paths) if os.path.getsize(p) > 0]
+    return paths[:limit] if limit is not None else paths
+
+
+def byte_ids(path: str) -> np.ndarray:
+    """A file as token ids: its bytes (a byte-level vocabulary of 256)."""
+    with open(path, "rb") as f:
+        return np.frombuffer(f.read(), dtype=np.uint8).astype(np.int32)
+
+
+def stdlib_lengths() -> np.ndarray:
+    """Lengths of the stdlib files as byte ids: ~1,800 documents, median ~7k, a few over 100k."""
+    return np.array([os.path.getsize(p) for p in stdlib_files()], dtype=np.int64)
+
+
+def doc_lengths() -> np.ndarray:
+    """Lengths (bytes) of the regular files under /usr/share/doc: thousands of small files and a
+    few of megabytes. Empty when the machine has none."""
+    out = []
+    for d, dirs, files in os.walk("/usr/share/doc"):
+        dirs.sort()
+        for f in sorted(files):
+            p = os.path.join(d, f)
+            if os.path.isfile(p) and not os.path.islink(p):
+                out.append(os.path.getsize(p))
+    return np.array(out, dtype=np.int64)
+
+
+def train_tokenizer(texts: list[str], vocab: int = 2000):
+    """A BPE tokenizer trained here on ``texts`` (nothing downloaded), with [UNK] and [EOS]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["[UNK]", "[EOS]"]))
+    return tok
+
+
+def write_stdlib_jsonl(path: str, limit: int | None = None, subdirs: tuple[str, ...] = ()) -> list[str]:
+    """The stdlib files as JSONL rows {"id", "text"}; returns their texts."""
+    import json
+
+    texts = []
+    with open(path, "w") as f:
+        for i, p in enumerate(stdlib_files(limit, subdirs=subdirs)):
+            with open(p, encoding="utf-8", errors="replace") as src:
+                text = src.read()
+            texts.append(text)
+            f.write(json.dumps({"id": f"f{i:05d}", "text": text}) + "\n")
+    return texts
+
+
+def stdlib_package_lengths() -> np.ndarray:
+    """Very long documents: each stdlib package directory's files concatenated (bytes); most are
+    over 100k, the largest several MB."""
+    sizes: dict[str, int] = {}
+    for p in stdlib_files():
+        rel = os.path.relpath(p, STDLIB).split(os.sep)
+        top = rel[0] if len(rel) > 1 else "_modules"
+        sizes[top] = sizes.get(top, 0) + os.path.getsize(p)
+    return np.array([sizes[k] for k in sorted(sizes)], dtype=np.int64)
+
+
+def stdlib_line_lengths(limit: int = 30000) -> np.ndarray:
+    """Short documents: the non-empty lines of the stdlib files (bytes), the first ``limit``."""
+    out: list[int] = []
+    for p in stdlib_files():
+        with open(p, "rb") as f:
+            out += [len(line) for line in f.read().split(b"\n") if line.strip()]
+        if len(out) >= limit:
+            break
+    return np.array(out[:limit], dtype=np.int64)
+
+
+CORPORA = {"stdlib": stdlib_lengths, "doc": doc_lengths, "packages": stdlib_package_lengths,
+           "lines": stdlib_line_lengths}
