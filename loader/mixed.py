@@ -55,6 +55,7 @@ class MixtureLoader(ShardedLoader):
                     raise type(e)(f"mixture source {src.name!r}: {e}") from None
                 versions[src.name] = datasets[src.name].version
             self.datasets = datasets
+            self._no_double_eos({f"mixture source {n!r}": ds.manifest.length.get("eos_id") for n, ds in datasets.items()})
             self.planner = MixturePlanner(mixture, datasets, versions, self.batching, self.data_layout)
             self._state = self.planner.start()
             self.steps = steps if steps is not None else steps_for_tokens(self.planner, self._state, tokens)

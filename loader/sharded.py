@@ -4,13 +4,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from ..format import ShardtoolError
 from ..plan import Batching, Mesh, Planner, RankPlan, data_parallel
-from ..plan.packing import Packing
+from ..plan.packing import Packing, with_packed_eos
 from ..plan.env import rank_placement
 from ..plan.state import LoaderState, check_compatible
 from .collate import unpack_batch
@@ -149,6 +150,11 @@ class ShardedLoader:
         self.reader = BatchReader(self.spec, pad_id=self.pad_id)
         ds = self.reader.source.dataset  # metadata only: manifest, summaries, this rank's range's lengths
         self.dataset = ds
+        try:
+            self._no_double_eos({str(url): ds.manifest.length.get("eos_id")})
+        except ValueError:
+            self.reader.close()
+            raise
         self.fingerprint = ds.version
         self.planner = Planner(ds, self.batching)
         self._epoch = 0
@@ -158,6 +164,15 @@ class ShardedLoader:
         self._pass_start = 0
         self._checked_epoch: int | None = None
         self._loaded_epoch: int | None = None  # a loaded state's epoch, until the loader is iterated
+
+    def _no_double_eos(self, packed_eos: dict[str, int | None]) -> None:
+        """Documents packed with --eos-id already end with it: the loader does not add another."""
+        packing = with_packed_eos(self.packing, packed_eos)
+        if packing is not self.packing:
+            log.info("documents already end with EOS id %d (packed with --eos-id): the loader appends none",
+                     self.packing.eos_id)
+            self.packing = packing
+            self.batching = replace(self.batching, packing=packing)
 
     def _readers(self) -> dict[str, BatchReader]:
         """The readers the metrics count, by source name (one dataset: its URL)."""

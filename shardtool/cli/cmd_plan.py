@@ -101,11 +101,14 @@ def _layout(args):
     return Layout(args.simulate_nodes or args.nodes or 1, args.ranks_per_node)
 
 
-def _batching(args):
+def _batching(args, source=None):
     from ..plan import Batching
-    from ..plan.packing import Packing
+    from ..plan.packing import Packing, with_packed_eos
 
     packing = Packing(args.seq_len, args.packing, eos_id=args.eos_id) if args.seq_len is not None else None
+    manifest = getattr(source, "manifest", None)
+    if manifest is not None:  # documents packed with --eos-id end with it already: as the loader plans them
+        packing = with_packed_eos(packing, {args.url: manifest.length.get("eos_id")})
     return Batching(batch_size=args.batch_size, max_tokens=args.max_tokens, shuffle=not args.no_shuffle,
                     seed=args.seed, packing=packing, drop_last={"auto": None, "yes": True, "no": False}[args.drop_last])
 
@@ -131,7 +134,7 @@ def _rank_job(args, summaries_path: str | None, result) -> None:
         source.summaries  # noqa: B018 - read, as a rank does at start-up
     layout = _layout(args)
     data, dp_rank = data_layout_of(args, Placement(layout, layout.node_of(args.rank), args.rank))
-    batching = _batching(args)
+    batching = _batching(args, source)
     planner = Planner(source, batching)
     state = planner.start(args.epoch, "plan", data)
     plan = planner.rank_plan(state, dp_rank)
@@ -221,6 +224,10 @@ def run(args) -> int:
         source = open_dataset(args.url)
         name = args.url
         shard_bytes = np.array([s.bytes for s in source.manifest.shards], dtype=np.int64)
+        try:
+            batching = _batching(args, source)
+        except ValueError as e:
+            raise ShardtoolError(str(e)) from None
     summaries = source.summaries
     per_node_shards, node_bytes = node_shards(summaries, data, layout, shard_bytes)
     report = {

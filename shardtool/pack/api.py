@@ -287,8 +287,10 @@ def pack(
             results = run_jobs(jobs, bar)
         finally:
             bar.close()
-        result = _publish(out, format, fields, length_definition(fields, length, length_fn), results, skipped,
-                          T, I, max_skip_fraction, compression)
+        length_def = length_definition(fields, length, length_fn)
+        if tok is not None and tok.eos:
+            length_def["eos_id"] = tok.eos[0]  # every document ends with it: a loader must not append another
+        result = _publish(out, format, fields, length_def, results, skipped, T, I, max_skip_fraction, compression)
     except BaseException:
         outdir.undo(out, before, task=I, num_tasks=T)  # a killed or failed worker cannot clean up its own
         raise

@@ -24,13 +24,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
 from .arrays import gather_runs
 
-__all__ = ["PACKING_VERSION", "POLICIES", "Packing", "Rows", "default_max_docs", "pack_rows", "rows_estimate"]
+__all__ = ["PACKING_VERSION", "POLICIES", "Packing", "Rows", "default_max_docs", "pack_rows", "rows_estimate",
+           "with_packed_eos"]
 
 # Bumped whenever packing changes the rows it produces, so a saved position is never replayed
 # against different rows.
@@ -260,3 +261,30 @@ def rows_estimate(token_count: int, doc_count: int, packing: Packing, *, windows
         return max(tokens_rows + windows, pieces_bound)
     return max(tokens / seq + windows, pieces_bound)
 
+
+def with_packed_eos(packing: Packing | None, packed_eos: dict[str, int | None]) -> Packing | None:
+    """The packing a loader uses on datasets whose documents may already end with an EOS token.
+
+    ``packed_eos`` maps each dataset (its URL or name) to the ``eos_id`` that ``shardtool pack
+    --eos-id`` appended to every document (the manifest's ``length.eos_id``), or None. Asking for
+    that same ``eos_id`` again would end every document with two: the loader appends none
+    (returns the packing without ``eos_id``). Another id, or datasets of which only some carry
+    the id, cannot be made consistent: ValueError saying why and what to change.
+    """
+    if packing is None or packing.eos_id is None:
+        return packing
+    carried = {name: eos for name, eos in packed_eos.items() if eos is not None}
+    if not carried:
+        return packing
+    other = {name: eos for name, eos in carried.items() if eos != packing.eos_id}
+    if other:
+        name, eos = next(iter(other.items()))
+        raise ValueError(f"{name}: its documents already end with EOS id {eos} (packed with --eos-id {eos}); "
+                         f"eos_id={packing.eos_id} would add a second, different end token. Drop eos_id (the "
+                         f"packed one is used), or repack with --eos-id {packing.eos_id}")
+    bare = sorted(name for name, eos in packed_eos.items() if eos is None)
+    if bare:
+        raise ValueError(f"eos_id={packing.eos_id}: {', '.join(sorted(carried))} already end every document "
+                         f"with it (packed with --eos-id) and {', '.join(bare)} do not, so one eos_id cannot "
+                         "end every document once; repack those with --eos-id, or without it")
+    return replace(packing, eos_id=None)
