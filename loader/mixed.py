@@ -180,8 +180,7 @@ class MixtureLoader(ShardedLoader):
                                  packing=self.packing)
         if start < self.steps:
             batches.prepare(start)  # before the workers fork: they inherit these plans
-        self._pass = self._run(batches, start, self.steps, where)
-        return self._pass
+        return self._track(self._run(batches, start, self.steps, where))
 
     def _pass_done(self) -> None:
         self._pass_start = self._served  # the run is over: len(loader) is 0, the state says step == steps

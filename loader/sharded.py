@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import weakref
 from dataclasses import replace
 from typing import Any, Callable, Iterator
 
@@ -304,13 +305,19 @@ class ShardedLoader:
                               collate_fn=self.collate_fn, pad_id=self.pad_id, lengths=plan.lengths, packed=packed,
                               packed_rows=plan.batch_rows if packed is not None else None,
                               packed_stats=plan.packed_stats(self.batching.batch_size) if packed is not None else None)
-        self._pass = self._run(batches, start, n, where)
-        return self._pass
+        return self._track(self._run(batches, start, n, where))
+
+    def _track(self, run: Iterator[Any]) -> Iterator[Any]:
+        # A weak reference: the pass must still end (its workers exit) as soon as the consumer
+        # drops it, as a loop that breaks out does; a strong one would be a cycle through self.
+        self._pass = weakref.ref(run)
+        return run
 
     def _close_pass(self) -> None:
         """End the previous pass's generator (its worker pool) before another begins: a consumer
-        that stops at len(loader), or breaks out early, leaves it suspended at its last batch."""
-        previous, self._pass = getattr(self, "_pass", None), None
+        that stops at len(loader), or breaks out early and keeps it, leaves it suspended."""
+        ref, self._pass = getattr(self, "_pass", None), None
+        previous = ref() if ref is not None else None
         if previous is not None:
             previous.close()
 
