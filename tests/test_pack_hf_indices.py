@@ -84,6 +84,20 @@ def test_shuffled_selection_reaches_the_packer_as_one_batch_per_slice(shuffled):
         assert [b.batch.num_rows for b in batches] == [unit.count]
 
 
+def test_fragmented_slices_are_copied_in_bounded_groups_and_others_kept(shuffled):
+    """Large rows are not all copied at once; batches already large in bytes are left alone."""
+    table = shuffled.with_format("arrow")[0:1000]  # the Dataset's own gather: a batch per row
+    assert table.column(0).num_chunks == 1000
+    budget = table.nbytes // 4
+    groups = list(sources.contiguous(table, combine_bytes=budget))
+    # Rows are counted at their average size: a group holds about the budget, not exactly.
+    assert 4 <= len(groups) <= 5 and all(g.nbytes <= 1.5 * budget for g in groups)
+    assert pa.Table.from_batches(groups).equals(table)
+    big = pa.table({"blob": pa.array([b"x" * (2 << 20)] * 3)})
+    split = pa.Table.from_batches(big.to_batches(max_chunksize=1))
+    assert [b.num_rows for b in sources.contiguous(split)] == [1, 1, 1]  # 2 MiB a batch: kept
+
+
 def test_same_bytes_need_the_same_arrow_types(tmp_path):
     """README: dicts of Python ints are int64 arrays; with the Parquet file's schema, the same bytes."""
     rows = [{"tokens": d.astype(np.int32).tolist()} for d in stdlib_docs(300)]
