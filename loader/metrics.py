@@ -1,6 +1,6 @@
 """What `ShardedLoader.metrics()` returns: the trainer's counters plus every worker's, as plain dicts.
 
-The trainer counts what only it sees — time spent waiting in ``next()``, batches handed over,
+The trainer counts what only it sees — time spent inside ``next()``, batches handed over,
 their samples and tokens (from the index lengths, looked up per pass, not per step) — and reads
 the reading processes' counters from the shared `Table` (loader/probe.py). A `Snapshot` is one
 flat vector of all of it, so a window ("since the last call") is the difference of two snapshots
@@ -45,10 +45,12 @@ class Meter:
 
     # ------------------------------------------------------------------ per pass / per step
     def start_pass(self, samples: np.ndarray, tokens: np.ndarray, padded: np.ndarray, workers: int,
-                   restart: bool) -> None:
-        """Per-batch samples, tokens and padded tokens of this pass's plan (`PlanBatches.stats`)."""
+                   restart: bool, entered: float | None = None) -> None:
+        """Per-batch samples, tokens and padded tokens of this pass's plan (`PlanBatches.stats`);
+        ``entered``: when the first ``next()`` of the pass was called (default: now)."""
         if self.began is None:
-            self.began = time.perf_counter()
+            # From the first next()'s entry, which wait_s counts from: wait_s <= seconds.
+            self.began = time.perf_counter() if entered is None else entered
         self.worker_starts += workers
         if restart:
             self.worker_restarts += workers
@@ -57,11 +59,11 @@ class Meter:
         self.batch_samples, self.batch_tokens, self.batch_padded = samples.tolist(), tokens.tolist(), padded.tolist()
         self.per_step = None
 
-    def start_steps(self, per_step, workers: int, restart: bool) -> None:
+    def start_steps(self, per_step, workers: int, restart: bool, entered: float | None = None) -> None:
         """A mixture's pass: its steps' counts come from ``per_step(b)`` as each is handed over
         (a mixture runs for millions of steps; its per-step plan is a closed form, not a table)."""
         none = np.zeros(0, dtype=np.int64)
-        self.start_pass(none, none, none, workers, restart)
+        self.start_pass(none, none, none, workers, restart, entered)
         self.per_step = per_step
 
     def count_step(self, b: int) -> None:

@@ -4,6 +4,11 @@
 metric lines and cross-rank summary (loader/metricslog.py), the stall `Watchdog` and the
 check that the node cache is ahead of the plan. `ShardedLoader` calls `worker_init` in each
 worker, `begin_pass` once per pass and `Pass.next` instead of ``next()`` for every batch.
+
+``wait_s`` is the time the training loop spends inside the loader's ``next()``, from entry to
+return: the wait for a worker, unpacking, pinning, the metric line of that step, and in the first
+call of a pass the start of the workers. The loader takes the entry time and hands it to
+`begin_pass`, `Pass.next` and `end_pass` (the call that ends the pass closes the workers).
 """
 from __future__ import annotations
 
@@ -71,7 +76,8 @@ class Observer:
         if self.watchdog is not None:
             self.watchdog.worker_init(w)
 
-    def begin_pass(self, batches, start: int, n: int, where: str, epoch: int) -> "Pass":
+    def begin_pass(self, batches, start: int, n: int, where: str, epoch: int, entered: float) -> "Pass":
+        """``entered``: when the first ``next()`` of the pass was called (it starts the pass)."""
         # A pass that continues an epoch whose previous pass stopped early (an error, a stall,
         # a loop left and re-entered) started its workers again: those are restarts.
         restart = (not self._pass_complete) and self._pass_epoch == epoch and self.workers > 0
@@ -80,9 +86,9 @@ class Observer:
         if self.meter is not None:
             stats = batches.stats()
             if callable(stats):
-                self.meter.start_steps(stats, self.workers, restart)
+                self.meter.start_steps(stats, self.workers, restart, entered)
             else:
-                self.meter.start_pass(*stats, self.workers, restart)
+                self.meter.start_pass(*stats, self.workers, restart, entered)
         self._current["batches"] = batches
         p = Pass(self, batches, start, n, epoch)
         p.check_cache()  # at once: the first batches are the ones a cold cache stalls
@@ -90,12 +96,16 @@ class Observer:
             self.watchdog.start_pass(where)
         return p
 
-    def end_pass(self, complete: bool) -> None:
+    def end_pass(self, complete: bool, entered: float | None = None) -> None:
+        """``entered``: when the ``next()`` that ended the pass was called, to count it as waiting
+        (None: the pass ended outside a ``next()``, by an error or the loop left early)."""
         self._pass_complete = complete
         self._flush()
         if self.watchdog is not None:
             self.watchdog.stop()
         self.table.forget_workers()
+        if entered is not None and self.meter is not None:
+            self.meter.wait_s += time.perf_counter() - entered
 
     def _flush(self) -> None:
         """This process's uncounted batch bytes (with num_workers=0, the trainer reads them)."""
@@ -210,7 +220,9 @@ class Pass:
         self._next_cache_check = 0.0
         self._warned = False
 
-    def next(self, it, b: int):
+    def next(self, it, b: int, entered: float, unpack):
+        """Batch ``b`` from ``it``, through ``unpack``; counted as handed over, with the whole
+        ``next()`` call since ``entered`` as waiting (the watchdog times only the read)."""
         wd = self.wd
         if not self._armed:
             self._armed = True
@@ -236,9 +248,11 @@ class Pass:
         if wd is not None and wd.fired == b:
             raise self._stalled(b)  # declared stalled from a thread we could not interrupt
         self.position = b + 1
+        batch = unpack(batch)  # in the trainer, inside the user's next(): waiting too
         m = self.meter
         if m is not None:  # Meter.delivered, inlined: a call per step costs more than the counting
-            m.wait_s += wait
+            now = time.perf_counter()
+            m.wait_s += now - entered
             m.steps += 1
             if m.per_step is None:
                 m.samples += m.batch_samples[b]
@@ -248,6 +262,7 @@ class Pass:
                 m.count_step(b)
             if self.every and m.steps % self.every == 0:
                 self.obs.line(self.epoch, b + 1)
+                m.wait_s += time.perf_counter() - now  # the line is written inside next() as well
         return batch
 
     def _stalled(self, b: int):

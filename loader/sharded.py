@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 import weakref
 from dataclasses import replace
 from typing import Any, Callable, Iterator
@@ -322,7 +323,10 @@ class ShardedLoader:
             previous.close()
 
     def _run(self, batches: PlanBatches, start: int, n: int, where: str) -> Iterator[Any]:
-        watch = self._obs.begin_pass(batches, start, n, where, self._epoch)  # before the workers fork
+        # The body runs inside the user's next() calls: each is timed from its entry (here, and
+        # after each yield) to its return, so wait_s is what the user measures around next().
+        entered = time.perf_counter()
+        watch = self._obs.begin_pass(batches, start, n, where, self._epoch, entered)  # before the workers fork
         try:
             dl = make_dataloader(batches, start, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
                                  pin_memory=self.pin_memory, timeout=self.timeout, worker_init=self._obs.worker_init,
@@ -331,10 +335,11 @@ class ShardedLoader:
             self._obs.end_pass(complete=False)
             raise
         it = iter(dl)
+        ended = None  # an error, or the loop left early: the pass ends outside any next()
         try:
             for b in range(start, n):
                 try:
-                    batch = watch.next(it, b)
+                    batch = watch.next(it, b, entered, unpack_batch)
                 except StopIteration:
                     raise LoaderError(f"{where}: the reader stopped after {b} of {n} batches") from None
                 except WorkerFailed as e:
@@ -346,10 +351,12 @@ class ShardedLoader:
                         f"a worker process failed, exited or was killed ({type(e).__name__}: {e})"
                     ) from e
                 self._served = b + 1
-                yield unpack_batch(batch)
+                yield batch
+                entered = time.perf_counter()
+            ended = entered  # this next() ends the pass: closing the workers is part of it
         finally:
             it.close()  # the worker pool, or the in-process generator
-            self._obs.end_pass(complete=self._served >= n)
+            self._obs.end_pass(complete=self._served >= n, entered=ended)
         self._pass_done()
 
     def _pass_done(self) -> None:
@@ -400,7 +407,9 @@ class ShardedLoader:
         """This rank's loader metrics as a plain dict, cheap enough to call every step.
 
         ``cumulative``: since the first batch was asked for; ``window``: since the previous call.
-        Each has the time the training loop waited in ``next()`` (``wait_s``, ``wait_fraction``),
+        Each has the time the training loop spent inside ``next()`` (``wait_s``, ``wait_fraction``:
+        every call from entry to return, the one that ends a pass included; see the README's
+        Observability section for what that covers),
         the time workers spent producing batches, samples/tokens per second and padding
         efficiency (tokens from the index lengths), bytes read per tier (node ``cache``, ``local``
         files read in place, ``remote``: ranged reads plus whole shards fetched on a cache miss),
