@@ -46,7 +46,8 @@ def test_a_closed_pipe_ends_the_command_quietly(dataset, argv):
 
 @pytest.mark.timeout(120)
 def test_head_gets_its_line_and_the_shell_no_traceback(dataset):
-    cp = subprocess.run(["bash", "-o", "pipefail", "-c", f'"{sys.executable}" -m shardtool inspect "{dataset}" | head -1'],
-                        env=repo_env(), capture_output=True, text=True, timeout=100)
+    pipeline = f'"{sys.executable}" -m shardtool inspect "{dataset}" | head -1'
+    cp = subprocess.run(["bash", "-o", "pipefail", "-c", pipeline], env=repo_env(), capture_output=True, text=True,
+                        timeout=100)
     assert cp.stdout.startswith(dataset), cp.stdout
     assert "Traceback" not in cp.stderr, cp.stderr
