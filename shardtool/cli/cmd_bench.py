@@ -21,6 +21,7 @@ carries each rank's full metrics under "loader_per_rank". Peers are timed by the
 Each run (one reader at one --workers value) stops after --max-batches batches per rank, by
 default after about 20 s of simulated steps (--seconds), and the bench prints an estimate of its
 whole duration before the first run.
+
 --compare reads the same tar shards through each peer's recommended set-up in the same run
 and prints the ratio shardtool / peer.
 """
