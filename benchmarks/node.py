@@ -298,6 +298,36 @@ def measure_step_ms(batch_tokens: int = 4096, seq_len: int = 128, repeats: int =
     return float(np.median(times[1:]) * 1000)
 
 
+# Seconds of simulated steps one run (one reader at one num_workers) takes by default: the
+# measured CPU step is hundreds of ms on a small machine, so a whole epoch per run took minutes.
+DEFAULT_RUN_S = 20.0
+# Spawning the rank processes (torch and webdataset imports) and planning, per run, on a 2-core machine.
+RUN_START_S = 8.0
+
+
+def default_max_batches(step_ms: float, run_s: float = DEFAULT_RUN_S) -> int | None:
+    """Batches per rank that fill about ``run_s`` seconds of ``step_ms`` steps (at least 20, so the
+    steady-state window has enough batches); None with no step: the loader alone is fast enough."""
+    if step_ms <= 0:
+        return None
+    return max(20, int(round(run_s * 1000.0 / step_ms)))
+
+
+def batches_per_rank_estimate(ds, ranks: int, batch_size: int | None, max_tokens: int | None) -> int:
+    """About how many batches one epoch gives a rank, from the manifest alone (no plan)."""
+    summary = (ds.manifest.length or {}).get("summary") or {}
+    if batch_size is None and max_tokens and summary.get("total"):
+        batches = summary["total"] / max_tokens
+    else:
+        batches = len(ds) / (batch_size or 1)
+    return max(1, int(batches // max(1, ranks)))
+
+
+def estimate_run_s(batches: int, step_ms: float) -> float:
+    """Wall time of one run: start-up, then ``batches`` steps (the loader keeps up, or the step hides it)."""
+    return RUN_START_S + batches * step_ms / 1000.0
+
+
 def format_table(rows: list[dict]) -> str:
     cols = [("reader", "{}"), ("num_workers", "{}"), ("samples_per_s", "{:,.0f}"), ("tokens_per_s", "{:,.0f}"),
             ("mb_per_s", "{:,.1f}"), ("first_batch_s", "{:.2f}"), ("wait_fraction", "{:.1%}"),

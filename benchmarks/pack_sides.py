@@ -30,7 +30,7 @@ def side_arrow_reference(src: str, out: str) -> int:
 
 
 def _dicts(src: str) -> list[dict]:
-    from benchmarks.pack_throughput import _parquet_rows
+    from .pack_throughput import _parquet_rows
 
     return [{"tokens": tokens, "source": source} for _, tokens, source in _parquet_rows(src)]
 

@@ -21,9 +21,9 @@ images ≥ 1.5× ShardWriter's MB/s; Parquet → Arrow ≥ 0.8× the columnar re
 (--key) ≥ 25× ShardWriter (1 process); dicts ≥ 5× ShardWriter; tokenize-and-pack with 2 workers
 ≥ 0.8× tokenizers alone with 2 processes.
 
-    python -m benchmarks.pack_throughput            # 200k token samples, 20k images
-    python -m benchmarks.pack_throughput --small    # 20k token samples, 2k images
-    python -m benchmarks.pack_throughput --cases parquet   # only the Parquet token case
+    python -m shardtool.benchmarks.pack_throughput            # 200k token samples, 20k images
+    python -m shardtool.benchmarks.pack_throughput --small    # 20k token samples, 2k images
+    python -m shardtool.benchmarks.pack_throughput --cases parquet   # only the Parquet token case
 """
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def side_mds(src: str, out: str, kind: str) -> int:
     return n
 
 
-from benchmarks.pack_sides import (  # noqa: E402
+from .pack_sides import (  # noqa: E402
     _keyed_parquet, _text_corpus, side_arrow_reference, side_dicts, side_tokenize)
 
 
@@ -152,7 +152,7 @@ def measure(side: str, src: str, kind: str, work: str) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.pack_throughput", "_child", side, src, out, kind],
+    proc = subprocess.run([sys.executable, "-m", "shardtool.benchmarks.pack_throughput", "_child", side, src, out, kind],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default="parquet,jsonl,images,columnar,dicts,tokenize",
                    help="comma-separated subset of parquet,jsonl,images,columnar,dicts,tokenize (default: all)")
     a = p.parse_args(argv)
-    from benchmarks import corpus
+    from . import corpus
 
     n_tok, n_img = (20_000, 2_000) if a.small else (200_000, 20_000)
     tok_dir = os.path.join(a.work, f"tokens-{n_tok}")

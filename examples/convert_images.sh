@@ -3,7 +3,7 @@
 #   examples/convert_images.sh [WORKDIR]
 set -euo pipefail
 WORK=${1:-_work/example-images}
-python -m benchmarks.corpus images "$WORK/src" --n "${N:-2000}"
+python -m shardtool.benchmarks.corpus images "$WORK/src" --n "${N:-2000}"
 shardtool pack "$WORK/src" -o "$WORK/ds" --shard-size 64MiB --workers 2 --overwrite
 shardtool verify "$WORK/ds"
 shardtool inspect "$WORK/ds"

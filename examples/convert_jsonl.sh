@@ -3,7 +3,7 @@
 #   examples/convert_jsonl.sh [WORKDIR]
 set -euo pipefail
 WORK=${1:-_work/example-jsonl}
-python -m benchmarks.corpus tokens "$WORK/src" --n "${N:-20000}"
+python -m shardtool.benchmarks.corpus tokens "$WORK/src" --n "${N:-20000}"
 shardtool pack "$WORK/src/tokens.jsonl" -o "$WORK/ds" --length tokens --shard-size 64MiB --workers 2 --overwrite
 shardtool verify "$WORK/ds"
 shardtool inspect "$WORK/ds"

@@ -17,7 +17,8 @@ PY=${PYTHON:-python3}
 # A bare `torch` requirement pulls a multi-GB CUDA build; install the CPU build first when missing.
 if [ -z "${SHARDTOOL_NO_INSTALL:-}" ]; then  # tests that run this script set it
   "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q torch==2.13.0
-  "$PY" -m pip install -q -e .
+  # [plot]: step 6 draws the loader metrics with matplotlib (`shardtool stats --plot`).
+  "$PY" -m pip install -q -e ".[plot]"
 fi
 W=${WORK:-$root/_work/quickstart}
 N=${SAMPLES:-20000}
@@ -27,7 +28,7 @@ mkdir -p "$W"
 step() { printf '\n== %s\n' "$*"; }
 
 step "1. generate $N token samples"
-"$PY" -m benchmarks.corpus tokens "$W/raw" --n "$N"
+"$PY" -m shardtool.benchmarks.corpus tokens "$W/raw" --n "$N"
 
 step "2. pack"
 "${ST[@]}" pack "$W/raw/tokens.parquet" -o "$W/dataset" --length tokens --samples-per-shard 1500 --workers 2

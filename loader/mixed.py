@@ -190,7 +190,9 @@ class MixtureLoader(ShardedLoader):
         if self._checked or not self._in_process_group():
             return
         self._checked = True
-        ident = f"{self.planner.fingerprint}/{self._state.at(0).to_dict()}"
+        position = self._state.at(0).to_dict()
+        position.pop("about", None)  # words for people (URLs as each rank spelled them), not the data's identity
+        ident = f"{self.planner.fingerprint}/{position}"
         self._agree([self.steps, self._served], ident, "(steps, mixture/state, step)",
                     "Every rank must open the same mixture (sources, weights, versions) with the same batching "
                     "and state.")

@@ -15,6 +15,7 @@ from ..format import ShardtoolError
 from ..plan import Batching, Mesh, Planner, RankPlan, data_parallel
 from ..plan.packing import Packing, with_packed_eos
 from ..plan.env import rank_placement
+from ..plan.about import describe
 from ..plan.state import LoaderState, check_compatible
 from .collate import unpack_batch
 from .pool import WorkerFailed
@@ -261,8 +262,14 @@ class ShardedLoader:
         """Position after the last batch handed out: small, JSON-ready, equal on every rank, no I/O."""
         plan = self.plan
         if self._served >= plan.batches_per_rank:
-            return self.planner.start(self._epoch + 1, self.fingerprint, self.data_layout).to_dict()
-        return self._state.with_served(self._served).to_dict()
+            state = self.planner.start(self._epoch + 1, self.fingerprint, self.data_layout)
+        else:
+            state = self._state.with_served(self._served)
+        return state.described(self._about()).to_dict()
+
+    def _about(self) -> dict[str, Any]:
+        """What this loader's states are saved for, in words: dataset URL and version, batching."""
+        return describe(str(self.spec.url), self.dataset.version, len(self.dataset), self.batching)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where ``state`` (from `state_dict`, on any rank) was: on the same data
@@ -273,7 +280,7 @@ class ShardedLoader:
                                    "into ShardedLoader(Mixture(...)) of those sources")
         try:
             st = LoaderState.from_dict(state, batching=self.batching)
-            check_compatible(st, self.fingerprint, self.batching)
+            check_compatible(st, self.fingerprint, self.batching, self._about())
             self.planner.check(st)
             resumed = self.planner.continue_on(st, self.data_layout)
             plan = self.planner.rank_plan(resumed, self.dp_rank)

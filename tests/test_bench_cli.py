@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -120,3 +121,27 @@ def test_a_hung_rank_is_killed_at_the_timeout_and_named(tmp_path):
         time.sleep(0.2)
     left = {p: open(f"/proc/{p}/cmdline").read().replace("\0", " ") for p in _session_procs(proc.pid)}
     assert not left, left  # no rank or worker left behind
+
+
+@pytest.mark.timeout(400)
+def test_bench_as_documented_is_bounded_and_says_first_how_long_it_takes(tmp_path):
+    # `shardtool bench --generate 20000 --json out.json --plot out.png`, as its --help shows it: no
+    # --step-ms, no --max-batches. With a whole epoch per run at the measured CPU step (~0.6 s on 2
+    # cores) it used to take about 20 minutes; by default a run now stops after ~20 s of steps.
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.pop(var, None)
+    out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
+    began = time.monotonic()
+    proc, out, err = _bench(["--generate", "20000", "--json", str(out_json), "--plot", str(out_png)], env, 360)
+    took = time.monotonic() - began
+    assert proc.returncode == 0, out + err
+    estimate = re.search(r"^estimate: .* about (\d+) s in all", err, re.M)
+    assert estimate, err
+    assert took < 180, f"the documented bench took {took:.0f} s"
+    assert float(estimate.group(1)) / 3 < took < 3 * float(estimate.group(1)) + 60, (took, estimate.group(0))
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["num_workers"] for r in rows] == [0, 2] and not any(r["errors"] for r in rows), rows
+    bound = rows[0]["max_batches"]
+    assert bound >= 20 and all(r["batches_per_rank"] == [bound, bound] for r in rows), rows
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -263,7 +263,8 @@ def test_a_changed_dataset_or_config_is_refused_with_found_and_expected():
     with pytest.raises(StateError, match=r"source 's1' is another dataset.*found version 'v-other'.*expected 'v-s1'"):
         other.resume(saved)
     config = planner_of(sources, case.weights, Batching(max_tokens=1024, seed=5), case.layout)
-    with pytest.raises(StateError, match="another batching config: found fingerprint"):
+    with pytest.raises(StateError, match=r"another batching config: found batching \{max_tokens: 1024, shuffle: true, "
+                                         r"seed: 4, bucketing: true\}, expected \{.*seed: 5.*\} \(differing: seed\)"):
         config.resume(saved)
     smaller = dict(sources, s1=MixtureCase((400, 400), (1, 1), Layout(1, 1), case.batching, 0).sources()["s1"])
     changed = planner_of(smaller, case.weights, case.batching, case.layout)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from ..format.errors import ShardtoolError
@@ -44,7 +45,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What a command killed by SIGPIPE exits with in a shell (128 + 13): `set -o pipefail` sees it.
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Its reader closing the pipe (`shardtool inspect DS | head`) ends it
+    quietly with 141, as a command killed by SIGPIPE would, for every command in this one place."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # Flushed here so a closed pipe raises inside the try, not at interpreter exit.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's documented recipe (library/signal, "Note on SIGPIPE"): point stdout at devnull
+        # so the interpreter's own flush at exit cannot raise (and print) the error a second time.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):

@@ -18,6 +18,10 @@ carries each rank's full metrics under "loader_per_rank". Peers are timed by the
   shardtool bench DATASET --ranks 2 --workers 0,2 --compare webdataset
   shardtool bench --generate 20000 --json out.json --plot out.png
 
+Each run (one reader at one --workers value) stops after --max-batches batches per rank, by
+default after about 20 s of simulated steps (--seconds), and the bench prints an estimate of its
+whole duration before the first run.
+
 --compare reads the same tar shards through each peer's recommended set-up in the same run
 and prints the ratio shardtool / peer.
 """
@@ -34,7 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=int, default=None, help="token budget per batch (default 16384)")
     p.add_argument("--step-ms", type=float, default=None,
                    help="simulated training step per batch; default: a measured tiny-model step on this machine")
-    p.add_argument("--max-batches", type=int, default=None, help="stop each rank after this many batches")
+    p.add_argument("--max-batches", type=int, default=None,
+                   help="stop each rank after this many batches (default: about --seconds of simulated steps; "
+                        "with --step-ms 0, one epoch)")
+    p.add_argument("--seconds", type=float, default=None, metavar="S",
+                   help="without --max-batches, each run stops after about S seconds of simulated steps "
+                        "(default 20); the bench prints how long it will take before starting")
     p.add_argument("--compare", default="", help="comma-separated peers: webdataset")
     p.add_argument("--json", dest="json_path", default=None, help="write all results as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG plot (throughput and wait vs workers)")
@@ -79,15 +88,21 @@ def run(args) -> int:
     if peers and not length_field:
         print("shardtool bench: --compare needs a dataset with a length (token) field", file=sys.stderr)
         return 2
+    max_batches = args.max_batches
+    if max_batches is None:
+        max_batches = bench.default_max_batches(step_ms, args.seconds if args.seconds is not None
+                                                else bench.DEFAULT_RUN_S)
+    worker_counts = [int(w) for w in args.workers.split(",") if w != ""]
+    print(_estimate(bench, ds, args, worker_counts, peers, max_tokens, step_ms, max_batches), file=sys.stderr)
     rows = []
-    for workers in [int(w) for w in args.workers.split(",") if w != ""]:
+    for workers in worker_counts:
         for name in ["shardtool", *peers]:
             cfg = bench.BenchConfig(url=url, ranks=args.ranks, num_workers=workers, batch_size=args.batch_size,
-                                    max_tokens=max_tokens, step_ms=step_ms, max_batches=args.max_batches,
+                                    max_tokens=max_tokens, step_ms=step_ms, max_batches=max_batches,
                                     webdataset_urls=wds_urls, length_field=length_field,
                                     length_ext=length_ext)
             row = bench.summarize(bench.run_node(name, cfg, timeout=args.timeout))
-            row["step_ms"] = step_ms
+            row["step_ms"], row["max_batches"] = step_ms, max_batches
             rows.append(row)
             for error in row["errors"]:
                 print(f"shardtool bench: {name} (workers={workers}) failed: {error}", file=sys.stderr)
@@ -107,3 +122,17 @@ def run(args) -> int:
     if tmp:
         tmp.cleanup()
     return 1 if any(r["errors"] for r in rows) else 0
+
+
+def _estimate(bench, ds, args, worker_counts: list[int], peers: list[str], max_tokens: int | None, step_ms: float,
+              max_batches: int | None) -> str:
+    """One line saying how long the bench will take, printed before the first run."""
+    epoch = bench.batches_per_rank_estimate(ds, args.ranks, args.batch_size, max_tokens)
+    batches = min(epoch, max_batches) if max_batches else epoch
+    runs = len(worker_counts) * (1 + len(peers))
+    total = runs * bench.estimate_run_s(batches, step_ms)
+    how = (f"{batches} batches per rank at a {step_ms:.1f} ms step" if step_ms > 0 else
+           f"{batches} batches per rank (one epoch) at loader speed, no step")
+    return (f"estimate: {runs} run(s) (readers {', '.join(['shardtool', *peers])} at num_workers "
+            f"{','.join(map(str, worker_counts))}), each {args.ranks} rank(s) × {how}: about {total:.0f} s in all "
+            f"(--max-batches or --seconds to change; --timeout {args.timeout:g} s per run)")

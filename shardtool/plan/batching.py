@@ -94,6 +94,14 @@ class Batching:
             if self.batch_size is None:
                 raise ValueError("packing takes batch_size (rows of seq_len tokens per batch), not max_tokens")
 
+    def describe(self) -> dict:
+        """The settings a person reads in a state-mismatch message: the fields that are set
+        (a packing config as its own dict), JSON-ready. The fingerprint stays the identity."""
+        fields = {k: v for k, v in asdict(self).items() if v is not None and k != "packing"}
+        if self.packing is not None:
+            fields["packing"] = {k: v for k, v in asdict(self.packing).items() if v is not None}
+        return fields
+
     def fingerprint(self) -> str:
         """Stable short hex id of this config and of the planning algorithm version."""
         fields = asdict(self)

@@ -10,10 +10,12 @@ current epoch (and, after a re-deal, of the groups its units come from).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping
 
 import numpy as np
 
+from .about import NO_DESCRIPTION, batching_mismatch, describe_mixture
 from .batching import Batching
 from .compose import Composition, integer_shares
 from .layout import DataLayout
@@ -47,6 +49,7 @@ class MixturePlanner:
                  batching: Batching, layout: DataLayout):
         self.mixture, self.batching, self.layout = mixture, batching, layout
         self.fingerprint = mixture_fingerprint(batching)
+        self.about = describe_mixture({src.name: src.url for src in mixture.sources}, batching)
         self.planners = {n: Planner(sources[n], source_batching(batching, n)) for n in mixture.names}
         self.versions = {n: versions[n] for n in mixture.names}
         self.units_per_step = batching.batch_size if batching.packing is not None else 1
@@ -69,7 +72,8 @@ class MixturePlanner:
     def start(self) -> MixtureState:
         """The state before step 0 (ValueError if a source cannot be planned on this layout)."""
         records = [self._record(n, self.planners[n].start(0, self.versions[n], self.layout)) for n in self.mixture.names]
-        return MixtureState(0, self.fingerprint, Phase(0, self.mixture.schedule_identity(), self.layout, records))
+        return MixtureState(0, self.fingerprint, Phase(0, self.mixture.schedule_identity(), self.layout, records),
+                            about=self.about)
 
     def resume(self, state: MixtureState) -> MixtureState:
         """``state`` continued under this mixture and layout: the same phase if nothing changed,
@@ -77,8 +81,7 @@ class MixturePlanner:
         current epoch re-dealt if the layout changed), a new source starts at epoch 0 unit 0, and
         a removed one is dropped. Refuses a state of another dataset version or config."""
         if state.fingerprint != self.fingerprint:
-            raise StateError(f"loader state was saved with another batching config: found fingerprint "
-                             f"{state.fingerprint!r}, expected {self.fingerprint!r} for {self.batching}")
+            raise StateError(batching_mismatch(state.about, state.fingerprint, self.about, self.fingerprint))
         phase = state.phase
         dp = phase.layout.dp_size
         for rec in phase.sources:
@@ -89,7 +92,8 @@ class MixturePlanner:
                 continue
             if rec.version != self.versions[rec.name]:
                 raise StateError(f"source {rec.name!r} is another dataset than the loader state's: found version "
-                                 f"{self.versions[rec.name]!r} at {self._url(rec.name)}, expected {rec.version!r}. "
+                                 f"{self.versions[rec.name]!r} at {self._url(rec.name)!r}, expected {rec.version!r} "
+                                 f"(the state's, saved on {self._saved_url(state, rec.name)}). "
                                  "A changed dataset cannot continue a position in another's plan; give it a new "
                                  "name to start it from its beginning")
             self.planners[rec.name].check(rec.position)
@@ -102,7 +106,7 @@ class MixturePlanner:
                     raise StateError(f"mixture state source {rec.name!r} has {rec.tokens} tokens in {rec.units} units "
                                      "per source-epoch where this dataset and config give another count: found a "
                                      "state of another planner or config")
-            return state
+            return replace(state, about=self.about)
         counts = self.composition(phase).counts(state.step)
         old = {rec.name: (rec, c) for rec, c in zip(phase.sources, counts)}
         records = []
@@ -115,10 +119,15 @@ class MixturePlanner:
                 position = planner.start(0, self.versions[n], self.layout)
             records.append(self._record(n, position))
         new = Phase(state.step, self.mixture.schedule_identity(), self.layout, records)
-        return MixtureState(state.step, self.fingerprint, new, state.phases_before + 1)
+        return MixtureState(state.step, self.fingerprint, new, state.phases_before + 1, about=self.about)
 
     def _url(self, name: str) -> str:
         return self.mixture.sources[self.mixture.names.index(name)].url
+
+    @staticmethod
+    def _saved_url(state: MixtureState, name: str) -> str:
+        url = ((state.about or {}).get("sources") or {}).get(name)
+        return repr(url) if url else f"a URL the state does not name ({NO_DESCRIPTION})"
 
     def composition(self, phase: Phase) -> Composition:
         """The phase's units per step (from the state alone: its schedule and recorded tokens/units)."""

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 
 from .batching import Batching
 from .layout import DataLayout
-from .state import LoaderState, StateError
+from .state import LoaderState, StateError, parse_about
 
 __all__ = ["MIXTURE_STATE_VERSION", "MIXTURE_VERSION", "MixtureState", "Phase", "SourceRecord",
            "mixture_fingerprint"]
@@ -155,13 +155,18 @@ class MixtureState:
     phase: Phase
     phases_before: int = 0  # phases this run went through before the current one (for reports)
     version: int = field(default=MIXTURE_STATE_VERSION)
+    # Source URLs and batching in words (`shardtool.plan.about.describe_mixture`); None in older states.
+    about: dict[str, Any] | None = None
 
     def at(self, step: int) -> "MixtureState":
-        return MixtureState(step, self.fingerprint, self.phase, self.phases_before, self.version)
+        return MixtureState(step, self.fingerprint, self.phase, self.phases_before, self.version, self.about)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "kind": KIND, "batching_fingerprint": self.fingerprint, "step": self.step,
-                "phases_before": self.phases_before, "phase": self.phase.to_dict()}
+        out = {"version": self.version, "kind": KIND, "batching_fingerprint": self.fingerprint, "step": self.step,
+               "phases_before": self.phases_before, "phase": self.phase.to_dict()}
+        if self.about is not None:
+            out["about"] = parse_about(self.about)
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> "MixtureState":
@@ -171,8 +176,9 @@ class MixtureState:
             raise StateError("this loader state was saved by a single-dataset ShardedLoader, not a mixture: load "
                              "it into a loader of that dataset (a mixture cannot continue a single dataset's epoch)")
         keys = {"version", "kind", "batching_fingerprint", "step", "phases_before", "phase"}
-        if set(data) != keys:
-            raise StateError(f"mixture state keys: found {sorted(data)}, expected {sorted(keys)}")
+        if set(data) - {"about"} != keys:  # "about": optional, states from before it lack it
+            raise StateError(f"mixture state keys: found {sorted(data)}, expected {sorted(keys)} and optionally "
+                             "'about'")
         if data["version"] != MIXTURE_STATE_VERSION:
             raise StateError(f"unsupported mixture state version: found {data['version']!r}, "
                              f"expected {MIXTURE_STATE_VERSION}")
@@ -182,4 +188,5 @@ class MixtureState:
         step = _int("step", data["step"], 0)
         if step < phase.from_step:
             raise StateError(f"mixture state step {step} is before its phase's start {phase.from_step}")
-        return cls(step, data["batching_fingerprint"], phase, _int("phases_before", data["phases_before"], 0))
+        return cls(step, data["batching_fingerprint"], phase, _int("phases_before", data["phases_before"], 0),
+                   MIXTURE_STATE_VERSION, parse_about(data.get("about")))

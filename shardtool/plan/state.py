@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from . import about as _about
 from .batching import Batching
 from .layout import DataLayout
 
@@ -70,6 +71,8 @@ class LoaderState:
     batching_fingerprint: str
     segments: list[dict[str, Any]] = field(default_factory=list)
     version: int = STATE_VERSION
+    # What it was saved for, in words (`shardtool.plan.about`): None in states from before it.
+    about: dict[str, Any] | None = None
 
     @classmethod
     def start(cls, epoch: int, dataset_fingerprint: str, batching: Batching, layout: DataLayout,
@@ -104,16 +107,26 @@ class LoaderState:
 
     def copy(self) -> "LoaderState":
         return LoaderState(self.epoch, self.dataset_fingerprint, self.batching_fingerprint,
-                           [dict(s, groups=[list(g) for g in s["groups"]]) for s in self.segments], self.version)
+                           [dict(s, groups=[list(g) for g in s["groups"]]) for s in self.segments], self.version,
+                           self.about)
+
+    def described(self, about: Mapping[str, Any] | None) -> "LoaderState":
+        """This state with ``about`` (`shardtool.plan.about.describe`) as its description."""
+        new = self.copy()
+        new.about = parse_about(about)
+        return new
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "version": self.version,
             "epoch": self.epoch,
             "dataset_fingerprint": self.dataset_fingerprint,
             "batching_fingerprint": self.batching_fingerprint,
             "segments": [dict(s, groups=[list(g) for g in s["groups"]]) for s in self.segments],
         }
+        if self.about is not None:
+            out["about"] = parse_about(self.about)
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, batching: Batching | None = None) -> "LoaderState":
@@ -125,8 +138,9 @@ class LoaderState:
         if data.get("version") == 1:
             return cls._from_v1(data, batching)
         expected = {"version", "epoch", "dataset_fingerprint", "batching_fingerprint", "segments"}
-        if set(data) != expected:
-            raise StateError(f"loader state keys: found {sorted(data)}, expected {sorted(expected)}")
+        if set(data) - {"about"} != expected:  # "about": optional, states from before it lack it
+            raise StateError(f"loader state keys: found {sorted(data)}, expected {sorted(expected)} "
+                             "and optionally 'about'")
         if data["version"] != STATE_VERSION:
             raise StateError(f"unsupported loader state version: found {data['version']!r}, expected {STATE_VERSION}")
         epoch = _int("epoch", data["epoch"], 0)
@@ -141,7 +155,8 @@ class LoaderState:
             if not isinstance(seg, Mapping) or set(seg) != _SEGMENT_KEYS:
                 raise StateError(f"loader state segment: found {seg!r}, expected keys {sorted(_SEGMENT_KEYS)}")
             parsed.append(_segment(seg, seg["batches"], seg["served"]))
-        return cls(epoch, data["dataset_fingerprint"], data["batching_fingerprint"], parsed, STATE_VERSION)
+        return cls(epoch, data["dataset_fingerprint"], data["batching_fingerprint"], parsed, STATE_VERSION,
+                   parse_about(data.get("about")))
 
     @classmethod
     def _from_v1(cls, data: Mapping[str, Any], batching: Batching | None) -> "LoaderState":
@@ -164,15 +179,26 @@ class LoaderState:
                    batching.fingerprint() if batching is not None else "", [], STATE_VERSION)
 
 
-def check_compatible(state: LoaderState, dataset_fingerprint: str, batching: Batching) -> None:
-    """Refuse a state saved for another dataset or batching config."""
+def parse_about(value: Any) -> dict[str, Any] | None:
+    """A state's description checked for shape, as a plain JSON copy (None when it has none)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not all(isinstance(v, Mapping) for v in value.values()):
+        raise StateError(f"loader state 'about' must map names to mappings, found {value!r}")
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as e:
+        raise StateError(f"loader state 'about' is not JSON ({e})") from None
+
+
+def check_compatible(state: LoaderState, dataset_fingerprint: str, batching: Batching,
+                     about: Mapping[str, Any] | None = None) -> None:
+    """Refuse a state saved for another dataset or batching config; ``about`` (this loader's
+    description, `shardtool.plan.about.describe`) lets the message name both sides."""
+    expected = about or {"batching": batching.describe()}
     if state.dataset_fingerprint != dataset_fingerprint:
-        raise StateError(
-            "loader state was saved for another dataset: found dataset fingerprint "
-            f"{state.dataset_fingerprint!r}, expected {dataset_fingerprint!r}"
-        )
+        raise StateError(_about.dataset_mismatch(state.about, state.dataset_fingerprint, expected,
+                                                 dataset_fingerprint))
     if state.batching_fingerprint != batching.fingerprint():
-        raise StateError(
-            "loader state was saved with another batching config: found fingerprint "
-            f"{state.batching_fingerprint!r}, expected {batching.fingerprint()!r} for {batching}"
-        )
+        raise StateError(_about.batching_mismatch(state.about, state.batching_fingerprint, expected,
+                                                  batching.fingerprint()))
