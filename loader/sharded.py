@@ -1,6 +1,7 @@
 """`ShardedLoader`: the plan of this rank's batches, read by workers, resumable by position."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -10,6 +11,7 @@ import numpy as np
 
 from ..format import ShardtoolError
 from ..plan import Batching, Mesh, Planner, RankPlan, data_parallel
+from ..plan.batching import default_bucketing
 from ..plan.packing import Packing
 from ..plan.env import rank_placement
 from ..plan.state import LoaderState, check_compatible
@@ -45,8 +47,19 @@ class ShardedLoader:
     or a `shardtool.plan.Mesh`) with its data-parallel dimension(s) ``dp_dim`` (a name, or a tuple
     of names for HSDP's replicate × shard), or ``dp_size`` (and ``dp_rank``). Every rank of one DP
     rank then yields byte-identical batches; without either, every rank is its own DP rank.
-    ``shuffle=False`` reads each data group's range in dataset order; ``bucketing`` (default: as
-    ``shuffle``) sorts samples by length within shuffle windows to cut padding.
+    ``shuffle=False`` reads each data group's range in dataset order; ``bucketing`` sorts samples
+    by length within shuffle windows to cut padding. By default it is on (with ``shuffle``) only
+    where the dataset's length counts what a batch pads — tokens or elements of its length field
+    (``--length tokens``, ``--tokenizer``), characters, an integer length field, a
+    ``--length-fn`` — and off where the length is a byte size (images, ``--per-file``,
+    ``--label-from-dir``, any pack without ``--length``): sorting images by file size would only
+    batch together images of like complexity. ``bucketing=True``/``False`` is always honoured.
+
+    The default batch: ``__key__``; the length field padded into a ``LongTensor [B, L]`` with
+    ``lengths`` where it is an integer array; every other field stacked as torch's
+    ``default_collate`` would (ints → ``LongTensor``, floats → ``DoubleTensor``, equal-shape
+    arrays or tensors, e.g. what a ``transform`` decoded and resized, → one tensor ``[B, ...]``),
+    and a list where it does not stack (bytes, strings, ragged arrays).
 
     Sequence packing: ``seq_len`` with ``batch_size`` (rows per batch) yields batches of exactly
     ``batch_size`` rows of ``seq_len`` tokens, documents packed by ``packing`` ("best-fit",
@@ -112,6 +125,7 @@ class ShardedLoader:
             self.packing = Packing(seq_len, packing, eos_id=eos_id, max_docs_per_row=max_docs_per_row)
         self.batching = Batching(batch_size=batch_size, max_tokens=max_tokens, shuffle=shuffle, seed=seed,
                                  window=window, bucketing=bucketing, packing=self.packing)
+        self._bucketing = bucketing
         dist = torch.distributed if torch.distributed.is_available() else None
         self.placement = rank_placement(rank, world_size, ranks_per_node, env=os.environ, dist=dist)
         self.rank, self.layout = self.placement.rank, self.placement.layout
@@ -145,6 +159,9 @@ class ShardedLoader:
         ds = self.reader.source.dataset  # metadata only: manifest, summaries, this rank's range's lengths
         self.dataset = ds
         self.fingerprint = ds.version
+        if self._bucketing is None:  # the dataset decides (see the class docstring); the plan stays pure
+            self.batching = dataclasses.replace(
+                self.batching, bucketing=default_bucketing(ds.manifest.length, self.batching.shuffle))
         self.planner = Planner(ds, self.batching)
         self._epoch = 0
         self._state = self.planner.start(0, self.fingerprint, self.data_layout)  # ValueError: cannot plan

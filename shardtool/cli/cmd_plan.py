@@ -107,6 +107,19 @@ def _batching(args):
                     seed=args.seed, packing=packing)
 
 
+def for_dataset(batching, source):
+    """The batching a ShardedLoader would use on ``source``: bucketing resolved from its manifest
+    (off where lengths are bytes, see ``default_bucketing``); a synthetic source has token lengths."""
+    import dataclasses
+
+    from ..plan.batching import default_bucketing
+
+    manifest = getattr(source, "manifest", None)
+    if manifest is None:
+        return batching
+    return dataclasses.replace(batching, bucketing=default_bucketing(manifest.length, batching.shuffle))
+
+
 def _rank_job(args, summaries_path: str | None, result) -> None:
     """What training rank ``args.rank`` computes at start-up, timed in this (fresh) process."""
     from ..plan import Placement, Planner
@@ -128,7 +141,7 @@ def _rank_job(args, summaries_path: str | None, result) -> None:
         source.summaries  # noqa: B018 - read, as a rank does at start-up
     layout = _layout(args)
     data, dp_rank = data_layout_of(args, Placement(layout, layout.node_of(args.rank), args.rank))
-    batching = _batching(args)
+    batching = for_dataset(_batching(args), source)
     planner = Planner(source, batching)
     state = planner.start(args.epoch, "plan", data)
     plan = planner.rank_plan(state, dp_rank)
@@ -218,6 +231,7 @@ def run(args) -> int:
         source = open_dataset(args.url)
         name = args.url
         shard_bytes = np.array([s.bytes for s in source.manifest.shards], dtype=np.int64)
+        batching = for_dataset(batching, source)
     summaries = source.summaries
     per_node_shards, node_bytes = node_shards(summaries, data, layout, shard_bytes)
     report = {
