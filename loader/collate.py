@@ -85,6 +85,12 @@ def stack_column(values: list[Any], alloc: Alloc = np.empty) -> Any:
         except OverflowError:  # an int past int64: default_collate could not either
             return values
         return torch.from_numpy(out)
+    if isinstance(first, np.generic) and first.dtype.kind in "biufc":  # numpy scalars: their dtype
+        if not all(type(v) is kind for v in values):
+            return values
+        out = alloc(len(values), first.dtype)
+        out[:] = values
+        return torch.from_numpy(out)
     if kind is np.ndarray:
         return _stack_arrays(values, alloc) if first.dtype.kind in "biufc" else values
     if isinstance(first, torch.Tensor):

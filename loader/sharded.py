@@ -47,19 +47,14 @@ class ShardedLoader:
     or a `shardtool.plan.Mesh`) with its data-parallel dimension(s) ``dp_dim`` (a name, or a tuple
     of names for HSDP's replicate × shard), or ``dp_size`` (and ``dp_rank``). Every rank of one DP
     rank then yields byte-identical batches; without either, every rank is its own DP rank.
-    ``shuffle=False`` reads each data group's range in dataset order; ``bucketing`` sorts samples
-    by length within shuffle windows to cut padding. By default it is on (with ``shuffle``) only
-    where the dataset's length counts what a batch pads — tokens or elements of its length field
-    (``--length tokens``, ``--tokenizer``), characters, an integer length field, a
-    ``--length-fn`` — and off where the length is a byte size (images, ``--per-file``,
-    ``--label-from-dir``, any pack without ``--length``): sorting images by file size would only
-    batch together images of like complexity. ``bucketing=True``/``False`` is always honoured.
-
-    The default batch: ``__key__``; the length field padded into a ``LongTensor [B, L]`` with
-    ``lengths`` where it is an integer array; every other field stacked as torch's
-    ``default_collate`` would (ints → ``LongTensor``, floats → ``DoubleTensor``, equal-shape
-    arrays or tensors, e.g. what a ``transform`` decoded and resized, → one tensor ``[B, ...]``),
-    and a list where it does not stack (bytes, strings, ragged arrays).
+    ``shuffle=False`` reads each data group's range in dataset order. ``bucketing`` sorts samples
+    by length within shuffle windows to cut padding; by default it follows ``shuffle`` where the
+    dataset's length counts what a batch pads (tokens or elements of ``--length``, characters, an
+    integer length field, ``--length-fn``) and is off where it is a byte size (images,
+    ``--per-file``, any pack without ``--length``): sorting those would only batch images of like
+    complexity together. The default batch pads the length field (``LongTensor [B, L]`` and
+    ``lengths``) and stacks the others as torch's ``default_collate`` would (ints → ``LongTensor``,
+    equal-shape arrays or tensors → one ``[B, ...]`` tensor), lists where they do not stack.
 
     Sequence packing: ``seq_len`` with ``batch_size`` (rows per batch) yields batches of exactly
     ``batch_size`` rows of ``seq_len`` tokens, documents packed by ``packing`` ("best-fit",

@@ -90,6 +90,7 @@ def test_stack_column_stacks_what_default_collate_stacks():
     assert stack_column([1, 2, 3]).dtype == torch.int64
     assert stack_column([0.5, 1.5]).dtype == torch.float64
     assert stack_column([True, False]).dtype == torch.bool
+    assert stack_column([np.float32(1), np.float32(2)]).dtype == torch.float32
     assert stack_column([np.zeros((2, 3), np.float32), np.ones((2, 3), np.float32)]).shape == (2, 2, 3)
     t = stack_column([torch.zeros(3, 4, dtype=torch.bfloat16)] * 2)
     assert t.shape == (2, 3, 4) and t.dtype == torch.bfloat16
