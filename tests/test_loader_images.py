@@ -7,6 +7,7 @@ import io
 import os
 
 import numpy as np
+import PIL.Image
 import pytest
 import torch
 
@@ -19,7 +20,6 @@ from shardtool.plan import Batching
 from data_gen import token_records, write_jsonl
 from realdata import icon_tree
 
-PIL = pytest.importorskip("PIL.Image", reason="Pillow decodes the PNGs (pip install 'shardtool[test]')")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def icons(tmp_path_factory):
 
 def decode_resize(sample: dict) -> dict:
     """What an image pipeline does per sample: decode, convert, resize to one shape."""
-    with PIL.open(io.BytesIO(sample["png"])) as im:
+    with PIL.Image.open(io.BytesIO(sample["png"])) as im:
         sample["png"] = np.asarray(im.convert("RGB").resize((24, 24)))
     return sample
 
