@@ -87,6 +87,8 @@ def test_cli_pack_writes_webdataset_members_png_and_cls(tmp_path):
         label = int(members[key + ".cls"].decode("ascii"))  # decimal text, WebDataset's .cls
         assert classes[label] == key.split("__")[0]
         assert members[name][:8] == b"\x89PNG\r\n\x1a\n"
+    shown = shardtool_cli("inspect", out, "--no-peek")
+    assert shown.returncode == 0 and "classes (4, the cls field's labels): 0 actions, 1 devices, 2 legacy" in shown.stdout
 
 
 def test_the_default_and_per_file_modes_still_refuse_or_lose_the_label(tmp_path):
