@@ -2,7 +2,8 @@
 
 Default batch: ``__key__`` (list of keys); the length field, when it is a 1-D integer array,
 as a padded ``LongTensor [B, L]`` (padded with ``pad_id``) plus ``lengths [B]`` (elements per
-row); otherwise only ``lengths`` (from the index); every other field as a list of decoded values.
+row); otherwise only ``lengths`` (from the index); every other field stacked where it stacks, as
+torch's ``default_collate`` does (:func:`stack_column`), else as a list of decoded values.
 """
 from __future__ import annotations
 
@@ -56,7 +57,70 @@ def collate_samples(samples: list[dict[str, Any]], *, pad_field: str | None, pad
     for name in names:
         if name == pad_field and padded:
             continue
-        out[name] = [s[name] for s in samples]
+        out[name] = stack_column([s[name] for s in samples], alloc)
+    return out
+
+
+_SCALARS = {int: np.int64, float: np.float64, bool: np.bool_}
+
+
+def stack_column(values: list[Any], alloc: Alloc = np.empty) -> Any:
+    """One field of a batch as torch's ``default_collate`` would give it, where that is a tensor:
+    ints → ``LongTensor [B]``, floats → ``DoubleTensor [B]``, bools → ``BoolTensor [B]``; numeric
+    arrays or tensors of one shape and dtype (decoded, resized images) → one tensor ``[B, ...]``.
+    Anything else (bytes, strings, ragged arrays, mixed types, PIL images) stays the list, which is
+    what ``default_collate`` cannot stack either. The stacked tensor is written into ``alloc``'s
+    memory, so in a worker it is born in the shared slot and crosses to the trainer as one copy."""
+    if not values:
+        return values
+    first = values[0]
+    kind = type(first)
+    scalar = _SCALARS.get(kind)
+    if scalar is not None:
+        if not all(type(v) is kind for v in values):
+            return values
+        out = alloc(len(values), scalar)
+        try:
+            out[:] = values
+        except OverflowError:  # an int past int64: default_collate could not either
+            return values
+        return torch.from_numpy(out)
+    if isinstance(first, np.generic) and first.dtype.kind in "biufc":  # numpy scalars: their dtype
+        if not all(type(v) is kind for v in values):
+            return values
+        out = alloc(len(values), first.dtype)
+        out[:] = values
+        return torch.from_numpy(out)
+    if kind is np.ndarray:
+        return _stack_arrays(values, alloc) if first.dtype.kind in "biufc" else values
+    if isinstance(first, torch.Tensor):
+        return _stack_tensors(values, alloc)
+    return values
+
+
+def _stack_arrays(values: list[Any], alloc: Alloc) -> Any:
+    shape, dtype = values[0].shape, values[0].dtype
+    if not all(type(v) is np.ndarray and v.shape == shape and v.dtype == dtype for v in values):
+        return values
+    out = alloc((len(values), *shape), dtype)
+    for k, v in enumerate(values):
+        out[k] = v
+    return torch.from_numpy(out)
+
+
+def _stack_tensors(values: list[Any], alloc: Alloc) -> Any:
+    t0 = values[0]
+    if not all(isinstance(v, torch.Tensor) and v.shape == t0.shape and v.dtype == t0.dtype
+               and v.device == t0.device for v in values):
+        return values
+    if t0.device.type != "cpu" or t0.layout != torch.strided or any(v.requires_grad for v in values):
+        return torch.stack(values)
+    try:
+        np_dtype = torch.empty(0, dtype=t0.dtype).numpy().dtype
+    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16): stacked in torch's own memory
+        return torch.stack(values)
+    out = torch.from_numpy(alloc((len(values), *t0.shape), np_dtype))
+    torch.stack(values, out=out)
     return out
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ..format import FormatError
 
-from .collate import KEY, PACK_MIN_BYTES, Alloc, PackedBytes, collate_samples
+from .collate import KEY, PACK_MIN_BYTES, Alloc, PackedBytes, collate_samples, stack_column
 from ..plan.ranges import locate_ids
 from .probe import REMOTE, Probe
 from .shardview import ShardView
@@ -319,7 +319,7 @@ class BatchReader:
         for v, rows, li in groups:
             for r, i in zip(rows.tolist(), li.tolist()):
                 values[r] = v.value(j, i)
-        return values
+        return stack_column(values, alloc)
 
 
 def describe_ids(reader: BatchReader, ids: np.ndarray, limit: int = 3) -> str:

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..format import ShardtoolError
 from ..plan import Batching, Mesh, Planner, RankPlan, data_parallel
+from ..plan.batching import default_bucketing
 from ..plan.packing import Packing, with_packed_eos
 from ..plan.env import rank_placement
 from ..plan.about import describe
@@ -49,8 +50,14 @@ class ShardedLoader:
     or a `shardtool.plan.Mesh`) with its data-parallel dimension(s) ``dp_dim`` (a name, or a tuple
     of names for HSDP's replicate × shard), or ``dp_size`` (and ``dp_rank``). Every rank of one DP
     rank then yields byte-identical batches; without either, every rank is its own DP rank.
-    ``shuffle=False`` reads each data group's range in dataset order; ``bucketing`` (default: as
-    ``shuffle``) sorts samples by length within shuffle windows to cut padding.
+    ``shuffle=False`` reads each data group's range in dataset order. ``bucketing`` sorts samples
+    by length within shuffle windows to cut padding; by default it follows ``shuffle`` where the
+    dataset's length counts what a batch pads (tokens or elements of ``--length``, characters, an
+    integer length field, ``--length-fn``) and is off where it is a byte size (images,
+    ``--per-file``, any pack without ``--length``): sorting those would only batch images of like
+    complexity together. The default batch pads the length field (``LongTensor [B, L]`` and
+    ``lengths``) and stacks the others as torch's ``default_collate`` would (ints → ``LongTensor``,
+    equal-shape arrays or tensors → one ``[B, ...]`` tensor), lists where they do not stack.
 
     Equal counts on several DP ranks may leave out a surplus of at most 0.2% of the epoch's
     tokens (it rotates across epochs; `remainder` lists it). One DP rank serves every sample, and
@@ -121,6 +128,7 @@ class ShardedLoader:
             self.packing = Packing(seq_len, packing, eos_id=eos_id, max_docs_per_row=max_docs_per_row)
         self.batching = Batching(batch_size=batch_size, max_tokens=max_tokens, shuffle=shuffle, seed=seed,
                                  window=window, bucketing=bucketing, packing=self.packing, drop_last=drop_last)
+        self._bucketing = bucketing
         dist = torch.distributed if torch.distributed.is_available() else None
         self.placement = rank_placement(rank, world_size, ranks_per_node, env=os.environ, dist=dist)
         self.rank, self.layout = self.placement.rank, self.placement.layout
@@ -159,6 +167,8 @@ class ShardedLoader:
             self.reader.close()
             raise
         self.fingerprint = ds.version
+        if self._bucketing is None:  # the dataset decides (see the class docstring); the plan stays pure
+            self.batching = replace(self.batching, bucketing=default_bucketing(ds.manifest.length, self.batching.shuffle))
         self.planner = Planner(ds, self.batching)
         self._epoch = 0
         self._state = self.planner.start(0, self.fingerprint, self.data_layout)  # ValueError: cannot plan

@@ -8,6 +8,9 @@ PY=${PYTHON:-python3}
 # A bare `torch` requirement pulls a multi-GB CUDA build; pin the CPU build first when torch is missing.
 "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q torch==2.13.0
 "$PY" -m pip install -q -e ".[test]"
+# Real PNGs in class folders for the ImageFolder tests (tests/realdata.py): Debian's Adwaita icons.
+[ -d /usr/share/icons/Adwaita/48x48 ] || { apt-get update -qq && apt-get install -y -qq adwaita-icon-theme; } \
+  >/dev/null 2>&1 || echo "could not install adwaita-icon-theme: the ImageFolder tests say so" >&2
 set +e
 "$PY" -m pytest -q -p no:cacheprovider "$@"
 rc=$?

@@ -26,6 +26,15 @@ Sources (any mix):
                           characters -> '_' (a/b.c/d.txt -> a__b_c__d_txt); paths that
                           would share a key, or a key over 200 bytes, get '-' + 8 hex
                           digits of a hash of the path (deterministic)
+  DIR with --label-from-dir
+                          an ImageFolder tree DIR/CLASS/.../FILE.EXT (torchvision's layout):
+                          one file = one sample, keyed as with --per-file, fields
+                            EXT   the file's bytes under its last extension, lower-cased
+                                  (x.symbolic.png -> png; every file needs the same one)
+                            cls   its class index (tar member KEY.cls, decimal text)
+                          classes = the sorted names of DIR's subdirectories, as torchvision's
+                          class_to_idx, recorded in index.json ("extra": {"classes": [...]});
+                          a file directly in DIR has no class and is bad input
   *.jsonl[.gz|.zst]       one sample per line (a JSON object; its keys are the fields)
   *.parquet, *.arrow      one sample per row (columns are the fields)
   *.tar[.gz]              existing WebDataset shards, re-sharded and indexed
@@ -65,6 +74,7 @@ Examples:
   shardtool pack corpus.jsonl -o ds --length tokens --max-length 4096 --max-length-policy truncate
   shardtool pack images/ -o ds --samples-per-shard 10000
   shardtool pack /usr/share/doc -o docs --per-file --skip-bad --max-skip-fraction 0.01
+  shardtool pack imagenet/train -o ds --label-from-dir --format arrow --workers 8
 """.replace("{rules}", textwrap.fill("Keys: " + KEY_RULES, 88))
 
 
@@ -99,6 +109,8 @@ def add_arguments(p) -> None:
     p.add_argument("--task-index", type=int, metavar="I", help="this task (default: $SLURM_ARRAY_TASK_ID)")
     p.add_argument("--per-file", action="store_true", help="directory sources: one file = one sample, "
                    "fields bin (bytes) and path (relative path); see above")
+    p.add_argument("--label-from-dir", action="store_true", help="directory sources as ImageFolder trees "
+                   "(DIR/CLASS/FILE): one file = one sample, fields EXT (its bytes) and cls (class index); see above")
     p.add_argument("--skip-bad", action="store_true", help="skip bad samples/files/sources, counting and listing them")
     p.add_argument("--max-skip-fraction", type=float, metavar="F", help="with skipping (implies --skip-bad): fail, "
                    "publishing nothing, if more than F (0..1) of the samples were skipped")
@@ -127,7 +139,8 @@ def run(args) -> int:
                           per_file=args.per_file, max_length=args.max_length,
                           max_length_policy=args.max_length_policy, max_skip_fraction=args.max_skip_fraction,
                           tokenizer=args.tokenizer, text_field=args.text_field, eos_id=args.eos_id,
-                          keep_text=args.keep_text, compression=args.compression)
+                          keep_text=args.keep_text, compression=args.compression,
+                          label_from_dir=args.label_from_dir)
     except OSError as e:
         # Disk full, quota, permissions on OUT: a one-line error, not a traceback. (Unreadable
         # *inputs* are BadSampleErrors already; this is the output side.)

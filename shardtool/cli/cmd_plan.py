@@ -113,6 +113,19 @@ def _batching(args, source=None):
                     seed=args.seed, packing=packing, drop_last={"auto": None, "yes": True, "no": False}[args.drop_last])
 
 
+def for_dataset(batching, source):
+    """The batching a ShardedLoader would use on ``source``: bucketing resolved from its manifest
+    (off where lengths are bytes, see ``default_bucketing``); a synthetic source has token lengths."""
+    import dataclasses
+
+    from ..plan.batching import default_bucketing
+
+    manifest = getattr(source, "manifest", None)
+    if manifest is None:
+        return batching
+    return dataclasses.replace(batching, bucketing=default_bucketing(manifest.length, batching.shuffle))
+
+
 def _rank_job(args, summaries_path: str | None, result) -> None:
     """What training rank ``args.rank`` computes at start-up, timed in this (fresh) process."""
     from ..plan import Placement, Planner
@@ -134,7 +147,7 @@ def _rank_job(args, summaries_path: str | None, result) -> None:
         source.summaries  # noqa: B018 - read, as a rank does at start-up
     layout = _layout(args)
     data, dp_rank = data_layout_of(args, Placement(layout, layout.node_of(args.rank), args.rank))
-    batching = _batching(args, source)
+    batching = for_dataset(_batching(args, source), source)
     planner = Planner(source, batching)
     state = planner.start(args.epoch, "plan", data)
     plan = planner.rank_plan(state, dp_rank)
@@ -225,7 +238,7 @@ def run(args) -> int:
         name = args.url
         shard_bytes = np.array([s.bytes for s in source.manifest.shards], dtype=np.int64)
         try:
-            batching = _batching(args, source)
+            batching = for_dataset(_batching(args, source), source)
         except ValueError as e:
             raise ShardtoolError(str(e)) from None
     summaries = source.summaries

@@ -18,7 +18,7 @@ from .errors import FormatError
 from .fields import decode_bytes, npy_layout
 from .hashing import hash_bytes, range_checksum
 from .manifest import MANIFEST_NAME, Manifest, check_length_summary, lengths_from_bytes, manifest_hash
-from .sindex import ShardIndex
+from .sindex import ShardIndex, as_numpy
 from .storage import dataset_fs, is_local, open_range, read_file, read_manifest
 from .summaries import SUMMARIES_NAME, ShardSummaries
 
@@ -140,7 +140,7 @@ class Dataset:
                 info = self.manifest.shards[shard]
                 try:
                     table = pa.ipc.open_file(pa.py_buffer(self.load_index_bytes(shard))).read_all()
-                    column = table.column("length").to_numpy().astype(np.int64, copy=False)
+                    column = as_numpy(table.column("length")).astype(np.int64, copy=False)
                 except (pa.ArrowInvalid, OSError, KeyError) as e:
                     raise FormatError(f"{info.path}: sample index is unreadable ({e})") from None
                 if column.size != info.samples:

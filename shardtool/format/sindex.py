@@ -29,6 +29,22 @@ def ipc_file_bytes(table: pa.Table) -> bytes:
     return sink.getvalue()
 
 
+def as_numpy(col) -> np.ndarray:
+    """A numeric Arrow array or chunked array as numpy, zero-copy where it has one chunk and no
+    nulls. Not pyarrow's ``to_numpy``: its first call imports pandas, ~0.3 s of every loader
+    process's start-up (before its first batch) for a module we never use."""
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    t = col.type
+    if not (pa.types.is_integer(t) or pa.types.is_floating(t)) or any(c.null_count for c in chunks):
+        return col.to_numpy() if isinstance(col, pa.ChunkedArray) else col.to_numpy(zero_copy_only=False)
+    kind = "f" if pa.types.is_floating(t) else "i" if pa.types.is_signed_integer(t) else "u"
+    dtype = np.dtype(f"<{kind}{t.bit_width // 8}")
+    parts = [np.frombuffer(c.buffers()[1], dtype=dtype)[c.offset : c.offset + len(c)] for c in chunks if len(c)]
+    if not parts:
+        return np.zeros(0, dtype)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 @dataclass
 class ShardIndex:
     keys: list[str]  # read from a file: a list; being written: a list or an Arrow string array
@@ -80,13 +96,14 @@ class ShardIndex:
         if missing:
             raise FormatError(f"{shard}: sample index lacks columns {sorted(missing)}")
 
-        check_keys(table.column("key"), shard)
+        keys = table.column("key").to_pylist()
+        check_keys(table.column("key"), shard, keys)
 
         def col(name: str, dtype) -> np.ndarray:
-            return table.column(name).to_numpy().astype(dtype, copy=False)
+            return as_numpy(table.column(name)).astype(dtype, copy=False)
 
         idx = cls(
-            keys=table.column("key").to_pylist(),
+            keys=keys,
             offsets=col("offset", np.uint64),
             sizes=col("size", np.uint64),
             lengths=col("length", np.int64),
@@ -118,9 +135,39 @@ class ShardIndex:
             )
 
 
+# The bytes of _BAD_KEY_RE's class (control characters, '/', '\\', '.'); UTF-8 continuation
+# bytes are >= 0x80, so a byte test over a key's UTF-8 is the regex's character test.
+_BAD_KEY_BYTE = np.zeros(256, dtype=bool)
+_BAD_KEY_BYTE[:32] = True
+_BAD_KEY_BYTE[[ord("/"), ord("\\"), ord(".")]] = True
+
+
 def bad_keys(column) -> int | None:
     """Index of the first key pack would never write (``keys.key_problem``), or None; one
-    vectorised pass over the column (``column`` has no nulls)."""
+    vectorised pass over the column (``column`` has no nulls). String columns are tested with
+    numpy over their UTF-8 bytes: pyarrow.compute's first call imports pandas (~0.3 s of a
+    loader process's start-up, before its first batch, for one shard index)."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    large = pa.types.is_large_string(column.type)
+    if not (large or pa.types.is_string(column.type)):
+        return _bad_keys_compute(column)
+    if len(column) == 0:
+        return None
+    _, off_buf, data_buf = column.buffers()
+    offsets = np.frombuffer(off_buf, np.int64 if large else np.int32)
+    offsets = offsets[column.offset : column.offset + len(column) + 1].astype(np.int64)
+    sizes = np.diff(offsets)
+    bad = (sizes == 0) | (sizes > MAX_KEY_BYTES)
+    if data_buf is not None:
+        data = np.frombuffer(data_buf, np.uint8)[offsets[0] : offsets[-1]]
+        hits = np.flatnonzero(_BAD_KEY_BYTE[data]) + offsets[0]
+        bad[np.searchsorted(offsets, hits, side="right") - 1] = True  # the sample holding each byte
+    first = np.flatnonzero(bad)
+    return int(first[0]) if first.size else None
+
+
+def _bad_keys_compute(column) -> int | None:
     import pyarrow.compute as pc
 
     bad = pc.or_(pc.match_substring_regex(column, _BAD_KEY_RE), pc.greater(pc.binary_length(column), MAX_KEY_BYTES))
@@ -129,14 +176,13 @@ def bad_keys(column) -> int | None:
     return int(np.flatnonzero(bad.to_numpy(zero_copy_only=False))[0])
 
 
-def check_keys(column, shard: str) -> None:
+def check_keys(column, shard: str, keys: list[str] | None = None) -> None:
     """Refuse an index (hand-made or hostile) holding a key pack would never write, or a key twice.
 
     Keys become member names and cache/loader identities, so a '../' or NUL in one must not reach
-    them; raises FormatError naming the shard and the first bad sample.
+    them; raises FormatError naming the shard and the first bad sample. ``keys``: the column as
+    a list, where the caller has it.
     """
-    import pyarrow.compute as pc
-
     column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     if column.null_count:
         raise FormatError(f"{shard}: sample index holds a null key")
@@ -144,8 +190,8 @@ def check_keys(column, shard: str) -> None:
     if i is not None:
         key = column[i].as_py()
         raise FormatError(f"{shard}: sample #{i} has an invalid key ({key_problem(key) or f'key {key!r}'})")
-    if pc.count_distinct(column).as_py() != len(column):
-        keys = column.to_pylist()
+    keys = column.to_pylist() if keys is None else keys
+    if len(set(keys)) != len(keys):
         seen: set[str] = set()
         for i, k in enumerate(keys):
             if k in seen:

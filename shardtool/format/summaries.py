@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from .errors import FormatError
-from .sindex import ipc_file_bytes
+from .sindex import as_numpy, ipc_file_bytes
 from .sketch import ShardSketch
 
 __all__ = ["BINS", "SUMMARIES_NAME", "ShardSummaries", "length_bins"]
@@ -125,10 +125,10 @@ class ShardSummaries:
             raise FormatError(f"{source}: computed from other lengths than this dataset's (stale summaries)")
 
         def col(name: str) -> np.ndarray:
-            return table.column(name).to_numpy().astype(np.int64, copy=False)
+            return as_numpy(table.column(name)).astype(np.int64, copy=False)
 
         def hist(name: str, dtype=np.int64) -> np.ndarray:
-            flat = table.column(name).flatten().to_numpy().astype(dtype, copy=False)
+            flat = as_numpy(table.column(name).flatten()).astype(dtype, copy=False)
             return flat.reshape(table.num_rows, BINS)
 
         try:
@@ -137,7 +137,7 @@ class ShardSummaries:
                 cells = int(meta["sketch_cells"])
 
                 def inner(name: str) -> np.ndarray:
-                    flat = table.column(name).flatten().to_numpy().astype(np.int64, copy=False)
+                    flat = as_numpy(table.column(name).flatten()).astype(np.int64, copy=False)
                     return flat.reshape(table.num_rows, cells - 1)
 
                 sketch = ShardSketch(cells, inner("sketch_pos"), inner("sketch_tokens"), inner("sketch_weight"))

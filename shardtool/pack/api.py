@@ -119,7 +119,8 @@ def _counted(units: list[Unit], *, skip_bad: bool, skipped: list[str]) -> list[U
     return counted
 
 
-def _units(sources: list, *, skip_bad: bool, skipped: list[str], per_file: bool) -> list[Unit]:
+def _units(sources: list, *, skip_bad: bool, skipped: list[str], per_file: bool,
+           label_from_dir: bool = False) -> list[Unit]:
     """Units of paths and in-memory sources, in the order given."""
     units: list[Unit] = []
     paths: list[str] = []
@@ -127,11 +128,29 @@ def _units(sources: list, *, skip_bad: bool, skipped: list[str], per_file: bool)
         if isinstance(src, str):
             paths.append(src)
             continue
+        if label_from_dir:
+            raise ShardtoolError(f"label_from_dir reads directories (ROOT/CLASS/FILE); source #{i} is a "
+                                 f"{type(src).__name__}")
         units.extend(discover(paths, skip_bad=skip_bad, skipped=skipped, per_file=per_file))
         paths = []
         units.extend(memory_units(src, i, len(sources)))
-    units.extend(discover(paths, skip_bad=skip_bad, skipped=skipped, per_file=per_file))
+    units.extend(discover(paths, skip_bad=skip_bad, skipped=skipped, per_file=per_file,
+                          label_from_dir=label_from_dir))
     return units
+
+
+def _classes(units: list[Unit]) -> dict:
+    """The manifest's ``extra`` of an ImageFolder pack: its class names in label order. Several
+    trees are one dataset only when their classes are the same, so that a label means one class."""
+    trees = {u.path: u.obj for u in units if u.kind == "images"}
+    if not trees:
+        return {}
+    first_path, classes = next(iter(trees.items()))
+    for path, other in trees.items():
+        if other != classes:
+            raise ShardtoolError(f"--label-from-dir: {path} has classes {list(other)[:8]}, {first_path} has "
+                                 f"{list(classes)[:8]}; labels would mean different classes (pack them separately)")
+    return {"classes": list(classes)}
 
 
 def _check_options(format: str, length: str | None, length_fn: str | None, workers: int,
@@ -188,6 +207,7 @@ def pack(
     eos_id: int | None = None,
     keep_text: bool = False,
     compression: str | None = None,
+    label_from_dir: bool = False,
 ) -> PackResult:
     """Pack ``sources`` into ``out``.
 
@@ -213,6 +233,11 @@ def pack(
     Arrow shards only) compresses each small record batch.
     ``per_file=True`` packs every file of a directory source as one sample with fields ``bin``
     (its bytes) and ``path`` (its path relative to the directory), keyed by that path made safe.
+    ``label_from_dir=True`` reads each directory as torchvision's ImageFolder does (``ROOT/CLASS/
+    .../FILE.EXT``): one file = one sample keyed like ``per_file``, its bytes under its last
+    extension lower-cased (``png``) and its class index under ``cls`` (WebDataset's integer
+    label); the class names, sorted as torchvision's ``class_to_idx``, are recorded in the
+    manifest (``Manifest.extra["classes"]``).
     ``max_length`` drops samples longer than it (``max_length_policy="drop"``) or cuts the
     ``length`` field's 1-D array to it (``"truncate"``); both are counted in the result.
     ``max_skip_fraction`` implies ``skip_bad`` and fails the pack, publishing nothing, when more
@@ -240,11 +265,15 @@ def pack(
         raise ShardtoolError(f"output {out!r}: pack writes to a local or mounted path (copy it to object storage after)")
 
     skipped: list[str] = []
-    units = _units(sources, skip_bad=skip_bad, skipped=skipped, per_file=per_file)
+    if per_file and label_from_dir:
+        raise ShardtoolError("give --per-file or --label-from-dir, not both (--label-from-dir is one file per "
+                             "sample too, with a class label)")
+    units = _units(sources, skip_bad=skip_bad, skipped=skipped, per_file=per_file, label_from_dir=label_from_dir)
     if not units:
         raise ShardtoolError("no samples found in the sources: " + ", ".join(map(str, sources))
                              + (f" ({len(skipped)} skipped; first: {skipped[0]})" if skipped else ""))
-    if key is not None and any(u.kind in ("tree", "files", "tar") for u in units):
+    extra = _classes(units)
+    if key is not None and any(u.kind in ("tree", "files", "images", "tar") for u in units):
         raise ShardtoolError("--key applies to JSONL/Parquet/Arrow sources; file trees and tars take keys from names")
     source_fields = _first_sample_fields(units, max_sample_bytes=max_sample_bytes, skip_bad=skip_bad, key_field=key)
     fields, tok = source_fields, None
@@ -290,7 +319,8 @@ def pack(
         length_def = length_definition(fields, length, length_fn)
         if tok is not None and tok.eos:
             length_def["eos_id"] = tok.eos[0]  # every document ends with it: a loader must not append another
-        result = _publish(out, format, fields, length_def, results, skipped, T, I, max_skip_fraction, compression)
+        result = _publish(out, format, fields, length_def, results, skipped, T, I, max_skip_fraction, compression,
+                          extra)
     except BaseException:
         outdir.undo(out, before, task=I, num_tasks=T)  # a killed or failed worker cannot clean up its own
         raise
@@ -302,7 +332,7 @@ def pack(
 
 def _publish(out: str, fmt: str, fields: list[FieldSpec], length_def: dict, results: list[JobResult],
              skipped: list[str], T: int, I: int, max_skip_fraction: float | None,
-             compression: str | None) -> PackResult:
+             compression: str | None, extra: dict | None = None) -> PackResult:
     """Check the workers' results and publish the manifest (or this task's fragment), last."""
     results.sort(key=lambda r: r.worker)
     _check_unique_keys(results)
@@ -322,12 +352,14 @@ def _publish(out: str, fmt: str, fields: list[FieldSpec], length_def: dict, resu
             why += [f"{result.dropped} dropped by --max-length"] if result.dropped else []
             raise ShardtoolError("no samples were packed" + (f" ({', '.join(why)})" if why else ""))
         outdir.remove_orphans(out, keep)
-        publish_manifest(out, Manifest(fmt, fields, shards, length_def, compression=compression), lengths)
+        publish_manifest(out, Manifest(fmt, fields, shards, length_def, extra=dict(extra or {}),
+                                       compression=compression), lengths)
         result.manifest = os.path.join(out, "index.json")
     else:
         outdir.remove_orphans(out, keep, task=I)
         body = {"shardtool": "task-fragment", "task": I, "num_tasks": T, "shard_format": fmt,
                 **({"compression": compression} if compression else {}),
+                **({"extra": extra} if extra else {}),
                 "fields": [f.to_dict() for f in fields], "length": length_def,
                 "shards": [s.to_dict() for s in shards], "skipped": skipped,
                 "dropped": result.dropped, "truncated": result.truncated}

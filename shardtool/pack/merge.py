@@ -58,7 +58,7 @@ def merge(out: str, *, num_tasks: int | None = None) -> dict:
     bodies = [_load(have[t]) for t in range(num_tasks)]
     first = bodies[0]
     for t, b in enumerate(bodies):
-        for k in ("shard_format", "fields", "length", "compression"):
+        for k in ("shard_format", "fields", "length", "compression", "extra"):
             if b.get(k) != first.get(k):
                 raise ShardtoolError(f"task {t} disagrees with task 0 on {k}: {b.get(k)!r} vs {first.get(k)!r}")
     fields = [FieldSpec.from_dict(f) for f in first["fields"]]
@@ -79,7 +79,8 @@ def merge(out: str, *, num_tasks: int | None = None) -> dict:
         raise ShardtoolError(f"{out}: the job array packed no samples")
     outdir.remove_orphans(out, {p for s in shards for p in (s.path, s.index)})
     publish_manifest(out, Manifest(first["shard_format"], fields, shards, first["length"],
-                                   compression=first.get("compression")), all_lengths)
+                                   extra=dict(first.get("extra") or {}), compression=first.get("compression")),
+                     all_lengths)
     skipped = [s for b in bodies for s in b.get("skipped", [])]
     return {"out": out, "tasks": num_tasks, "shards": len(shards), "samples": int(all_lengths.size),
             "bytes": sum(s.bytes for s in shards), "skipped": skipped,

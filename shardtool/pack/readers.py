@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 from ..format.errors import BadSampleError
 from ..format.tarshard import iter_tar_members, split_member_name
+from .tree import LABEL_FIELD
 from .units import Unit, tree_key
 
 try:  # orjson is several times faster; json is the always-available fallback
@@ -124,6 +125,8 @@ def read_unit(unit: Unit, *, max_sample_bytes: int, on_bad, whole_batches: bool 
         return _tar(unit, max_sample_bytes, on_bad)
     if unit.kind == "files":
         return _files(unit, max_sample_bytes)
+    if unit.kind == "images":
+        return _images(unit, max_sample_bytes)
     return _tree(unit, max_sample_bytes)
 
 
@@ -321,3 +324,15 @@ def _files(unit: Unit, max_bytes: int) -> Iterator[Any]:
             yield Bad(e)
             continue
         yield i, key, {"bin": data, "path": rel}, path
+
+
+def _images(unit: Unit, max_bytes: int) -> Iterator[Any]:
+    """ImageFolder samples: the file's bytes under its extension, and its class index as decimal
+    text under ``cls`` (WebDataset's convention, which decodes it to an int)."""
+    for i, (key, field, label, path) in enumerate(unit.members):
+        try:
+            data = read_whole_file(path, max_bytes)
+        except BadSampleError as e:
+            yield Bad(e)
+            continue
+        yield i, key, {field: data, LABEL_FIELD: b"%d" % label}, path

@@ -32,7 +32,7 @@ def infer_fields(kind: str, obj: dict[str, Any], *, source: str, where: str,
                  key_field: str | None = None) -> list[FieldSpec]:
     """Fields of the dataset from its first sample (file trees / tars: one raw field per extension).
     The ``key_field`` column is the key, not also a field."""
-    if kind in ("tree", "tar"):
+    if kind in ("tree", "tar", "images"):
         return [FieldSpec.raw(ext) for ext in sorted(obj)]
     if key_field is not None and key_field not in obj:
         raise BadSampleError(f"missing key field {key_field!r}", source=source, position=where)

@@ -34,6 +34,8 @@ def inspect(url: str, *, storage_options: dict | None = None, peek: bool = True)
         "fields": [f.to_dict() for f in m.fields],
         "length": m.length,
     }
+    if m.extra.get("classes"):  # an ImageFolder pack (--label-from-dir): field cls indexes these
+        out["classes"] = list(m.extra["classes"])
     if m.compression:
         raw = sum(s.raw_bytes if s.raw_bytes is not None else s.bytes for s in m.shards)
         out["compression"] = {"codec": m.compression, "uncompressed_bytes": raw,
@@ -58,6 +60,10 @@ def render(info: dict) -> str:
         lines.append(f"  samples per shard {sps['min']:,}..{sps['max']:,}")
     lines.append("  fields: " + ", ".join(f"{f['name']} ({f['storage']}{', ' + f['dtype'] if 'dtype' in f else ''}"
                                          f" as .{f['ext']})" for f in info["fields"]))
+    classes = info.get("classes")
+    if classes:
+        shown = ", ".join(f"{i} {c}" for i, c in enumerate(classes[:12]))
+        lines.append(f"  classes ({len(classes)}, the cls field's labels): {shown}{' …' if len(classes) > 12 else ''}")
     L = info["length"]
     what = L.get("field") or L.get("fn") or "payload"
     s = L.get("summary", {})

@@ -3,7 +3,8 @@
 A *unit* is the smallest piece of input one worker packs: a Parquet row group, a group of
 Arrow record batches, a ~32 MiB newline-aligned chunk of a plain JSONL file, a whole
 compressed JSONL or tar file, or a run of file-tree samples (``tree``: files grouped by
-basename; ``files``: one file = one sample, with ``--per-file``). Units are listed in input order
+basename; ``files``: one file = one sample, with ``--per-file``; ``images``: one file = one
+sample labelled by its class directory, with ``--label-from-dir``). Units are listed in input order
 by every task identically, so slicing them is a pure function of (units, T, I, N), and sample
 positions (the default keys) come from unit counts, not from who packs what.
 """
@@ -17,7 +18,7 @@ from typing import Any
 from ..format.errors import BadSampleError, ShardtoolError
 from ..format.keys import key_problem
 from .options import strip_file_scheme
-from .tree import PER_FILE_HINT, OnBad, per_file_samples, walk_files
+from .tree import PER_FILE_HINT, OnBad, image_folder_samples, per_file_samples, walk_files
 
 JSONL_CHUNK = 8 << 20  # small enough to balance workers when samples are costly (tokenizing)
 TREE_CHUNK = 256
@@ -27,16 +28,18 @@ STRUCTURED = ("jsonl", "parquet", "arrow", "memory")
 
 @dataclass(frozen=True)
 class Unit:
-    kind: str  # jsonl | parquet | arrow | tar | tree | files | memory (an in-memory source, see sources.py)
+    kind: str  # jsonl | parquet | arrow | tar | tree | files | images | memory (in memory, see sources.py)
     path: str
     start: int = 0  # jsonl: byte offset; parquet: row group; arrow: first batch; tree: first sample
     stop: int = -1
     count: int = -1  # samples (jsonl: lines) or -1 if not known without reading
     first_line: int = 0  # jsonl: line number of the chunk's first line in its file
     weight: int = 1  # bytes (or an estimate), for balancing
-    # tree: ((key, ((ext, path), ...)), ...); files: ((key, relative path, path), ...)
+    # tree: ((key, ((ext, path), ...)), ...); files: ((key, relative path, path), ...);
+    # images: ((key, field, label, path), ...)
     members: tuple = field(default=(), compare=False)
-    obj: Any = field(default=None, compare=False, repr=False)  # memory: the source's adapter
+    # memory: the source's adapter; images: the tree's class names, in label order
+    obj: Any = field(default=None, compare=False, repr=False)
 
     @property
     def stream(self) -> bool:
@@ -74,7 +77,8 @@ def expand_sources(srcs: list[str]) -> list[str]:
     return out
 
 
-def discover(srcs: list[str], *, skip_bad: bool, skipped: list[str], per_file: bool = False) -> list[Unit]:
+def discover(srcs: list[str], *, skip_bad: bool, skipped: list[str], per_file: bool = False,
+             label_from_dir: bool = False) -> list[Unit]:
     """Units of every source, in order. With ``skip_bad`` a bad source, or a bad file of a
     directory source (only that file), is listed in ``skipped``; otherwise it raises."""
     def on_bad(err: BadSampleError) -> None:
@@ -85,7 +89,7 @@ def discover(srcs: list[str], *, skip_bad: bool, skipped: list[str], per_file: b
     units: list[Unit] = []
     for src in expand_sources(srcs):
         try:
-            units.extend(units_of(src, per_file=per_file, on_bad=on_bad))
+            units.extend(units_of(src, per_file=per_file, label_from_dir=label_from_dir, on_bad=on_bad))
         except BadSampleError as e:
             on_bad(e)
     return units
@@ -95,9 +99,13 @@ def _raise(err: BadSampleError) -> None:
     raise err
 
 
-def units_of(src: str, *, per_file: bool = False, on_bad: OnBad = _raise) -> list[Unit]:
+def units_of(src: str, *, per_file: bool = False, label_from_dir: bool = False, on_bad: OnBad = _raise) -> list[Unit]:
     if os.path.isdir(src):
+        if label_from_dir:
+            return image_units(src, on_bad)
         return file_units(src, on_bad) if per_file else tree_units(src, on_bad)
+    if label_from_dir and os.path.exists(src):
+        raise BadSampleError("--label-from-dir reads directories (ROOT/CLASS/FILE), this is a file", source=src)
     if not os.path.exists(src):
         raise BadSampleError("source does not exist", source=src)
     if not os.access(src, os.R_OK):
@@ -229,10 +237,18 @@ def file_units(root: str, on_bad: OnBad = _raise) -> list[Unit]:
                              [sum(size for *_, size in c) for c in chunks])
 
 
-def _tree_chunk_units(kind: str, root: str, chunks: list[tuple], weights: list[int]) -> list[Unit]:
+def image_units(root: str, on_bad: OnBad = _raise) -> list[Unit]:
+    """ImageFolder (``--label-from-dir``): one file = one sample, fields its extension and ``cls``."""
+    classes, samples = image_folder_samples(root, on_bad)
+    chunks = [samples[i : i + TREE_CHUNK] for i in range(0, len(samples), TREE_CHUNK)]
+    return _tree_chunk_units("images", root, [tuple((k, f, c, p) for k, f, c, p, _ in ch) for ch in chunks],
+                             [sum(size for *_, size in ch) for ch in chunks], obj=tuple(classes))
+
+
+def _tree_chunk_units(kind: str, root: str, chunks: list[tuple], weights: list[int], obj: Any = None) -> list[Unit]:
     units, start = [], 0
     for chunk, weight in zip(chunks, weights):
-        units.append(Unit(kind, root, start, start + len(chunk), len(chunk), 0, max(weight, 1), chunk))
+        units.append(Unit(kind, root, start, start + len(chunk), len(chunk), 0, max(weight, 1), chunk, obj))
         start += len(chunk)
     return units
 

@@ -11,7 +11,8 @@ import numpy as np
 from .arrays import gather_runs
 from .packing import Packing
 
-__all__ = ["Batching", "PLAN_VERSION", "group_rng", "resolve_window", "bucket", "gather_runs"]
+__all__ = ["Batching", "PLAN_VERSION", "group_rng", "resolve_window", "bucket", "gather_runs",
+           "default_bucketing"]
 
 # Bumped whenever the planning algorithm changes the batches it produces, so a
 # saved position is never replayed against a different plan.
@@ -21,6 +22,19 @@ PLAN_VERSION = 2
 # together to keep padding efficiency above 0.95 on lognormal text lengths,
 # while still mixing samples from across about 256 batches.
 WINDOW_BATCHES = 256
+
+
+# Length units (the manifest's ``length["unit"]``) that count what a batch pads: token ids or
+# elements of the length field, characters, an integer length column, a user's --length-fn.
+# Sorting by them cuts padding. A byte size (payload bytes: images, --per-file, file trees, or
+# ``len`` of a raw field) pads nothing: sorting by it only gathers images of like complexity.
+PADDED_UNITS = ("tokens", "elements", "characters", "value", "fn")
+
+
+def default_bucketing(length: dict, shuffle: bool) -> bool:
+    """Whether a loader buckets when not told: with shuffling, and only where the dataset's length
+    (its manifest's length definition) is a count of what batches pad, not a byte size."""
+    return bool(shuffle) and length.get("unit") in PADDED_UNITS
 
 
 def _optional_positive(name: str, value) -> None:
@@ -46,7 +60,8 @@ class Batching:
 
     `bucketing` sorts by length within windows; it defaults to `shuffle`, so that
     ``shuffle=False`` gives plain dataset order (each data group reads its range in order, its
-    ranks take turns batch by batch, like ``DistributedSampler(shuffle=False)``).
+    ranks take turns batch by batch, like ``DistributedSampler(shuffle=False)``). A loader
+    resolves it from the dataset first (:func:`default_bucketing`: off where lengths are bytes).
 
     `packing` (a `Packing`) packs each window's documents into rows of exactly ``seq_len`` tokens
     instead of bucketing them; ``batch_size`` is then rows per batch and the default window 256

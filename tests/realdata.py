@@ -1,0 +1,27 @@
+"""Real data on this machine, for tests that must see what users feed us: the Adwaita icon theme's
+PNGs as an ImageFolder tree (one class per icon category; names like ``x-symbolic.symbolic.png``)."""
+from __future__ import annotations
+
+import os
+
+from skips import require
+
+ICONS = "/usr/share/icons/Adwaita/48x48"
+# Categories with enough icons to be classes; their sorted order is the label order.
+ICON_CLASSES = ("actions", "devices", "legacy", "status")
+
+
+def icon_tree(dst, per_class: int | None = None, classes=ICON_CLASSES) -> dict[str, list[str]]:
+    """``dst/<category>/<icon>.png`` as symbolic links to the real icons (the first ``per_class``
+    of each category by name, or all); returns class -> the file names linked. Skips the test
+    when the icon theme is not installed (tests/run.sh installs it; under CI's strict mode a
+    missing theme fails)."""
+    require(os.path.isdir(ICONS), f"real PNG icons not installed ({ICONS} is absent; apt-get install adwaita-icon-theme)")
+    made: dict[str, list[str]] = {}
+    for cls in classes:
+        names = sorted(n for n in os.listdir(os.path.join(ICONS, cls)) if n.endswith(".png"))[:per_class]
+        os.makedirs(os.path.join(dst, cls), exist_ok=True)
+        for n in names:
+            os.symlink(os.path.join(ICONS, cls, n), os.path.join(dst, cls, n))
+        made[cls] = names
+    return made
