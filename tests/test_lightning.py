@@ -48,9 +48,9 @@ def _plain_epochs(root: str, epochs: int, **layout) -> list[list[list[str]]]:
 
 
 # ---------------------------------------------------------------------------------------- DDP
-def _run_example(args: list[str], *, expect: int = 0) -> str:
+def _run_example(args: list[str], *, expect: int = 0, devices: int = 2) -> str:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cp = subprocess.run([sys.executable, str(EXAMPLE), "--devices", "2", "--accelerator", "cpu", "--batch-size",
+    cp = subprocess.run([sys.executable, str(EXAMPLE), "--devices", str(devices), "--accelerator", "cpu", "--batch-size",
                          str(BATCH), "--num-workers", "0", *args], cwd=REPO, env=env, capture_output=True, text=True,
                         timeout=150)
     assert cp.returncode == expect, f"exit {cp.returncode}\n{cp.stdout[-3000:]}\n{cp.stderr[-6000:]}"
@@ -98,6 +98,23 @@ def test_ddp_resume_from_lightning_checkpoint_mid_epoch_trains_the_same_batches(
             got = [k for r in (0, 1) for x in _records(tmp_path / run, r, "val") if x["epoch"] == e for k in x["keys"]]
             assert sorted(got) == sorted(val_keys)
     assert [_records(tmp_path / "C", r, "val") for r in (0, 1)] == [_records(tmp_path / "A", r, "val") for r in (0, 1)]
+
+    # D: the same checkpoint resumed on ONE device (elastic). The rest of epoch 0 is the 2 ranks'
+    # unserved batches re-dealt to the one rank (what ShardedLoader.load_state_dict gives), epoch 1
+    # a whole 1-rank epoch: Lightning's epoch lengths follow (5 + 20 batches, then 30). A constant
+    # LR: a schedule sized by estimated_stepping_batches for 2 devices cannot run 55 steps.
+    _run_example([*data, "--no-schedule", "--log-dir", str(tmp_path / "D"), "--resume",
+                  str(tmp_path / "ck" / "step-step=5.ckpt")], devices=1)
+    import torch
+
+    ckpt = torch.load(tmp_path / "ck" / "step-step=5.ckpt", map_location="cpu", weights_only=False)
+    rest = ShardedLoader(root, batch_size=BATCH, num_workers=0)
+    rest.load_state_dict(ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0])
+    want_d = [[list(b["__key__"]) for b in rest]] + _plain_epochs(root, 2)[1:]
+    d = _records(tmp_path / "D", 0)
+    assert [len(w) for w in want_d] == [20, 30]
+    assert [[x["keys"] for x in d if x["epoch"] == e] for e in (0, 1)] == want_d
+    assert [x["step"] for x in d] == list(range(5, 55)) and [x["batch_idx"] for x in d][:21] == [*range(5, 25), 0]
 
 
 # ------------------------------------------------------------------------------ one process

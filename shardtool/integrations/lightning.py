@@ -95,6 +95,12 @@ class LightningLoader:
         segments = self.loader.state_dict()["segments"]
         return sum(s["served"] for s in segments[:-1]) + segments[-1]["batches"]
 
+    @property
+    def epoch_batches(self) -> int:
+        """Batches of a whole epoch on this layout. ``len()`` differs only in an epoch resumed on
+        another DP size (its earlier segments had other counts)."""
+        return self.loader.planner.shape(self.loader.data_layout).batches_per_rank
+
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
         return self._pass()
@@ -160,11 +166,21 @@ class ShardedLoaderCallback(pl.Callback):
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._check_next_batch = True
-        saved, self._saved = self._saved, None
-        if not saved:
-            return
         views = _views(trainer.train_dataloader)
-        if len(views) != len(saved):
+        self._restore(views)
+        if any(isinstance(v, LightningLoader) and len(v) != v.epoch_batches for v in views):
+            # Resumed on another number of ranks: this epoch is (batches before) + (its rest re-dealt),
+            # later ones are whole epochs on the new layout. Lightning reads len() once per fit and
+            # would end every later epoch at this one's length; re-reading it each epoch costs a
+            # train_dataloader() call (the same loader, if the hook returns it).
+            if trainer.reload_dataloaders_every_n_epochs != 1:
+                log.info("resumed on another number of ranks: Lightning re-reads the train loader's length every "
+                         "epoch (reload_dataloaders_every_n_epochs=1) so that later epochs are whole")
+                trainer.reload_dataloaders_every_n_epochs = 1
+
+    def _restore(self, views: list) -> None:
+        saved, self._saved = self._saved, None
+        if not saved or len(views) != len(saved):
             return  # Lightning itself refuses a checkpoint whose loaders do not match, with a message
         for view, state in zip(views, saved):
             if isinstance(view, LightningLoader) and not view.restored:
