@@ -233,3 +233,35 @@ def test_the_callback_refuses_a_loader_that_is_not_at_lightnings_step(one_proces
                         enable_model_summary=False, default_root_dir=str(tmp / "ahead"))
     with pytest.raises(LoaderError, match="at epoch 0, batch 6, but Lightning is at epoch 0, batch 1"):
         trainer.fit(ex.TinyLM(), datamodule=data)
+
+
+@pytest.mark.timeout(120)
+def test_a_bare_sharded_loader_resumed_mid_epoch_is_refused_with_the_fix(one_process):
+    """Without LightningLoader, len() after a resume is the epoch's rest while Lightning counts the
+    batches done too: the callback refuses rather than end the epoch early."""
+    import lightning as L
+
+    from shardtool.integrations.lightning import ShardedLoaderCallback
+    from shardtool.loader import LoaderError
+
+    ex, root, _, tmp = one_process
+
+    class Bare(ex.ShardedData):
+        def train_dataloader(self):
+            return self.train.loader
+
+    data = Bare(ex.parse_args(["--data", root, "--batch-size", str(BATCH), "--num-workers", "0"]))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, callbacks=[ShardedLoaderCallback()], logger=False,
+                        limit_val_batches=0, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp / "bare"))
+    with pytest.raises(LoaderError, match="LightningLoader"):
+        trainer.fit(ex.TinyLM(schedule=False), datamodule=data, ckpt_path=str(tmp / "ck" / "step-step=5.ckpt"))
+
+
+@pytest.mark.timeout(60)
+def test_importing_shardtool_and_its_integrations_imports_neither_torch_nor_lightning():
+    code = ("import sys, shardtool, shardtool.integrations; "
+            "print(sorted(m for m in ('torch', 'lightning', 'pytorch_lightning') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                         capture_output=True, text=True, timeout=50, check=True).stdout
+    assert out.strip() == "[]"

@@ -183,6 +183,12 @@ class ShardedLoaderCallback(pl.Callback):
         if not saved or len(views) != len(saved):
             return  # Lightning itself refuses a checkpoint whose loaders do not match, with a message
         for view, state in zip(views, saved):
+            if isinstance(view, ShardedLoader) and any(s.get("served") for s in state.get("segments", [])):
+                # Its len() after a resume is what is left of the epoch, while Lightning counts
+                # from the batches already done: the resumed epoch would end early.
+                raise LoaderError("train_dataloader() returns a ShardedLoader itself; resumed mid-epoch, Lightning "
+                                  "would end the epoch early and mis-count the next ones. Return "
+                                  "shardtool.integrations.lightning.LightningLoader(loader) instead")
             if isinstance(view, LightningLoader) and not view.restored:
                 view.load_state_dict(state)
                 if any(s.get("served") for s in state.get("segments", [])):
