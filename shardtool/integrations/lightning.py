@@ -13,14 +13,15 @@ What Lightning's protocol needs, and nothing more (the position lives in the loa
 * ``sampler.set_epoch``: Lightning calls it on ``dataloader.sampler`` at every epoch start (and
   before every validation run) with its own epoch, so the loader's epoch follows the trainer's.
 * A pass this view left unfinished (Lightning's sanity check, ``limit_*_batches``) is not
-  continued by the next one: that starts its epoch afresh, as a ``DataLoader`` would. Only a
-  position loaded with ``load_state_dict`` is continued.
+  continued by the next one: that starts its epoch afresh, as a ``DataLoader`` would. A position
+  loaded with ``load_state_dict`` (or the loader's own when wrapped) is continued.
 
 `ShardedLoaderCallback` guards what Lightning can get wrong: reading
 ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` (an LR schedule) makes
 Lightning build the train loader before it has read the checkpoint, and it then never restores
-the loader's position (Lightning issue #20550). The callback restores it, and checks at the first
-batch of every fit that the loader's position is Lightning's step in its epoch.
+the loader's position (Lightning issue #20550). The callback restores it, checks at the first
+batch of every fit that the loader's position is Lightning's step in its epoch, and after a resume
+on another number of ranks has Lightning re-read ``len()`` every epoch (it reads it once per fit).
 """
 from __future__ import annotations
 
@@ -152,7 +153,8 @@ class ShardedLoaderCallback(pl.Callback):
 
     ``Trainer(callbacks=[ShardedLoaderCallback()])``. At the first batch of a fit it raises a
     `LoaderError` if the loader is not at Lightning's step in Lightning's epoch, whatever the
-    cause, rather than train on batches the resumed run should not see.
+    cause, rather than train on batches the resumed run should not see. It refuses a bare
+    ShardedLoader resumed mid-epoch (wrap it in `LightningLoader`).
     """
 
     def __init__(self) -> None:
