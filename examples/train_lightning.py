@@ -79,6 +79,11 @@ class TinyLM(L.LightningModule):
                                     "batch_idx": batch_idx, "keys": list(batch["__key__"]), "hash": digest}) + "\n")
         self._log.flush()
 
+    def on_fit_end(self):
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
     def training_step(self, batch, batch_idx):
         self._record("train", batch, batch_idx)
         loss = self._loss(batch)
