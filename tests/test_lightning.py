@@ -140,22 +140,26 @@ class _Stop:
 
 
 def _fit(ex, root: str, log_dir: Path, *, schedule: bool = True, callback: bool = True, ckpt_dir: Path | None = None,
-         every: int = 5, stop: int | None = None, resume: Path | None = None, epochs: int = 2):
+         every: int = 5, stop: int | None = None, resume: Path | None = None, epochs: int = 2, val: str | None = None):
+    """One fit of the example's module and data; ``val``: validate every ``every`` steps and
+    checkpoint at each validation's end (monitor="val_loss") instead of every ``every`` steps."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from shardtool.integrations.lightning import ShardedLoaderCallback
 
-    args = ex.parse_args(["--data", root, "--batch-size", str(BATCH), "--num-workers", "0"])
+    args = ex.parse_args(["--data", root, "--batch-size", str(BATCH), "--num-workers", "0"] +
+                         (["--val-data", val] if val else []))
     callbacks = [ShardedLoaderCallback()] if callback else []
     if stop is not None:
         callbacks.append(_Stop(stop))
     if ckpt_dir is not None:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step-{step}", every_n_train_steps=every,
-                                         save_top_k=-1))
+        when = dict(monitor="val_loss") if val else dict(every_n_train_steps=every)
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step-{step}", save_top_k=-1, **when))
     L.seed_everything(0)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, callbacks=callbacks, logger=False,
-                        limit_val_batches=0, enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False,
+                        limit_val_batches=1.0 if val else 0, val_check_interval=every if val else 1.0,
+                        enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(log_dir))
     trainer.fit(ex.TinyLM(schedule=schedule, log_dir=str(log_dir)), datamodule=ex.ShardedData(args),
                 ckpt_path=str(resume) if resume else None)
@@ -209,6 +213,20 @@ def test_checkpoint_on_the_last_batch_of_an_epoch_resumes_at_the_next_epoch(one_
     _fit(ex, root, tmp / "B-end", ckpt_dir=tmp / "ck-end", every=15, stop=15)
     resumed, trainer = _fit(ex, root, tmp / "C-end", resume=tmp / "ck-end" / "step-step=15.ckpt")
     assert resumed == {s: whole[s] for s in range(15, 30)} and resumed[15][:2] == (1, 0)
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_at_a_mid_epoch_validation_resumes_at_the_next_batch(one_process):
+    """ModelCheckpoint(monitor=...) saves at the end of a validation run inside the epoch: the
+    resumed run trains on the next batch and does not repeat that validation."""
+    ex, root, _, tmp = one_process
+    val, _ = write_dataset(str(tmp / "v"), [10, 9], seed=1, prefix="v")
+    whole, _ = _fit(ex, root, tmp / "A-val", val=val, every=10)
+    _fit(ex, root, tmp / "B-val", val=val, every=10, ckpt_dir=tmp / "ck-val", stop=12)
+    resumed, _ = _fit(ex, root, tmp / "C-val", val=val, every=10, resume=tmp / "ck-val" / "step-step=10.ckpt")
+    assert resumed == {s: whole[s] for s in range(10, 30)}
+    runs = [[x["keys"] for x in _records(tmp / d, 0, "val")] for d in ("A-val", "C-val")]
+    assert len(runs[0]) == 2 * 5 and runs[1] == runs[0][5:]  # 5 batches at batch 10 of each epoch; the first was done
 
 
 @pytest.mark.timeout(120)
