@@ -283,3 +283,23 @@ def test_importing_shardtool_and_its_integrations_imports_neither_torch_nor_ligh
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
                          capture_output=True, text=True, timeout=50, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.timeout(60)
+def test_a_loader_built_for_another_rank_than_lightnings_fails_at_its_first_batch(tmp_path):
+    """Built before trainer.fit, a loader cannot know its rank; under the process group it is
+    refused at the first batch, naming the fix, instead of serving another rank's data."""
+    import torch.distributed as dist
+
+    from shardtool.integrations.lightning import LightningLoader
+    from shardtool.loader import LoaderError
+
+    root, _ = write_dataset(str(tmp_path / "d"), [20])
+    view = LightningLoader(ShardedLoader(root, batch_size=BATCH, num_workers=0, rank=1, world_size=2))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(LoaderError, match="built for rank 1 of 2, but Lightning runs it on rank 0 of 1"):
+            next(iter(view))
+    finally:
+        dist.destroy_process_group()
+        view.close()

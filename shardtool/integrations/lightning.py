@@ -66,8 +66,8 @@ class LightningLoader:
         if not isinstance(loader, ShardedLoader):
             raise TypeError(f"LightningLoader wraps a ShardedLoader, found {type(loader).__name__}")
         if isinstance(loader, MixtureLoader):
-            raise TypeError("a ShardedLoader of a Mixture has no epochs: LightningLoader supports single datasets "
-                            "(pass the mixture loader to Lightning directly and stop with Trainer(max_steps=...))")
+            raise TypeError("a ShardedLoader of a Mixture has no epochs, and LightningLoader follows Lightning's "
+                            "epochs: it takes a ShardedLoader of one dataset")
         self.loader = loader
         self.sampler = _Epochs(self)
         self._loaded = False  # a state was loaded since the last pass began: the next pass continues it
