@@ -25,6 +25,7 @@ PACKAGES = {
     "pack": ("shardtool/pack", {"format", "plan", "pack"}),
     "cache": ("cache", {"format", "plan", "cache"}),
     "loader": ("loader", {"format", "plan", "cache", "loader"}),
+    "integrations": ("shardtool/integrations", {"format", "plan", "cache", "loader", "integrations"}),
 }
 
 
