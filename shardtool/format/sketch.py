@@ -9,10 +9,10 @@ tens of percent — batch counts chosen from them left 10% of the tokens out, or
 The sketch stores, for every shard, the sample positions where its cumulative weight (the sum of
 max(length, 1) the ranges balance) first exceeds j/K of the shard's weight, j = 1..K-1, with the
 exact token and weight sums before each. A cut then goes to the nearest such point, and both
-sides' token counts are exact. K adapts to the dataset so that the points number about 2^20 at
-most: a single-shard corpus gets 1,024 (groups balanced to 0.05% of it), 10^5 shards get 8 (a
-group holds hundreds of shards there, so half a cell is noise). O(shards x K) memory, like the
-rest of the summaries.
+sides' token counts are exact. K adapts to the dataset: about 2^18 points in all (6 MB), but at
+least 8 a shard and at most 1,024. Up to 256 shards get 1,024 cells each (a single-shard corpus
+balances to 0.05% of it), 10^4 shards 16, 10^5 shards 8 (a group holds hundreds of shards there,
+so half a cell is noise). O(shards x K) memory, like the rest of the summaries.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import numpy as np
 __all__ = ["MAX_CELLS", "MIN_CELLS", "ShardSketch", "sketch_cells"]
 
 MIN_CELLS, MAX_CELLS = 8, 1024
-TOTAL_POINTS = 1 << 20
+TOTAL_POINTS = 1 << 18
 
 
 def sketch_cells(num_shards: int) -> int:
