@@ -80,6 +80,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=30000)
     p.add_argument("--epochs", type=float, default=2)
     p.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (-1: after --epochs)")
+    p.add_argument("--grad-accum", type=int, default=1, help="batches per optimizer step")
+    p.add_argument("--ignore-data-skip", action="store_true", help="on resume, start the checkpoint's epoch over")
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: no checkpoints)")
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--cache-dir", default=None, help="node-local cache directory (warmed by `shardtool warm`)")
@@ -96,7 +98,8 @@ def build(args) -> RecordingTrainer:
                            num_workers=args.num_workers, cache_dir=args.cache_dir)
     targs = transformers.TrainingArguments(
         output_dir=args.output_dir, num_train_epochs=args.epochs, max_steps=args.max_steps,
-        per_device_train_batch_size=args.batch_size, learning_rate=1e-3, use_cpu=not torch.cuda.is_available(),
+        per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
+        ignore_data_skip=args.ignore_data_skip, learning_rate=1e-3, use_cpu=not torch.cuda.is_available(),
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         logging_strategy="no", report_to=[], disable_tqdm=True, seed=args.seed,
         # keep __key__ for the log; RecordingTrainer passes the model only what it takes

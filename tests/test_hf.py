@@ -106,6 +106,14 @@ def test_torchrun_trainer_resumed_mid_epoch_trains_the_same_batches_per_rank(tmp
         assert sorted(c) == list(range(5, 2 * n)) and c == {s: whole[s] for s in range(5, 2 * n)}
         assert c[n] == want[r][1][0]
 
+    # D: the 2-rank checkpoint resumed in one process is refused before training (the Trainer counts
+    # epochs from one epoch length; the loader alone could continue on 1 rank)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    cp = subprocess.run([sys.executable, str(EXAMPLE), *data, "--num-workers", "0", "--seq-len", str(SEQ), "--batch-size",
+                         str(ROWS), "--output-dir", str(out), "--resume", str(out / "checkpoint-5")], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=120)
+    assert cp.returncode != 0 and "LoaderStateError" in cp.stderr and "saved on 2 data-parallel ranks" in cp.stderr
+
 
 # ------------------------------------------------------------------------------ one process
 def _example():
@@ -151,6 +159,33 @@ def test_trainer_resumes_from_its_checkpoint_folder_without_replaying_batches(on
     resumed = _by_step(_records(tmp / "C"))
     assert sorted(resumed) == list(range(5, 2 * n)) and resumed == {s: whole[s] for s in range(5, 2 * n)}
     assert produced == 2 * n - 5 and c.state.global_step == 2 * n  # across the epoch boundary, nothing read twice
+
+
+@pytest.mark.timeout(180)
+def test_gradient_accumulation_resumes_at_the_batch_after_the_last_optimizer_step(one_process, tmp_path):
+    """3 batches per optimizer step, 20 per epoch (the epoch's last step has 2): checkpoint-5 is after
+    batch 15 of epoch 0, and the resumed run trains on batches 15.. of the uninterrupted sequence."""
+    ex, root, _, _ = one_process
+    flat = sum(_plain_epochs(root, 2), [])
+    assert len(flat) == 40
+    b = _trainer(ex, root, tmp_path / "out", tmp_path / "B", "--grad-accum", "3", "--save-steps", "5", "--max-steps", "6")
+    b.train()
+    b.train_loader.close()
+    assert [x["hash"] for x in _records(tmp_path / "B")] == flat[:18]
+    c = _trainer(ex, root, tmp_path / "out", tmp_path / "C", "--grad-accum", "3")
+    c.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-5"))
+    c.train_loader.close()
+    assert [x["hash"] for x in _records(tmp_path / "C")] == flat[15:] and c.state.global_step == 2 * 7
+
+
+@pytest.mark.timeout(180)
+def test_ignore_data_skip_starts_the_checkpoints_epoch_over(one_process, tmp_path):
+    ex, root, tmp, whole = one_process
+    c = _trainer(ex, root, tmp / "out", tmp_path / "C", "--ignore-data-skip")
+    c.train(resume_from_checkpoint=str(tmp / "out" / "checkpoint-5"))
+    c.train_loader.close()
+    # the Trainer's own semantics: epoch 0 from its first batch, counted from step 5 until max_steps (40)
+    assert [(x["step"], x["hash"]) for x in _records(tmp_path / "C")] == [(s, whole[s - 5]) for s in range(5, 40)]
 
 
 @pytest.mark.timeout(180)

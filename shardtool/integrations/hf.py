@@ -71,12 +71,6 @@ class TrainerLoader:
         segments = self.loader.state_dict()["segments"]
         return sum(s["served"] for s in segments[:-1]) + segments[-1]["batches"]
 
-    @property
-    def epoch_batches(self) -> int:
-        """Batches of a whole epoch on this layout; ``len()`` differs only in an epoch resumed on
-        another number of DP ranks."""
-        return self.loader.planner.shape(self.loader.data_layout).batches_per_rank
-
     def set_epoch(self, epoch: int) -> None:
         # The Trainer calls it at every epoch start; for the epoch the loader is in, it keeps the position.
         self.loader.set_epoch(epoch)
@@ -118,8 +112,8 @@ class ShardedTrainer(transformers.Trainer):
     ``trainer.train(resume_from_checkpoint=...)`` continues at the next batch on every rank, with no
     batch replayed. The batch size is the loader's (``per_device_train_batch_size`` only enters the
     Trainer's logged totals). ``ignore_data_skip=True`` starts the checkpoint's epoch over, as it does
-    for a dataset. Resuming on another number of ranks is refused (the Trainer's epoch bookkeeping
-    assumes one epoch length).
+    for a dataset. Resuming on another number of ranks or nodes is refused with a `LoaderStateError`
+    (the Trainer's epoch bookkeeping assumes one epoch length).
     """
 
     def __init__(self, *args: Any, train_loader: ShardedLoader, **kwargs: Any):
@@ -146,11 +140,25 @@ class ShardedTrainer(transformers.Trainer):
         view = self.train_loader
         if self._resume_dir is not None and not self.args.ignore_data_skip:
             # Before the Trainer reads len(): the resumed epoch's length is counted from the state.
-            view.load_state_dict(read_state(self._resume_dir))
+            state = read_state(self._resume_dir)
+            self._refuse_another_layout(view, state)
+            view.load_state_dict(state)
         if self.args.remove_unused_columns:
             self._set_signature_columns_if_needed()
             view.columns = set(self._signature_columns)
         return view
+
+    def _refuse_another_layout(self, view: TrainerLoader, state: dict[str, Any]) -> None:
+        # The loader itself would continue on another number of DP ranks (the epoch's rest re-dealt),
+        # but the Trainer derives epoch and step from global_step and one epoch length, which then differ.
+        here = view.state_dict()["segments"][-1]
+        saved = (state.get("segments") or [{}])[-1]
+        if (saved.get("dp_size"), saved.get("groups")) != (here["dp_size"], here["groups"]):
+            raise LoaderStateError(
+                f"the checkpoint {self._resume_dir} was saved on {saved.get('dp_size')} data-parallel ranks "
+                f"(groups {saved.get('groups')}), this run has {here['dp_size']} (groups {here['groups']}): the Trainer "
+                f"counts epochs and steps from one epoch length and cannot resume on another layout. Resume on the "
+                f"same number of ranks and nodes, or drive the loader with accelerate in your own loop")
 
     def _run_epoch(self, *args: Any, **kwargs: Any):
         train_dataloader = kwargs.get("train_dataloader")
@@ -172,10 +180,6 @@ class ShardedTrainer(transformers.Trainer):
         found = view.position()
         if found == expected:
             return
-        if resumed and len(view) != view.epoch_batches:
-            raise LoaderError(f"the checkpoint {resume} was saved on another number of data-parallel ranks: the "
-                              f"Trainer counts epochs from one epoch length and cannot resume it. Resume on the same "
-                              f"number of ranks, or drive the loader with accelerate in your own loop")
         raise LoaderError(
             f"the train loader is at epoch {found[0]}, batch {found[1]}, but the Trainer starts epoch {expected[0]} "
             f"at batch {expected[1]}: it would train on other batches than the interrupted run. Give ShardedTrainer "
