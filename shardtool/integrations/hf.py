@@ -12,9 +12,11 @@ What the Trainer's protocol needs, and nothing more (the position lives in the l
   the Trainer writes ``trainer_state.json``: once, the state being the same on every rank) and is
   loaded on ``train(resume_from_checkpoint=...)`` before the Trainer reads ``len()``.
 * No replay: on resume the Trainer calls ``skip_first_batches`` (accelerate), which would read
-  and drop every batch already trained on. For this loader it is the identity (the loaded state
-  is already there); `ShardedTrainer` checks at every epoch start that the loader's position is
-  the Trainer's step, and raises rather than train on other batches.
+  and drop every batch already trained on. The Trainer offers no hook for it, so `ShardedTrainer`
+  replaces the name in ``transformers.trainer`` with a function that is the identity for a
+  `TrainerLoader` (the loaded state is already there) and calls accelerate's for anything else.
+  It checks at every epoch start that the loader's position is the Trainer's step, and raises
+  rather than train on other batches.
 * Only the batch fields the model's ``forward`` accepts are passed on (the Trainer's own
   ``remove_unused_columns`` rule for datasets), since the Trainer calls ``model(**batch)``.
 
