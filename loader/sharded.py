@@ -1,7 +1,6 @@
 """`ShardedLoader`: the plan of this rank's batches, read by workers, resumable by position."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
@@ -12,12 +11,14 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from ..format import ShardtoolError
-from ..plan import Batching, Mesh, Planner, RankPlan, data_parallel
+from ..plan import Batching, Planner, RankPlan, data_parallel
+from ..plan.mesh import as_mesh
 from ..plan.batching import default_bucketing
 from ..plan.packing import Packing, with_packed_eos
 from ..plan.env import rank_placement
 from ..plan.about import describe
 from ..plan.state import LoaderState, check_compatible
+from .agree import disagreement, in_process_group
 from .collate import unpack_batch
 from .pool import WorkerFailed
 from .observe import Observer
@@ -133,7 +134,7 @@ class ShardedLoader:
         self.placement = rank_placement(rank, world_size, ranks_per_node, env=os.environ, dist=dist)
         self.rank, self.layout = self.placement.rank, self.placement.layout
         self.data_layout, self.dp_rank = data_parallel(self.placement, dp_rank=dp_rank, dp_size=dp_size,
-                                                       mesh=_as_mesh(mesh), dp_dims=_dp_dims(dp_dim))
+                                                       mesh=as_mesh(mesh), dp_dims=_dp_dims(dp_dim))
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
@@ -393,31 +394,13 @@ class ShardedLoader:
                     "Every rank must open the same dataset version with the same batching and state.")
 
     def _in_process_group(self) -> bool:
-        """torch.distributed is initialised with this loader's layout (an explicit layout that is
-        not the process group's has nobody to compare with)."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return False
-        return dist.get_world_size() == self.layout.world_size and dist.get_rank() == self.rank
+        return in_process_group(self.layout.world_size, self.rank)
 
     def _agree(self, numbers: list[int], ident: str, what: str, fix: str) -> None:
-        """All-reduce ``numbers`` and a digest of ``ident`` (MAX of them and of their negatives):
-        LoaderError naming the ranges if any rank differs."""
-        import torch
-        import torch.distributed as dist
-
-        digest = int(hashlib.sha256(ident.encode()).hexdigest()[:15], 16)
-        mine = [numbers[0], digest, *numbers[1:]]
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        t = torch.tensor(mine + [-x for x in mine], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        hi, neg_lo = t[: len(mine)].tolist(), t[len(mine):].tolist()
-        if any(h != -lo for h, lo in zip(hi, neg_lo)):
-            raise LoaderError(
-                f"rank {self.rank}: ranks disagree on {what}: this rank has {mine}; ranges across ranks "
-                f"{list(zip([-x for x in neg_lo], hi))}. {fix}"
-            )
+        """LoaderError naming the ranges if any rank differs on ``numbers`` or ``ident``."""
+        message = disagreement(self.rank, numbers, ident, what, fix)
+        if message is not None:
+            raise LoaderError(message)
 
     # ------------------------------------------------------------------ observability
     def metrics(self) -> dict[str, Any]:
@@ -453,18 +436,6 @@ class ShardedLoader:
         if hasattr(self, "_obs"):
             self._obs.close()
         self.reader.close()
-
-
-def _as_mesh(mesh: Any) -> Mesh | None:
-    """A shardtool Mesh from a torch DeviceMesh (its rank tensor and dimension names)."""
-    if mesh is None or isinstance(mesh, Mesh):
-        return mesh
-    names = getattr(mesh, "mesh_dim_names", None)
-    ranks = getattr(mesh, "mesh", None)
-    if names is None or ranks is None:
-        raise ValueError("mesh must be a torch.distributed.device_mesh.DeviceMesh with mesh_dim_names, or a "
-                         f"shardtool.plan.Mesh; found {type(mesh).__name__}")
-    return Mesh(tuple(names), np.asarray(ranks.cpu().numpy() if hasattr(ranks, "cpu") else ranks, dtype=np.int64))
 
 
 def _dp_dims(dp_dim: str | tuple[str, ...]) -> tuple[str, ...]:

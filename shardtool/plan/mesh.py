@@ -10,14 +10,14 @@ that each node caches exactly the ranges its ranks read.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from .env import LayoutError
 from .layout import DataLayout, Layout, Placement
 
-__all__ = ["Mesh", "data_layout", "data_parallel", "parse_mesh"]
+__all__ = ["Mesh", "as_mesh", "data_layout", "data_parallel", "parse_mesh"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,6 +49,19 @@ class Mesh:
 
     def describe(self) -> str:
         return ",".join(f"{n}={s}" for n, s in zip(self.names, self.ranks.shape))
+
+
+def as_mesh(mesh: Any) -> Mesh | None:
+    """A Mesh from a torch DeviceMesh (its rank tensor and dimension names, read by attribute: no
+    torch import here), a Mesh, or None."""
+    if mesh is None or isinstance(mesh, Mesh):
+        return mesh
+    names = getattr(mesh, "mesh_dim_names", None)
+    ranks = getattr(mesh, "mesh", None)
+    if names is None or ranks is None:
+        raise ValueError("mesh must be a torch.distributed.device_mesh.DeviceMesh with mesh_dim_names, or a "
+                         f"shardtool.plan.Mesh; found {type(mesh).__name__}")
+    return Mesh(tuple(names), np.asarray(ranks.cpu().numpy() if hasattr(ranks, "cpu") else ranks, dtype=np.int64))
 
 
 def parse_mesh(text: str) -> Mesh:
