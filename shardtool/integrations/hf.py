@@ -38,6 +38,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from ..loader import LoaderError, LoaderStateError, ShardedLoader
 from ..loader.mixed import MixtureLoader
+from .position import epoch_length, position
 
 __all__ = ["STATE_FILE", "ShardedTrainer", "TrainerLoader"]
 
@@ -66,12 +67,10 @@ class TrainerLoader:
 
     def position(self) -> tuple[int, int]:
         """(epoch, batches this rank has had in it): where the next batch comes from."""
-        state = self.loader.state_dict()
-        return state["epoch"], sum(s["served"] for s in state["segments"])
+        return position(self.loader)
 
     def __len__(self) -> int:
-        segments = self.loader.state_dict()["segments"]
-        return sum(s["served"] for s in segments[:-1]) + segments[-1]["batches"]
+        return epoch_length(self.loader)
 
     def set_epoch(self, epoch: int) -> None:
         # The Trainer calls it at every epoch start; for the epoch the loader is in, it keeps the position.

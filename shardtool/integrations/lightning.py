@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
 
 from ..loader import LoaderError, ShardedLoader
 from ..loader.mixed import MixtureLoader
+from .position import epoch_length, position
 
 __all__ = ["LightningLoader", "ShardedLoaderCallback"]
 
@@ -89,12 +90,10 @@ class LightningLoader:
     # ------------------------------------------------------------------ position and length
     def position(self) -> tuple[int, int]:
         """(epoch, batches this rank has had in it): where the next batch comes from."""
-        state = self.loader.state_dict()
-        return state["epoch"], sum(s["served"] for s in state["segments"])
+        return position(self.loader)
 
     def __len__(self) -> int:
-        segments = self.loader.state_dict()["segments"]
-        return sum(s["served"] for s in segments[:-1]) + segments[-1]["batches"]
+        return epoch_length(self.loader)
 
     @property
     def epoch_batches(self) -> int:
