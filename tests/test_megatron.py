@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from shardtool.integrations.megatron import STATE_FILE, MegatronIterator, build_iterator, to_megatron  # noqa: E402
+from shardtool.integrations.megatron import STATE_FILE, MegatronIterator, build_iterator  # noqa: E402
 from shardtool.loader import LoaderStateError  # noqa: E402
 from test_loader_data import write_dataset  # noqa: E402
 
@@ -35,8 +36,16 @@ def _torchrun(*args: str) -> None:
     env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), str(WORKER), *args]
-    cp = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
-    assert cp.returncode == 0, f"exit {cp.returncode}\n{cp.stdout[-3000:]}\n{cp.stderr[-6000:]}"
+    # its own process group: a timeout ends torchrun's workers too, not only torchrun
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(f"torchrun timed out after 150 s\n{out[-3000:]}\n{err[-6000:]}") from None
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-6000:]}"
 
 
 def _records(log: Path, rank: int) -> list[dict]:
