@@ -22,7 +22,7 @@ from .agree import disagreement, in_process_group
 from .collate import unpack_batch
 from .pool import WorkerFailed
 from .observe import Observer
-from .reader import BatchReader, describe_ids
+from .reader import BatchReader
 from .source import SourceSpec
 from .workers import PlanBatches, make_dataloader
 

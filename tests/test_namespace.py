@@ -153,3 +153,14 @@ def test_nothing_in_the_repository_imports_the_top_level_folders():
                     if pattern.match(line) and "repo_cache" not in line:  # the shadowing test's own modules
                         bad.append(f"{folder}/{name}:{n}: {line.strip()}")
     assert not bad, bad
+
+
+@pytest.mark.timeout(60)
+def test_importing_shardtool_and_its_integrations_imports_no_trainer_and_no_torch():
+    """Each trainer adapter imports its trainer only when that module is used."""
+    trainers = ("torch", "lightning", "pytorch_lightning", "transformers", "accelerate", "torchtitan", "megatron")
+    code = (f"import sys, shardtool, shardtool.integrations, shardtool.integrations.position; "
+            f"print(sorted(m for m in {trainers!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+                         capture_output=True, text=True, timeout=50, check=True).stdout
+    assert out.strip() == "[]"

@@ -37,8 +37,7 @@ import transformers.trainer as _trainer_module
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..loader import LoaderError, LoaderStateError, ShardedLoader
-from ..loader.mixed import MixtureLoader
-from .position import epoch_length, position
+from .position import epoch_length, one_dataset, position
 
 __all__ = ["STATE_FILE", "ShardedTrainer", "TrainerLoader"]
 
@@ -51,12 +50,7 @@ class TrainerLoader:
     """A `ShardedLoader` as the Trainer expects its train dataloader (see the module docstring)."""
 
     def __init__(self, loader: ShardedLoader):
-        if not isinstance(loader, ShardedLoader):
-            raise TypeError(f"TrainerLoader wraps a ShardedLoader, found {type(loader).__name__}")
-        if isinstance(loader, MixtureLoader):
-            raise TypeError("a ShardedLoader of a Mixture has no epochs, and the Trainer counts epochs from len(): "
-                            "ShardedTrainer takes a ShardedLoader of one dataset")
-        self.loader = loader
+        self.loader = one_dataset(loader, "TrainerLoader", "the Trainer counts epochs from len()")
         self.columns: set[str] | None = None  # the fields passed to the model; None: all
 
     def state_dict(self) -> dict[str, Any]:

@@ -34,8 +34,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
     import pytorch_lightning as pl  # type: ignore[no-redef]
 
 from ..loader import LoaderError, ShardedLoader
-from ..loader.mixed import MixtureLoader
-from .position import epoch_length, position
+from .position import epoch_length, one_dataset, position
 
 __all__ = ["LightningLoader", "ShardedLoaderCallback"]
 
@@ -64,12 +63,7 @@ class LightningLoader:
     batch_sampler = None  # Lightning reads it beside ``sampler``; there is none
 
     def __init__(self, loader: ShardedLoader):
-        if not isinstance(loader, ShardedLoader):
-            raise TypeError(f"LightningLoader wraps a ShardedLoader, found {type(loader).__name__}")
-        if isinstance(loader, MixtureLoader):
-            raise TypeError("a ShardedLoader of a Mixture has no epochs, and LightningLoader follows Lightning's "
-                            "epochs: it takes a ShardedLoader of one dataset")
-        self.loader = loader
+        self.loader = one_dataset(loader, "LightningLoader", "LightningLoader follows Lightning's epochs")
         self.sampler = _Epochs(self)
         self._loaded = False  # a state was loaded since the last pass began: the next pass continues it
         self._started = False  # a pass of this view has begun (so a mid-epoch position may be ours, cut short)

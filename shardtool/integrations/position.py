@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["epoch_length", "position"]
+__all__ = ["epoch_length", "one_dataset", "position"]
 
 
 def position(loader: Any) -> tuple[int, int]:
@@ -23,3 +23,17 @@ def epoch_length(loader: Any) -> int:
     """The batches of the loader's current epoch on this rank, as a trainer counts them."""
     segments = loader.state_dict()["segments"]
     return sum(s["served"] for s in segments[:-1]) + segments[-1]["batches"]
+
+
+def one_dataset(loader: Any, adapter: str, why: str) -> Any:
+    """``loader`` if it is a ShardedLoader of one dataset (an adapter follows its epochs), else
+    TypeError naming ``adapter`` and ``why`` the trainer needs epochs."""
+    from ..loader import ShardedLoader
+    from ..loader.mixed import MixtureLoader
+
+    if not isinstance(loader, ShardedLoader):
+        raise TypeError(f"{adapter} wraps a ShardedLoader, found {type(loader).__name__}")
+    if isinstance(loader, MixtureLoader):
+        raise TypeError(f"a ShardedLoader of a Mixture has no epochs, and {why}: {adapter} takes a ShardedLoader "
+                        "of one dataset")
+    return loader
