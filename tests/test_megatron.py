@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
-from shardtool.integrations.megatron import STATE_FILE, MegatronIterator, build_iterator  # noqa: E402
-from shardtool.loader import LoaderStateError  # noqa: E402
-from test_loader_data import write_dataset  # noqa: E402
+import megatron.core  # noqa: F401  a declared test dependency, imported plainly (tests/skips.py)
+from shardtool.integrations.megatron import STATE_FILE, MegatronIterator, build_iterator
+from shardtool.loader import LoaderStateError
+from test_loader_data import write_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "megatron_worker.py"
