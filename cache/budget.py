@@ -41,9 +41,12 @@ def cached_versions(cache_dir: str):
 
 
 def scan(cache_dir: str, *, current: VersionDir | None = None, assigned: set[int] | None = None,
-         protected: set[int] = frozenset(), keep: frozenset[str] = frozenset()) -> tuple[list[Entry], dict, int]:
+         protected: set[int] = frozenset(), keep: frozenset[str] = frozenset(),
+         live: frozenset[str] | None = None) -> tuple[list[Entry], dict, int]:
     """Every cached shard file of every version as eviction entries; returns (entries, where, used).
-    ``keep``: versions (the other datasets of a mixture) whose assigned shards are protected too."""
+    ``keep``: versions (the other datasets of a mixture) whose assigned shards are protected too.
+    ``live``: versions running jobs on the node asked for; every other version is idle and goes
+    first (None: nothing is known about jobs, no version is idle)."""
     entries: list[Entry] = []
     where: dict = {}
     used = 0
@@ -61,7 +64,8 @@ def scan(cache_dir: str, *, current: VersionDir | None = None, assigned: set[int
             key = (os.path.basename(vd.root), i)
             used += st.st_size
             entries.append(Entry(key, st.st_size, i in mine, vd.last_used(i) or st.st_mtime,
-                                 protected=(is_current and i in protected) or (kept and i in mine)))
+                                 protected=(is_current and i in protected) or (kept and i in mine),
+                                 idle=live is not None and not is_current and vd.version not in live))
             where[key] = Cached(vd, i, p, st.st_size)
     return entries, where, used
 

@@ -1,8 +1,8 @@
 """The eviction decision, as pure functions of what is cached (property-tested directly).
 
-Order: shards not assigned to this node first, then least recently used, ties by key so the
-result is deterministic. Never a shard in use (being read or fetched) nor one the current warm
-wants (``protected``).
+Order: shards of versions no running job on the node asked for (``idle``) first, then shards not
+assigned to this node, then least recently used, ties by key so the result is deterministic. Never
+a shard in use (being read or fetched) nor one the current warm wants (``protected``).
 """
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ class Entry:
     last_used: float
     in_use: bool = False
     protected: bool = False
+    # No running job on the node asked for this shard's version (`shardtool.cache.jobs`): such
+    # versions go first. False wherever nothing records jobs (a plain warm): the order is unchanged.
+    idle: bool = False
 
 
 def effective_limit(used: int, free: int, *, max_bytes: int | None, min_free: int | None) -> int | None:
@@ -32,7 +35,7 @@ def effective_limit(used: int, free: int, *, max_bytes: int | None, min_free: in
 
 def eviction_order(entries: Iterable[Entry]) -> list[Entry]:
     candidates = [e for e in entries if not e.in_use and not e.protected]
-    return sorted(candidates, key=lambda e: (e.assigned, e.last_used, repr(e.key)))
+    return sorted(candidates, key=lambda e: (not e.idle, e.assigned, e.last_used, repr(e.key)))
 
 
 def plan_eviction(entries: Sequence[Entry], *, used: int, limit: int | None, incoming: int) -> tuple[list[Entry], int]:

@@ -26,7 +26,7 @@ from .warmer import warm
 __all__ = ["MixtureWarmReport", "warm_mixture"]
 
 # Worst first: the status of a mixture's warm is its worst source's.
-_SEVERITY = ["local_fault", "usage_error", "remote_failed", "partial", "ok"]
+_SEVERITY = ["local_fault", "usage_error", "remote_failed", "partial", "cached", "ok"]
 
 
 @dataclass

@@ -32,7 +32,9 @@ class WarmReport:
     failures: list[dict] = field(default_factory=list)  # {"shard", "path", "error", "kind"}
     warnings: list[str] = field(default_factory=list)
     error: str | None = None
-    status: str = "ok"          # ok | remote_failed | local_fault | usage_error (no dataset) | partial
+    # ok | remote_failed | local_fault | usage_error (no dataset) | partial | cached (source gone or
+    # unreachable; this node's cache holds every shard it reads of the version the URL last served)
+    status: str = "ok"
     strict: bool = False
     durable: bool = False       # shards fsynced before publishing (else re-verified after a reboot)
     seconds: float = 0.0

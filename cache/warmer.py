@@ -27,6 +27,7 @@ from .budget import disk_free, evict, scan
 from .durability import must_fsync
 from .errors import BudgetError, CacheError, LocalFault, RemoteError, SourceMissing, UsageError
 from .evict import choose_fit, effective_limit, plan_eviction
+from .fallback import complete_cached_version
 from .layout import VersionDir, record_source
 from .meta import COPIED, HIT, ensure_index, ensure_lengths, ensure_shard, ensure_summaries, store_manifest
 from .perms import DEFAULT_PERMS, Perms
@@ -80,7 +81,7 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
          strict: bool = False, timeout: float | None = None, verify: bool = False, durable: bool = False,
          retry: RetryPolicy = RetryPolicy(), storage_options: dict | None = None, progress: bool | None = None,
          env: Mapping[str, str] | None = None, log=None, perms: Perms = DEFAULT_PERMS,
-         keep: Iterable[str] = ()) -> WarmReport:
+         keep: Iterable[str] = (), live: Iterable[str] | None = None) -> WarmReport:
     """Warm ``cache_dir`` with the shards node ``placement.node`` of its layout reads (every shard
     with ``all_shards``). Never raises for remote or local failures: the returned report carries
     ``status`` and ``exit_code``. ``placement=None`` without ``all_shards`` means one node;
@@ -91,7 +92,10 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
     (:mod:`shardtool.cache.durability`). ``perms``: modes and group of what the warm writes (default
     0644 files, 0755 directories, whatever the umask: the job's user must read what root warmed).
     ``keep``: dataset versions whose assigned shards a budget must not evict (the other sources of
-    a mixture warmed into the same cache: `shardtool.cache.mixwarm`)."""
+    a mixture warmed into the same cache: `shardtool.cache.mixwarm`). ``live``: versions the running
+    jobs on this node asked for (`shardtool.cache.jobs`); a budget evicts every other version first.
+    A source with no manifest, or one that cannot be reached, is not an error when this node's
+    cache holds a complete version for ``url``: status ``cached``, with a warning."""
     began = time.monotonic()
     deadline = None if timeout is None else began + timeout
     if progress is None:
@@ -107,7 +111,8 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
     try:
         _warm(report, url, cache_dir, placement=None if all_shards else placement, data_layout=data_layout, jobs=jobs, max_bytes=max_bytes,
               min_free=min_free, best_effort=best_effort, deadline=deadline, verify=verify, durable=durable, retry=retry,
-              storage_options=storage_options, progress=progress, log=log, perms=perms, keep=frozenset(keep))
+              storage_options=storage_options, progress=progress, log=log, perms=perms, keep=frozenset(keep),
+              live=None if live is None else frozenset(live))
     except LocalFault as e:
         report.status, report.error = "local_fault", str(e)
     except UsageError as e:
@@ -124,7 +129,7 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
 
 
 def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, max_bytes, min_free, best_effort, deadline,
-          verify, durable, retry, storage_options, progress, log, perms, keep=frozenset()) -> None:
+          verify, durable, retry, storage_options, progress, log, perms, keep=frozenset(), live=None) -> None:
     check_cache_dir(cache_dir, perms)
     try:
         src = Source(url, storage_options)
@@ -136,8 +141,14 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
     try:
         manifest_bytes = src.read_bytes(MANIFEST_NAME, **kw)
     except SourceMissing:
+        if _from_cache(report, url, cache_dir, placement, data_layout, perms, "has no manifest any more"):
+            return
         raise UsageError(f"no dataset at {url}: its manifest {src.path(MANIFEST_NAME)} does not exist "
                          "(a mistyped path? an unreachable source is not an error without --strict)") from None
+    except RemoteError as e:
+        if _from_cache(report, url, cache_dir, placement, data_layout, perms, f"cannot be reached ({e})"):
+            return
+        raise
     ds = Dataset(url, fs=src.fs, root=src.root, manifest_bytes=manifest_bytes)
     vd = VersionDir(cache_dir, ds.version, perms)
     report.version, report.version_dir = ds.version, vd.root
@@ -172,7 +183,7 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
             report.bytes_skipped += m.shards[i].bytes
         else:
             todo.append(i)
-    todo = _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log, keep)
+    todo = _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log, keep, live)
 
     bar = _Progress(sum(m.shards[i].bytes for i in todo), progress)
     lock = threading.Lock()
@@ -243,12 +254,28 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
         log(f"failed shard #{i} {m.shards[i].path}: {failed[i]}")
 
 
+def _from_cache(report, url, cache_dir, placement, data_layout, perms, why: str) -> bool:
+    """The source is gone or unreachable: succeed, with a warning, if this node's cache holds a
+    complete version for ``url`` (`shardtool.cache.fallback`)."""
+    found = complete_cached_version(url, cache_dir, placement, data_layout, perms=perms)
+    if found is None:
+        return False
+    vd, shards, size = found
+    report.status, report.version, report.version_dir = "cached", vd.version, vd.root
+    report.assigned = report.shards_skipped = len(shards)
+    report.assigned_bytes = report.bytes_skipped = size
+    report.warnings.append(f"source {url} {why}; this node's cache holds all {len(shards)} of its shards of the "
+                           f"version it last served ({vd.version}): the job reads that version")
+    return True
+
+
 def _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log,
-                keep=frozenset()) -> list[int]:
+                keep=frozenset(), live=None) -> list[int]:
     if max_bytes is None and min_free is None:
         return todo
     incoming = sum(m.shards[i].bytes for i in todo)
-    entries, where, used = scan(cache_dir, current=vd, assigned=set(shards), protected=set(shards), keep=keep)
+    entries, where, used = scan(cache_dir, current=vd, assigned=set(shards), protected=set(shards), keep=keep,
+                                live=live)
     limit = effective_limit(used, disk_free(cache_dir), max_bytes=max_bytes, min_free=min_free)
     victims, shortfall = plan_eviction(entries, used=used, limit=limit, incoming=incoming)
     if shortfall:

@@ -78,7 +78,11 @@ class Source:
         self._verifier = None
         if spec.cache_dir:
             from ..cache import open_cache  # lazy: a loader without a cache never imports it
+            from ..cache.jobs import check_job_finding
 
+            # In a SLURM job whose prolog could not stage its data (the job's own mistake, which
+            # must not fail the prolog and drain the node), say what the prolog found.
+            check_job_finding(spec.cache_dir, spec.url, os.environ)
             self._cache = open_cache(spec.url, spec.cache_dir, storage_options=spec.storage_options)
             self.dataset: Dataset = self._cache.dataset
         else:

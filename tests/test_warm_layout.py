@@ -1,6 +1,6 @@
 """`shardtool warm` takes the loader's data layout (--dp-size, --mesh/--dp-dim) and warms what the
 node's ranks read: the same shards as the planner's `shards_for_node` for that layout, said in
-the summary line and the JSON report; the SLURM prolog passes the layout through from its config."""
+the summary line and the JSON report; the SLURM prolog passes the layout through from the job's request."""
 from __future__ import annotations
 
 import json
@@ -85,13 +85,14 @@ def test_mesh_gives_ranks_per_node_and_bad_layouts_exit_2(src, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_prolog_passes_the_mesh_from_its_config(src, tmp_path):
+def test_prolog_passes_the_mesh_the_job_asks_for(src, tmp_path):
     hosts = ["gpu-a", "gpu-b"]
-    conf = prolog_conf(tmp_path, src, hosts, tmp_path / "cache", MESH="pp=2,dp=2", DP_DIM="dp", RANKS_PER_NODE=2)
+    conf = prolog_conf(tmp_path, hosts, tmp_path / "cache", active=["7"])
+    comment = 'shardtool:{"url": "%s", "mesh": "pp=2,dp=2", "dp_dim": "dp", "ranks_per_node": 2}' % src
     os.makedirs(tmp_path / "cache")
     ds = open_dataset(src)
     for node in hosts:
-        res = run_prolog(conf, node, job_id="7", nodelist="gpu-[a-b]", num_nodes=2)
+        res = run_prolog(conf, node, job_id="7", nodelist="gpu-[a-b]", num_nodes=2, comment=comment)
         assert res.returncode == 0, res.stderr
         report = json.load(open(tmp_path / "cache" / f"{node}.warm-7.json"))
         assert report["data_layout"]["mesh"] == "pp=2,dp=2" and report["layout"]["ranks_per_node"] == 2

@@ -156,17 +156,17 @@ def test_usage_errors_exit_2(src, tmp_path):
 @pytest.mark.timeout(120)
 def test_prolog_with_a_fake_minimal_environment(src, tmp_path):
     hosts = ["gpu-a", "gpu-b", "gpu-c"]
-    conf = prolog_conf(tmp_path, src, hosts, tmp_path / "cache", JOBS=4)
+    conf = prolog_conf(tmp_path, hosts, tmp_path / "cache", active=["42"], JOBS=4)
     os.makedirs(tmp_path / "cache")
     ds = open_dataset(src)
     for rank, node in enumerate(hosts):
-        res = run_prolog(conf, node, job_id="42", nodelist="gpu-[a-c]", num_nodes=3)
+        res = run_prolog(conf, node, job_id="42", nodelist="gpu-[a-c]", num_nodes=3, comment=f"shardtool:{src}")
         assert res.returncode == 0, res.stderr
         assert f"node {rank} of 3" in res.stderr
         report = json.load(open(tmp_path / "cache" / f"{node}.warm-42.json"))
         assert report["layout"]["node"] == rank and report["layout"]["num_nodes"] == 3
         assert report["assigned"] == len(assigned_shards(ds.summaries, Placement(Layout(3, 1), rank)))
     # a node whose cache root is gone is a local fault: the prolog exits non-zero (drain)
-    conf = prolog_conf(tmp_path, src, hosts, tmp_path / "nope" / "x", JOBS=4)
-    res = run_prolog(conf, "gpu-a", job_id="42", nodelist="gpu-[a-c]", num_nodes=3)
+    conf = prolog_conf(tmp_path, hosts, tmp_path / "nope" / "x", JOBS=4)
+    res = run_prolog(conf, "gpu-a", job_id="42", nodelist="gpu-[a-c]", num_nodes=3, comment=f"shardtool:{src}")
     assert res.returncode == 3, res.stderr
