@@ -120,7 +120,7 @@ def parse_request(comment: str | None, *, workdir: str | None = None) -> StageRe
     if start is None:
         return None
     body = comment[start:]
-    if body.lstrip().startswith("{"):
+    if body.lstrip().startswith(("{", "[", '"')):  # JSON (an object is the only one accepted)
         return _from_json(body.lstrip(), workdir)
     url = body.split(None, 1)[0] if body.strip() and not body[:1].isspace() else ""
     if not url:
