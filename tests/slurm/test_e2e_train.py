@@ -23,10 +23,10 @@ NODES = ["node1", "node2"]
 TRAIN_ARGS = "--max-tokens 2048 --epochs 1 --num-workers 1 --seq-len 32 --vocab 512"
 
 
-def _write_prolog(work: Path, dataset: str, cache_root: Path) -> Path:
+def _write_prolog(work: Path, cache_root: Path) -> Path:
     conf = work / "warm.conf"
     conf.write_text(
-        f"SHARDTOOL_PYTHON={sys.executable}\nDATASET_URL={dataset}\nCACHE_ROOT={cache_root}\n"
+        f"SHARDTOOL_PYTHON={sys.executable}\nCACHE_ROOT={cache_root}\n"
         f"SCONTROL={shutil.which('scontrol') or '/usr/bin/scontrol'}\nJOBS=4\nexport PYTHONPATH={REPO}\n"
     )
     prolog = work / "prolog.sh"
@@ -70,11 +70,12 @@ def test_prolog_warm_ddp_training_and_requeue_resume(slurm_cluster_with_prolog, 
                               lengths=lognormal_lengths(2400, median=100.0, sigma=0.6, high=1024)).root
     cache_root = work / "nodes"
     cache_root.mkdir()
-    c = slurm_cluster_with_prolog(_write_prolog(work, dataset, cache_root))
+    c = slurm_cluster_with_prolog(_write_prolog(work, cache_root))
+    stage = f"--comment=shardtool:{dataset}"  # the job says what its prolog stages
     sbatch = REPO / "examples" / "slurm" / "train.sbatch"
 
     # --- job A: prolog warms both nodes, then an uninterrupted epoch on 2 nodes x 2 ranks
-    a = c.sbatch(sbatch, "-N2", env=_job_env(c, work, dataset, cache_root, "a"), timeout=400)
+    a = c.sbatch(sbatch, "-N2", stage, env=_job_env(c, work, dataset, cache_root, "a"), timeout=400)
     assert a.ok, _explain(c, a)
     ds = open_dataset(dataset)
     for i, node in enumerate(NODES):
@@ -103,7 +104,7 @@ def test_prolog_warm_ddp_training_and_requeue_resume(slurm_cluster_with_prolog, 
     # on the rendezvous port), starting the node's 2 ranks; a short run
     env_c = _job_env(c, work, dataset, cache_root, "c", "--max-steps 3")
     del env_c["RANKS_PER_NODE"]  # the tasks per node asked for are the ranks per node
-    c_job = c.sbatch(sbatch, "-N2", "--ntasks-per-node=2", env=env_c, timeout=300)
+    c_job = c.sbatch(sbatch, "-N2", stage, "--ntasks-per-node=2", env=env_c, timeout=300)
     assert c_job.ok, _explain(c, c_job)
     out_c = c_job.read_output()
     assert "EADDRINUSE" not in out_c and "can't honor" not in out_c, out_c[-3000:]
@@ -114,7 +115,7 @@ def test_prolog_warm_ddp_training_and_requeue_resume(slurm_cluster_with_prolog, 
             [steps_a[rank][s]["keys"] for s in sorted(steps_a[rank])[:3]]
 
     # --- job B: same training, checkpoints every 5 steps, requeued mid-epoch after a checkpoint
-    b = c.sbatch(sbatch, "-N2", env=_job_env(c, work, dataset, cache_root, "b", "--ckpt-every 5 --step-sleep 0.15"),
+    b = c.sbatch(sbatch, "-N2", stage, env=_job_env(c, work, dataset, cache_root, "b", "--ckpt-every 5 --step-sleep 0.15"),
                  wait=False)
     ckpt = work / "ckpt-b" / "latest.pt"
     deadline = time.monotonic() + 300
