@@ -169,3 +169,32 @@ def test_budget_never_evicts_a_shard_being_read_and_too_small_a_budget_is_the_no
     # the job itself may ask for best effort: what fits is staged, exit 0, a warning for the job
     res = stage(conf, 4, 'shardtool:{"url": "%s", "best_effort": true}' % b)
     assert res.returncode == 0 and read_job_record(str(cache_dir), 4)["status"] in ("ok", "partial"), res.stderr
+
+
+@pytest.mark.timeout(180)
+def test_a_mixture_request_stages_every_source_and_names_the_one_missing(tmp_path, datasets):
+    from shardtool.cache.jobs import StagingError, check_job_finding
+
+    conf = prolog_conf(tmp_path, [NODE], tmp_path / "cache", active=["1", "2"])
+    os.makedirs(tmp_path / "cache")
+    cache_dir = tmp_path / "cache" / NODE
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    good = {"a": {"url": datasets[0], "weight": 0.5}, "b": {"url": datasets[1], "weight": 0.5}}
+    (exp / "mix.json").write_text(json.dumps({"sources": good}))
+    res = stage(conf, 1, "shardtool:mix.json", workdir=str(exp))  # relative to the job's directory
+    assert res.returncode == 0, res.stderr
+    rec = read_job_record(str(cache_dir), 1)
+    assert rec["status"] == "ok" and len(rec["sources"]) == 2 and all(s["version"] for s in rec["sources"]), rec
+    for url in datasets[:2]:
+        assert cached_shards(cache_dir, url) == {0, 1, 2, 3}
+    bad = {**good, "c": {"url": datasets[2] + "-typo", "weight": 0.5}}
+    (exp / "mix2.json").write_text(json.dumps({"sources": bad}))
+    res = stage(conf, 2, "shardtool:mix2.json", workdir=str(exp))
+    assert res.returncode == 0, res.stderr
+    rec = read_job_record(str(cache_dir), 2)
+    assert rec["status"] == "usage_error" and [s["status"] for s in rec["sources"]] == ["ok", "ok", "usage_error"]
+    env = {"SLURM_JOB_ID": "2"}
+    check_job_finding(str(cache_dir), datasets[0], env)  # a source that was staged: nothing to say
+    with pytest.raises(StagingError, match="no dataset at"):
+        check_job_finding(str(cache_dir), datasets[2] + "-typo", env)

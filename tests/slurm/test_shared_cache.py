@@ -135,6 +135,9 @@ def test_shared_cluster_jobs_stage_their_own_data(slurm_cluster_with_prolog, tmp
         assert report["status"] == "ok" and report["evicted_shards"] >= 1, report
         assert _cached(cache_root / node, ds[1]) == set(range(8)), node  # B's version: untouched
         assert len(_cached(cache_root / node, ds[0])) < 4, node          # A's node share: partly evicted
+        # squeue no longer lists A: C's prolog dropped its record; B's stays while B runs
+        jobs = cache_root / node / "jobs"
+        assert not (jobs / f"{a.jobid}.json").exists() and (jobs / f"{b.jobid}.json").exists()
     assert c.job_state(b.jobid) == "RUNNING"
     flag.touch()
     assert c.wait_state(b.jobid, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120) == "COMPLETED", \
