@@ -9,7 +9,9 @@ the comment (other text around it is left alone)::
     shardtool:{"url": URL, ...}   a JSON object: url (required) and, as ShardedLoader gets them,
                                   mesh ("pp=2,dp=2,tp=2"), dp_dim ("dp" or "rep,shard"), dp_size (int),
                                   ranks_per_node (int); best_effort (bool: stage what fits the node's
-                                  budget and let the loader fetch the rest, instead of failing the node)
+                                  budget and let the loader fetch the rest, instead of failing the node);
+                                  max_bytes ("200G" or bytes: the job's own cap on what it holds in a
+                                  node's cache, per dataset; the loader fetches the rest on demand)
 
 A relative path is the job's: it is resolved against the job's working directory. A comment with no
 ``shardtool:`` asks for nothing. A malformed request is the job's mistake (:class:`RequestError`), never
@@ -22,10 +24,12 @@ import os
 import re
 from dataclasses import dataclass
 
+from ..format.sizes import SizeError, parse_size
+
 from .errors import UsageError
 
 PREFIX = "shardtool:"
-_KEYS = {"url", "mesh", "dp_dim", "dp_size", "ranks_per_node", "best_effort"}
+_KEYS = {"url", "mesh", "dp_dim", "dp_size", "ranks_per_node", "best_effort", "max_bytes"}
 # `scontrol show job -o`: Key=Value fields separated by spaces; a value may hold spaces, so it
 # runs to the next token shaped like a key (capitalised name, '=').
 _NEXT_KEY = re.compile(r"\s+[A-Z][A-Za-z/:]*=")
@@ -43,6 +47,7 @@ class StageRequest:
     dp_size: int | None = None
     ranks_per_node: int | None = None
     best_effort: bool = False
+    max_bytes: int | None = None
 
     @property
     def model_parallel(self) -> bool:
@@ -50,7 +55,7 @@ class StageRequest:
 
     def to_dict(self) -> dict:
         return {"url": self.url, "mesh": self.mesh, "dp_dim": self.dp_dim, "dp_size": self.dp_size,
-                "ranks_per_node": self.ranks_per_node, "best_effort": self.best_effort}
+                "ranks_per_node": self.ranks_per_node, "best_effort": self.best_effort, "max_bytes": self.max_bytes}
 
 
 def _find(comment: str) -> int | None:
@@ -75,6 +80,17 @@ def _positive_int(body: dict, key: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise RequestError(f"request key {key!r} must be an integer >= 1, found {value!r}")
     return value
+
+
+def _size(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise RequestError(f"request key 'max_bytes' must be a size like \"200G\" or a number of bytes, found {value!r}")
+    try:
+        return parse_size(value, what="request key 'max_bytes'")
+    except SizeError as e:
+        raise RequestError(str(e)) from None
 
 
 def _from_json(text: str, workdir: str | None) -> StageRequest:
@@ -108,7 +124,7 @@ def _from_json(text: str, workdir: str | None) -> StageRequest:
         raise RequestError("request key 'dp_dim' names dimensions of a 'mesh', and none is given")
     return StageRequest(_resolve(url.strip(), workdir), mesh=mesh.strip() if mesh else None, dp_dim=dp_dim.strip(),
                         dp_size=dp_size, ranks_per_node=_positive_int(body, "ranks_per_node"),
-                        best_effort=best_effort)
+                        best_effort=best_effort, max_bytes=_size(body.get("max_bytes")))
 
 
 def parse_request(comment: str | None, *, workdir: str | None = None) -> StageRequest | None:

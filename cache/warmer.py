@@ -81,7 +81,7 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
          strict: bool = False, timeout: float | None = None, verify: bool = False, durable: bool = False,
          retry: RetryPolicy = RetryPolicy(), storage_options: dict | None = None, progress: bool | None = None,
          env: Mapping[str, str] | None = None, log=None, perms: Perms = DEFAULT_PERMS,
-         keep: Iterable[str] = (), live: Iterable[str] | None = None) -> WarmReport:
+         keep: Iterable[str] = (), live: Iterable[str] | None = None, stage_bytes: int | None = None) -> WarmReport:
     """Warm ``cache_dir`` with the shards node ``placement.node`` of its layout reads (every shard
     with ``all_shards``). Never raises for remote or local failures: the returned report carries
     ``status`` and ``exit_code``. ``placement=None`` without ``all_shards`` means one node;
@@ -94,6 +94,8 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
     ``keep``: dataset versions whose assigned shards a budget must not evict (the other sources of
     a mixture warmed into the same cache: `shardtool.cache.mixwarm`). ``live``: versions the running
     jobs on this node asked for (`shardtool.cache.jobs`); a budget evicts every other version first.
+    ``stage_bytes``: a job's own cap on how much of this node's shards it holds in the cache (the
+    first shards of its range, then none: the loader fetches the rest; status ``partial``).
     A source with no manifest, or one that cannot be reached, is not an error when this node's
     cache holds a complete version for ``url``: status ``cached``, with a warning."""
     began = time.monotonic()
@@ -112,7 +114,7 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
         _warm(report, url, cache_dir, placement=None if all_shards else placement, data_layout=data_layout, jobs=jobs, max_bytes=max_bytes,
               min_free=min_free, best_effort=best_effort, deadline=deadline, verify=verify, durable=durable, retry=retry,
               storage_options=storage_options, progress=progress, log=log, perms=perms, keep=frozenset(keep),
-              live=None if live is None else frozenset(live))
+              live=None if live is None else frozenset(live), stage_bytes=stage_bytes)
     except LocalFault as e:
         report.status, report.error = "local_fault", str(e)
     except UsageError as e:
@@ -129,7 +131,8 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
 
 
 def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, max_bytes, min_free, best_effort, deadline,
-          verify, durable, retry, storage_options, progress, log, perms, keep=frozenset(), live=None) -> None:
+          verify, durable, retry, storage_options, progress, log, perms, keep=frozenset(), live=None,
+          stage_bytes=None) -> None:
     check_cache_dir(cache_dir, perms)
     try:
         src = Source(url, storage_options)
@@ -183,6 +186,8 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
             report.bytes_skipped += m.shards[i].bytes
         else:
             todo.append(i)
+    if stage_bytes is not None:
+        todo = _cap(report, m, shards, todo, stage_bytes, log)
     todo = _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log, keep, live)
 
     bar = _Progress(sum(m.shards[i].bytes for i in todo), progress)
@@ -269,6 +274,19 @@ def _from_cache(report, url, cache_dir, placement, data_layout, perms, why: str)
     return True
 
 
+def _cap(report, m, shards, todo, stage_bytes: int, log) -> list[int]:
+    """The job's cap: shards in range order, each staged if the node's share held stays under ``stage_bytes``."""
+    held = report.bytes_skipped  # already trusted in the cache: they count, they cost nothing
+    wanted = set(todo)
+    take, leave = choose_fit([(i, m.shards[i].bytes) for i in shards if i in wanted], max(stage_bytes - held, 0))
+    if leave:
+        report.not_fitted = sorted(leave)
+        report.warnings.append(f"the job caps its staged shards at {stage_bytes} bytes on this node: {len(take)} "
+                               f"staged, {len(leave)} left to fetch on demand")
+        log(report.warnings[-1])
+    return [i for i in todo if i in set(take)]
+
+
 def _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log,
                 keep=frozenset(), live=None) -> list[int]:
     if max_bytes is None and min_free is None:
@@ -291,7 +309,7 @@ def _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, bes
         freed, gone = evict(where, entries, evictable)
         report.evicted_shards, report.evicted_bytes = len(gone), freed
         take, leave = choose_fit([(i, m.shards[i].bytes) for i in todo], room)
-        report.not_fitted = sorted(leave)
+        report.not_fitted = sorted(set(report.not_fitted) | set(leave))
         report.warnings.append(msg + f"; best effort: warming {len(take)} shard(s), {len(leave)} did not fit")
         log(report.warnings[-1])
         return take
@@ -309,7 +327,7 @@ def _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, bes
     if not best_effort:
         raise BudgetError(msg, needed=used - freed + incoming, available=limit)
     take, leave = choose_fit([(i, m.shards[i].bytes) for i in todo], room)
-    report.not_fitted = sorted(leave)
+    report.not_fitted = sorted(set(report.not_fitted) | set(leave))
     report.warnings.append(msg + f"; best effort: warming {len(take)} shard(s), {len(leave)} did not fit")
     log(report.warnings[-1])
     return take

@@ -198,3 +198,19 @@ def test_a_mixture_request_stages_every_source_and_names_the_one_missing(tmp_pat
     check_job_finding(str(cache_dir), datasets[0], env)  # a source that was staged: nothing to say
     with pytest.raises(StagingError, match="no dataset at"):
         check_job_finding(str(cache_dir), datasets[2] + "-typo", env)
+
+
+@pytest.mark.timeout(180)
+def test_a_job_caps_what_it_holds_in_the_node_cache(tmp_path, datasets):
+    conf = prolog_conf(tmp_path, [NODE], tmp_path / "cache", active=["1"])
+    os.makedirs(tmp_path / "cache")
+    cache_dir = tmp_path / "cache" / NODE
+    url = datasets[0]
+    shard = open_dataset(url).manifest.shards[0].bytes
+    res = stage(conf, 1, 'shardtool:{"url": "%s", "max_bytes": %d}' % (url, 2 * shard + 100))
+    assert res.returncode == 0, res.stderr
+    rec = read_job_record(str(cache_dir), 1)
+    assert rec["status"] == "partial" and rec["severity"] == "warning" and "caps its staged shards" in rec["finding"]
+    assert len(cached_shards(cache_dir, url)) == 2
+    out = train(url, cache_dir, 1)  # the rest is fetched on demand, with the prolog's note
+    assert out.returncode == 0 and "caps its staged shards" in out.stderr, out

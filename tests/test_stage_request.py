@@ -34,6 +34,8 @@ def test_json_request_with_layout():
     r = parse_request('shardtool:{"url": "ds", "dp_size": 4}', workdir="/w")
     assert r == StageRequest("/w/ds", dp_size=4) and r.model_parallel
     assert not parse_request('shardtool:{"url": "ds"}').model_parallel
+    assert parse_request('shardtool:{"url": "ds", "max_bytes": "1.5G"}').max_bytes == 1_500_000_000
+    assert parse_request('shardtool:{"url": "ds", "max_bytes": 4096}').max_bytes == 4096
 
 
 @pytest.mark.parametrize("comment, message", [
@@ -49,6 +51,8 @@ def test_json_request_with_layout():
     ('shardtool:{"url": "x", "dp_dim": "dp"}', "names dimensions of a 'mesh'"),
     ('shardtool:{"url": "x", "best_effort": "yes"}', "'best_effort' must be true or false"),
     ("shardtool:/a shardtool:/b", "holds 2 'shardtool:' requests"),
+    ('shardtool:{"url": "x", "max_bytes": "lots"}', "cannot read request key 'max_bytes'"),
+    ('shardtool:{"url": "x", "max_bytes": [1]}', "'max_bytes' must be a size"),
 ])
 def test_malformed_requests_are_the_jobs_mistake(comment, message):
     with pytest.raises(RequestError, match=None) as e:

@@ -17,7 +17,8 @@ Slurm gives the prolog (SLURM_JOB_COMMENT; else `scontrol show job`):
   sbatch --comment 'shardtool:mix.json' ...          (a mixture file: every source; relative to the job's dir)
   sbatch --comment 'shardtool:{"url": "s3://b/ds", "mesh": "pp=2,dp=4,tp=2", "dp_dim": "dp",
                               "ranks_per_node": 8, "best_effort": true}' ...
-  (JSON keys: url, and as ShardedLoader gets them mesh, dp_dim, dp_size, ranks_per_node; best_effort)
+  (JSON keys: url; as ShardedLoader gets them mesh, dp_dim, dp_size, ranks_per_node; best_effort: stage
+   what fits the budget rather than fail the node; max_bytes: the job's cap per dataset on this node)
 
 A job that asks for nothing gets nothing staged. This node's cache is CACHE_ROOT/$SLURMD_NODENAME; its
 rank is the position of $SLURMD_NODENAME in the job's node list (`scontrol show hostnames`), the order
@@ -210,7 +211,7 @@ def _warm(args, request, cache_dir, placement, data, live, perms):
     return warm(request.url, cache_dir, placement=placement, data_layout=data, jobs=args.jobs,
                 max_bytes=args.max_bytes, min_free=args.min_free, best_effort=args.best_effort or request.best_effort,
                 timeout=args.timeout, durable=args.durable, retry=RetryPolicy(), perms=perms, progress=False,
-                live=live, log=lambda msg: print(f"shardtool warm: {msg}", file=sys.stderr))
+                live=live, stage_bytes=request.max_bytes, log=lambda msg: print(f"shardtool warm: {msg}", file=sys.stderr))
 
 
 def _finish(env, cache_dir, job, record, status, message, perms) -> int:
