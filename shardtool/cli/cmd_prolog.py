@@ -125,10 +125,20 @@ def sources_of(report) -> list[dict]:
              "error": r.error or ("; ".join(r.warnings) if r.warnings else None)} for r in items]
 
 
+def _running_jobs_versions(args, cache_dir: str, job: str) -> set[str]:
+    """Versions the other running jobs on this node asked for; drops the records of finished jobs."""
+    from ..cache.jobs import live_versions, read_job_records, remove_job_records, stale_jobs
+
+    records = read_job_records(cache_dir)
+    active = active_jobs(args)
+    stale = stale_jobs(records, active, keep=job)
+    remove_job_records(cache_dir, stale)
+    return live_versions({j: r for j, r in records.items() if j not in stale and j != job}, active)
+
+
 def run(args) -> int:
     from ..cache.errors import LocalFault
-    from ..cache.jobs import (live_versions, prolog_exit_code, read_job_records, remove_job_records, stale_jobs,
-                              write_job_record)
+    from ..cache.jobs import prolog_exit_code, write_job_record
     from ..cache.layout import recorded_version
     from ..cache.request import RequestError, parse_request
     from ..cache.warmer import check_cache_dir
@@ -172,16 +182,15 @@ def run(args) -> int:
             record["sources"] = [{"url": request.url, "version": None, "status": "usage_error", "error": str(problem)}]
         return _finish(env, cache_dir, job, record, "usage_error", str(problem), perms)
 
-    records = read_job_records(cache_dir)
-    active = active_jobs(args)
-    stale = stale_jobs(records, active, keep=job)
-    remove_job_records(cache_dir, stale)
-    others = {j: r for j, r in records.items() if j not in stale and j != job}
-    live = live_versions(others, active)
+    live = _running_jobs_versions(args, cache_dir, job)
     # Claim the version the URL served last before warming, so a concurrent prolog's budget spares it.
     known = recorded_version(cache_dir, request.url)
-    write_job_record(cache_dir, job, {**record, "status": "staging",
-                                      "sources": [{"url": request.url, "version": known}] if known else []}, perms=perms)
+    try:
+        write_job_record(cache_dir, job, {**record, "status": "staging", "sources":
+                                          [{"url": request.url, "version": known}] if known else []}, perms=perms)
+    except OSError as e:
+        log(env, f"local fault: cannot write the job's record in {cache_dir}: {e}")
+        return prolog_exit_code("local_fault")
     report = _warm(args, request, cache_dir, placement, data, live, perms)
     if request.mesh:
         from ._layout import describe_layout
@@ -204,11 +213,12 @@ def run(args) -> int:
 
 def _warm(args, request, cache_dir, placement, data, live, perms):
     from ..cache import RetryPolicy, warm
+    from ..cache.mixwarm import warm_mixture
     from ..plan.mixture import is_mixture_file
 
-    if is_mixture_file(request.url):
-        from ..cache.mixwarm import warm_mixture as warm
-    return warm(request.url, cache_dir, placement=placement, data_layout=data, jobs=args.jobs,
+    # a mixture file: every source's range for this node, one report
+    staging = warm_mixture if is_mixture_file(request.url) else warm
+    return staging(request.url, cache_dir, placement=placement, data_layout=data, jobs=args.jobs,
                 max_bytes=args.max_bytes, min_free=args.min_free, best_effort=args.best_effort or request.best_effort,
                 timeout=args.timeout, durable=args.durable, retry=RetryPolicy(), perms=perms, progress=False,
                 live=live, stage_bytes=request.max_bytes, log=lambda msg: print(f"shardtool warm: {msg}", file=sys.stderr))
