@@ -214,3 +214,20 @@ def test_a_job_caps_what_it_holds_in_the_node_cache(tmp_path, datasets):
     assert len(cached_shards(cache_dir, url)) == 2
     out = train(url, cache_dir, 1)  # the rest is fetched on demand, with the prolog's note
     assert out.returncode == 0 and "caps its staged shards" in out.stderr, out
+
+
+@pytest.mark.timeout(120)
+def test_epilog_forgets_the_jobs_record(tmp_path, datasets):
+    from prolog import REPO
+
+    conf = prolog_conf(tmp_path, [NODE], tmp_path / "cache", active=["9"])
+    os.makedirs(tmp_path / "cache")
+    assert stage(conf, 9, f"shardtool:{datasets[0]}").returncode == 0
+    assert read_job_record(str(tmp_path / "cache" / NODE), 9) is not None
+    env = {"SLURM_JOB_ID": "9", "SLURMD_NODENAME": NODE, "SHARDTOOL_WARM_CONF": conf}
+    res = subprocess.run(["/bin/bash", os.path.join(REPO, "examples", "slurm", "epilog.sh")], env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    assert read_job_record(str(tmp_path / "cache" / NODE), 9) is None
+    assert not (tmp_path / "cache" / f"{NODE}.warm-9.json").exists()
+    assert cached_shards(tmp_path / "cache" / NODE, datasets[0]) == {0, 1, 2, 3}  # the data stays
