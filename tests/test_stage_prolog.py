@@ -231,3 +231,19 @@ def test_epilog_forgets_the_jobs_record(tmp_path, datasets):
     assert read_job_record(str(tmp_path / "cache" / NODE), 9) is None
     assert not (tmp_path / "cache" / f"{NODE}.warm-9.json").exists()
     assert cached_shards(tmp_path / "cache" / NODE, datasets[0]) == {0, 1, 2, 3}  # the data stays
+
+
+@pytest.mark.timeout(120)
+def test_finished_jobs_records_and_reports_go_running_ones_stay(tmp_path, datasets):
+    cache_root = tmp_path / "cache"
+    os.makedirs(cache_root)
+    conf = prolog_conf(tmp_path, [NODE], cache_root, active=["1", "2"])
+    for job in (1, 2):
+        assert stage(conf, job, f"shardtool:{datasets[0]}").returncode == 0
+    conf = prolog_conf(tmp_path, [NODE], cache_root, active=["2", "3"])
+    assert stage(conf, 3, f"shardtool:{datasets[1]}").returncode == 0
+    assert sorted(os.listdir(cache_root / NODE / "jobs")) == ["2.json", "3.json"]
+    assert sorted(p.name for p in cache_root.glob("*.warm-*.json")) == [f"{NODE}.warm-2.json", f"{NODE}.warm-3.json"]
+    conf = prolog_conf(tmp_path, [NODE], cache_root, active=None)  # squeue cannot answer: nothing is dropped
+    assert stage(conf, 4, f"shardtool:{datasets[1]}").returncode == 0
+    assert sorted(os.listdir(cache_root / NODE / "jobs")) == ["2.json", "3.json", "4.json"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -125,6 +126,27 @@ def sources_of(report) -> list[dict]:
              "error": r.error or ("; ".join(r.warnings) if r.warnings else None)} for r in items]
 
 
+def _report_path(cache_dir: str, job: str) -> str:
+    """The warm's JSON report, beside the node's cache: CACHE_ROOT/<node>.warm-<job>.json."""
+    return f"{cache_dir}.warm-{job}.json"
+
+
+def _claims(cache_dir: str, url: str) -> list[dict]:
+    """Before warming, the versions the job's URL (every source of a mixture) served last: recorded
+    at once, so that a concurrent prolog's budget spares them."""
+    from ..cache.layout import recorded_version
+    from ..plan.mixture import Mixture, MixtureError, is_mixture_file
+
+    urls = [url]
+    if is_mixture_file(url):
+        try:
+            urls = [s.url for s in Mixture.from_file(url).sources]
+        except MixtureError:
+            urls = []
+    found = ((u, recorded_version(cache_dir, u)) for u in urls)
+    return [{"url": u, "version": v} for u, v in found if v]
+
+
 def _running_jobs_versions(args, cache_dir: str, job: str) -> set[str]:
     """Versions the other running jobs on this node asked for; drops the records of finished jobs."""
     from ..cache.jobs import live_versions, read_job_records, remove_job_records, stale_jobs
@@ -133,13 +155,15 @@ def _running_jobs_versions(args, cache_dir: str, job: str) -> set[str]:
     active = active_jobs(args)
     stale = stale_jobs(records, active, keep=job)
     remove_job_records(cache_dir, stale)
+    for old in stale:  # and their warm reports
+        with contextlib.suppress(OSError):
+            os.unlink(_report_path(cache_dir, old))
     return live_versions({j: r for j, r in records.items() if j not in stale and j != job}, active)
 
 
 def run(args) -> int:
     from ..cache.errors import LocalFault
     from ..cache.jobs import prolog_exit_code, write_job_record
-    from ..cache.layout import recorded_version
     from ..cache.request import RequestError, parse_request
     from ..cache.warmer import check_cache_dir
     from ..plan import LayoutError
@@ -183,11 +207,9 @@ def run(args) -> int:
         return _finish(env, cache_dir, job, record, "usage_error", str(problem), perms)
 
     live = _running_jobs_versions(args, cache_dir, job)
-    # Claim the version the URL served last before warming, so a concurrent prolog's budget spares it.
-    known = recorded_version(cache_dir, request.url)
     try:
-        write_job_record(cache_dir, job, {**record, "status": "staging", "sources":
-                                          [{"url": request.url, "version": known}] if known else []}, perms=perms)
+        write_job_record(cache_dir, job, {**record, "status": "staging", "sources": _claims(cache_dir, request.url)},
+                         perms=perms)
     except OSError as e:
         log(env, f"local fault: cannot write the job's record in {cache_dir}: {e}")
         return prolog_exit_code("local_fault")
@@ -203,7 +225,7 @@ def run(args) -> int:
     message = report.error or ("; ".join(warned) if warned else None)
     try:
         from ..format.atomic import atomic_write_bytes
-        atomic_write_bytes(os.path.join(args.cache_root, f"{node}.warm-{job}.json"), report.to_json().encode())
+        atomic_write_bytes(_report_path(cache_dir, job), report.to_json().encode())
     except OSError as e:
         log(env, f"cannot write the warm report: {e}")
     for line in report.summary().splitlines():
