@@ -1,0 +1,72 @@
+"""A rank's part of in-job staging (`shardtool.cache.stager`): publish its touch order and its
+progress on the node's board; on local rank 0 with ``stage=True``, run the node's stager.
+
+The stager is a process forked from local rank 0 when its loader is made, before any DataLoader
+worker, as those workers are: it inherits the storage configuration (registered filesystems,
+credentials in the environment) and imports nothing new. It exits by itself when the node's
+shards are in, when every rank closed its loader, or when rank 0's process is gone.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from typing import Any, Mapping
+
+from ..cache.stager import Board, board_dir, follow, stage_run
+from ..plan.staging import touch_order
+
+log = logging.getLogger(__name__)
+
+MODES = {"1": True, "true": True, "0": False, "false": False, "": False, "external": "external"}
+
+
+def stage_mode(stage: Any, env: Mapping[str, str]) -> bool | str:
+    """``stage=`` as given, else SHARDTOOL_STAGE ("1", "0", "external"), else off."""
+    if stage is None:
+        raw = env.get("SHARDTOOL_STAGE", "").strip().lower()
+        if raw not in MODES:
+            raise ValueError(f"SHARDTOOL_STAGE must be one of 1, 0, external; found {raw!r}")
+        stage = MODES[raw]
+    if stage not in (True, False, "external"):
+        raise ValueError(f"stage must be True (local rank 0 stages the node's shards), 'external' (a `shardtool "
+                         f"warm --follow` step does) or False, found {stage!r}")
+    return stage
+
+
+def _run_stager(url: str, cache_dir: str, storage_options: dict | None, parent: int, kw: dict) -> None:
+    from ..cache import open_cache
+
+    cache = open_cache(url, cache_dir, storage_options=storage_options)
+    report = follow(cache, parent=parent, **kw)
+    log.info("local rank 0's stager: %s", report.summary())
+    if report.error:
+        log.warning("local rank 0's stager stopped: %s (the readers fetch what is missing)", report.error)
+
+
+class Staging:
+    """Created by a loader with a cache and ``stage`` on; every rank publishes, local rank 0 may stage."""
+
+    def __init__(self, mode: bool | str, cache, placement, *, env: Mapping[str, str], ahead_shards: int = 16,
+                 jobs: int = 4, bandwidth: float | None = None):
+        rpn = placement.layout.ranks_per_node
+        run = stage_run(env)
+        self.board = Board(board_dir(cache.cache_dir, run, cache.version), placement.rank % rpn)
+        self.shard_offsets = cache.manifest.shard_offsets()
+        self.process = None
+        if mode is True and placement.rank % rpn == 0:
+            kw = dict(run=run, ranks=rpn, ahead_shards=ahead_shards, jobs=jobs, bandwidth=bandwidth)
+            self.process = multiprocessing.get_context("fork").Process(
+                target=_run_stager, args=(cache.url, cache.cache_dir, cache.storage_options, os.getpid(), kw),
+                name="shardtool-stager", daemon=True)
+            self.process.start()
+
+    def begin_pass(self, epoch: int, plan, start: int) -> None:
+        self.board.publish_order(epoch, touch_order(plan.ids, plan.offsets, self.shard_offsets, start), start)
+
+    def served(self, epoch: int, n: int) -> None:
+        self.board.progress(epoch, n)
+
+    def close(self) -> None:
+        self.board.close()
+        # The stager stays while other ranks still read; it exits when they close or this process ends.
