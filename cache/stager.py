@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Mapping
 
 from ..format.atomic import atomic_write_bytes
@@ -65,6 +65,11 @@ class Board:
     def __init__(self, path: str, local_rank: int):
         self.path, self.local_rank = path, local_rank
         os.makedirs(path, exist_ok=True)
+        for stale in (f"closed-{local_rank}", f"order-{local_rank}.json"):  # a previous job of this run id
+            try:
+                os.unlink(os.path.join(path, stale))
+            except FileNotFoundError:
+                pass
         self._fd = os.open(os.path.join(path, f"progress-{local_rank}"), os.O_RDWR | os.O_CREAT, 0o644)
         self._last: tuple[int, int] | None = None
 
@@ -108,8 +113,9 @@ class Seen:
         return order, min(steps, default=0)
 
 
-def read_board(path: str, cache: dict | None = None) -> Seen:
-    """The board's files; ``cache`` keeps parsed orders by (rank, mtime) between calls."""
+def read_board(path: str, cache: dict | None = None, since_ns: int = 0) -> Seen:
+    """The board's files; ``cache`` keeps parsed orders by (rank, mtime) between calls. A rank's
+    ``closed`` mark older than ``since_ns`` is a previous job's (of the same run id): ignored."""
     cache = {} if cache is None else cache
     orders, progress, closed = {}, {}, set()
     try:
@@ -136,7 +142,7 @@ def read_board(path: str, cache: dict | None = None) -> Seen:
                     data = f.read(_PROGRESS.size)
                 if len(data) == _PROGRESS.size:
                     progress[rank] = _PROGRESS.unpack(data)
-            elif kind == "closed":
+            elif kind == "closed" and os.stat(full).st_mtime_ns >= since_ns:
                 closed.add(rank)
         except (OSError, ValueError, KeyError):
             continue  # being replaced, or not ours: read again at the next poll
@@ -188,7 +194,7 @@ def follow(cache, *, run: str, ranks: int, ahead_shards: int = 16, ahead_bytes: 
     if ahead_shards < 1 or jobs < 1 or ranks < 1:
         raise ValueError(f"ahead_shards, jobs and ranks must be >= 1, found {ahead_shards}, {jobs}, {ranks}")
     log = log or (lambda msg: print(f"shardtool stage: {msg}", file=sys.stderr))
-    began = time.monotonic()
+    began, began_ns = time.monotonic(), time.time_ns() - 1_000_000_000  # 1 s: file times are coarse
     report = StageReport()
     path = board_dir(cache.cache_dir, run, cache.version)
     os.makedirs(path, exist_ok=True)
@@ -235,7 +241,7 @@ def follow(cache, *, run: str, ranks: int, ahead_shards: int = 16, ahead_bytes: 
             if parent is not None and os.getppid() != parent:
                 report.status = "orphaned"
                 break
-            seen = read_board(path, parsed)
+            seen = read_board(path, parsed, began_ns)
             if len(seen.closed) >= ranks:
                 report.status = "closed"
                 break
@@ -264,6 +270,10 @@ def follow(cache, *, run: str, ranks: int, ahead_shards: int = 16, ahead_bytes: 
         for fut in busy.values():
             fut.cancel()
     report.seconds = time.monotonic() - began
+    try:  # what this node staged, beside the board (`shardtool stats` users look in the cache too)
+        atomic_write_bytes(os.path.join(path, f"stager-{os.getpid()}.json"), json.dumps(asdict(report)).encode())
+    except OSError as e:
+        log(f"cannot write the report to {path}: {e}")
     return report
 
 

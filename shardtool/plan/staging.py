@@ -71,8 +71,9 @@ def next_fetches(order: TouchOrder, sizes: Sequence[int] | np.ndarray, *, slowes
                  busy: set[int], ahead_shards: int, ahead_bytes: int | None = None, slots: int = 1) -> list[int]:
     """The shards to start fetching now, at most ``slots``, most urgent first.
 
-    The *window* is every shard of ``order`` first read before ``slowest_step`` (late: a reader
-    needs it now) plus the next ``ahead_shards`` from there on whose sizes add up to at most
+    ``slowest_step`` is the batch the slowest reader needs next (its count of batches served).
+    The *window* is every shard of ``order`` first read at or before it (due: a reader needs it
+    now, and every shard of one batch at once) plus the next ``ahead_shards`` whose sizes add up to at most
     ``ahead_bytes`` (the first always counts, so a shard larger than the byte bound still comes).
     Shards already ``present`` or ``busy`` (being fetched by us) fill the window too: the bound is
     on what the cache holds ahead of the readers, not on what is in flight. Nothing outside the
@@ -95,7 +96,7 @@ def window_end(order: TouchOrder, sizes: Sequence[int] | np.ndarray, *, slowest_
     """How many leading entries of ``order`` the window of `next_fetches` spans."""
     if ahead_shards < 1:
         raise ValueError(f"ahead_shards must be >= 1, found {ahead_shards}")
-    k = int(np.searchsorted(order.steps, slowest_step, side="left"))  # the first shard not yet due
+    k = int(np.searchsorted(order.steps, slowest_step, side="right"))  # the first shard not yet due
     end = min(k + ahead_shards, len(order))
     if ahead_bytes is not None and end > k:
         fits = np.cumsum(np.asarray(sizes, np.int64)[order.shards[k:end]]) <= ahead_bytes
