@@ -14,6 +14,7 @@ import os
 from typing import Any, Mapping
 
 from ..cache.stager import Board, board_dir, follow, stage_run
+from ..format.sizes import parse_size
 from ..plan.staging import touch_order
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,30 @@ def stage_mode(stage: Any, env: Mapping[str, str]) -> bool | str:
     return stage
 
 
+def stager_options(env: Mapping[str, str]) -> dict:
+    """Local rank 0's stager settings: SHARDTOOL_STAGE_AHEAD (shards ahead of the slowest rank,
+    default 16), SHARDTOOL_STAGE_AHEAD_BYTES, SHARDTOOL_STAGE_JOBS (concurrent fetches, default 4),
+    SHARDTOOL_STAGE_BANDWIDTH (bytes per second, e.g. 500M); the same as `shardtool warm --follow`'s
+    --ahead, --ahead-bytes, -j and --bandwidth."""
+    def number(key: str, default: int | None, parse) -> int | None:
+        raw = env.get(key, "").strip()
+        if not raw:
+            return default
+        try:
+            value = parse(raw)
+        except ValueError as e:
+            raise ValueError(f"{key}={raw!r}: {e}") from None
+        if value is None or value < 1:
+            raise ValueError(f"{key} must be >= 1, found {raw!r}")
+        return value
+
+    sized = lambda raw: parse_size(raw, what="size")  # noqa: E731
+    return {"ahead_shards": number("SHARDTOOL_STAGE_AHEAD", 16, int),
+            "ahead_bytes": number("SHARDTOOL_STAGE_AHEAD_BYTES", None, sized),
+            "jobs": number("SHARDTOOL_STAGE_JOBS", 4, int),
+            "bandwidth": number("SHARDTOOL_STAGE_BANDWIDTH", None, sized)}
+
+
 def _run_stager(url: str, cache_dir: str, storage_options: dict | None, parent: int, kw: dict) -> None:
     from ..cache import open_cache
 
@@ -47,15 +72,14 @@ def _run_stager(url: str, cache_dir: str, storage_options: dict | None, parent: 
 class Staging:
     """Created by a loader with a cache and ``stage`` on; every rank publishes, local rank 0 may stage."""
 
-    def __init__(self, mode: bool | str, cache, placement, *, env: Mapping[str, str], ahead_shards: int = 16,
-                 jobs: int = 4, bandwidth: float | None = None):
+    def __init__(self, mode: bool | str, cache, placement, *, env: Mapping[str, str]):
         rpn = placement.layout.ranks_per_node
         run = stage_run(env)
         self.board = Board(board_dir(cache.cache_dir, run, cache.version), placement.rank % rpn)
         self.shard_offsets = cache.manifest.shard_offsets()
         self.process = None
         if mode is True and placement.rank % rpn == 0:
-            kw = dict(run=run, ranks=rpn, ahead_shards=ahead_shards, jobs=jobs, bandwidth=bandwidth)
+            kw = dict(run=run, ranks=rpn, **stager_options(env))
             self.process = multiprocessing.get_context("fork").Process(
                 target=_run_stager, args=(cache.url, cache.cache_dir, cache.storage_options, os.getpid(), kw),
                 name="shardtool-stager", daemon=True)

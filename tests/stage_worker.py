@@ -35,6 +35,7 @@ def rank_main(argv: list[str]) -> int:
     p.add_argument("--stage", default="off", choices=["off", "on", "external"])
     p.add_argument("--options", default=None, help="storage options, JSON")
     p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--batch-size", type=int, default=0, help="samples per batch instead of --max-tokens")
     p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: the whole epoch)")
     p.add_argument("--step-s", type=float, default=0.0)
     p.add_argument("--num-workers", type=int, default=2)
@@ -48,10 +49,11 @@ def rank_main(argv: list[str]) -> int:
     cache_dir = args.cache_dir.format(node=rank // local) if args.cache_dir else None
     stage = {"off": False, "on": True, "external": "external"}[args.stage]
     began = time.perf_counter()
-    loader = ShardedLoader(args.data, max_tokens=args.max_tokens, seed=0, num_workers=args.num_workers,
+    size = {"batch_size": args.batch_size} if args.batch_size else {"max_tokens": args.max_tokens}
+    loader = ShardedLoader(args.data, **size, seed=0, num_workers=args.num_workers,
                            cache_dir=cache_dir, storage_options=json.loads(args.options) if args.options else None,
                            pin_memory=False, timeout=60, stage=stage, metrics_every=0)
-    record = {"rank": rank, "keys": [], "waits": [], "first_batch_s": None}
+    record = {"rank": rank, "keys": [], "waits": [], "asked": [], "first_batch_s": None}
     it = iter(loader)
     while True:
         t = time.perf_counter()
@@ -60,6 +62,7 @@ def rank_main(argv: list[str]) -> int:
         except StopIteration:
             break
         record["waits"].append(time.perf_counter() - t)
+        record["asked"].append(t)
         if record["first_batch_s"] is None:
             record["first_batch_s"] = time.perf_counter() - began
         x = torch.tensor([1])
@@ -69,6 +72,7 @@ def rank_main(argv: list[str]) -> int:
             time.sleep(args.step_s)
         if len(record["keys"]) == args.steps:
             break
+    record["end"] = time.perf_counter()
     record["cache"] = loader.metrics()["cumulative"].get("cache")
     loader.close()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
