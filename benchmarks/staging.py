@@ -33,9 +33,10 @@ TESTS = os.path.join(REPO, "tests")
 sys.path.insert(0, REPO)
 sys.path.insert(0, TESTS)
 
-from cachedata import child_env, make_dataset  # noqa: E402
-from shardtool.cache import warm  # noqa: E402
-from shardtool.plan import Layout, Placement  # noqa: E402
+from cachedata import child_env, make_dataset
+
+from shardtool.cache import warm
+from shardtool.plan import Layout, Placement
 
 MODES = ("in-job", "prolog", "fetch-on-miss")
 NODES, RANKS_PER_NODE = 2, 2
@@ -54,7 +55,10 @@ def job(a, work: str, mode: str, rep: int, options: dict) -> dict:
 
 def measure(out: str, skip: int) -> tuple[float, float]:
     """(seconds to the first batch, data-wait fraction after ``skip`` steps), of the slowest rank."""
-    recs = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(NODES * RANKS_PER_NODE)]
+    recs = []
+    for r in range(NODES * RANKS_PER_NODE):
+        with open(os.path.join(out, f"rank{r}.json")) as f:
+            recs.append(json.load(f))
     first = max(r["first_batch_s"] for r in recs)
     fractions = []
     for r in recs:
@@ -112,7 +116,7 @@ def main() -> None:
     env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     began = time.monotonic()
     res = subprocess.run([sys.executable, os.path.join(TESTS, "stage_worker.py"), path], env=env, capture_output=True,
-                         text=True, timeout=175 * len(jobs))
+                         text=True, timeout=175 * len(jobs), check=False)
     if res.returncode:
         raise SystemExit(res.stderr[-3000:])
     results: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}

@@ -30,13 +30,12 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Mapping
 
 from ..format.atomic import atomic_write_bytes
 from ..plan.staging import TouchOrder, merge_orders, next_fetches, window_end
-
 from .errors import CacheError, LocalFault
 from .meta import COPIED, ensure_shard
 

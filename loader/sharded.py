@@ -168,6 +168,7 @@ class ShardedLoader:
             return None
         if not cache_dir or type(self) is not ShardedLoader:
             raise ValueError("stage= stages one dataset into a node cache: give cache_dir= (a Mixture is not staged)")
+        self._obs.staged = True
         return Staging(mode, self.reader.source._cache, self.placement, env=os.environ)
 
     def _open(self, url: str, *, cache_dir: str | None, storage_options: dict | None, steps: int | None,

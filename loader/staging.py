@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..cache.stager import Board, board_dir, follow, stage_run
 from ..format.sizes import parse_size
@@ -52,7 +53,7 @@ def stager_options(env: Mapping[str, str]) -> dict:
             raise ValueError(f"{key} must be >= 1, found {raw!r}")
         return value
 
-    sized = lambda raw: parse_size(raw, what="size")  # noqa: E731
+    sized = lambda raw: parse_size(raw, what="size")
     return {"ahead_shards": number("SHARDTOOL_STAGE_AHEAD", 16, int),
             "ahead_bytes": number("SHARDTOOL_STAGE_AHEAD_BYTES", None, sized),
             "jobs": number("SHARDTOOL_STAGE_JOBS", 4, int),

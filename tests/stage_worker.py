@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import faultfs  # noqa: E402,F401  registers faulty://
-from forkranks import run_jobs_file  # noqa: E402
+import faultfs  # noqa: F401  registers faulty://
+from forkranks import run_jobs_file
 
-from shardtool.loader import ShardedLoader  # noqa: E402
+from shardtool.loader import ShardedLoader
 
 
 def rank_main(argv: list[str]) -> int:

@@ -12,7 +12,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from cachedata import child_env
 from realtext import stdlib_lengths
 from test_loader_data import write_dataset
@@ -42,15 +41,20 @@ def forked(jobs: list[dict], base: str, run: str, timeout: float = 280) -> None:
     with open(path, "w") as f:
         json.dump(jobs, f)
     res = subprocess.run([sys.executable, WORKER, path], env=worker_env(run), capture_output=True, text=True,
-                         timeout=timeout)
+                         timeout=timeout, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     for j, line in zip(jobs, map(json.loads, res.stdout.splitlines())):
-        logs = "\n".join(open(p).read()[-2000:] for p in glob.glob(os.path.join(j["out"], "rank*.log")))
+        logs = "\n".join(read(p)[-2000:] for p in glob.glob(os.path.join(j["out"], "rank*.log")))
         assert all(rc == 0 for rc, _ in line["ranks"]), f"{j['out']}: {line['ranks']}\n{logs}"
 
 
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def records(out: str) -> list[dict]:
-    return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    return [json.loads(read(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +66,7 @@ def dataset(tmp_path_factory):
 
 
 def stager_reports(cache_dir: str) -> list[dict]:
-    return [json.load(open(p)) for p in glob.glob(os.path.join(cache_dir, "stage", "*", "stager-*.json"))]
+    return [json.loads(read(p)) for p in glob.glob(os.path.join(cache_dir, "stage", "*", "stager-*.json"))]
 
 
 def shard_bytes(cache_dir: str) -> int:

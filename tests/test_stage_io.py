@@ -3,19 +3,27 @@ bound of the slowest reader, a reader waits for the shard it is fetching instead
 again, and it stops when it should. Real files, real flock locks; the stager runs in a thread."""
 from __future__ import annotations
 
+import glob
+import json
 import os
 import threading
 import time
 
+import faultfs  # noqa: F401  registers faulty://
 import numpy as np
 import pytest
-
-import faultfs  # noqa: F401  registers faulty://
-from test_loader_data import write_dataset
+from test_loader_data import read_all, write_dataset
 
 from shardtool.cache import open_cache
 from shardtool.cache.locks import held_exclusively
-from shardtool.cache.stager import Board, Throttle, board_dir, follow, read_board, stage_run
+from shardtool.cache.stager import (
+    Board,
+    Throttle,
+    board_dir,
+    follow,
+    read_board,
+    stage_run,
+)
 from shardtool.plan.staging import TouchOrder
 
 SHARDS = 12
@@ -137,3 +145,40 @@ def test_the_throttle_holds_the_average_rate():
     for _ in range(5):
         throttle(100_000)
     assert time.monotonic() - began >= 0.2  # 500 kB at 2 MB/s
+
+
+def test_the_loader_refuses_staging_it_cannot_do(src, tmp_path, monkeypatch):
+    from shardtool.loader import ShardedLoader
+    from shardtool.loader.staging import stage_mode, stager_options
+
+    with pytest.raises(ValueError, match="cache_dir"):
+        ShardedLoader(src, batch_size=4, rank=0, world_size=1, num_workers=0, stage=True)
+    with pytest.raises(ValueError, match="SHARDTOOL_STAGE must be"):
+        stage_mode(None, {"SHARDTOOL_STAGE": "yes"})
+    with pytest.raises(ValueError, match="stage must be"):
+        stage_mode("on", {})
+    assert stage_mode(None, {"SHARDTOOL_STAGE": "external"}) == "external" and stage_mode(None, {}) is False
+    with pytest.raises(ValueError, match="SHARDTOOL_STAGE_AHEAD must be >= 1"):
+        stager_options({"SHARDTOOL_STAGE_AHEAD": "0"})
+    assert stager_options({"SHARDTOOL_STAGE_BANDWIDTH": "2M"})["bandwidth"] == 2_000_000
+
+
+@pytest.mark.timeout(120)
+def test_a_staged_loader_reads_the_batches_of_an_unstaged_one_and_the_stager_copies_the_rest(src, tmp_path):
+    from shardtool.loader import ShardedLoader
+
+    reference = read_all(ShardedLoader(src, batch_size=4, seed=2, rank=0, world_size=1, num_workers=0))
+    cache_dir = str(tmp_path / "cache")
+    loader = ShardedLoader("faulty://" + src, batch_size=4, seed=2, rank=0, world_size=1, num_workers=2,
+                           cache_dir=cache_dir, storage_options={"latency": 0.01}, stage=True)
+    assert read_all(loader) == reference
+    fetched = loader.metrics()["cumulative"]["cache"]["fetch_bytes"]
+    loader.close()
+    loader._staging.process.join(30)
+    assert loader._staging.process.exitcode == 0
+    (path,) = glob.glob(os.path.join(cache_dir, "stage", "*", "stager-*.json"))
+    with open(path) as f:
+        report = json.load(f)
+    assert report["status"] in ("done", "closed") and report["shards_copied"] > 0
+    total = sum(info.bytes for info in loader.dataset.manifest.shards)
+    assert report["bytes_copied"] + fetched == total  # each shard crossed the network once

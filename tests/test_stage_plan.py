@@ -8,7 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardtool.plan import Batching, Layout, Placement, Planner, data_parallel
-from shardtool.plan.staging import TouchOrder, merge_orders, next_fetches, touch_order, window_end
+from shardtool.plan.staging import (
+    TouchOrder,
+    merge_orders,
+    next_fetches,
+    touch_order,
+    window_end,
+)
 
 
 @st.composite
@@ -127,10 +133,10 @@ def test_a_simulated_stager_keeps_its_bound_and_stages_everything(n, ahead, slot
 
 
 def test_a_real_plan_touches_the_shards_of_its_node_in_batch_order(tmp_path):
-    from test_loader_data import write_dataset
-    from shardtool.format import open_dataset
-
     from realtext import stdlib_lengths
+    from test_loader_data import write_dataset
+
+    from shardtool.format import open_dataset
 
     lengths = np.minimum(stdlib_lengths()[:600], 4096)  # real, heavy-tailed lengths, capped at a batch
     root, _ = write_dataset(str(tmp_path / "d"), [50] * 12, lengths=lengths, extra=False)

@@ -212,7 +212,8 @@ def follow(args) -> int:
     """``--follow``: the node's stager for a job whose loaders publish (shardtool.cache.stager)."""
     from ..cache import NotCached, RetryPolicy, open_cache
     from ..cache.errors import EXIT_LOCAL, EXIT_USAGE
-    from ..cache.stager import follow as stage, stage_run
+    from ..cache.stager import follow as stage
+    from ..cache.stager import stage_run
     from ..plan import LayoutError, node_placement
 
     try:

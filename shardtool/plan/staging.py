@@ -9,8 +9,8 @@ step, so the ranks' orders merge by step.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -27,7 +27,7 @@ class TouchOrder:
         return {"epoch": int(epoch), "shards": self.shards.tolist(), "steps": self.steps.tolist()}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TouchOrder":
+    def from_dict(cls, d: dict) -> TouchOrder:
         shards, steps = np.asarray(d["shards"], np.int64), np.asarray(d["steps"], np.int64)
         if shards.shape != steps.shape or shards.ndim != 1:
             raise ValueError(f"a touch order needs as many steps as shards, found {shards.shape} and {steps.shape}")
@@ -105,4 +105,4 @@ def window_end(order: TouchOrder, sizes: Sequence[int] | np.ndarray, *, slowest_
     return end
 
 
-__all__ = ["TouchOrder", "touch_order", "merge_orders", "next_fetches", "window_end"]
+__all__ = ["TouchOrder", "merge_orders", "next_fetches", "touch_order", "window_end"]
