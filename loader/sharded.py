@@ -153,23 +153,12 @@ class ShardedLoader:
                                  prefetch_factor=prefetch_factor, metrics=metrics, metrics_every=metrics_every,
                                  metrics_dir=metrics_dir, metrics_reduce=metrics_reduce, cache_dir=cache_dir,
                                  stall_timeout=stall_timeout)
-            self._staging = self._stage(stage, cache_dir)
+            from .staging import staging_for  # lazy: imports the cache, as a loader with a cache_dir does
+
+            self._staging = staging_for(self, stage, cache_dir)
         except BaseException:
             self.close()
             raise
-
-    def _stage(self, stage: bool | str | None, cache_dir: str | None):
-        from .staging import Staging, stage_mode
-
-        if type(self) is not ShardedLoader and stage is None:
-            return None  # SHARDTOOL_STAGE set for a job does not apply to a Mixture's loader
-        mode = stage_mode(stage, os.environ)
-        if not mode:
-            return None
-        if not cache_dir or type(self) is not ShardedLoader:
-            raise ValueError("stage= stages one dataset into a node cache: give cache_dir= (a Mixture is not staged)")
-        self._obs.staged = True
-        return Staging(mode, self.reader.source._cache, self.placement, env=os.environ)
 
     def _open(self, url: str, *, cache_dir: str | None, storage_options: dict | None, steps: int | None,
               tokens: int | None) -> None:

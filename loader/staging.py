@@ -95,3 +95,22 @@ class Staging:
     def close(self) -> None:
         self.board.close()
         # The stager stays while other ranks still read; it exits when they close or this process ends.
+
+
+def staging_for(loader, stage: bool | str | None, cache_dir: str | None) -> Staging | None:
+    """The staging of a `ShardedLoader` (None: off), from ``stage=`` or SHARDTOOL_STAGE."""
+    from .sharded import ShardedLoader
+
+    if type(loader) is not ShardedLoader and stage is None:
+        return None  # SHARDTOOL_STAGE set for a job does not apply to a Mixture's loader
+    mode = stage_mode(stage, os.environ)
+    if not mode:
+        return None
+    if not cache_dir or type(loader) is not ShardedLoader:
+        raise ValueError("stage= stages one dataset into a node cache: give cache_dir= (a Mixture is not staged)")
+    cache = loader.reader.source._cache
+    if cache.read_only:  # root's prolog cache: what it lacks goes to the user's own cache, on a miss
+        log.warning("stage=%r: the node cache %s is not writable by this user; not staging", mode, cache.cache_dir)
+        return None
+    loader._obs.staged = True  # no "cache behind the plan" warning: the stager keeps it a bounded distance ahead
+    return Staging(mode, cache, loader.placement, env=os.environ)
