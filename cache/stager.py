@@ -97,13 +97,19 @@ class Seen:
     progress: dict[int, tuple[int, int]]       # local rank -> (epoch, served)
     closed: set[int]
 
-    def current(self) -> tuple[TouchOrder, int] | None:
+    def current(self, memo: dict | None = None) -> tuple[TouchOrder, int] | None:
         """The node's merged order for the earliest epoch any rank is in, and its slowest reader's
-        step there (a rank already in a later epoch is past all of it)."""
+        step there (a rank already in a later epoch is past all of it). ``memo`` keeps the merge
+        while the ranks' orders are the same objects (`read_board` keeps unchanged ones)."""
         if not self.orders:
             return None
         epoch = min(e for e, _ in self.orders.values())
-        order = merge_orders(o for e, o in self.orders.values() if e == epoch)
+        mine = sorted((r, o) for r, (e, o) in self.orders.items() if e == epoch)
+        key = (epoch, tuple((r, id(o)) for r, o in mine))
+        memo = {} if memo is None else memo
+        if memo.get("key") != key:
+            memo["key"], memo["order"] = key, merge_orders(o for _, o in mine)
+        order = memo["order"]
         steps = []
         for r, (e, _) in self.orders.items():
             pe, served = self.progress.get(r, (e, 0))
@@ -206,6 +212,9 @@ def follow(cache, *, run: str, ranks: int, ahead_shards: int = 16, ahead_bytes: 
     failed: set[int] = set()
     busy: dict[int, Future] = {}
     parsed: dict = {}
+    next_scan = 0.0
+    merged: dict = {}
+    last, listed, resolved = None, [], 0  # the current order, as a list, and how many of its first are done
 
     def fetch(i: int) -> str:
         return ensure_shard(vd, i, shards[i], src, policy=policy, on_bytes=throttle)
@@ -244,22 +253,32 @@ def follow(cache, *, run: str, ranks: int, ahead_shards: int = 16, ahead_bytes: 
             if len(seen.closed) >= ranks:
                 report.status = "closed"
                 break
-            current = seen.current()
+            current = seen.current(merged)
             if current is not None:
                 order, slowest = current
-                for i in order.shards.tolist():  # a warm or a reader may have put it there
+                if order is not last:  # a new pass: nothing of it is known to be resolved
+                    last, listed, resolved = order, order.shards.tolist(), 0
+                while resolved < len(order) and (listed[resolved] in present or listed[resolved] in failed):
+                    resolved += 1
+                # What a warm or a reader put there: the window's shards at every poll, all of them
+                # once a second (a stat each: 10,000s of shards must not be stat-ed 50 times a second).
+                end = window_end(order, sizes, slowest_step=slowest, ahead_shards=ahead_shards,
+                                 ahead_bytes=ahead_bytes)
+                scan_all = time.monotonic() >= next_scan
+                if scan_all:
+                    next_scan = time.monotonic() + 1.0
+                for i in (listed[resolved:] if scan_all else listed[resolved:end]):
                     if i not in present and i not in busy and vd.trusted(i, shards[i]):
                         present.add(i)
                         report.shards_present += 1
-                if len(seen.orders) >= ranks and not busy and all(i in present or i in failed
-                                                                  for i in order.shards.tolist()):
+                while resolved < len(order) and (listed[resolved] in present or listed[resolved] in failed):
+                    resolved += 1
+                if len(seen.orders) >= ranks and not busy and resolved == len(order):
                     report.status = "done"
                     break
                 picks = next_fetches(order, sizes, slowest_step=slowest, present=present | failed, busy=set(busy),
                                      ahead_shards=ahead_shards, ahead_bytes=ahead_bytes, slots=jobs - len(busy))
                 if picks:
-                    end = window_end(order, sizes, slowest_step=slowest, ahead_shards=ahead_shards,
-                                     ahead_bytes=ahead_bytes)
                     where = {s: k for k, s in enumerate(order.shards[:end].tolist())}
                     for i in picks:
                         report.fetches.append((time.monotonic() - began, i, where[i], end, slowest))

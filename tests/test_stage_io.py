@@ -92,6 +92,19 @@ def test_the_stager_fetches_in_order_and_stays_within_its_bound_of_the_slowest_r
 
 
 @pytest.mark.timeout(60)
+def test_over_a_prolog_warmed_cache_the_stager_copies_nothing_and_stops(src, tmp_path):
+    from shardtool.cache import warm
+
+    cache_dir = str(tmp_path / "cache")
+    assert warm(src, cache_dir, progress=False).status == "ok"
+    cache = open_cache(src, cache_dir)
+    board = Board(board_dir(cache_dir, "job", cache.version), 0)
+    board.publish_order(0, TouchOrder(np.arange(SHARDS), np.arange(SHARDS)), 0)
+    report = Running(cache, run="job", ranks=1, ahead_shards=2).join(5)
+    assert (report.status, report.shards_copied, report.shards_present) == ("done", 0, SHARDS)
+
+
+@pytest.mark.timeout(60)
 def test_a_reader_waits_for_the_shard_the_stager_is_fetching_and_the_source_serves_it_once(src, tmp_path):
     cache_dir = str(tmp_path / "cache")
     # The stager's reads of shard 0 stall 1 s, so the reader surely misses it while it is in flight.
