@@ -195,3 +195,32 @@ def test_a_staged_loader_reads_the_batches_of_an_unstaged_one_and_the_stager_cop
     assert report["status"] in ("done", "closed") and report["shards_copied"] > 0
     total = sum(info.bytes for info in loader.dataset.manifest.shards)
     assert report["bytes_copied"] + fetched == total  # each shard crossed the network once
+
+
+def test_the_test_sources_bandwidth_cap_is_shared_across_instances(src, tmp_path):
+    """benchmarks/staging.py relies on it: the cap is the source's, not each reader's."""
+    import fsspec
+
+    opts = {"bandwidth": 2e5, "bandwidth_file": str(tmp_path / "pipe")}
+    shard = os.path.join(src, "shard-00000.tar")
+    size = os.path.getsize(shard)
+    readers = [fsspec.filesystem("faulty", **opts) for _ in range(2)]
+    began = time.monotonic()
+    threads = [threading.Thread(target=fs.cat_file, args=(shard,)) for fs in readers for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.monotonic() - began >= 4 * size / 2e5 * 0.9  # four reads through one pipe
+
+
+def test_warm_follow_refuses_what_it_cannot_stage(src, tmp_path):
+    import subprocess
+    import sys
+
+    from cachedata import child_env
+
+    res = subprocess.run([sys.executable, "-m", "shardtool", "warm", src, "--cache-dir", str(tmp_path / "c"),
+                          "--follow", "--all"], env=child_env(), capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert res.returncode == 2 and "--follow stages one dataset" in res.stderr

@@ -215,6 +215,7 @@ def follow(args) -> int:
     from ..cache.stager import follow as stage
     from ..cache.stager import stage_run
     from ..plan import LayoutError, node_placement
+    from ..plan.mixture import is_mixture_file
 
     try:
         rpn = node_placement(args.nodes, args.node_rank, args.ranks_per_node, env=os.environ).layout.ranks_per_node
@@ -223,6 +224,10 @@ def follow(args) -> int:
         return EXIT_USAGE
     if args.ahead < 1:
         print("shardtool warm: error: --ahead must be >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    if is_mixture_file(args.url) or args.all:
+        print("shardtool warm: error: --follow stages one dataset for its ranks (not a mixture, not --all)",
+              file=sys.stderr)
         return EXIT_USAGE
     policy = RetryPolicy(attempts=args.retries, attempt_timeout=args.attempt_timeout, stall_timeout=args.stall_timeout)
     try:
