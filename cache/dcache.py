@@ -10,9 +10,11 @@ import contextlib
 import os
 import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 import fsspec
+import numpy as np
 
 from ..format.dataset import Dataset
 from ..format.manifest import MANIFEST_NAME, lengths_from_bytes, manifest_hash
@@ -58,7 +60,21 @@ class CachedDataset(Dataset):
     def lengths_range(self, lo: int, hi: int):
         if self._lengths is not None:
             return self._lengths[lo:hi]
+        self._fetch_indexes(lo, hi)
         return self.lengths_from_indexes(lo, hi)
+
+    def _fetch_indexes(self, lo: int, hi: int, jobs: int = 64) -> None:
+        """On a cold cache, fetch the range's sample indexes concurrently, not one request after
+        another: the first plan waits for all of them (256 indexes at 50 ms a request: 1.0 s with 16
+        threads, 0.3 s with 64; small requests, latency-bound)."""
+        offsets = self._offsets
+        first = max(int(np.searchsorted(offsets, lo, side="right")) - 1, 0)
+        last = min(int(np.searchsorted(offsets, hi, side="left")), self.num_shards)
+        missing = [s for s in range(first, last) if s not in self._indexes and not os.path.exists(
+            self._cache.vdir.path(self.manifest.shards[s].index))]
+        if len(missing) > 1:
+            with ThreadPoolExecutor(min(jobs, len(missing)), thread_name_prefix="shardtool-index") as pool:
+                list(pool.map(self.load_index_bytes, missing))
 
     def shard_lengths(self, shard: int):
         return None  # the index is the source of the lengths here: nothing to compare it with

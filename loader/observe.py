@@ -43,6 +43,7 @@ class Observer:
         self.rank, self.layout, self.node = placement.rank, placement.layout, placement.node
         self.workers = num_workers
         self.lookahead = max(32, 4 * num_workers * prefetch_factor)
+        self.staged = False  # in-job staging is on: set by the loader (loader/staging.py)
         self.table = Table(num_workers + 1)  # with metrics off, only the workers' pids (for stack dumps)
         # One probe per process, shared by a mixture's readers: they read in the same process row.
         self.probe = Probe(self.table, num_workers) if metrics else None
@@ -289,11 +290,12 @@ class Pass:
         shards = np.unique(reader.locate(ids)[0]).tolist() if len(ids) else []
         missing = [s for s in shards if not src.is_cached(s) and not src.being_fetched(s)]
         self.obs.cache_behind = len(missing)
-        if missing and not self._warned:
+        # With in-job staging the stager fetches them, a bounded distance ahead: nothing to warn of.
+        if missing and not self._warned and not self.obs.staged:
             self._warned = True
             m = src.dataset.manifest
             log.warning("rank %d: the node cache is behind the plan: %d of the %d shards the next %d batches read "
                         "are not cached and nobody is fetching them (no warm running), e.g. %s; each will be "
                         "fetched from the source when a batch needs it, which stalls that batch. Run `shardtool "
-                        "warm` for this node (e.g. in the job prolog).", self.obs.rank, len(missing), len(shards),
+                        "warm` for this node (e.g. in the job prolog), or stage in the job (stage=True).", self.obs.rank, len(missing), len(shards),
                         min(self.obs.lookahead, self.n - b), m.shards[missing[0]].path)

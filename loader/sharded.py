@@ -92,6 +92,11 @@ class ShardedLoader:
     the workers' ``timeout``) raises `LoaderError` naming the shard, byte offset and tier being
     read, after dumping the stacks of the trainer and every worker next to the metric lines.
     ``metrics=False`` keeps no counters at all (the watchdog still fires, without read details).
+
+    In-job staging (needs ``cache_dir``; default: SHARDTOOL_STAGE, else off): ``stage=True`` makes
+    local rank 0 fetch the node's shards into the cache in the order the node's ranks first read
+    them, a bounded distance ahead of the slowest (`shardtool.cache.stager`); ``stage="external"``
+    only publishes the ranks' order and progress for a `shardtool warm --follow` step.
     """
 
     def __new__(cls, url: Any = None, *args: Any, **kwargs: Any) -> "ShardedLoader":
@@ -114,7 +119,7 @@ class ShardedLoader:
                  storage_options: dict | None = None, timeout: float = 300.0, window: int | None = None,
                  metrics: bool = True, metrics_every: int | None = 100, metrics_dir: str | None = None,
                  metrics_reduce: bool = False, stall_timeout: float | None = 300.0, steps: int | None = None,
-                 tokens: int | None = None, drop_last: bool | None = None):
+                 tokens: int | None = None, drop_last: bool | None = None, stage: bool | str | None = None):
         import torch
 
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -148,6 +153,9 @@ class ShardedLoader:
                                  prefetch_factor=prefetch_factor, metrics=metrics, metrics_every=metrics_every,
                                  metrics_dir=metrics_dir, metrics_reduce=metrics_reduce, cache_dir=cache_dir,
                                  stall_timeout=stall_timeout)
+            from .staging import staging_for  # lazy: imports the cache, as a loader with a cache_dir does
+
+            self._staging = staging_for(self, stage, cache_dir)
         except BaseException:
             self.close()
             raise
@@ -313,6 +321,8 @@ class ShardedLoader:
         self._loaded_epoch = None  # the resume took effect: going back from here on is deliberate
         self._pass_start = start = self._served
         self._check_ranks_agree(plan)
+        if getattr(self, "_staging", None) is not None:
+            self._staging.begin_pass(self._epoch, plan, start)
         where = f"rank {self.rank}/{self.layout.world_size}, epoch {self._epoch}"
         packed = None
         if self.packing is not None:
@@ -369,6 +379,8 @@ class ShardedLoader:
                         f"a worker process failed, exited or was killed ({type(e).__name__}: {e})"
                     ) from e
                 self._served = b + 1
+                if self._staging is not None:
+                    self._staging.served(self._epoch, self._served)
                 yield batch
                 entered = time.perf_counter()
             ended = entered  # this next() ends the pass: closing the workers is part of it
@@ -435,6 +447,8 @@ class ShardedLoader:
         self._close_pass()
         if hasattr(self, "_obs"):
             self._obs.close()
+        if getattr(self, "_staging", None) is not None:
+            self._staging.close()
         self.reader.close()
 
 

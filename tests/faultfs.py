@@ -6,6 +6,8 @@ wraps the local filesystem (or ``target_protocol``/``target_options``) and, per 
 open, a cat, each read call of an open file — like one ranged GET each):
 
 - ``latency``: seconds slept per request;
+- ``bandwidth``: bytes per second the source serves, over every reader of one ``bandwidth_file``
+  (a pipe shared across processes, as a storage server's link is), else per instance;
 - ``transient``: {substring: k} — the first k requests on a matching path raise ConnectionResetError;
 - ``missing``: [substring, ...] — matching paths raise FileNotFoundError (a 404);
 - ``stall``: {substring: [seconds, k]} — the first k reads on a matching path sleep ``seconds`` first;
@@ -20,6 +22,9 @@ Fault counters live on the instance (``cachable = False``), so each ``url_to_fs`
 from __future__ import annotations
 
 import collections
+import fcntl
+import os
+import struct
 import threading
 import time
 
@@ -33,7 +38,7 @@ class FaultyFileSystem(AbstractFileSystem):
 
     def __init__(self, target_protocol: str = "file", target_options: dict | None = None, *, latency: float = 0.0,
                  transient: dict | None = None, missing=(), stall: dict | None = None, short: dict | None = None,
-                 refuse: bool = False, hang=(), **kw):
+                 refuse: bool = False, hang=(), bandwidth: float = 0.0, bandwidth_file: str | None = None, **kw):
         super().__init__(**kw)
         self.fs = fsspec.filesystem(target_protocol, **(target_options or {}))
         self.latency = latency
@@ -43,6 +48,8 @@ class FaultyFileSystem(AbstractFileSystem):
         self.short = dict(short or {})
         self.refuse = refuse
         self.hang = list(hang)
+        self.bandwidth, self.bandwidth_file = bandwidth, bandwidth_file
+        self._free_at = 0.0
         self.requests: collections.Counter = collections.Counter()
         self._used: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
@@ -72,6 +79,29 @@ class FaultyFileSystem(AbstractFileSystem):
         if self._take(self.transient, path) is not None:
             raise ConnectionResetError(f"faultfs: transient error on {path}")
 
+    def _pace(self, n: int) -> None:
+        """Hold the caller until the shared pipe has carried its ``n`` bytes after everyone else's."""
+        if not self.bandwidth or not n:
+            return
+        if self.bandwidth_file is None:
+            with self._lock:
+                now = time.time()
+                self._free_at = max(self._free_at, now) + n / self.bandwidth
+                wait = self._free_at - now
+        else:
+            fd = os.open(self.bandwidth_file, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                raw = os.pread(fd, 8, 0)
+                now = time.time()
+                free_at = max(struct.unpack("<d", raw)[0] if len(raw) == 8 else 0.0, now) + n / self.bandwidth
+                os.pwrite(fd, struct.pack("<d", free_at), 0)
+            finally:
+                os.close(fd)
+            wait = free_at - now
+        if wait > 0:
+            time.sleep(wait)
+
     # ---------------------------------------------------------------- fsspec API
     def info(self, path, **kw):
         self._request(path)
@@ -84,7 +114,9 @@ class FaultyFileSystem(AbstractFileSystem):
     def cat_file(self, path, start=None, end=None, **kw):
         path = self._strip_protocol(path)
         self._request(path)
-        return self.fs.cat_file(path, start=start, end=end, **kw)
+        data = self.fs.cat_file(path, start=start, end=end, **kw)
+        self._pace(len(data))
+        return data
 
     def _open(self, path, mode="rb", block_size=None, autocommit=True, cache_options=None, **kw):
         if "r" not in mode:
@@ -129,6 +161,7 @@ class _FaultyFile(FileWrapper):
             if n <= 0:
                 return b""
         data = self.f.read(n)
+        self.owner._pace(len(data))
         self.pos += len(data)
         return data
 

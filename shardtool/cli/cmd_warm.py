@@ -51,6 +51,12 @@ exit codes:
   3  local fault on this node: cache dir missing/unwritable/read-only, disk full, or the cache
      budget too small for this node's shards (a prolog exiting non-zero drains the node)
 
+in-job staging (no prolog): with --follow the warm runs beside the training job, on each node, and
+fetches the node's shards in the order its ranks will first read them (published by ShardedLoader(...,
+stage="external") in CACHE_DIR/stage/), at most --ahead shards ahead of the slowest rank. Give it the
+job's --ranks-per-node. It exits once every rank published its order and those shards are in, or
+once every rank closed its loader.
+
 examples:
   shardtool warm s3://bucket/ds --cache-dir /local/cache --nodes 4 --node-rank 1 --ranks-per-node 8
   shardtool warm ./ds --cache-dir /local/cache --nodes 2 --node-rank 0 --mesh pp=2,dp=2   # PP across nodes
@@ -95,6 +101,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_storage_option_argument(p)
     p.add_argument("--report", metavar="FILE", help="write a JSON report (shards/bytes copied/skipped/failed, seconds, GB/s)")
     p.add_argument("--json", action="store_true", help="print the JSON report on stdout")
+    s = p.add_argument_group("in-job staging")
+    s.add_argument("--follow", action="store_true",
+                   help="stage beside the job: fetch the shards its ranks publish, in their order, ahead of them")
+    s.add_argument("--ahead", type=int, default=16, help="shards staged ahead of the slowest rank (default 16)")
+    s.add_argument("--ahead-bytes", type=size_arg, help="and at most this many bytes ahead (e.g. 20G)")
+    s.add_argument("--bandwidth", type=size_arg, help="bytes per second over all transfers (e.g. 500M)")
+    s.add_argument("--run", help="the job's id shared with its ranks (default: SHARDTOOL_STAGE_RUN, SLURM_JOB_ID, "
+                                 "TORCHELASTIC_RUN_ID)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
 
 
@@ -139,6 +153,8 @@ def run(args) -> int:
     if args.jobs < 1 or args.retries < 1:
         print("shardtool warm: error: --jobs and --retries must be >= 1", file=sys.stderr)
         return EXIT_USAGE
+    if args.follow:
+        return follow(args)
     try:
         perms = perms_from(args)
     except ValueError as e:
@@ -190,3 +206,36 @@ def run(args) -> int:
     if args.json:
         print(report.to_json())
     return report.exit_code
+
+
+def follow(args) -> int:
+    """``--follow``: the node's stager for a job whose loaders publish (shardtool.cache.stager)."""
+    from ..cache import NotCached, RetryPolicy, open_cache
+    from ..cache.errors import EXIT_LOCAL, EXIT_USAGE
+    from ..cache.stager import follow as stage
+    from ..cache.stager import stage_run
+    from ..plan import LayoutError, node_placement
+    from ..plan.mixture import is_mixture_file
+
+    try:
+        rpn = node_placement(args.nodes, args.node_rank, args.ranks_per_node, env=os.environ).layout.ranks_per_node
+    except LayoutError as e:
+        print(f"shardtool warm: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.ahead < 1:
+        print("shardtool warm: error: --ahead must be >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    if is_mixture_file(args.url) or args.all:
+        print("shardtool warm: error: --follow stages one dataset for its ranks (not a mixture, not --all)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    policy = RetryPolicy(attempts=args.retries, attempt_timeout=args.attempt_timeout, stall_timeout=args.stall_timeout)
+    try:
+        cache = open_cache(args.url, args.cache_dir, storage_options=storage_options_from(args), retry=policy)
+    except NotCached as e:  # the loaders will say the same, naming their rank: not this node's fault
+        print(f"shardtool warm: error: {e}", file=sys.stderr)
+        return 0
+    report = stage(cache, run=args.run or stage_run(os.environ), ranks=rpn, ahead_shards=args.ahead,
+                   ahead_bytes=args.ahead_bytes, jobs=args.jobs, bandwidth=args.bandwidth)
+    print(f"shardtool warm --follow: {report.summary()}", file=sys.stderr)
+    return EXIT_LOCAL if report.status == "local_fault" else 0
