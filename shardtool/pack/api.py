@@ -22,6 +22,7 @@ from .progress import Progress
 from .readers import Bad, count_unit, read_unit
 from .schema import check_length_option, check_max_length_option, infer_fields
 from .skips import PackWarning, check_fraction_option, check_skips
+from .foreign import default_length
 from .sources import classify, memory_units
 from .tokenize import TOKENS_FIELD, Tokenize, tokenized_fields
 from .units import Unit, discover, positions, split_contiguous
@@ -277,6 +278,8 @@ def pack(
         raise ShardtoolError("--key applies to JSONL/Parquet/Arrow sources; file trees and tars take keys from names")
     source_fields = _first_sample_fields(units, max_sample_bytes=max_sample_bytes, skip_bad=skip_bad, key_field=key)
     fields, tok = source_fields, None
+    if length is None and length_fn is None and tokenizer is None:
+        length = default_length(units)  # a Megatron dataset's documents are measured in tokens
     if tokenizer is not None:
         tok = Tokenize(tokenizer, text_field=text_field, eos_id=eos_id, keep_text=keep_text)
         fields = tokenized_fields(source_fields, text_field, keep_text, tok.dtype.str.lstrip("<>=|"))
