@@ -55,7 +55,7 @@ def stdlib_rows(n: int = 120) -> list[dict]:
 def tag(v):
     import numpy as np
 
-    if isinstance(v, (bytes, bytearray)):
+    if isinstance(v, (bytes, bytearray, memoryview)):
         return {"b64": base64.b64encode(bytes(v)).decode()}
     if isinstance(v, np.ndarray):
         return {"nd": v.dtype.str, "v": v.tolist()}
@@ -98,8 +98,11 @@ def litdata_write(out: str, compression: str | None) -> None:
     rows = stdlib_rows()
     items = [{"id": r["id"], "text": r["text"], "tokens": r["tokens"], "score": float(r["score"]), "blob": r["blob"]}
              for r in rows]
+    level = None
+    if compression == "zstd-chunk":  # whole-file zstd (the default for zstd is per batch of items)
+        compression, level = "zstd", "chunk"
     optimize(fn=_lit_row, inputs=items, output_dir=out, chunk_bytes="64KB", num_workers=1,
-             compression=compression, mode="overwrite")
+             compression=compression, mode="overwrite", **({"compression_level": level} if level else {}))
 
 
 def litdata_read(root: str, out: str) -> None:
