@@ -207,7 +207,7 @@ def _scan(view: memoryview, source: str, max_member: int, length: LengthRule) ->
         index += 1
         where = f"member #{index} at offset {pos}"
         stored = _octal(header[148:156], source, where)
-        if stored != sum(header[:148]) + 256 + sum(header[156:]):
+        if stored != sum(header) - sum(header[148:156]) + 256:  # the checksum field counts as spaces
             raise BadSampleError("corrupt tar header (checksum mismatch): not a tar, or damaged",
                                  source=source, position=where)
         typeflag = header[156:157]
