@@ -234,3 +234,27 @@ def test_torchrun_trains_from_warmed_node_cache_with_the_tars_untouched(tmp_path
     got = [json.load(open(tmp_path / "run" / f"rank{r}.json")) for r in range(2)]
     assert got == expected
     assert digests(tars) == before
+
+
+# ------------------------------------------------------------------ the header parser, against tarfile and pack
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+
+from strategies import tar_samples  # noqa: E402
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(drawn=tar_samples())
+def test_any_tar_reads_back_as_packing_it_reads(tmp_path_factory, drawn):
+    fmt, rows = drawn
+    tmp = tmp_path_factory.mktemp("h")
+    tar = write_tar(str(tmp / "x.tar"), rows, fmt=fmt)
+    ds = open_dataset(index_tars([tar], str(tmp / "ds")).out)
+    ref = open_dataset(pack([tar], str(tmp / "p")).out)
+    assert [ds.read(0, i, decode=False) for i in range(len(ds))] == [ref.read(0, i, decode=False) for i in range(len(ref))]
+    with tarfile.open(tar) as tf:  # every payload offset is tarfile's, too
+        offsets = {m.name: m.offset_data for m in tf.getmembers()}
+    idx = ds.shard_index(0)
+    for i, (key, fields) in enumerate(rows):
+        for j, ext in enumerate(sorted(fields)):
+            assert int(idx.offsets[i]) + int(idx.field_offsets[i, j]) == offsets[f"{key}.{ext}"]
+    assert verify(str(tmp / "ds"))["ok"]
