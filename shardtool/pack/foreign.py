@@ -36,15 +36,16 @@ def foreign_units(src: str) -> list[Unit] | None:
         raise BadSampleError(f"unreadable index.json ({e})", source=index) from None
     if not isinstance(body, dict):
         return None
-    if isinstance(body.get("shards"), list) and body.get("shardtool") is None:
+    shards = body.get("shards")
+    if isinstance(shards, list) and shards and isinstance(shards[0], dict) and "column_encodings" in shards[0]:
         from .mds import mds_units
 
         return mds_units(src, body)
-    if isinstance(body.get("chunks"), list) and isinstance(body.get("config"), dict):
+    if isinstance(body.get("chunks"), list) and isinstance(body.get("config"), dict) and "data_format" in body["config"]:
         from .litdata import litdata_units
 
         return litdata_units(src, body)
-    return None
+    return None  # some other index.json (a shardtool dataset, a file tree's own): not a source of ours here
 
 
 def foreign_batches(unit: Unit) -> Iterator:

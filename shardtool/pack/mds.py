@@ -138,11 +138,16 @@ def read_shard(unit: Unit) -> bytes:
 
 
 def _gather(buf: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The byte ranges [starts, starts + sizes) of ``buf``, concatenated, and their offsets."""
+    """The byte ranges [starts, starts + sizes) of ``buf``, concatenated, and their offsets (one
+    copy of the bytes; no per-byte index array, which would cost 8 bytes per byte)."""
     offsets = np.zeros(len(sizes) + 1, np.int64)
     np.cumsum(sizes, out=offsets[1:])
-    idx = np.repeat(starts - offsets[:-1], sizes) + np.arange(offsets[-1], dtype=np.int64)
-    return buf[idx], offsets
+    view = memoryview(buf)
+    try:
+        data = b"".join([view[a : a + n] for a, n in zip(starts.tolist(), sizes.tolist())])
+    finally:
+        view.release()
+    return np.frombuffer(data, np.uint8), offsets
 
 
 def mds_batches(unit: Unit) -> Iterator:

@@ -102,9 +102,22 @@ class MegatronIndex:
         return int(np.searchsorted(self.doc_tokens * self.dtype.itemsize, byte, side="right")) - 1
 
 
+_OPEN: dict[tuple, MegatronIndex] = {}  # per process (forked workers inherit the parent's)
+
+
+def open_index(prefix: str) -> MegatronIndex:
+    """The checked index of PREFIX, parsed once per process and file version."""
+    key = tuple((os.stat(prefix + ext).st_mtime_ns, os.stat(prefix + ext).st_size) if os.path.exists(prefix + ext)
+                else None for ext in (".idx", ".bin"))
+    index = _OPEN.get((prefix, key))
+    if index is None:
+        index = _OPEN[(prefix, key)] = MegatronIndex(prefix)
+    return index
+
+
 def megatron_units(src: str) -> list[Unit]:
     prefix = prefix_of(src) or src
-    index = MegatronIndex(prefix)
+    index = open_index(prefix)
     n = index.documents
     item = index.dtype.itemsize
     return [Unit("megatron", prefix, a, min(n, a + UNIT_DOCS), min(n, a + UNIT_DOCS) - a, 0,
@@ -116,7 +129,7 @@ def megatron_batches(unit: Unit) -> Iterator:
     """Record batches (one list column, ``tokens``) of documents [start, stop) of the unit."""
     import pyarrow as pa
 
-    index = MegatronIndex(unit.path)
+    index = open_index(unit.path)
     tokens = np.memmap(unit.path + ".bin", mode="r", dtype=index.dtype) if index.doc_tokens[-1] else \
         np.zeros(0, index.dtype)
     for a in range(unit.start, unit.stop, BATCH_DOCS):
