@@ -3,7 +3,6 @@ without being copied or changed."""
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil

@@ -16,13 +16,13 @@ from ..format.sizes import parse_size
 from ..format.writer import publish_manifest
 from ..plan.env import array_task
 from . import outdir
+from .foreign import default_length
 from .options import load_function, strip_file_scheme
 from .procs import run_jobs
 from .progress import Progress
 from .readers import Bad, count_unit, read_unit
 from .schema import check_length_option, check_max_length_option, infer_fields
 from .skips import PackWarning, check_fraction_option, check_skips
-from .foreign import default_length
 from .sources import classify, memory_units
 from .tokenize import TOKENS_FIELD, Tokenize, tokenized_fields
 from .units import Unit, discover, positions, split_contiguous

@@ -25,9 +25,8 @@ from typing import Iterator
 
 import numpy as np
 
-from ..format.errors import BadSampleError
+from ..format.errors import BadSampleError, FormatError
 from ..format.manifest import safe_relpath
-from ..format.errors import FormatError
 from .units import Unit
 
 SCALARS = {"uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16", "float32", "float64"}
