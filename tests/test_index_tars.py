@@ -257,3 +257,13 @@ def test_any_tar_reads_back_as_packing_it_reads(tmp_path_factory, drawn):
         for j, ext in enumerate(sorted(fields)):
             assert int(idx.offsets[i]) + int(idx.field_offsets[i, j]) == offsets[f"{key}.{ext}"]
     assert verify(str(tmp / "ds"))["ok"]
+
+
+def test_overwrite_with_fewer_tars_leaves_no_stale_index(tars, tmp_path):
+    out = str(tmp_path / "ds")
+    index_tars(tars, out)
+    with pytest.raises(Exception, match="already holds a dataset"):
+        index_tars(tars[:2], out)
+    index_tars(tars[:2], out, overwrite=True)
+    assert sorted(os.listdir(os.path.join(out, "shards"))) == ["000000.idx.arrow", "000001.idx.arrow"]
+    assert verify(out)["ok"] and len(open_dataset(out)) == 50

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -39,6 +40,7 @@ from .tarscan import LengthRule, TarScan, scan_tar
 from .units import split_contiguous
 
 DEFAULT_MAX_MEMBER_BYTES = 256 << 20
+INDEX_RE = re.compile(r"\d{6}\.idx\.arrow$")
 
 
 @dataclass
@@ -251,6 +253,11 @@ def _commit(out: str, fields, length_def, shards, lengths, skipped, T: int, I: i
     result = IndexResult(out, len(shards), int(all_lengths.size), sum(s.bytes for s in shards), 0.0, skipped,
                          task=I, num_tasks=T)
     if T == 1:
+        keep = {os.path.basename(s.index) for s in shards}
+        for name in os.listdir(os.path.join(out, "shards")):  # indexes of an earlier run's other tars
+            if INDEX_RE.match(name) and name not in keep:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(out, "shards", name))
         publish_manifest(out, Manifest("tar", fields, shards, length_def), all_lengths)
         result.manifest = os.path.join(out, "index.json")
     else:
