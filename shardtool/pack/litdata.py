@@ -189,6 +189,17 @@ def _leaves(name: str, fmt: str, values: np.ndarray, voff: np.ndarray, where: st
             raise BadSampleError(f"{fmt} leaves must be {dtype.itemsize} bytes", source=where)
         return pa.array(values.view(dtype))
     base, _, code = fmt.partition(":")
+    if base in ("no_header_numpy", "no_header_tensor") and np.all(voff < 1 << 31):
+        table = NUMPY_CODES if base == "no_header_numpy" else TORCH_CODES
+        try:
+            dtype = np.dtype(table[int(code)])
+        except (ValueError, KeyError, IndexError):
+            raise BadSampleError(f"unknown dtype code in {fmt!r}", source=where) from None
+        if np.any(voff % dtype.itemsize):
+            raise BadSampleError(f"leaf sizes are not whole {dtype} elements", source=where)
+        # the leaves' bytes are the values: one list column over them, no per-item work
+        return pa.ListArray.from_arrays(pa.array((voff // dtype.itemsize).astype(np.int32)),
+                                        pa.array(values.view(dtype)))
     raw = [values[voff[i] : voff[i + 1]].tobytes() for i in range(n)]
     if fmt == "json":
         try:

@@ -200,6 +200,10 @@ def _column(name: str, enc: str, values: np.ndarray, voff: np.ndarray, path: str
         return pa.array(values.view(np.int64))
     if enc in SCALARS:
         return pa.array(values.view(np.dtype(enc)))
+    if enc.startswith("ndarray"):
+        fast = _ndarrays_1d(enc, values, voff)
+        if fast is not None:
+            return fast
     raw = [values[voff[i] : voff[i + 1]].tobytes() for i in range(n)]
     try:
         if enc == "str_int":
@@ -211,6 +215,47 @@ def _column(name: str, enc: str, values: np.ndarray, voff: np.ndarray, path: str
     except (ValueError, pa.ArrowInvalid, pa.ArrowTypeError) as e:
         raise BadSampleError(f"column {name!r} ({enc}): {e}", source=path) from None
     return _ndarrays(name, enc, raw, path)
+
+
+_SHAPE_DTYPES = {0: np.uint8, 1: np.uint16, 2: np.uint32, 3: np.uint64}
+
+
+def _ndarrays_1d(enc: str, values: np.ndarray, voff: np.ndarray):
+    """The common case, vectorised: every sample a 1-D array of one dtype with the same header
+    layout. None when any sample differs (the per-sample path then reads or names it)."""
+    import pyarrow as pa
+
+    parts = enc.split(":")
+    static_dtype = parts[1] if len(parts) > 1 and parts[1] else None
+    if len(parts) > 2 or not len(voff) > 1:
+        return None
+    pos = voff[:-1].copy()
+    if np.any(voff[1:] - pos < 2):
+        return None
+    if static_dtype is None:
+        codes = values[pos]
+        if np.any(codes != codes[0]) or int(codes[0]) not in NDARRAY_DTYPES:
+            return None
+        static_dtype = NDARRAY_DTYPES[int(codes[0])]
+        pos += 1
+    head = values[pos]
+    if np.any(head != head[0]) or int(head[0]) >> 2 != 1:
+        return None
+    width = 1 << (int(head[0]) & 3)
+    shape_at = pos + 1
+    pos = shape_at + width
+    dtype = np.dtype(static_dtype)
+    sizes = voff[1:] - pos
+    if np.any(sizes < 0) or np.any(sizes % dtype.itemsize):
+        return None
+    shape = _gather(values, shape_at, np.full(len(pos), width, np.int64))[0].view(_SHAPE_DTYPES[int(head[0]) & 3])
+    if not np.array_equal(shape.astype(np.int64), sizes // dtype.itemsize):
+        return None
+    data, offsets = _gather(values, pos, sizes)
+    if offsets[-1] // dtype.itemsize >= 1 << 31:
+        return None
+    return pa.ListArray.from_arrays(pa.array((offsets // dtype.itemsize).astype(np.int32)),
+                                    pa.array(data.view(dtype)))
 
 
 def _ndarrays(name: str, enc: str, raw: list[bytes], path: str):
