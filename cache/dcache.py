@@ -82,6 +82,9 @@ class CachedDataset(Dataset):
     def shard_path(self, shard: int) -> str:
         return self._cache.shard_path(shard)
 
+    def shard_fs(self, shard: int):
+        return self.fs  # the cache's copy, even of a tar indexed in place elsewhere
+
     # A shard is made present in the cache (fetched on a miss) before the base class opens it;
     # its path there is the base class's shard_path.
     def _range(self, shard: int):

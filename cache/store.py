@@ -67,11 +67,32 @@ class Source:
         return with_retries(lambda t: call_with_timeout(lambda: self.fs.cat_file(path), _min(t, policy.stall_timeout)),
                             what=path, policy=policy, deadline=deadline)
 
+    def holding(self, info: ShardInfo) -> "Source":
+        """The source of shard ``info``'s bytes: this one, or, for a tar indexed in place, the
+        place its manifest entry names (format.storage.shard_location)."""
+        if info.source is None:
+            return self
+        from ..format.storage import shard_location
+
+        fs, path = shard_location(self.fs, self.root, info)
+        return _OneFile(fs, path)
+
     def open_stream(self, rel: str):
         """A remote object for sequential reading (local files are copied by :mod:`shardtool.cache.kcopy`)."""
         path = self.path(rel)
         # No read-ahead cache: every read is one large ranged request, nothing read twice.
         return self.fs.open(path, "rb", block_size=CHUNK, cache_type="none")
+
+
+class _OneFile(Source):
+    """A shard held outside its dataset: every ``path`` is its one path."""
+
+    def __init__(self, fs, path: str):
+        super().__init__(path, fs=fs, root="")
+        self._file = path
+
+    def path(self, rel: str) -> str:
+        return self._file
 
 
 def _min(a: float | None, b: float | None) -> float | None:
@@ -235,6 +256,7 @@ def copy_shard(src: Source, info: ShardInfo, final_path: str, *, policy: RetryPo
                on_retry=None, fsync: bool = True, perms: Perms = DEFAULT_PERMS) -> None:
     """Fetch one shard into ``final_path``, verified and atomic, retrying transient failures;
     ``fsync``: make it durable before the rename (else see :mod:`shardtool.cache.durability`)."""
+    src = src.holding(info)
     stall = None if src.local else policy.stall_timeout
     try:
         with_retries(lambda t: _copy_once(src, info, final_path, t, stall, on_bytes, fsync, perms),

@@ -142,3 +142,24 @@ def mixture_cases(draw, packed: bool, min_size: int = 300, max_size: int = 1500,
         budget = draw(st.sampled_from([8192, 16384, 32768] if corpus else [1024, 2048, 4096]))
         batching = Batching(max_tokens=budget, seed=seed)
     return MixtureCase(sizes, weights, draw(st.sampled_from(MIXTURE_LAYOUTS)), batching, seed, corpus)
+
+
+# ------------------------------------------------------------------ WebDataset tars as other tools write them
+@st.composite
+def tar_samples(draw):
+    """(tar format, samples): keys with or without a directory and of any length (long names need
+    PAX or GNU headers), a fixed field set, payloads of 0..3000 bytes (some on block boundaries)."""
+    import tarfile
+
+    fmt = draw(st.sampled_from([tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT]))
+    exts = draw(st.lists(st.sampled_from(["txt", "json", "npy", "jpg", "cls", "seg.png"]), min_size=1, max_size=3,
+                         unique=True))
+    n = draw(st.integers(1, 12))
+    long_dir = draw(st.booleans()) and fmt != tarfile.USTAR_FORMAT
+    samples = []
+    for i in range(n):
+        stem = f"s{i:03d}" + ("x" * draw(st.integers(0, 90)) if fmt != tarfile.USTAR_FORMAT else "")
+        key = (("d" * 80 + "/" if long_dir else "dir/") + stem) if draw(st.booleans()) else stem
+        size = draw(st.sampled_from([0, 1, 511, 512, 513, 3000]))
+        samples.append((key, {e: bytes([(i + j) % 251]) * size for j, e in enumerate(exts)}))
+    return fmt, samples

@@ -3,3 +3,8 @@
 
 def double_tokens(sample):
     return 2 * len(sample["tokens"])
+
+
+def txt_words(sample):
+    """For `shardtool index` tests: tar fields arrive as bytes."""
+    return len(sample["txt"].split())

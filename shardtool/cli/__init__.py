@@ -13,7 +13,7 @@ import sys
 
 from ..format.errors import ShardtoolError
 
-COMMANDS = ["pack", "merge", "inspect", "verify", "upgrade", "plan", "warm", "prolog", "cache", "bench", "stats"]
+COMMANDS = ["pack", "index", "merge", "inspect", "verify", "upgrade", "plan", "warm", "prolog", "cache", "bench", "stats"]
 
 
 def _load(name: str):

@@ -38,6 +38,11 @@ Sources (any mix):
   *.jsonl[.gz|.zst]       one sample per line (a JSON object; its keys are the fields)
   *.parquet, *.arrow      one sample per row (columns are the fields)
   *.tar[.gz]              existing WebDataset shards, re-sharded and indexed
+  MDS_DIR                 a MosaicML Streaming dataset (its index.json lists "shards")
+  LITDATA_DIR             a LitData optimize() output (index.json with "chunks")
+  PREFIX[.bin|.idx]       a Megatron/NeMo indexed dataset: one sample per document,
+                          field tokens (the .idx dtype), length = its token count
+  (To use tars where they are, without rewriting them: shardtool index.)
 (In Python, shardtool.pack() also takes a pyarrow Table, RecordBatchReader or dataset, a
 Hugging Face Dataset or IterableDataset, or a list or generator of dicts.)
 

@@ -6,6 +6,7 @@ ranged request per read.
 """
 from __future__ import annotations
 
+import os
 import posixpath
 import threading
 from typing import Any, Iterator
@@ -19,7 +20,7 @@ from .fields import decode_bytes, npy_layout
 from .hashing import hash_bytes, range_checksum
 from .manifest import MANIFEST_NAME, Manifest, check_length_summary, lengths_from_bytes, manifest_hash
 from .sindex import ShardIndex, as_numpy
-from .storage import dataset_fs, is_local, open_range, read_file, read_manifest
+from .storage import dataset_fs, is_local, open_range, read_file, read_manifest, shard_location
 from .summaries import SUMMARIES_NAME, ShardSummaries
 
 __all__ = ["Dataset", "SummariesMissing", "decode_sample", "is_local", "open_dataset", "open_range"]
@@ -61,7 +62,19 @@ class Dataset:
         return posixpath.join(self.root, rel) if self.root else rel
 
     def shard_path(self, shard: int) -> str:
-        return self._path(self.manifest.shards[shard].path)
+        """Where shard ``shard``'s bytes are read, on :meth:`shard_fs` (for a tar indexed in
+        place, its source, unless a copy is at its name under the root: a cache's version dir)."""
+        return self.shard_location(shard)[1]
+
+    def shard_fs(self, shard: int):
+        return self.shard_location(shard)[0]
+
+    def shard_location(self, shard: int) -> tuple:
+        """(filesystem, path) of shard ``shard``'s bytes."""
+        info = self.manifest.shards[shard]
+        if info.source is not None and is_local(self.fs) and os.path.exists(self._path(info.path)):
+            return self.fs, self._path(info.path)
+        return shard_location(self.fs, self.root, info)
 
     def index_path(self, shard: int) -> str:
         return self._path(self.manifest.shards[shard].index)
@@ -222,7 +235,7 @@ class Dataset:
             with self._lock:
                 r = self._ranges.get(shard)
                 if r is None:
-                    r = open_range(self.fs, self.shard_path(shard))
+                    r = open_range(self.shard_fs(shard), self.shard_path(shard))
                     self._ranges[shard] = r
         return r
 
@@ -243,8 +256,8 @@ class Dataset:
     def _arrow_reader(self, shard: int):
         reader = self._arrow.get(shard)
         if reader is None:
-            path = self.shard_path(shard)
-            source = pa.memory_map(path) if is_local(self.fs) else self.fs.open(path, "rb", block_size=0, cache_type="none")
+            fs, path = self.shard_fs(shard), self.shard_path(shard)
+            source = pa.memory_map(path) if is_local(fs) else fs.open(path, "rb", block_size=0, cache_type="none")
             try:
                 reader = pa.ipc.open_file(source)
             except (pa.ArrowInvalid, OSError) as e:

@@ -35,6 +35,26 @@ def safe_relpath(path: str, what: str) -> str:
     return norm
 
 
+def safe_source(source: str, what: str) -> str:
+    """Where a shard held outside the dataset is read from (tars indexed in place): a URL
+    (``s3://b/tars/x.tar``, ``file:///data/x.tar``) or a path relative to the dataset root, which
+    may climb out of it (``../tars/x.tar``). Its bytes are checked against the shard's hash like
+    any other shard's; ``path`` stays its name inside the dataset and every cache."""
+    if not isinstance(source, str) or not source:
+        raise FormatError(f"{what}: empty source")
+    if "\\" in source or "\x00" in source or "\n" in source:
+        raise FormatError(f"{what}: source {source!r} holds a backslash or control character")
+    if "://" in source:
+        return source
+    if source.startswith("/"):
+        raise FormatError(f"{what}: source {source!r} is absolute; give it relative to the dataset root or as "
+                          "a file:// URL")
+    norm = posixpath.normpath(source)
+    if norm in (".", ".."):
+        raise FormatError(f"{what}: source {source!r} names a directory")
+    return norm
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     path: str
@@ -47,6 +67,9 @@ class ShardInfo:
     # A compressed Arrow shard's size uncompressed (for the ratio `inspect` reports); absent
     # (None, and not written) for uncompressed shards, so their manifests are unchanged.
     raw_bytes: int | None = None
+    # A shard the dataset does not hold (tars indexed in place, `shardtool index`): where its
+    # bytes are (see safe_source); absent for shards under the dataset root at ``path``.
+    source: str | None = None
 
     def to_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -63,6 +86,7 @@ class ShardInfo:
                 index_bytes=int(d["index_bytes"]),
                 index_hash=str(d["index_hash"]),
                 raw_bytes=None if d.get("raw_bytes") is None else int(d["raw_bytes"]),
+                source=None if d.get("source") is None else safe_source(d["source"], f"shard #{i} source"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise FormatError(f"manifest shard #{i}: malformed entry ({e})") from None

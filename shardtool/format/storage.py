@@ -9,7 +9,8 @@ import posixpath
 from .errors import FormatError
 from .manifest import MANIFEST_NAME
 
-__all__ = ["LocalRange", "RemoteRange", "dataset_fs", "is_local", "open_range", "read_file", "read_manifest"]
+__all__ = ["LocalRange", "RemoteRange", "dataset_fs", "is_local", "open_range", "read_file", "read_manifest",
+           "shard_location"]
 
 
 def is_local(fs) -> bool:
@@ -110,3 +111,15 @@ def read_file(fs, path: str, *, what: str) -> bytes:
         return fs.cat_file(path)
     except FileNotFoundError:
         raise FormatError(f"{what}: {path} not found") from None
+
+
+def shard_location(fs, root: str, info) -> tuple:
+    """(filesystem, path) of shard ``info``'s bytes: ``root/info.path`` for a shard the dataset
+    holds; for one indexed in place, its ``source`` — a URL on its own filesystem, or a path
+    relative to the dataset root on the dataset's."""
+    source = info.source
+    if source is None:
+        return fs, posixpath.join(root, info.path) if root else info.path
+    if "://" in source:
+        return dataset_fs(source)
+    return fs, posixpath.normpath(posixpath.join(root, source) if root else source)

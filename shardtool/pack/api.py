@@ -16,6 +16,7 @@ from ..format.sizes import parse_size
 from ..format.writer import publish_manifest
 from ..plan.env import array_task
 from . import outdir
+from .foreign import default_length
 from .options import load_function, strip_file_scheme
 from .procs import run_jobs
 from .progress import Progress
@@ -277,6 +278,8 @@ def pack(
         raise ShardtoolError("--key applies to JSONL/Parquet/Arrow sources; file trees and tars take keys from names")
     source_fields = _first_sample_fields(units, max_sample_bytes=max_sample_bytes, skip_bad=skip_bad, key_field=key)
     fields, tok = source_fields, None
+    if length is None and length_fn is None and tokenizer is None:
+        length = default_length(units)  # a Megatron dataset's documents are measured in tokens
     if tokenizer is not None:
         tok = Tokenize(tokenizer, text_field=text_field, eos_id=eos_id, keep_text=keep_text)
         fields = tokenized_fields(source_fields, text_field, keep_text, tok.dtype.str.lstrip("<>=|"))

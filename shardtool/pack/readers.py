@@ -16,7 +16,7 @@ from typing import Any, Iterator
 from ..format.errors import BadSampleError
 from ..format.tarshard import iter_tar_members, split_member_name
 from .tree import LABEL_FIELD
-from .units import Unit, tree_key
+from .units import FOREIGN, Unit, tree_key
 
 try:  # orjson is several times faster; json is the always-available fallback
     from orjson import loads as json_loads, JSONDecodeError
@@ -119,7 +119,7 @@ def read_unit(unit: Unit, *, max_sample_bytes: int, on_bad, whole_batches: bool 
     if unit.kind in ("jsonl", "memory") and (unit.kind == "jsonl" or unit.obj.items == "dicts"):
         records = _jsonl(unit, max_sample_bytes) if unit.kind == "jsonl" else _dicts(unit)
         return chunk_rows(records) if whole_batches else records
-    if unit.kind in ("parquet", "arrow", "memory"):
+    if unit.structured:  # parquet, arrow, memory, and other loaders' datasets
         return _columnar(unit, whole_batches)
     if unit.kind == "tar":
         return _tar(unit, max_sample_bytes, on_bad)
@@ -200,6 +200,11 @@ def _batches(unit: Unit):
     if unit.kind == "memory":
         yield from unit.obj.batches(unit.start, unit.stop)
         return
+    if unit.kind in FOREIGN:
+        from .foreign import foreign_batches
+
+        yield from foreign_batches(unit)
+        return
     if unit.kind == "parquet":
         import pyarrow.parquet as pq
 
@@ -242,6 +247,10 @@ def batch_rows(unit: Unit, batch, pos: int) -> Iterator[Any]:
 
 
 def _row_where(unit: Unit, pos: int) -> str:
+    if unit.kind in FOREIGN:
+        from .foreign import where
+
+        return where(unit, pos)
     if unit.kind == "memory":
         return f"row {unit.start + pos}"
     if unit.kind == "parquet":

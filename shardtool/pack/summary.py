@@ -65,7 +65,7 @@ def render(info: dict) -> str:
         shown = ", ".join(f"{i} {c}" for i, c in enumerate(classes[:12]))
         lines.append(f"  classes ({len(classes)}, the cls field's labels): {shown}{' …' if len(classes) > 12 else ''}")
     L = info["length"]
-    what = L.get("field") or L.get("fn") or "payload"
+    what = L.get("field") or L.get("fn") or L.get("json") or "payload"
     s = L.get("summary", {})
     if s.get("count"):
         lines.append(f"  length = {what} [{L.get('unit')}]: total {s['total']:,}, min {s['min']}, p50 {s['p50']:g}, "

@@ -23,12 +23,14 @@ from .tree import PER_FILE_HINT, OnBad, image_folder_samples, per_file_samples, 
 JSONL_CHUNK = 8 << 20  # small enough to balance workers when samples are costly (tokenizing)
 TREE_CHUNK = 256
 ARROW_UNIT_ROWS = 65536
-STRUCTURED = ("jsonl", "parquet", "arrow", "memory")
+# Other loaders' datasets (see .foreign) read as record batches, like Parquet.
+FOREIGN = ("megatron", "mds", "litdata")
+STRUCTURED = ("jsonl", "parquet", "arrow", "memory") + FOREIGN
 
 
 @dataclass(frozen=True)
 class Unit:
-    kind: str  # jsonl | parquet | arrow | tar | tree | files | images | memory (in memory, see sources.py)
+    kind: str  # jsonl | parquet | arrow | tar | tree | files | images | memory (sources.py) | FOREIGN (foreign.py)
     path: str
     start: int = 0  # jsonl: byte offset; parquet: row group; arrow: first batch; tree: first sample
     stop: int = -1
@@ -100,6 +102,11 @@ def _raise(err: BadSampleError) -> None:
 
 
 def units_of(src: str, *, per_file: bool = False, label_from_dir: bool = False, on_bad: OnBad = _raise) -> list[Unit]:
+    from .foreign import foreign_units  # another loader's dataset, known by its own index file
+
+    found = None if per_file or label_from_dir else foreign_units(src)
+    if found is not None:
+        return found
     if os.path.isdir(src):
         if label_from_dir:
             return image_units(src, on_bad)

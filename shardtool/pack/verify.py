@@ -23,15 +23,15 @@ from ..format.tarshard import check_sample_range
 
 
 def _shard_bytes(ds: Dataset, shard: int):
-    path = ds.shard_path(shard)
-    if is_local(ds.fs):
+    fs, path = ds.shard_fs(shard), ds.shard_path(shard)
+    if is_local(fs):
         fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
             return mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else b""
         finally:
             os.close(fd)
-    return ds.fs.cat_file(path)
+    return fs.cat_file(path)
 
 
 def verify_shard(ds: Dataset, shard: int) -> None:
