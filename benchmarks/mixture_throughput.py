@@ -134,7 +134,7 @@ def plan_one(args) -> dict:
     from shardtool.cli.cmd_plan import peak_rss_mb
     from shardtool.format.summaries import ShardSummaries
     from shardtool.plan import Batching, DataLayout, Layout
-    from shardtool.plan.mixplan import MixturePlanner
+    from shardtool.plan.mixture.planner import MixturePlanner
     from shardtool.plan.mixture import Mixture
     from shardtool.plan.packing import Packing
     from shardtool.plan.synthetic import SyntheticSource

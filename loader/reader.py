@@ -19,7 +19,7 @@ from ..format import FormatError
 
 from .collate import KEY, PACK_MIN_BYTES, Alloc, PackedBytes, collate_samples, stack_column
 from ..plan.ranges import locate_ids
-from .probe import REMOTE, Probe
+from .observability.probe import REMOTE, Probe
 from .shardview import ShardView
 from .source import Source, SourceSpec
 

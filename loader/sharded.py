@@ -10,7 +10,6 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..format import ShardtoolError
 from ..plan import Batching, Planner, RankPlan, data_parallel
 from ..plan.mesh import as_mesh
 from ..plan.batching import default_bucketing
@@ -20,21 +19,14 @@ from ..plan.about import describe
 from ..plan.state import LoaderState, check_compatible
 from .agree import disagreement, in_process_group
 from .collate import unpack_batch
+from .errors import LoaderError, LoaderStateError
 from .pool import WorkerFailed
-from .observe import Observer
+from .observability.observe import Observer
 from .reader import BatchReader
 from .source import SourceSpec
 from .workers import PlanBatches, make_dataloader
 
 log = logging.getLogger(__name__)
-
-
-class LoaderError(ShardtoolError, RuntimeError):
-    """Loading a batch failed (a worker died, hung or raised); names the batch and its shards."""
-
-
-class LoaderStateError(ShardtoolError, ValueError):
-    """A state_dict that cannot be loaded here (other dataset, batching config or version)."""
 
 
 class ShardedLoader:
@@ -94,13 +86,27 @@ class ShardedLoader:
     ``metrics=False`` keeps no counters at all (the watchdog still fires, without read details).
     """
 
+    # Another kind of ``url`` is read by a subclass that says so when it is defined (loader/mixed.py:
+    # ``class MixtureLoader(ShardedLoader, serves=Mixture)``), and ``ShardedLoader(url)`` builds
+    # that subclass; this module never imports its subclasses (imports go one way: mixed -> sharded).
+    # ``shardtool.loader.ShardedLoader`` imports loader/mixed.py before handing out the class.
+    _served_by: dict[type, type] = {}
+
+    def __init_subclass__(cls, serves: type | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if serves is not None:
+            ShardedLoader._served_by[serves] = cls
+
     def __new__(cls, url: Any = None, *args: Any, **kwargs: Any) -> "ShardedLoader":
-        from ..plan.mixture import Mixture
+        if cls is ShardedLoader:
+            for kind, subclass in ShardedLoader._served_by.items():
+                if isinstance(url, kind):  # a Mixture: the mixture's own iteration and state
+                    return super().__new__(subclass)
+            from ..plan.mixture import Mixture
 
-        if cls is ShardedLoader and isinstance(url, Mixture):
-            from .mixed import MixtureLoader  # the mixture's own iteration and state
-
-            return super().__new__(MixtureLoader)
+            if isinstance(url, Mixture):  # only when loader/mixed.py was never imported
+                raise TypeError("a Mixture is read by the ShardedLoader of shardtool.loader (from shardtool.loader "
+                                "import ShardedLoader), which knows mixtures; shardtool.loader.sharded alone does not")
         return super().__new__(cls)
 
     def __init__(self, url: Any, *, batch_size: int | None = None, max_tokens: int | None = None,

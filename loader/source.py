@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from ..format import Dataset, FormatError, open_dataset
 from ..format.dataset import is_local
 
-from .probe import CACHE, LOCAL, REMOTE
+from .observability.probe import CACHE, LOCAL, REMOTE
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from shardtool.plan import DataLayout
-from shardtool.plan.mixplan import MixturePlanner
+from shardtool.plan.mixture.planner import MixturePlanner
 from shardtool.plan.mixture import Mixture
 
 

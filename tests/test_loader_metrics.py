@@ -19,7 +19,7 @@ import faultfs  # noqa: F401  registers faulty://
 from shardtool import cache
 from shardtool.format import open_dataset
 from shardtool.loader import ShardedLoader
-from shardtool.loader.metricslog import default_dir, run_id
+from shardtool.loader.observability.metricslog import default_dir, run_id
 from shardtool.plan import Layout, Placement
 from test_loader_data import write_dataset
 
@@ -233,7 +233,7 @@ def test_every_read_path_counts_the_same_bytes(fmt, extra, tmp_path):
 
 
 def test_open_latency_percentiles_come_from_a_log_histogram():
-    from shardtool.loader import probe
+    from shardtool.loader.observability import probe
 
     hist = np.zeros(probe.HIST_BUCKETS)
     for seconds, times in ((0.001, 98), (1.0, 2)):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardtool.plan.compose import Composition, integer_shares, webster_counts
+from shardtool.plan.mixture.compose import Composition, integer_shares, webster_counts
 
 shares = st.lists(st.one_of(st.just(0), st.integers(1, 40), st.integers(1, 10**12)), min_size=1, max_size=6).filter(any)
 

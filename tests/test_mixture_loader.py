@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from shardtool.format import open_dataset
 from shardtool.loader import LoaderStateError, ShardedLoader
-from shardtool.plan.mixspan import RepeatError
+from shardtool.plan.mixture.span import RepeatError
 from shardtool.plan.mixture import Mixture
 from test_loader_data import write_dataset
 

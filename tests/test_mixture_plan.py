@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from mixplans import Served, planner_of, shares_error
 from shardtool.plan import Batching, DataLayout, Layout
-from shardtool.plan.mixspan import RepeatError, check_repeat, span, steps_for_tokens
-from shardtool.plan.mixstate import MixtureState
+from shardtool.plan.mixture.span import RepeatError, check_repeat, span, steps_for_tokens
+from shardtool.plan.mixture.state import MixtureState
 from shardtool.plan.packing import Packing
 from shardtool.plan.state import StateError
 from strategies import MixtureCase, mixture_cases

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .batching import Batching
+from ..batching import Batching
 
 __all__ = ["DEFAULT_MAX_REPEAT", "Mixture", "MixtureError", "MixtureSource", "as_weight", "is_mixture_file",
            "source_batching", "source_seed"]

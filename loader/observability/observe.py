@@ -1,7 +1,7 @@
 """Everything the loader observes about itself, behind two hooks in its iteration loop.
 
-`Observer` owns the shared counter table (loader/probe.py), the trainer-side `Meter`, the
-metric lines and cross-rank summary (loader/metricslog.py), the stall `Watchdog` and the
+`Observer` owns the shared counter table (observability/probe.py), the trainer-side `Meter`, the
+metric lines and cross-rank summary (observability/metricslog.py), the stall `Watchdog` and the
 check that the node cache is ahead of the plan. `ShardedLoader` calls `worker_init` in each
 worker, `begin_pass` once per pass and `Pass.next` instead of ``next()`` for every batch.
 
@@ -19,7 +19,8 @@ import time
 
 import numpy as np
 
-from ..format import ShardtoolError
+from ...format import ShardtoolError
+from ..errors import LoaderError
 from . import metricslog
 from .metrics import Meter, Snapshot
 from .probe import BUSY_PHASE, CACHE, IDLE, PHASES, TIERS, Probe, Table
@@ -266,8 +267,6 @@ class Pass:
         return batch
 
     def _stalled(self, b: int):
-        from .sharded import LoaderError
-
         return LoaderError(self.wd.fire(b))
 
     def check_cache(self) -> None:

@@ -2,7 +2,7 @@
 
 The trainer counts what only it sees — time spent inside ``next()``, batches handed over,
 their samples and tokens (from the index lengths, looked up per pass, not per step) — and reads
-the reading processes' counters from the shared `Table` (loader/probe.py). A `Snapshot` is one
+the reading processes' counters from the shared `Table` (observability/probe.py). A `Snapshot` is one
 flat vector of all of it, so a window ("since the last call") is the difference of two snapshots
 and costs the same as the cumulative view: a few microseconds, cheap enough for every step.
 """

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .packing import Packing, Rows
+from .config import Packing, Rows
 
 __all__ = ["best_fit"]
 

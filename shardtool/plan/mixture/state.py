@@ -12,7 +12,7 @@ sources, the data layout. It records what locates every source without any earli
   segment is on the phase's layout and says how many units per DP rank it had served.
 
 From these, the units a source served since the phase start (closed form,
-`shardtool.plan.compose`) say where it is: in its starting epoch until that runs out, then in
+`shardtool.plan.mixture.compose`) say where it is: in its starting epoch until that runs out, then in
 later epochs planned afresh on the phase's layout (``units / dp_size`` per DP rank each). Small,
 JSON, identical on every rank.
 """
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Mapping, Sequence
 
-from .batching import Batching
-from .layout import DataLayout
-from .state import LoaderState, StateError, parse_about
+from ..batching import Batching
+from ..layout import DataLayout
+from ..state import LoaderState, StateError, parse_about
 
 __all__ = ["MIXTURE_STATE_VERSION", "MIXTURE_VERSION", "MixtureState", "Phase", "SourceRecord",
            "mixture_fingerprint"]

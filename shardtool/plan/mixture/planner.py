@@ -1,11 +1,11 @@
 """One DP rank's units of a mixture: per step, which source-epoch units of which sources.
 
 `MixturePlanner` holds one `Planner` per source (its own node-sticky ranges, seed and epochs)
-and the composition (`shardtool.plan.compose`). Every DP rank takes the same number of units of
+and the composition (`shardtool.plan.mixture.compose`). Every DP rank takes the same number of units of
 each source at every step, so every rank's cursor into a source is the same number: a source's
 epochs roll over on every rank at the same step, an elastic resume re-deals each source exactly
 as a single dataset (`Planner.continue_on`), and the state stays a few numbers per source
-(`shardtool.plan.mixstate`). A rank plans only its own units: its group's plan of each source's
+(`shardtool.plan.mixture.state`). A rank plans only its own units: its group's plan of each source's
 current epoch (and, after a re-deal, of the groups its units come from).
 """
 from __future__ import annotations
@@ -15,16 +15,16 @@ from typing import Mapping
 
 import numpy as np
 
-from .about import NO_DESCRIPTION, batching_mismatch, describe_mixture
-from .batching import Batching
+from ..about import NO_DESCRIPTION, batching_mismatch, describe_mixture
+from ..batching import Batching
 from .compose import Composition, integer_shares
-from .layout import DataLayout
-from .mixstate import MixtureState, Phase, SourceRecord, mixture_fingerprint
-from .mixture import Mixture, MixtureError, source_batching
-from .rank import Planner, RankPlan
-from .shape import PlanShape
-from .source import PlanSource
-from .state import LoaderState, StateError, segment_layout
+from ..layout import DataLayout
+from .state import MixtureState, Phase, SourceRecord, mixture_fingerprint
+from .config import Mixture, MixtureError, source_batching
+from ..rank import Planner, RankPlan
+from ..shape import PlanShape
+from ..source import PlanSource
+from ..state import LoaderState, StateError, segment_layout
 
 __all__ = ["MixturePlanner", "Piece", "served_tokens"]
 

@@ -26,7 +26,7 @@ import time
 import weakref
 
 from .probe import Table
-from .shmring import _anonymous_fd
+from ..shmring import _anonymous_fd
 
 log = logging.getLogger("shardtool.loader.watchdog")
 
