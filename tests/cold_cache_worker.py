@@ -1,4 +1,4 @@
-"""One rank of a torchrun job reading through a node cache that starts empty (tests/test_cache_cold.py).
+"""One rank of a torchrun job reading through a node cache that starts empty (tests/cache/test_cache_cold.py).
 
 Every step all-reduces the batch size, as DDP does, so a rank whose workers are stuck makes the
 other wait and the job fail on the collective timeout instead of finishing. Writes the keys of

@@ -22,7 +22,7 @@ from s3server import free_port
 from skips import require
 from test_loader_data import write_dataset
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "titan_worker.py"
 INSTALL = ("pip install --no-deps torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 spmd_types==0.2.3 "
            "tyro==1.0.17 docstring_parser==0.18.0 (tests/run.sh does)")

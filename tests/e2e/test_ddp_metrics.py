@@ -18,7 +18,7 @@ from runcli import shardtool_cli
 from s3server import free_port
 from test_loader_data import write_dataset
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "ddp_metrics_worker.py")
 SLOW = 2
 EVERY = 5

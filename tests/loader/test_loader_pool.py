@@ -15,7 +15,7 @@ import torch
 from shardtool.loader import LoaderError, ShardedLoader
 from test_loader_data import write_dataset
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _children() -> set[int]:

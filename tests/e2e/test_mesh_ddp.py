@@ -24,7 +24,7 @@ from forkranks import free_port
 from runcli import shardtool_cli
 from test_loader_data import write_dataset
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(TESTS)
 WORKER = os.path.join(TESTS, "mesh_worker.py")
 BATCH = 4

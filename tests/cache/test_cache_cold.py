@@ -20,7 +20,7 @@ from shardtool.loader import ShardedLoader
 from s3server import free_port
 from test_loader_data import read_all, write_dataset
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)
 WORKER = os.path.join(TESTS, "cold_cache_worker.py")
 STEPS = 8

@@ -11,7 +11,7 @@ import pytest
 from s3server import free_port
 from test_loader_data import write_dataset
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
 NPROC = 4
 

@@ -21,7 +21,7 @@ import pytest
 from shardtool.loader import ShardedLoader
 from test_loader_data import write_dataset
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_lightning.py"
 BATCH = 4
 

@@ -18,7 +18,7 @@ import pytest
 
 from shardtool.plan.synthetic import SyntheticSource
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N = 100_000_000
 PER_SHARD = 10_000
 NODES, RPN = 1024, 8

@@ -14,7 +14,7 @@ import pytest
 
 from test_loader_data import write_dataset
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
     import sys

@@ -185,7 +185,7 @@ def test_the_example_trains_on_packed_rows_under_torchrun(corpus, tmp_path):
     from s3server import free_port
 
     root, _, _ = corpus
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                           "127.0.0.1", f"--master_port={free_port()}", os.path.join(repo, "examples", "train_ddp.py"),

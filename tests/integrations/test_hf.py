@@ -22,7 +22,7 @@ import pytest
 from shardtool.loader import ShardedLoader
 from test_loader_data import write_dataset
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_hf.py"
 ROWS, SEQ = 2, 32  # packed rows per batch, tokens per row
 

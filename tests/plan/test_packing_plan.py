@@ -226,7 +226,7 @@ def test_the_packing_stage_does_not_import_torch():
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = "import sys, shardtool.plan.packing, shardtool.plan.packing.bestfit; print('torch' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": root}, cwd=root)

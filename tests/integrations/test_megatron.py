@@ -21,7 +21,7 @@ from shardtool.integrations.megatron import STATE_FILE, MegatronIterator, build_
 from shardtool.loader import LoaderStateError
 from test_loader_data import write_dataset
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "megatron_worker.py"
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 # One quick test, so the suite's run stays short; tests/run.sh's install part runs as written, and
 # pytest still collects (imports) every test module, so a test dependency it failed to install is an error.

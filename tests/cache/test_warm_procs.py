@@ -20,7 +20,7 @@ from s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.format import open_dataset
 from shardtool.format.hashing import hash_file
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.join(REPO, "tests")
 # The CLI in a subprocess, with faulty:// registered so tests can slow the source down.
 CLI = [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); import faultfs; "

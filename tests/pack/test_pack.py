@@ -157,7 +157,7 @@ def test_job_array_merge_refuses_missing_task_and_cli_inspect(tmp_path):
     merge(out)
     assert len(read_all(out)) == 100
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     penv = dict(os.environ, PYTHONPATH=root)
     p = subprocess.run([sys.executable, "-m", "shardtool", "inspect", out, "--json"], env=penv,
                        capture_output=True, text=True, timeout=60)

@@ -15,7 +15,7 @@ from shardtool.format.errors import BadSampleError, ShardtoolError
 
 from data_gen import dir_digest, image_samples, token_records, write_jsonl, write_tar, write_tree
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _jsonl(tmp_path, lines):
