@@ -107,8 +107,7 @@ def side_mds(src: str, out: str, kind: str) -> int:
     return n
 
 
-from .pack_sides import (  # noqa: E402
-    _keyed_parquet, _parquet_rows, _text_corpus, side_arrow_reference, side_dicts, side_tokenize)
+from .pack_sides import _keyed_parquet, _parquet_rows, _text_corpus, side_arrow_reference, side_dicts, side_tokenize  # noqa: E402
 
 
 def _child(argv: list[str]) -> int:

@@ -10,14 +10,13 @@ import contextlib
 import os
 import threading
 import warnings
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import fsspec
 
 from ..format.dataset import Dataset
 from ..format.manifest import MANIFEST_NAME, lengths_from_bytes, manifest_hash
 from ..format.sindex import ShardIndex
-
 from .budget import disk_free, evict, scan
 from .errors import BudgetError, NotCached, RemoteError
 from .evict import effective_limit, plan_eviction
@@ -33,7 +32,7 @@ from .usercache import can_write, own_cache_dir, user_cache_dir
 class CachedDataset(Dataset):
     """A Dataset rooted at the cache's version directory; misses are fetched from the source."""
 
-    def __init__(self, cache: "DatasetCache", manifest_bytes: bytes, **kw):
+    def __init__(self, cache: DatasetCache, manifest_bytes: bytes, **kw):
         self._cache = cache
         super().__init__(cache.vdir.root, fs=fsspec.filesystem("file"), root=cache.vdir.root,
                          manifest_bytes=manifest_bytes, **kw)

@@ -6,8 +6,8 @@ wants (``protected``).
 """
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Sequence
 
 
 @dataclass(frozen=True)

@@ -9,17 +9,18 @@ shuffle each time, up to ``max_repeat`` passes (refused before the first batch o
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ..format import ShardtoolError
+from ..plan.mixture import Mixture, MixtureError
 from ..plan.mixture.planner import MixturePlanner
 from ..plan.mixture.span import check_repeat, span, steps_for_tokens
 from ..plan.mixture.state import MixtureState
-from ..plan.mixture import Mixture, MixtureError
 from ..plan.state import StateError
+from .errors import LoaderStateError
 from .mixbatches import MixtureBatches
 from .reader import BatchReader
-from .errors import LoaderStateError
 from .sharded import ShardedLoader
 from .source import SourceSpec
 

@@ -5,23 +5,24 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
 from ..plan import Batching, Planner, RankPlan, data_parallel
-from ..plan.mesh import as_mesh
-from ..plan.batching import default_bucketing
-from ..plan.packing import Packing, with_packed_eos
-from ..plan.env import rank_placement
 from ..plan.about import describe
+from ..plan.batching import default_bucketing
+from ..plan.env import rank_placement
+from ..plan.mesh import as_mesh
+from ..plan.packing import Packing, with_packed_eos
 from ..plan.state import LoaderState, check_compatible
 from .agree import disagreement, in_process_group
 from .collate import unpack_batch
 from .errors import LoaderError, LoaderStateError
-from .pool import WorkerFailed
 from .observability.observe import Observer
+from .pool import WorkerFailed
 from .reader import BatchReader
 from .source import SourceSpec
 from .workers import PlanBatches, make_dataloader
@@ -97,7 +98,7 @@ class ShardedLoader:
         if serves is not None:
             ShardedLoader._served_by[serves] = cls
 
-    def __new__(cls, url: Any = None, *args: Any, **kwargs: Any) -> "ShardedLoader":
+    def __new__(cls, url: Any = None, *args: Any, **kwargs: Any) -> ShardedLoader:
         if cls is ShardedLoader:
             for kind, subclass in ShardedLoader._served_by.items():
                 if isinstance(url, kind):  # a Mixture: the mixture's own iteration and state

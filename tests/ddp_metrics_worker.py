@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import faultfs  # noqa: E402,F401  registers faulty://
-
 from shardtool.loader import ShardedLoader  # noqa: E402
 
 

@@ -19,7 +19,7 @@ import socket
 import tempfile
 import time
 import weakref
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 

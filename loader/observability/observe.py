@@ -77,7 +77,7 @@ class Observer:
         if self.watchdog is not None:
             self.watchdog.worker_init(w)
 
-    def begin_pass(self, batches, start: int, n: int, where: str, epoch: int, entered: float) -> "Pass":
+    def begin_pass(self, batches, start: int, n: int, where: str, epoch: int, entered: float) -> Pass:
         """``entered``: when the first ``next()`` of the pass was called (it starts the pass)."""
         # A pass that continues an epoch whose previous pass stopped early (an error, a stall,
         # a loop left and re-entered) started its workers again: those are restarts.

@@ -25,8 +25,8 @@ import threading
 import time
 import weakref
 
-from .probe import Table
 from ..shmring import _anonymous_fd
+from .probe import Table
 
 log = logging.getLogger("shardtool.loader.watchdog")
 
@@ -38,7 +38,7 @@ else:
     STALL_SIGNAL, DUMP_SIGNAL = signal.SIGUSR2, signal.SIGUSR1
 DUMP_WAIT_S = 2.0
 
-_active: "weakref.WeakSet[Watchdog]" = weakref.WeakSet()
+_active: weakref.WeakSet[Watchdog] = weakref.WeakSet()
 
 
 class StallInterrupt(BaseException):

@@ -10,12 +10,12 @@ def plan_mixture(args) -> int:
     import numpy as np
 
     from ..format import ShardtoolError, open_dataset
+    from ..format.sizes import format_size
+    from ..plan import Placement
+    from ..plan.mixture import Mixture, MixtureError
     from ..plan.mixture.planner import MixturePlanner
     from ..plan.mixture.span import check_repeat, span, steps_for_tokens
-    from ..plan.mixture import Mixture, MixtureError
-    from ..plan import Placement
     from ._layout import data_layout_of, describe_layout
-    from ..format.sizes import format_size
     from ._plan import _batching, _layout, node_shards, peak_rss_mb
 
     if args.rank is not None or args.synthetic is not None:

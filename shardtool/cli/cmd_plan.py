@@ -8,8 +8,8 @@ import tempfile
 import time
 
 from ..format.sizes import format_size
-from ._plan import _batching, _layout, node_shards, peak_rss_mb
 from ._layout import LAYOUT_HELP, add_layout_arguments, data_layout_of, describe_layout
+from ._plan import _batching, _layout, node_shards, peak_rss_mb
 
 HELP = "show the loading plan of a layout: batches per rank, padding, remainder, bytes per node, planning cost"
 DESCRIPTION = """\

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import posixpath
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa

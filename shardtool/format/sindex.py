@@ -81,7 +81,7 @@ class ShardIndex:
         return ipc_file_bytes(pa.table(cols))
 
     @classmethod
-    def from_bytes(cls, data: bytes, field_names: list[str], *, shard: str, tar: bool) -> "ShardIndex":
+    def from_bytes(cls, data: bytes, field_names: list[str], *, shard: str, tar: bool) -> ShardIndex:
         try:
             table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
         except (pa.ArrowInvalid, OSError) as e:

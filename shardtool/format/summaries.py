@@ -55,7 +55,7 @@ class ShardSummaries:
         return int(self.samples.size)
 
     @classmethod
-    def from_lengths(cls, lengths: np.ndarray, counts: np.ndarray, sketch_cells: int | None = None) -> "ShardSummaries":
+    def from_lengths(cls, lengths: np.ndarray, counts: np.ndarray, sketch_cells: int | None = None) -> ShardSummaries:
         """Summaries of shards holding ``counts`` consecutive samples of ``lengths`` each; with a
         sketch of ``sketch_cells`` cells a shard (`format.sketch`; None: none, as packs before it)."""
         lengths = np.asarray(lengths, dtype=np.int64)
@@ -78,7 +78,7 @@ class ShardSummaries:
                    hist_tokens.astype(np.int64), hist_squares, sketch)
 
     @classmethod
-    def concat(cls, parts: list["ShardSummaries"]) -> "ShardSummaries":
+    def concat(cls, parts: list[ShardSummaries]) -> ShardSummaries:
         sketches = [p.sketch for p in parts]
         if any(k is None for k in sketches) and not all(k is None for k in sketches):
             raise ValueError("summaries with and without a sketch cannot be joined")
@@ -106,7 +106,7 @@ class ShardSummaries:
 
     @classmethod
     def from_bytes(cls, data: bytes, *, lengths_hash: str | None, counts: np.ndarray, total_tokens: int | None,
-                   source: str) -> "ShardSummaries":
+                   source: str) -> ShardSummaries:
         """Read and check against the manifest: the lengths they were computed from, every shard's
         count, the dataset's token total. Raises FormatError naming ``source`` on any mismatch."""
         try:

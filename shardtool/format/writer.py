@@ -18,10 +18,10 @@ from .arrowshard import ArrowShardWriter
 from .atomic import atomic_write_bytes, make_temp_path, publish
 from .fields import FieldSpec, encode
 from .hashing import format_digest, hash_bytes, new_hasher, range_checksum
-from .manifest import LENGTHS_NAME, MANIFEST_NAME, Manifest, ShardInfo, lengths_to_bytes, length_summary
+from .manifest import LENGTHS_NAME, MANIFEST_NAME, Manifest, ShardInfo, length_summary, lengths_to_bytes
 from .sindex import ShardIndex
-from .summaries import SUMMARIES_NAME, ShardSummaries
 from .sketch import sketch_cells
+from .summaries import SUMMARIES_NAME, ShardSummaries
 from .tarshard import TarShardWriter
 
 WRITE_BUFFER = 8 << 20

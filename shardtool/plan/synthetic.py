@@ -13,8 +13,8 @@ from statistics import NormalDist
 
 import numpy as np
 
-from ..format.summaries import ShardSummaries
 from ..format.sketch import sketch_cells
+from ..format.summaries import ShardSummaries
 
 __all__ = ["MAX_LENGTH", "MEDIAN", "SIGMA", "SyntheticSource", "lognormal_lengths"]
 

@@ -1,7 +1,8 @@
 """Node assignment through the planner's pure function (node placement is tested in test_env.py)."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardtool.cache.assign import assigned_shards
 from shardtool.format.summaries import ShardSummaries

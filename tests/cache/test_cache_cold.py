@@ -16,8 +16,8 @@ import sys
 import numpy as np
 import pytest
 
-from shardtool.loader import ShardedLoader
 from s3server import free_port
+from shardtool.loader import ShardedLoader
 from test_loader_data import read_all, write_dataset
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

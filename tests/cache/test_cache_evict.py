@@ -1,5 +1,6 @@
 """The eviction decision is a pure function: property-tested directly."""
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardtool.cache.evict import Entry, choose_fit, effective_limit, eviction_order, plan_eviction
 

@@ -17,14 +17,14 @@ import warnings
 
 import pytest
 
-from shardtool import cache
 from asuser import NOBODY, make_readable, preload, require_root, run_as, shared_tmpdir
-from shardtool.cache import admin
-from shardtool.loader import ShardedLoader
-from shardtool.plan import DataLayout, Layout, Placement, shards_for_node
 from runcli import shardtool_cli
+from shardtool import cache
+from shardtool.cache import admin
 from shardtool.format import open_dataset
 from shardtool.format.hashing import hash_file
+from shardtool.loader import ShardedLoader
+from shardtool.plan import DataLayout, Layout, Placement, shards_for_node
 from test_loader_data import read_all, write_dataset
 
 pytestmark = pytest.mark.timeout(240)

@@ -8,11 +8,11 @@ import fsspec.exceptions
 import pytest
 
 import faultfs  # noqa: F401  registers faulty://
+from cachedata import make_dataset
 from shardtool.cache import RetryPolicy
 from shardtool.cache.errors import LocalFault, SourceCorrupt, SourceMissing, SourceRefused, SourceUnavailable
 from shardtool.cache.retry import is_transient, with_retries
 from shardtool.cache.store import Source
-from cachedata import make_dataset
 from shardtool.format.manifest import MANIFEST_NAME
 
 FAST = RetryPolicy(attempts=5, base_delay=0.001, max_delay=0.002, attempt_timeout=10, stall_timeout=10)

@@ -8,10 +8,10 @@ import pytest
 import faultfs  # noqa: F401  registers faulty://
 from cachedata import make_dataset
 from fsutil import flip_byte, temps, tmpfs
-from shardtool.plan import Layout, Placement
 from shardtool.cache import RetryPolicy, VersionDir, assigned_shards, open_cache, warm
-from shardtool.format import open_dataset
 from shardtool.cache.store import temp_path_for
+from shardtool.format import open_dataset
+from shardtool.plan import Layout, Placement
 
 FAST = RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.05, attempt_timeout=10, stall_timeout=0.5)
 
@@ -161,9 +161,9 @@ def test_missing_source_shard_fails_naming_the_shard(src, tmp_path):
 def test_missing_shard_gets_exactly_one_request(src, tmp_path):
     import fsspec
 
-    from shardtool.cache.store import Source
-    from shardtool.cache.meta import ensure_shard
     from shardtool.cache.errors import SourceMissing
+    from shardtool.cache.meta import ensure_shard
+    from shardtool.cache.store import Source
 
     ds = open_dataset(src)
     fs = fsspec.filesystem("faulty", missing=[ds.manifest.shards[4].path])

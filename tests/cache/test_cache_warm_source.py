@@ -3,15 +3,14 @@ an unreachable source stays a logged remote failure that exits 0 without --stric
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 import faultfs  # noqa: F401  registers faulty://
-from shardtool.cache import RetryPolicy, warm
 from cachedata import make_dataset
 from runcli import shardtool_cli
 from s3server import free_port, s3_server  # noqa: F401  (fixture)
+from shardtool.cache import RetryPolicy, warm
 
 FAST = ["--retries", "1", "--attempt-timeout", "5", "--stall-timeout", "5"]
 

@@ -13,12 +13,12 @@ import pytest
 
 from cachedata import child_env, make_dataset
 from prolog import prolog_conf, run_prolog
-from shardtool.plan import Layout, Placement
+from s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.cache import VersionDir, assigned_shards, open_cache
 from shardtool.cache.store import temp_path_for
-from s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.format import open_dataset
 from shardtool.format.hashing import hash_file
+from shardtool.plan import Layout, Placement
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.join(REPO, "tests")

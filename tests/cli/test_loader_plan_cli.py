@@ -6,11 +6,9 @@ import json
 
 import pytest
 
-from shardtool.loader import ShardedLoader
 from runcli import shardtool_cli
+from shardtool.loader import ShardedLoader
 from test_loader_data import write_dataset
-
-
 
 shardtool = functools.partial(shardtool_cli, timeout=120)
 

@@ -1,5 +1,6 @@
 """The tar writer's fast header path gives exactly the bytes of the reference construction."""
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardtool.format.tarshard import _header, _header_slow
 

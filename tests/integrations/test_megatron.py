@@ -13,10 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import megatron.core  # noqa: F401  a declared test dependency, imported plainly (tests/skips.py)
 import pytest
 import torch
 
-import megatron.core  # noqa: F401  a declared test dependency, imported plainly (tests/skips.py)
 from shardtool.integrations.megatron import STATE_FILE, MegatronIterator, build_iterator
 from shardtool.loader import LoaderStateError
 from test_loader_data import write_dataset

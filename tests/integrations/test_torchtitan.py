@@ -8,13 +8,12 @@ one-layer model, train_state), loads the newest ``step-N`` and saves every K ste
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-
-import importlib.util
 
 import pytest
 

@@ -14,10 +14,10 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from shardtool.plan.synthetic import lognormal_lengths
+from shardtool.format import open_dataset
 from shardtool.loader import LoaderStateError, ShardedLoader
 from shardtool.plan import sample_locations
-from shardtool.format import open_dataset
+from shardtool.plan.synthetic import lognormal_lengths
 from test_loader_data import read_all, write_dataset
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -13,10 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardtool
-from shardtool.format.sindex import _bad_keys_compute, bad_keys
-
 from realdata import icon_tree
 from runcli import repo_env
+from shardtool.format.sindex import _bad_keys_compute, bad_keys
 
 PROBE = """
 import json, sys

@@ -8,11 +8,11 @@ import time
 import numpy as np
 import pytest
 
+from shardtool.format import FieldSpec, FormatError, Manifest, ShardFileWriter, publish_manifest
 from shardtool.loader import LoaderError, ShardedLoader
 from shardtool.loader.collate import PackedBytes
 from shardtool.loader.reader import BatchReader
 from shardtool.loader.source import SourceSpec
-from shardtool.format import FieldSpec, FormatError, Manifest, ShardFileWriter, publish_manifest
 from test_loader_data import read_all, write_dataset
 
 

@@ -9,15 +9,15 @@ import json
 import shutil
 
 import numpy as np
-import torch
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardtool.format import open_dataset
 from shardtool.loader import LoaderStateError, ShardedLoader
-from shardtool.plan.mixture.span import RepeatError
 from shardtool.plan.mixture import Mixture
+from shardtool.plan.mixture.span import RepeatError
 from test_loader_data import write_dataset
 
 VOCAB = 30000  # write_dataset's: sample g's tokens are (arange(n) + 7 g) % VOCAB

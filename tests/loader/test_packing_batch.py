@@ -5,16 +5,17 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.format import FormatError
 from shardtool.loader.packed import IGNORE_INDEX, PackedReader, block_causal_mask, packed_batch
 from shardtool.loader.reader import BatchReader
 from shardtool.loader.source import SourceSpec
-from shardtool.pack.synthetic import tokens_of as stored_tokens, write_synthetic
+from shardtool.pack.synthetic import tokens_of as stored_tokens
+from shardtool.pack.synthetic import write_synthetic
 from shardtool.plan.packing import Packing, Rows, pack_rows
-
-from s3server import s3_server  # noqa: F401  (fixture)
 
 VOCAB = 50
 

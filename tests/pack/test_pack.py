@@ -6,14 +6,22 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import shardtool
+from data_gen import (
+    dir_digest,
+    image_samples,
+    read_all,
+    tar_of_samples,
+    token_records,
+    write_jsonl,
+    write_parquet,
+    write_tree,
+)
 from shardtool.pack import merge
 from shardtool.pack.units import split_contiguous
-
-from data_gen import (dir_digest, image_samples, read_all, tar_of_samples, token_records, write_jsonl,
-                      write_parquet, write_tree)
 
 records_st = st.lists(
     st.fixed_dictionaries({

@@ -1,12 +1,12 @@
 """The columnar path writes exactly the bytes the sample-by-sample path writes (tar and Arrow)."""
 from __future__ import annotations
 
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import shardtool
 from data_gen import dir_digest

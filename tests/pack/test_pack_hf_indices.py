@@ -13,14 +13,13 @@ import importlib
 import os
 import sysconfig
 
+import datasets  # noqa: E402  a declared test dependency
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 import shardtool
-
-import datasets  # noqa: E402  a declared test dependency
 from skips import require
 
 sources = importlib.import_module("shardtool.pack.sources")  # `shardtool.pack` is also the function

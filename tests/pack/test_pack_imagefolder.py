@@ -10,12 +10,11 @@ import tarfile
 import pytest
 
 import shardtool
-from shardtool.format.errors import BadSampleError, ShardtoolError
-from shardtool.format.keys import key_problem, path_key
-
 from data_gen import read_all
 from realdata import ICON_CLASSES, icon_tree
 from runcli import shardtool_cli
+from shardtool.format.errors import BadSampleError, ShardtoolError
+from shardtool.format.keys import key_problem, path_key
 
 
 def _manifest(out) -> dict:

@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 
 import shardtool
+from data_gen import read_all, token_records, write_jsonl, write_parquet
+from runcli import REPO, shardtool_cli
 from shardtool.format.errors import ShardtoolError
 from shardtool.pack.merge import merge
 from shardtool.pack.verify import verify
-
-from data_gen import read_all, token_records, write_jsonl, write_parquet
-from runcli import REPO, shardtool_cli
 
 # How the installed ``shardtool`` command starts: a script outside the working directory, so
 # sys.path[0] is the script's directory, not the current one (python -m and -c would add it).
@@ -53,7 +52,7 @@ def test_length_fn_module_in_the_current_directory(tmp_path):
     # A module that is nowhere: the error says where it looked.
     p = subprocess.run([sys.executable, str(tools / "shardtool_cmd.py"), "pack", src, "-o", str(tmp_path / "x"),
                         "--length-fn", "nosuchmod:f"], cwd=work, env=env, capture_output=True, text=True, timeout=100)
-    assert p.returncode == 1 and f"cannot import 'nosuchmod'" in p.stderr and str(work) in p.stderr
+    assert p.returncode == 1 and "cannot import 'nosuchmod'" in p.stderr and str(work) in p.stderr
 
 
 def _records(n=60, seed=3):

@@ -11,13 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardtool
+from data_gen import dir_digest, image_samples, read_all, write_tree
+from runcli import shardtool_cli
 from shardtool.format.errors import BadSampleError, ShardtoolError
 from shardtool.format.keys import MAX_KEY_BYTES, key_problem, keys_for_paths
 from shardtool.pack.skips import PackWarning
 from shardtool.pack.verify import verify
-
-from data_gen import dir_digest, image_samples, read_all, write_tree
-from runcli import shardtool_cli
 
 LONG_NAME = "chapter-" + "x" * 240 + ".html"
 
@@ -45,7 +44,7 @@ def doc_tree(root) -> dict[str, bytes]:
         "man/Makefile": b"all:\n",
         "clash/a.b": b"dotted",  # a.b and a_b both spell the key clash__a_b
         "clash/a_b": b"underscored",
-        "caf\u00e9/\u00fcber.txt": "non-ascii".encode(),
+        "caf\u00e9/\u00fcber.txt": b"non-ascii",
         "long/" + LONG_NAME: b"long name",
         "empty": b"",
     }

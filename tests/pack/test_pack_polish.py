@@ -10,12 +10,11 @@ import sys
 import pytest
 
 import shardtool
-from shardtool.format.errors import BadSampleError, FormatError, ShardtoolError
-from shardtool.pack.verify import verify
-
 from data_gen import dir_digest, read_all, token_records, write_jsonl
 from fsutil import flip_byte
 from runcli import repo_env, shardtool_cli
+from shardtool.format.errors import BadSampleError, FormatError, ShardtoolError
+from shardtool.pack.verify import verify
 
 HELP_CHECK = r"""
 import inspect, pydoc, sys

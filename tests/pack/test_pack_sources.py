@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import os
 
+import datasets  # noqa: E402  a declared test dependency
 import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import shardtool
 from shardtool.format.errors import BadSampleError, ShardtoolError
-
-import datasets  # noqa: E402  a declared test dependency
 
 
 def _rows(n: int = 300, seed: int = 0) -> list[dict]:
@@ -82,7 +82,7 @@ def test_tables_split_over_workers_and_streams_pack_in_one_process(tmp_path):
     table = pa.Table.from_pylist(rows)
     one = shardtool.pack(table, str(tmp_path / "w1"), format="arrow", length="tokens", shard_size=1 << 20)
     two = shardtool.pack(table, str(tmp_path / "w2"), format="arrow", length="tokens", shard_size=1 << 20, workers=2)
-    again = shardtool.pack(table, str(tmp_path / "w2b"), format="arrow", length="tokens", shard_size=1 << 20, workers=2)
+    shardtool.pack(table, str(tmp_path / "w2b"), format="arrow", length="tokens", shard_size=1 << 20, workers=2)
     assert one.samples == two.samples == len(rows)
     names = {s["path"].split("/")[1][:9] for s in shardtool.open_dataset(str(tmp_path / "w2")).manifest.to_dict()["shards"]}
     assert names == {"t0000-w00", "t0000-w01"}  # both workers packed rows

@@ -7,12 +7,11 @@ import os
 import numpy as np
 import pyarrow as pa
 import pytest
+import tokenizers  # noqa: E402, F401  a declared test dependency
 
 import shardtool
 from runcli import shardtool_cli
 from shardtool.format.errors import BadSampleError, ShardtoolError
-
-import tokenizers  # noqa: E402  a declared test dependency
 
 
 def _corpus(n: int = 400, seed: int = 0) -> list[dict]:

@@ -7,12 +7,10 @@ import os
 import pytest
 
 import shardtool
-from shardtool.pack.verify import verify
-
 from data_gen import image_samples, token_records, write_jsonl, write_tree
 from fsutil import flip_byte
 from runcli import shardtool_cli as _cli
-
+from shardtool.pack.verify import verify
 
 
 @pytest.mark.timeout(120)

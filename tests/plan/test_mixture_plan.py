@@ -9,7 +9,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mixplans import Served, planner_of, shares_error
-from shardtool.plan import Batching, DataLayout, Layout
+from shardtool.plan import Batching, Layout
 from shardtool.plan.mixture.span import RepeatError, check_repeat, span, steps_for_tokens
 from shardtool.plan.mixture.state import MixtureState
 from shardtool.plan.packing import Packing

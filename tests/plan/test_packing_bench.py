@@ -3,7 +3,8 @@ honest as they are)."""
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from benchmarks.packing import FirstFitBuffer, first_fit_run, greedy_concat_split, ours
 

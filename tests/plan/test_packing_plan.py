@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardtool.plan.packing import Packing, Rows, default_max_docs, pack_rows, rows_estimate
 from shardtool.plan.synthetic import lognormal_lengths

@@ -8,8 +8,20 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from shardtool.format.summaries import ShardSummaries
-from shardtool.plan import (ArraySource, Batching, DataLayout, Layout, Planner, group_cuts, group_shard_pieces,
-                            plan_group, plan_shape, rank_placement, sample_locations, shards_for_node)
+from shardtool.plan import (
+    ArraySource,
+    Batching,
+    DataLayout,
+    Layout,
+    Planner,
+    group_cuts,
+    group_shard_pieces,
+    plan_group,
+    plan_shape,
+    rank_placement,
+    sample_locations,
+    shards_for_node,
+)
 from shardtool.plan.simulate import simulate_epoch
 from shardtool.plan.synthetic import lognormal_lengths
 from strategies import Dataset, cases, datasets, make_lengths

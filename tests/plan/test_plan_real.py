@@ -18,7 +18,7 @@ from shardtool.plan.simulate import simulate_epoch
 from skips import require
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def corpus(name: str) -> np.ndarray:
     lengths = CORPORA[name]()
     require(bool(lengths.size), f"no {name} corpus on this machine")

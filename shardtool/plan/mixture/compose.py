@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from fractions import Fraction
-from typing import Sequence
 
 __all__ = ["Composition", "integer_shares", "webster_counts"]
 

@@ -23,9 +23,10 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -126,7 +127,7 @@ class Mixture:
                                f"unknown {unknown}, missing {missing}")
         return tuple(as_weight(f"{where}, source {n!r}", weights[n]) for n in self.names)
 
-    def with_weights(self, weights: Mapping[str, Any]) -> "Mixture":
+    def with_weights(self, weights: Mapping[str, Any]) -> Mixture:
         """The same sources with these weights from step 0 and no schedule (e.g. new weights for
         the rest of a run, given at a resume)."""
         new = self._entry_weights("new weights", weights)
@@ -149,7 +150,7 @@ class Mixture:
                 "max_repeat": self.max_repeat}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, base_dir: str | None = None) -> "Mixture":
+    def from_dict(cls, data: Mapping[str, Any], *, base_dir: str | None = None) -> Mixture:
         """A mixture from its file form; ``base_dir`` resolves relative local paths."""
         if not isinstance(data, Mapping) or "sources" not in data:
             raise MixtureError("a mixture must be a mapping with 'sources' (and optionally 'schedule', 'max_repeat')")
@@ -166,7 +167,7 @@ class Mixture:
         return cls(sources, data.get("schedule"), data.get("max_repeat", DEFAULT_MAX_REPEAT))
 
     @classmethod
-    def from_file(cls, path: str) -> "Mixture":
+    def from_file(cls, path: str) -> Mixture:
         """A mixture file: JSON (``.json``), or YAML (``.yaml``/``.yml``, needs PyYAML)."""
         try:
             with open(path, "rb") as f:

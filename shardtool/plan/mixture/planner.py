@@ -10,21 +10,21 @@ current epoch (and, after a re-deal, of the groups its units come from).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Mapping
 
 import numpy as np
 
 from ..about import NO_DESCRIPTION, batching_mismatch, describe_mixture
 from ..batching import Batching
-from .compose import Composition, integer_shares
 from ..layout import DataLayout
-from .state import MixtureState, Phase, SourceRecord, mixture_fingerprint
-from .config import Mixture, MixtureError, source_batching
 from ..rank import Planner, RankPlan
 from ..shape import PlanShape
 from ..source import PlanSource
 from ..state import LoaderState, StateError, segment_layout
+from .compose import Composition, integer_shares
+from .config import Mixture, MixtureError, source_batching
+from .state import MixtureState, Phase, SourceRecord, mixture_fingerprint
 
 __all__ = ["MixturePlanner", "Piece", "served_tokens"]
 

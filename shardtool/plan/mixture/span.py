@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+from .config import MixtureError
 from .planner import MixturePlanner
 from .state import MixtureState, SourceRecord
-from .config import MixtureError
 
 __all__ = ["RepeatError", "SourceSpan", "check_repeat", "span", "steps_for_tokens"]
 

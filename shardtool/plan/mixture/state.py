@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ..batching import Batching
 from ..layout import DataLayout
@@ -68,7 +69,7 @@ class SourceRecord:
                 "epoch": self.position.epoch, "segments": self.position.to_dict()["segments"]}
 
     @classmethod
-    def from_dict(cls, data: Any, fingerprint: str) -> "SourceRecord":
+    def from_dict(cls, data: Any, fingerprint: str) -> SourceRecord:
         keys = {"name", "version", "tokens", "units", "epoch", "segments"}
         if not isinstance(data, Mapping) or set(data) != keys:
             raise StateError(f"mixture state source: found {data!r}, expected keys {sorted(keys)}")
@@ -107,7 +108,7 @@ class Phase:
                 "layout": self.layout.identity(), "sources": [s.to_dict() for s in self.sources]}
 
     @classmethod
-    def from_dict(cls, data: Any, fingerprint: str) -> "Phase":
+    def from_dict(cls, data: Any, fingerprint: str) -> Phase:
         keys = {"from_step", "schedule", "layout", "sources"}
         if not isinstance(data, Mapping) or set(data) != keys:
             raise StateError(f"mixture state phase: found keys {sorted(data) if isinstance(data, Mapping) else data!r}, "
@@ -158,7 +159,7 @@ class MixtureState:
     # Source URLs and batching in words (`shardtool.plan.about.describe_mixture`); None in older states.
     about: dict[str, Any] | None = None
 
-    def at(self, step: int) -> "MixtureState":
+    def at(self, step: int) -> MixtureState:
         return MixtureState(step, self.fingerprint, self.phase, self.phases_before, self.version, self.about)
 
     def to_dict(self) -> dict[str, Any]:
@@ -169,7 +170,7 @@ class MixtureState:
         return out
 
     @classmethod
-    def from_dict(cls, data: Any) -> "MixtureState":
+    def from_dict(cls, data: Any) -> MixtureState:
         if not isinstance(data, Mapping):
             raise StateError(f"loader state must be a mapping, found {type(data).__name__}")
         if data.get("kind") != KIND:

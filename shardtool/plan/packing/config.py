@@ -127,7 +127,7 @@ class Rows:
         """Real tokens / row tokens (1.0 for no rows)."""
         return self.tokens / (self.num_rows * self.seq_len) if self.num_rows else 1.0
 
-    def take(self, rows: np.ndarray) -> "Rows":
+    def take(self, rows: np.ndarray) -> Rows:
         """These rows (indices, in the given order), e.g. one batch's; ``dropped``/``split_docs`` kept."""
         rows = np.asarray(rows, dtype=np.int64)
         begin = self.row_offsets[rows]
@@ -138,14 +138,14 @@ class Rows:
         return Rows(self.seq_len, offsets, self.span_pos[idx], self.span_start[idx], self.span_len[idx],
                     self.dropped, self.split_docs)
 
-    def slice(self, first: int, stop: int) -> "Rows":
+    def slice(self, first: int, stop: int) -> Rows:
         """Rows ``first .. stop-1`` as views (no copy): a batch's rows, per batch, on the hot path."""
         lo, hi = int(self.row_offsets[first]), int(self.row_offsets[stop])
         return Rows(self.seq_len, self.row_offsets[first : stop + 1] - lo, self.span_pos[lo:hi], self.span_start[lo:hi],
                     self.span_len[lo:hi], self.dropped, self.split_docs)
 
     @classmethod
-    def concat(cls, parts: list["Rows"], seq_len: int) -> "Rows":
+    def concat(cls, parts: list[Rows], seq_len: int) -> Rows:
         """The rows of ``parts``, in order; ``dropped`` and ``split_docs`` added up."""
         if not parts:
             empty = np.zeros(0, np.int64)
@@ -156,7 +156,7 @@ class Rows:
                                                         for k in ("span_pos", "span_start", "span_len", "dropped")),
                    sum(p.split_docs for p in parts))
 
-    def with_ids(self, ids: np.ndarray) -> "Rows":
+    def with_ids(self, ids: np.ndarray) -> Rows:
         """The same rows with positions mapped through ``ids`` (e.g. window position -> global id)."""
         ids = np.asarray(ids, dtype=np.int64)
         return Rows(self.seq_len, self.row_offsets, ids[self.span_pos], self.span_start, self.span_len,
