@@ -34,7 +34,8 @@ def failing_samples(ds: Dataset, shard: int, data) -> list[tuple[int, str]] | No
         return None
     if idx.checksums is None:
         return None
-    bad, verdict = [], {}
+    bad: list[tuple[int, str]] = []
+    verdict: dict[tuple[int, int], bool] = {}
     for i in range(len(idx)):
         off, size = int(idx.offsets[i]), int(idx.sizes[i])
         ok = verdict.get((off, size))  # Arrow rows of one record batch share a range: hash it once
@@ -65,5 +66,5 @@ def corrupt_shard_error(ds: Dataset, shard: int, data) -> FormatError:
         where = ("; every sample's bytes match their checksums, so the damage is outside them "
                  "(tar end blocks or Arrow file metadata)")
     err = FormatError(f"{path}: content hash does not match the manifest (corrupted){where}")
-    err.samples = [{"index": i, "key": key} for i, key in (bad or [])]
+    err.samples = [{"index": i, "key": key} for i, key in (bad or [])]  # type: ignore[attr-defined]  # this error only
     return err

@@ -82,9 +82,9 @@ class ShardSummaries:
         sketches = [p.sketch for p in parts]
         if any(k is None for k in sketches) and not all(k is None for k in sketches):
             raise ValueError("summaries with and without a sketch cannot be joined")
-        return cls(*(np.concatenate([getattr(p, name) for p in parts]) for name in
+        return cls(*(np.concatenate([getattr(p, name) for p in parts]) for name in  # type: ignore[call-arg, arg-type]  # mypy cannot count a starred generator's fields
                      ("samples", "tokens", "weight", "longest", "hist_count", "hist_tokens", "hist_squares")),
-                   ShardSketch.concat(sketches) if parts and sketches[0] is not None else None)
+                   ShardSketch.concat(sketches) if parts and sketches[0] is not None else None)  # type: ignore[arg-type]  # all or none (checked above)
 
     def to_bytes(self, lengths_hash: str) -> bytes:
         def fixed(a: np.ndarray) -> pa.Array:

@@ -98,9 +98,9 @@ class ShardFileWriter:
         self._rows: list[list] = [[] for _ in range(6 if shard_format == "tar" else 4)]
         self._chunks: list[tuple] = []
         if shard_format == "tar":
-            self._tar = TarShardWriter(self._hf, [f.ext for f in fields])
+            self._tar = TarShardWriter(self._hf, [f.ext for f in fields])  # type: ignore[arg-type]  # write/tell of a file
         else:
-            self._arrow = ArrowShardWriter(self._hf, fields, compression=compression)
+            self._arrow = ArrowShardWriter(self._hf, fields, compression=compression)  # type: ignore[arg-type]  # as above
 
     def _add_row(self, key: str, length: int, *rest) -> None:
         self.count += 1

@@ -52,7 +52,7 @@ def as_weight(where: str, value: Any) -> Fraction:
     if isinstance(value, (float, np.floating)) and not math.isfinite(value):
         raise MixtureError(f"{where}: a weight must be finite, found {value!r}")
     try:
-        w = Fraction(repr(float(value))) if isinstance(value, (float, np.floating)) else Fraction(value)
+        w = Fraction(repr(float(value))) if isinstance(value, (float, np.floating)) else Fraction(value)  # type: ignore[arg-type]  # np.integer is a numbers.Integral
     except (ValueError, ZeroDivisionError):
         raise MixtureError(f"{where}: a weight must be a number, found {value!r}") from None
     if w < 0:

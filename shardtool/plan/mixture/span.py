@@ -103,7 +103,7 @@ def steps_for_tokens(planner: MixturePlanner, state: MixtureState, tokens: int) 
     tau = [Fraction(r.tokens, r.units) for r in phase.sources]
 
     def expected(step: int) -> Fraction:
-        return sum(c * dp * t for c, t in zip(comp.counts(step), tau))
+        return sum(c * dp * t for c, t in zip(comp.counts(step), tau))  # type: ignore[return-value]  # no sources: 0
 
     hi = 1
     while expected(hi) < tokens:

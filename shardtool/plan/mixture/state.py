@@ -130,7 +130,8 @@ class Phase:
 def _schedule(raw: Any, names: list[str]) -> list[list[Any]]:
     if not isinstance(raw, Sequence) or isinstance(raw, str) or not raw:
         raise StateError(f"mixture state schedule must be a non-empty list, found {raw!r}")
-    out, last = [], -1
+    out: list[list[Any]] = []
+    last = -1
     for entry in raw:
         if not isinstance(entry, Sequence) or len(entry) != 2 or not isinstance(entry[1], Mapping):
             raise StateError(f"mixture state schedule entry {entry!r}: expected [from_step, {{name: weight}}]")

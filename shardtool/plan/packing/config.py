@@ -152,7 +152,7 @@ class Rows:
             return cls(seq_len, np.zeros(1, np.int64), empty, empty, empty, empty, 0)
         spans = np.cumsum([0, *(len(p.span_pos) for p in parts)])
         offsets = np.concatenate([[0], *(p.row_offsets[1:] + s for p, s in zip(parts, spans[:-1]))])
-        return cls(seq_len, offsets.astype(np.int64), *(np.concatenate([getattr(p, k) for p in parts])
+        return cls(seq_len, offsets.astype(np.int64), *(np.concatenate([getattr(p, k) for p in parts])  # type: ignore[call-arg, arg-type]  # mypy cannot count a starred generator's fields
                                                         for k in ("span_pos", "span_start", "span_len", "dropped")),
                    sum(p.split_docs for p in parts))
 
