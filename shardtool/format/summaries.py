@@ -15,6 +15,7 @@ its manifest, its version or the caches and loader states keyed on it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import pyarrow as pa
@@ -84,7 +85,7 @@ class ShardSummaries:
             raise ValueError("summaries with and without a sketch cannot be joined")
         return cls(*(np.concatenate([getattr(p, name) for p in parts]) for name in  # type: ignore[call-arg, arg-type]  # mypy cannot count a starred generator's fields
                      ("samples", "tokens", "weight", "longest", "hist_count", "hist_tokens", "hist_squares")),
-                   ShardSketch.concat(sketches) if parts and sketches[0] is not None else None)  # type: ignore[arg-type]  # all or none (checked above)
+                   ShardSketch.concat(cast("list[ShardSketch]", sketches)) if parts and sketches[0] is not None else None)
 
     def to_bytes(self, lengths_hash: str) -> bytes:
         def fixed(a: np.ndarray) -> pa.Array:
