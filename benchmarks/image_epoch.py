@@ -150,9 +150,9 @@ def _cpu() -> tuple[float, float]:
 def run_one(which: str, tree: str, ds: str, workers: int) -> dict:
     import torch  # noqa: F401 - imported before the clock, like the trainer that imports it anyway
     from PIL import Image  # noqa: F401
+    from torch.utils.data import DataLoader, DistributedSampler
 
     from shardtool.loader import ShardedLoader
-    from torch.utils.data import DataLoader, DistributedSampler
 
     c0, began = _cpu(), time.perf_counter()
     first = None

@@ -156,6 +156,7 @@ def measure(which: str, root: str, kind: str, workers: int, resume: bool = False
 def compression_runs(base: str, n: int, codec: str, repeats: int, max_s: float) -> dict:
     """samples/s reading the same Arrow dataset plain and ``codec``-compressed, per worker count."""
     import shardtool
+
     from . import corpus
 
     src = os.path.join(base, "tokens-src")

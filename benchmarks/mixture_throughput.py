@@ -62,8 +62,8 @@ def batching(args) -> list[tuple[str, dict]]:
 
 # ---------------------------------------------------------------------- one measurement (own process)
 def run_one(args) -> dict:
-    from shardtool.loader import Mixture, ShardedLoader
     from shardtool.format import open_dataset
+    from shardtool.loader import Mixture, ShardedLoader
 
     kw = json.loads(args.kw)
     began = time.perf_counter()
@@ -134,8 +134,8 @@ def plan_one(args) -> dict:
     from shardtool.cli.cmd_plan import peak_rss_mb
     from shardtool.format.summaries import ShardSummaries
     from shardtool.plan import Batching, DataLayout, Layout
-    from shardtool.plan.mixplan import MixturePlanner
     from shardtool.plan.mixture import Mixture
+    from shardtool.plan.mixture.planner import MixturePlanner
     from shardtool.plan.packing import Packing
     from shardtool.plan.synthetic import SyntheticSource
 

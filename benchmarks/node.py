@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 import numpy as np
 

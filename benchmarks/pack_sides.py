@@ -29,9 +29,20 @@ def side_arrow_reference(src: str, out: str) -> int:
     return n
 
 
-def _dicts(src: str) -> list[dict]:
-    from .pack_throughput import _parquet_rows
+def _parquet_rows(src: str):
+    import pyarrow.parquet as pq
 
+    pos = 0
+    for batch in pq.ParquetFile(src).iter_batches(batch_size=8192, use_threads=False):
+        tok = batch.column("tokens")
+        off, val = tok.offsets.to_numpy(), tok.values.to_numpy()
+        srcs = batch.column("source").to_pylist()
+        for i in range(batch.num_rows):
+            yield pos, val[off[i] : off[i + 1]], srcs[i]
+            pos += 1
+
+
+def _dicts(src: str) -> list[dict]:
     return [{"tokens": tokens, "source": source} for _, tokens, source in _parquet_rows(src)]
 
 

@@ -50,19 +50,6 @@ def side_shardtool(src: str, out: str, fmt: str, workers: int, length: str | Non
     return r.samples
 
 
-def _parquet_rows(src: str):
-    import pyarrow.parquet as pq
-
-    pos = 0
-    for batch in pq.ParquetFile(src).iter_batches(batch_size=8192, use_threads=False):
-        tok = batch.column("tokens")
-        off, val = tok.offsets.to_numpy(), tok.values.to_numpy()
-        srcs = batch.column("source").to_pylist()
-        for i in range(batch.num_rows):
-            yield pos, val[off[i] : off[i + 1]], srcs[i]
-            pos += 1
-
-
 def _jsonl_rows(src: str):
     import numpy as np
 
@@ -120,8 +107,7 @@ def side_mds(src: str, out: str, kind: str) -> int:
     return n
 
 
-from .pack_sides import (  # noqa: E402
-    _keyed_parquet, _text_corpus, side_arrow_reference, side_dicts, side_tokenize)
+from .pack_sides import _keyed_parquet, _parquet_rows, _text_corpus, side_arrow_reference, side_dicts, side_tokenize  # noqa: E402
 
 
 def _child(argv: list[str]) -> int:

@@ -16,7 +16,8 @@ import queue as queue_mod
 import signal
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 POLL_S = 0.5
 

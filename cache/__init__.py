@@ -14,8 +14,21 @@ cache (:mod:`cache.usercache`). What the cache writes gets :class:`Perms` (0644/
 """
 from .assign import assigned_shards
 from .dcache import CachedDataset, DatasetCache, open_cache
-from .errors import (EXIT_LOCAL, EXIT_OK, EXIT_REMOTE, EXIT_USAGE, BudgetError, CacheError, LocalFault, NotCached,
-                     RemoteError, SourceCorrupt, SourceMissing, SourceUnavailable, UsageError)
+from .errors import (
+                     EXIT_LOCAL,
+                     EXIT_OK,
+                     EXIT_REMOTE,
+                     EXIT_USAGE,
+                     BudgetError,
+                     CacheError,
+                     LocalFault,
+                     NotCached,
+                     RemoteError,
+                     SourceCorrupt,
+                     SourceMissing,
+                     SourceUnavailable,
+                     UsageError,
+)
 from .layout import VersionDir
 from .perms import DEFAULT_PERMS, Perms
 from .report import WarmReport

@@ -11,7 +11,6 @@ import shutil
 import time
 
 from ..format.atomic import TMP_PREFIX
-
 from .budget import cached_versions, disk_free, evict, scan
 from .evict import effective_limit
 from .layout import META_DIR, lengths_rel, read_sources

@@ -5,9 +5,8 @@ import contextlib
 import os
 from dataclasses import dataclass
 
-from ..format.manifest import MANIFEST_NAME, Manifest, manifest_hash
 from ..format.errors import FormatError
-
+from ..format.manifest import MANIFEST_NAME, Manifest, manifest_hash
 from .evict import Entry, eviction_order
 from .layout import VersionDir, version_dirs
 from .locks import try_exclusive

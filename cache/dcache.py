@@ -11,7 +11,7 @@ import os
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import fsspec
 import numpy as np
@@ -19,7 +19,6 @@ import numpy as np
 from ..format.dataset import Dataset
 from ..format.manifest import MANIFEST_NAME, lengths_from_bytes, manifest_hash
 from ..format.sindex import ShardIndex
-
 from .budget import disk_free, evict, scan
 from .errors import BudgetError, NotCached, RemoteError
 from .evict import effective_limit, plan_eviction
@@ -35,7 +34,7 @@ from .usercache import can_write, own_cache_dir, user_cache_dir
 class CachedDataset(Dataset):
     """A Dataset rooted at the cache's version directory; misses are fetched from the source."""
 
-    def __init__(self, cache: "DatasetCache", manifest_bytes: bytes, **kw):
+    def __init__(self, cache: DatasetCache, manifest_bytes: bytes, **kw):
         self._cache = cache
         super().__init__(cache.vdir.root, fs=fsspec.filesystem("file"), root=cache.vdir.root,
                          manifest_bytes=manifest_bytes, **kw)

@@ -6,8 +6,8 @@ a shard in use (being read or fetched) nor one the current warm wants (``protect
 """
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Sequence
 
 
 @dataclass(frozen=True)

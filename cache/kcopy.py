@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Callable
+from collections.abc import Callable
 
 STEP = 64 << 20  # bytes per call: big enough to be efficient, small enough for progress and timeouts
 

@@ -27,7 +27,6 @@ import stat
 import time
 
 from ..format.manifest import LENGTHS_NAME, MANIFEST_NAME, ShardInfo
-
 from .durability import stamp_fields, stamp_survives
 from .locks import locked
 from .perms import DEFAULT_PERMS, Perms

@@ -14,7 +14,7 @@ import errno
 import fcntl
 import os
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from .perms import DEFAULT_PERMS, Perms
 

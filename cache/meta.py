@@ -12,7 +12,6 @@ from ..format.atomic import fsync_path
 from ..format.hashing import hash_file
 from ..format.manifest import Manifest, ShardInfo
 from ..format.summaries import SUMMARIES_NAME
-
 from .durability import must_fsync
 from .errors import CacheError, LocalFault, NotCached, SourceMissing
 from .layout import VersionDir, lengths_rel

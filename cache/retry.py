@@ -8,11 +8,11 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from ..format.errors import ShardtoolError
-
 from .errors import RemoteError, SourceMissing, SourceRefused, SourceUnavailable
 
 T = TypeVar("T")

@@ -14,7 +14,7 @@ import os
 import posixpath
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import fsspec
 
@@ -22,7 +22,6 @@ from ..format.atomic import TMP_PREFIX, fsync_dir
 from ..format.dataset import is_local
 from ..format.hashing import format_digest, hash_bytes, hash_fileobj, new_hasher
 from ..format.manifest import ShardInfo
-
 from .errors import LocalFault, SourceCorrupt, SourceUnavailable
 from .kcopy import DestinationError, copy_range
 from .perms import DEFAULT_PERMS, Perms

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Mapping
+from collections.abc import Mapping
 
 from .errors import LocalFault
 

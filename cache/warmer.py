@@ -14,13 +14,11 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Iterable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import Iterable, Mapping
-
 
 from ..format.dataset import Dataset, SummariesMissing
 from ..format.manifest import MANIFEST_NAME, lengths_from_bytes
-
 from ..plan import DataLayout, Layout, Placement
 from .assign import assigned_shards
 from .budget import disk_free, evict, scan

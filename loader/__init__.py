@@ -14,8 +14,14 @@ def __getattr__(name: str):
         from ..plan import mixture
 
         return getattr(mixture, name)
-    if name in __all__:
-        from . import sharded
+    if name in ("LoaderError", "LoaderStateError"):
+        from . import errors
 
-        return getattr(sharded, name)
+        return getattr(errors, name)
+    if name == "ShardedLoader":
+        # loader/mixed.py subclasses ShardedLoader for a Mixture url (it registers itself there):
+        # imported here, so that the public ShardedLoader always knows mixtures.
+        from . import mixed
+
+        return mixed.ShardedLoader
     raise AttributeError(f"module 'shardtool.loader' has no attribute {name!r}")

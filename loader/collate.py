@@ -7,7 +7,8 @@ torch's ``default_collate`` does (:func:`stack_column`), else as a list of decod
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -135,7 +136,7 @@ class PackedBytes:
 
     @classmethod
     def from_slices(cls, buffers: Sequence[Any], starts: Sequence[int], sizes: Sequence[int],
-                    alloc: Alloc = np.empty) -> "PackedBytes":
+                    alloc: Alloc = np.empty) -> PackedBytes:
         """Copy buffer[k][starts[k] : starts[k]+sizes[k]] for every k into one tensor, once."""
         offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
         np.cumsum(sizes, out=offsets[1:])

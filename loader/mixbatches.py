@@ -2,7 +2,7 @@
 
 `MixtureBatches` has the interface of `PlanBatches` (``load(b, alloc)``, ``len``, ``describe``),
 so the same worker pool loads it and the batch sequence never depends on ``num_workers``. Which
-units step b takes is a closed form of b (`shardtool.plan.mixplan`): a worker needs nothing but
+units step b takes is a closed form of b (`shardtool.plan.mixture.planner`): a worker needs nothing but
 the step, and plans a source's next epoch itself when the step reaches it.
 
 Bucketed mixtures take one whole batch of one source per step: the batch is that source's, as
@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..format.errors import add_note
-from ..plan.mixplan import MixturePlanner, Piece
-from ..plan.mixstate import MixtureState
+from ..plan.mixture.planner import MixturePlanner, Piece
+from ..plan.mixture.state import MixtureState
 from ..plan.packing import Packing, Rows
 from ..plan.rank import RankPlan
 from .collate import KEY, Alloc

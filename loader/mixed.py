@@ -9,17 +9,19 @@ shuffle each time, up to ``max_repeat`` passes (refused before the first batch o
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ..format import ShardtoolError
-from ..plan.mixplan import MixturePlanner
-from ..plan.mixspan import check_repeat, span, steps_for_tokens
-from ..plan.mixstate import MixtureState
 from ..plan.mixture import Mixture, MixtureError
+from ..plan.mixture.planner import MixturePlanner
+from ..plan.mixture.span import check_repeat, span, steps_for_tokens
+from ..plan.mixture.state import MixtureState
 from ..plan.state import StateError
+from .errors import LoaderStateError
 from .mixbatches import MixtureBatches
 from .reader import BatchReader
-from .sharded import LoaderStateError, ShardedLoader
+from .sharded import ShardedLoader
 from .source import SourceSpec
 
 log = logging.getLogger(__name__)
@@ -27,7 +29,7 @@ log = logging.getLogger(__name__)
 __all__ = ["MixtureLoader"]
 
 
-class MixtureLoader(ShardedLoader):
+class MixtureLoader(ShardedLoader, serves=Mixture):
     """The loader of a mixture (see the module docstring and `ShardedLoader`).
 
     ``len(loader)`` is the steps left; one pass yields them all, after which the loader is done

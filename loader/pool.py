@@ -25,8 +25,9 @@ import signal
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import wait
-from typing import Any, Callable
+from typing import Any
 
 from ..format.errors import add_note
 from .shmring import Slot, decode, encode
@@ -81,7 +82,7 @@ class WorkerPool:
         except OSError:
             pass  # the worker is gone; the next receive from it says how
 
-    def __iter__(self) -> "WorkerPool":
+    def __iter__(self) -> WorkerPool:
         return self
 
     def __next__(self) -> Any:

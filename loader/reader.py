@@ -16,10 +16,9 @@ import numpy as np
 import torch
 
 from ..format import FormatError
-
-from .collate import KEY, PACK_MIN_BYTES, Alloc, PackedBytes, collate_samples, stack_column
 from ..plan.ranges import locate_ids
-from .probe import REMOTE, Probe
+from .collate import KEY, PACK_MIN_BYTES, Alloc, PackedBytes, collate_samples, stack_column
+from .observability.probe import REMOTE, Probe
 from .shardview import ShardView
 from .source import Source, SourceSpec
 

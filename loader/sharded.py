@@ -5,36 +5,29 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
-from ..format import ShardtoolError
 from ..plan import Batching, Planner, RankPlan, data_parallel
-from ..plan.mesh import as_mesh
-from ..plan.batching import default_bucketing
-from ..plan.packing import Packing, with_packed_eos
-from ..plan.env import rank_placement
 from ..plan.about import describe
+from ..plan.batching import default_bucketing
+from ..plan.env import rank_placement
+from ..plan.mesh import as_mesh
+from ..plan.packing import Packing, with_packed_eos
 from ..plan.state import LoaderState, check_compatible
 from .agree import disagreement, in_process_group
 from .collate import unpack_batch
+from .errors import LoaderError, LoaderStateError
+from .observability.observe import Observer
 from .pool import WorkerFailed
-from .observe import Observer
 from .reader import BatchReader
 from .source import SourceSpec
 from .workers import PlanBatches, make_dataloader
 
 log = logging.getLogger(__name__)
-
-
-class LoaderError(ShardtoolError, RuntimeError):
-    """Loading a batch failed (a worker died, hung or raised); names the batch and its shards."""
-
-
-class LoaderStateError(ShardtoolError, ValueError):
-    """A state_dict that cannot be loaded here (other dataset, batching config or version)."""
 
 
 class ShardedLoader:
@@ -99,13 +92,27 @@ class ShardedLoader:
     only publishes the ranks' order and progress for a `shardtool warm --follow` step.
     """
 
-    def __new__(cls, url: Any = None, *args: Any, **kwargs: Any) -> "ShardedLoader":
-        from ..plan.mixture import Mixture
+    # Another kind of ``url`` is read by a subclass that says so when it is defined (loader/mixed.py:
+    # ``class MixtureLoader(ShardedLoader, serves=Mixture)``), and ``ShardedLoader(url)`` builds
+    # that subclass; this module never imports its subclasses (imports go one way: mixed -> sharded).
+    # ``shardtool.loader.ShardedLoader`` imports loader/mixed.py before handing out the class.
+    _served_by: dict[type, type] = {}
 
-        if cls is ShardedLoader and isinstance(url, Mixture):
-            from .mixed import MixtureLoader  # the mixture's own iteration and state
+    def __init_subclass__(cls, serves: type | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if serves is not None:
+            ShardedLoader._served_by[serves] = cls
 
-            return super().__new__(MixtureLoader)
+    def __new__(cls, url: Any = None, *args: Any, **kwargs: Any) -> ShardedLoader:
+        if cls is ShardedLoader:
+            for kind, subclass in ShardedLoader._served_by.items():
+                if isinstance(url, kind):  # a Mixture: the mixture's own iteration and state
+                    return super().__new__(subclass)
+            from ..plan.mixture import Mixture
+
+            if isinstance(url, Mixture):  # only when loader/mixed.py was never imported
+                raise TypeError("a Mixture is read by the ShardedLoader of shardtool.loader (from shardtool.loader "
+                                "import ShardedLoader), which knows mixtures; shardtool.loader.sharded alone does not")
         return super().__new__(cls)
 
     def __init__(self, url: Any, *, batch_size: int | None = None, max_tokens: int | None = None,

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from ..format import FieldSpec, FormatError, decode_bytes
 from ..format.arrowshard import check_schema
-
 from .source import MappedFile
 
 

@@ -175,7 +175,7 @@ def _encode_array(arr: np.ndarray, slot: Slot, kind: str, always: bool = False) 
     return InSlot(kind, slot.offset_of(dst.ctypes.data) if dst.nbytes else 0, arr.shape, arr.dtype.str)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype)).dtype
 

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 
 from ..format import Dataset, FormatError, open_dataset
 from ..format.dataset import is_local
-
-from .probe import CACHE, LOCAL, REMOTE
+from .observability.probe import CACHE, LOCAL, REMOTE
 
 
 @dataclass(frozen=True)
@@ -28,7 +27,7 @@ class SourceSpec:
     cache_dir: str | None = None
     storage_options: dict | None = field(default=None, hash=False)
 
-    def open(self) -> "Source":
+    def open(self) -> Source:
         return Source(self)
 
 

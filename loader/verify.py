@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..format import Dataset
 from ..format.damage import check_shard_bytes

@@ -8,7 +8,8 @@ order, so the batch sequence never depends on ``num_workers``.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch

@@ -8,10 +8,19 @@ import types
 
 from .format import Dataset, FormatError, ShardtoolError, open_dataset
 
-__version__ = "0.1.0"
-
 
 def __getattr__(name: str):
+    if name == "__version__":
+        # pyproject.toml's version, from the installed package's metadata (one source of truth),
+        # read on first use: importlib.metadata costs ~0.1 s that ``import shardtool`` does not pay.
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            value = version("shardtool")
+        except PackageNotFoundError:  # a source tree on PYTHONPATH that was never installed
+            value = "unknown"
+        globals()["__version__"] = value
+        return value
     # PEP 562: the packer (and numpy/pyarrow writers behind it) loads when first asked for.
     if name == "pack":
         from .pack.api import pack
@@ -22,7 +31,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | {"pack"})
+    return sorted(set(globals()) | {"pack", "__version__"})
 
 
 class _Package(types.ModuleType):

@@ -1,4 +1,4 @@
-"""One rank of a torchrun job reading through a node cache that starts empty (tests/test_cache_cold.py).
+"""One rank of a torchrun job reading through a node cache that starts empty (tests/cache/test_cache_cold.py).
 
 Every step all-reduces the batch size, as DDP does, so a rank whose workers are stuck makes the
 other wait and the job fail on the collective timeout instead of finishing. Writes the keys of
@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import faultfs  # noqa: E402,F401  registers faulty://
-
 from shardtool.loader import ShardedLoader  # noqa: E402
 
 

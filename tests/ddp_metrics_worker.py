@@ -1,4 +1,4 @@
-"""One rank of a torchrun job whose loader logs metrics and a cross-rank summary (tests/test_ddp_metrics.py).
+"""One rank of a torchrun job whose loader logs metrics and a cross-rank summary (tests/e2e/test_ddp_metrics.py).
 
 Two simulated nodes of two ranks each (ranks_per_node=2). Rank --slow-rank reads the same
 dataset through a slow fsspec source (tests/faultfs.py: every request waits --latency s), the
@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import faultfs  # noqa: E402,F401  registers faulty://
-
 from shardtool.loader import ShardedLoader  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""One rank of a torchrun job reading a packed dataset with ShardedLoader (run by tests/test_ddp.py).
+"""One rank of a torchrun job reading a packed dataset with ShardedLoader (run by tests/e2e/test_ddp.py).
 
 Records every batch's keys per epoch into OUT/rank<r>.json. With --stop-at K it saves the
 loader's state after K batches to OUT/state-rank<r>.json and exits, as a job killed at step K

@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["free_port", "run_job", "run_jobs_file"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-from typing import Iterator
+from collections.abc import Iterator
 
 from shardtool.format.atomic import TMP_PREFIX
 from skips import require

@@ -1,4 +1,4 @@
-"""One rank of a gloo job reading a packed dataset with ShardedLoader over a data layout (tests/test_mesh_ddp.py).
+"""One rank of a gloo job reading a packed dataset with ShardedLoader over a data layout (tests/e2e/test_mesh_ddp.py).
 
 Two ways to start it:
   python mesh_worker.py JOBS.json     forks every rank of every job (tests/forkranks.py), one line

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from shardtool.plan import DataLayout
-from shardtool.plan.mixplan import MixturePlanner
 from shardtool.plan.mixture import Mixture
+from shardtool.plan.mixture.planner import MixturePlanner
 
 
 def planner_of(sources: dict, weights, batching, layout, *, schedule=None, max_repeat: int = 10**6) -> MixturePlanner:

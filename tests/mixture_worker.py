@@ -1,4 +1,4 @@
-"""One rank of a torchrun job reading a mixture (run by tests/test_mixture_ddp.py).
+"""One rank of a torchrun job reading a mixture (run by tests/e2e/test_mixture_ddp.py).
 
 Records every batch's source and keys into OUT/rank<r>.json. ``--ranks-per-node`` simulates nodes
 on one machine; each simulated node reads through its own cache, CACHE_BASE/node<n>/cache. With

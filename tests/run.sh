@@ -8,12 +8,12 @@ PY=${PYTHON:-python3}
 # A bare `torch` requirement pulls a multi-GB CUDA build; pin the CPU build first when torch is missing.
 "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q torch==2.13.0
 "$PY" -m pip install -q -e ".[test]"
-# tests/test_torchtitan.py: torchtitan's CheckpointManager and dataloader. Not in the test extra: its own
+# tests/integrations/test_torchtitan.py: torchtitan's CheckpointManager and dataloader. Not in the test extra: its own
 # requirements would downgrade datasets and fsspec and pull wandb and tensorboard; these are what
 # torchtitan.components.{checkpoint,dataloader} import (torchtitan needs Python >= 3.11).
 "$PY" -m pip install -q --no-deps torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 \
   spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0 \
-  || echo "could not install torchtitan: tests/test_torchtitan.py says so" >&2
+  || echo "could not install torchtitan: tests/integrations/test_torchtitan.py says so" >&2
 # Real PNGs in class folders for the ImageFolder tests (tests/realdata.py): Debian's Adwaita icons.
 [ -d /usr/share/icons/Adwaita/48x48 ] || { apt-get update -qq && apt-get install -y -qq adwaita-icon-theme; } \
   >/dev/null 2>&1 || echo "could not install adwaita-icon-theme: the ImageFolder tests say so" >&2

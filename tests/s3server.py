@@ -34,7 +34,7 @@ class S3Server:
         return {**CREDS, "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
                 "skip_instance_cache": True}
 
-    def start(self, timeout: float = 30.0) -> "S3Server":
+    def start(self, timeout: float = 30.0) -> S3Server:
         env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 from hypothesis import strategies as st
 
-from shardtool.plan import Batching
+from shardtool.plan import Batching, Layout
 from shardtool.plan.synthetic import lognormal_lengths
-from shardtool.plan import Layout
 
 # Every (nodes, ranks per node) with a world of 1..8 ranks.
 LAYOUTS = [Layout(n, g) for n in range(1, 9) for g in range(1, 9) if n * g <= 8]

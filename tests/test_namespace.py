@@ -5,7 +5,6 @@ environment reader and lengths generator; plan never imports pack).
 """
 from __future__ import annotations
 
-import ast
 import os
 import subprocess
 import sys
@@ -18,54 +17,8 @@ from test_loader_data import write_dataset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Each package's folder in the repository and the shardtool packages it may import.
-PACKAGES = {
-    "format": ("shardtool/format", {"format"}),
-    "plan": ("shardtool/plan", {"format", "plan"}),
-    "pack": ("shardtool/pack", {"format", "plan", "pack"}),
-    "cache": ("cache", {"format", "plan", "cache"}),
-    "loader": ("loader", {"format", "plan", "cache", "loader"}),
-    "integrations": ("shardtool/integrations", {"format", "plan", "cache", "loader", "integrations"}),
-}
-
-
-def _imported_subpackages(path: str, package: str) -> set[str]:
-    """The shardtool.<sub> names a module imports, absolute or relative."""
-    tree = ast.parse(open(path).read(), path)
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level == 0:
-                names = [node.module or ""]
-            elif node.level == 1:
-                names = [f"shardtool.{package}"]
-            else:  # ..x from shardtool.<package>: shardtool.x, or shardtool itself
-                names = [f"shardtool.{node.module}" if node.module else "shardtool"]
-                if not node.module:
-                    names = [f"shardtool.{a.name}" for a in node.names]
-        else:
-            continue
-        for name in names:
-            parts = name.split(".")
-            if parts[0] in ("loader", "cache"):
-                found.add(f"top-level {parts[0]}")
-            if parts[0] == "shardtool" and len(parts) > 1:
-                found.add(parts[1])
-    return found
-
-
-@pytest.mark.parametrize("package", sorted(PACKAGES))
-def test_imports_flow_one_way(package):
-    folder, allowed = PACKAGES[package]
-    bad = {}
-    for name in sorted(os.listdir(os.path.join(REPO, folder))):
-        if name.endswith(".py"):
-            extra = _imported_subpackages(os.path.join(REPO, folder, name), package) - allowed
-            if extra:
-                bad[f"{folder}/{name}"] = sorted(extra)
-    assert not bad, f"shardtool.{package} may import only {sorted(allowed)}; found {bad}"
+# The layer order itself (every module, nested packages too, lazy imports included) and the
+# absence of import circles: tests/test_layers.py.
 
 
 def test_planner_and_cache_import_without_torch():

@@ -25,14 +25,23 @@ def _load(name: str):
         raise
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .. import __version__
+class _Version(argparse.Action):
+    """``--version``: the installed package's version, looked up only when asked (the metadata
+    lookup costs ~0.1 s that no other command should pay)."""
 
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .. import __version__
+
+        sys.stdout.write(f"shardtool {__version__}\n")  # stdout, as argparse's own version action
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardtool",
         description="Pack raw samples into indexed shards, warm node-local caches, and plan/benchmark loading.",
     )
-    parser.add_argument("--version", action="version", version=f"shardtool {__version__}")
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         mod = _load(name)

@@ -10,13 +10,13 @@ def plan_mixture(args) -> int:
     import numpy as np
 
     from ..format import ShardtoolError, open_dataset
-    from ..plan.mixplan import MixturePlanner
-    from ..plan.mixspan import check_repeat, span, steps_for_tokens
-    from ..plan.mixture import Mixture, MixtureError
-    from ..plan import Placement
-    from ._layout import data_layout_of, describe_layout
     from ..format.sizes import format_size
-    from .cmd_plan import _batching, _layout, node_shards, peak_rss_mb
+    from ..plan import Placement
+    from ..plan.mixture import Mixture, MixtureError
+    from ..plan.mixture.planner import MixturePlanner
+    from ..plan.mixture.span import check_repeat, span, steps_for_tokens
+    from ._layout import data_layout_of, describe_layout
+    from ._plan import _batching, _layout, node_shards, peak_rss_mb
 
     if args.rank is not None or args.synthetic is not None:
         raise ShardtoolError("--rank and --synthetic plan one dataset; a mixture is planned from its sources' metadata")

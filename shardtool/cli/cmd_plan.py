@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import tempfile
 import time
 
 from ..format.sizes import format_size
 from ._layout import LAYOUT_HELP, add_layout_arguments, data_layout_of, describe_layout
+from ._plan import _batching, _layout, node_shards, peak_rss_mb
 
 HELP = "show the loading plan of a layout: batches per rank, padding, remainder, bytes per node, planning cost"
 DESCRIPTION = """\
@@ -85,34 +85,6 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident memory. VmHWM, not rusage: Linux carries ru_maxrss across
-    exec, so a freshly spawned child would report its parent's peak."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _layout(args):
-    from ..plan import Layout
-
-    return Layout(args.simulate_nodes or args.nodes or 1, args.ranks_per_node)
-
-
-def _batching(args, source=None):
-    from ..plan import Batching
-    from ..plan.packing import Packing, with_packed_eos
-
-    packing = Packing(args.seq_len, args.packing, eos_id=args.eos_id) if args.seq_len is not None else None
-    manifest = getattr(source, "manifest", None)
-    if manifest is not None:  # documents packed with --eos-id end with it already: as the loader plans them
-        packing = with_packed_eos(packing, {args.url: manifest.length.get("eos_id")})
-    return Batching(batch_size=args.batch_size, max_tokens=args.max_tokens, shuffle=not args.no_shuffle,
-                    seed=args.seed, packing=packing, drop_last={"auto": None, "yes": True, "no": False}[args.drop_last])
-
-
 def for_dataset(batching, source):
     """The batching a ShardedLoader would use on ``source``: bucketing resolved from its manifest
     (off where lengths are bytes, see ``default_bucketing``); a synthetic source has token lengths."""
@@ -185,17 +157,6 @@ def _evaluate_rank(args, source) -> dict:
         finally:
             proc.join(60)
     return out
-
-
-def node_shards(summaries, data, layout, shard_bytes):
-    """(per node: the sorted shards it caches, bytes per node) of one dataset under ``data``."""
-    import numpy as np
-
-    from ..plan import group_cuts, group_shard_pieces
-
-    pieces = group_shard_pieces(summaries, group_cuts(summaries, data.group_sizes))
-    per_node = [sorted({s for g in data.groups_on_node(k) for s, _, _ in pieces[g]}) for k in range(layout.num_nodes)]
-    return per_node, np.array([int(shard_bytes[s].sum()) if s else 0 for s in per_node], dtype=np.int64)
 
 
 def run(args) -> int:

@@ -73,7 +73,7 @@ def format_summary(run: str, s: dict) -> str:
 
 
 def run(args) -> int:
-    from ..loader import stats
+    from ..loader.observability import stats
 
     try:
         files = stats.metric_files(args.paths)

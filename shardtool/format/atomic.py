@@ -9,7 +9,8 @@ import contextlib
 import errno
 import os
 import secrets
-from typing import IO, Iterator
+from collections.abc import Iterator
+from typing import IO
 
 TMP_PREFIX = ".tmp-"
 _TEMP_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)

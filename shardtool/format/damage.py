@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .dataset import Dataset
 
 
-def check_shard_bytes(ds: "Dataset", shard: int, data) -> None:
+def check_shard_bytes(ds: Dataset, shard: int, data) -> None:
     """Raise FormatError, naming the shard and its damaged samples, unless ``data`` (the whole
     shard: bytes, an mmap) has the size and content hash the manifest records."""
     info = ds.manifest.shards[shard]
@@ -25,7 +25,7 @@ def check_shard_bytes(ds: "Dataset", shard: int, data) -> None:
         raise corrupt_shard_error(ds, shard, data)
 
 
-def failing_samples(ds: "Dataset", shard: int, data) -> list[tuple[int, str]] | None:
+def failing_samples(ds: Dataset, shard: int, data) -> list[tuple[int, str]] | None:
     """(index, key) of every sample whose byte range fails its index checksum; None when the
     index cannot say (no checksums, or the index itself is bad)."""
     try:
@@ -34,7 +34,8 @@ def failing_samples(ds: "Dataset", shard: int, data) -> list[tuple[int, str]] | 
         return None
     if idx.checksums is None:
         return None
-    bad, verdict = [], {}
+    bad: list[tuple[int, str]] = []
+    verdict: dict[tuple[int, int], bool] = {}
     for i in range(len(idx)):
         off, size = int(idx.offsets[i]), int(idx.sizes[i])
         ok = verdict.get((off, size))  # Arrow rows of one record batch share a range: hash it once
@@ -45,7 +46,7 @@ def failing_samples(ds: "Dataset", shard: int, data) -> list[tuple[int, str]] | 
     return bad
 
 
-def corrupt_shard_error(ds: "Dataset", shard: int, data) -> FormatError:
+def corrupt_shard_error(ds: Dataset, shard: int, data) -> FormatError:
     """The whole-shard hash failed: name the damaged samples where the per-sample checksums can."""
     path = ds.manifest.shards[shard].path
     bad = failing_samples(ds, shard, data)
@@ -65,5 +66,5 @@ def corrupt_shard_error(ds: "Dataset", shard: int, data) -> FormatError:
         where = ("; every sample's bytes match their checksums, so the damage is outside them "
                  "(tar end blocks or Arrow file metadata)")
     err = FormatError(f"{path}: content hash does not match the manifest (corrupted){where}")
-    err.samples = [{"index": i, "key": key} for i, key in (bad or [])]
+    err.samples = [{"index": i, "key": key} for i, key in (bad or [])]  # type: ignore[attr-defined]  # this error only
     return err

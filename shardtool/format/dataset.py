@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import posixpath
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -249,8 +250,8 @@ class Dataset:
         blob = memoryview(self._verified_range(shard, idx, i))
         out: dict[str, Any] = {KEY_COLUMN: idx.keys[i]}
         for j, name in enumerate(self._field_names):
-            fo = int(idx.field_offsets[i, j])
-            out[name] = blob[fo : fo + int(idx.field_sizes[i, j])]
+            fo = int(idx.field_offsets[i, j])  # type: ignore[index]  # a tar index has field columns
+            out[name] = blob[fo : fo + int(idx.field_sizes[i, j])]  # type: ignore[index]  # a tar index has field columns
         return out
 
     def _arrow_reader(self, shard: int):
@@ -279,7 +280,7 @@ class Dataset:
 
     def _read_arrow(self, shard: int, idx: ShardIndex, i: int) -> dict[str, Any]:
         reader = self._arrow_reader(shard)  # footer and schema, checked once per shard
-        b = int(idx.batch[i])
+        b = int(idx.batch[i])  # type: ignore[index]  # an Arrow index has batch and row columns
         if idx.checksums is None:
             batch = reader.get_batch(b)
         elif self._last_batch[:2] == (shard, b):
@@ -287,7 +288,7 @@ class Dataset:
         else:
             batch = record_batch_from_range(self._verified_range(shard, idx, i), reader.schema)
             self._last_batch = (shard, b, batch)
-        return row_values(batch, int(idx.row[i]), self.manifest.fields)
+        return row_values(batch, int(idx.row[i]), self.manifest.fields)  # type: ignore[index]  # as above
 
     def read(self, shard: int, i: int, *, decode: bool = True) -> dict[str, Any]:
         """Sample ``i`` of ``shard``: ``__key__`` plus every field, decoded by its encoding."""

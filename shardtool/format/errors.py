@@ -59,7 +59,7 @@ def add_note(exc: BaseException, note: str) -> BaseException:
     notes = getattr(exc, "__notes__", None)
     if not isinstance(notes, list):
         notes = []
-        exc.__notes__ = notes
+        exc.__notes__ = notes  # type: ignore[attr-defined]  # Python 3.10: no __notes__ (PEP 678 is 3.11)
     notes.append(note)
     if len(exc.args) == 1 and isinstance(exc.args[0], str):
         exc.args = (f"{exc.args[0]}\n{note}",)

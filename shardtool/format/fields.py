@@ -52,14 +52,14 @@ class FieldSpec:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "FieldSpec":
+    def from_dict(cls, d: dict) -> FieldSpec:
         spec = cls(d["name"], d["ext"], d["encoding"], d["storage"], d.get("dtype"))
         if spec.storage not in STORAGES:
             raise FormatError(f"field {spec.name!r}: unknown storage {spec.storage!r}")
         return spec
 
     @classmethod
-    def raw(cls, ext: str) -> "FieldSpec":
+    def raw(cls, ext: str) -> FieldSpec:
         """A field whose bytes are already encoded (file trees, tar members): name = extension."""
         return cls(ext, ext, encoding_for_ext(ext), "raw")
 

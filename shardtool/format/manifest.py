@@ -75,7 +75,7 @@ class ShardInfo:
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
     @classmethod
-    def from_dict(cls, d: dict, i: int) -> "ShardInfo":
+    def from_dict(cls, d: dict, i: int) -> ShardInfo:
         try:
             info = cls(
                 path=safe_relpath(d["path"], f"shard #{i}"),
@@ -164,7 +164,7 @@ class Manifest:
         return (json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n").encode()
 
     @classmethod
-    def from_json(cls, data: bytes, *, source: str = MANIFEST_NAME) -> "Manifest":
+    def from_json(cls, data: bytes, *, source: str = MANIFEST_NAME) -> Manifest:
         try:
             d = json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

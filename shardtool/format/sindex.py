@@ -72,16 +72,16 @@ class ShardIndex:
         if self.field_offsets is not None:
             for j, name in enumerate(field_names):
                 cols[f"o:{name}"] = pa.array(self.field_offsets[:, j].astype(np.uint32))
-                cols[f"s:{name}"] = pa.array(self.field_sizes[:, j].astype(np.uint64))
+                cols[f"s:{name}"] = pa.array(self.field_sizes[:, j].astype(np.uint64))  # type: ignore[index]  # set with field_offsets
         if self.batch is not None:
             cols["batch"] = pa.array(self.batch.astype(np.int32))
-            cols["row"] = pa.array(self.row.astype(np.int32))
+            cols["row"] = pa.array(self.row.astype(np.int32))  # type: ignore[union-attr]  # set with batch
         if self.checksums is not None:
             cols["xxh3_64"] = pa.array(self.checksums.astype(np.uint64))
         return ipc_file_bytes(pa.table(cols))
 
     @classmethod
-    def from_bytes(cls, data: bytes, field_names: list[str], *, shard: str, tar: bool) -> "ShardIndex":
+    def from_bytes(cls, data: bytes, field_names: list[str], *, shard: str, tar: bool) -> ShardIndex:
         try:
             table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
         except (pa.ArrowInvalid, OSError) as e:

@@ -44,7 +44,7 @@ class ShardSketch:
     weight: np.ndarray
 
     @classmethod
-    def from_lengths(cls, lengths: np.ndarray, counts: np.ndarray, cells: int) -> "ShardSketch":
+    def from_lengths(cls, lengths: np.ndarray, counts: np.ndarray, cells: int) -> ShardSketch:
         lengths = np.asarray(lengths, dtype=np.int64)
         counts = np.asarray(counts, dtype=np.int64)
         shards = counts.size
@@ -63,7 +63,7 @@ class ShardSketch:
                    cum_w[pos] - cum_w[offsets[:-1], None])
 
     @classmethod
-    def concat(cls, parts: list["ShardSketch"]) -> "ShardSketch":
+    def concat(cls, parts: list[ShardSketch]) -> ShardSketch:
         cells = {p.cells for p in parts}
         if len(cells) != 1:
             raise ValueError(f"sketches of different resolutions cannot be joined: {sorted(cells)} cells")

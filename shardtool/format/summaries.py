@@ -15,6 +15,7 @@ its manifest, its version or the caches and loader states keyed on it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import pyarrow as pa
@@ -55,7 +56,7 @@ class ShardSummaries:
         return int(self.samples.size)
 
     @classmethod
-    def from_lengths(cls, lengths: np.ndarray, counts: np.ndarray, sketch_cells: int | None = None) -> "ShardSummaries":
+    def from_lengths(cls, lengths: np.ndarray, counts: np.ndarray, sketch_cells: int | None = None) -> ShardSummaries:
         """Summaries of shards holding ``counts`` consecutive samples of ``lengths`` each; with a
         sketch of ``sketch_cells`` cells a shard (`format.sketch`; None: none, as packs before it)."""
         lengths = np.asarray(lengths, dtype=np.int64)
@@ -78,13 +79,13 @@ class ShardSummaries:
                    hist_tokens.astype(np.int64), hist_squares, sketch)
 
     @classmethod
-    def concat(cls, parts: list["ShardSummaries"]) -> "ShardSummaries":
+    def concat(cls, parts: list[ShardSummaries]) -> ShardSummaries:
         sketches = [p.sketch for p in parts]
         if any(k is None for k in sketches) and not all(k is None for k in sketches):
             raise ValueError("summaries with and without a sketch cannot be joined")
-        return cls(*(np.concatenate([getattr(p, name) for p in parts]) for name in
+        return cls(*(np.concatenate([getattr(p, name) for p in parts]) for name in  # type: ignore[call-arg, arg-type]  # mypy cannot count a starred generator's fields
                      ("samples", "tokens", "weight", "longest", "hist_count", "hist_tokens", "hist_squares")),
-                   ShardSketch.concat(sketches) if parts and sketches[0] is not None else None)
+                   ShardSketch.concat(cast("list[ShardSketch]", sketches)) if parts and sketches[0] is not None else None)
 
     def to_bytes(self, lengths_hash: str) -> bytes:
         def fixed(a: np.ndarray) -> pa.Array:
@@ -106,7 +107,7 @@ class ShardSummaries:
 
     @classmethod
     def from_bytes(cls, data: bytes, *, lengths_hash: str | None, counts: np.ndarray, total_tokens: int | None,
-                   source: str) -> "ShardSummaries":
+                   source: str) -> ShardSummaries:
         """Read and check against the manifest: the lengths they were computed from, every shard's
         count, the dataset's token total. Raises FormatError naming ``source`` on any mismatch."""
         try:

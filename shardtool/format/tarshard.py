@@ -8,8 +8,9 @@ user names) so the same samples always give the same bytes. Names over 100 bytes
 from __future__ import annotations
 
 import tarfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import IO, Iterator
+from typing import IO
 
 import numpy as np
 
@@ -141,7 +142,7 @@ class TarShardWriter:
         sizes = []
         rel = 0
         for ext, payload in zip(self.exts, payloads):
-            name = f"{key}.{ext}".encode("utf-8")
+            name = f"{key}.{ext}".encode()
             size = len(payload)
             if len(name) <= 100 and size <= _MAX_OCTAL_SIZE:
                 pad = -size % BLOCK

@@ -18,10 +18,10 @@ from .arrowshard import ArrowShardWriter
 from .atomic import atomic_write_bytes, make_temp_path, publish
 from .fields import FieldSpec, encode
 from .hashing import format_digest, hash_bytes, new_hasher, range_checksum
-from .manifest import LENGTHS_NAME, MANIFEST_NAME, Manifest, ShardInfo, lengths_to_bytes, length_summary
+from .manifest import LENGTHS_NAME, MANIFEST_NAME, Manifest, ShardInfo, length_summary, lengths_to_bytes
 from .sindex import ShardIndex
-from .summaries import SUMMARIES_NAME, ShardSummaries
 from .sketch import sketch_cells
+from .summaries import SUMMARIES_NAME, ShardSummaries
 from .tarshard import TarShardWriter
 
 WRITE_BUFFER = 8 << 20
@@ -98,9 +98,9 @@ class ShardFileWriter:
         self._rows: list[list] = [[] for _ in range(6 if shard_format == "tar" else 4)]
         self._chunks: list[tuple] = []
         if shard_format == "tar":
-            self._tar = TarShardWriter(self._hf, [f.ext for f in fields])
+            self._tar = TarShardWriter(self._hf, [f.ext for f in fields])  # type: ignore[arg-type]  # write/tell of a file
         else:
-            self._arrow = ArrowShardWriter(self._hf, fields, compression=compression)
+            self._arrow = ArrowShardWriter(self._hf, fields, compression=compression)  # type: ignore[arg-type]  # as above
 
     def _add_row(self, key: str, length: int, *rest) -> None:
         self.count += 1

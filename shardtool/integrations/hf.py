@@ -30,7 +30,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import transformers
 import transformers.trainer as _trainer_module

@@ -26,7 +26,8 @@ on another number of ranks has Lightning re-read ``len()`` every epoch (it reads
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 try:  # the unified package; the standalone one has the same classes under another name
     import lightning.pytorch as pl
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 class _Epochs:
     """What Lightning finds at ``dataloader.sampler``: it calls ``set_epoch`` there and nowhere else."""
 
-    def __init__(self, view: "LightningLoader"):
+    def __init__(self, view: LightningLoader):
         self._view = view
 
     def set_epoch(self, epoch: int) -> None:
@@ -154,12 +155,12 @@ class ShardedLoaderCallback(pl.Callback):
         self._saved: list[dict] | None = None
         self._check_next_batch = False
 
-    def on_load_checkpoint(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         fit = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
         self._saved = fit.get("combined_loader") or None
 
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._check_next_batch = True
         views = _views(trainer.train_dataloader)
         self._restore(views)
@@ -193,7 +194,7 @@ class ShardedLoaderCallback(pl.Callback):
                                 "restored it: epoch %s, batch %s", state.get("epoch"),
                                 sum(s.get("served", 0) for s in state.get("segments", [])))
 
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if not self._check_next_batch:
             return

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from ..loader import LoaderStateError, ShardedLoader
 
@@ -99,7 +100,7 @@ class MegatronIterator:
         self.ranks = ranks
         self._it: Iterator[Any] | None = None
 
-    def __iter__(self) -> "MegatronIterator":
+    def __iter__(self) -> MegatronIterator:
         return self
 
     def __next__(self) -> dict[str, Any]:

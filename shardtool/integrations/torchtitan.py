@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from torchtitan.components.dataloader import BaseDataLoader
 
@@ -124,7 +125,7 @@ class ShardedTitanDataLoader(TitanLoader, BaseDataLoader):
         options: dict[str, Any] = field(default_factory=dict)
         """`ShardedLoader` keyword arguments other than the url, DP coordinates and batch shape."""
 
-    def __init__(self, config: "ShardedTitanDataLoader.Config", *, dp_rank: int, dp_world_size: int, seq_len: int,
+    def __init__(self, config: ShardedTitanDataLoader.Config, *, dp_rank: int, dp_world_size: int, seq_len: int,
                  local_batch_size: int, **_trainer_kwargs: Any):
         # _trainer_kwargs: what the trainer passes every dataloader and we do not use (tokenizer:
         # the shards are tokenized at pack time; snapshot_every_n_steps: our state is always small)

@@ -35,7 +35,7 @@ class ShardBatch:
     def __len__(self) -> int:
         return self.batch.num_rows
 
-    def filter(self, keep: np.ndarray) -> "ShardBatch":
+    def filter(self, keep: np.ndarray) -> ShardBatch:
         return ShardBatch(self.batch.filter(pa.array(keep)), self.lengths[keep], self.sizes[keep], self.keys_from_data)
 
 

@@ -63,7 +63,7 @@ class TarEncoder:
     def __init__(self, fields: list[FieldSpec], *, shard_size: int | None):
         self.fields = fields
         self.shard_size = shard_size
-        self.member_names = [f".{f.ext}".encode("utf-8") for f in fields]
+        self.member_names = [f".{f.ext}".encode() for f in fields]
         self._buf: np.ndarray | None = None
 
     def _recipe(self, spec: FieldSpec, col):

@@ -8,9 +8,10 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from ..format.errors import ShardtoolError
+
 
 def strip_file_scheme(path: str) -> str:
     """``file:///data/x`` → ``/data/x``; any other path or URL is returned unchanged."""

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import gzip
 import io
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
-
+from typing import Any
 
 from ..format.errors import BadSampleError
 from ..format.tarshard import iter_tar_members, split_member_name
@@ -19,9 +19,11 @@ from .tree import LABEL_FIELD
 from .units import FOREIGN, Unit, tree_key
 
 try:  # orjson is several times faster; json is the always-available fallback
-    from orjson import loads as json_loads, JSONDecodeError
+    from orjson import JSONDecodeError
+    from orjson import loads as json_loads
 except ImportError:  # pragma: no cover - exercised where orjson is absent
-    from json import loads as json_loads, JSONDecodeError  # type: ignore[assignment]
+    from json import JSONDecodeError
+    from json import loads as json_loads  # type: ignore[assignment]
 
 PARQUET_BATCH_ROWS = 8192
 

@@ -2,7 +2,7 @@
 size or count limit, whether samples arrive one at a time or as whole batches."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

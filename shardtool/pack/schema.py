@@ -6,14 +6,15 @@ against them; anything that does not fit is a :class:`BadSampleError` naming whe
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
+from ..format.arrowshard import KEY_COLUMN
 from ..format.errors import BadSampleError, FormatError, ShardtoolError
 from ..format.fields import FieldSpec, encode, infer_field, length_of, npy_header
 from ..format.keys import key_problem
-from ..format.arrowshard import KEY_COLUMN
 
 _RESERVED = {KEY_COLUMN}
 

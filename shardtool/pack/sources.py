@@ -14,7 +14,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ..format.errors import ShardtoolError
 from .units import Unit

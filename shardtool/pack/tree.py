@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from ..format.errors import BadSampleError
 from ..format.keys import keys_for_paths

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa

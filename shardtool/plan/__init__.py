@@ -17,11 +17,9 @@ decision lives here:
 - `group`     — one data group's epoch plan
 - `rank`      — one DP rank's batches, over resume segments (`Planner`)
 - `state`     — the resumable position
-- `mixture`   — a mixture's sources, token weights and schedule (`Mixture`)
-- `compose`   — which source every unit of a mixture comes from: a closed form of the step
-- `mixstate`  — a mixture's resumable position (step and phase)
-- `mixplan`   — one DP rank's units of a mixture, every source its own cursor (`MixturePlanner`)
-- `mixspan`   — what a span of steps takes from each source; max_repeat
+- `packing/`  — sequence packing: `Packing`, `Rows`, best-fit, `pack_rows` (see its ``__init__``)
+- `mixture/`  — the mixture: sources, token weights and schedule (`Mixture`), the composition,
+                its state, `MixturePlanner`, spans and max_repeat (see its ``__init__``)
 - `simulate`  — every group at once, for `shardtool plan`
 - `synthetic` — the one lengths generator; a lazy synthetic plan source
 """

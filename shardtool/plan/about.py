@@ -10,7 +10,8 @@ them still works, and a refusal then says that the state does not name what it w
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .batching import Batching
 

@@ -8,7 +8,8 @@ the job here. The environment is an argument, so precedence — explicit argumen
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..format.errors import ShardtoolError
 from .layout import Layout, Placement, require_positive_int

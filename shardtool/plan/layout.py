@@ -6,6 +6,7 @@ arguments; reading them from the environment happens once, at the edge (`shardto
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,7 +116,7 @@ class DataLayout:
             raise ValueError("group_nodes must name the nodes of every group")
 
     @classmethod
-    def pure_dp(cls, layout: Layout) -> "DataLayout":
+    def pure_dp(cls, layout: Layout) -> DataLayout:
         """DDP/FSDP: every rank is its own DP rank, and each node's ranks form one group."""
         return cls(layout.world_size, (layout.ranks_per_node,) * layout.num_nodes,
                    tuple((n,) for n in range(layout.num_nodes)))
@@ -149,7 +150,7 @@ class DataLayout:
         return {"dp_size": self.dp_size, "groups": runs}
 
     @classmethod
-    def from_identity(cls, data: dict) -> "DataLayout":
+    def from_identity(cls, data: Mapping[str, Any]) -> DataLayout:
         """The layout a state segment recorded; its nodes are unknown (and never needed to replay it)."""
         sizes = tuple(int(k) for k, count in data["groups"] for _ in range(int(count)))
         return cls(int(data["dp_size"]), sizes, tuple(() for _ in sizes))

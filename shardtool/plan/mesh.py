@@ -9,8 +9,9 @@ that each node caches exactly the ranges its ranks read.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +37,7 @@ class Mesh:
             raise LayoutError(f"mesh ranks must be 0..{flat.size - 1}, each once")
 
     @classmethod
-    def row_major(cls, names: Sequence[str], sizes: Sequence[int]) -> "Mesh":
+    def row_major(cls, names: Sequence[str], sizes: Sequence[int]) -> Mesh:
         for name, size in zip(names, sizes):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise LayoutError(f"mesh dimension {name}={size!r} must be an int >= 1")

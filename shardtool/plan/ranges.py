@@ -11,7 +11,7 @@ length, and a boundary shard is split at a sample boundary between two neighbour
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -66,5 +66,5 @@ def split_rows(rows: Rows, target: int) -> Rows:
         ends = np.cumsum([count for _, _, count in spans]).tolist()
         inside = [c for c in cuts[1:-1] if c not in set(ends)]  # cuts that fall within a span
         split_docs += len(set(np.searchsorted(ends, inside, side="right").tolist()))
-    return Rows(rows.seq_len, *(np.asarray(v, dtype=np.int64) for v in (offsets, pos, start, length)),
+    return Rows(rows.seq_len, *(np.asarray(v, dtype=np.int64) for v in (offsets, pos, start, length)),  # type: ignore[call-arg, arg-type]  # mypy cannot count a starred generator's fields
                 rows.dropped, split_docs)

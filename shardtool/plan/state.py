@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from . import about as _about
 from .batching import Batching
@@ -76,7 +77,7 @@ class LoaderState:
 
     @classmethod
     def start(cls, epoch: int, dataset_fingerprint: str, batching: Batching, layout: DataLayout,
-              batches: int) -> "LoaderState":
+              batches: int) -> LoaderState:
         """The state before the first batch of ``epoch`` on ``layout`` (``batches`` per DP rank)."""
         return cls(epoch, dataset_fingerprint, batching.fingerprint(), [_segment(layout.identity(), batches, 0)])
 
@@ -89,7 +90,7 @@ class LoaderState:
     def same_layout(self, layout: DataLayout) -> bool:
         return bool(self.segments) and segment_layout(self.last).identity() == layout.identity()
 
-    def resumed_on(self, layout: DataLayout, batches: int) -> "LoaderState":
+    def resumed_on(self, layout: DataLayout, batches: int) -> LoaderState:
         """This state continued on ``layout``: a new segment of ``batches`` per DP rank if the
         layout changed (`shardtool.plan.rank.next_segment_batches` gives the count). A state with
         no segment (the start of an epoch) starts its first one."""
@@ -98,19 +99,19 @@ class LoaderState:
             new.segments.append(_segment(layout.identity(), batches, 0))
         return new
 
-    def with_served(self, served: int) -> "LoaderState":
+    def with_served(self, served: int) -> LoaderState:
         """This state after every DP rank has served ``served`` batches of the current segment."""
         new = self.copy()
         last = new.last
         new.segments[-1] = _segment(last, last["batches"], served)
         return new
 
-    def copy(self) -> "LoaderState":
+    def copy(self) -> LoaderState:
         return LoaderState(self.epoch, self.dataset_fingerprint, self.batching_fingerprint,
                            [dict(s, groups=[list(g) for g in s["groups"]]) for s in self.segments], self.version,
                            self.about)
 
-    def described(self, about: Mapping[str, Any] | None) -> "LoaderState":
+    def described(self, about: Mapping[str, Any] | None) -> LoaderState:
         """This state with ``about`` (`shardtool.plan.about.describe`) as its description."""
         new = self.copy()
         new.about = parse_about(about)
@@ -129,7 +130,7 @@ class LoaderState:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, batching: Batching | None = None) -> "LoaderState":
+    def from_dict(cls, data: Mapping[str, Any], *, batching: Batching | None = None) -> LoaderState:
         """Parse a saved state. A state of the previous release (version 1) loads when it sits at
         the start of an epoch (no batch served), which every plan version agrees on; ``batching``
         (the config it is loaded under) checks that it was saved with the same config."""
@@ -159,7 +160,7 @@ class LoaderState:
                    parse_about(data.get("about")))
 
     @classmethod
-    def _from_v1(cls, data: Mapping[str, Any], batching: Batching | None) -> "LoaderState":
+    def _from_v1(cls, data: Mapping[str, Any], batching: Batching | None) -> LoaderState:
         segments = data.get("segments") or []
         epoch = data.get("epoch")
         at_start = len(segments) == 1 and isinstance(segments[0], Mapping) and segments[0].get("served") == 0

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import functools
 from statistics import NormalDist
+from typing import Any
 
 import numpy as np
 
-from ..format.summaries import ShardSummaries
 from ..format.sketch import sketch_cells
+from ..format.summaries import ShardSummaries
 
 __all__ = ["MAX_LENGTH", "MEDIAN", "SIGMA", "SyntheticSource", "lognormal_lengths"]
 
@@ -50,7 +51,7 @@ class SyntheticSource:
         self.n = int(n)
         self.per_shard = int(samples_per_shard)
         self.seed = seed
-        self.params = dict(median=median, sigma=sigma, high=high)
+        self.params: dict[str, Any] = dict(median=median, sigma=sigma, high=high)
         full, rest = divmod(self.n, self.per_shard)
         counts = np.full(full + (1 if rest else 0), self.per_shard, dtype=np.int64)
         if rest:

@@ -15,12 +15,11 @@ import pytest
 
 from cachedata import child_env, make_dataset
 from fsutil import flip_byte, temps, tmpfs
-from shardtool.plan import Layout, Placement
-from shardtool.cache import VersionDir, assigned_shards, open_cache, warm
-from shardtool.cache import admin
+from shardtool.cache import VersionDir, admin, assigned_shards, open_cache, warm
 from shardtool.cache.errors import CacheError, NotCached
 from shardtool.format import open_dataset
 from shardtool.format.hashing import hash_file
+from shardtool.plan import Layout, Placement
 from test_storage_faults import FAST, corrupt  # also registers edgefaulty://
 
 FAULTS = os.path.dirname(os.path.abspath(__file__))

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import shardtool
+from runcli import shardtool_cli as cli
 from shardtool.format import FieldSpec, FormatError, Manifest, ShardIndex, ShardInfo, open_dataset
 from shardtool.format.arrowshard import ArrowShardWriter
 from shardtool.format.hashing import hash_bytes
@@ -23,8 +24,6 @@ from shardtool.format.manifest import LENGTHS_NAME, MANIFEST_NAME, length_summar
 from shardtool.format.tarshard import TarShardWriter
 from shardtool.format.writer import publish_manifest
 from shardtool.pack.verify import verify
-
-from runcli import shardtool_cli as cli
 
 SHARD = "shards/hand-000000.tar"
 ASHARD = "shards/hand-000000.arrow"

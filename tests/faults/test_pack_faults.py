@@ -2,7 +2,7 @@
 
 Real processes and files; faults come from the storage edge (a killed process, a tiny tmpfs,
 hostile bytes in the sources), never from mocking our own code. Already covered elsewhere and
-not repeated here: malformed JSONL lines and bad keys from a key field (tests/test_pack_bad.py
+not repeated here: malformed JSONL lines and bad keys from a key field (tests/pack/test_pack_bad.py
 ``test_bad_jsonl_line``), '../' and absolute tar members, a symlink member and a gzip bomb in
 JSONL (same file), a timed SIGKILL mid-shard (``test_sigkill_mid_shard_then_rerun_is_identical``).
 """
@@ -21,13 +21,12 @@ import tarfile
 import pytest
 
 import shardtool
-from shardtool.format import PickleRefusedError, ShardIndex
-from shardtool.format.errors import BadSampleError, ShardtoolError
-from shardtool.pack.verify import verify
-
 from data_gen import dir_digest, token_records, write_jsonl, write_tar
 from fsutil import temps, tmpfs
 from runcli import repo_env, shardtool_cli
+from shardtool.format import PickleRefusedError, ShardIndex
+from shardtool.format.errors import BadSampleError, ShardtoolError
+from shardtool.pack.verify import verify
 
 cli = functools.partial(shardtool_cli, timeout=120)
 

@@ -21,8 +21,8 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 CLUSTER_SH = Path(__file__).resolve().parent / "cluster.sh"
 
@@ -109,7 +109,7 @@ class LocalSlurm:
         self.last_up_seconds: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def up(self, nodes: int = 2, prolog: str | os.PathLike | None = None) -> "LocalSlurm":
+    def up(self, nodes: int = 2, prolog: str | os.PathLike | None = None) -> LocalSlurm:
         """Start munged, slurmctld and `nodes` slurmd (node1..nodeN); blocks until all are idle.
 
         prolog: executable script run by slurmd as root before each job on each node (no PATH, no job env;
@@ -142,7 +142,7 @@ class LocalSlurm:
         self.nodes = []
         self.dir = None
 
-    def restart(self, nodes: int | None = None, prolog: str | os.PathLike | None = None) -> "LocalSlurm":
+    def restart(self, nodes: int | None = None, prolog: str | os.PathLike | None = None) -> LocalSlurm:
         """down + up in the same state dir path (job ids restart at 1; drained nodes come back idle)."""
         n = nodes or len(self.nodes) or 2
         given = self._given_dir
@@ -157,7 +157,7 @@ class LocalSlurm:
     def status(self) -> str:
         return self._script(["status"], env=self._script_env(), timeout=30, check=False).stdout
 
-    def __enter__(self) -> "LocalSlurm":
+    def __enter__(self) -> LocalSlurm:
         if not self.nodes:
             self.up()
         return self

@@ -19,6 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples"))
 from report import dataset_keys, read_step_logs  # noqa: E402  the example's own log reader
+
 NODES = ["node1", "node2"]
 TRAIN_ARGS = "--max-tokens 2048 --epochs 1 --num-workers 1 --seq-len 32 --vocab 512"
 
@@ -59,11 +60,11 @@ def _explain(c, result) -> str:
 @pytest.mark.timeout(900)
 def test_prolog_warm_ddp_training_and_requeue_resume(slurm_cluster_with_prolog, tmp_path):
     from shardtool import cache
+    from shardtool.format import open_dataset
     from shardtool.loader import ShardedLoader
     from shardtool.pack.synthetic import write_synthetic
-    from shardtool.plan.synthetic import lognormal_lengths
     from shardtool.plan import DataLayout, Layout, shards_for_node
-    from shardtool.format import open_dataset
+    from shardtool.plan.synthetic import lognormal_lengths
 
     work = tmp_path
     dataset = write_synthetic(str(work / "dataset"), 2400, samples_per_shard=170, vocab=512,

@@ -1,0 +1,262 @@
+"""A mixture of datasets: names, where each lives, weights in tokens, and a schedule of weights.
+
+Pure configuration, validated on construction; no I/O except `Mixture.from_file`. Weights are
+shares of *tokens* (a weight 0.6 next to 0.4 means 60% of the tokens trained on, whatever the
+sources' lengths), kept as exact fractions so that every machine computes the same composition.
+
+A schedule changes the weights at given steps: ``[(0, {...}), (5000, {...})]``. The sources'
+own weights are the weights from step 0; a schedule entry names every source (a weight of 0
+pauses one), so a misspelt name is an error rather than a silently missing source.
+
+File form (JSON; YAML too when PyYAML is importable), relative local paths taken from the
+file's directory::
+
+    {"sources": {"web":  {"url": "s3://bucket/web", "weight": 0.6},
+                 "code": {"url": "../code", "weight": 0.4}},
+     "schedule": [{"from_step": 5000, "weights": {"web": 0.5, "code": 0.5}}],
+     "max_repeat": 10}
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from ..batching import Batching
+
+__all__ = ["DEFAULT_MAX_REPEAT", "Mixture", "MixtureError", "MixtureSource", "as_weight", "is_mixture_file",
+           "source_batching", "source_seed"]
+
+DEFAULT_MAX_REPEAT = 10
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+class MixtureError(ValueError):
+    """A mixture that cannot be used as given; the message names the source or entry."""
+
+
+def as_weight(where: str, value: Any) -> Fraction:
+    """A weight as an exact fraction: an int, a float (by its shortest repr: 0.6 is 3/5), a
+    Fraction, or a string such as "0.6" or "3/5". Finite and >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, Fraction, str, np.integer, np.floating)):
+        raise MixtureError(f"{where}: a weight must be a number, found {value!r}")
+    if isinstance(value, (float, np.floating)) and not math.isfinite(value):
+        raise MixtureError(f"{where}: a weight must be finite, found {value!r}")
+    try:
+        w = Fraction(repr(float(value))) if isinstance(value, (float, np.floating)) else Fraction(value)  # type: ignore[arg-type]  # np.integer is a numbers.Integral
+    except (ValueError, ZeroDivisionError):
+        raise MixtureError(f"{where}: a weight must be a number, found {value!r}") from None
+    if w < 0:
+        raise MixtureError(f"{where}: a weight must be >= 0, found {value!r}")
+    return w
+
+
+@dataclass(frozen=True)
+class MixtureSource:
+    """One dataset of a mixture: ``name`` (letters, digits, ``_.-``), its URL and its weight from step 0."""
+
+    name: str
+    url: str
+    weight: Fraction
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise MixtureError(f"source name {self.name!r}: use 1-64 letters, digits, '_', '.' or '-', starting "
+                               "with a letter or digit")
+        if not isinstance(self.url, (str, os.PathLike)) or not str(self.url):
+            raise MixtureError(f"source {self.name!r}: url must be a non-empty string, found {self.url!r}")
+        object.__setattr__(self, "url", os.fspath(self.url))
+        object.__setattr__(self, "weight", as_weight(f"source {self.name!r}", self.weight))
+
+
+class Mixture:
+    """Sources with token weights, an optional schedule of weight changes, and ``max_repeat``:
+    the most source-epochs (passes over one source, each freshly shuffled) a run may take.
+
+    ``sources``: ``{name: (url, weight)}``, or a list of `MixtureSource`. ``schedule``: a list of
+    ``(from_step, {name: weight})`` naming every source."""
+
+    def __init__(self, sources: Mapping[str, Sequence[Any]] | Sequence[MixtureSource],
+                 schedule: Sequence[Any] | None = None, max_repeat: int = DEFAULT_MAX_REPEAT):
+        self.sources: tuple[MixtureSource, ...] = _parse_sources(sources)
+        if isinstance(max_repeat, bool) or not isinstance(max_repeat, int) or max_repeat < 1:
+            raise MixtureError(f"max_repeat must be an int >= 1, found {max_repeat!r}")
+        self.max_repeat = max_repeat
+        base = (0, tuple(s.weight for s in self.sources))
+        self.schedule: tuple[tuple[int, tuple[Fraction, ...]], ...] = (base, *self._parse_schedule(schedule or ()))
+        for step, weights in self.schedule:
+            if not any(weights):
+                at = "the sources' weights" if step == 0 else f"the schedule entry at step {step}"
+                raise MixtureError(f"{at}: at least one weight must be > 0, found all 0")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.sources)
+
+    def _parse_schedule(self, schedule: Sequence[Any]) -> list[tuple[int, tuple[Fraction, ...]]]:
+        if isinstance(schedule, (str, bytes, Mapping)):
+            raise MixtureError(f"schedule must be a list of (from_step, weights), found {schedule!r}")
+        out, last = [], 0
+        for entry in schedule:
+            step, weights = _pair(f"schedule entry {entry!r}", entry, ("from_step", "weights"))
+            if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+                raise MixtureError(f"schedule entry {entry!r}: from_step must be an int >= 1 (the sources' "
+                                   "weights are the weights from step 0)")
+            if step <= last:
+                raise MixtureError(f"schedule entries must have increasing from_step: {step} after {last}")
+            out.append((step, self._entry_weights(f"schedule entry at step {step}", weights)))
+            last = step
+        return out
+
+    def _entry_weights(self, where: str, weights: Any) -> tuple[Fraction, ...]:
+        if not isinstance(weights, Mapping):
+            raise MixtureError(f"{where}: weights must be a mapping of source name to weight, found {weights!r}")
+        unknown = sorted(set(weights) - set(self.names))
+        missing = [n for n in self.names if n not in weights]
+        if unknown or missing:
+            raise MixtureError(f"{where}: weights must name every source ({', '.join(self.names)}); "
+                               f"unknown {unknown}, missing {missing}")
+        return tuple(as_weight(f"{where}, source {n!r}", weights[n]) for n in self.names)
+
+    def with_weights(self, weights: Mapping[str, Any]) -> Mixture:
+        """The same sources with these weights from step 0 and no schedule (e.g. new weights for
+        the rest of a run, given at a resume)."""
+        new = self._entry_weights("new weights", weights)
+        sources = [replace(s, weight=w) for s, w in zip(self.sources, new)]
+        return Mixture(sources, max_repeat=self.max_repeat)
+
+    # ------------------------------------------------------------------ identity and files
+    def schedule_identity(self) -> list[list[Any]]:
+        """The schedule as JSON: [[from_step, {name: "p/q"}], ...] (exact: what a state records)."""
+        return [[step, {n: str(w) for n, w in zip(self.names, weights)}] for step, weights in self.schedule]
+
+    def fingerprint(self) -> str:
+        data = {"sources": [[s.name, s.url] for s in self.sources], "schedule": self.schedule_identity(),
+                "max_repeat": self.max_repeat}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sources": {s.name: {"url": s.url, "weight": str(s.weight)} for s in self.sources},
+                "schedule": [{"from_step": step, "weights": w} for step, w in self.schedule_identity()[1:]],
+                "max_repeat": self.max_repeat}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, base_dir: str | None = None) -> Mixture:
+        """A mixture from its file form; ``base_dir`` resolves relative local paths."""
+        if not isinstance(data, Mapping) or "sources" not in data:
+            raise MixtureError("a mixture must be a mapping with 'sources' (and optionally 'schedule', 'max_repeat')")
+        extra = sorted(set(data) - {"sources", "schedule", "max_repeat"})
+        if extra:
+            raise MixtureError(f"unknown mixture keys {extra}; expected sources, schedule, max_repeat")
+        raw = data["sources"]
+        if not isinstance(raw, Mapping) or not raw:
+            raise MixtureError("'sources' must map each source name to {\"url\": ..., \"weight\": ...}")
+        sources = []
+        for name, spec in raw.items():
+            url, weight = _pair(f"source {name!r}", spec, ("url", "weight"))
+            sources.append(MixtureSource(str(name), _resolve(url, base_dir), weight))
+        return cls(sources, data.get("schedule"), data.get("max_repeat", DEFAULT_MAX_REPEAT))
+
+    @classmethod
+    def from_file(cls, path: str) -> Mixture:
+        """A mixture file: JSON (``.json``), or YAML (``.yaml``/``.yml``, needs PyYAML)."""
+        try:
+            with open(path, "rb") as f:
+                text = f.read()
+        except OSError as e:
+            raise MixtureError(f"cannot read mixture file {path}: {e.strerror or e}") from None
+        if path.endswith((".yaml", ".yml")):
+            try:
+                import yaml
+            except ImportError:
+                raise MixtureError(f"{path}: YAML mixture files need PyYAML (pip install pyyaml); "
+                                   "or write the mixture as JSON") from None
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                raise MixtureError(f"{path}: not valid YAML ({e})") from None
+        else:
+            try:
+                data = json.loads(text)
+            except ValueError as e:
+                raise MixtureError(f"{path}: not valid JSON ({e})") from None
+        try:
+            return cls.from_dict(data, base_dir=os.path.dirname(os.path.abspath(path)))
+        except MixtureError as e:
+            raise MixtureError(f"{path}: {e}") from None
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{s.name}={float(s.weight):g}" for s in self.sources)
+        more = f", {len(self.schedule) - 1} schedule entries" if len(self.schedule) > 1 else ""
+        return f"Mixture({parts}{more}, max_repeat={self.max_repeat})"
+
+
+def _pair(what: str, value: Any, keys: tuple[str, str]) -> tuple[Any, Any]:
+    """Two values given as ``{keys[0]: a, keys[1]: b}`` or as a pair (the file's two forms)."""
+    if isinstance(value, Mapping):
+        if set(value) != set(keys):
+            raise MixtureError(f"{what}: expected keys {keys[0]} and {keys[1]}, found {sorted(value)}")
+        return value[keys[0]], value[keys[1]]
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) == 2:
+        return value[0], value[1]
+    raise MixtureError(f"{what}: expected {{{keys[0]!r}: ..., {keys[1]!r}: ...}} or a pair, found {value!r}")
+
+
+def _parse_sources(sources: Any) -> tuple[MixtureSource, ...]:
+    if isinstance(sources, Mapping):
+        items = []
+        for name, spec in sources.items():
+            if isinstance(spec, MixtureSource):
+                items.append(spec)
+                continue
+            items.append(MixtureSource(name, *_pair(f"source {name!r}", spec, ("url", "weight"))))
+    elif isinstance(sources, Sequence) and not isinstance(sources, (str, bytes)):
+        items = list(sources)
+        if not all(isinstance(s, MixtureSource) for s in items):
+            raise MixtureError("sources must be a mapping {name: (url, weight)} or a list of MixtureSource")
+    else:
+        raise MixtureError(f"sources must be a mapping {{name: (url, weight)}}, found {type(sources).__name__}")
+    if not items:
+        raise MixtureError("a mixture needs at least one source")
+    names = [s.name for s in items]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise MixtureError(f"source names must be unique, found {dupes} more than once")
+    return tuple(items)
+
+
+def _resolve(url: Any, base_dir: str | None) -> str:
+    if not isinstance(url, str) or not url:
+        raise MixtureError(f"a source url must be a non-empty string, found {url!r}")
+    if base_dir is None or "://" in url or os.path.isabs(url):
+        return url
+    return os.path.normpath(os.path.join(base_dir, url))
+
+
+def is_mixture_file(path: str) -> bool:
+    """A local file named like a mixture (``.json``/``.yaml``/``.yml``) rather than a dataset root."""
+    return isinstance(path, str) and path.endswith(_SUFFIXES) and os.path.isfile(path)
+
+
+def source_seed(seed: int, name: str) -> int:
+    """The seed of one source: the loader's seed mixed with the source's name (hashed, never
+    ``hash()``), so sources shuffle independently and a source keeps its order when others change."""
+    name_key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+    words = np.random.SeedSequence([int(seed), name_key]).generate_state(2, np.uint32)
+    return (int(words[0]) << 31) ^ int(words[1])
+
+
+def source_batching(batching: Batching, name: str) -> Batching:
+    """How one source of a mixture is planned: its own seed; packed sources in units of one row
+    (``batch_size=1``), so that a step can take rows of several sources."""
+    size = 1 if batching.packing is not None else batching.batch_size
+    return replace(batching, batch_size=size, seed=source_seed(batching.seed, name))

@@ -1,0 +1,64 @@
+"""`shardtool plan`: the plan of a layout from metadata only, as text and JSON."""
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+
+from runcli import shardtool_cli
+from shardtool.loader import ShardedLoader
+from test_loader_data import write_dataset
+
+shardtool = functools.partial(shardtool_cli, timeout=120)
+
+
+@pytest.mark.timeout(150)
+def test_plan_json_agrees_with_the_loaders(tmp_path):
+    root, _ = write_dataset(str(tmp_path / "d"), [30, 30, 30, 30])
+    out = shardtool("plan", root, "--nodes", "2", "--ranks-per-node", "2", "--batch-size", "4", "--seed", "3",
+                    "--epoch", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    loaders = [ShardedLoader(root, rank=r, world_size=4, ranks_per_node=2, batch_size=4, seed=3, num_workers=0)
+               for r in range(4)]
+    for ld in loaders:
+        ld.set_epoch(1)
+    assert rep["batches_per_rank"] == len(loaders[3])
+    # Each rank knows its data group's remainder: one per node here.
+    assert rep["remainder_samples"] == loaders[0].remainder.size + loaders[2].remainder.size
+    served = sum(int(ld.plan.lengths.sum()) for ld in loaders)
+    padded = sum(ld.plan.lengths.sum() / ld.padding_efficiency for ld in loaders)
+    assert abs(rep["padding_efficiency"] - served / padded) < 1e-9
+    assert len(rep["per_node"]["shards"]) == 2 and rep["samples"] == 120
+    assert rep["plan_seconds"] >= 0 and rep["peak_rss_mb"] > 0
+
+
+@pytest.mark.timeout(150)
+def test_plan_text_and_big_simulated_layouts(tmp_path):
+    root, _ = write_dataset(str(tmp_path / "d"), [50] * 8)
+    out = shardtool("plan", root, "--simulate-nodes", "4", "--ranks-per-node", "2", "--max-tokens", "200")
+    assert out.returncode == 0, out.stderr
+    for word in ("batches/rank", "padding eff.", "remainder", "shards/node", "bytes/node", "planning"):
+        assert word in out.stdout
+    big = shardtool("plan", "--synthetic", "300000", "--simulate-nodes", "1024", "--ranks-per-node", "8",
+                    "--batch-size", "8", "--json")
+    assert big.returncode == 0, big.stderr
+    rep = json.loads(big.stdout)
+    assert rep["layout"]["world_size"] == 8192 and rep["scope"] == "every group"
+    for key in ("plan_seconds", "peak_rss_mb", "batches_per_rank", "remainder_tokens_fraction",
+                "bytes_per_node_max_over_mean"):
+        assert key in rep
+    one = shardtool("plan", "--synthetic", "300000", "--simulate-nodes", "1024", "--ranks-per-node", "8",
+                    "--batch-size", "8", "--rank", "5000", "--json")
+    assert one.returncode == 0, one.stderr
+    mine = json.loads(one.stdout)
+    assert mine["scope"] == "rank" and mine["dp_rank"] == 5000 and mine["group"] == 625
+    assert mine["batches_per_rank"] == rep["batches_per_rank"] and 0 < mine["peak_rss_mb"] < rep["peak_rss_mb"] * 3
+
+
+@pytest.mark.timeout(150)
+def test_plan_errors_are_clean(tmp_path):
+    root, _ = write_dataset(str(tmp_path / "d"), [5])
+    out = shardtool("plan", root, "--nodes", "8", "--ranks-per-node", "8", "--batch-size", "4")
+    assert out.returncode == 1 and "too small" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,48 @@
+"""verify: catches a flipped byte and a truncated shard, naming each bad shard, exit 1."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import shardtool
+from data_gen import image_samples, token_records, write_jsonl, write_tree
+from fsutil import flip_byte
+from runcli import shardtool_cli as _cli
+from shardtool.pack.verify import verify
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fmt", ["tar", "arrow"])
+def test_verify_flipped_byte_and_truncation(tmp_path, fmt):
+    out = str(tmp_path / "o")
+    shardtool.pack(write_jsonl(str(tmp_path / "in.jsonl"), token_records(200)), out, format=fmt,
+                   samples_per_shard=50, length="tokens")
+    assert verify(out)["ok"]
+    assert verify("file://" + out)["ok"]
+    p = _cli("verify", out)
+    assert p.returncode == 0 and "OK" in p.stdout
+    shards = [s.path for s in shardtool.open_dataset(out).manifest.shards]
+    flip, trunc = os.path.join(out, shards[1]), os.path.join(out, shards[3])
+    flip_byte(flip, 700, 0x01)
+    with open(trunc, "r+b") as f:
+        f.truncate(os.path.getsize(trunc) - 100)
+    rep = verify(out)
+    assert not rep["ok"] and sorted(b["shard"] for b in rep["bad"]) == sorted([shards[1], shards[3]])
+    p = _cli("verify", out)
+    assert p.returncode == 1
+    assert shards[1] in p.stderr and shards[3] in p.stderr and "truncated" in p.stderr
+    p = _cli("verify", out, "--json")
+    assert p.returncode == 1 and len(json.loads(p.stdout)["bad"]) == 2
+
+
+@pytest.mark.timeout(60)
+def test_verify_catches_index_that_disagrees_with_shard(tmp_path):
+    out = str(tmp_path / "o")
+    shardtool.pack(write_tree(str(tmp_path / "t"), image_samples(10)), out)
+    ds = shardtool.open_dataset(out)
+    idx = os.path.join(out, ds.manifest.shards[0].index)
+    flip_byte(idx, 200)
+    rep = verify(out)
+    assert not rep["ok"] and rep["bad"][0]["shard"] == ds.manifest.shards[0].path
