@@ -162,7 +162,7 @@ class ShardedLoader:
                                  stall_timeout=stall_timeout)
             from .staging import staging_for  # lazy: imports the cache, as a loader with a cache_dir does
 
-            self._staging = staging_for(self, stage, cache_dir)
+            self._staging = staging_for(self, stage, cache_dir, one_dataset=type(self) is ShardedLoader)
         except BaseException:
             self.close()
             raise

@@ -97,16 +97,17 @@ class Staging:
         # The stager stays while other ranks still read; it exits when they close or this process ends.
 
 
-def staging_for(loader, stage: bool | str | None, cache_dir: str | None) -> Staging | None:
-    """The staging of a `ShardedLoader` (None: off), from ``stage=`` or SHARDTOOL_STAGE."""
-    from .sharded import ShardedLoader
+def staging_for(loader, stage: bool | str | None, cache_dir: str | None, *, one_dataset: bool) -> Staging | None:
+    """The staging of a `ShardedLoader` (None: off), from ``stage=`` or SHARDTOOL_STAGE.
 
-    if type(loader) is not ShardedLoader and stage is None:
+    ``one_dataset``: the loader reads one dataset (not a Mixture's loader, which is not staged); the
+    caller says so, so that this module need not import the loader class (imports go one way)."""
+    if not one_dataset and stage is None:
         return None  # SHARDTOOL_STAGE set for a job does not apply to a Mixture's loader
     mode = stage_mode(stage, os.environ)
     if not mode:
         return None
-    if not cache_dir or type(loader) is not ShardedLoader:
+    if not cache_dir or not one_dataset:
         raise ValueError("stage= stages one dataset into a node cache: give cache_dir= (a Mixture is not staged)")
     cache = loader.reader.source._cache
     if cache.read_only:  # root's prolog cache: what it lacks goes to the user's own cache, on a miss

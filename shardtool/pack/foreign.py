@@ -17,7 +17,7 @@ import os
 from typing import Iterator
 
 from ..format.errors import BadSampleError
-from .units import Unit
+from .unit import Unit
 
 
 def foreign_units(src: str) -> list[Unit] | None:

@@ -27,7 +27,7 @@ import numpy as np
 from ..format.errors import BadSampleError, FormatError
 from ..format.manifest import safe_relpath
 from .mds import _gather
-from .units import Unit
+from .unit import Unit
 
 # litdata.constants: _NUMPY_SCTYPES (index = the code in "no_header_numpy:N") and _TORCH_DTYPES_MAPPING
 NUMPY_CODES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",

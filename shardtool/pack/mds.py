@@ -27,7 +27,7 @@ import numpy as np
 
 from ..format.errors import BadSampleError, FormatError
 from ..format.manifest import safe_relpath
-from .units import Unit
+from .unit import Unit
 
 SCALARS = {"uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16", "float32", "float64"}
 BINARY = {"bytes", "jpeg", "png"}

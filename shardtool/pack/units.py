@@ -18,6 +18,7 @@ from typing import Any
 from ..format.errors import BadSampleError, ShardtoolError
 from ..format.keys import key_problem
 from .options import strip_file_scheme
+from .unit import Unit
 from .tree import PER_FILE_HINT, OnBad, image_folder_samples, per_file_samples, walk_files
 
 JSONL_CHUNK = 8 << 20  # small enough to balance workers when samples are costly (tokenizing)
@@ -26,31 +27,6 @@ ARROW_UNIT_ROWS = 65536
 # Other loaders' datasets (see .foreign) read as record batches, like Parquet.
 FOREIGN = ("megatron", "mds", "litdata")
 STRUCTURED = ("jsonl", "parquet", "arrow", "memory") + FOREIGN
-
-
-@dataclass(frozen=True)
-class Unit:
-    kind: str  # jsonl | parquet | arrow | tar | tree | files | images | memory (sources.py) | FOREIGN (foreign.py)
-    path: str
-    start: int = 0  # jsonl: byte offset; parquet: row group; arrow: first batch; tree: first sample
-    stop: int = -1
-    count: int = -1  # samples (jsonl: lines) or -1 if not known without reading
-    first_line: int = 0  # jsonl: line number of the chunk's first line in its file
-    weight: int = 1  # bytes (or an estimate), for balancing
-    # tree: ((key, ((ext, path), ...)), ...); files: ((key, relative path, path), ...);
-    # images: ((key, field, label, path), ...)
-    members: tuple = field(default=(), compare=False)
-    # memory: the source's adapter; images: the tree's class names, in label order
-    obj: Any = field(default=None, compare=False, repr=False)
-
-    @property
-    def stream(self) -> bool:
-        """A one-shot source (a generator, a RecordBatchReader): read once, by one process."""
-        return self.kind == "memory" and self.count < 0
-
-    @property
-    def structured(self) -> bool:
-        return self.kind in STRUCTURED
 
 
 def kind_of(path: str) -> str | None:
