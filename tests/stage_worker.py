@@ -1,4 +1,4 @@
-"""One rank of a 2-rank gloo job for in-job staging tests (tests/test_stage_ddp.py) and the staging
+"""One rank of a 2-rank gloo job for in-job staging tests (tests/e2e/test_stage_ddp.py) and the staging
 benchmark (benchmarks/staging.py).
 
   python stage_worker.py JOBS.json   forks every rank of every job (tests/forkranks.py), one line of

@@ -19,7 +19,7 @@ from test_loader_data import write_dataset
 from shardtool.cache import warm
 from shardtool.plan import Layout, Placement
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(TESTS, "stage_worker.py")
 SHARDS = 16
 

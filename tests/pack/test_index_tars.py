@@ -24,7 +24,7 @@ from shardtool.pack import pack
 from shardtool.pack.inplace import index_tars
 from shardtool.pack.verify import verify
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)
 
 
