@@ -16,7 +16,8 @@ from .budget import cached_versions, disk_free, evict, scan
 from .evict import effective_limit
 from .layout import META_DIR, lengths_rel, read_sources
 from .locks import try_exclusive
-from .meta import local_matches, stamp_found_intact
+from .meta import stamp_found_intact
+from .plain import found_intact
 from .store import read_verified_local
 
 TEMP_GRACE_S = 600  # a metadata temp file untouched this long belongs to a dead writer
@@ -62,9 +63,10 @@ def verify(cache_dir: str, *, remove_bad: bool = True) -> dict:
                 if not held:
                     res["busy"].append(p)  # being fetched or read: checked by its holder
                     continue
-                if local_matches(p, info):
+                form, record = found_intact(vd, i, info, p)  # a plain copy: against its recorded hash
+                if form is not None:
                     res["ok"] += 1
-                    stamp_found_intact(vd, i, info)
+                    stamp_found_intact(vd, i, info, record)
                 else:
                     res["bad"].append(p)
                     vd.drop_stamp(i)

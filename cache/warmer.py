@@ -30,6 +30,7 @@ from .evict import choose_fit, effective_limit, plan_eviction
 from .layout import VersionDir, record_source
 from .meta import COPIED, HIT, ensure_index, ensure_lengths, ensure_shard, ensure_summaries, store_manifest
 from .perms import DEFAULT_PERMS, Perms
+from .plain import cached_size, mark_keep_compressed, wants_plain
 from .report import WarmReport, data_layout_dict
 from .retry import RetryPolicy
 from .store import Source, local_fault
@@ -80,7 +81,7 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
          strict: bool = False, timeout: float | None = None, verify: bool = False, durable: bool = False,
          retry: RetryPolicy = RetryPolicy(), storage_options: dict | None = None, progress: bool | None = None,
          env: Mapping[str, str] | None = None, log=None, perms: Perms = DEFAULT_PERMS,
-         keep: Iterable[str] = ()) -> WarmReport:
+         keep: Iterable[str] = (), keep_compressed: bool = False) -> WarmReport:
     """Warm ``cache_dir`` with the shards node ``placement.node`` of its layout reads (every shard
     with ``all_shards``). Never raises for remote or local failures: the returned report carries
     ``status`` and ``exit_code``. ``placement=None`` without ``all_shards`` means one node;
@@ -91,7 +92,9 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
     (:mod:`shardtool.cache.durability`). ``perms``: modes and group of what the warm writes (default
     0644 files, 0755 directories, whatever the umask: the job's user must read what root warmed).
     ``keep``: dataset versions whose assigned shards a budget must not evict (the other sources of
-    a mixture warmed into the same cache: `shardtool.cache.mixwarm`)."""
+    a mixture warmed into the same cache: `shardtool.cache.mixwarm`). A compressed Arrow dataset is
+    decompressed into the cache (plain, memory-mappable shards; `shardtool.cache.plain`), the budget
+    counting plain bytes, unless ``keep_compressed``; the loader's fetch-on-miss follows that choice."""
     began = time.monotonic()
     deadline = None if timeout is None else began + timeout
     if progress is None:
@@ -107,7 +110,8 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
     try:
         _warm(report, url, cache_dir, placement=None if all_shards else placement, data_layout=data_layout, jobs=jobs, max_bytes=max_bytes,
               min_free=min_free, best_effort=best_effort, deadline=deadline, verify=verify, durable=durable, retry=retry,
-              storage_options=storage_options, progress=progress, log=log, perms=perms, keep=frozenset(keep))
+              storage_options=storage_options, progress=progress, log=log, perms=perms, keep=frozenset(keep),
+              keep_compressed=keep_compressed)
     except LocalFault as e:
         report.status, report.error = "local_fault", str(e)
     except UsageError as e:
@@ -124,7 +128,8 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
 
 
 def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, max_bytes, min_free, best_effort, deadline,
-          verify, durable, retry, storage_options, progress, log, perms, keep=frozenset()) -> None:
+          verify, durable, retry, storage_options, progress, log, perms, keep=frozenset(),
+          keep_compressed=False) -> None:
     check_cache_dir(cache_dir, perms)
     try:
         src = Source(url, storage_options)
@@ -156,6 +161,13 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
     shards = assigned_shards(summaries, placement, data_layout)
     report.assigned = len(shards)
     report.assigned_bytes = sum(m.shards[i].bytes for i in shards)
+    plain = wants_plain(m, keep_compressed)
+    size_in_cache = {i: cached_size(m, m.shards[i], keep_compressed) for i in shards}
+    if m.compression is not None:
+        report.compression = m.compression
+        report.decompressed = plain
+        report.assigned_cache_bytes = sum(size_in_cache.values())
+        mark_keep_compressed(vd, keep_compressed)
     recorded = {**report.layout, "data_layout": report.data_layout} if report.layout else {"all": True}
     vd.write_assigned(shards, recorded)
 
@@ -172,7 +184,8 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
             report.bytes_skipped += m.shards[i].bytes
         else:
             todo.append(i)
-    todo = _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log, keep)
+    todo = _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log, keep,
+                       size_in_cache)
 
     bar = _Progress(sum(m.shards[i].bytes for i in todo), progress)
     lock = threading.Lock()
@@ -188,7 +201,7 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
             return
         try:
             outcome = ensure_shard(vd, i, info, src, on_bytes=bar, on_retry=retried, verify=verify, durable=durable,
-                                   **kw)
+                                   plain=plain, **kw)
         except LocalFault:
             raise
         except CacheError as e:  # a remote error, or a lock wait that ran past the deadline
@@ -199,6 +212,7 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
             if outcome == COPIED:
                 report.shards_copied += 1
                 report.bytes_copied += info.bytes
+                report.cache_bytes_written += _size(vd.path(info.path), info.bytes)
             else:
                 report.shards_skipped += 1
                 report.bytes_skipped += info.bytes
@@ -243,11 +257,20 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
         log(f"failed shard #{i} {m.shards[i].path}: {failed[i]}")
 
 
+def _size(path: str, default: int) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:  # evicted already by another process's budget
+        return default
+
+
 def _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log,
-                keep=frozenset()) -> list[int]:
+                keep=frozenset(), size_in_cache=None) -> list[int]:
+    """``size_in_cache``: shard -> bytes it takes in the cache (plain bytes where decompressed)."""
     if max_bytes is None and min_free is None:
         return todo
-    incoming = sum(m.shards[i].bytes for i in todo)
+    size = size_in_cache or {i: m.shards[i].bytes for i in todo}
+    incoming = sum(size[i] for i in todo)
     entries, where, used = scan(cache_dir, current=vd, assigned=set(shards), protected=set(shards), keep=keep)
     limit = effective_limit(used, disk_free(cache_dir), max_bytes=max_bytes, min_free=min_free)
     victims, shortfall = plan_eviction(entries, used=used, limit=limit, incoming=incoming)
@@ -263,7 +286,7 @@ def _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, bes
             raise BudgetError(msg, needed=needed, available=max(limit, 0))
         freed, gone = evict(where, entries, evictable)
         report.evicted_shards, report.evicted_bytes = len(gone), freed
-        take, leave = choose_fit([(i, m.shards[i].bytes) for i in todo], room)
+        take, leave = choose_fit([(i, size[i]) for i in todo], room)
         report.not_fitted = sorted(leave)
         report.warnings.append(msg + f"; best effort: warming {len(take)} shard(s), {len(leave)} did not fit")
         log(report.warnings[-1])
@@ -281,7 +304,7 @@ def _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, bes
            f"(--max-bytes={max_bytes}, --min-free={min_free})")
     if not best_effort:
         raise BudgetError(msg, needed=used - freed + incoming, available=limit)
-    take, leave = choose_fit([(i, m.shards[i].bytes) for i in todo], room)
+    take, leave = choose_fit([(i, size[i]) for i in todo], room)
     report.not_fitted = sorted(leave)
     report.warnings.append(msg + f"; best effort: warming {len(take)} shard(s), {len(leave)} did not fit")
     log(report.warnings[-1])

@@ -67,7 +67,7 @@ class BatchReader:
         mapped = src.map_shard(shard)
         try:
             v = ShardView(mapped, index, ds.manifest.fields, tar=self.tar, pad_field=self.pad_field,
-                          allow_pickle=ds.allow_pickle, compressed=ds.manifest.compression is not None)
+                          allow_pickle=ds.allow_pickle, compressed=ds.shard_compressed(shard))
         except BaseException:
             mapped.close()
             raise
