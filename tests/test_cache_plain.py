@@ -16,6 +16,7 @@ import torch
 import shardtool
 from fsutil import flip_byte, temps
 from realtext import byte_ids, stdlib_files
+from runcli import repo_env, shardtool_cli
 from shardtool.cache import RetryPolicy, VersionDir, admin, open_cache, warm
 from shardtool.cache.errors import NotCached
 from shardtool.cache.plain import record_path, stored_copy_path
@@ -224,7 +225,7 @@ def test_concurrent_decompression_by_warmers_and_a_loader_yields_one_good_file(t
     m = shardtool.open_dataset(src).manifest
     assert len(m.shards) >= 3
     cdir, go = str(tmp_path / "cache"), str(tmp_path / "go")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    env = repo_env()
     procs = [subprocess.Popen([sys.executable, "-c", RACER, kind, src, cdir, go], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env)
              for kind in ("warm", "warm", "load", "load")]
@@ -265,3 +266,20 @@ def test_real_text_compressed_through_the_cache(tmp_path):
 
     want = epoch(str(tmp_path / "plain"))
     assert want and epoch(src, cache_dir=cdir) == want
+
+
+def test_inspect_and_plan_report_stored_and_plain_bytes(packed):
+    from shardtool.pack.summary import inspect
+
+    m = shardtool.open_dataset(packed["zstd"]).manifest
+    plain = sum(s.raw_bytes for s in m.shards)
+    info = inspect(packed["zstd"], peek=False)
+    assert info["stored_bytes"] == m.num_bytes and info["plain_bytes"] == plain
+    assert inspect(packed[None], peek=False)["plain_bytes"] == shardtool.open_dataset(packed[None]).manifest.num_bytes
+    r = shardtool_cli("plan", packed["zstd"], "--nodes", "2", "--ranks-per-node", "2", "--batch-size", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["compression"] == "zstd" and sum(rep["per_node"]["plain_bytes"]) >= plain  # boundary shards twice
+    assert rep["plain_bytes_per_node"]["max"] > 1.3 * rep["bytes_per_node"]["max"]
+    text = shardtool_cli("plan", packed["zstd"], "--nodes", "2", "--ranks-per-node", "2", "--batch-size", "8").stdout
+    assert "plain/node" in text
