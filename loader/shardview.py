@@ -11,11 +11,15 @@ one memcpy per row and no per-sample decoding.
 
 A compressed Arrow shard's buffers are not in the file as they are read, so its samples are read
 from decompressed record batches instead (`_CompressedBatches`: one batch decompressed when a
-sample needs it, the last few kept); the uncompressed path is unchanged.
+sample needs it, recently used ones kept); `token_pieces` groups a training batch's samples by
+record batch, so each is decompressed at most once per training batch and its tokens are gathered
+with the same one-memcpy-per-row path as a plain shard's. (The node cache holds such shards
+plain, `cache.plain`: this path serves datasets read in place or ranged, without a cache.)
 """
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -24,6 +28,8 @@ import pyarrow as pa
 
 from ..format import FieldSpec, FormatError, decode_bytes
 from ..format.arrowshard import check_schema
+from ..format.sindex import as_numpy
+from ..format.sizes import parse_size
 
 from .source import MappedFile
 
@@ -58,7 +64,7 @@ class ShardView:
     """Byte ranges of every field of every sample of one shard, and its map."""
 
     def __init__(self, mapped: MappedFile, index, fields: list[FieldSpec], *, tar: bool,
-                 pad_field: str | None, allow_pickle: bool = False, compressed: bool = False):
+                 pad_field: str | None, allow_pickle: bool = False, compressed: bool = False, plain_bytes: int = 0):
         self.mapped = mapped
         self.name = mapped.shard_name
         self.keys = np.array(index.keys, dtype=object)
@@ -68,15 +74,20 @@ class ShardView:
         self.u8 = np.frombuffer(buf, dtype=np.uint8)
         self.decoders = [decoder(f, tar, allow_pickle, f"shard {self.name}") for f in fields]
         self.tok_view = self.tok_bytes = None
+        self.tok_dtype: np.dtype | None = None  # the length field's dtype where batches gather it fast
         self._tok_ranges = self.bytes_besides_tokens = None
         self.pad_col = next((j for j, f in enumerate(fields) if f.name == pad_field), None)
         self._batches = None
         if compressed and not tar:
-            self._batches = _CompressedBatches(buf, index, fields, self.name)
+            fast = self.pad_col is not None and is_int_array(fields[self.pad_col])
+            self._batches = _CompressedBatches(buf, index, fields, self.name, self.pad_col if fast else None,
+                                               plain_bytes)
             self.bytes_fields = [False] * nf  # no slices of the map to hand out
             # A read touches its record batch: each sample's share of its batch's stored bytes.
             _, where, rows = np.unique(index.batch, return_inverse=True, return_counts=True)
             self.sample_bytes = index.sizes.astype(np.int64) // rows[where.reshape(-1)]
+            if self.pad_col is not None and is_int_array(fields[self.pad_col]):
+                self.tok_dtype = np.dtype(fields[self.pad_col].dtype)
             return
         if tar:
             self.starts = index.offsets.astype(np.int64)[:, None] + index.field_offsets.astype(np.int64)
@@ -95,6 +106,7 @@ class ShardView:
         # a worker's start-up but cost more per batch when a batch spans many shards.
         self.tok_view = np.frombuffer(self.mapped.buffer(), dtype=np.dtype(spec.dtype),
                                       count=self.mapped.size // np.dtype(spec.dtype).itemsize)
+        self.tok_dtype = self.tok_view.dtype
         self.tok_bytes = memoryview(self.mapped.buffer()).cast("B")  # rows are copied as raw bytes
         self._tok_ranges = self._parse(self.starts[:, self.pad_col], self.sizes[:, self.pad_col], npy=tar)
         # When every sample has the same bytes besides its tokens (a token-only shard: the npy
@@ -111,6 +123,18 @@ class ShardView:
         if self._tok_ranges is None:
             return None
         return self._tok_ranges[0][li], self._tok_ranges[1][li]
+
+    def token_pieces(self, rows: np.ndarray, li: np.ndarray) -> list[tuple] | None:
+        """[(rows, first element, element count, which, buffers)]: where the length field's payload
+        of samples ``li`` (rows ``rows`` of a batch) lies, sample k's in ``buffers[which[k]]`` (raw
+        bytes): the map for a plain shard, its decompressed record batches for a compressed one;
+        None where one is not a plain array."""
+        if self._batches is None:
+            r = self.token_ranges(li)
+            return None if r is None else [(rows, r[0], r[1], np.zeros(len(li), np.int64), [self.tok_bytes])]
+        if self.tok_dtype is None:
+            return None
+        return self._batches.token_pieces(rows, li)
 
     def _parse(self, start: np.ndarray, size: np.ndarray, *, npy: bool) -> tuple[np.ndarray, np.ndarray] | None:
         """(first element, element count) of every sample's payload at byte ``start``, ``size``
@@ -196,7 +220,7 @@ def _arrow_ranges(buf, file_size: int, index, fields: list[FieldSpec], name: str
 def _column_ranges(col, spec: FieldSpec, base: int, m: int) -> tuple[np.ndarray, np.ndarray]:
     bufs = col.buffers()
     if spec.storage == "array":
-        offs = col.offsets.to_numpy().astype(np.int64)
+        offs = as_numpy(col.offsets).astype(np.int64)  # not to_numpy: its first call imports pandas
         values = col.values
         item = np.dtype(spec.dtype).itemsize
         data = values.buffers()[1]
@@ -209,6 +233,19 @@ def _column_ranges(col, spec: FieldSpec, base: int, m: int) -> tuple[np.ndarray,
     return addr + offs[:-1], np.diff(offs)
 
 
+def decompressed_cache_cap(env) -> int:
+    """The most a process keeps of decompressed record batches (reads of compressed shards without
+    a node cache): ``SHARDTOOL_DECOMPRESSED_CACHE`` (a size, e.g. 8GiB), else 1/32 of the machine's
+    memory (a node runs ranks x (workers + 1) readers)."""
+    text = env.get("SHARDTOOL_DECOMPRESSED_CACHE")
+    if text:
+        return parse_size(text, what="SHARDTOOL_DECOMPRESSED_CACHE", positive=True)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 32
+    except (ValueError, OSError):
+        return _CompressedBatches.CACHE_BYTES
+
+
 def _data_buffer(col, spec: FieldSpec):
     """The buffer holding a column's values, which `_column_ranges` addresses are relative to."""
     if spec.storage == "array":
@@ -219,14 +256,24 @@ def _data_buffer(col, spec: FieldSpec):
 class _CompressedBatches:
     """Samples of a compressed Arrow shard: each record batch decompressed when first needed and
     kept in a per-process cache of decompressed batches (`CACHE_BYTES` over every shard, least
-    recently used evicted), so a shard read again and again is decompressed about once."""
+    recently used evicted), so a shard read again and again is decompressed about once.
 
-    CACHE_BYTES = 256 << 20
-    _cache: OrderedDict = OrderedDict()  # (view id, batch) -> (fields' (buffer, starts, sizes), bytes)
+    Where the length field is an integer array (``tok_col``), decompressing a batch also records
+    where each of its samples' tokens start in the batch's buffer and how many there are, per
+    sample of the shard: those positions do not change when the batch is evicted and decompressed
+    again, so `token_pieces` gathers a training batch with a few vectorised lookups and one cache
+    lookup per distinct record batch, not numpy work per record batch."""
+
+    CACHE_BYTES = 256 << 20  # the least a process keeps
+    _cap: int | None = None  # the most (decompressed_cache_cap), read once per process
+    _share = 0  # plain bytes of the compressed shards this process has open: the rank's share
+    decompressed = 0  # record batches this process decompressed (a pass over a share that fits: each once)
+    _cache: OrderedDict = OrderedDict()  # (view id, batch) -> (fields' (bytes view, starts, sizes), bytes)
     _cached_bytes = 0
     _next_id = 0
 
-    def __init__(self, buf, index, fields: list[FieldSpec], name: str):
+    def __init__(self, buf, index, fields: list[FieldSpec], name: str, tok_col: int | None = None,
+                 plain_bytes: int = 0):
         try:
             # One thread: a record batch is small, and Arrow's pool spent more on handing its
             # columns out than on decompressing them (131 against 196 us a 64 KiB zstd batch).
@@ -240,6 +287,19 @@ class _CompressedBatches:
         self.uid = cls._next_id
         cls._next_id += 1
         self._mine: set[int] = set()
+        # Shuffled reads touch every batch of the rank's shards in every stretch of an epoch: a
+        # cache smaller than their plain bytes decompresses most batches many times a pass.
+        self.plain_bytes = plain_bytes
+        cls._share += plain_bytes
+        self.tok_col = tok_col
+        if tok_col is not None:
+            self._item = np.dtype(fields[tok_col].dtype).itemsize
+            n = len(index.batch)
+            self._first = np.full(n, -1, np.int64)  # -1: its batch not decompressed yet
+            self._count = np.zeros(n, np.int64)
+            self._tok_ok = True  # False once a payload is not whole elements (then decoded per sample)
+            self._by_batch = np.argsort(self.batch, kind="stable")
+            self._batch_at = np.searchsorted(self.batch[self._by_batch], np.arange(int(self.batch.max(initial=-1)) + 2))
 
     def _decoded(self, b: int) -> list:
         cls = _CompressedBatches
@@ -258,24 +318,61 @@ class _CompressedBatches:
             data = _data_buffer(col, spec)
             base = data.address if data is not None else 0
             starts, sizes = _column_ranges(col, spec, base, rb.num_rows)
-            got.append((data, starts, sizes))
+            view = memoryview(np.frombuffer(data, np.uint8)) if data is not None else memoryview(b"")
+            got.append((view, starts, sizes))
+            if j == self.tok_col:
+                self._note_tokens(b, starts, sizes)
         nbytes = rb.nbytes
+        cls.decompressed += 1
         cls._cache[key] = (got, nbytes)
         cls._cached_bytes += nbytes
         self._mine.add(b)
-        while cls._cached_bytes > cls.CACHE_BYTES and len(cls._cache) > 1:
+        while cls._cached_bytes > cls.budget() and len(cls._cache) > 1:
             (uid, old), (_, n) = cls._cache.popitem(last=False)
             cls._cached_bytes -= n
         return got
 
+    def _note_tokens(self, b: int, starts: np.ndarray, sizes: np.ndarray) -> None:
+        """Token positions of batch ``b``'s samples (element offsets into its values buffer)."""
+        samples = self._by_batch[self._batch_at[b]:self._batch_at[b + 1]]
+        if not len(samples) or self._first[samples[0]] >= 0:
+            return  # decompressed before, then evicted: the positions are the same
+        item = self._item
+        if (starts % item).any() or (sizes % item).any():
+            self._tok_ok = False
+            return
+        rows = self.row[samples].astype(np.int64)
+        self._first[samples] = starts[rows] // item
+        self._count[samples] = sizes[rows] // item
+
+    def token_pieces(self, rows: np.ndarray, li: np.ndarray) -> list[tuple] | None:
+        """`ShardView.token_pieces`: (rows, first, count, which, buffers), ``which`` indexing
+        ``buffers`` (the length field's values of each distinct record batch of ``li``)."""
+        ub, which = np.unique(self.batch[li], return_inverse=True)
+        j = self.tok_col
+        bufs = [self._decoded(k)[j][0] for k in ub.tolist()]
+        if not self._tok_ok:
+            return None
+        return [(rows, self._first[li], self._count[li], which.reshape(-1), bufs)]
+
     def field_bytes(self, i: int, j: int) -> bytes:
-        data, starts, sizes = self._decoded(int(self.batch[i]))[j]
+        view, starts, sizes = self._decoded(int(self.batch[i]))[j]
         r = int(self.row[i])
-        size = int(sizes[r])
-        return data[int(starts[r]) : int(starts[r]) + size].to_pybytes() if size else b""
+        a = int(starts[r])
+        return bytes(view[a : a + int(sizes[r])])
+
+    @classmethod
+    def budget(cls) -> int:
+        """Bytes of decompressed batches kept: the open shards' plain bytes, at least CACHE_BYTES,
+        at most `decompressed_cache_cap`."""
+        if cls._cap is None:
+            cls._cap = decompressed_cache_cap(os.environ)
+        return max(cls.CACHE_BYTES, min(cls._share + (cls._share >> 4), cls._cap))
 
     def close(self) -> None:
         cls = _CompressedBatches
+        cls._share -= self.plain_bytes
+        self.plain_bytes = 0
         for b in self._mine:
             hit = cls._cache.pop((self.uid, b), None)
             if hit is not None:

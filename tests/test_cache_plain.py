@@ -283,3 +283,26 @@ def test_inspect_and_plan_report_stored_and_plain_bytes(packed):
     assert rep["plain_bytes_per_node"]["max"] > 1.3 * rep["bytes_per_node"]["max"]
     text = shardtool_cli("plan", packed["zstd"], "--nodes", "2", "--ranks-per-node", "2", "--batch-size", "8").stdout
     assert "plain/node" in text
+
+
+def _epoch(url, workers=0, **kw):
+    ld = ShardedLoader(url, seed=4, rank=0, world_size=1, num_workers=workers, **kw)
+    return [{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in ld]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("shape", [dict(max_tokens=2048), dict(batch_size=8, seq_len=256),
+                                   dict(batch_size=16, pad_id=2**40)])
+def test_compressed_read_in_place_gathers_batches_like_plain(packed, workers, shape):
+    assert _epoch(packed["zstd"], workers, **shape) == _epoch(packed[None], workers, **shape)
+
+
+def test_a_pass_in_place_decompresses_each_record_batch_once(packed):
+    from shardtool.loader.shardview import _CompressedBatches
+
+    ds = shardtool.open_dataset(packed["zstd"])
+    batches = sum(len(np.unique(ds.shard_index(s).batch)) for s in range(ds.num_shards))
+    ld = ShardedLoader(packed["zstd"], max_tokens=1024, seed=2, rank=0, world_size=1, num_workers=0)
+    before = _CompressedBatches.decompressed
+    assert len(list(ld)) > 50  # shuffled batches: each touches many record batches, each record batch many batches
+    assert _CompressedBatches.decompressed - before == batches
