@@ -35,9 +35,17 @@ def ls(cache_dir: str) -> list[dict]:
         present = sum(1 for s in m.shards if os.path.exists(vd.path(s.path)))
         out.append({"dir": name, "version": vd.version, "urls": urls.get(name, []), "shards": len(m.shards),
                     "cached": len(cached), "untrusted_present": present - len(cached),
-                    "cached_bytes": sum(m.shards[i].bytes for i in cached), "dataset_bytes": m.num_bytes,
+                    "cached_bytes": sum(_size(vd.path(m.shards[i].path)) for i in cached),  # plain where decompressed
+                    "dataset_bytes": m.num_bytes,
                     "assigned": len(vd.read_assigned())})
     return out
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def verify(cache_dir: str, *, remove_bad: bool = True) -> dict:

@@ -4,7 +4,8 @@
 
     CACHE_DIR/
       sources.json                 url -> dataset version last seen there (for offline starts)
-      <algo>-<hex>/                one directory per dataset version: itself a dataset root
+      <algo>-<hex>/                one directory per dataset version: itself a dataset root (except that a
+                                   compressed dataset's shards are plain here: read it through open_cache)
         index.json  lengths.npy    same names and relative shard/index paths as the source
         <shard paths> <index paths>
         .shardtool/locks/<i>.lock  per-shard flock (exclusive: fetch/evict, shared: read)

@@ -100,9 +100,14 @@ class BatchReader:
         shard, local = self.locate(ids)
         if not self.source.local:
             ds = self.source.dataset
-            if self.probe is not None:
-                return [self._remote_sample(ds, s, i) for s, i in zip(shard.tolist(), local.tolist())]
-            return [ds.read(int(s), int(i)) for s, i in zip(shard.tolist(), local.tolist())]
+            # Read in (shard, sample) order, handed back in the batch's order: the samples of one
+            # Arrow record batch are then read in a run, so it is fetched (and, compressed,
+            # decompressed) once per training batch, not once per sample.
+            out: list[Any] = [None] * len(ids)
+            read = (lambda s, i: self._remote_sample(ds, s, i)) if self.probe is not None else ds.read
+            for k in np.lexsort((local, shard)).tolist():
+                out[k] = read(int(shard[k]), int(local[k]))
+            return out
         if self.probe is not None:
             self._count(self._groups(shard, local))
         return self._local_samples(shard, local)

@@ -306,3 +306,20 @@ def test_a_pass_in_place_decompresses_each_record_batch_once(packed):
     before = _CompressedBatches.decompressed
     assert len(list(ld)) > 50  # shuffled batches: each touches many record batches, each record batch many batches
     assert _CompressedBatches.decompressed - before == batches
+
+
+def test_compressed_ranged_reads_without_a_cache_fetch_each_record_batch_once_per_batch(packed):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")  # not local: the loader reads it by ranged requests, sample by sample
+    fs.put(packed["zstd"], "/zs-remote", recursive=True)
+    want = _epoch(packed[None], 0, batch_size=32)
+    ld = ShardedLoader("memory:///zs-remote", seed=4, rank=0, world_size=1, num_workers=0, batch_size=32)
+    got = [{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in ld]
+    assert got == want
+    # The remote tier counts a record batch's bytes once per run of its rows: read in (shard,
+    # sample) order, once per training batch that touches it, not once per sample.
+    remote = ld.metrics()["cumulative"]["bytes_read"]["remote"]
+    ds = shardtool.open_dataset(packed["zstd"])
+    per_sample = sum(int(ds.shard_index(s).sizes.sum()) for s in range(ds.num_shards))
+    assert 0 < remote < 0.8 * per_sample
