@@ -19,7 +19,7 @@ from .layout import VersionDir, lengths_rel
 from .locks import DONE, TIMED_OUT, exclusive_unless
 from .plain import decompress, found_intact, remove_leftovers, stored_copy_path
 from .retry import RetryPolicy
-from .store import Source, copy_shard, local_fault, read_verified_local, remove_temps_for, store_verified
+from .store import Source, copy_shard, local_fault, read_verified_local, store_verified
 
 HIT, VERIFIED, COPIED = "hit", "verified", "copied"
 

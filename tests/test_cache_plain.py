@@ -120,7 +120,8 @@ def test_flipped_byte_in_the_plain_cached_file_is_caught_by_the_stamp_and_by_ver
     r = warm(src, cdir, all_shards=True, progress=False)
     vd = VersionDir(cdir, r.version)
     m = shardtool.open_dataset(src).manifest
-    rec = json.loads(open(record_path(vd, 0)).read())
+    with open(record_path(vd, 0)) as f:
+        rec = json.load(f)
     assert rec["stored_hash"] == m.shards[0].hash and rec["bytes"] == os.path.getsize(vd.path(m.shards[0].path))
     # A write voids the stamp: the shard is re-hashed against its plain record, found bad, refetched.
     p0 = vd.path(m.shards[0].path)
@@ -152,7 +153,9 @@ def test_keep_compressed_caches_and_caches_warmed_before_read_alike(packed, tmp_
     assert _plain_sizes(r) == [s.bytes for s in m.shards]
     vd = VersionDir(cdir, r.version)
     # A stamp without a plain record is what every cache warmed before decompression holds.
-    assert all("stored_hash" not in json.loads(open(vd.stamp_path(i)).read()) for i in range(len(m.shards)))
+    for i in range(len(m.shards)):
+        with open(vd.stamp_path(i)) as f:
+            assert "stored_hash" not in json.load(f)
     want = _batches(packed[None], 0)
     assert _batches(src, 0, cache_dir=cdir) == want
     assert _batches(src, 2, cache_dir=cdir) == want
