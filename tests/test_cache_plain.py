@@ -326,3 +326,17 @@ def test_compressed_ranged_reads_without_a_cache_fetch_each_record_batch_once_pe
     ds = shardtool.open_dataset(packed["zstd"])
     per_sample = sum(int(ds.shard_index(s).sizes.sum()) for s in range(ds.num_shards))
     assert 0 < remote < 0.8 * per_sample
+
+
+def test_warm_cli_keep_compressed_and_the_json_report(packed, tmp_path):
+    m = shardtool.open_dataset(packed["zstd"]).manifest
+    for flag, plain in (([], True), (["--keep-compressed"], False)):
+        cdir = str(tmp_path / ("keep" if flag else "plain"))
+        r = shardtool_cli("warm", packed["zstd"], "--cache-dir", cdir, "--all", "--json", "-q", *flag, timeout=120)
+        assert r.returncode == 0, r.stderr
+        rep = json.loads(r.stdout)
+        assert rep["compression"] == "zstd" and rep["decompressed"] is plain
+        assert rep["bytes_copied"] == m.num_bytes
+        assert rep["cache_bytes_written"] == (sum(_plain_sizes_present_dir(VersionDir(cdir, rep["version"]), m))
+                                              if plain else m.num_bytes)
+        assert rep["assigned_cache_bytes"] == (sum(s.raw_bytes for s in m.shards) if plain else m.num_bytes)
