@@ -39,7 +39,7 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # the checkout, also via shardtool/benchmarks
 sys.path.insert(0, ROOT)
 
 MAX_TOKENS = 65536
