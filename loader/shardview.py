@@ -235,13 +235,13 @@ def _column_ranges(col, spec: FieldSpec, base: int, m: int) -> tuple[np.ndarray,
 
 def decompressed_cache_cap(env) -> int:
     """The most a process keeps of decompressed record batches (reads of compressed shards without
-    a node cache): ``SHARDTOOL_DECOMPRESSED_CACHE`` (a size, e.g. 8GiB), else 1/32 of the machine's
-    memory (a node runs ranks x (workers + 1) readers)."""
+    a node cache): ``SHARDTOOL_DECOMPRESSED_CACHE`` (a size, e.g. 8GiB), else 1/64 of the machine's
+    memory: a node runs ranks x workers readers (8 x 2 of them would keep at most a quarter of it)."""
     text = env.get("SHARDTOOL_DECOMPRESSED_CACHE")
     if text:
         return parse_size(text, what="SHARDTOOL_DECOMPRESSED_CACHE", positive=True)
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 32
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 64
     except (ValueError, OSError):
         return _CompressedBatches.CACHE_BYTES
 
