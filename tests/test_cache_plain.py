@@ -260,15 +260,16 @@ def test_real_text_compressed_through_the_cache(tmp_path):
     cdir = str(tmp_path / "cache")
     r = warm(src, cdir, all_shards=True, jobs=2, progress=False)
     assert r.status == "ok" and r.cache_bytes_written > 1.5 * r.bytes_copied  # source text compresses well
-    shutil.rmtree(src)
     kw = dict(batch_size=4, seq_len=4096, seed=0, rank=0, world_size=1)
 
-    def epoch(url, **more):
+    def epoch(url, workers=0, **more):
         return [{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
-                for b in ShardedLoader(url, num_workers=0, **kw, **more)]
+                for b in ShardedLoader(url, num_workers=workers, **kw, **more)]
 
     want = epoch(str(tmp_path / "plain"))
-    assert want and epoch(src, cache_dir=cdir) == want
+    assert want and epoch(src, 2) == want  # read in place, compressed
+    shutil.rmtree(src)
+    assert epoch(src, cache_dir=cdir) == want
 
 
 def test_inspect_and_plan_report_stored_and_plain_bytes(packed):
