@@ -12,6 +12,8 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import shardtool
 from fsutil import flip_byte, temps
@@ -289,8 +291,8 @@ def test_inspect_and_plan_report_stored_and_plain_bytes(packed):
     assert "plain/node" in text
 
 
-def _epoch(url, workers=0, **kw):
-    ld = ShardedLoader(url, seed=4, rank=0, world_size=1, num_workers=workers, **kw)
+def _epoch(url, workers=0, seed=4, **kw):
+    ld = ShardedLoader(url, seed=seed, rank=0, world_size=1, num_workers=workers, **kw)
     return [{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in ld]
 
 
@@ -341,3 +343,22 @@ def test_warm_cli_keep_compressed_and_the_json_report(packed, tmp_path):
         assert rep["cache_bytes_written"] == (sum(_plain_sizes_present_dir(VersionDir(cdir, rep["version"]), m))
                                               if plain else m.num_bytes)
         assert rep["assigned_cache_bytes"] == (sum(s.raw_bytes for s in m.shards) if plain else m.num_bytes)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), size=st.sampled_from([("batch_size", 1), ("batch_size", 7), ("max_tokens", 700)]),
+       cache_bytes=st.sampled_from([1 << 16, 1 << 20, 256 << 20]))
+def test_compressed_in_place_batches_equal_plain_whatever_the_seed_and_the_batch_cache(packed, seed, size, cache_bytes):
+    """The delivered batches never depend on how many decompressed batches a process keeps."""
+    from shardtool.loader import batchcache
+
+    old = batchcache._CompressedBatches._cap
+    batchcache._CompressedBatches._cap = cache_bytes  # the budget is at least CACHE_BYTES: set it too
+    old_min = batchcache._CompressedBatches.CACHE_BYTES
+    batchcache._CompressedBatches.CACHE_BYTES = cache_bytes
+    try:
+        kw = {size[0]: size[1], "seed": seed}
+        assert _epoch(packed["zstd"], 0, **kw) == _epoch(packed[None], 0, **kw)
+    finally:
+        batchcache._CompressedBatches._cap = old
+        batchcache._CompressedBatches.CACHE_BYTES = old_min
