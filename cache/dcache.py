@@ -126,8 +126,6 @@ class DatasetCache:
         self.dataset = CachedDataset(self, manifest_bytes, allow_pickle=allow_pickle)
         self.manifest = self.dataset.manifest
         self.fetched_bytes = 0  # shard bytes this object copied from the source (fetch-on-miss)
-        # None: as the node's last warm (cache.plain.keeps_compressed); True/False: this process's choice
-        self.keep_compressed_flag: bool | None = None
 
     def source(self) -> Source | None:
         """The source filesystem, opened lazily (None if it cannot even be opened)."""
@@ -188,7 +186,7 @@ class DatasetCache:
 
     def keep_compressed(self, store: VersionDir) -> bool:
         """Fetch-on-miss follows the node's warm: plain unless it ran with --keep-compressed."""
-        return self.keep_compressed_flag if self.keep_compressed_flag is not None else keeps_compressed(store)
+        return keeps_compressed(store)
 
     def metadata(self, fetch: Callable[[VersionDir, Source | None], bytes]) -> bytes:
         """A small metadata file, ``fetch(vdir, source)``: from this cache, or where misses go."""

@@ -13,6 +13,8 @@
                                    shard, the boot it was written in and whether the shard was fsynced
         .shardtool/assigned.json   the shards the last warm assigned to this node
         .shardtool/plain/<i>       size and hash of a compressed shard's plain copy (cache/plain.py)
+        .shardtool/stored/<i>      its verified stored bytes while it is decompressed (under its lock)
+        .shardtool/keep-compressed the last warm ran with --keep-compressed (fetch-on-miss follows it)
 
 A shard is published only after its size and hash matched the manifest; the stamp written after
 the rename records the file's stat, so later checks are one ``stat`` per shard. Any change to the
