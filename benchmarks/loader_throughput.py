@@ -158,7 +158,8 @@ def measure(which: str, root: str, kind: str, workers: int, resume: bool = False
     env = {**os.environ, "PYTHONPATH": ROOT}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if res.returncode:
-        raise SystemExit(f"{which} {kind} w={workers} failed:\n{res.stderr[-3000:]}")
+        raise SystemExit(f"{which} {kind} w={workers} failed (exit {res.returncode}; {' '.join(cmd)}):\n"
+                         f"{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
