@@ -7,6 +7,13 @@ cache re-hash them, see shardtool.cache.durability); `warm --durable` fsyncs eve
 publishing it, so its peer is `cp -r && sync`.
 
     python -m benchmarks.warm_throughput [--shards 32] [--shard-mb 32] [--latency 0.05]
+
+``--compression zstd|lz4`` measures instead the warm of the token corpus of
+``benchmarks.loader_throughput`` (same ``--dir`` reuses it) packed as Arrow shards plain and
+compressed: wall time of each (alternating, fresh cache each time; the compressed one moves fewer
+bytes and decompresses them, -j shards at once) and the compressed/plain ratio (target <= 1.3x).
+
+    python -m benchmarks.warm_throughput --compression zstd --dir DIR [--samples 200000] [--jobs 2]
 """
 from __future__ import annotations
 
@@ -32,6 +39,38 @@ def drop(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def compressed_warm(a) -> None:
+    from benchmarks.loader_throughput import packed_pair
+
+    work = a.dir or tempfile.mkdtemp(prefix="warm-bench-")
+    roots = packed_pair(work, "tokens", a.samples, a.compression)
+    for root in roots.values():  # page cache warm for both contenders
+        subprocess.run(["cat"] + [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs],
+                       stdout=subprocess.DEVNULL, check=True)
+    times: dict = {None: [], a.compression: []}
+    report = {}
+    for r in range(a.repeat):
+        for comp in ((None, a.compression) if r % 2 == 0 else (a.compression, None)):
+            cache = os.path.join(work, "warm-cache")
+            drop(cache)
+            subprocess.run(["sync"], check=True)
+            t = time.perf_counter()
+            rep = warm(roots[comp], cache, all_shards=True, jobs=a.jobs, progress=False)
+            times[comp].append(time.perf_counter() - t)
+            if rep.status != "ok":
+                raise SystemExit(f"warm failed: {rep.error}")
+            report[comp] = rep
+    drop(os.path.join(work, "warm-cache"))
+    plain, comp = statistics.median(times[None]), statistics.median(times[a.compression])
+    rp, rc = report[None], report[a.compression]
+    print(f"plain warm -j{a.jobs}: {rp.bytes_copied / 1e9:.3f} GB in {plain:.3f}s (median of {a.repeat})")
+    print(f"{a.compression} warm -j{a.jobs}: {rc.bytes_copied / 1e9:.3f} GB moved, {rc.cache_bytes_written / 1e9:.3f} GB "
+          f"plain written, in {comp:.3f}s (median of {a.repeat})")
+    ratios = [c / p for p, c in zip(times[None], times[a.compression])]
+    print(f"compressed / plain warm time {comp / plain:.2f}x [{min(ratios):.2f}-{max(ratios):.2f}] "
+          f"(target <= 1.3x: {'met' if comp / plain <= 1.3 else 'MISSED'})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shards", type=int, default=32)
@@ -42,7 +81,12 @@ def main() -> None:
                     help="where the source dataset lives (default: inside --dir); put it on another filesystem "
                          "(e.g. /dev/shm) to measure the cross-filesystem path a parallel filesystem takes")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--compression", choices=["zstd", "lz4"], help="warm a compressed Arrow corpus against its plain twin")
+    ap.add_argument("--samples", type=int, default=200_000, help="with --compression: token samples in the corpus")
+    ap.add_argument("--jobs", "-j", type=int, default=2, help="with --compression: warm -j (default 2: the cores here)")
     a = ap.parse_args()
+    if a.compression:
+        return compressed_warm(a)
     work = a.dir or tempfile.mkdtemp(prefix="warm-bench-")
     os.makedirs(work, exist_ok=True)
     src = os.path.join(a.source_dir or work, "src")

@@ -15,7 +15,8 @@ from .budget import cached_versions, disk_free, evict, scan
 from .evict import effective_limit
 from .layout import META_DIR, lengths_rel, read_sources
 from .locks import try_exclusive
-from .meta import local_matches, stamp_found_intact
+from .meta import stamp_found_intact
+from .plain import found_intact
 from .store import read_verified_local
 
 TEMP_GRACE_S = 600  # a metadata temp file untouched this long belongs to a dead writer
@@ -33,9 +34,17 @@ def ls(cache_dir: str) -> list[dict]:
         present = sum(1 for s in m.shards if os.path.exists(vd.path(s.path)))
         out.append({"dir": name, "version": vd.version, "urls": urls.get(name, []), "shards": len(m.shards),
                     "cached": len(cached), "untrusted_present": present - len(cached),
-                    "cached_bytes": sum(m.shards[i].bytes for i in cached), "dataset_bytes": m.num_bytes,
+                    "cached_bytes": sum(_size(vd.path(m.shards[i].path)) for i in cached),  # plain where decompressed
+                    "dataset_bytes": m.num_bytes,
                     "assigned": len(vd.read_assigned())})
     return out
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def verify(cache_dir: str, *, remove_bad: bool = True) -> dict:
@@ -61,9 +70,10 @@ def verify(cache_dir: str, *, remove_bad: bool = True) -> dict:
                 if not held:
                     res["busy"].append(p)  # being fetched or read: checked by its holder
                     continue
-                if local_matches(p, info):
+                form, record = found_intact(vd, i, info, p)  # a plain copy: against its recorded hash
+                if form is not None:
                     res["ok"] += 1
-                    stamp_found_intact(vd, i, info)
+                    stamp_found_intact(vd, i, info, record)
                 else:
                     res["bad"].append(p)
                     vd.drop_stamp(i)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import fsspec
 import numpy as np
 
+from ..format.arrowshard import row_values
 from ..format.dataset import Dataset
 from ..format.manifest import MANIFEST_NAME, lengths_from_bytes, manifest_hash
 from ..format.sindex import ShardIndex
@@ -26,6 +27,7 @@ from .layout import SOURCES_NAME, VersionDir, record_source, recorded_version
 from .locks import read_lock
 from .meta import COPIED, ensure_index, ensure_lengths, ensure_shard, ensure_summaries, store_manifest
 from .perms import DEFAULT_PERMS, Perms
+from .plain import PLAIN, cached_size, keeps_compressed, wants_plain
 from .retry import RetryPolicy
 from .store import Source
 from .usercache import can_write, own_cache_dir, user_cache_dir
@@ -95,6 +97,22 @@ class CachedDataset(Dataset):
         self._cache.local_shard(shard)
         return super()._arrow_reader(shard)
 
+    def shard_compressed(self, shard: int) -> bool:
+        """Whether the cached copy is compressed: a compressed shard is cached plain unless the
+        node keeps shards compressed (`cache.plain`); ask after the shard was made present."""
+        return super().shard_compressed(shard) and not self._cache.is_plain(shard)
+
+    def _read_arrow(self, shard: int, idx, i: int):
+        # A plain copy's batches are not where the index's (stored) byte ranges say: read the
+        # trusted, memory-mapped copy by batch number instead.
+        reader = self._arrow_reader(shard)
+        if not self._cache.is_plain(shard):
+            return super()._read_arrow(shard, idx, i)
+        b = int(idx.batch[i])
+        if self._last_batch[:2] != (shard, b):
+            self._last_batch = (shard, b, reader.get_batch(b))
+        return row_values(self._last_batch[2], int(idx.row[i]), self.manifest.fields)
+
 
 class DatasetCache:
     """One dataset version in one cache directory. Thread-safe; one per process is enough.
@@ -115,6 +133,7 @@ class DatasetCache:
         self._user_lock = threading.Lock()
         self._filling_user = False  # a miss was fetched into the user's cache (warned, recorded)
         self._where: dict[int, VersionDir] = {}  # shard -> the cache holding its trusted copy
+        self._plain: set[int] = set()  # shards whose trusted copy is plain (decompressed on the way in)
         self.version = version
         self.storage_options = storage_options
         self._source = source
@@ -165,10 +184,27 @@ class DatasetCache:
     def _holder(self, shard: int) -> VersionDir | None:
         info = self.manifest.shards[shard]
         for vd in (self.vdir, self._user_vdir(create=False)):
-            if vd is not None and vd.trusted(shard, info):
+            if vd is not None and self._trusted(vd, shard):
                 self._where[shard] = vd
                 return vd
         return None
+
+    def _trusted(self, vd: VersionDir, shard: int) -> bool:
+        """Trusted in ``vd``; remembers which form the copy has (stored or plain)."""
+        form = vd.trusted_form(shard, self.manifest.shards[shard])
+        if form == PLAIN:
+            self._plain.add(shard)
+        else:
+            self._plain.discard(shard)
+        return form is not None
+
+    def is_plain(self, shard: int) -> bool:
+        """The trusted copy last seen of ``shard`` is a compressed shard's plain copy."""
+        return shard in self._plain
+
+    def keep_compressed(self, store: VersionDir) -> bool:
+        """Fetch-on-miss follows the node's warm: plain unless it ran with --keep-compressed."""
+        return keeps_compressed(store)
 
     def metadata(self, fetch: Callable[[VersionDir, Source | None], bytes]) -> bytes:
         """A small metadata file, ``fetch(vdir, source)``: from this cache, or where misses go."""
@@ -198,18 +234,20 @@ class DatasetCache:
         store = self._store()
         self._make_room(shard, store)
         try:
-            if ensure_shard(store, shard, info, src, **self.kw) == COPIED:
+            plain = wants_plain(self.manifest, self.keep_compressed(store))
+            if ensure_shard(store, shard, info, src, plain=plain, **self.kw) == COPIED:
                 self.fetched_bytes += info.bytes
         except RemoteError as e:
             raise NotCached(f"shard #{shard} {info.path} is not in the cache {store.root} and fetching it "
                             f"failed: {e}") from e
         self._where[shard] = store
+        self._trusted(store, shard)
         return store.path(info.path)
 
     def _make_room(self, shard: int, store: VersionDir) -> None:
         if self.max_bytes is None and self.min_free is None:
             return
-        size = self.manifest.shards[shard].bytes
+        size = cached_size(self.manifest, self.manifest.shards[shard], self.keep_compressed(store))
         entries, where, used = scan(store.cache_dir, current=store, protected={shard})
         limit = effective_limit(used, disk_free(store.cache_dir), max_bytes=self.max_bytes, min_free=self.min_free)
         if limit is None or used + size <= limit:
@@ -235,7 +273,7 @@ class DatasetCache:
             path = self.local_shard(shard)
             vd = self._where[shard]
             with read_lock(vd.lock_path(shard), perms=vd.perms):
-                if vd.trusted(shard, self.manifest.shards[shard]):
+                if self._trusted(vd, shard):
                     vd.touch(shard)
                     yield path
                     return

@@ -4,13 +4,17 @@
 
     CACHE_DIR/
       sources.json                 url -> dataset version last seen there (for offline starts)
-      <algo>-<hex>/                one directory per dataset version: itself a dataset root
+      <algo>-<hex>/                one directory per dataset version: itself a dataset root (except that a
+                                   compressed dataset's shards are plain here: read it through open_cache)
         index.json  lengths.npy    same names and relative shard/index paths as the source
         <shard paths> <index paths>
         .shardtool/locks/<i>.lock  per-shard flock (exclusive: fetch/evict, shared: read)
         .shardtool/ok/<i>          trust stamp: size, mtime_ns, ctime_ns, inode and hash of the verified
                                    shard, the boot it was written in and whether the shard was fsynced
         .shardtool/assigned.json   the shards the last warm assigned to this node
+        .shardtool/plain/<i>       size and hash of a compressed shard's plain copy (cache/plain.py)
+        .shardtool/stored/<i>      its verified stored bytes while it is decompressed (under its lock)
+        .shardtool/keep-compressed the last warm ran with --keep-compressed (fetch-on-miss follows it)
 
 A shard is published only after its size and hash matched the manifest; the stamp written after
 the rename records the file's stat, so later checks are one ``stat`` per shard. Any change to the
@@ -80,22 +84,34 @@ class VersionDir:
     # ------------------------------------------------------------- trust stamps
     def trusted(self, shard: int, info: ShardInfo) -> bool:
         """True if the shard file is exactly the one verified when its stamp was written."""
+        return self.trusted_form(shard, info) is not None
+
+    def trusted_form(self, shard: int, info: ShardInfo) -> str | None:
+        """"stored" (the manifest's bytes), "plain" (a compressed shard decompressed on its way
+        in, :mod:`cache.plain`) or None where the stamp does not vouch for the file."""
         try:
             st = os.stat(self.path(info.path))
             with open(self.stamp_path(shard)) as f:
                 stamp = json.loads(f.read())
         except (OSError, ValueError):
-            return False
+            return None
         # ctime too: a write followed by os.utime (rsync -t, a restore) can put size and mtime back,
         # but nothing can set ctime back.
-        return (stamp_survives(stamp) and stamp.get("size") == st.st_size == info.bytes and stamp.get("mtime_ns") == st.st_mtime_ns
-                and stamp.get("ctime_ns") == st.st_ctime_ns and stamp.get("ino") == st.st_ino
-                and stamp.get("hash") == info.hash)
+        if not (isinstance(stamp, dict) and stamp_survives(stamp) and stamp.get("size") == st.st_size
+                and stamp.get("mtime_ns") == st.st_mtime_ns and stamp.get("ctime_ns") == st.st_ctime_ns
+                and stamp.get("ino") == st.st_ino):
+            return None
+        if "stored_hash" in stamp:  # a plain copy: its own hash, tied to the manifest's stored hash
+            return "plain" if stamp["stored_hash"] == info.hash else None
+        return "stored" if st.st_size == info.bytes and stamp.get("hash") == info.hash else None
 
-    def write_stamp(self, shard: int, info: ShardInfo, *, fsynced: bool) -> None:
+    def write_stamp(self, shard: int, info: ShardInfo, *, fsynced: bool, plain: dict | None = None) -> None:
+        """``plain``: the record of a decompressed copy (its size and hash, `cache.plain`)."""
         st = os.stat(self.path(info.path))
         body = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
-                "hash": info.hash, **stamp_fields(fsynced)}
+                "hash": info.hash if plain is None else plain["hash"], **stamp_fields(fsynced)}
+        if plain is not None:
+            body["stored_hash"] = info.hash
         # Not fsynced: a stamp lost in a crash only costs one re-hash; a torn one fails to parse.
         write_small(self.stamp_path(shard), json.dumps(body).encode(), perms=self.perms)
 

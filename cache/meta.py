@@ -16,8 +16,9 @@ from .durability import must_fsync
 from .errors import CacheError, LocalFault, NotCached, SourceMissing
 from .layout import VersionDir, lengths_rel
 from .locks import DONE, TIMED_OUT, exclusive_unless
+from .plain import decompress, found_intact, remove_leftovers, stored_copy_path
 from .retry import RetryPolicy
-from .store import Source, copy_shard, local_fault, read_verified_local, remove_temps_for, store_verified
+from .store import Source, copy_shard, local_fault, read_verified_local, store_verified
 
 HIT, VERIFIED, COPIED = "hit", "verified", "copied"
 
@@ -63,11 +64,12 @@ def ensure_index(vd: VersionDir, info: ShardInfo, src: Source | None, **kw) -> b
                         what=f"sample index {info.index}", **kw)
 
 
-def stamp_found_intact(vd: VersionDir, shard: int, info: ShardInfo) -> None:
-    """Trust a shard found in the cache that just hashed equal to the manifest. It is fsynced
-    first (a no-op for bytes already on disk, e.g. after a reboot), so the stamp outlives reboots."""
+def stamp_found_intact(vd: VersionDir, shard: int, info: ShardInfo, plain: dict | None = None) -> None:
+    """Trust a shard found in the cache that just hashed equal to the manifest (or, ``plain``,
+    to its decompressed copy's record). It is fsynced first (a no-op for bytes already on disk,
+    e.g. after a reboot), so the stamp outlives reboots."""
     fsync_path(vd.path(info.path))
-    vd.write_stamp(shard, info, fsynced=True)
+    vd.write_stamp(shard, info, fsynced=True, plain=plain)
 
 
 def local_matches(path: str, info: ShardInfo) -> bool:
@@ -81,9 +83,11 @@ def local_matches(path: str, info: ShardInfo) -> bool:
 
 def ensure_shard(vd: VersionDir, shard: int, info: ShardInfo, src: Source | None, *, policy: RetryPolicy,
                  deadline: float | None = None, on_bytes=None, on_retry=None, verify: bool = False,
-                 durable: bool = False) -> str:
+                 durable: bool = False, plain: bool = False) -> str:
     """Make shard ``shard`` present and trusted; returns HIT, VERIFIED (found intact) or COPIED.
-    ``durable``: fsync a copied shard before publishing it (see :mod:`shardtool.cache.durability`)."""
+    ``durable``: fsync a copied shard before publishing it (see :mod:`shardtool.cache.durability`).
+    ``plain``: a compressed Arrow shard is decompressed on its way in (:mod:`shardtool.cache.plain`);
+    a copy already trusted in either form is kept as it is."""
     if not verify and vd.trusted(shard, info):
         return HIT
     lock_wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -106,21 +110,33 @@ def ensure_shard(vd: VersionDir, shard: int, info: ShardInfo, src: Source | None
         # A killed holder of this lock may have left the shard's temp: a copy below truncates and
         # reuses it (one fixed name per shard); any other way out removes it.
         if os.path.exists(final):
-            if local_matches(final, info):
-                remove_temps_for(final)
-                stamp_found_intact(vd, shard, info)
+            form, record = found_intact(vd, shard, info, final)
+            if form is not None:
+                remove_leftovers(vd, shard, final)
+                stamp_found_intact(vd, shard, info, record)
                 return VERIFIED
             vd.drop_stamp(shard)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(final)
         if src is None:
-            remove_temps_for(final)
+            remove_leftovers(vd, shard, final)
             raise NotCached(f"shard {info.path} is not in the cache {vd.root} and the source is unavailable")
         fsynced = must_fsync(durable)
-        copy_shard(src, info, final, policy=policy, deadline=deadline, on_bytes=on_bytes, on_retry=on_retry,
-                   fsync=fsynced, perms=vd.perms)
+        record = None
+        if plain:
+            # The stored bytes are verified as they land (copy_shard), then rewritten plain.
+            stored = stored_copy_path(vd, shard)
+            try:
+                copy_shard(src, info, stored, policy=policy, deadline=deadline, on_bytes=on_bytes,
+                           on_retry=on_retry, fsync=False, perms=vd.perms)
+                record = decompress(vd, shard, info, stored, final, fsync=fsynced)
+            finally:
+                remove_leftovers(vd, shard, final)
+        else:
+            copy_shard(src, info, final, policy=policy, deadline=deadline, on_bytes=on_bytes, on_retry=on_retry,
+                       fsync=fsynced, perms=vd.perms)
         try:
-            vd.write_stamp(shard, info, fsynced=fsynced)
+            vd.write_stamp(shard, info, fsynced=fsynced, plain=record)
         except OSError as e:
             raise local_fault(e, f"trust stamp of shard {info.path}") from None
         return COPIED

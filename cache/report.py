@@ -38,6 +38,12 @@ class WarmReport:
     strict: bool = False
     durable: bool = False       # shards fsynced before publishing (else re-verified after a reboot)
     seconds: float = 0.0
+    # A compressed dataset: its codec, whether its shards are decompressed into the cache (plain)
+    # and the bytes they take there; bytes_copied stays the stored bytes moved from the source.
+    compression: str | None = None
+    decompressed: bool = False
+    assigned_cache_bytes: int = 0
+    cache_bytes_written: int = 0
 
     @property
     def gbps(self) -> float:
@@ -68,6 +74,10 @@ class WarmReport:
         line = (f"warm {self.status}: {self.assigned} shards assigned ({gb(self.assigned_bytes)}); "
                 f"copied {self.shards_copied} ({gb(self.bytes_copied)}), skipped {self.shards_skipped} "
                 f"({gb(self.bytes_skipped)}), failed {self.shards_failed}")
+        if self.compression:
+            kept = (f"decompressed: {gb(self.assigned_cache_bytes)} plain in the cache, "
+                    f"{gb(self.cache_bytes_written)} written now" if self.decompressed else "kept compressed")
+            line += f" [{self.compression}, {kept}]"
         if self.not_fitted:
             line += f", did not fit {len(self.not_fitted)}"
         if self.evicted_shards:

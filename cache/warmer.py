@@ -29,6 +29,7 @@ from .fallback import complete_cached_version
 from .layout import VersionDir, record_source
 from .meta import COPIED, HIT, ensure_index, ensure_lengths, ensure_shard, ensure_summaries, store_manifest
 from .perms import DEFAULT_PERMS, Perms
+from .plain import cached_size, mark_keep_compressed, wants_plain
 from .report import WarmReport, data_layout_dict
 from .retry import RetryPolicy
 from .store import Source, local_fault
@@ -79,7 +80,8 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
          strict: bool = False, timeout: float | None = None, verify: bool = False, durable: bool = False,
          retry: RetryPolicy = RetryPolicy(), storage_options: dict | None = None, progress: bool | None = None,
          env: Mapping[str, str] | None = None, log=None, perms: Perms = DEFAULT_PERMS,
-         keep: Iterable[str] = (), live: Iterable[str] | None = None, stage_bytes: int | None = None) -> WarmReport:
+         keep: Iterable[str] = (), live: Iterable[str] | None = None, stage_bytes: int | None = None,
+         keep_compressed: bool = False) -> WarmReport:
     """Warm ``cache_dir`` with the shards node ``placement.node`` of its layout reads (every shard
     with ``all_shards``). Never raises for remote or local failures: the returned report carries
     ``status`` and ``exit_code``. ``placement=None`` without ``all_shards`` means one node;
@@ -95,7 +97,10 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
     ``stage_bytes``: a job's own cap on how much of this node's shards it holds in the cache (the
     first shards of its range, then none: the loader fetches the rest; status ``partial``).
     A source with no manifest, or one that cannot be reached, is not an error when this node's
-    cache holds a complete version for ``url``: status ``cached``, with a warning."""
+    cache holds a complete version for ``url``: status ``cached``, with a warning.
+    A compressed Arrow dataset is
+    decompressed into the cache (plain, memory-mappable shards; `shardtool.cache.plain`), the budget
+    counting plain bytes, unless ``keep_compressed``; the loader's fetch-on-miss follows that choice."""
     began = time.monotonic()
     deadline = None if timeout is None else began + timeout
     if progress is None:
@@ -112,7 +117,8 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
         _warm(report, url, cache_dir, placement=None if all_shards else placement, data_layout=data_layout, jobs=jobs, max_bytes=max_bytes,
               min_free=min_free, best_effort=best_effort, deadline=deadline, verify=verify, durable=durable, retry=retry,
               storage_options=storage_options, progress=progress, log=log, perms=perms, keep=frozenset(keep),
-              live=None if live is None else frozenset(live), stage_bytes=stage_bytes)
+              live=None if live is None else frozenset(live), stage_bytes=stage_bytes,
+              keep_compressed=keep_compressed)
     except LocalFault as e:
         report.status, report.error = "local_fault", str(e)
     except UsageError as e:
@@ -130,7 +136,7 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
 
 def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, max_bytes, min_free, best_effort, deadline,
           verify, durable, retry, storage_options, progress, log, perms, keep=frozenset(), live=None,
-          stage_bytes=None) -> None:
+          stage_bytes=None, keep_compressed=False) -> None:
     check_cache_dir(cache_dir, perms)
     try:
         src = Source(url, storage_options)
@@ -168,6 +174,13 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
     shards = assigned_shards(summaries, placement, data_layout)
     report.assigned = len(shards)
     report.assigned_bytes = sum(m.shards[i].bytes for i in shards)
+    plain = wants_plain(m, keep_compressed)
+    size_in_cache = {i: cached_size(m, m.shards[i], keep_compressed) for i in shards}
+    if m.compression is not None:
+        report.compression = m.compression
+        report.decompressed = plain
+        report.assigned_cache_bytes = sum(size_in_cache.values())
+        mark_keep_compressed(vd, keep_compressed)
     recorded = {**report.layout, "data_layout": report.data_layout} if report.layout else {"all": True}
     vd.write_assigned(shards, recorded)
 
@@ -185,8 +198,9 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
         else:
             todo.append(i)
     if stage_bytes is not None:
-        todo = _cap(report, m, shards, todo, stage_bytes, log)
-    todo = _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log, keep, live)
+        todo = _cap(report, m, shards, todo, stage_bytes, log, size_in_cache)
+    todo = _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log, keep, live,
+                       size_in_cache)
 
     bar = _Progress(sum(m.shards[i].bytes for i in todo), progress)
     lock = threading.Lock()
@@ -202,7 +216,7 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
             return
         try:
             outcome = ensure_shard(vd, i, info, src, on_bytes=bar, on_retry=retried, verify=verify, durable=durable,
-                                   **kw)
+                                   plain=plain, **kw)
         except LocalFault:
             raise
         except CacheError as e:  # a remote error, or a lock wait that ran past the deadline
@@ -213,6 +227,7 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
             if outcome == COPIED:
                 report.shards_copied += 1
                 report.bytes_copied += info.bytes
+                report.cache_bytes_written += _size(vd.path(info.path), info.bytes)
             else:
                 report.shards_skipped += 1
                 report.bytes_skipped += info.bytes
@@ -272,11 +287,11 @@ def _from_cache(report, url, cache_dir, placement, data_layout, perms, why: str)
     return True
 
 
-def _cap(report, m, shards, todo, stage_bytes: int, log) -> list[int]:
+def _cap(report, m, shards, todo, stage_bytes: int, log, size_in_cache) -> list[int]:
     """The job's cap: shards in range order, each staged if the node's share held stays under ``stage_bytes``."""
     held = report.bytes_skipped  # already trusted in the cache: they count, they cost nothing
     wanted = set(todo)
-    take, leave = choose_fit([(i, m.shards[i].bytes) for i in shards if i in wanted], max(stage_bytes - held, 0))
+    take, leave = choose_fit([(i, size_in_cache[i]) for i in shards if i in wanted], max(stage_bytes - held, 0))
     if leave:
         report.not_fitted = sorted(leave)
         report.warnings.append(f"the job caps its staged shards at {stage_bytes} bytes on this node: {len(take)} "
@@ -285,11 +300,20 @@ def _cap(report, m, shards, todo, stage_bytes: int, log) -> list[int]:
     return [i for i in todo if i in set(take)]
 
 
+def _size(path: str, default: int) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:  # evicted already by another process's budget
+        return default
+
+
 def _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log,
-                keep=frozenset(), live=None) -> list[int]:
+                keep=frozenset(), live=None, size_in_cache=None) -> list[int]:
+    """``size_in_cache``: shard -> bytes it takes in the cache (plain bytes where decompressed)."""
     if max_bytes is None and min_free is None:
         return todo
-    incoming = sum(m.shards[i].bytes for i in todo)
+    size = size_in_cache or {i: m.shards[i].bytes for i in todo}
+    incoming = sum(size[i] for i in todo)
     entries, where, used = scan(cache_dir, current=vd, assigned=set(shards), protected=set(shards), keep=keep,
                                 live=live)
     limit = effective_limit(used, disk_free(cache_dir), max_bytes=max_bytes, min_free=min_free)
@@ -306,7 +330,7 @@ def _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, bes
             raise BudgetError(msg, needed=needed, available=max(limit, 0))
         freed, gone = evict(where, entries, evictable)
         report.evicted_shards, report.evicted_bytes = len(gone), freed
-        take, leave = choose_fit([(i, m.shards[i].bytes) for i in todo], room)
+        take, leave = choose_fit([(i, size[i]) for i in todo], room)
         report.not_fitted = sorted(set(report.not_fitted) | set(leave))
         report.warnings.append(msg + f"; best effort: warming {len(take)} shard(s), {len(leave)} did not fit")
         log(report.warnings[-1])
@@ -324,7 +348,7 @@ def _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, bes
            f"(--max-bytes={max_bytes}, --min-free={min_free})")
     if not best_effort:
         raise BudgetError(msg, needed=used - freed + incoming, available=limit)
-    take, leave = choose_fit([(i, m.shards[i].bytes) for i in todo], room)
+    take, leave = choose_fit([(i, size[i]) for i in todo], room)
     report.not_fitted = sorted(set(report.not_fitted) | set(leave))
     report.warnings.append(msg + f"; best effort: warming {len(take)} shard(s), {len(leave)} did not fit")
     log(report.warnings[-1])

@@ -66,7 +66,8 @@ class BatchReader:
         mapped = src.map_shard(shard)
         try:
             v = ShardView(mapped, index, ds.manifest.fields, tar=self.tar, pad_field=self.pad_field,
-                          allow_pickle=ds.allow_pickle, compressed=ds.manifest.compression is not None)
+                          allow_pickle=ds.allow_pickle, compressed=ds.shard_compressed(shard),
+                          plain_bytes=ds.manifest.shards[shard].raw_bytes or 0)
         except BaseException:
             mapped.close()
             raise
@@ -98,9 +99,14 @@ class BatchReader:
         shard, local = self.locate(ids)
         if not self.source.local:
             ds = self.source.dataset
-            if self.probe is not None:
-                return [self._remote_sample(ds, s, i) for s, i in zip(shard.tolist(), local.tolist())]
-            return [ds.read(int(s), int(i)) for s, i in zip(shard.tolist(), local.tolist())]
+            # Read in (shard, sample) order, handed back in the batch's order: the samples of one
+            # Arrow record batch are then read in a run, so it is fetched (and, compressed,
+            # decompressed) once per training batch, not once per sample.
+            out: list[Any] = [None] * len(ids)
+            read = (lambda s, i: self._remote_sample(ds, s, i)) if self.probe is not None else ds.read
+            for k in np.lexsort((local, shard)).tolist():
+                out[k] = read(int(shard[k]), int(local[k]))
+            return out
         if self.probe is not None:
             self._count(self._groups(shard, local))
         return self._local_samples(shard, local)
@@ -161,7 +167,7 @@ class BatchReader:
         groups = self._groups(shard, local)
         fields = self.source.dataset.manifest.fields
         pad_col = groups[0][0].pad_col if groups else None
-        if pad_col is not None and any(v.tok_view is None for v, _, _ in groups):
+        if pad_col is not None and any(v.tok_dtype is None for v, _, _ in groups):
             if self.probe is not None:
                 self._count(groups)
             return self.collate(self._local_samples(shard, local), ids, pad_id=self.pad_id, alloc=alloc)
@@ -210,7 +216,7 @@ class BatchReader:
         if not self.source.local:
             return None
         groups = self._groups(*self.locate(ids))
-        if not groups or groups[0][0].pad_col is None or any(v.tok_view is None for v, _, _ in groups):
+        if not groups or groups[0][0].pad_col is None or any(v.tok_dtype is None for v, _, _ in groups):
             return None
         pieces = self._token_pieces(groups)
         if pieces is None:
@@ -222,23 +228,25 @@ class BatchReader:
             keys[r] = v.keys[li]
         for out, values in zip(by_id, (which, first, n)):
             out[rows] = values
-        return keys.tolist(), bufs, *by_id, groups[0][0].tok_view.dtype
+        return keys.tolist(), bufs, *by_id, groups[0][0].tok_dtype
 
     def _token_pieces(self, groups) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list] | None:
         """(rows of the batch, buffer index, first element, element count, buffers) of every
         sample of ``groups``; None when some payload is not a plain array."""
         # Per-shard pieces are concatenated once, so the per-batch numpy work does not grow with
         # the number of shards a batch spans (a shuffled batch touches most of a node's shards).
-        rows_l, first_l, n_l, bufs = [], [], [], []
+        rows_l, first_l, n_l, which_l, bufs = [], [], [], [], []
         other = 0  # bytes besides the tokens, where constant per sample (else None)
         for v, rows, li in groups:
-            r = v.token_ranges(li)
-            if r is None:
+            pieces = v.token_pieces(rows, li)  # a compressed shard's: its decompressed record batches
+            if pieces is None:
                 return None
-            rows_l.append(rows)
-            first_l.append(r[0])
-            n_l.append(r[1])
-            bufs.append(v.tok_bytes)
+            for r, first, n, which, buffers in pieces:
+                rows_l.append(r)
+                first_l.append(first)
+                n_l.append(n)
+                which_l.append(which + len(bufs))
+                bufs.extend(buffers)
             if other is not None:
                 other = None if v.bytes_besides_tokens is None else other + len(li) * v.bytes_besides_tokens
         rows = np.concatenate(rows_l) if rows_l else np.zeros(0, np.int64)
@@ -249,7 +257,7 @@ class BatchReader:
             if other is None:
                 self._count(groups)
             else:  # queued, added up by the probe: no Python call per batch (Probe.flush)
-                item = groups[0][0].tok_view.itemsize
+                item = groups[0][0].tok_dtype.itemsize
                 if probe.counts and (probe.counts_item != item or probe.counts_tier != self.tier):
                     probe.flush()  # a mixture's readers share the probe: sources of other dtypes or tiers
                 probe.counts.append(n)
@@ -257,7 +265,7 @@ class BatchReader:
                 probe.counts_item, probe.counts_tier = item, self.tier
                 if len(probe.counts) >= 64:  # num_workers=0 flushes at metrics() and pass end
                     probe.flush()
-        which = np.repeat(np.arange(len(bufs)), [len(x) for x in rows_l]) if bufs else np.zeros(0, np.int64)
+        which = np.concatenate(which_l) if which_l else np.zeros(0, np.int64)
         return rows, which, first, n, bufs
 
     def _gather_tokens(self, groups, b: int, alloc: Alloc) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -270,11 +278,11 @@ class BatchReader:
         counts[rows] = n
         width = int(counts.max(initial=0))
         padded = alloc((b, width), np.int64)
-        dtype = groups[0][0].tok_view.dtype if groups else np.dtype(np.int64)
+        dtype = groups[0][0].tok_dtype if groups else np.dtype(np.int64)
         info = np.iinfo(dtype)
         if not info.min <= self.pad_id <= info.max:
             padded.fill(self.pad_id)
-            views = [v.tok_view for v, _, _ in groups]
+            views = [np.frombuffer(buf, dtype=dtype, count=len(buf) // dtype.itemsize) for buf in bufs]
             for r, w, a, c in zip(rows.tolist(), which.tolist(), first.tolist(), n.tolist()):
                 padded[r, :c] = views[w][a : a + c]  # pad id outside the stored dtype: widen per row
             return torch.from_numpy(padded), torch.from_numpy(counts)

@@ -10,8 +10,11 @@ of a batch's samples start and how many there are (vectorised), so a batch is ga
 one memcpy per row and no per-sample decoding.
 
 A compressed Arrow shard's buffers are not in the file as they are read, so its samples are read
-from decompressed record batches instead (`_CompressedBatches`: one batch decompressed when a
-sample needs it, the last few kept); the uncompressed path is unchanged.
+from decompressed record batches instead (`loader.batchcache`: one batch decompressed when a
+sample needs it, recently used ones kept); `token_pieces` groups a training batch's samples by
+record batch, so each is decompressed at most once per training batch and its tokens are gathered
+with the same one-memcpy-per-row path as a plain shard's. (The node cache holds such shards
+plain, `cache.plain`: this path serves datasets read in place or ranged, without a cache.)
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ import pyarrow as pa
 
 from ..format import FieldSpec, FormatError, decode_bytes
 from ..format.arrowshard import check_schema
+
+from .batchcache import _column_ranges, _CompressedBatches
 from .source import MappedFile
 
 
@@ -58,7 +63,7 @@ class ShardView:
     """Byte ranges of every field of every sample of one shard, and its map."""
 
     def __init__(self, mapped: MappedFile, index, fields: list[FieldSpec], *, tar: bool,
-                 pad_field: str | None, allow_pickle: bool = False, compressed: bool = False):
+                 pad_field: str | None, allow_pickle: bool = False, compressed: bool = False, plain_bytes: int = 0):
         self.mapped = mapped
         self.name = mapped.shard_name
         self.keys = np.array(index.keys, dtype=object)
@@ -68,15 +73,20 @@ class ShardView:
         self.u8 = np.frombuffer(buf, dtype=np.uint8)
         self.decoders = [decoder(f, tar, allow_pickle, f"shard {self.name}") for f in fields]
         self.tok_view = self.tok_bytes = None
+        self.tok_dtype: np.dtype | None = None  # the length field's dtype where batches gather it fast
         self._tok_ranges = self.bytes_besides_tokens = None
         self.pad_col = next((j for j, f in enumerate(fields) if f.name == pad_field), None)
         self._batches = None
         if compressed and not tar:
-            self._batches = _CompressedBatches(buf, index, fields, self.name)
+            fast = self.pad_col is not None and is_int_array(fields[self.pad_col])
+            self._batches = _CompressedBatches(buf, index, fields, self.name, self.pad_col if fast else None,
+                                               plain_bytes)
             self.bytes_fields = [False] * nf  # no slices of the map to hand out
             # A read touches its record batch: each sample's share of its batch's stored bytes.
             _, where, rows = np.unique(index.batch, return_inverse=True, return_counts=True)
             self.sample_bytes = index.sizes.astype(np.int64) // rows[where.reshape(-1)]
+            if self.pad_col is not None and is_int_array(fields[self.pad_col]):
+                self.tok_dtype = np.dtype(fields[self.pad_col].dtype)
             return
         if tar:
             self.starts = index.offsets.astype(np.int64)[:, None] + index.field_offsets.astype(np.int64)
@@ -95,6 +105,7 @@ class ShardView:
         # a worker's start-up but cost more per batch when a batch spans many shards.
         self.tok_view = np.frombuffer(self.mapped.buffer(), dtype=np.dtype(spec.dtype),
                                       count=self.mapped.size // np.dtype(spec.dtype).itemsize)
+        self.tok_dtype = self.tok_view.dtype
         self.tok_bytes = memoryview(self.mapped.buffer()).cast("B")  # rows are copied as raw bytes
         self._tok_ranges = self._parse(self.starts[:, self.pad_col], self.sizes[:, self.pad_col], npy=tar)
         # When every sample has the same bytes besides its tokens (a token-only shard: the npy
@@ -111,6 +122,18 @@ class ShardView:
         if self._tok_ranges is None:
             return None
         return self._tok_ranges[0][li], self._tok_ranges[1][li]
+
+    def token_pieces(self, rows: np.ndarray, li: np.ndarray) -> list[tuple] | None:
+        """[(rows, first element, element count, which, buffers)]: where the length field's payload
+        of samples ``li`` (rows ``rows`` of a batch) lies, sample k's in ``buffers[which[k]]`` (raw
+        bytes): the map for a plain shard, its decompressed record batches for a compressed one;
+        None where one is not a plain array."""
+        if self._batches is None:
+            r = self.token_ranges(li)
+            return None if r is None else [(rows, r[0], r[1], np.zeros(len(li), np.int64), [self.tok_bytes])]
+        if self.tok_dtype is None:
+            return None
+        return self._batches.token_pieces(rows, li)
 
     def _parse(self, start: np.ndarray, size: np.ndarray, *, npy: bool) -> tuple[np.ndarray, np.ndarray] | None:
         """(first element, element count) of every sample's payload at byte ``start``, ``size``
@@ -191,93 +214,3 @@ def _arrow_ranges(buf, file_size: int, index, fields: list[FieldSpec], name: str
         raise FormatError(f"{name}: Arrow buffers are not in the file (a compressed shard the manifest does not "
                           "declare compressed?)")
     return starts, sizes
-
-
-def _column_ranges(col, spec: FieldSpec, base: int, m: int) -> tuple[np.ndarray, np.ndarray]:
-    bufs = col.buffers()
-    if spec.storage == "array":
-        offs = col.offsets.to_numpy().astype(np.int64)
-        values = col.values
-        item = np.dtype(spec.dtype).itemsize
-        data = values.buffers()[1]
-        addr = (data.address - base) if data is not None else 0
-        return addr + (values.offset + offs[:-1]) * item, np.diff(offs) * item
-    if spec.storage == "int":
-        return (bufs[1].address - base) + (col.offset + np.arange(m, dtype=np.int64)) * 8, np.full(m, 8, np.int64)
-    offs = np.frombuffer(bufs[1], dtype=np.int32)[col.offset : col.offset + m + 1].astype(np.int64)
-    addr = (bufs[2].address - base) if bufs[2] is not None else 0
-    return addr + offs[:-1], np.diff(offs)
-
-
-def _data_buffer(col, spec: FieldSpec):
-    """The buffer holding a column's values, which `_column_ranges` addresses are relative to."""
-    if spec.storage == "array":
-        return col.values.buffers()[1]
-    return col.buffers()[1] if spec.storage == "int" else col.buffers()[2]
-
-
-class _CompressedBatches:
-    """Samples of a compressed Arrow shard: each record batch decompressed when first needed and
-    kept in a per-process cache of decompressed batches (`CACHE_BYTES` over every shard, least
-    recently used evicted), so a shard read again and again is decompressed about once."""
-
-    CACHE_BYTES = 256 << 20
-    _cache: OrderedDict = OrderedDict()  # (view id, batch) -> (fields' (buffer, starts, sizes), bytes)
-    _cached_bytes = 0
-    _next_id = 0
-
-    def __init__(self, buf, index, fields: list[FieldSpec], name: str):
-        try:
-            # One thread: a record batch is small, and Arrow's pool spent more on handing its
-            # columns out than on decompressing them (131 against 196 us a 64 KiB zstd batch).
-            self.reader = pa.ipc.open_file(pa.py_buffer(buf), options=pa.ipc.IpcReadOptions(use_threads=False))
-        except (pa.ArrowInvalid, OSError) as e:
-            raise FormatError(f"{name}: not a readable Arrow IPC file ({e})") from None
-        check_schema(self.reader.schema, fields, name)
-        self.fields, self.name = fields, name
-        self.batch, self.row = index.batch, index.row
-        cls = _CompressedBatches
-        self.uid = cls._next_id
-        cls._next_id += 1
-        self._mine: set[int] = set()
-
-    def _decoded(self, b: int) -> list:
-        cls = _CompressedBatches
-        key = (self.uid, b)
-        hit = cls._cache.get(key)
-        if hit is not None:
-            cls._cache.move_to_end(key)
-            return hit[0]
-        try:
-            rb = self.reader.get_batch(b)
-        except (pa.ArrowInvalid, OSError, IndexError) as e:
-            raise FormatError(f"{self.name}: record batch {b} cannot be decompressed ({e})") from None
-        got = []
-        for j, spec in enumerate(self.fields):
-            col = rb.column(j + 1)
-            data = _data_buffer(col, spec)
-            base = data.address if data is not None else 0
-            starts, sizes = _column_ranges(col, spec, base, rb.num_rows)
-            got.append((data, starts, sizes))
-        nbytes = rb.nbytes
-        cls._cache[key] = (got, nbytes)
-        cls._cached_bytes += nbytes
-        self._mine.add(b)
-        while cls._cached_bytes > cls.CACHE_BYTES and len(cls._cache) > 1:
-            (uid, old), (_, n) = cls._cache.popitem(last=False)
-            cls._cached_bytes -= n
-        return got
-
-    def field_bytes(self, i: int, j: int) -> bytes:
-        data, starts, sizes = self._decoded(int(self.batch[i]))[j]
-        r = int(self.row[i])
-        size = int(sizes[r])
-        return data[int(starts[r]) : int(starts[r]) + size].to_pybytes() if size else b""
-
-    def close(self) -> None:
-        cls = _CompressedBatches
-        for b in self._mine:
-            hit = cls._cache.pop((self.uid, b), None)
-            if hit is not None:
-                cls._cached_bytes -= hit[1]
-        self._mine.clear()

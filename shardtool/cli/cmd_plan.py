@@ -204,6 +204,10 @@ def run(args) -> int:
             raise ShardtoolError(str(e)) from None
     summaries = source.summaries
     per_node_shards, node_bytes = node_shards(summaries, data, layout, shard_bytes)
+    compression = None if args.synthetic is not None else source.manifest.compression
+    if compression:  # the node cache holds such shards decompressed (warm --keep-compressed: as stored)
+        plain = np.array([s.raw_bytes or s.bytes for s in source.manifest.shards], dtype=np.int64)
+        node_plain = np.array([int(plain[s].sum()) if s else 0 for s in per_node_shards], dtype=np.int64)
     report = {
         "source": name,
         "layout": {"nodes": layout.num_nodes, "ranks_per_node": layout.ranks_per_node,
@@ -220,8 +224,14 @@ def run(args) -> int:
         "bytes_per_node_max_over_mean": float(node_bytes.max() / node_bytes.mean()) if node_bytes.mean() else 1.0,
         "shards_per_node": {"min": min(map(len, per_node_shards)), "max": max(map(len, per_node_shards))},
     }
+    if compression:
+        report["compression"] = compression
+        report["plain_bytes_per_node"] = {"min": int(node_plain.min()), "mean": float(node_plain.mean()),
+                                          "max": int(node_plain.max())}
     if args.json and layout.num_nodes <= 4096:
         report["per_node"] = {"shards": [len(s) for s in per_node_shards], "bytes": node_bytes.tolist()}
+        if compression:
+            report["per_node"]["plain_bytes"] = node_plain.tolist()
     try:
         if args.rank is not None:
             report["scope"] = "rank"
@@ -289,3 +299,8 @@ def _print(report: dict, data) -> None:
     out(f"shards/node   {s['min']}..{s['max']}\n")
     out(f"bytes/node    min {format_size(b['min'])}  mean {format_size(b['mean'])}  max {format_size(b['max'])} "
         f"(max/mean {report['bytes_per_node_max_over_mean']:.3f}; whole shards to cache)\n")
+    if "plain_bytes_per_node" in report:
+        p = report["plain_bytes_per_node"]
+        out(f"plain/node    min {format_size(p['min'])}  mean {format_size(p['mean'])}  max {format_size(p['max'])} "
+            f"(the node cache decompresses {report['compression']} shards; bytes/node above is stored, "
+            "what warm moves and what warm --keep-compressed keeps)\n")

@@ -34,6 +34,10 @@ fsynced first. Without --durable a shard the machine crashed before writing back
 before it is trusted, so nothing lost is ever served. A rerun skips what is already there and
 verified. Concurrent warmers (and a loader's fetch-on-miss) share per-shard flock locks.
 
+A compressed dataset (pack --compression) is verified as stored, then decompressed into the cache
+as plain Arrow shards (read at the speed of a plain dataset; the budget counts plain bytes, and
+-j shards decompress at once); --keep-compressed caches the stored bytes instead, for a small disk.
+
 Permissions: a prolog warms as root, the job reads as its user. Whatever the umask, files the
 warm writes are 0644 and directories 0755, so every user can read the cache but only its owner
 can change it; --mode 0640 --group hpcusers restricts reading to one group (directories get
@@ -92,6 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "as soon as verified, like `cp`, and any not yet on disk when the machine crashes are "
                         "hashed again before they are trusted")
     p.add_argument("--verify", action="store_true", help="re-hash shards already in the cache instead of trusting stamps")
+    p.add_argument("--keep-compressed", action="store_true",
+                   help="cache a compressed dataset's shards as stored (smaller; every read then decompresses a "
+                        "record batch). Default: decompress each into a plain, memory-mappable shard on its way in")
     a = p.add_argument_group("permissions")
     a.add_argument("--mode", default="0644",
                    help="octal mode of the files the warm writes (default 0644: readable by every user, whatever "
@@ -184,7 +191,7 @@ def run(args) -> int:
     report = warm(args.url, args.cache_dir, placement=placement, data_layout=data, all_shards=args.all, jobs=args.jobs,
                   max_bytes=args.max_bytes, min_free=args.min_free, best_effort=args.best_effort,
                   strict=args.strict, timeout=args.timeout, verify=args.verify, durable=args.durable, retry=policy,
-                  storage_options=storage_options_from(args), perms=perms,
+                  storage_options=storage_options_from(args), perms=perms, keep_compressed=args.keep_compressed,
                   progress=(not args.quiet) and sys.stderr.isatty())
     for r in getattr(report, "reports", {"": report}).values():  # a mixture: each source's report
         if r.data_layout is not None and args.mesh:

@@ -230,6 +230,10 @@ class Dataset:
         return idx
 
     # ------------------------------------------------------------------ samples
+    def shard_compressed(self, shard: int) -> bool:
+        """Whether ``shard``'s record batches are compressed where this dataset reads them."""
+        return self.manifest.compression is not None
+
     def _range(self, shard: int):
         r = self._ranges.get(shard)
         if r is None:

@@ -40,6 +40,9 @@ def inspect(url: str, *, storage_options: dict | None = None, peek: bool = True)
         raw = sum(s.raw_bytes if s.raw_bytes is not None else s.bytes for s in m.shards)
         out["compression"] = {"codec": m.compression, "uncompressed_bytes": raw,
                               "ratio": raw / m.num_bytes if m.num_bytes else 1.0}
+    # What storage holds and what a node cache holds (compressed shards are decompressed into it).
+    out["stored_bytes"] = m.num_bytes
+    out["plain_bytes"] = out["compression"]["uncompressed_bytes"] if m.compression else m.num_bytes
     if peek and m.num_samples:
         shard = int(np.flatnonzero(counts)[0])
         sample = ds.read(shard, 0)
@@ -55,6 +58,8 @@ def render(info: dict) -> str:
     if comp:
         lines.append(f"  compressed with {comp['codec']}: {comp['uncompressed_bytes'] / 1e6:,.1f} MB uncompressed, "
                      f"ratio {comp['ratio']:.2f}x")
+        lines.append(f"  stored {info['stored_bytes'] / 1e6:,.1f} MB; in a node cache {info['plain_bytes'] / 1e6:,.1f} MB "
+                     "plain (warm decompresses; --keep-compressed keeps the stored size)")
     sps = info.get("samples_per_shard")
     if sps:
         lines.append(f"  samples per shard {sps['min']:,}..{sps['max']:,}")

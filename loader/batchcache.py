@@ -1,0 +1,226 @@
+"""Decompressed record batches of compressed Arrow shards read without a node cache.
+
+A compressed shard's values are not in the file as they are read: each record batch is
+decompressed when a read needs it and kept in a per-process cache sized to the open shards'
+plain bytes (the rank's share), so a shuffled pass decompresses each batch about once per process.
+A training batch's record batches that are not cached are decompressed on a few threads at once
+(Arrow releases the GIL while it decompresses), each with its own reader of the shard.
+(The node cache holds such shards plain, `cache.plain`: none of this runs for them.)
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pyarrow as pa
+
+from ..format import FieldSpec, FormatError
+from ..format.arrowshard import check_schema
+from ..format.sindex import as_numpy
+from ..format.sizes import parse_size
+
+PREFETCH_MIN = 8  # fewer missing batches than this are decompressed in the calling thread
+THREADS = min(4, os.cpu_count() or 1)
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool): a forked worker makes its own
+
+
+def decompress_pool() -> ThreadPoolExecutor | None:
+    """This process's `THREADS` decompression threads; None on one core."""
+    global _pool
+    if THREADS < 2:
+        return None
+    if _pool is None or _pool[0] != os.getpid():
+        _pool = (os.getpid(), ThreadPoolExecutor(THREADS, thread_name_prefix="shardtool-decompress"))
+    return _pool[1]
+
+
+def _column_ranges(col, spec: FieldSpec, base: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    bufs = col.buffers()
+    if spec.storage == "array":
+        offs = as_numpy(col.offsets).astype(np.int64)  # not to_numpy: its first call imports pandas
+        values = col.values
+        item = np.dtype(spec.dtype).itemsize
+        data = values.buffers()[1]
+        addr = (data.address - base) if data is not None else 0
+        return addr + (values.offset + offs[:-1]) * item, np.diff(offs) * item
+    if spec.storage == "int":
+        return (bufs[1].address - base) + (col.offset + np.arange(m, dtype=np.int64)) * 8, np.full(m, 8, np.int64)
+    offs = np.frombuffer(bufs[1], dtype=np.int32)[col.offset : col.offset + m + 1].astype(np.int64)
+    addr = (bufs[2].address - base) if bufs[2] is not None else 0
+    return addr + offs[:-1], np.diff(offs)
+
+
+def decompressed_cache_cap(env) -> int:
+    """The most a process keeps of decompressed record batches (reads of compressed shards without
+    a node cache): ``SHARDTOOL_DECOMPRESSED_CACHE`` (a size, e.g. 8GiB), else 1/64 of the machine's
+    memory: a node runs ranks x workers readers (8 x 2 of them would keep at most a quarter of it)."""
+    text = env.get("SHARDTOOL_DECOMPRESSED_CACHE")
+    if text:
+        return parse_size(text, what="SHARDTOOL_DECOMPRESSED_CACHE", positive=True)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 64
+    except (ValueError, OSError):
+        return _CompressedBatches.CACHE_BYTES
+
+
+def _data_buffer(col, spec: FieldSpec):
+    """The buffer holding a column's values, which `_column_ranges` addresses are relative to."""
+    if spec.storage == "array":
+        return col.values.buffers()[1]
+    return col.buffers()[1] if spec.storage == "int" else col.buffers()[2]
+
+
+class _CompressedBatches:
+    """Samples of a compressed Arrow shard: each record batch decompressed when first needed and
+    kept in a per-process cache of decompressed batches (`CACHE_BYTES` over every shard, least
+    recently used evicted), so a shard read again and again is decompressed about once.
+
+    Where the length field is an integer array (``tok_col``), decompressing a batch also records
+    where each of its samples' tokens start in the batch's buffer and how many there are, per
+    sample of the shard: those positions do not change when the batch is evicted and decompressed
+    again, so `token_pieces` gathers a training batch with a few vectorised lookups and one cache
+    lookup per distinct record batch, not numpy work per record batch."""
+
+    CACHE_BYTES = 256 << 20  # the least a process keeps
+    _cap: int | None = None  # the most (decompressed_cache_cap), read once per process
+    _share = 0  # plain bytes of the compressed shards this process has open: the rank's share
+    decompressed = 0  # record batches this process decompressed (a pass over a share that fits: each once)
+    _cache: OrderedDict = OrderedDict()  # (view id, batch) -> (fields' (bytes view, starts, sizes), bytes)
+    _cached_bytes = 0
+    _next_id = 0
+
+    def __init__(self, buf, index, fields: list[FieldSpec], name: str, tok_col: int | None = None,
+                 plain_bytes: int = 0):
+        try:
+            # One thread: a record batch is small, and Arrow's pool spent more on handing its
+            # columns out than on decompressing them (131 against 196 us a 64 KiB zstd batch).
+            self._buf = pa.py_buffer(buf)
+            self.reader = pa.ipc.open_file(self._buf, options=pa.ipc.IpcReadOptions(use_threads=False))
+        except (pa.ArrowInvalid, OSError) as e:
+            raise FormatError(f"{name}: not a readable Arrow IPC file ({e})") from None
+        check_schema(self.reader.schema, fields, name)
+        self.fields, self.name = fields, name
+        self.batch, self.row = index.batch, index.row
+        cls = _CompressedBatches
+        self.uid = cls._next_id
+        cls._next_id += 1
+        self._mine: set[int] = set()
+        # Shuffled reads touch every batch of the rank's shards in every stretch of an epoch: a
+        # cache smaller than their plain bytes decompresses most batches many times a pass.
+        self.plain_bytes = plain_bytes
+        cls._share += plain_bytes
+        self.tok_col = tok_col
+        if tok_col is not None:
+            self._item = np.dtype(fields[tok_col].dtype).itemsize
+            n = len(index.batch)
+            self._first = np.full(n, -1, np.int64)  # -1: its batch not decompressed yet
+            self._count = np.zeros(n, np.int64)
+            self._tok_ok = True  # False once a payload is not whole elements (then decoded per sample)
+            self._by_batch = np.argsort(self.batch, kind="stable")
+            self._batch_at = np.searchsorted(self.batch[self._by_batch], np.arange(int(self.batch.max(initial=-1)) + 2))
+
+    def _decoded(self, b: int, rb: pa.RecordBatch | None = None) -> list:
+        """Batch ``b``'s fields as (bytes view, starts, sizes); ``rb``: already decompressed."""
+        cls = _CompressedBatches
+        key = (self.uid, b)
+        hit = cls._cache.get(key)
+        if hit is not None:
+            cls._cache.move_to_end(key)
+            return hit[0]
+        if rb is None:
+            try:
+                rb = self.reader.get_batch(b)
+            except (pa.ArrowInvalid, OSError, IndexError) as e:
+                raise FormatError(f"{self.name}: record batch {b} cannot be decompressed ({e})") from None
+        got = []
+        for j, spec in enumerate(self.fields):
+            col = rb.column(j + 1)
+            data = _data_buffer(col, spec)
+            base = data.address if data is not None else 0
+            starts, sizes = _column_ranges(col, spec, base, rb.num_rows)
+            view = memoryview(np.frombuffer(data, np.uint8)) if data is not None else memoryview(b"")
+            got.append((view, starts, sizes))
+            if j == self.tok_col:
+                self._note_tokens(b, starts, sizes)
+        nbytes = rb.nbytes
+        cls.decompressed += 1
+        cls._cache[key] = (got, nbytes)
+        cls._cached_bytes += nbytes
+        self._mine.add(b)
+        while cls._cached_bytes > cls.budget() and len(cls._cache) > 1:
+            (uid, old), (_, n) = cls._cache.popitem(last=False)
+            cls._cached_bytes -= n
+        return got
+
+    def _prefetch(self, batches: list[int]) -> None:
+        """Decompress the uncached ones of ``batches`` on the pool's threads, each with a reader of
+        its own (one reader is not documented safe to share), and cache them; a batch that fails
+        is left for `_decoded` to raise about."""
+        missing = [k for k in batches if (self.uid, k) not in _CompressedBatches._cache]
+        pool = decompress_pool() if len(missing) >= PREFETCH_MIN else None
+        if pool is None:
+            return
+        parts = [missing[t::THREADS] for t in range(THREADS)]
+        for part in pool.map(self._decompress_part, parts):
+            for k, rb in part:
+                self._decoded(k, rb)
+
+    def _decompress_part(self, batches: list[int]) -> list[tuple[int, pa.RecordBatch]]:
+        out = []
+        try:
+            reader = pa.ipc.open_file(self._buf, options=pa.ipc.IpcReadOptions(use_threads=False))
+            for k in batches:
+                out.append((k, reader.get_batch(k)))
+        except (pa.ArrowInvalid, OSError, IndexError):
+            pass
+        return out
+
+    def _note_tokens(self, b: int, starts: np.ndarray, sizes: np.ndarray) -> None:
+        """Token positions of batch ``b``'s samples (element offsets into its values buffer)."""
+        samples = self._by_batch[self._batch_at[b]:self._batch_at[b + 1]]
+        if not len(samples) or self._first[samples[0]] >= 0:
+            return  # decompressed before, then evicted: the positions are the same
+        item = self._item
+        if (starts % item).any() or (sizes % item).any():
+            self._tok_ok = False
+            return
+        rows = self.row[samples].astype(np.int64)
+        self._first[samples] = starts[rows] // item
+        self._count[samples] = sizes[rows] // item
+
+    def token_pieces(self, rows: np.ndarray, li: np.ndarray) -> list[tuple] | None:
+        """`ShardView.token_pieces`: (rows, first, count, which, buffers), ``which`` indexing
+        ``buffers`` (the length field's values of each distinct record batch of ``li``)."""
+        ub, which = np.unique(self.batch[li], return_inverse=True)
+        j = self.tok_col
+        self._prefetch(ub.tolist())
+        bufs = [self._decoded(k)[j][0] for k in ub.tolist()]
+        if not self._tok_ok:
+            return None
+        return [(rows, self._first[li], self._count[li], which.reshape(-1), bufs)]
+
+    def field_bytes(self, i: int, j: int) -> bytes:
+        view, starts, sizes = self._decoded(int(self.batch[i]))[j]
+        r = int(self.row[i])
+        a = int(starts[r])
+        return bytes(view[a : a + int(sizes[r])])
+
+    @classmethod
+    def budget(cls) -> int:
+        """Bytes of decompressed batches kept: the open shards' plain bytes, at least CACHE_BYTES,
+        at most `decompressed_cache_cap`."""
+        if cls._cap is None:
+            cls._cap = decompressed_cache_cap(os.environ)
+        return max(cls.CACHE_BYTES, min(cls._share + (cls._share >> 4), cls._cap))
+
+    def close(self) -> None:
+        cls = _CompressedBatches
+        cls._share -= self.plain_bytes
+        self.plain_bytes = 0
+        for b in self._mine:
+            hit = cls._cache.pop((self.uid, b), None)
+            if hit is not None:
+                cls._cached_bytes -= hit[1]
+        self._mine.clear()
