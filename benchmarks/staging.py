@@ -33,10 +33,9 @@ TESTS = os.path.join(REPO, "tests")
 sys.path.insert(0, REPO)
 sys.path.insert(0, TESTS)
 
-from cachedata import child_env, make_dataset
-
-from shardtool.cache import warm
-from shardtool.plan import Layout, Placement
+from cachedata import child_env, make_dataset  # noqa: E402  (tests/ on sys.path above)
+from shardtool.cache import warm  # noqa: E402
+from shardtool.plan import Layout, Placement  # noqa: E402
 
 MODES = ("in-job", "prolog", "fetch-on-miss")
 NODES, RANKS_PER_NODE = 2, 2

@@ -10,8 +10,8 @@ import contextlib
 import os
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
 import numpy as np
@@ -182,7 +182,6 @@ class DatasetCache:
         return self._user_vdir(create=True) if self.read_only else self.vdir
 
     def _holder(self, shard: int) -> VersionDir | None:
-        info = self.manifest.shards[shard]
         for vd in (self.vdir, self._user_vdir(create=False)):
             if vd is not None and self._trusted(vd, shard):
                 self._where[shard] = vd

@@ -14,7 +14,6 @@ import warnings
 from ..format.dataset import Dataset, SummariesMissing
 from ..format.errors import FormatError
 from ..format.manifest import lengths_from_bytes, manifest_hash
-
 from .assign import assigned_shards
 from .errors import CacheError
 from .layout import VersionDir, recorded_version

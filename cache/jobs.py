@@ -27,7 +27,7 @@ import json
 import os
 import time
 import warnings
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from .errors import EXIT_LOCAL, EXIT_OK, UsageError
 from .layout import normalize_url

@@ -27,7 +27,6 @@ import pyarrow as pa
 from ..format.atomic import fsync_dir
 from ..format.hashing import hash_file
 from ..format.manifest import Manifest, ShardInfo
-
 from .errors import SourceCorrupt
 from .store import _new_temp, hash_fd, local_fault, remove_temps_for, write_small
 

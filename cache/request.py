@@ -25,7 +25,6 @@ import re
 from dataclasses import dataclass
 
 from ..format.sizes import SizeError, parse_size
-
 from .errors import UsageError
 
 PREFIX = "shardtool:"

@@ -38,6 +38,7 @@ from ..format.atomic import atomic_write_bytes
 from ..plan.staging import TouchOrder, merge_orders, next_fetches, window_end
 from .errors import CacheError, LocalFault
 from .meta import COPIED, ensure_shard
+from .plain import keeps_compressed, wants_plain
 
 _PROGRESS = struct.Struct("<qq")  # epoch, batches served
 STAGE_DIR = "stage"
@@ -216,8 +217,12 @@ def follow(cache, *, run: str, ranks: int, ahead_shards: int = 16, ahead_bytes: 
     merged: dict = {}
     last, listed, resolved = None, [], 0  # the current order, as a list, and how many of its first are done
 
+    # As the loader's fetch-on-miss does: a compressed Arrow shard enters the cache plain unless this
+    # version was warmed with --keep-compressed.
+    plain = wants_plain(cache.manifest, keeps_compressed(vd))
+
     def fetch(i: int) -> str:
-        return ensure_shard(vd, i, shards[i], src, policy=policy, on_bytes=throttle)
+        return ensure_shard(vd, i, shards[i], src, policy=policy, on_bytes=throttle, plain=plain)
 
     with ThreadPoolExecutor(jobs, thread_name_prefix="shardtool-stage") as pool:
         while True:

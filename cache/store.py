@@ -66,7 +66,7 @@ class Source:
         return with_retries(lambda t: call_with_timeout(lambda: self.fs.cat_file(path), _min(t, policy.stall_timeout)),
                             what=path, policy=policy, deadline=deadline)
 
-    def holding(self, info: ShardInfo) -> "Source":
+    def holding(self, info: ShardInfo) -> Source:
         """The source of shard ``info``'s bytes: this one, or, for a tar indexed in place, the
         place its manifest entry names (format.storage.shard_location)."""
         if info.source is None:

@@ -19,7 +19,6 @@ plain, `cache.plain`: this path serves datasets read in place or ranged, without
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +27,6 @@ import pyarrow as pa
 
 from ..format import FieldSpec, FormatError, decode_bytes
 from ..format.arrowshard import check_schema
-
 from .batchcache import _column_ranges, _CompressedBatches
 from .source import MappedFile
 

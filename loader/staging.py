@@ -53,7 +53,9 @@ def stager_options(env: Mapping[str, str]) -> dict:
             raise ValueError(f"{key} must be >= 1, found {raw!r}")
         return value
 
-    sized = lambda raw: parse_size(raw, what="size")
+    def sized(raw):
+        return parse_size(raw, what="size")
+
     return {"ahead_shards": number("SHARDTOOL_STAGE_AHEAD", 16, int),
             "ahead_bytes": number("SHARDTOOL_STAGE_AHEAD_BYTES", None, sized),
             "jobs": number("SHARDTOOL_STAGE_JOBS", 4, int),

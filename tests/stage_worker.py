@@ -23,7 +23,6 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import faultfs  # noqa: F401  registers faulty://
 from forkranks import run_jobs_file
-
 from shardtool.loader import ShardedLoader
 
 

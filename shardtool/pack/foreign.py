@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 from ..format.errors import BadSampleError
 from .unit import Unit

@@ -19,8 +19,8 @@ import glob
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import numpy as np
 import pyarrow as pa

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

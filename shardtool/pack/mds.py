@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

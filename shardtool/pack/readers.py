@@ -16,7 +16,8 @@ from typing import Any
 from ..format.errors import BadSampleError
 from ..format.tarshard import iter_tar_members, split_member_name
 from .tree import LABEL_FIELD
-from .units import FOREIGN, Unit, tree_key
+from .unit import FOREIGN, Unit
+from .units import tree_key
 
 try:  # orjson is several times faster; json is the always-available fallback
     from orjson import JSONDecodeError

@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +41,7 @@ class LengthRule:
     fn: Callable[[dict], Any] | None = None
 
     @classmethod
-    def parse(cls, spec: str | None, fn=None) -> "LengthRule":
+    def parse(cls, spec: str | None, fn=None) -> LengthRule:
         if spec is None:
             return cls(fn=fn)
         name, colon, key = spec.partition(":")

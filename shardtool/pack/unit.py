@@ -7,6 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# Other loaders' datasets (see .foreign) read as record batches, like Parquet.
+FOREIGN = ("megatron", "mds", "litdata")
+STRUCTURED = ("jsonl", "parquet", "arrow", "memory") + FOREIGN
+
 
 @dataclass(frozen=True)
 class Unit:

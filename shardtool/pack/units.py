@@ -12,21 +12,17 @@ from __future__ import annotations
 
 import glob
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..format.errors import BadSampleError, ShardtoolError
 from ..format.keys import key_problem
 from .options import strip_file_scheme
-from .unit import Unit
 from .tree import PER_FILE_HINT, OnBad, image_folder_samples, per_file_samples, walk_files
+from .unit import Unit
 
 JSONL_CHUNK = 8 << 20  # small enough to balance workers when samples are costly (tokenizing)
 TREE_CHUNK = 256
 ARROW_UNIT_ROWS = 65536
-# Other loaders' datasets (see .foreign) read as record batches, like Parquet.
-FOREIGN = ("megatron", "mds", "litdata")
-STRUCTURED = ("jsonl", "parquet", "arrow", "memory") + FOREIGN
 
 
 def kind_of(path: str) -> str | None:

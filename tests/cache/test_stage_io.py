@@ -9,11 +9,10 @@ import os
 import threading
 import time
 
-import faultfs  # noqa: F401  registers faulty://
 import numpy as np
 import pytest
-from test_loader_data import read_all, write_dataset
 
+import faultfs  # noqa: F401  registers faulty://
 from shardtool.cache import open_cache
 from shardtool.cache.locks import held_exclusively
 from shardtool.cache.stager import (
@@ -25,6 +24,7 @@ from shardtool.cache.stager import (
     stage_run,
 )
 from shardtool.plan.staging import TouchOrder
+from test_loader_data import read_all, write_dataset
 
 SHARDS = 12
 

@@ -78,8 +78,8 @@ def test_the_jobs_mistakes_exit_0_and_fail_its_loader(tmp_path, datasets):
     cache_dir = tmp_path / "cache" / NODE
     typo = datasets[0] + "-v2"
     cases = {5: f"shardtool:{typo}",                                           # no dataset at the URL
-             6: 'shardtool:{"url": "%s", "mesh": "pp=3,dp=1"}' % datasets[0],  # 3 stages over 2 nodes x 1 rank
-             7: 'shardtool:{"url": "%s", "meshh": "dp=2"}' % datasets[0]}     # a typo in the request
+             6: 'shardtool:{{"url": "{}", "mesh": "pp=3,dp=1"}}'.format(datasets[0]),  # 3 stages over 2 nodes x 1 rank
+             7: 'shardtool:{{"url": "{}", "meshh": "dp=2"}}'.format(datasets[0])}     # a typo in the request
     for job, comment in cases.items():
         res = run_prolog(conf, NODE, job_id=str(job), nodelist="n[1-2]", num_nodes=2, comment=comment)
         assert res.returncode == 0, res.stderr
@@ -167,7 +167,7 @@ def test_budget_never_evicts_a_shard_being_read_and_too_small_a_budget_is_the_no
     assert 2 in cached_shards(cache_dir, a)
     assert read_job_record(str(cache_dir), 2)["status"] == "local_fault"
     # the job itself may ask for best effort: what fits is staged, exit 0, a warning for the job
-    res = stage(conf, 4, 'shardtool:{"url": "%s", "best_effort": true}' % b)
+    res = stage(conf, 4, 'shardtool:{{"url": "{}", "best_effort": true}}'.format(b))
     assert res.returncode == 0 and read_job_record(str(cache_dir), 4)["status"] in ("ok", "partial"), res.stderr
 
 
@@ -207,7 +207,7 @@ def test_a_job_caps_what_it_holds_in_the_node_cache(tmp_path, datasets):
     cache_dir = tmp_path / "cache" / NODE
     url = datasets[0]
     shard = open_dataset(url).manifest.shards[0].bytes
-    res = stage(conf, 1, 'shardtool:{"url": "%s", "max_bytes": %d}' % (url, 2 * shard + 100))
+    res = stage(conf, 1, 'shardtool:' + json.dumps({"url": url, "max_bytes": 2 * shard + 100}))
     assert res.returncode == 0, res.stderr
     rec = read_job_record(str(cache_dir), 1)
     assert rec["status"] == "partial" and rec["severity"] == "warning" and "caps its staged shards" in rec["finding"]

@@ -3,7 +3,8 @@ versions a budget may evict first, which findings fail the job and which exit dr
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardtool.cache.errors import EXIT_LOCAL, EXIT_OK
 from shardtool.cache.evict import Entry, eviction_order, plan_eviction

@@ -88,7 +88,7 @@ def test_mesh_gives_ranks_per_node_and_bad_layouts_exit_2(src, tmp_path):
 def test_prolog_passes_the_mesh_the_job_asks_for(src, tmp_path):
     hosts = ["gpu-a", "gpu-b"]
     conf = prolog_conf(tmp_path, hosts, tmp_path / "cache", active=["7"])
-    comment = 'shardtool:{"url": "%s", "mesh": "pp=2,dp=2", "dp_dim": "dp", "ranks_per_node": 2}' % src
+    comment = 'shardtool:{{"url": "{}", "mesh": "pp=2,dp=2", "dp_dim": "dp", "ranks_per_node": 2}}'.format(src)
     os.makedirs(tmp_path / "cache")
     ds = open_dataset(src)
     for node in hosts:

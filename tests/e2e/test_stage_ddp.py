@@ -12,12 +12,12 @@ import sys
 
 import numpy as np
 import pytest
+
 from cachedata import child_env
 from realtext import stdlib_lengths
-from test_loader_data import write_dataset
-
 from shardtool.cache import warm
 from shardtool.plan import Layout, Placement
+from test_loader_data import write_dataset
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(TESTS, "stage_worker.py")

@@ -15,7 +15,6 @@ import pytest
 
 from runcli import shardtool_cli
 from s3server import free_port
-from webtars import add, text_samples, write_collection, write_stdlib_tars, write_tar
 from shardtool.cache import warm
 from shardtool.format import open_dataset
 from shardtool.format.errors import BadSampleError, FormatError
@@ -23,6 +22,7 @@ from shardtool.loader import ShardedLoader
 from shardtool.pack import pack
 from shardtool.pack.inplace import index_tars
 from shardtool.pack.verify import verify
+from webtars import add, text_samples, write_collection, write_stdlib_tars, write_tar
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)

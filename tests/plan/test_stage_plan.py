@@ -134,9 +134,8 @@ def test_a_simulated_stager_keeps_its_bound_and_stages_everything(n, ahead, slot
 
 def test_a_real_plan_touches_the_shards_of_its_node_in_batch_order(tmp_path):
     from realtext import stdlib_lengths
-    from test_loader_data import write_dataset
-
     from shardtool.format import open_dataset
+    from test_loader_data import write_dataset
 
     lengths = np.minimum(stdlib_lengths()[:600], 4096)  # real, heavy-tailed lengths, capped at a batch
     root, _ = write_dataset(str(tmp_path / "d"), [50] * 12, lengths=lengths, extra=False)
