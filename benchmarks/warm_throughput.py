@@ -40,7 +40,7 @@ def drop(path: str) -> None:
 
 
 def compressed_warm(a) -> None:
-    from benchmarks.loader_throughput import packed_pair
+    from .loader_throughput import packed_pair
 
     work = a.dir or tempfile.mkdtemp(prefix="warm-bench-")
     roots = packed_pair(work, "tokens", a.samples, a.compression)
