@@ -87,12 +87,12 @@ def _types():
 
 
 def loader(out: str, kind: str, workers: int, batch: int, seed: int = 0, rank: int = 0, world_size: int = 1,
-           state=None):
+           state=None, repeat: bool = False):
     from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
     wc = WorkerConfig(rank=rank, world_size=world_size, num_workers=workers, seed_offset=seed)
     ds = get_train_dataset(out, worker_config=wc, batch_size=batch, shuffle_buffer_size=1000,
-                           max_samples_per_sequence=100, repeat=False, task_encoder=_types()(kind))
+                           max_samples_per_sequence=100, repeat=repeat, task_encoder=_types()(kind))
     ld = get_savable_loader(ds)
     if state is not None:
         ld.restore_state_rank(state)

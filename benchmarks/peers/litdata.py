@@ -62,7 +62,7 @@ def loader(out: str, kind: str, workers: int, batch: int, seed: int = 0, rank: i
 
     os.environ.update({"WORLD_SIZE": str(world_size), "GLOBAL_RANK": str(rank), "RANK": str(rank),
                        "LOCAL_RANK": "0", "NODE_RANK": "0"})
-    ds = litdata.StreamingDataset(out, shuffle=True, seed=seed, drop_last=False)
+    ds = litdata.StreamingDataset(out, shuffle=True, seed=seed)  # drop_last: its default (True on several ranks)
     ld = litdata.StreamingDataLoader(ds, batch_size=batch, num_workers=workers, collate_fn=_Collate(kind))
     if state is not None:
         ld.load_state_dict(state)

@@ -71,19 +71,29 @@ class _Collate:
 
 
 def loader(out: str, kind: str, workers: int, batch: int, seed: int = 0, rank: int = 0, world_size: int = 1,
-           state: dict | None = None, epoch_size: int | None = None):
-    """StreamingDataset over the MDS shards; ranks as its docs set them: RANK/WORLD_SIZE/LOCAL_* env."""
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
-                       "LOCAL_WORLD_SIZE": "1"})
+           state: dict | None = None, canonical_nodes: int | None = None):
+    """StreamingDataset over the MDS shards; ranks as its docs set them: RANK/WORLD_SIZE/LOCAL_* env
+    (one node here: LOCAL_WORLD_SIZE = WORLD_SIZE; with several ranks it joins torch.distributed
+    through MASTER_ADDR/MASTER_PORT, which the caller sets, all ranks running at once)."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size)})
     streaming = _import()
-    streaming.base.util.clean_stale_shared_memory()
+    if world_size == 1:  # several ranks: the caller cleans once, before they start (they share it)
+        clean()
+    # num_canonical_nodes: its default, except where ranks change (its docs: a value that every
+    # world size divides, kept across the resume).
     ds = streaming.StreamingDataset(local=out, shuffle=True, shuffle_seed=seed, batch_size=batch,
-                                    epoch_size=epoch_size, num_canonical_nodes=1)
+                                    num_canonical_nodes=canonical_nodes)
     ld = streaming.StreamingDataLoader(ds, batch_size=batch, num_workers=workers, collate_fn=_Collate(kind),
                                        persistent_workers=False)
     if state is not None:
         ld.load_state_dict(state)
     return ld
+
+
+def clean() -> None:
+    """Its docs' advice before a run: remove shared memory a killed earlier run left behind."""
+    _import().base.util.clean_stale_shared_memory()
 
 
 def state_dict(ld, batches_seen: int) -> dict:
