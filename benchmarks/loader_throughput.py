@@ -259,11 +259,11 @@ def paired(root: str, kind: str, workers: int, repeats: int, max_s: float) -> tu
 
 
 def paired_sides(root: str, kind: str, workers: int, repeats: int, max_s: float,
-                 sides: list[str]) -> tuple[dict, dict[str, list[float]]]:
+                 sides: list[str], warm: bool = True) -> tuple[dict, dict[str, list[float]]]:
     """``paired`` for ours and every peer in ``sides``: each round runs all sides, the order rotating;
     per peer, the per-round ratio ours/peer."""
     metric = "samples_per_s" if kind == "tokens" else "mb_per_s"
-    for which in sides:
+    for which in sides if warm else ():
         measure(which, root, kind, workers, max_s=max_s)  # warm-up, alike for all
     runs: dict[str, list[dict]] = {s: [] for s in sides}
     ratios: dict[str, list[float]] = {s: [] for s in sides if s != "ours"}
@@ -340,7 +340,7 @@ def metrics_overhead(tok: str, repeats: int, max_s: float, as_json: bool) -> Non
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="20k token samples, 1,500 images (a quick run)")
-    p.add_argument("--tiny", action="store_true", help="2,000 token samples, 120 images (the smoke test)")
+    p.add_argument("--tiny", action="store_true", help="2,000 token samples, 120 images, no warm-up runs (the smoke test)")
     p.add_argument("--dir", default=None, help="where to write the corpora (default: a temp dir)")
     p.add_argument("--repeats", type=int, default=3, help="measurements per configuration and side (median)")
     p.add_argument("--max-seconds", type=float, default=30.0,
@@ -394,7 +394,8 @@ def main() -> None:
     peer_info = prepare_peers(chosen, tok, img)
     checked = None if args.no_verify else verify_sides(sides, tok, img)
     for kind, w, name in configs:
-        pair, per_peer = paired_sides(tok if kind == "tokens" else img, kind, w, args.repeats, args.max_seconds, sides)
+        pair, per_peer = paired_sides(tok if kind == "tokens" else img, kind, w, args.repeats, args.max_seconds, sides,
+                                      warm=not args.tiny)
         for peer, runs_ in per_peer.items():
             ratio_runs[name.replace("/wds", "/" + peer)] = runs_
         for which in sides:
