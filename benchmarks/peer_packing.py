@@ -117,7 +117,7 @@ def measure(side: str, src: str, seq: int, rows: int, workers: int, max_s: float
     cmd = [sys.executable, "-m", "benchmarks.peer_packing", "--one", side, "--src", src, "--seq-lens", str(seq),
            "--rows", str(rows), "--workers", str(workers), "--max-seconds", str(max_s)]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT, check=False)
     if res.returncode:
         raise SystemExit(f"{side} seq {seq} w={workers} failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])

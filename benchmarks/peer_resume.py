@@ -70,7 +70,7 @@ def _step(side, root, batch, rank, world, state_in, stop, limit, repeat, port, c
             if limit is not None and n >= limit:
                 break
         conn.send({"keys": keys, "batches": n, "first_batch_s": first, "state": saved})
-    except Exception as e:  # the peer refusing is a result, not a crash of the benchmark
+    except Exception as e:  # noqa: BLE001 - a peer refusing (any error) is a result, not a crash
         conn.send({"error": f"{type(e).__name__}: {str(e)[:300]}"})
 
 

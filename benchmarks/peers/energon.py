@@ -50,7 +50,13 @@ def _types():
     global _ENCODER
     if _ENCODER is not None:
         return _ENCODER
-    from megatron.energon import Cooker, DefaultTaskEncoder, Sample, basic_sample_keys, stateless
+    from megatron.energon import (
+        Cooker,
+        DefaultTaskEncoder,
+        Sample,
+        basic_sample_keys,
+        stateless,
+    )
 
     @dataclass
     class Payload(Sample):
@@ -64,7 +70,7 @@ def _types():
         return Payload(**basic_sample_keys(raw), payload=data)
 
     class Encoder(DefaultTaskEncoder):
-        cookers = [Cooker(cook)]
+        cookers = [Cooker(cook)]  # noqa: RUF012 - energon reads it as a class attribute
         decoder = None  # raw bytes, as webdataset delivers them here (the cooker loads the npy)
 
         def __init__(self, kind: str):

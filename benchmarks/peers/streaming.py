@@ -26,7 +26,7 @@ def _import():
     if "streaming" not in sys.modules:
         try:
             import torchvision  # noqa: F401
-        except Exception:  # absent, or a CUDA wheel next to a CPU torch
+        except Exception:  # noqa: BLE001 - absent (ImportError), or a CUDA wheel next to a CPU torch (RuntimeError)
             sys.modules["streaming.vision"] = types.ModuleType("streaming.vision")
     import streaming
 
