@@ -34,10 +34,11 @@ def available() -> dict:
     out = {}
     for name in PEERS:
         try:
-            out[name] = importlib.import_module(f"{__name__}.{name}")
-            out[name].version()
+            mod = importlib.import_module(f"{__name__}.{name}")
+            mod.version()  # imports the peer's package
         except ImportError:
             continue
+        out[name] = mod
     return out
 
 
