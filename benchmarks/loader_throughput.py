@@ -21,6 +21,14 @@ compressed/plain ratio against its target (cache >= 0.95x, in place >= 0.5x).
 
     python -m benchmarks.loader_throughput --compression zstd [--modes cache,inplace] [--corpora tokens,big]
 
+Peers (`benchmarks.peers`: MosaicML Streaming on MDSWriter shards, LitData on ``optimize()``
+output, Megatron-Energon on its prepared WebDataset), each when its package imports: written once
+from the same tar shards with the peer's own writer, read shuffled with its own loader into the
+same batches as webdataset's (128 padded samples, or 32 images), and measured alongside in the
+same alternating rounds; one ratio per peer. Before timing, every side reads one whole epoch of
+each corpus and is checked: samples, unique keys, and the sum of per-sample crc32 of key and
+payload against the tar shards (``--no-verify`` skips it). ``--peers a,b`` picks peers.
+
 ``--metrics-overhead`` measures instead what the loader's metrics cost: the token corpus with
 num_workers 0 and 2, metrics on (counters, a metric line every 100 steps) against
 ``metrics=False``, paired and alternating like the peer comparison; target: within 3% tokens/s.
@@ -140,8 +148,50 @@ def consume(loader, kind: str, began: float, first_only: bool = False, max_s: fl
             "workers_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
 
 
+def run_peer(name: str, root: str, kind: str, workers: int, max_s: float, verify: bool = False) -> dict:
+    """A peer's shuffled read of its own copy of the corpus (``<root>-<name>``), as ``run_wds``."""
+    from benchmarks import peers
+
+    mod = peers.available()[name]
+    began = time.perf_counter()
+    loader = mod.loader(f"{root}-{name}", kind, workers, WDS_BATCH if kind == "tokens" else IMAGE_BATCH)
+    if verify:
+        return verify_read(loader, kind)
+    return consume(loader, kind, began, max_s=max_s)
+
+
+def verify_read(loader, kind: str) -> dict:
+    """One whole epoch: samples, unique keys and the sum of per-sample checksums (benchmarks.peers)."""
+    from benchmarks.peers import batch_fingerprint
+
+    keys: list[str] = []
+    total = 0
+    for batch in loader:
+        k, c = batch_fingerprint(batch, kind)
+        keys += k
+        total += c
+    return {"samples": len(keys), "unique": len(set(keys)), "checksum": total}
+
+
 def one(args) -> None:
-    if args.one == "wds":
+    if args.one not in ("wds", "ours", "ours-nometrics"):
+        out = run_peer(args.one, args.root, args.kind, args.workers, args.max_seconds, args.verify)
+    elif args.verify and args.one == "wds":
+        import webdataset as wds
+
+        urls = sorted(os.path.join(args.root, f) for f in os.listdir(args.root) if f.endswith(".tar"))
+        ds = wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False, seed=0).shuffle(1000)
+        ds = (ds.decode().to_tuple("__key__", "tokens.npy").batched(WDS_BATCH, collation_fn=wds_pad, partial=True)
+              if args.kind == "tokens" else
+              ds.to_tuple("__key__", "jpg").batched(IMAGE_BATCH, collation_fn=wds_bytes, partial=True))
+        out = verify_read(wds.WebLoader(ds, batch_size=None, num_workers=args.workers), args.kind)
+    elif args.verify:
+        from shardtool.loader import ShardedLoader
+
+        size = {"max_tokens": MAX_TOKENS} if args.kind == "tokens" else {"batch_size": IMAGE_BATCH}
+        out = verify_read(ShardedLoader(args.root, num_workers=args.workers, pin_memory=False, metrics=False,
+                                        **size), args.kind)
+    elif args.one == "wds":
         out = run_wds(args.root, args.kind, args.workers, args.max_seconds)
     else:
         out = run_ours(args.root, args.kind, args.workers, args.resume, args.max_seconds, args.one == "ours",
@@ -150,11 +200,12 @@ def one(args) -> None:
 
 
 def measure(which: str, root: str, kind: str, workers: int, resume: bool = False, max_s: float = 30.0,
-            cache_dir: str | None = None) -> dict:
-    """One run in its own process; ``which``: "ours", "ours-nometrics" (metrics=False) or "wds"."""
+            cache_dir: str | None = None, verify: bool = False) -> dict:
+    """One run in its own process; ``which``: "ours", "ours-nometrics" (metrics=False), "wds" or a peer."""
     cmd = [sys.executable, os.path.abspath(__file__), "--one", which, "--root", root, "--kind", kind,
            "--workers", str(workers), "--max-seconds", str(max_s)] + (["--resume"] if resume else []) + \
         (["--cache-dir", cache_dir] if cache_dir else [])
+    cmd += ["--verify"] if verify else []
     env = {**os.environ, "PYTHONPATH": ROOT}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if res.returncode:
@@ -263,6 +314,64 @@ def paired(root: str, kind: str, workers: int, repeats: int, max_s: float) -> tu
     return out, ratios
 
 
+def paired_sides(root: str, kind: str, workers: int, repeats: int, max_s: float,
+                 sides: list[str], warm: bool = True) -> tuple[dict, dict[str, list[float]]]:
+    """``paired`` for ours and every peer in ``sides``: each round runs all sides, the order rotating;
+    per peer, the per-round ratio ours/peer."""
+    metric = "samples_per_s" if kind == "tokens" else "mb_per_s"
+    for which in sides if warm else ():
+        measure(which, root, kind, workers, max_s=max_s)  # warm-up, alike for all
+    runs: dict[str, list[dict]] = {s: [] for s in sides}
+    ratios: dict[str, list[float]] = {s: [] for s in sides if s != "ours"}
+    for r in range(repeats):
+        k = r % len(sides)
+        for which in sides[k:] + sides[:k]:
+            runs[which].append(measure(which, root, kind, workers, max_s=max_s))
+        for peer in ratios:
+            ratios[peer].append(runs["ours"][-1][metric] / runs[peer][-1][metric])
+    out = {}
+    for which, rs in runs.items():
+        med = {k: (statistics.median(r[k] for r in rs) if rs[0][k] is not None else None) for k in rs[0]}
+        med["spread"] = (min(r[metric] for r in rs), max(r[metric] for r in rs))
+        out[which] = med
+    return out, ratios
+
+
+def prepare_peers(names: list[str], tok: str, img: str) -> dict[str, dict]:
+    """Each peer's copy of both corpora in its own format (``<root>-<peer>``), written once; versions."""
+    from benchmarks import peers
+
+    mods = peers.available()
+    info = {}
+    for name in names:
+        info[name] = {"version": mods[name].version()}
+        for root, kind in ((tok, "tokens"), (img, "images")):
+            if not os.path.isdir(f"{root}-{name}"):
+                t = time.perf_counter()
+                mods[name].prepare(root, f"{root}-{name}.tmp", kind, 2)
+                os.rename(f"{root}-{name}.tmp", f"{root}-{name}")
+                info[name][f"prepare_{kind}_s"] = time.perf_counter() - t
+    return info
+
+
+def verify_sides(sides: list[str], tok: str, img: str, workers: tuple[int, ...] = (0, 2)) -> dict:
+    """Every side's whole epoch of each corpus, checked against the tar shards; raises on a mismatch."""
+    from benchmarks.peers import expected
+
+    checked = {}
+    for root, kind in ((tok, "tokens"), (img, "images")):
+        n, total = expected(root, kind)
+        for which in sides:
+            for w in workers if kind == "tokens" else (2,):
+                got = measure(which, root, kind, w, verify=True)
+                if (got["samples"], got["unique"], got["checksum"]) != (n, n, total):
+                    raise SystemExit(f"{which} {kind} w={w} read {got['samples']} samples ({got['unique']} unique, "
+                                     f"checksum {'ok' if got['checksum'] == total else 'WRONG'}); "
+                                     f"the corpus has {n}")
+                checked[f"{kind}/{which}/w{w}"] = got["samples"]
+    return checked
+
+
 def metrics_overhead(tok: str, repeats: int, max_s: float, as_json: bool) -> None:
     """tokens/s with metrics on over off, per round (alternating who goes first); the median."""
     out = {}
@@ -287,6 +396,7 @@ def metrics_overhead(tok: str, repeats: int, max_s: float, as_json: bool) -> Non
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="20k token samples, 1,500 images (a quick run)")
+    p.add_argument("--tiny", action="store_true", help="2,000 token samples, 120 images, no warm-up runs (the smoke test)")
     p.add_argument("--dir", default=None, help="where to write the corpora (default: a temp dir)")
     p.add_argument("--repeats", type=int, default=3, help="measurements per configuration and side (median)")
     p.add_argument("--max-seconds", type=float, default=30.0,
@@ -301,7 +411,13 @@ def main() -> None:
                         "batches exceed the 256 MiB a process kept before), or both")
     p.add_argument("--metrics-overhead", action="store_true",
                    help="measure metrics on vs off (tokens/s, num_workers 0 and 2) instead of the peer comparison")
-    p.add_argument("--one", choices=["ours", "ours-nometrics", "wds"], help=argparse.SUPPRESS)
+    p.add_argument("--peers", default=None,
+                   help="comma-separated peers to measure besides webdataset (default: every one installed; "
+                        "'none' for none): streaming, litdata, energon")
+    p.add_argument("--no-verify", action="store_true", help="skip the whole-epoch check of every side's read")
+    p.add_argument("--one", choices=["ours", "ours-nometrics", "wds", "streaming", "litdata", "energon"],
+                   help=argparse.SUPPRESS)
+    p.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     p.add_argument("--kind", choices=["tokens", "images"], help=argparse.SUPPRESS)
     p.add_argument("--workers", type=int, default=0, help=argparse.SUPPRESS)
@@ -325,16 +441,16 @@ def main() -> None:
             print_compression(compressed, args.compression)
         return
 
-    n_tok, n_img = (20_000, 1_500) if args.small else (200_000, 4_000)
+    n_tok, n_img = (2_000, 120) if args.tiny else (20_000, 1_500) if args.small else (200_000, 4_000)
     base = args.dir or tempfile.mkdtemp(prefix="loader-bench-")
     tok, img = os.path.join(base, "tokens"), os.path.join(base, "images")
     t = time.perf_counter()
     if not os.path.exists(os.path.join(tok, "index.json")):
         os.makedirs(tok, exist_ok=True)
-        write_tokens(tok, n_tok, 10_000)
+        write_tokens(tok, n_tok, 500 if args.tiny else 10_000)
     if not args.metrics_overhead and not os.path.exists(os.path.join(img, "index.json")):
         os.makedirs(img, exist_ok=True)
-        write_images(img, n_img, 500)
+        write_images(img, n_img, 30 if args.tiny else 500)
     print(f"corpora in {base} ({time.perf_counter() - t:.1f} s): {n_tok:,} token samples, {n_img:,} images; "
           f"{args.repeats} paired runs per configuration, at most {args.max_seconds:g} s each", file=sys.stderr)
 
@@ -343,9 +459,22 @@ def main() -> None:
     results, ratio_runs = {}, {}
     configs = [("tokens", 0, "tokens samples/s ours/wds w0"), ("tokens", 2, "tokens samples/s ours/wds w2"),
                ("images", 2, "images MB/s ours/wds w2")]
+    from benchmarks import peers as peer_mods
+
+    installed = list(peer_mods.available())
+    chosen = installed if args.peers is None else [x for x in args.peers.split(",") if x and x != "none"]
+    if set(chosen) - set(installed):
+        raise SystemExit(f"peers not importable here: {sorted(set(chosen) - set(installed))} "
+                         f"({peer_mods.missing()}); bash benchmarks/setup_peers.sh builds a venv with them")
+    sides = ["ours", "wds"] + chosen
+    peer_info = prepare_peers(chosen, tok, img)
+    checked = None if args.no_verify else verify_sides(sides, tok, img)
     for kind, w, name in configs:
-        pair, ratio_runs[name] = paired(tok if kind == "tokens" else img, kind, w, args.repeats, args.max_seconds)
-        for which in ("ours", "wds"):
+        pair, per_peer = paired_sides(tok if kind == "tokens" else img, kind, w, args.repeats, args.max_seconds, sides,
+                                      warm=not args.tiny)
+        for peer, runs_ in per_peer.items():
+            ratio_runs[name.replace("/wds", "/" + peer)] = runs_
+        for which in sides:
             results[f"{kind}/{which}/w{w}"] = pair[which]
         if kind == "tokens":
             results[f"tokens/ours/w{w}"]["resume_first_batch_s"] = measure("ours", tok, "tokens", w, True)["first_batch_s"]
@@ -353,27 +482,34 @@ def main() -> None:
     ratios["resume/fresh first batch w0"] = results["tokens/ours/w0"]["resume_first_batch_s"] / results["tokens/ours/w0"]["first_batch_s"]
     ratios["resume/fresh first batch w2"] = results["tokens/ours/w2"]["resume_first_batch_s"] / results["tokens/ours/w2"]["first_batch_s"]
     if args.json:
-        print(json.dumps({"results": results, "ratios": ratios, "ratio_runs": ratio_runs}, indent=1))
+        print(json.dumps({"results": results, "ratios": ratios, "ratio_runs": ratio_runs,
+                          "peers": peer_info, "peers_missing": peer_mods.missing(), "verified": checked}, indent=1))
         return
-    head = (f"{'run':<18}{'samples/s':>12}{'tokens/s':>14}{'MB/s':>9}{'range':>17}{'1st batch':>11}{'resume 90%':>12}"
+    head = (f"{'run':<20}{'samples/s':>12}{'tokens/s':>14}{'MB/s':>9}{'range':>17}{'1st batch':>11}{'resume 90%':>12}"
             f"{'pad eff':>9}{'RSS MB':>9}{'wkr RSS':>9}")
+    for name, info in peer_info.items():
+        print(f"peer {name}: {info['version']}")
+    for name, why in peer_mods.missing().items():
+        print(f"peer {name}: not measured, {why}")
+    if checked:
+        print(f"verified: every side read each corpus whole (count, unique keys, payload crc32): {len(checked)} reads")
     print(head)
     for name, r in results.items():
         lo, hi = r["spread"]
         rng = f"{lo:,.0f}-{hi:,.0f}"
-        print(f"{name:<18}{fmt(r['samples_per_s']):>12}{fmt(r['tokens_per_s']):>14}{fmt(r['mb_per_s']):>9}{rng:>17}"
+        print(f"{name:<20}{fmt(r['samples_per_s']):>12}{fmt(r['tokens_per_s']):>14}{fmt(r['mb_per_s']):>9}{rng:>17}"
               f"{fmt(r['first_batch_s'], '.3f'):>11}{fmt(r.get('resume_first_batch_s'), '.3f'):>12}"
               f"{fmt(r['padding_efficiency'], '.3f'):>9}{fmt(r['peak_rss_mb']):>9}{fmt(r['workers_peak_rss_mb']):>9}")
     print("(range: min-max over the runs of samples/s for tokens, MB/s for images)")
     targets = {"tokens samples/s ours/wds w0": 50, "tokens samples/s ours/wds w2": 10, "images MB/s ours/wds w2": 2}
     for k, v in ratios.items():
-        goal = targets.get(k)
+        goal = targets.get(k) or (2 if "ours/" in k else None)  # the issue's target against every peer
         if goal:
             runs_ = ratio_runs[k]
             note = f"[{min(runs_):.1f}-{max(runs_):.1f}] (target >= {goal}x: {'met' if v >= goal else 'MISSED'})"
         else:
             note = f"(target <= 1.5x: {'met' if v <= 1.5 else 'MISSED'})"
-        print(f"{k:<32}{v:8.2f}x  {note}")
+        print(f"{k:<36}{v:8.2f}x  {note}")
 
 
 if __name__ == "__main__":

@@ -17,17 +17,16 @@ PY=${PYTHON:-python3}
 # Real PNGs in class folders for the ImageFolder tests (tests/realdata.py): Debian's Adwaita icons.
 [ -d /usr/share/icons/Adwaita/48x48 ] || { apt-get update -qq && apt-get install -y -qq adwaita-icon-theme; } \
   >/dev/null 2>&1 || echo "could not install adwaita-icon-theme: the ImageFolder tests say so" >&2
-# The peers' own writers and readers for the conversion tests (tests/peers.py): MosaicML Streaming pins
-# numpy<2.2, so they get a venv of their own and never touch this environment's numpy.
+# The peers (MosaicML Streaming, LitData, Megatron-Energon): their own writers and readers for the
+# conversion tests (tests/peers.py) and the peer benchmarks' smoke test (tests/e2e/test_bench_peers.py).
+# Streaming pins numpy<2.2, so they get a venv of their own (benchmarks/setup_peers.sh, built once and
+# reused) and never touch this environment's numpy.
 peers=${SHARDTOOL_PEERS_VENV:-$root/.venv-peers}
-if ! "$peers/bin/python" -c "import litdata, importlib.util as u; assert u.find_spec('streaming')" 2>/dev/null; then
-  # On top of this environment's packages (its CPU torch: a bare torch requirement would pull CUDA), with
-  # torch pinned to it; megatron-energon is for benchmarks/index_tars.py.
-  echo "torch==$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')" > "$root/.peers-constraints.txt"
-  "$PY" -m venv --system-site-packages "$peers" && "$peers/bin/python" -m pip install -q \
-    -c "$root/.peers-constraints.txt" mosaicml-streaming==0.13.0 litdata==0.2.76 megatron-energon==7.4.1 \
-    || echo "could not make the peers' venv: tests/test_pack_{mds,litdata}.py say so" >&2
+if ! PYTHONPATH=$root "$peers/bin/python" -c "from benchmarks import peers as p; assert not p.missing()" 2>/dev/null; then
+  PYTHON="$PY" bash benchmarks/setup_peers.sh "$peers" \
+    || echo "could not make the peers' venv: tests/pack/test_pack_{mds,litdata}.py and the peers step say so" >&2
 fi
+export SHARDTOOL_PEERS_VENV="$peers"
 export SHARDTOOL_PEERS_PYTHON="$peers/bin/python"
 set +e
 "$PY" -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,209 @@
+"""Packed ``seq_len`` rows of one token corpus: ours (best-fit, concat) against LitData's TokensLoader.
+
+The corpus is the lognormal token corpus of ``benchmarks.loader_throughput`` (median ~350 int32
+tokens per document, tar shards). Each side delivers shuffled batches of ``--rows`` rows of
+``seq_len`` tokens, the documents ending in an eos (id 0):
+
+- ours: ``ShardedLoader(root, seq_len=S, batch_size=B, packing="best-fit"|"concat", eos_id=0,
+  num_workers=W)``: ``input_ids``, ``labels``, ``position_ids``, ``cu_seqlens`` per batch;
+- LitData, its documented pretraining path: ``optimize(fn, inputs, output_dir,
+  item_loader=TokensLoader(), chunk_bytes=…)`` with ``fn`` yielding each document's tokens +
+  eos as a tensor, then ``StreamingDataset(dir, item_loader=TokensLoader(block_size=S + 1),
+  shuffle=True)`` in ``StreamingDataLoader(batch_size=B, num_workers=W)``: one ``[B, S+1]``
+  tensor per batch (inputs and shifted labels are views of it); blocks cut the concatenated
+  stream, so every row is full and a document crossing a block boundary is split;
+- llm-foundry's ``BinPackCollator``: llm-foundry is not installable here (it pins an older
+  torch and pulls composer), so the row is ``benchmarks.packing``'s reimplementation from its
+  description, labelled as one: plan only (lengths, one core), no batch is built.
+
+Printed per side: tokens/s (row tokens delivered per second of the steady state; ours also real
+tokens), fill (real / row tokens), documents split (ours: from its plan; LitData: counted from
+the document offsets against the block boundaries), rows. Each read runs in its own process
+after a warm-up; ``--repeats`` rounds alternate the order; medians, ratio ours/LitData per round.
+
+    python -m benchmarks.peer_packing [--tiny|--small] [--seq-lens 2048,8192] [--workers 0,2] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+EOS = 0
+
+
+class _Docs:
+    """optimize's fn: every document of one tar shard, tokens + eos, as an int32 tensor."""
+
+    def __call__(self, path: str):
+        import torch
+
+        from benchmarks.peers import tar_samples
+
+        for _, tokens in tar_samples(os.path.dirname(path), "tokens", [path]):
+            yield torch.from_numpy(np.append(tokens, np.int32(EOS)).astype(np.int32))
+
+
+def prepare_litdata(src: str, out: str, workers: int = 1) -> None:
+    import litdata
+    from litdata.streaming.item_loader import TokensLoader
+
+    from benchmarks.peers import tar_paths
+
+    litdata.optimize(fn=_Docs(), inputs=tar_paths(src), output_dir=out, item_loader=TokensLoader(),
+                     chunk_bytes="64MB", num_workers=max(1, workers), mode="overwrite", verbose=False)
+
+
+def litdata_split_docs(src: str, block: int) -> int:
+    """Documents (eos included) whose tokens fall in more than one block of the concatenated stream.
+
+    optimize writes the inputs' documents in order per worker; with one chunk stream per input
+    order this is the count for the written order (a good estimate either way: the lengths are iid)."""
+    from benchmarks.peers import tar_samples
+
+    sizes = np.array([len(t) + 1 for _, t in tar_samples(src, "tokens")], np.int64)
+    end = np.cumsum(sizes)
+    start = end - sizes
+    return int(np.count_nonzero(start // block != (end - 1) // block))
+
+
+def run_side(side: str, src: str, seq: int, rows: int, workers: int, max_s: float) -> dict:
+    began = time.perf_counter()
+    if side == "litdata":
+        import litdata
+        from litdata.streaming.item_loader import TokensLoader
+
+        ds = litdata.StreamingDataset(f"{src}-litdata-tokensloader", item_loader=TokensLoader(block_size=seq + 1),
+                                      shuffle=True, seed=0)
+        loader = litdata.StreamingDataLoader(ds, batch_size=rows, num_workers=workers)
+        fill, split = 1.0, None
+    else:
+        from shardtool.loader import ShardedLoader
+
+        loader = ShardedLoader(src, seq_len=seq, batch_size=rows, packing=side, eos_id=EOS, num_workers=workers,
+                               pin_memory=False, metrics=False)
+        fill, split = loader.padding_efficiency, loader.plan.rows.split_docs
+    first = None
+    row_tokens = real = n_rows = 0
+    for batch in loader:
+        if first is None:
+            first, t0 = time.perf_counter() - began, time.perf_counter()
+            continue  # the steady state starts after the first batch
+        if side == "litdata":
+            row_tokens += batch.numel()
+            real += batch.numel()
+            n_rows += batch.shape[0]
+        else:
+            row_tokens += batch["input_ids"].numel()
+            real += int(batch["lengths"].sum())
+            n_rows += batch["input_ids"].shape[0]
+        if time.perf_counter() - t0 > max_s:
+            break
+    el = time.perf_counter() - t0 if first is not None else 0.0
+    return {"first_batch_s": first, "seconds": el, "rows": n_rows, "row_tokens_per_s": row_tokens / el if el else None,
+            "real_tokens_per_s": real / el if el else None, "fill": fill, "docs_split": split}
+
+
+def measure(side: str, src: str, seq: int, rows: int, workers: int, max_s: float) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.peer_packing", "--one", side, "--src", src, "--seq-lens", str(seq),
+           "--rows", str(rows), "--workers", str(workers), "--max-seconds", str(max_s)]
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT, check=False)
+    if res.returncode:
+        raise SystemExit(f"{side} seq {seq} w={workers} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="3,000 documents (the smoke test)")
+    p.add_argument("--small", action="store_true", help="30,000 documents")
+    p.add_argument("--docs", type=int, default=200_000)
+    p.add_argument("--seq-lens", default="2048,8192")
+    p.add_argument("--rows", type=int, default=None, help="rows per batch (default 65,536 tokens / seq_len)")
+    p.add_argument("--workers", default="0,2")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-seconds", type=float, default=20.0)
+    p.add_argument("--dir", default=None)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--src", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(run_side(args.one, args.src, int(args.seq_lens), args.rows, int(args.workers),
+                                  args.max_seconds)))
+        return
+    from benchmarks import peers
+    from benchmarks.loader_throughput import write_tokens
+    from benchmarks.packing import llm_foundry
+
+    n = 3_000 if args.tiny else 30_000 if args.small else args.docs
+    base = args.dir or tempfile.mkdtemp(prefix="peer-packing-")
+    src = os.path.join(base, f"tokens-{n}")
+    if not os.path.exists(os.path.join(src, "index.json")):
+        os.makedirs(src, exist_ok=True)
+        write_tokens(src, n, 500 if args.tiny else 10_000)
+    sides = ["best-fit", "concat"]
+    have = "litdata" in peers.available()
+    if have:
+        sides.append("litdata")
+        if not os.path.isdir(f"{src}-litdata-tokensloader"):
+            prepare_litdata(src, f"{src}-litdata-tokensloader.tmp", 2)
+            os.rename(f"{src}-litdata-tokensloader.tmp", f"{src}-litdata-tokensloader")
+    sizes = np.array([len(t) + 1 for _, t in peers.tar_samples(src, "tokens")], np.int64)
+    report = {"docs": n, "litdata": peers.available()["litdata"].version() if have else
+              peers.missing().get("litdata"), "runs": []}
+    for seq in [int(x) for x in args.seq_lens.split(",")]:
+        rows = args.rows or max(1, 65536 // seq)
+        foundry = llm_foundry(sizes, seq, rows)
+        for w in [int(x) for x in args.workers.split(",")]:
+            for side in sides:
+                measure(side, src, seq, rows, w, args.max_seconds)  # warm-up
+            runs: dict[str, list[dict]] = {s: [] for s in sides}
+            for r in range(args.repeats):
+                k = r % len(sides)
+                for side in sides[k:] + sides[:k]:
+                    runs[side].append(measure(side, src, seq, rows, w, args.max_seconds))
+            out = {"seq_len": seq, "rows": rows, "workers": w, "sides": {}}
+            for side, rs in runs.items():
+                med = {k: statistics.median(r[k] for r in rs) for k in ("row_tokens_per_s", "real_tokens_per_s")}
+                med.update(fill=rs[0]["fill"], docs_split=rs[0]["docs_split"], first_batch_s=rs[0]["first_batch_s"])
+                out["sides"][side] = med
+            if have:
+                out["sides"]["litdata"]["docs_split"] = litdata_split_docs(src, seq + 1)
+                for side in ("best-fit", "concat"):
+                    out[f"{side}/litdata"] = statistics.median(
+                        a["real_tokens_per_s"] / b["row_tokens_per_s"] for a, b in zip(runs[side], runs["litdata"]))
+            out["sides"]["BinPackCollator (reimpl., plan only)"] = {
+                "row_tokens_per_s": foundry["tokens_per_s"] / foundry["fill"], "real_tokens_per_s": foundry["tokens_per_s"],
+                "fill": foundry["fill"], "docs_split": foundry["docs_split"], "first_batch_s": None}
+            report["runs"].append(out)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    print(f"{report['docs']:,} lognormal documents; LitData: {report['litdata']}")
+    print(f"{'seq':>6}{'w':>3}  {'side':<38}{'real tok/s':>14}{'row tok/s':>14}{'fill':>8}{'docs split':>12}")
+    for out in report["runs"]:
+        for side, r in out["sides"].items():
+            print(f"{out['seq_len']:>6}{out['workers']:>3}  {side:<38}{r['real_tokens_per_s']:>14,.0f}"
+                  f"{r['row_tokens_per_s']:>14,.0f}{r['fill']:>8.4f}{r['docs_split'] if r['docs_split'] is not None else 'n/a':>12}")
+        for side in ("best-fit", "concat"):
+            if f"{side}/litdata" in out:
+                v = out[f"{side}/litdata"]
+                fill_ok = out["sides"][side]["fill"] >= out["sides"]["litdata"]["fill"]
+                print(f"  ours {side} / LitData TokensLoader, real tokens/s vs its row tokens/s: {v:.2f}x "
+                      f"(target >= 2x: {'met' if v >= 2 else 'MISSED'}; fill at least as high: "
+                      f"{'met' if fill_ok else 'MISSED'})")
+
+
+if __name__ == "__main__":
+    main()

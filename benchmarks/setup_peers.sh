@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Build the venv the peer benchmarks run in, from nothing: MosaicML Streaming, LitData and
+# Megatron-Energon (benchmarks/requirements-peers.txt) next to this checkout's own dependencies.
+#
+#   bash benchmarks/setup_peers.sh [VENV]        # default VENV: .venv-peers in the checkout
+#   PYTHONPATH=$PWD VENV/bin/python -m benchmarks.loader_throughput ...
+#
+# - `--system-site-packages`: the venv sees the main environment's torch and shardtool's own
+#   dependencies, so both sides of every comparison run on the same torch build; torch is pinned
+#   (a constraint) to the version already installed, so no peer's requirement replaces it.
+# - mosaicml-streaming 0.13 pins numpy<2.2 and transformers<5: the venv gets its own numpy
+#   (2.1.x) and transformers, shadowing the main environment's for both sides alike.
+# - torchvision is removed again after the install: the peers require it, but the only wheels on
+#   this index are CUDA builds that a CPU torch cannot load ("operator torchvision::nms does not
+#   exist" on `import streaming`). Nothing the benchmarks use needs it: Streaming's MDS path does
+#   not, and benchmarks/peers/streaming.py stands an empty module in for `streaming.vision` (its
+#   CIFAR/ImageNet classes, the only importer of torchvision) when torchvision does not import.
+#   Where a CPU torchvision matching torch is installable, keep it: `KEEP_TORCHVISION=1`.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv=${1:-$root/.venv-peers}
+PY=${PYTHON:-python3}
+"$PY" -m venv --system-site-packages "$venv"
+cons=$(mktemp)
+trap 'rm -f "$cons"' EXIT
+"$PY" -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$cons"
+"$venv/bin/python" -m pip install -q -c "$cons" -r "$root/benchmarks/requirements-peers.txt"
+if [ -z "${KEEP_TORCHVISION:-}" ] && ! "$venv/bin/python" -c "import torchvision" 2>/dev/null; then
+  "$venv/bin/python" -m pip uninstall -q -y torchvision
+fi
+PYTHONPATH=$root "$venv/bin/python" -c "
+from benchmarks import peers
+got, missing = peers.available(), peers.missing()
+for m in got.values(): print('peer:', m.version())
+if missing: raise SystemExit(f'peers not importable: {missing}')
+"
