@@ -10,6 +10,7 @@
     python -m benchmarks.corpus tokens OUT --n 200000
     python -m benchmarks.corpus images OUT --n 20000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,7 @@ def write_tokens(out: str, n: int, *, seed: int = 0, jsonl: bool = True, parquet
         paths["parquet"] = os.path.join(out, "tokens.parquet")
         # Token ids are high-entropy: a dictionary does not shrink them and triples decode time,
         # so (like most tokenized-corpus writers) only the string column is dictionary-encoded.
-        pq.write_table(table, paths["parquet"], row_group_size=ROW_GROUP, use_dictionary=["source"],
-                       compression="zstd")
+        pq.write_table(table, paths["parquet"], row_group_size=ROW_GROUP, use_dictionary=["source"], compression="zstd")
     if jsonl:
         paths["jsonl"] = os.path.join(out, "tokens.jsonl")
         with open(paths["jsonl"], "w") as f:

@@ -27,6 +27,7 @@ the first batch's own reads) from an epoch with a trivial transform.
 
     python -m benchmarks.image_epoch [--repeats 5] [--workers 0,2] [--dir DIR] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,9 @@ TARGET = 1.2  # ours at least this much faster than the peer at 2 workers
 def build_tree(dst: str) -> int:
     """``dst/<category>/<size>-<icon>.png`` as links to every PNG of the icon theme; returns the count."""
     if not os.path.isdir(ICONS):
-        raise SystemExit(f"{ICONS} is absent: this benchmark reads the real Adwaita PNG icons "
-                         "(apt-get install adwaita-icon-theme)")
+        raise SystemExit(
+            f"{ICONS} is absent: this benchmark reads the real Adwaita PNG icons (apt-get install adwaita-icon-theme)"
+        )
     n = 0
     for size in sorted(os.listdir(ICONS)):
         size_dir = os.path.join(ICONS, size)
@@ -168,8 +170,16 @@ def run_one(which: str, tree: str, ds: str, workers: int) -> dict:
         del loader  # joins its workers, so their CPU is counted
     else:
         tf = trivial_transform if which == "ours-trivial" else ours_transform
-        loader = ShardedLoader(ds, batch_size=BATCH, num_workers=workers, transform=tf, pin_memory=False,
-                               rank=0, world_size=1, metrics_dir=os.path.join(os.path.dirname(ds), "metrics"))
+        loader = ShardedLoader(
+            ds,
+            batch_size=BATCH,
+            num_workers=workers,
+            transform=tf,
+            pin_memory=False,
+            rank=0,
+            world_size=1,
+            metrics_dir=os.path.join(os.path.dirname(ds), "metrics"),
+        )
         for batch in loader:
             first = first if first is not None else time.perf_counter() - began
             samples += len(batch["cls"])
@@ -179,13 +189,30 @@ def run_one(which: str, tree: str, ds: str, workers: int) -> dict:
     c1 = _cpu()
     if tuple(images.shape[1:]) != (3, *SIZE):
         raise SystemExit(f"{which}: images of shape {tuple(images.shape)}, not stacked [B, 3, {SIZE[0]}, {SIZE[1]}]")
-    return {"seconds": seconds, "first_batch_s": first, "samples": samples, "trainer_cpu_s": c1[0] - c0[0],
-            "workers_cpu_s": c1[1] - c0[1], "peer": peer_name}
+    return {
+        "seconds": seconds,
+        "first_batch_s": first,
+        "samples": samples,
+        "trainer_cpu_s": c1[0] - c0[0],
+        "workers_cpu_s": c1[1] - c0[1],
+        "peer": peer_name,
+    }
 
 
 def measure(which: str, tree: str, ds: str, workers: int) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.image_epoch", "--one", which, "--tree", tree, "--ds", ds,
-           "--workers", str(workers)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.image_epoch",
+        "--one",
+        which,
+        "--tree",
+        tree,
+        "--ds",
+        ds,
+        "--workers",
+        str(workers),
+    ]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     if res.returncode:
@@ -213,16 +240,24 @@ def breakdown(tree: str, ds: str) -> dict:
     for _ in range(50):
         slot.reset()
         began = time.perf_counter()
-        batch = {"__key__": [r["__key__"] for r in out[:BATCH]],
-                 "png": stack_column([r["png"] for r in out[:BATCH]], slot.empty),
-                 "cls": stack_column([r["cls"] for r in out[:BATCH]], slot.empty)}
+        batch = {
+            "__key__": [r["__key__"] for r in out[:BATCH]],
+            "png": stack_column([r["png"] for r in out[:BATCH]], slot.empty),
+            "cls": stack_column([r["cls"] for r in out[:BATCH]], slot.empty),
+        }
         decode(encode(batch, slot), slot)
         trips.append(time.perf_counter() - began)
     slot.close()
     per_image = decode_cpu / len(raw)
-    return {"images": len(raw), "decode_transform_cpu_s": decode_cpu, "decode_transform_wall_s": decode_wall,
-            "per_image_ms": per_image * 1e3, "slot_trip_ms": statistics.median(trips) * 1e3,
-            "batch_mb": BATCH * 3 * SIZE[0] * SIZE[1] * 4 / 1e6, "torch_threads": torch.get_num_threads()}
+    return {
+        "images": len(raw),
+        "decode_transform_cpu_s": decode_cpu,
+        "decode_transform_wall_s": decode_wall,
+        "per_image_ms": per_image * 1e3,
+        "slot_trip_ms": statistics.median(trips) * 1e3,
+        "batch_mb": BATCH * 3 * SIZE[0] * SIZE[1] * 4 / 1e6,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 # ---------------------------------------------------------------------- report
@@ -232,13 +267,15 @@ def paired(tree: str, ds: str, workers: int, repeats: int) -> dict:
     runs: dict[str, list[dict]] = {"ours": [], "peer": []}
     ratios = []
     for r in range(repeats):
-        for which in (("ours", "peer") if r % 2 == 0 else ("peer", "ours")):
+        for which in ("ours", "peer") if r % 2 == 0 else ("peer", "ours"):
             runs[which].append(measure(which, tree, ds, workers))
         ratios.append(runs["peer"][-1]["seconds"] / runs["ours"][-1]["seconds"])
     out = {}
     for which, rs in runs.items():
-        out[which] = {k: statistics.median(r[k] for r in rs) for k in ("seconds", "first_batch_s", "trainer_cpu_s",
-                                                                          "workers_cpu_s")}
+        out[which] = {
+            k: statistics.median(r[k] for r in rs)
+            for k in ("seconds", "first_batch_s", "trainer_cpu_s", "workers_cpu_s")
+        }
         out[which]["spread"] = (min(r["seconds"] for r in rs), max(r["seconds"] for r in rs))
         out[which]["samples"] = rs[0]["samples"]
     out["peer_name"] = runs["peer"][0]["peer"]
@@ -281,7 +318,8 @@ def main() -> None:
                     "first_batch_s": statistics.median(r["first_batch_s"] for r in trivial),
                     "first_batch_s_in_process": statistics.median(r["first_batch_s"] for r in base),
                     "loader_cpu_s": statistics.median(r["trainer_cpu_s"] + r["workers_cpu_s"] for r in trivial),
-                    "loader_cpu_s_in_process": statistics.median(r["trainer_cpu_s"] for r in base)}
+                    "loader_cpu_s_in_process": statistics.median(r["trainer_cpu_s"] for r in base),
+                }
         report["breakdown"] = breakdown(tree, ds)
         report["load_after"] = load_average()
     if args.json:
@@ -293,33 +331,45 @@ def main() -> None:
 def print_report(rep: dict) -> None:
     b = rep["breakdown"]
     first = next(iter(rep["runs"].values()))
-    print(f"image classification epoch: {rep['images']} real PNG icons, batch {rep['batch']}, decode + RGB + resize "
-          f"{SIZE[0]}x{SIZE[1]} + to float tensor; peer: {first['peer_name']}; load average {rep['load_before']} "
-          f"before, {rep['load_after']} after")
-    print(f"{'workers':<8} {'ShardedLoader s (range)':<26} {'peer s (range)':<26} {'peer/ours (range)':<22} "
-          f"{'CPU s ours / peer':<20} first batch ours / peer")
+    print(
+        f"image classification epoch: {rep['images']} real PNG icons, batch {rep['batch']}, decode + RGB + resize "
+        f"{SIZE[0]}x{SIZE[1]} + to float tensor; peer: {first['peer_name']}; load average {rep['load_before']} "
+        f"before, {rep['load_after']} after"
+    )
+    print(
+        f"{'workers':<8} {'ShardedLoader s (range)':<26} {'peer s (range)':<26} {'peer/ours (range)':<22} "
+        f"{'CPU s ours / peer':<20} first batch ours / peer"
+    )
     for name, r in rep["runs"].items():
         o, p = r["ours"], r["peer"]
-        print(f"{name[1:]:<8} {o['seconds']:.2f} ({o['spread'][0]:.2f}-{o['spread'][1]:.2f}){'':<12}"
-              f"{p['seconds']:.2f} ({p['spread'][0]:.2f}-{p['spread'][1]:.2f}){'':<12}"
-              f"{r['ratio']:.2f}x ({r['ratio_spread'][0]:.2f}-{r['ratio_spread'][1]:.2f}){'':<6}"
-              f"{o['trainer_cpu_s'] + o['workers_cpu_s']:.2f} / {p['trainer_cpu_s'] + p['workers_cpu_s']:.2f}{'':<9}"
-              f"{o['first_batch_s']:.2f} / {p['first_batch_s']:.2f}")
+        print(
+            f"{name[1:]:<8} {o['seconds']:.2f} ({o['spread'][0]:.2f}-{o['spread'][1]:.2f}){'':<12}"
+            f"{p['seconds']:.2f} ({p['spread'][0]:.2f}-{p['spread'][1]:.2f}){'':<12}"
+            f"{r['ratio']:.2f}x ({r['ratio_spread'][0]:.2f}-{r['ratio_spread'][1]:.2f}){'':<6}"
+            f"{o['trainer_cpu_s'] + o['workers_cpu_s']:.2f} / {p['trainer_cpu_s'] + p['workers_cpu_s']:.2f}{'':<9}"
+            f"{o['first_batch_s']:.2f} / {p['first_batch_s']:.2f}"
+        )
     w2 = rep["runs"].get("w2")
     if w2 is not None:
         verdict = "met" if w2["ratio"] >= TARGET else "MISSED"
         print(f"target at 2 workers: >= {TARGET}x: {verdict}")
     print("where the time goes:")
-    print(f"  decode + transform, one process: {b['decode_transform_cpu_s']:.2f} CPU s for {b['images']} images "
-          f"({b['per_image_ms']:.3f} ms an image)")
-    print(f"  per-batch transfer through a worker slot (stack in the slot, copy out; {b['batch_mb']:.1f} MB): "
-          f"{b['slot_trip_ms']:.2f} ms a batch")
+    print(
+        f"  decode + transform, one process: {b['decode_transform_cpu_s']:.2f} CPU s for {b['images']} images "
+        f"({b['per_image_ms']:.3f} ms an image)"
+    )
+    print(
+        f"  per-batch transfer through a worker slot (stack in the slot, copy out; {b['batch_mb']:.1f} MB): "
+        f"{b['slot_trip_ms']:.2f} ms a batch"
+    )
     for name, r in rep["runs"].items():
         s = r.get("start")
         if s:
-            print(f"  worker start ({name[1:]} workers, trivial transform): first batch {s['first_batch_s']:.2f} s "
-                  f"against {s['first_batch_s_in_process']:.2f} s in process; the loader's own CPU for the epoch "
-                  f"{s['loader_cpu_s']:.2f} s against {s['loader_cpu_s_in_process']:.2f} s in process")
+            print(
+                f"  worker start ({name[1:]} workers, trivial transform): first batch {s['first_batch_s']:.2f} s "
+                f"against {s['first_batch_s_in_process']:.2f} s in process; the loader's own CPU for the epoch "
+                f"{s['loader_cpu_s']:.2f} s against {s['loader_cpu_s_in_process']:.2f} s in process"
+            )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ Energon and the MDS/LitData writers run from the peers' venv (``$SHARDTOOL_PEERS
     python -m shardtool.benchmarks.index_tars --small              # 4 tars x 500; 20k rows
     python -m shardtool.benchmarks.index_tars --cases tars --workers 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,11 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PEERS = (os.environ.get("SHARDTOOL_PEERS_PYTHON", ""), os.path.join(ROOT, ".venv-peers/bin/python"),
-         "/work/venv-peers/bin/python")
+PEERS = (
+    os.environ.get("SHARDTOOL_PEERS_PYTHON", ""),
+    os.path.join(ROOT, ".venv-peers/bin/python"),
+    "/work/venv-peers/bin/python",
+)
 
 
 def peers_python() -> str:
@@ -77,8 +81,11 @@ def write_tars(root: str, n: int, per: int) -> int:
             for i in range(per):
                 key = f"{s:06d}{i:06d}"
                 img = rng.integers(0, 256, size=int(rng.integers(4000, 16000)), dtype=np.uint8).tobytes()
-                for ext, data in (("jpg", img), ("json", json.dumps({"num_tokens": len(img) // 64}).encode()),
-                                  ("txt", b"a caption " * int(rng.integers(2, 20)))):
+                for ext, data in (
+                    ("jpg", img),
+                    ("json", json.dumps({"num_tokens": len(img) // 64}).encode()),
+                    ("txt", b"a caption " * int(rng.integers(2, 20))),
+                ):
                     info = tarfile.TarInfo(f"{key}.{ext}")
                     info.size = len(data)
                     tf.addfile(info, io.BytesIO(data))
@@ -105,22 +112,66 @@ def case_tars(tmp: str, n: int, per: int, workers: int) -> list[str]:
         def go():
             for p in paths:
                 shutil.rmtree(p, ignore_errors=True)
+
         return go
 
-    energon = [peers_python(), "-m", "megatron.energon.cli.main", "prepare", tars, "--non-interactive",
-               "--split-ratio", "1,0,0", "--skip-dataset-yaml", "--force-overwrite"]
+    energon = [
+        peers_python(),
+        "-m",
+        "megatron.energon.cli.main",
+        "prepare",
+        tars,
+        "--non-interactive",
+        "--split-ratio",
+        "1,0,0",
+        "--skip-dataset-yaml",
+        "--force-overwrite",
+    ]
     energon_bin = os.path.join(os.path.dirname(peers_python()), "energon")
     if os.access(energon_bin, os.X_OK):
         energon = [energon_bin] + energon[3:]
     for w in (1, workers):
-        ours = timed([sys.executable, "-m", "shardtool", "index", os.path.join(tars, "*.tar"), "-o", out, "--overwrite", "--workers", str(w),
-                      "--length-field", "json:num_tokens"], cleanup=rm(out))
+        ours = timed(
+            [
+                sys.executable,
+                "-m",
+                "shardtool",
+                "index",
+                os.path.join(tars, "*.tar"),
+                "-o",
+                out,
+                "--overwrite",
+                "--workers",
+                str(w),
+                "--length-field",
+                "json:num_tokens",
+            ],
+            cleanup=rm(out),
+        )
         theirs = timed(energon + ["--num-workers", str(w)], cleanup=rm(os.path.join(tars, ".nv-meta")), peer=True)
-        packed = timed([sys.executable, "-m", "shardtool", "pack", os.path.join(tars, "*.tar"), "-o", out + "-packed", "--overwrite", "-q",
-                        "--workers", str(w), "--length", "json"], cleanup=rm(out + "-packed"))
-        rows.append(f"tars  {n}x{per} ({size / 1e6:.0f} MB)  workers={w}:  shardtool index {ours:6.2f} s "
-                    f"({size / ours / 1e6:6.0f} MB/s)   energon prepare {theirs:6.2f} s   shardtool pack {packed:6.2f} s"
-                    f"   index/energon speed {theirs / ours:5.2f}x (target >= 2x)   index/pack {packed / ours:5.1f}x")
+        packed = timed(
+            [
+                sys.executable,
+                "-m",
+                "shardtool",
+                "pack",
+                os.path.join(tars, "*.tar"),
+                "-o",
+                out + "-packed",
+                "--overwrite",
+                "-q",
+                "--workers",
+                str(w),
+                "--length",
+                "json",
+            ],
+            cleanup=rm(out + "-packed"),
+        )
+        rows.append(
+            f"tars  {n}x{per} ({size / 1e6:.0f} MB)  workers={w}:  shardtool index {ours:6.2f} s "
+            f"({size / ours / 1e6:6.0f} MB/s)   energon prepare {theirs:6.2f} s   shardtool pack {packed:6.2f} s"
+            f"   index/energon speed {theirs / ours:5.2f}x (target >= 2x)   index/pack {packed / ours:5.1f}x"
+        )
     return rows
 
 
@@ -180,25 +231,37 @@ def case_convert(tmp: str, n: int) -> list[str]:
     src = os.path.join(tmp, "rows.npz")
     np.savez(src, flat=flat, offsets=offsets)
     parquet = os.path.join(tmp, "rows.parquet")
-    pq.write_table(pa.table({"tokens": pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat))}),
-                   parquet, row_group_size=65536)
+    pq.write_table(
+        pa.table({"tokens": pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat))}),
+        parquet,
+        row_group_size=65536,
+    )
     write_megatron(os.path.join(tmp, "mg"), rows)
     for kind in ("mds", "litdata"):
-        res = subprocess.run([peers_python(), "-c", PEER_WRITER, kind, src, os.path.join(tmp, kind)],
-                             capture_output=True, text=True, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        res = subprocess.run(
+            [peers_python(), "-c", PEER_WRITER, kind, src, os.path.join(tmp, kind)],
+            capture_output=True,
+            text=True,
+            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        )
         if res.returncode != 0:
             sys.exit(f"writing the {kind} dataset failed:\n{res.stderr[-3000:]}")
     out = os.path.join(tmp, "out")
 
     def pack(source: str) -> float:
-        return timed([sys.executable, "-m", "shardtool", "pack", source, "-o", out, "--overwrite", "-q",
-                      "--length", "tokens"], cleanup=lambda: shutil.rmtree(out, ignore_errors=True))
+        return timed(
+            [sys.executable, "-m", "shardtool", "pack", source, "-o", out, "--overwrite", "-q", "--length", "tokens"],
+            cleanup=lambda: shutil.rmtree(out, ignore_errors=True),
+        )
 
     mb = flat.nbytes / 1e6
     base = pack(parquet)
     lines = [f"convert {n} rows ({mb:.0f} MB of uint16 ids), 1 process:  Parquet {base:6.2f} s"]
-    for name, source in (("Megatron", os.path.join(tmp, "mg")), ("MDS", os.path.join(tmp, "mds")),
-                         ("LitData", os.path.join(tmp, "litdata"))):
+    for name, source in (
+        ("Megatron", os.path.join(tmp, "mg")),
+        ("MDS", os.path.join(tmp, "mds")),
+        ("LitData", os.path.join(tmp, "litdata")),
+    ):
         t = pack(source)
         lines.append(f"  {name:8s} {t:6.2f} s   speed vs Parquet {base / t:5.2f}x (target >= 0.8x)")
     return lines

@@ -33,6 +33,7 @@ payload against the tar shards (``--no-verify`` skips it). ``--peers a,b`` picks
 num_workers 0 and 2, metrics on (counters, a metric line every 100 steps) against
 ``metrics=False``, paired and alternating like the peer comparison; target: within 3% tokens/s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,16 +61,27 @@ def write_tokens(root: str, n: int, per_shard: int) -> None:
     """The lognormal token corpus (median ~350, int32), tar shards at the top of ``root``."""
     from shardtool.pack.synthetic import write_synthetic
 
-    write_synthetic(root, n, samples_per_shard=per_shard, vocab=50_000, key_prefix="t", key_width=8,
-                    shard_name="tok-{:05d}")
+    write_synthetic(
+        root, n, samples_per_shard=per_shard, vocab=50_000, key_prefix="t", key_width=8, shard_name="tok-{:05d}"
+    )
 
 
 def write_images(root: str, n: int, per_shard: int) -> None:
     """Image-like samples: one raw ``jpg`` field of 50-150 KB of random bytes."""
     from shardtool.pack.synthetic import write_synthetic
 
-    write_synthetic(root, n, samples_per_shard=per_shard, kind="bytes", field="jpg", sample_bytes=100_000, seed=1,
-                    key_prefix="i", key_width=8, shard_name="img-{:05d}")
+    write_synthetic(
+        root,
+        n,
+        samples_per_shard=per_shard,
+        kind="bytes",
+        field="jpg",
+        sample_bytes=100_000,
+        seed=1,
+        key_prefix="i",
+        key_width=8,
+        shard_name="img-{:05d}",
+    )
 
 
 # ---------------------------------------------------------------------- one measurement (own process)
@@ -103,14 +115,22 @@ def run_wds(root: str, kind: str, workers: int, max_s: float) -> dict:
     return consume(loader, kind, began, max_s=max_s)
 
 
-def run_ours(root: str, kind: str, workers: int, resume: bool, max_s: float, metrics: bool = True,
-             cache_dir: str | None = None) -> dict:
+def run_ours(
+    root: str, kind: str, workers: int, resume: bool, max_s: float, metrics: bool = True, cache_dir: str | None = None
+) -> dict:
     from shardtool.loader import ShardedLoader
 
     began = time.perf_counter()
     size = {"max_tokens": MAX_TOKENS} if kind == "tokens" else {"batch_size": IMAGE_BATCH}
-    ld = ShardedLoader(root, num_workers=workers, pin_memory=False, metrics=metrics, cache_dir=cache_dir,
-                       metrics_dir=os.path.join(os.path.dirname(root), "metrics"), **size)
+    ld = ShardedLoader(
+        root,
+        num_workers=workers,
+        pin_memory=False,
+        metrics=metrics,
+        cache_dir=cache_dir,
+        metrics_dir=os.path.join(os.path.dirname(root), "metrics"),
+        **size,
+    )
     if resume:
         served = int(len(ld) * 0.9)
         ld.load_state_dict(ld.planner.start(0, ld.fingerprint, ld.data_layout).with_served(served).to_dict())
@@ -141,11 +161,16 @@ def consume(loader, kind: str, began: float, first_only: bool = False, max_s: fl
             break
     el = time.perf_counter() - began_steady if not first_only else 0
     # Steady-state rates exclude the first batch (start-up is reported separately).
-    return {"first_batch_s": first, "seconds": el, "samples_per_s": samples / el if el else None,
-            "tokens_per_s": tokens / el if el else None, "mb_per_s": nbytes / el / 1e6 if el else None,
-            "padding_efficiency": real / padded if padded else None,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "workers_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}
+    return {
+        "first_batch_s": first,
+        "seconds": el,
+        "samples_per_s": samples / el if el else None,
+        "tokens_per_s": tokens / el if el else None,
+        "mb_per_s": nbytes / el / 1e6 if el else None,
+        "padding_efficiency": real / padded if padded else None,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "workers_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+    }
 
 
 def run_peer(name: str, root: str, kind: str, workers: int, max_s: float, verify: bool = False) -> dict:
@@ -181,36 +206,64 @@ def one(args) -> None:
 
         urls = sorted(os.path.join(args.root, f) for f in os.listdir(args.root) if f.endswith(".tar"))
         ds = wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False, seed=0).shuffle(1000)
-        ds = (ds.decode().to_tuple("__key__", "tokens.npy").batched(WDS_BATCH, collation_fn=wds_pad, partial=True)
-              if args.kind == "tokens" else
-              ds.to_tuple("__key__", "jpg").batched(IMAGE_BATCH, collation_fn=wds_bytes, partial=True))
+        ds = (
+            ds.decode().to_tuple("__key__", "tokens.npy").batched(WDS_BATCH, collation_fn=wds_pad, partial=True)
+            if args.kind == "tokens"
+            else ds.to_tuple("__key__", "jpg").batched(IMAGE_BATCH, collation_fn=wds_bytes, partial=True)
+        )
         out = verify_read(wds.WebLoader(ds, batch_size=None, num_workers=args.workers), args.kind)
     elif args.verify:
         from shardtool.loader import ShardedLoader
 
         size = {"max_tokens": MAX_TOKENS} if args.kind == "tokens" else {"batch_size": IMAGE_BATCH}
-        out = verify_read(ShardedLoader(args.root, num_workers=args.workers, pin_memory=False, metrics=False,
-                                        **size), args.kind)
+        out = verify_read(
+            ShardedLoader(args.root, num_workers=args.workers, pin_memory=False, metrics=False, **size), args.kind
+        )
     elif args.one == "wds":
         out = run_wds(args.root, args.kind, args.workers, args.max_seconds)
     else:
-        out = run_ours(args.root, args.kind, args.workers, args.resume, args.max_seconds, args.one == "ours",
-                       args.cache_dir)
+        out = run_ours(
+            args.root, args.kind, args.workers, args.resume, args.max_seconds, args.one == "ours", args.cache_dir
+        )
     print(json.dumps(out))
 
 
-def measure(which: str, root: str, kind: str, workers: int, resume: bool = False, max_s: float = 30.0,
-            cache_dir: str | None = None, verify: bool = False) -> dict:
+def measure(
+    which: str,
+    root: str,
+    kind: str,
+    workers: int,
+    resume: bool = False,
+    max_s: float = 30.0,
+    cache_dir: str | None = None,
+    verify: bool = False,
+) -> dict:
     """One run in its own process; ``which``: "ours", "ours-nometrics" (metrics=False), "wds" or a peer."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--one", which, "--root", root, "--kind", kind,
-           "--workers", str(workers), "--max-seconds", str(max_s)] + (["--resume"] if resume else []) + \
-        (["--cache-dir", cache_dir] if cache_dir else [])
+    cmd = (
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--one",
+            which,
+            "--root",
+            root,
+            "--kind",
+            kind,
+            "--workers",
+            str(workers),
+            "--max-seconds",
+            str(max_s),
+        ]
+        + (["--resume"] if resume else [])
+        + (["--cache-dir", cache_dir] if cache_dir else [])
+    )
     cmd += ["--verify"] if verify else []
     env = {**os.environ, "PYTHONPATH": ROOT}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if res.returncode:
-        raise SystemExit(f"{which} {kind} w={workers} failed (exit {res.returncode}; {' '.join(cmd)}):\n"
-                         f"{res.stderr[-3000:]}")
+        raise SystemExit(
+            f"{which} {kind} w={workers} failed (exit {res.returncode}; {' '.join(cmd)}):\n{res.stderr[-3000:]}"
+        )
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -228,13 +281,20 @@ def packed_pair(base: str, name: str, n: int, codec: str, *, seed: int = 0) -> d
     for comp in (None, codec):
         roots[comp] = os.path.join(base, f"{name}-arrow-{comp or 'plain'}")
         if not os.path.exists(os.path.join(roots[comp], "index.json")):
-            shardtool.pack(os.path.join(src, "tokens.parquet"), roots[comp], format="arrow", length="tokens",
-                           shard_size="64MiB", compression=comp)
+            shardtool.pack(
+                os.path.join(src, "tokens.parquet"),
+                roots[comp],
+                format="arrow",
+                length="tokens",
+                shard_size="64MiB",
+                compression=comp,
+            )
     return roots
 
 
-def compression_runs(base: str, corpora: dict[str, int], codec: str, repeats: int, max_s: float,
-                     modes: tuple[str, ...]) -> dict:
+def compression_runs(
+    base: str, corpora: dict[str, int], codec: str, repeats: int, max_s: float, modes: tuple[str, ...]
+) -> dict:
     """samples/s of the same Arrow dataset plain and ``codec``-compressed, per corpus, mode and
     worker count, alternating, medians. Modes: ``cache`` (both warmed into a node cache first: the
     compressed one is decompressed there) and ``inplace`` (no cache: read where they lie)."""
@@ -246,8 +306,12 @@ def compression_runs(base: str, corpora: dict[str, int], codec: str, repeats: in
         roots = packed_pair(base, name, n, codec)
         info = shardtool.open_dataset(roots[codec]).manifest
         plain_bytes = sum(s.raw_bytes or s.bytes for s in info.shards)
-        res: dict = {"samples": n, "stored_bytes": info.num_bytes, "plain_bytes": plain_bytes,
-                     "size_ratio": plain_bytes / info.num_bytes}
+        res: dict = {
+            "samples": n,
+            "stored_bytes": info.num_bytes,
+            "plain_bytes": plain_bytes,
+            "size_ratio": plain_bytes / info.num_bytes,
+        }
         caches = {}
         if "cache" in modes:
             for comp, root in roots.items():
@@ -262,12 +326,17 @@ def compression_runs(base: str, corpora: dict[str, int], codec: str, repeats: in
                     measure("ours", root, "tokens", w, max_s=max_s, cache_dir=kw[comp])  # warm-up
                 runs: dict = {None: [], codec: []}
                 for r in range(repeats):
-                    for comp in ((None, codec) if r % 2 == 0 else (codec, None)):
-                        runs[comp].append(measure("ours", roots[comp], "tokens", w, max_s=max_s,
-                                                  cache_dir=kw[comp])["samples_per_s"])
+                    for comp in (None, codec) if r % 2 == 0 else (codec, None):
+                        runs[comp].append(
+                            measure("ours", roots[comp], "tokens", w, max_s=max_s, cache_dir=kw[comp])["samples_per_s"]
+                        )
                 plain, comp = statistics.median(runs[None]), statistics.median(runs[codec])
-                res[f"{mode}/w{w}"] = {"plain_samples_per_s": plain, "compressed_samples_per_s": comp,
-                                       "ratio": comp / plain, "ratio_runs": [c / p for p, c in zip(runs[None], runs[codec])]}
+                res[f"{mode}/w{w}"] = {
+                    "plain_samples_per_s": plain,
+                    "compressed_samples_per_s": comp,
+                    "ratio": comp / plain,
+                    "ratio_runs": [c / p for p, c in zip(runs[None], runs[codec])],
+                }
         out[name] = res
     return out
 
@@ -277,8 +346,10 @@ COMPRESSION_TARGETS = {"cache": 0.95, "inplace": 0.5}
 
 def print_compression(compressed: dict, codec: str) -> None:
     for name, res in compressed.items():
-        print(f"\n{name}: {res['samples']:,} token samples, Arrow shards {res['stored_bytes'] / 1e6:,.0f} MB {codec} "
-              f"/ {res['plain_bytes'] / 1e6:,.0f} MB plain ({res['size_ratio']:.2f}x)")
+        print(
+            f"\n{name}: {res['samples']:,} token samples, Arrow shards {res['stored_bytes'] / 1e6:,.0f} MB {codec} "
+            f"/ {res['plain_bytes'] / 1e6:,.0f} MB plain ({res['size_ratio']:.2f}x)"
+        )
         print(f"  {'mode':<10}{'workers':>8}{'plain/s':>12}{codec + '/s':>12}{'ratio':>8}{'range':>13}  target")
         for key, r in res.items():
             if not isinstance(r, dict):
@@ -286,8 +357,10 @@ def print_compression(compressed: dict, codec: str) -> None:
             mode, w = key.split("/")
             goal = COMPRESSION_TARGETS[mode]
             lo, hi = min(r["ratio_runs"]), max(r["ratio_runs"])
-            print(f"  {mode:<10}{w[1:]:>8}{r['plain_samples_per_s']:>12,.0f}{r['compressed_samples_per_s']:>12,.0f}"
-                  f"{r['ratio']:>7.2f}x{f'{lo:.2f}-{hi:.2f}':>13}  >= {goal}x: {'met' if r['ratio'] >= goal else 'MISSED'}")
+            print(
+                f"  {mode:<10}{w[1:]:>8}{r['plain_samples_per_s']:>12,.0f}{r['compressed_samples_per_s']:>12,.0f}"
+                f"{r['ratio']:>7.2f}x{f'{lo:.2f}-{hi:.2f}':>13}  >= {goal}x: {'met' if r['ratio'] >= goal else 'MISSED'}"
+            )
 
 
 # ---------------------------------------------------------------------- report
@@ -303,7 +376,7 @@ def paired(root: str, kind: str, workers: int, repeats: int, max_s: float) -> tu
     runs: dict[str, list[dict]] = {"ours": [], "wds": []}
     ratios = []
     for r in range(repeats):
-        for which in (("ours", "wds") if r % 2 == 0 else ("wds", "ours")):
+        for which in ("ours", "wds") if r % 2 == 0 else ("wds", "ours"):
             runs[which].append(measure(which, root, kind, workers, max_s=max_s))
         ratios.append(runs["ours"][-1][metric] / runs["wds"][-1][metric])
     out = {}
@@ -314,8 +387,9 @@ def paired(root: str, kind: str, workers: int, repeats: int, max_s: float) -> tu
     return out, ratios
 
 
-def paired_sides(root: str, kind: str, workers: int, repeats: int, max_s: float,
-                 sides: list[str], warm: bool = True) -> tuple[dict, dict[str, list[float]]]:
+def paired_sides(
+    root: str, kind: str, workers: int, repeats: int, max_s: float, sides: list[str], warm: bool = True
+) -> tuple[dict, dict[str, list[float]]]:
     """``paired`` for ours and every peer in ``sides``: each round runs all sides, the order rotating;
     per peer, the per-round ratio ours/peer."""
     metric = "samples_per_s" if kind == "tokens" else "mb_per_s"
@@ -365,9 +439,11 @@ def verify_sides(sides: list[str], tok: str, img: str, workers: tuple[int, ...] 
             for w in workers if kind == "tokens" else (2,):
                 got = measure(which, root, kind, w, verify=True)
                 if (got["samples"], got["unique"], got["checksum"]) != (n, n, total):
-                    raise SystemExit(f"{which} {kind} w={w} read {got['samples']} samples ({got['unique']} unique, "
-                                     f"checksum {'ok' if got['checksum'] == total else 'WRONG'}); "
-                                     f"the corpus has {n}")
+                    raise SystemExit(
+                        f"{which} {kind} w={w} read {got['samples']} samples ({got['unique']} unique, "
+                        f"checksum {'ok' if got['checksum'] == total else 'WRONG'}); "
+                        f"the corpus has {n}"
+                    )
                 checked[f"{kind}/{which}/w{w}"] = got["samples"]
     return checked
 
@@ -389,34 +465,55 @@ def metrics_overhead(tok: str, repeats: int, max_s: float, as_json: bool) -> Non
         return
     for name, r in out.items():
         v = r["median"]
-        print(f"{name:<32}{v:8.3f}x  [{min(r['runs']):.3f}-{max(r['runs']):.3f}] "
-              f"(target >= 0.97x: {'met' if v >= 0.97 else 'MISSED'})")
+        print(
+            f"{name:<32}{v:8.3f}x  [{min(r['runs']):.3f}-{max(r['runs']):.3f}] "
+            f"(target >= 0.97x: {'met' if v >= 0.97 else 'MISSED'})"
+        )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="20k token samples, 1,500 images (a quick run)")
-    p.add_argument("--tiny", action="store_true", help="2,000 token samples, 120 images, no warm-up runs (the smoke test)")
+    p.add_argument(
+        "--tiny", action="store_true", help="2,000 token samples, 120 images, no warm-up runs (the smoke test)"
+    )
     p.add_argument("--dir", default=None, help="where to write the corpora (default: a temp dir)")
     p.add_argument("--repeats", type=int, default=3, help="measurements per configuration and side (median)")
-    p.add_argument("--max-seconds", type=float, default=30.0,
-                   help="stop a steady-state measurement after this long (both sides alike)")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=30.0,
+        help="stop a steady-state measurement after this long (both sides alike)",
+    )
     p.add_argument("--json", action="store_true")
-    p.add_argument("--compression", choices=["zstd", "lz4"],
-                   help="instead of the peer comparison: Arrow shards compressed with this codec against plain ones, "
-                        "through a warmed node cache and read in place (see --modes)")
+    p.add_argument(
+        "--compression",
+        choices=["zstd", "lz4"],
+        help="instead of the peer comparison: Arrow shards compressed with this codec against plain ones, "
+        "through a warmed node cache and read in place (see --modes)",
+    )
     p.add_argument("--modes", default="cache,inplace", help="with --compression: cache, inplace or both")
-    p.add_argument("--corpora", default="tokens,big",
-                   help="with --compression: tokens (the 200k-sample corpus), big (3x larger: its decompressed "
-                        "batches exceed the 256 MiB a process kept before), or both")
-    p.add_argument("--metrics-overhead", action="store_true",
-                   help="measure metrics on vs off (tokens/s, num_workers 0 and 2) instead of the peer comparison")
-    p.add_argument("--peers", default=None,
-                   help="comma-separated peers to measure besides webdataset (default: every one installed; "
-                        "'none' for none): streaming, litdata, energon")
+    p.add_argument(
+        "--corpora",
+        default="tokens,big",
+        help="with --compression: tokens (the 200k-sample corpus), big (3x larger: its decompressed "
+        "batches exceed the 256 MiB a process kept before), or both",
+    )
+    p.add_argument(
+        "--metrics-overhead",
+        action="store_true",
+        help="measure metrics on vs off (tokens/s, num_workers 0 and 2) instead of the peer comparison",
+    )
+    p.add_argument(
+        "--peers",
+        default=None,
+        help="comma-separated peers to measure besides webdataset (default: every one installed; "
+        "'none' for none): streaming, litdata, energon",
+    )
     p.add_argument("--no-verify", action="store_true", help="skip the whole-epoch check of every side's read")
-    p.add_argument("--one", choices=["ours", "ours-nometrics", "wds", "streaming", "litdata", "energon"],
-                   help=argparse.SUPPRESS)
+    p.add_argument(
+        "--one", choices=["ours", "ours-nometrics", "wds", "streaming", "litdata", "energon"], help=argparse.SUPPRESS
+    )
     p.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--root", help=argparse.SUPPRESS)
     p.add_argument("--kind", choices=["tokens", "images"], help=argparse.SUPPRESS)
@@ -431,10 +528,14 @@ def main() -> None:
         sizes = {"tokens": n_tok, "big": 3 * n_tok}
         corpora = {c: sizes[c] for c in args.corpora.split(",")}
         base = args.dir or tempfile.mkdtemp(prefix="loader-bench-")
-        print(f"corpora in {base}; {args.repeats} alternating runs per configuration, at most {args.max_seconds:g} s "
-              "each", file=sys.stderr)
-        compressed = compression_runs(base, corpora, args.compression, args.repeats, args.max_seconds,
-                                      tuple(args.modes.split(",")))
+        print(
+            f"corpora in {base}; {args.repeats} alternating runs per configuration, at most {args.max_seconds:g} s "
+            "each",
+            file=sys.stderr,
+        )
+        compressed = compression_runs(
+            base, corpora, args.compression, args.repeats, args.max_seconds, tuple(args.modes.split(","))
+        )
         if args.json:
             print(json.dumps(compressed, indent=1))
         else:
@@ -451,42 +552,70 @@ def main() -> None:
     if not args.metrics_overhead and not os.path.exists(os.path.join(img, "index.json")):
         os.makedirs(img, exist_ok=True)
         write_images(img, n_img, 30 if args.tiny else 500)
-    print(f"corpora in {base} ({time.perf_counter() - t:.1f} s): {n_tok:,} token samples, {n_img:,} images; "
-          f"{args.repeats} paired runs per configuration, at most {args.max_seconds:g} s each", file=sys.stderr)
+    print(
+        f"corpora in {base} ({time.perf_counter() - t:.1f} s): {n_tok:,} token samples, {n_img:,} images; "
+        f"{args.repeats} paired runs per configuration, at most {args.max_seconds:g} s each",
+        file=sys.stderr,
+    )
 
     if args.metrics_overhead:
         return metrics_overhead(tok, args.repeats, args.max_seconds, args.json)
     results, ratio_runs = {}, {}
-    configs = [("tokens", 0, "tokens samples/s ours/wds w0"), ("tokens", 2, "tokens samples/s ours/wds w2"),
-               ("images", 2, "images MB/s ours/wds w2")]
+    configs = [
+        ("tokens", 0, "tokens samples/s ours/wds w0"),
+        ("tokens", 2, "tokens samples/s ours/wds w2"),
+        ("images", 2, "images MB/s ours/wds w2"),
+    ]
     from benchmarks import peers as peer_mods
 
     installed = list(peer_mods.available())
     chosen = installed if args.peers is None else [x for x in args.peers.split(",") if x and x != "none"]
     if set(chosen) - set(installed):
-        raise SystemExit(f"peers not importable here: {sorted(set(chosen) - set(installed))} "
-                         f"({peer_mods.missing()}); bash benchmarks/setup_peers.sh builds a venv with them")
+        raise SystemExit(
+            f"peers not importable here: {sorted(set(chosen) - set(installed))} "
+            f"({peer_mods.missing()}); bash benchmarks/setup_peers.sh builds a venv with them"
+        )
     sides = ["ours", "wds"] + chosen
     peer_info = prepare_peers(chosen, tok, img)
     checked = None if args.no_verify else verify_sides(sides, tok, img)
     for kind, w, name in configs:
-        pair, per_peer = paired_sides(tok if kind == "tokens" else img, kind, w, args.repeats, args.max_seconds, sides,
-                                      warm=not args.tiny)
+        pair, per_peer = paired_sides(
+            tok if kind == "tokens" else img, kind, w, args.repeats, args.max_seconds, sides, warm=not args.tiny
+        )
         for peer, runs_ in per_peer.items():
             ratio_runs[name.replace("/wds", "/" + peer)] = runs_
         for which in sides:
             results[f"{kind}/{which}/w{w}"] = pair[which]
         if kind == "tokens":
-            results[f"tokens/ours/w{w}"]["resume_first_batch_s"] = measure("ours", tok, "tokens", w, True)["first_batch_s"]
+            results[f"tokens/ours/w{w}"]["resume_first_batch_s"] = measure("ours", tok, "tokens", w, True)[
+                "first_batch_s"
+            ]
     ratios = {name: statistics.median(v) for name, v in ratio_runs.items()}
-    ratios["resume/fresh first batch w0"] = results["tokens/ours/w0"]["resume_first_batch_s"] / results["tokens/ours/w0"]["first_batch_s"]
-    ratios["resume/fresh first batch w2"] = results["tokens/ours/w2"]["resume_first_batch_s"] / results["tokens/ours/w2"]["first_batch_s"]
+    ratios["resume/fresh first batch w0"] = (
+        results["tokens/ours/w0"]["resume_first_batch_s"] / results["tokens/ours/w0"]["first_batch_s"]
+    )
+    ratios["resume/fresh first batch w2"] = (
+        results["tokens/ours/w2"]["resume_first_batch_s"] / results["tokens/ours/w2"]["first_batch_s"]
+    )
     if args.json:
-        print(json.dumps({"results": results, "ratios": ratios, "ratio_runs": ratio_runs,
-                          "peers": peer_info, "peers_missing": peer_mods.missing(), "verified": checked}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "results": results,
+                    "ratios": ratios,
+                    "ratio_runs": ratio_runs,
+                    "peers": peer_info,
+                    "peers_missing": peer_mods.missing(),
+                    "verified": checked,
+                },
+                indent=1,
+            )
+        )
         return
-    head = (f"{'run':<20}{'samples/s':>12}{'tokens/s':>14}{'MB/s':>9}{'range':>17}{'1st batch':>11}{'resume 90%':>12}"
-            f"{'pad eff':>9}{'RSS MB':>9}{'wkr RSS':>9}")
+    head = (
+        f"{'run':<20}{'samples/s':>12}{'tokens/s':>14}{'MB/s':>9}{'range':>17}{'1st batch':>11}{'resume 90%':>12}"
+        f"{'pad eff':>9}{'RSS MB':>9}{'wkr RSS':>9}"
+    )
     for name, info in peer_info.items():
         print(f"peer {name}: {info['version']}")
     for name, why in peer_mods.missing().items():
@@ -497,9 +626,11 @@ def main() -> None:
     for name, r in results.items():
         lo, hi = r["spread"]
         rng = f"{lo:,.0f}-{hi:,.0f}"
-        print(f"{name:<20}{fmt(r['samples_per_s']):>12}{fmt(r['tokens_per_s']):>14}{fmt(r['mb_per_s']):>9}{rng:>17}"
-              f"{fmt(r['first_batch_s'], '.3f'):>11}{fmt(r.get('resume_first_batch_s'), '.3f'):>12}"
-              f"{fmt(r['padding_efficiency'], '.3f'):>9}{fmt(r['peak_rss_mb']):>9}{fmt(r['workers_peak_rss_mb']):>9}")
+        print(
+            f"{name:<20}{fmt(r['samples_per_s']):>12}{fmt(r['tokens_per_s']):>14}{fmt(r['mb_per_s']):>9}{rng:>17}"
+            f"{fmt(r['first_batch_s'], '.3f'):>11}{fmt(r.get('resume_first_batch_s'), '.3f'):>12}"
+            f"{fmt(r['padding_efficiency'], '.3f'):>9}{fmt(r['peak_rss_mb']):>9}{fmt(r['workers_peak_rss_mb']):>9}"
+        )
     print("(range: min-max over the runs of samples/s for tokens, MB/s for images)")
     targets = {"tokens samples/s ours/wds w0": 50, "tokens samples/s ours/wds w2": 10, "images MB/s ours/wds w2": 2}
     for k, v in ratios.items():

@@ -20,6 +20,7 @@ of plan v2); on 8 x 8 a rank plans an eighth of every source, so its time grows 
     python -m benchmarks.mixture_throughput [--n 200000] [--repeats 3] [--max-seconds 20] \\
         [--plan-n 100000000] [--skip-plan | --skip-throughput] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,14 +51,24 @@ def write_corpora(base: str, n: int) -> dict[str, str]:
     parts = {name: lognormal_lengths(int(n * share), seed=i) for i, (name, share) in enumerate(SHARES.items())}
     for name, lengths in [*parts.items(), ("single", np.concatenate(list(parts.values())))]:
         if not os.path.exists(os.path.join(roots[name], "index.json")):
-            write_synthetic(roots[name], len(lengths), lengths=lengths, samples_per_shard=PER_SHARD, vocab=50_000,
-                            key_prefix=name[0], key_width=9, shard_name="tok-{:05d}")
+            write_synthetic(
+                roots[name],
+                len(lengths),
+                lengths=lengths,
+                samples_per_shard=PER_SHARD,
+                vocab=50_000,
+                key_prefix=name[0],
+                key_width=9,
+                shard_name="tok-{:05d}",
+            )
     return roots
 
 
 def batching(args) -> list[tuple[str, dict]]:
-    return [("packed", {"seq_len": args.seq_len, "batch_size": args.rows, "packing": "best-fit", "eos_id": 0}),
-            ("bucketed", {"max_tokens": args.max_tokens})]
+    return [
+        ("packed", {"seq_len": args.seq_len, "batch_size": args.rows, "packing": "best-fit", "eos_id": 0}),
+        ("bucketed", {"max_tokens": args.max_tokens}),
+    ]
 
 
 # ---------------------------------------------------------------------- one measurement (own process)
@@ -89,8 +100,22 @@ def run_one(args) -> dict:
 
 
 def measure(which: str, roots: dict, kw: dict, workers: int, steps: int, max_s: float) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--one", which, "--roots", json.dumps(roots), "--kw",
-           json.dumps(kw), "--workers", str(workers), "--steps", str(steps), "--max-seconds", str(max_s)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--one",
+        which,
+        "--roots",
+        json.dumps(roots),
+        "--kw",
+        json.dumps(kw),
+        "--workers",
+        str(workers),
+        "--steps",
+        str(steps),
+        "--max-seconds",
+        str(max_s),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=1800)
     if res.returncode:
         raise SystemExit(f"{which} {kw} w={workers} failed:\n{res.stderr[-3000:]}")
@@ -106,12 +131,16 @@ def paired(roots: dict, kw: dict, workers: int, repeats: int, max_s: float) -> d
     runs: dict[str, list] = {"mixture": [], "single": []}
     ratios = []
     for r in range(repeats):
-        for which in (("mixture", "single") if r % 2 == 0 else ("single", "mixture")):
+        for which in ("mixture", "single") if r % 2 == 0 else ("single", "mixture"):
             runs[which].append(measure(which, roots, kw, workers, steps, max_s)["tokens_per_s"])
         ratios.append(runs["mixture"][-1] / runs["single"][-1])
-    return {"steps": steps, "mixture_tokens_per_s": statistics.median(runs["mixture"]),
-            "single_tokens_per_s": statistics.median(runs["single"]), "ratio": statistics.median(ratios),
-            "ratio_range": [min(ratios), max(ratios)]}
+    return {
+        "steps": steps,
+        "mixture_tokens_per_s": statistics.median(runs["mixture"]),
+        "single_tokens_per_s": statistics.median(runs["single"]),
+        "ratio": statistics.median(ratios),
+        "ratio_range": [min(ratios), max(ratios)],
+    }
 
 
 # ---------------------------------------------------------------------- plan time (own process)
@@ -145,21 +174,30 @@ def plan_one(args) -> dict:
     for i, (name, share) in enumerate(SHARES.items()):
         source = SyntheticSource(int(args.plan_n * share), samples_per_shard=PER_SHARD, seed=i)
         with open(paths[name], "rb") as f:
-            source._summaries = ShardSummaries.from_bytes(f.read(), lengths_hash=None, counts=source.shard_counts,
-                                                          total_tokens=None, source=paths[name])
+            source._summaries = ShardSummaries.from_bytes(
+                f.read(), lengths_hash=None, counts=source.shard_counts, total_tokens=None, source=paths[name]
+            )
         sources[name] = source
     nodes, per_node = (int(x) for x in args.layout.split("x"))
     layout = DataLayout.pure_dp(Layout(nodes, per_node))
     dp_rank = args.rank
-    b = Batching(batch_size=args.rows, packing=Packing(args.seq_len, eos_id=0)) if args.kind == "packed" else \
-        Batching(max_tokens=args.max_tokens)
+    b = (
+        Batching(batch_size=args.rows, packing=Packing(args.seq_len, eos_id=0))
+        if args.kind == "packed"
+        else Batching(max_tokens=args.max_tokens)
+    )
     mixture = Mixture({n: (f"synthetic:{n}", s) for n, s in SHARES.items()})
     planner = MixturePlanner(mixture, sources, {n: n for n in SHARES}, b, layout)
     state = planner.start()
     planner.step_pieces(state, 0)
     units = {n: planner.rank_plan(state, n, 0, dp_rank).batches_per_rank for n in SHARES}
-    return {"layout": args.layout, "kind": args.kind, "plan_seconds": time.perf_counter() - began,
-            "peak_rss_mb": peak_rss_mb(), "units_per_rank": units}
+    return {
+        "layout": args.layout,
+        "kind": args.kind,
+        "plan_seconds": time.perf_counter() - began,
+        "peak_rss_mb": peak_rss_mb(),
+        "units_per_rank": units,
+    }
 
 
 def plan_times(base: str, n: int, args) -> list[dict]:
@@ -168,11 +206,31 @@ def plan_times(base: str, n: int, args) -> list[dict]:
     for layout in ("1024x8", "8x8"):
         for kind in ("packed", "bucketed"):
             nodes, per_node = (int(x) for x in layout.split("x"))
-            cmd = [sys.executable, os.path.abspath(__file__), "--one", "plan", "--summaries", json.dumps(paths),
-                   "--layout", layout, "--kind", kind, "--plan-n", str(n), "--rank", str(nodes * per_node // 2 + 1),
-                   "--seq-len", str(args.seq_len), "--rows", str(args.rows), "--max-tokens", str(args.max_tokens)]
-            res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT},
-                                 timeout=3600)
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--one",
+                "plan",
+                "--summaries",
+                json.dumps(paths),
+                "--layout",
+                layout,
+                "--kind",
+                kind,
+                "--plan-n",
+                str(n),
+                "--rank",
+                str(nodes * per_node // 2 + 1),
+                "--seq-len",
+                str(args.seq_len),
+                "--rows",
+                str(args.rows),
+                "--max-tokens",
+                str(args.max_tokens),
+            ]
+            res = subprocess.run(
+                cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=3600
+            )
             if res.returncode:
                 raise SystemExit(f"plan {layout} {kind} failed:\n{res.stderr[-3000:]}")
             out.append(json.loads(res.stdout.strip().splitlines()[-1]))
@@ -211,10 +269,15 @@ def main() -> None:
     if not args.skip_throughput:
         t = time.perf_counter()
         roots = write_corpora(base, args.n)
-        print(f"corpora in {base} ({time.perf_counter() - t:.1f} s): {args.n:,} samples as 3 sources and as one",
-              file=sys.stderr)
-        results["throughput"] = {f"{kind}/w{w}": paired(roots, kw, w, args.repeats, args.max_seconds)
-                                 for kind, kw in batching(args) for w in (0, 2)}
+        print(
+            f"corpora in {base} ({time.perf_counter() - t:.1f} s): {args.n:,} samples as 3 sources and as one",
+            file=sys.stderr,
+        )
+        results["throughput"] = {
+            f"{kind}/w{w}": paired(roots, kw, w, args.repeats, args.max_seconds)
+            for kind, kw in batching(args)
+            for w in (0, 2)
+        }
     if not args.skip_plan:
         results["plan"] = plan_times(base, args.plan_n, args)
     if args.json:
@@ -222,14 +285,21 @@ def main() -> None:
         return
     for name, r in results.get("throughput", {}).items():
         lo, hi = r["ratio_range"]
-        print(f"{name:<14} mixture {r['mixture_tokens_per_s']:>12,.0f} tok/s  single {r['single_tokens_per_s']:>12,.0f} "
-              f"tok/s  ratio {r['ratio']:.3f} [{lo:.3f}-{hi:.3f}] (target >= 0.9: {'met' if r['ratio'] >= 0.9 else 'MISSED'})")
+        print(
+            f"{name:<14} mixture {r['mixture_tokens_per_s']:>12,.0f} tok/s  single {r['single_tokens_per_s']:>12,.0f} "
+            f"tok/s  ratio {r['ratio']:.3f} [{lo:.3f}-{hi:.3f}] (target >= 0.9: {'met' if r['ratio'] >= 0.9 else 'MISSED'})"
+        )
     for r in results.get("plan", []):
         # The target is plan v2's, per rank of a large layout; on 8 x 8 a rank plans 1/8 of every source.
-        goal = f"target <= 2 s: {'met' if r['plan_seconds'] <= 2 else 'MISSED'}" if r["layout"] == "1024x8" else \
-            "grows with the share"
-        print(f"plan {r['layout']:<7} {r['kind']:<9} {r['plan_seconds']:.3f} s, peak RSS {r['peak_rss_mb']:.0f} MB "
-              f"(3 sources, {args.plan_n:,} samples; {goal})")
+        goal = (
+            f"target <= 2 s: {'met' if r['plan_seconds'] <= 2 else 'MISSED'}"
+            if r["layout"] == "1024x8"
+            else "grows with the share"
+        )
+        print(
+            f"plan {r['layout']:<7} {r['kind']:<9} {r['plan_seconds']:.3f} s, peak RSS {r['peak_rss_mb']:.0f} MB "
+            f"(3 sources, {args.plan_n:,} samples; {goal})"
+        )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ then "compute" for ``step_ms``. The share of wall time spent waiting is the data
 the number that says whether GPUs would wait on I/O. Peers (webdataset, …) read the same data in
 the same run through their recommended set-up, so the ratios are measured, not quoted.
 """
+
 from __future__ import annotations
 
 import json
@@ -145,9 +146,17 @@ def _shardtool_iter(cfg: BenchConfig, rank: int):
     from shardtool.loader import ShardedLoader
 
     # No metric lines: the bench reads metrics() itself and writes them into its own JSON.
-    ld = ShardedLoader(cfg.url, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens, seed=cfg.seed,
-                       rank=rank, world_size=cfg.ranks, ranks_per_node=cfg.ranks, num_workers=cfg.num_workers,
-                       metrics_every=0)
+    ld = ShardedLoader(
+        cfg.url,
+        batch_size=cfg.batch_size,
+        max_tokens=cfg.max_tokens,
+        seed=cfg.seed,
+        rank=rank,
+        world_size=cfg.ranks,
+        ranks_per_node=cfg.ranks,
+        num_workers=cfg.num_workers,
+        metrics_every=0,
+    )
     return _LoaderIter(ld)
 
 
@@ -177,8 +186,13 @@ def _webdataset_iter(cfg: BenchConfig, rank: int):
         return {"__key__": keys, field_name: out, "lengths": lengths}
 
     ds = (
-        wds.WebDataset(cfg.webdataset_urls, shardshuffle=len(cfg.webdataset_urls), nodesplitter=split_by_rank,
-                       seed=cfg.seed, empty_check=False)
+        wds.WebDataset(
+            cfg.webdataset_urls,
+            shardshuffle=len(cfg.webdataset_urls),
+            nodesplitter=split_by_rank,
+            seed=cfg.seed,
+            empty_check=False,
+        )
         .shuffle(1000)
         .decode()
         .map(lambda s: {"__key__": s["__key__"], field_name: s[ext]})
@@ -264,12 +278,21 @@ def merge_loader_metrics(windows: list[dict], steady: float) -> dict | None:
     hits, misses = add(lambda w: w["cache"]["hits"]), add(lambda w: w["cache"]["misses"])
     read = {t: add(lambda w, t=t: w["bytes_read"][t]) for t in ("cache", "local", "remote")}
     p99 = [w["shard_open_p99_s"] for w in windows if w["shard_open_p99_s"] is not None]
-    return {"wait_fraction_per_rank": [w["wait_fraction"] for w in windows], "produce_s": add(lambda w: w["produce_s"]),
-            "bytes_read": read, "read_mb_per_s": sum(read.values()) / steady / 1e6,
-            "cache": {"hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else None,
-                      "fetch_bytes": add(lambda w: w["cache"]["fetch_bytes"])},
-            "shard_opens": add(lambda w: w["shard_opens"]), "shard_open_p99_s": max(p99) if p99 else None,
-            "worker_restarts": add(lambda w: w["worker_restarts"])}
+    return {
+        "wait_fraction_per_rank": [w["wait_fraction"] for w in windows],
+        "produce_s": add(lambda w: w["produce_s"]),
+        "bytes_read": read,
+        "read_mb_per_s": sum(read.values()) / steady / 1e6,
+        "cache": {
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else None,
+            "fetch_bytes": add(lambda w: w["cache"]["fetch_bytes"]),
+        },
+        "shard_opens": add(lambda w: w["shard_opens"]),
+        "shard_open_p99_s": max(p99) if p99 else None,
+        "worker_restarts": add(lambda w: w["worker_restarts"]),
+    }
 
 
 def measure_step_ms(batch_tokens: int = 4096, seq_len: int = 128, repeats: int = 3) -> float:
@@ -281,8 +304,9 @@ def measure_step_ms(batch_tokens: int = 4096, seq_len: int = 128, repeats: int =
     vocab, dim = 1024, 64
     model = nn.Sequential(
         nn.Embedding(vocab, dim),
-        nn.TransformerEncoder(nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True), 2,
-                              enable_nested_tensor=False),
+        nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(dim, 4, 2 * dim, dropout=0.0, batch_first=True), 2, enable_nested_tensor=False
+        ),
         nn.Linear(dim, vocab),
     )
     opt = torch.optim.AdamW(model.parameters())
@@ -329,10 +353,20 @@ def estimate_run_s(batches: int, step_ms: float) -> float:
 
 
 def format_table(rows: list[dict]) -> str:
-    cols = [("reader", "{}"), ("num_workers", "{}"), ("samples_per_s", "{:,.0f}"), ("tokens_per_s", "{:,.0f}"),
-            ("mb_per_s", "{:,.1f}"), ("first_batch_s", "{:.2f}"), ("wait_fraction", "{:.1%}"),
-            ("padding_efficiency", "{:.3f}"), ("peak_rss_mb", "{:,.0f}"), ("read_mb_per_s", "{:,.1f}"),
-            ("cache_hit_rate", "{:.1%}"), ("shard_open_p99_ms", "{:.1f}")]
+    cols = [
+        ("reader", "{}"),
+        ("num_workers", "{}"),
+        ("samples_per_s", "{:,.0f}"),
+        ("tokens_per_s", "{:,.0f}"),
+        ("mb_per_s", "{:,.1f}"),
+        ("first_batch_s", "{:.2f}"),
+        ("wait_fraction", "{:.1%}"),
+        ("padding_efficiency", "{:.3f}"),
+        ("peak_rss_mb", "{:,.0f}"),
+        ("read_mb_per_s", "{:,.1f}"),
+        ("cache_hit_rate", "{:.1%}"),
+        ("shard_open_p99_ms", "{:.1f}"),
+    ]
     header = " | ".join(c for c, _ in cols)
     lines = [header, " | ".join("---" for _ in cols)]
     for r in rows:
@@ -368,8 +402,9 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def generate_token_dataset(out: str, n: int = 20000, *, seed: int = 0, samples_per_shard: int = 2000,
-                           shard_format: str = "tar") -> str:
+def generate_token_dataset(
+    out: str, n: int = 20000, *, seed: int = 0, samples_per_shard: int = 2000, shard_format: str = "tar"
+) -> str:
     """A packed synthetic token corpus (the lognormal corpus of `shardtool.plan.synthetic`)."""
     from shardtool.pack.synthetic import write_synthetic
 

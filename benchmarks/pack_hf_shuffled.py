@@ -8,6 +8,7 @@ to pack (``flatten_indices()`` itself timed apart) and the dataset version, whic
     python -m benchmarks.pack_hf_shuffled                 # 30,000 rows, workers 1 and 2
     python -m benchmarks.pack_hf_shuffled --rows 5000 --workers 1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,12 @@ def stdlib_table(rows: int, doc_bytes: int):
             docs.append(np.frombuffer(data, np.uint8))
     offsets = np.zeros(len(docs) + 1, np.int32)
     np.cumsum([len(d) for d in docs], out=offsets[1:])
-    return pa.table({"tokens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(docs))),
-                     "doc": pa.array(np.arange(len(docs), dtype=np.int64))})
+    return pa.table(
+        {
+            "tokens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(docs))),
+            "doc": pa.array(np.arange(len(docs), dtype=np.int64)),
+        }
+    )
 
 
 def main(argv=None) -> int:
@@ -63,8 +68,10 @@ def main(argv=None) -> int:
                 t = time.perf_counter()
                 r = shardtool.pack(src, out, format="arrow", length="tokens", workers=w)
                 took = time.perf_counter() - t
-                print(f"workers={w} {name:15s} {took:6.2f} s  {r.samples} samples  "
-                      f"{shardtool.open_dataset(out).version}", flush=True)
+                print(
+                    f"workers={w} {name:15s} {took:6.2f} s  {r.samples} samples  {shardtool.open_dataset(out).version}",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -2,6 +2,7 @@
 
 Used by ``benchmarks.pack_throughput`` (see its docstring for what each case measures).
 """
+
 from __future__ import annotations
 
 import json
@@ -82,8 +83,18 @@ def side_tokenize(src: str, out: str, how: str, workers: int) -> tuple[int, floa
         import shardtool
 
         t0 = time.perf_counter()
-        n = shardtool.pack(src, out, format="arrow", key="id", text_field="text", tokenizer=tok_path, eos_id=1,
-                           workers=workers, shard_size=SHARD_BYTES, overwrite=True).samples
+        n = shardtool.pack(
+            src,
+            out,
+            format="arrow",
+            key="id",
+            text_field="text",
+            tokenizer=tok_path,
+            eos_id=1,
+            workers=workers,
+            shard_size=SHARD_BYTES,
+            overwrite=True,
+        ).samples
         return n, time.perf_counter() - t0
     with open(src, "rb") as f:
         texts = [json.loads(line)["text"] for line in f]
@@ -141,5 +152,3 @@ def _text_corpus(work: str, n: int) -> str:
     tok.train_from_iterator(texts[:5000], trainers.BpeTrainer(vocab_size=16_000, special_tokens=["[UNK]", "[EOS]"]))
     tok.save(os.path.join(d, "tokenizer.json"))
     return path
-
-

@@ -25,6 +25,7 @@ images ≥ 1.5× ShardWriter's MB/s; Parquet → Arrow ≥ 0.8× the columnar re
     python -m shardtool.benchmarks.pack_throughput --small    # 20k token samples, 2k images
     python -m shardtool.benchmarks.pack_throughput --cases parquet   # only the Parquet token case
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,17 @@ SHARD_BYTES = 256 << 20
 def side_shardtool(src: str, out: str, fmt: str, workers: int, length: str | None, key: str | None = None) -> int:
     import shardtool
 
-    r = shardtool.pack(src, out, format=fmt, workers=workers, length=length, shard_size=SHARD_BYTES,
-                       overwrite=True, quiet=True, key=key)
+    r = shardtool.pack(
+        src,
+        out,
+        format=fmt,
+        workers=workers,
+        length=length,
+        shard_size=SHARD_BYTES,
+        overwrite=True,
+        quiet=True,
+        key=key,
+    )
     return r.samples
 
 
@@ -138,8 +148,14 @@ def measure(side: str, src: str, kind: str, work: str) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "shardtool.benchmarks.pack_throughput", "_child", side, src, out, kind],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardtool.benchmarks.pack_throughput", "_child", side, src, out, kind],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
@@ -175,16 +191,30 @@ def run_case(name: str, src: str, kind: str, sides: list[str], work: str, repeat
         cpu = statistics.median(m["cpu"] for m in ms)
         n = ms[0]["samples"]
         walls = [m["wall"] for m in ms]
-        res[s] = {"samples": n, "wall_s": wall, "cpu_s": cpu, "samples_per_s": n / wall, "MB_per_s": nbytes / wall / 1e6,
-                  "walls": walls}
+        res[s] = {
+            "samples": n,
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "samples_per_s": n / wall,
+            "MB_per_s": nbytes / wall / 1e6,
+            "walls": walls,
+        }
     print(f"\n== {name}: {res[sides[0]]['samples']:,} samples, {nbytes / 1e6:,.1f} MB input (median of {repeats})")
     peer = res.get("shardwriter") or res.get("arrowref")
     for s, v in res.items():
         # The CPU-time ratio is a second view that other load on the machine distorts less.
-        ratio = (f"  ×{v['samples_per_s'] / peer['samples_per_s']:.2f} vs {'ShardWriter' if 'shardwriter' in res else 'reference'} "
-                 f"(CPU time ×{peer['cpu_s'] / v['cpu_s']:.2f})") if peer and s not in ("shardwriter", "arrowref") else ""
-        print(f"  {s:22s} {v['samples_per_s']:>11,.0f} samples/s {v['MB_per_s']:>9,.1f} MB/s "
-              f"(wall {v['wall_s']:.2f} s [{min(v['walls']):.2f}–{max(v['walls']):.2f}], cpu {v['cpu_s']:.2f} s){ratio}")
+        ratio = (
+            (
+                f"  ×{v['samples_per_s'] / peer['samples_per_s']:.2f} vs {'ShardWriter' if 'shardwriter' in res else 'reference'} "
+                f"(CPU time ×{peer['cpu_s'] / v['cpu_s']:.2f})"
+            )
+            if peer and s not in ("shardwriter", "arrowref")
+            else ""
+        )
+        print(
+            f"  {s:22s} {v['samples_per_s']:>11,.0f} samples/s {v['MB_per_s']:>9,.1f} MB/s "
+            f"(wall {v['wall_s']:.2f} s [{min(v['walls']):.2f}–{max(v['walls']):.2f}], cpu {v['cpu_s']:.2f} s){ratio}"
+        )
     return res
 
 
@@ -196,8 +226,11 @@ def main(argv=None) -> int:
     p.add_argument("--work", default=os.path.join(ROOT, "_work", "bench-pack"), help="corpus and output directory")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--cases", default="parquet,jsonl,images,columnar,dicts,tokenize",
-                   help="comma-separated subset of parquet,jsonl,images,columnar,dicts,tokenize (default: all)")
+    p.add_argument(
+        "--cases",
+        default="parquet,jsonl,images,columnar,dicts,tokenize",
+        help="comma-separated subset of parquet,jsonl,images,columnar,dicts,tokenize (default: all)",
+    )
     a = p.parse_args(argv)
     from . import corpus
 
@@ -223,32 +256,68 @@ def main(argv=None) -> int:
     results = {}
     if "parquet" in cases:
         results["tokens_parquet"] = run_case(
-            "token corpus from Parquet", os.path.join(tok_dir, "tokens.parquet"), "parquet",
-            ["shardtool:tar:1", "shardtool:tar:2", "shardtool:arrow:1", "shardwriter"] + mds, a.work, a.repeats)
+            "token corpus from Parquet",
+            os.path.join(tok_dir, "tokens.parquet"),
+            "parquet",
+            ["shardtool:tar:1", "shardtool:tar:2", "shardtool:arrow:1", "shardwriter"] + mds,
+            a.work,
+            a.repeats,
+        )
     if "jsonl" in cases:
         results["tokens_jsonl"] = run_case(
-            "token corpus from JSONL", os.path.join(tok_dir, "tokens.jsonl"), "jsonl",
-            ["shardtool:tar:1", "shardtool:tar:2", "shardwriter"] + mds, a.work, a.repeats)
+            "token corpus from JSONL",
+            os.path.join(tok_dir, "tokens.jsonl"),
+            "jsonl",
+            ["shardtool:tar:1", "shardtool:tar:2", "shardwriter"] + mds,
+            a.work,
+            a.repeats,
+        )
     if "images" in cases:
-        results["images"] = run_case("image-like file tree", img_dir, "images",
-                                     ["shardtool:tar:1", "shardtool:tar:2", "shardwriter"] + mds, a.work, a.repeats)
+        results["images"] = run_case(
+            "image-like file tree",
+            img_dir,
+            "images",
+            ["shardtool:tar:1", "shardtool:tar:2", "shardwriter"] + mds,
+            a.work,
+            a.repeats,
+        )
     if "columnar" in cases:
         keyed = _keyed_parquet(tok_dir)
         results["columnar"] = run_case(
-            "Parquet with an id column, --key id (columnar reference: Parquet → one Arrow IPC file + fsync)", keyed,
-            "columnar", ["arrowref", "shardtool:arrow:1:id", "shardtool:arrow:2:id", "shardtool:tar:1:id",
-                         "shardtool:tar:2:id"], a.work, a.repeats)
+            "Parquet with an id column, --key id (columnar reference: Parquet → one Arrow IPC file + fsync)",
+            keyed,
+            "columnar",
+            ["arrowref", "shardtool:arrow:1:id", "shardtool:arrow:2:id", "shardtool:tar:1:id", "shardtool:tar:2:id"],
+            a.work,
+            a.repeats,
+        )
         results["columnar_vs_shardwriter"] = run_case(
-            "Parquet → tar with --key id vs ShardWriter", keyed, "columnar",
-            ["shardtool:tar:1:id", "shardwriter"], a.work, a.repeats)
+            "Parquet → tar with --key id vs ShardWriter",
+            keyed,
+            "columnar",
+            ["shardtool:tar:1:id", "shardwriter"],
+            a.work,
+            a.repeats,
+        )
     if "dicts" in cases:
-        results["dicts"] = run_case("list / generator of dicts (in-process times)", os.path.join(tok_dir, "tokens.parquet"),
-                                    "dicts", ["list", "generator", "shardwriter"], a.work, a.repeats)
+        results["dicts"] = run_case(
+            "list / generator of dicts (in-process times)",
+            os.path.join(tok_dir, "tokens.parquet"),
+            "dicts",
+            ["list", "generator", "shardwriter"],
+            a.work,
+            a.repeats,
+        )
     if "tokenize" in cases:
         text = _text_corpus(a.work, n_tok // 4)
-        results["tokenize"] = run_case("JSONL text → tokenized Arrow vs tokenizers alone (in-process times)", text,
-                                       "tokenize", ["shardtool:1", "alone:1", "shardtool:2", "alone:2"], a.work,
-                                       a.repeats)
+        results["tokenize"] = run_case(
+            "JSONL text → tokenized Arrow vs tokenizers alone (in-process times)",
+            text,
+            "tokenize",
+            ["shardtool:1", "alone:1", "shardtool:2", "alone:2"],
+            a.work,
+            a.repeats,
+        )
     print("\ntargets:")
     if "tokens_parquet" in results:
         tp = results["tokens_parquet"]
@@ -257,28 +326,38 @@ def main(argv=None) -> int:
         print(f"  Parquet tokens, 2 workers : ×{tp['shardtool:tar:2']['samples_per_s'] / sw:.2f} (target ≥ 10)")
     if "images" in results:
         im = results["images"]
-        print(f"  images MB/s, 1 process    : ×{im['shardtool:tar:1']['MB_per_s'] / im['shardwriter']['MB_per_s']:.2f} "
-              "(target ≥ 1.5)")
+        print(
+            f"  images MB/s, 1 process    : ×{im['shardtool:tar:1']['MB_per_s'] / im['shardwriter']['MB_per_s']:.2f} "
+            "(target ≥ 1.5)"
+        )
     if "columnar" in results:
         c = results["columnar"]
         ref = c["arrowref"]["samples_per_s"]
-        print(f"  Parquet → Arrow, 1 process / reference : ×{c['shardtool:arrow:1:id']['samples_per_s'] / ref:.2f} "
-              "(target ≥ 0.8)")
+        print(
+            f"  Parquet → Arrow, 1 process / reference : ×{c['shardtool:arrow:1:id']['samples_per_s'] / ref:.2f} "
+            "(target ≥ 0.8)"
+        )
         print(f"  Parquet → Arrow, 2 workers / reference : ×{c['shardtool:arrow:2:id']['samples_per_s'] / ref:.2f}")
         cw = results["columnar_vs_shardwriter"]
-        print(f"  Parquet → tar --key, 1 process / ShardWriter : "
-              f"×{cw['shardtool:tar:1:id']['samples_per_s'] / cw['shardwriter']['samples_per_s']:.2f} (target ≥ 25)")
+        print(
+            f"  Parquet → tar --key, 1 process / ShardWriter : "
+            f"×{cw['shardtool:tar:1:id']['samples_per_s'] / cw['shardwriter']['samples_per_s']:.2f} (target ≥ 25)"
+        )
     if "dicts" in results:
         d = results["dicts"]
         for how in ("list", "generator"):
-            print(f"  {how} of dicts / ShardWriter : ×{d[how]['samples_per_s'] / d['shardwriter']['samples_per_s']:.2f} "
-                  "(target ≥ 5)")
+            print(
+                f"  {how} of dicts / ShardWriter : ×{d[how]['samples_per_s'] / d['shardwriter']['samples_per_s']:.2f} "
+                "(target ≥ 5)"
+            )
     if "tokenize" in results:
         t = results["tokenize"]
         for w in (1, 2):
-            print(f"  tokenize-and-pack / tokenizers alone, {w} process(es) : "
-                  f"×{t[f'shardtool:{w}']['samples_per_s'] / t[f'alone:{w}']['samples_per_s']:.2f}"
-                  + (" (target ≥ 0.8)" if w == 2 else ""))
+            print(
+                f"  tokenize-and-pack / tokenizers alone, {w} process(es) : "
+                f"×{t[f'shardtool:{w}']['samples_per_s'] / t[f'alone:{w}']['samples_per_s']:.2f}"
+                + (" (target ≥ 0.8)" if w == 2 else "")
+            )
     print(f"  (load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs — other work shares them)")
     if a.json:
         with open(a.json, "w") as f:

@@ -24,6 +24,7 @@ written dataset in this process: real tokens per second.
 
     python -m benchmarks.packing [--small] [--docs N] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,15 +50,25 @@ HF_MAP_BATCH = 1000
 
 def corpora(n: int, seed: int = 0) -> dict[str, np.ndarray]:
     """Document sizes (eos included) of the two corpora; the long one has n / 8 documents."""
-    return {"lognormal": lognormal_lengths(n, seed=seed) + 1,
-            "long-doc": lognormal_lengths(max(1, n // 8), seed=seed, **LONG_DOCS) + 1}
+    return {
+        "lognormal": lognormal_lengths(n, seed=seed) + 1,
+        "long-doc": lognormal_lengths(max(1, n // 8), seed=seed, **LONG_DOCS) + 1,
+    }
 
 
-def result(name: str, sizes: np.ndarray, seq: int, rows: int, real: int, split: int, dropped: int,
-           seconds: float, **extra) -> dict:
-    return {"packer": name, "rows": rows, "fill": real / (rows * seq) if rows else 1.0, "docs_split": split,
-            "tokens_dropped": dropped / int(sizes.sum()), "rows_per_s": rows / seconds if seconds else None,
-            "tokens_per_s": real / seconds if seconds else None, **extra}
+def result(
+    name: str, sizes: np.ndarray, seq: int, rows: int, real: int, split: int, dropped: int, seconds: float, **extra
+) -> dict:
+    return {
+        "packer": name,
+        "rows": rows,
+        "fill": real / (rows * seq) if rows else 1.0,
+        "docs_split": split,
+        "tokens_dropped": dropped / int(sizes.sum()),
+        "rows_per_s": rows / seconds if seconds else None,
+        "tokens_per_s": real / seconds if seconds else None,
+        **extra,
+    }
 
 
 # ---------------------------------------------------------------------- ours
@@ -71,11 +82,26 @@ def ours(sizes: np.ndarray, seq: int, policy: str, batch_rows: int) -> dict:
     rows = sum(p.num_rows for p in parts)
     real = sum(p.tokens for p in parts)
     long = sizes > seq  # what a length histogram with an edge at seq_len - 1 would tell the planner
-    estimate = rows_estimate(int(lengths.sum()), len(lengths), packing, windows=len(parts),
-                             too_long=(int(long.sum()), int(lengths[long].sum())))
-    return result(f"ours {policy}", sizes, seq, rows, real, sum(p.split_docs for p in parts),
-                  int(sizes.sum()) - real, el, docs_per_s=len(sizes) / el, windows=len(parts),
-                  estimate_error=estimate / rows - 1 if rows else 0.0)
+    estimate = rows_estimate(
+        int(lengths.sum()),
+        len(lengths),
+        packing,
+        windows=len(parts),
+        too_long=(int(long.sum()), int(lengths[long].sum())),
+    )
+    return result(
+        f"ours {policy}",
+        sizes,
+        seq,
+        rows,
+        real,
+        sum(p.split_docs for p in parts),
+        int(sizes.sum()) - real,
+        el,
+        docs_per_s=len(sizes) / el,
+        windows=len(parts),
+        estimate_error=estimate / rows - 1 if rows else 0.0,
+    )
 
 
 # ---------------------------------------------------------------------- greedy concatenate-then-split
@@ -164,8 +190,19 @@ def llm_foundry(sizes: np.ndarray, seq: int, batch_rows: int) -> dict:
     buf = first_fit_run(sizes, seq, batch_rows, raw)
     el = time.perf_counter() - t
     truncated = int(np.maximum(sizes - seq, 0).sum()) / int(sizes.sum())
-    return result("llm-foundry first-fit", sizes, seq, buf.rows, buf.packed, 0, int(sizes.sum()) - buf.packed, el,
-                  packing_ratio=ratio, ratio_search_s=search, truncated=truncated)
+    return result(
+        "llm-foundry first-fit",
+        sizes,
+        seq,
+        buf.rows,
+        buf.packed,
+        0,
+        int(sizes.sum()) - buf.packed,
+        el,
+        packing_ratio=ratio,
+        ratio_search_s=search,
+        truncated=truncated,
+    )
 
 
 # ---------------------------------------------------------------------- batch builder vs bucketed batches
@@ -194,8 +231,10 @@ def builder_throughput(n: int, seq: int, batch_tokens: int, workdir: str) -> dic
     lengths = reader.source.dataset.lengths
     ids = np.random.default_rng(0).permutation(len(lengths))
     window = max(1, int(WINDOW_BATCHES * rows_per_batch * seq / (lengths.mean() + 1)))
-    plans = [pack_rows(lengths[ids[a : a + window]], packing).with_ids(ids[a : a + window])
-             for a in range(0, len(ids), window)]
+    plans = [
+        pack_rows(lengths[ids[a : a + window]], packing).with_ids(ids[a : a + window])
+        for a in range(0, len(ids), window)
+    ]
     builder = PackedReader(reader, packing)
 
     def packed() -> tuple[int, float]:
@@ -208,14 +247,22 @@ def builder_throughput(n: int, seq: int, batch_tokens: int, workdir: str) -> dic
 
     runs: dict[str, list[float]] = {"bucketed": [], "packed": []}
     for r in range(3):  # the first round warms the page cache and the maps; alternate who goes first
-        for name, fn in ((("bucketed", bucketed), ("packed", packed)) if r % 2 else (("packed", packed), ("bucketed", bucketed))):
+        for name, fn in (
+            (("bucketed", bucketed), ("packed", packed)) if r % 2 else (("packed", packed), ("bucketed", bucketed))
+        ):
             tokens, el = fn()
             if r:
                 runs[name].append(tokens / el)
     reader.close()
     best = {k: max(v) for k, v in runs.items()}
-    return {"seq_len": seq, "rows_per_batch": rows_per_batch, "bucketed_tokens_per_s": best["bucketed"],
-            "packed_tokens_per_s": best["packed"], "ratio": best["packed"] / best["bucketed"], "docs": n}
+    return {
+        "seq_len": seq,
+        "rows_per_batch": rows_per_batch,
+        "bucketed_tokens_per_s": best["bucketed"],
+        "packed_tokens_per_s": best["packed"],
+        "ratio": best["packed"] / best["bucketed"],
+        "docs": n,
+    }
 
 
 # ---------------------------------------------------------------------- report
@@ -234,40 +281,51 @@ def main() -> None:
     for name, sizes in corpora(args.docs).items():
         for seq in SEQ_LENS:
             rows = max(1, args.batch_tokens // seq)
-            for r in [ours(sizes, seq, pol, rows) for pol in ("concat", "best-fit", "no-split")] + \
-                     [greedy_concat_split(sizes, seq), llm_foundry(sizes, seq, rows)]:
+            for r in [ours(sizes, seq, pol, rows) for pol in ("concat", "best-fit", "no-split")] + [
+                greedy_concat_split(sizes, seq),
+                llm_foundry(sizes, seq, rows),
+            ]:
                 results.append({"corpus": name, "seq_len": seq, "docs": len(sizes), **r})
     with tempfile.TemporaryDirectory(prefix="packing-bench-", dir=args.dir) as work:
         builders = [builder_throughput(args.builder_docs, seq, args.batch_tokens, work) for seq in SEQ_LENS]
     if args.json:
         print(json.dumps({"packers": results, "builders": builders}, indent=1))
         return
-    print(f"{'corpus':<10}{'seq':>6}  {'packer':<23}{'fill':>8}{'docs split':>12}{'dropped':>9}{'rows/s':>12}"
-          f"{'tokens/s':>15}  notes")
+    print(
+        f"{'corpus':<10}{'seq':>6}  {'packer':<23}{'fill':>8}{'docs split':>12}{'dropped':>9}{'rows/s':>12}"
+        f"{'tokens/s':>15}  notes"
+    )
     for r in results:
         if "packing_ratio" in r:
             note = f"ratio {r['packing_ratio']:g} (search {r['ratio_search_s']:.1f} s), {r['truncated']:.2%} truncated"
         elif "windows" in r:
-            note = (f"{r['docs_per_s']:,.0f} docs/s, {r['windows']} windows, rows_estimate "
-                    f"{r['estimate_error']:+.3%}")
+            note = f"{r['docs_per_s']:,.0f} docs/s, {r['windows']} windows, rows_estimate {r['estimate_error']:+.3%}"
         else:
             note = "remainder of every 1,000 documents dropped"
-        print(f"{r['corpus']:<10}{r['seq_len']:>6}  {r['packer']:<23}{r['fill']:>8.4f}{r['docs_split']:>12,}"
-              f"{r['tokens_dropped']:>9.2%}{r['rows_per_s']:>12,.0f}{r['tokens_per_s']:>15,.0f}  {note}")
+        print(
+            f"{r['corpus']:<10}{r['seq_len']:>6}  {r['packer']:<23}{r['fill']:>8.4f}{r['docs_split']:>12,}"
+            f"{r['tokens_dropped']:>9.2%}{r['rows_per_s']:>12,.0f}{r['tokens_per_s']:>15,.0f}  {note}"
+        )
     for seq in SEQ_LENS:
         get = {(r["corpus"], r["packer"]): r for r in results if r["seq_len"] == seq}
         best, greedy = get[("lognormal", "ours best-fit")], get[("lognormal", "greedy concat+split")]
         fewer = greedy["docs_split"] / max(best["docs_split"], 1)
         goal = f" (target >= 0.995: {'met' if best['fill'] >= 0.995 else 'MISSED'})" if seq == 8192 else ""
         goal2 = f" (target >= 10x: {'met' if fewer >= 10 else 'MISSED'})" if seq == 8192 else ""
-        print(f"lognormal seq {seq}: best-fit fill {best['fill']:.4f}{goal}; "
-              f"{fewer:,.0f}x fewer documents split than concat+split{goal2}")
-    print(f"\nbatch builder, {builders[0]['docs']:,} lognormal documents, {args.batch_tokens:,} tokens per batch, "
-          "one process (best of 2 after a warm-up round):")
+        print(
+            f"lognormal seq {seq}: best-fit fill {best['fill']:.4f}{goal}; "
+            f"{fewer:,.0f}x fewer documents split than concat+split{goal2}"
+        )
+    print(
+        f"\nbatch builder, {builders[0]['docs']:,} lognormal documents, {args.batch_tokens:,} tokens per batch, "
+        "one process (best of 2 after a warm-up round):"
+    )
     for b in builders:
-        print(f"  seq {b['seq_len']:>5} ({b['rows_per_batch']} rows): packed {b['packed_tokens_per_s']:>13,.0f} tokens/s, "
-              f"bucketed default batch {b['bucketed_tokens_per_s']:>13,.0f} tokens/s: {b['ratio']:.2f}x "
-              f"(target >= 1: {'met' if b['ratio'] >= 1 else 'MISSED'})")
+        print(
+            f"  seq {b['seq_len']:>5} ({b['rows_per_batch']} rows): packed {b['packed_tokens_per_s']:>13,.0f} tokens/s, "
+            f"bucketed default batch {b['bucketed_tokens_per_s']:>13,.0f} tokens/s: {b['ratio']:.2f}x "
+            f"(target >= 1: {'met' if b['ratio'] >= 1 else 'MISSED'})"
+        )
 
 
 if __name__ == "__main__":

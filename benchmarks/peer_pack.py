@@ -18,6 +18,7 @@ process) over the best peer; target: at least 1x the best peer on each input.
 
     python -m benchmarks.peer_pack [--tiny|--small] [--repeats 3] [--dir DIR] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,15 +81,32 @@ def side(name: str, src: str, out: str, kind: str) -> int:
             fn, inputs = _Dir(), sorted(os.path.join(src, d) for d in os.listdir(src))
         else:
             fn, inputs = _RowGroup(src), list(range(pq.ParquetFile(src).num_row_groups))
-        litdata.optimize(fn=fn, inputs=inputs, output_dir=out, chunk_bytes="64MB", num_workers=w, mode="overwrite",
-                         verbose=False)
+        litdata.optimize(
+            fn=fn, inputs=inputs, output_dir=out, chunk_bytes="64MB", num_workers=w, mode="overwrite", verbose=False
+        )
         return -1  # counted by the harness from the input
     if what == "energon":
         n = pt.side_shardwriter(src, out, "images" if kind == "images" else "parquet")
         cli = os.path.join(os.path.dirname(sys.executable), "energon")
-        subprocess.run([cli, "prepare", out, "--non-interactive", "--force-overwrite", "--split-ratio", "1,0,0",
-                        "--sample-type", "CrudeWebdataset", "--num-workers", str(w), "--no-progress"],
-                       check=True, capture_output=True, timeout=3600)
+        subprocess.run(
+            [
+                cli,
+                "prepare",
+                out,
+                "--non-interactive",
+                "--force-overwrite",
+                "--split-ratio",
+                "1,0,0",
+                "--sample-type",
+                "CrudeWebdataset",
+                "--num-workers",
+                str(w),
+                "--no-progress",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=3600,
+        )
         return n
     raise SystemExit(f"unknown side {name}")
 
@@ -113,8 +131,15 @@ def measure(name: str, src: str, kind: str, work: str) -> float:
     out = os.path.join(work, "out-" + name.replace(":", "-"))
     shutil.rmtree(out, ignore_errors=True)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.peer_pack", "--one", name, "--src", src, "--out", out,
-                           "--kind", kind], cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.peer_pack", "--one", name, "--src", src, "--out", out, "--kind", kind],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        check=False,
+    )
     if proc.returncode:
         raise SystemExit(f"{name} {kind} failed:\n{proc.stderr[-3000:]}")
     wall = json.loads(proc.stdout.strip().splitlines()[-1])["seconds"]
@@ -155,27 +180,44 @@ def main() -> None:
         corpus.write_images(img + ".tmp", n_img, per_dir=30 if args.tiny else 1000)
         os.rename(img + ".tmp", img)
     have = peers.available()
-    sides = ["ours:1", "ours:2"] + (["mds:1"] if "streaming" in have else []) + \
-        (["litdata:1", "litdata:2"] if "litdata" in have else []) + (["energon:1", "energon:2"] if "energon" in have else [])
+    sides = (
+        ["ours:1", "ours:2"]
+        + (["mds:1"] if "streaming" in have else [])
+        + (["litdata:1", "litdata:2"] if "litdata" in have else [])
+        + (["energon:1", "energon:2"] if "energon" in have else [])
+    )
     report = {"versions": {k: m.version() for k, m in have.items()}, "missing": peers.missing(), "cases": {}}
     work = os.path.join(base, "work")
     os.makedirs(work, exist_ok=True)
     for kind, src, n in (("tokens", os.path.join(tok_dir, "tokens.parquet"), n_tok), ("images", img, n_img)):
         runs: dict[str, list[float]] = {s: [] for s in sides}
         for r in range(args.repeats):
-            for s in (sides if r % 2 == 0 else sides[::-1]):
+            for s in sides if r % 2 == 0 else sides[::-1]:
                 runs[s].append(measure(s, src, kind, work))
         nbytes = payload_bytes(src)
-        res = {s: {"wall_s": statistics.median(v), "samples_per_s": n / statistics.median(v),
-                   "MB_per_s": nbytes / statistics.median(v) / 1e6} for s, v in runs.items()}
-        peer_best = max((v["samples_per_s"], s) for s, v in res.items() if not s.startswith("ours"))  \
-            if len(sides) > 2 else None
+        res = {
+            s: {
+                "wall_s": statistics.median(v),
+                "samples_per_s": n / statistics.median(v),
+                "MB_per_s": nbytes / statistics.median(v) / 1e6,
+            }
+            for s, v in runs.items()
+        }
+        peer_best = (
+            max((v["samples_per_s"], s) for s, v in res.items() if not s.startswith("ours")) if len(sides) > 2 else None
+        )
         ours_best = max(res["ours:1"]["samples_per_s"], res["ours:2"]["samples_per_s"])
-        report["cases"][kind] = {"samples": n, "MB": nbytes / 1e6, "sides": res, "best_peer": peer_best,
-                                 "ours_best_over_best_peer": ours_best / peer_best[0] if peer_best else None,
-                                 "ours_1_over_best_peer_1": res["ours:1"]["samples_per_s"] / max(
-                                     v["samples_per_s"] for s, v in res.items() if s.endswith(":1") and not s.startswith("ours"))
-                                 if peer_best else None}
+        report["cases"][kind] = {
+            "samples": n,
+            "MB": nbytes / 1e6,
+            "sides": res,
+            "best_peer": peer_best,
+            "ours_best_over_best_peer": ours_best / peer_best[0] if peer_best else None,
+            "ours_1_over_best_peer_1": res["ours:1"]["samples_per_s"]
+            / max(v["samples_per_s"] for s, v in res.items() if s.endswith(":1") and not s.startswith("ours"))
+            if peer_best
+            else None,
+        }
     if args.json:
         print(json.dumps(report, indent=1))
         return
@@ -186,8 +228,10 @@ def main() -> None:
             print(f"  {s:<12}{v['samples_per_s']:>12,.0f} samples/s{v['MB_per_s']:>10,.1f} MB/s{v['wall_s']:>9.2f} s")
         if c["best_peer"]:
             x = c["ours_best_over_best_peer"]
-            print(f"  ours (best of 1, 2 workers) / best peer ({c['best_peer'][1]}): {x:.2f}x "
-                  f"(target >= 1x: {'met' if x >= 1 else 'MISSED'}); 1 process each: {c['ours_1_over_best_peer_1']:.2f}x")
+            print(
+                f"  ours (best of 1, 2 workers) / best peer ({c['best_peer'][1]}): {x:.2f}x "
+                f"(target >= 1x: {'met' if x >= 1 else 'MISSED'}); 1 process each: {c['ours_1_over_best_peer_1']:.2f}x"
+            )
 
 
 if __name__ == "__main__":

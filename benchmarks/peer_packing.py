@@ -23,6 +23,7 @@ after a warm-up; ``--repeats`` rounds alternate the order; medians, ratio ours/L
 
     python -m benchmarks.peer_packing [--tiny|--small] [--seq-lens 2048,8192] [--workers 0,2] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,16 @@ def prepare_litdata(src: str, out: str, workers: int = 1) -> None:
 
     from benchmarks.peers import tar_paths
 
-    litdata.optimize(fn=_Docs(), inputs=tar_paths(src), output_dir=out, item_loader=TokensLoader(),
-                     chunk_bytes="64MB", num_workers=max(1, workers), mode="overwrite", verbose=False)
+    litdata.optimize(
+        fn=_Docs(),
+        inputs=tar_paths(src),
+        output_dir=out,
+        item_loader=TokensLoader(),
+        chunk_bytes="64MB",
+        num_workers=max(1, workers),
+        mode="overwrite",
+        verbose=False,
+    )
 
 
 def litdata_split_docs(src: str, block: int) -> int:
@@ -82,15 +91,24 @@ def run_side(side: str, src: str, seq: int, rows: int, workers: int, max_s: floa
         import litdata
         from litdata.streaming.item_loader import TokensLoader
 
-        ds = litdata.StreamingDataset(f"{src}-litdata-tokensloader", item_loader=TokensLoader(block_size=seq + 1),
-                                      shuffle=True, seed=0)
+        ds = litdata.StreamingDataset(
+            f"{src}-litdata-tokensloader", item_loader=TokensLoader(block_size=seq + 1), shuffle=True, seed=0
+        )
         loader = litdata.StreamingDataLoader(ds, batch_size=rows, num_workers=workers)
         fill, split = 1.0, None
     else:
         from shardtool.loader import ShardedLoader
 
-        loader = ShardedLoader(src, seq_len=seq, batch_size=rows, packing=side, eos_id=EOS, num_workers=workers,
-                               pin_memory=False, metrics=False)
+        loader = ShardedLoader(
+            src,
+            seq_len=seq,
+            batch_size=rows,
+            packing=side,
+            eos_id=EOS,
+            num_workers=workers,
+            pin_memory=False,
+            metrics=False,
+        )
         fill, split = loader.padding_efficiency, loader.plan.rows.split_docs
     first = None
     row_tokens = real = n_rows = 0
@@ -109,13 +127,35 @@ def run_side(side: str, src: str, seq: int, rows: int, workers: int, max_s: floa
         if time.perf_counter() - t0 > max_s:
             break
     el = time.perf_counter() - t0 if first is not None else 0.0
-    return {"first_batch_s": first, "seconds": el, "rows": n_rows, "row_tokens_per_s": row_tokens / el if el else None,
-            "real_tokens_per_s": real / el if el else None, "fill": fill, "docs_split": split}
+    return {
+        "first_batch_s": first,
+        "seconds": el,
+        "rows": n_rows,
+        "row_tokens_per_s": row_tokens / el if el else None,
+        "real_tokens_per_s": real / el if el else None,
+        "fill": fill,
+        "docs_split": split,
+    }
 
 
 def measure(side: str, src: str, seq: int, rows: int, workers: int, max_s: float) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.peer_packing", "--one", side, "--src", src, "--seq-lens", str(seq),
-           "--rows", str(rows), "--workers", str(workers), "--max-seconds", str(max_s)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.peer_packing",
+        "--one",
+        side,
+        "--src",
+        src,
+        "--seq-lens",
+        str(seq),
+        "--rows",
+        str(rows),
+        "--workers",
+        str(workers),
+        "--max-seconds",
+        str(max_s),
+    ]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT, check=False)
     if res.returncode:
@@ -139,8 +179,9 @@ def main() -> None:
     p.add_argument("--src", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(run_side(args.one, args.src, int(args.seq_lens), args.rows, int(args.workers),
-                                  args.max_seconds)))
+        print(
+            json.dumps(run_side(args.one, args.src, int(args.seq_lens), args.rows, int(args.workers), args.max_seconds))
+        )
         return
     from benchmarks import peers
     from benchmarks.loader_throughput import write_tokens
@@ -160,8 +201,11 @@ def main() -> None:
             prepare_litdata(src, f"{src}-litdata-tokensloader.tmp", 2)
             os.rename(f"{src}-litdata-tokensloader.tmp", f"{src}-litdata-tokensloader")
     sizes = np.array([len(t) + 1 for _, t in peers.tar_samples(src, "tokens")], np.int64)
-    report = {"docs": n, "litdata": peers.available()["litdata"].version() if have else
-              peers.missing().get("litdata"), "runs": []}
+    report = {
+        "docs": n,
+        "litdata": peers.available()["litdata"].version() if have else peers.missing().get("litdata"),
+        "runs": [],
+    }
     for seq in [int(x) for x in args.seq_lens.split(",")]:
         rows = args.rows or max(1, 65536 // seq)
         foundry = llm_foundry(sizes, seq, rows)
@@ -182,10 +226,15 @@ def main() -> None:
                 out["sides"]["litdata"]["docs_split"] = litdata_split_docs(src, seq + 1)
                 for side in ("best-fit", "concat"):
                     out[f"{side}/litdata"] = statistics.median(
-                        a["real_tokens_per_s"] / b["row_tokens_per_s"] for a, b in zip(runs[side], runs["litdata"]))
+                        a["real_tokens_per_s"] / b["row_tokens_per_s"] for a, b in zip(runs[side], runs["litdata"])
+                    )
             out["sides"]["BinPackCollator (reimpl., plan only)"] = {
-                "row_tokens_per_s": foundry["tokens_per_s"] / foundry["fill"], "real_tokens_per_s": foundry["tokens_per_s"],
-                "fill": foundry["fill"], "docs_split": foundry["docs_split"], "first_batch_s": None}
+                "row_tokens_per_s": foundry["tokens_per_s"] / foundry["fill"],
+                "real_tokens_per_s": foundry["tokens_per_s"],
+                "fill": foundry["fill"],
+                "docs_split": foundry["docs_split"],
+                "first_batch_s": None,
+            }
             report["runs"].append(out)
     if args.json:
         print(json.dumps(report, indent=1))
@@ -194,15 +243,19 @@ def main() -> None:
     print(f"{'seq':>6}{'w':>3}  {'side':<38}{'real tok/s':>14}{'row tok/s':>14}{'fill':>8}{'docs split':>12}")
     for out in report["runs"]:
         for side, r in out["sides"].items():
-            print(f"{out['seq_len']:>6}{out['workers']:>3}  {side:<38}{r['real_tokens_per_s']:>14,.0f}"
-                  f"{r['row_tokens_per_s']:>14,.0f}{r['fill']:>8.4f}{r['docs_split'] if r['docs_split'] is not None else 'n/a':>12}")
+            print(
+                f"{out['seq_len']:>6}{out['workers']:>3}  {side:<38}{r['real_tokens_per_s']:>14,.0f}"
+                f"{r['row_tokens_per_s']:>14,.0f}{r['fill']:>8.4f}{r['docs_split'] if r['docs_split'] is not None else 'n/a':>12}"
+            )
         for side in ("best-fit", "concat"):
             if f"{side}/litdata" in out:
                 v = out[f"{side}/litdata"]
                 fill_ok = out["sides"][side]["fill"] >= out["sides"]["litdata"]["fill"]
-                print(f"  ours {side} / LitData TokensLoader, real tokens/s vs its row tokens/s: {v:.2f}x "
-                      f"(target >= 2x: {'met' if v >= 2 else 'MISSED'}; fill at least as high: "
-                      f"{'met' if fill_ok else 'MISSED'})")
+                print(
+                    f"  ours {side} / LitData TokensLoader, real tokens/s vs its row tokens/s: {v:.2f}x "
+                    f"(target >= 2x: {'met' if v >= 2 else 'MISSED'}; fill at least as high: "
+                    f"{'met' if fill_ok else 'MISSED'})"
+                )
 
 
 if __name__ == "__main__":

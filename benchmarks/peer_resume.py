@@ -20,6 +20,7 @@ library imported once, before any clock), ranks simulated as the peer's docs set
 
     python -m benchmarks.peer_resume [--tiny|--small] [--dir DIR] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,16 @@ def make_loader(side: str, root: str, batch: int, rank: int, world: int, state, 
     if side == "ours":
         from shardtool.loader import ShardedLoader
 
-        ld = ShardedLoader(root, batch_size=batch, rank=rank, world_size=world, ranks_per_node=1, num_workers=0,
-                           pin_memory=False, metrics=False)
+        ld = ShardedLoader(
+            root,
+            batch_size=batch,
+            rank=rank,
+            world_size=world,
+            ranks_per_node=1,
+            num_workers=0,
+            pin_memory=False,
+            metrics=False,
+        )
         if state is not None:
             ld.load_state_dict(state)
         return ld
@@ -64,8 +73,11 @@ def _step(side, root, batch, rank, world, state_in, stop, limit, repeat, port, c
             keys += list(b["__key__"])
             n += 1
             if stop is not None and n >= stop:
-                saved = pickle.dumps(ld.state_dict() if side == "ours" else
-                                     __import__("benchmarks.peers", fromlist=["x"]).available()[side].state_dict(ld, stop))
+                saved = pickle.dumps(
+                    ld.state_dict()
+                    if side == "ours"
+                    else __import__("benchmarks.peers", fromlist=["x"]).available()[side].state_dict(ld, stop)
+                )
                 break
             if limit is not None and n >= limit:
                 break
@@ -132,11 +144,17 @@ def run_side(side: str, root: str, batch: int, n: int) -> dict:
     fresh = step(side, root, batch, limit=1, repeat=rep)
     at90 = step(side, root, batch, stop=max(1, int(total * 0.9)), repeat=rep)
     resumed = step(side, root, batch, state=at90.get("state"), limit=1, repeat=rep) if "error" not in at90 else at90
-    out["first_batch"] = {"fresh_s": fresh.get("first_batch_s"), "resume90_s": resumed.get("first_batch_s"),
-                          "error": resumed.get("error") or fresh.get("error")}
+    out["first_batch"] = {
+        "fresh_s": fresh.get("first_batch_s"),
+        "resume90_s": resumed.get("first_batch_s"),
+        "error": resumed.get("error") or fresh.get("error"),
+    }
     half = step(side, root, batch, stop=max(1, total // 2), repeat=rep)
-    rest = (step(side, root, batch, state=half.get("state"), limit=total - total // 2 if rep else None, repeat=rep)
-            if "error" not in half else half)
+    rest = (
+        step(side, root, batch, state=half.get("state"), limit=total - total // 2 if rep else None, repeat=rep)
+        if "error" not in half
+        else half
+    )
     if "error" in rest:
         out["mid_epoch"] = {"error": rest["error"]}
     else:
@@ -144,16 +162,22 @@ def run_side(side: str, root: str, batch: int, n: int) -> dict:
         out["mid_epoch"] = {"exact": got == full["keys"], **tally([half["keys"], rest["keys"]], n)}
     ranks = steps(side, root, batch, world=4)
     errs = [r["error"] for r in ranks if "error" in r]
-    out["ranks4"] = {"error": errs[0]} if errs else {"batches": [r["batches"] for r in ranks],
-                                                     **tally([r["keys"] for r in ranks], n)}
+    out["ranks4"] = (
+        {"error": errs[0]}
+        if errs
+        else {"batches": [r["batches"] for r in ranks], **tally([r["keys"] for r in ranks], n)}
+    )
     if not errs:
         stop = max(1, min(r["batches"] for r in ranks) // 2)
         first = steps(side, root, batch, world=4, stop=stop)
         errs = [r["error"] for r in first if "error" in r]
         then = [] if errs else steps(side, root, batch, world=3, states=[first[r]["state"] for r in range(3)])
         errs += [r["error"] for r in then if "error" in r]
-        out["world4to3"] = {"error": errs[0]} if errs else {
-            "batches_after": [r["batches"] for r in then], **tally([r["keys"] for r in first + then], n)}
+        out["world4to3"] = (
+            {"error": errs[0]}
+            if errs
+            else {"batches_after": [r["batches"] for r in then], **tally([r["keys"] for r in first + then], n)}
+        )
     return out
 
 
@@ -181,8 +205,13 @@ def main() -> None:
         if not os.path.isdir(f"{root}-{side}"):
             peers.available()[side].prepare(root, f"{root}-{side}.tmp", "tokens", 2)
             os.rename(f"{root}-{side}.tmp", f"{root}-{side}")
-    report = {"docs": n, "batch": args.batch, "missing": peers.missing(),
-              "versions": {s: peers.available()[s].version() for s in chosen}, "sides": {}}
+    report = {
+        "docs": n,
+        "batch": args.batch,
+        "missing": peers.missing(),
+        "versions": {s: peers.available()[s].version() for s in chosen},
+        "sides": {},
+    }
     for side in ["ours"] + chosen:
         report["sides"][side] = run_side(side, root, args.batch, n)
     if args.json:
@@ -200,23 +229,40 @@ def main() -> None:
             fbs = f"resume at 90%: {fb['error']}"
         else:
             x = fb["resume90_s"] / fb["fresh_s"]
-            fbs = (f"first batch fresh {fb['fresh_s']:.3f} s, resumed at 90% {fb['resume90_s']:.3f} s = {x:.2f}x "
-                   f"(target <= 1.5x: {'met' if x <= 1.5 else 'MISSED'})")
+            fbs = (
+                f"first batch fresh {fb['fresh_s']:.3f} s, resumed at 90% {fb['resume90_s']:.3f} s = {x:.2f}x "
+                f"(target <= 1.5x: {'met' if x <= 1.5 else 'MISSED'})"
+            )
         ep = r["epoch"]
         print(f"{side:<10} epoch {ep['batches']} batches ({ep['repeated']} repeated, {ep['skipped']} skipped); {fbs}")
 
         def words(d):
             return d["error"] if "error" in d else f"{d['repeated']} repeated, {d['skipped']} skipped"
+
         me = r["mid_epoch"]
-        print(f"{'':<10} mid-epoch resume: " + (me["error"] if "error" in me else
-              f"{'exact' if me['exact'] else 'NOT exact'} (vs an uninterrupted read; against the corpus: {words(me)})"))
+        print(
+            f"{'':<10} mid-epoch resume: "
+            + (
+                me["error"]
+                if "error" in me
+                else f"{'exact' if me['exact'] else 'NOT exact'} (vs an uninterrupted read; against the corpus: {words(me)})"
+            )
+        )
         r4 = r["ranks4"]
-        print(f"{'':<10} 4 ranks: " + (r4["error"] if "error" in r4 else
-              f"batches {r4['batches']} ({'equal' if len(set(r4['batches'])) == 1 else 'UNEQUAL'}), {words(r4)}"))
+        print(
+            f"{'':<10} 4 ranks: "
+            + (
+                r4["error"]
+                if "error" in r4
+                else f"batches {r4['batches']} ({'equal' if len(set(r4['batches'])) == 1 else 'UNEQUAL'}), {words(r4)}"
+            )
+        )
         if "world4to3" in r:
             w = r["world4to3"]
-            print(f"{'':<10} 4 -> 3 ranks at half: " + (w["error"] if "error" in w else
-                  f"{words(w)}; batches after per rank {w['batches_after']}"))
+            print(
+                f"{'':<10} 4 -> 3 ranks at half: "
+                + (w["error"] if "error" in w else f"{words(w)}; batches after per rank {w['batches_after']}")
+            )
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ the cost following the share, not a target. Needs a quiet machine (the lead runs
     python -m benchmarks.plan_scale            # the full table (minutes)
     python -m benchmarks.plan_scale --quick    # 10^6 and 10^7 only: a smoke run (targets at 10^7)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,15 +35,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_TOKENS = 65536
 RANKS_PER_NODE = 8
 PER_SHARD = 10_000
-TARGETS = {"rank_seconds": 2.0, "rank_rss_mb": 300.0, "growth": 2.0, "simulation_seconds": 10.0,
-           "bytes_balance": 1.05}
+TARGETS = {"rank_seconds": 2.0, "rank_rss_mb": 300.0, "growth": 2.0, "simulation_seconds": 10.0, "bytes_balance": 1.05}
 
 
 def plan(n: int, nodes: int, rank: int | None, timeout: float) -> dict:
     """One ``shardtool plan --json`` run in a subprocess: its report, plus the command."""
-    cmd = [sys.executable, "-m", "shardtool", "plan", "--synthetic", str(n), "--samples-per-shard", str(PER_SHARD),
-           "--simulate-nodes", str(nodes), "--ranks-per-node", str(RANKS_PER_NODE), "--max-tokens", str(MAX_TOKENS),
-           "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardtool",
+        "plan",
+        "--synthetic",
+        str(n),
+        "--samples-per-shard",
+        str(PER_SHARD),
+        "--simulate-nodes",
+        str(nodes),
+        "--ranks-per-node",
+        str(RANKS_PER_NODE),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--json",
+    ]
     if rank is not None:
         cmd += ["--rank", str(rank)]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
@@ -79,24 +93,33 @@ def main(argv: list[str] | None = None) -> int:
     big = sizes[-1]
     layouts = [1024, 8]
     rows = []
-    print(f"per-rank planning: one training rank's start-up, in a fresh process (max_tokens {MAX_TOKENS:,}, "
-          f"{PER_SHARD:,} samples per shard)")
-    header = (f"{'samples':>15} {'layout':>8} {'rank':>6} {'group':>13} {'plan s':>8} {'peak RSS MB':>12} "
-              f"{'batches/rank':>13} {'remainder':>10} {'bytes/node max/mean':>20}")
+    print(
+        f"per-rank planning: one training rank's start-up, in a fresh process (max_tokens {MAX_TOKENS:,}, "
+        f"{PER_SHARD:,} samples per shard)"
+    )
+    header = (
+        f"{'samples':>15} {'layout':>8} {'rank':>6} {'group':>13} {'plan s':>8} {'peak RSS MB':>12} "
+        f"{'batches/rank':>13} {'remainder':>10} {'bytes/node max/mean':>20}"
+    )
     print(header)
     for n in sizes:
         for nodes in layouts:
             r = plan(n, nodes, middle_rank(nodes), args.timeout)
             rows.append(r)
-            print(f"{n:>15,} {f'{nodes}x{RANKS_PER_NODE}':>8} {r['rank']:>6} {r['group_samples']:>13,} "
-                  f"{r['plan_seconds']:>8.3f} {r['peak_rss_mb']:>12.0f} {r['batches_per_rank']:>13,} "
-                  f"{r['remainder_tokens_fraction']:>10.3%} {r['bytes_per_node_max_over_mean']:>20.3f}", flush=True)
+            print(
+                f"{n:>15,} {f'{nodes}x{RANKS_PER_NODE}':>8} {r['rank']:>6} {r['group_samples']:>13,} "
+                f"{r['plan_seconds']:>8.3f} {r['peak_rss_mb']:>12.0f} {r['batches_per_rank']:>13,} "
+                f"{r['remainder_tokens_fraction']:>10.3%} {r['bytes_per_node_max_over_mean']:>20.3f}",
+                flush=True,
+            )
     sim = plan(simulated, 1024, None, args.timeout)
-    print(f"\nfull simulation of every group: {simulated:,} samples on 1024x{RANKS_PER_NODE}: "
-          f"{sim['plan_seconds']:.2f} s, peak RSS {sim['peak_rss_mb']:.0f} MB, remainder "
-          f"{sim['remainder_tokens_fraction']:.3%} of the tokens, samples/rank "
-          f"{sim['samples_per_rank']['min']:,}..{sim['samples_per_rank']['max']:,} "
-          f"(summaries made up in {sim['synthetic_seconds']:.1f} s, not counted)")
+    print(
+        f"\nfull simulation of every group: {simulated:,} samples on 1024x{RANKS_PER_NODE}: "
+        f"{sim['plan_seconds']:.2f} s, peak RSS {sim['peak_rss_mb']:.0f} MB, remainder "
+        f"{sim['remainder_tokens_fraction']:.3%} of the tokens, samples/rank "
+        f"{sim['samples_per_rank']['min']:,}..{sim['samples_per_rank']['max']:,} "
+        f"(summaries made up in {sim['synthetic_seconds']:.1f} s, not counted)"
+    )
     print(f"  {sim['command']}")
 
     def at(n: int, nodes: int) -> dict:
@@ -105,26 +128,46 @@ def main(argv: list[str] | None = None) -> int:
     small, large = at(sizes[0], 1024), at(big, 1024)
     label = power(big)
     checks = [
-        (f"per-rank plan at {label} on 1024x8 <= {TARGETS['rank_seconds']:g} s", f"{large['plan_seconds']:.3f} s",
-         large["plan_seconds"] <= TARGETS["rank_seconds"]),
-        (f"per-rank peak RSS at {label} on 1024x8 <= {TARGETS['rank_rss_mb']:g} MB", f"{large['peak_rss_mb']:.0f} MB",
-         large["peak_rss_mb"] <= TARGETS["rank_rss_mb"]),
-        (f"per-rank time at {label} <= {TARGETS['growth']:g}x that at {power(sizes[0])} (1024x8)",
-         f"{large['plan_seconds'] / small['plan_seconds']:.2f}x",
-         large["plan_seconds"] <= TARGETS["growth"] * small["plan_seconds"]),
-        (f"full simulation of {power(simulated)} on 1024x8 <= {TARGETS['simulation_seconds']:g} s",
-         f"{sim['plan_seconds']:.2f} s", sim["plan_seconds"] <= TARGETS["simulation_seconds"]),
-        (f"bytes per node max/mean at {label} on 1024x8 <= {TARGETS['bytes_balance']:g}",
-         f"{large['bytes_per_node_max_over_mean']:.3f}",
-         large["bytes_per_node_max_over_mean"] <= TARGETS["bytes_balance"]),
+        (
+            f"per-rank plan at {label} on 1024x8 <= {TARGETS['rank_seconds']:g} s",
+            f"{large['plan_seconds']:.3f} s",
+            large["plan_seconds"] <= TARGETS["rank_seconds"],
+        ),
+        (
+            f"per-rank peak RSS at {label} on 1024x8 <= {TARGETS['rank_rss_mb']:g} MB",
+            f"{large['peak_rss_mb']:.0f} MB",
+            large["peak_rss_mb"] <= TARGETS["rank_rss_mb"],
+        ),
+        (
+            f"per-rank time at {label} <= {TARGETS['growth']:g}x that at {power(sizes[0])} (1024x8)",
+            f"{large['plan_seconds'] / small['plan_seconds']:.2f}x",
+            large["plan_seconds"] <= TARGETS["growth"] * small["plan_seconds"],
+        ),
+        (
+            f"full simulation of {power(simulated)} on 1024x8 <= {TARGETS['simulation_seconds']:g} s",
+            f"{sim['plan_seconds']:.2f} s",
+            sim["plan_seconds"] <= TARGETS["simulation_seconds"],
+        ),
+        (
+            f"bytes per node max/mean at {label} on 1024x8 <= {TARGETS['bytes_balance']:g}",
+            f"{large['bytes_per_node_max_over_mean']:.3f}",
+            large["bytes_per_node_max_over_mean"] <= TARGETS["bytes_balance"],
+        ),
     ]
     print("\ntargets" + (" (--quick: checked at the sizes of this run, not the issue's)" if args.quick else ""))
     for name, value, ok in checks:
         print(f"  {name:<58} {value:>10}  {verdict(ok)}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"ranks": rows, "simulation": sim,
-                       "targets": [{"target": n, "value": v, "met": ok} for n, v, ok in checks]}, f, indent=1)
+            json.dump(
+                {
+                    "ranks": rows,
+                    "simulation": sim,
+                    "targets": [{"target": n, "value": v, "met": ok} for n, v, ok in checks],
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

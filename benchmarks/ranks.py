@@ -7,6 +7,7 @@ collate) waits forever on a futex. A spawned rank starts with no pool at all, as
 does. Each rank leads its own process group, so a hung rank is killed together with its loader
 workers, and a run never outlives its timeout.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,9 @@ from typing import Any
 POLL_S = 0.5
 
 
-def run_ranks(fn: Callable[..., Any], ranks: int, args: tuple, *, timeout: float) -> tuple[dict[int, Any], dict[int, str]]:
+def run_ranks(
+    fn: Callable[..., Any], ranks: int, args: tuple, *, timeout: float
+) -> tuple[dict[int, Any], dict[int, str]]:
     """``fn(rank, *args)`` in ``ranks`` fresh processes at once; (results by rank, failures by rank).
 
     A rank that raises, exits without a result or is still running after ``timeout`` seconds is
@@ -52,8 +55,7 @@ def run_ranks(fn: Callable[..., Any], ranks: int, args: tuple, *, timeout: float
             if time.monotonic() > deadline:
                 for r, p in enumerate(procs):
                     if r not in done and r not in failed:
-                        failed[r] = (f"timed out: no result after {timeout:g} s (pid {p.pid}; killed with its "
-                                     "workers)")
+                        failed[r] = f"timed out: no result after {timeout:g} s (pid {p.pid}; killed with its workers)"
     finally:
         for p in procs:
             _kill_group(p)

@@ -16,6 +16,7 @@ data-wait fraction after the first ``--skip`` steps (time in next() over the wal
 
     python -m benchmarks.staging [--repeat 3] [--shards 512] [--shard-kb 256] [--latency 0.05]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,11 +45,30 @@ NODES, RANKS_PER_NODE = 2, 2
 def job(a, work: str, mode: str, rep: int, options: dict) -> dict:
     out = os.path.join(work, f"out-{mode}-{rep}")
     cache = os.path.join(work, f"cache-{mode}-{rep}-{{node}}")
-    argv = ["--data", "faulty://" + a.src, "--cache-dir", cache, "--options", json.dumps(options),
-            "--batch-size", str(a.batch_size), "--steps", str(a.steps), "--step-s", str(a.step_ms / 1000),
-            "--num-workers", "2", "--stage", "on" if mode == "in-job" else "off"]
-    env = {"LOCAL_WORLD_SIZE": str(RANKS_PER_NODE), "SHARDTOOL_STAGE_RUN": f"bench-{mode}-{rep}",
-           "SHARDTOOL_STAGE_AHEAD": str(a.ahead), "SHARDTOOL_STAGE_JOBS": str(a.jobs)}
+    argv = [
+        "--data",
+        "faulty://" + a.src,
+        "--cache-dir",
+        cache,
+        "--options",
+        json.dumps(options),
+        "--batch-size",
+        str(a.batch_size),
+        "--steps",
+        str(a.steps),
+        "--step-s",
+        str(a.step_ms / 1000),
+        "--num-workers",
+        "2",
+        "--stage",
+        "on" if mode == "in-job" else "off",
+    ]
+    env = {
+        "LOCAL_WORLD_SIZE": str(RANKS_PER_NODE),
+        "SHARDTOOL_STAGE_RUN": f"bench-{mode}-{rep}",
+        "SHARDTOOL_STAGE_AHEAD": str(a.ahead),
+        "SHARDTOOL_STAGE_JOBS": str(a.jobs),
+    }
     return {"world": NODES * RANKS_PER_NODE, "out": out, "limit": 170, "argv": argv, "env": env, "mode": mode}
 
 
@@ -89,13 +109,20 @@ def main() -> None:
     os.makedirs(work, exist_ok=True)
     a.src = os.path.join(work, "src")
     if not os.path.exists(os.path.join(a.src, "index.json")):
-        make_dataset(a.src, shards=a.shards, samples=a.samples, sample_bytes=a.shard_kb * 1000 // a.samples,
-                     replicate=True)
-    options = {"latency": a.latency, "bandwidth": parse_size(a.bandwidth),
-               "bandwidth_file": os.path.join(work, "source-pipe")}
-    print(f"dataset: {a.shards} shards x {a.shard_kb} kB; source: {a.latency * 1000:.0f} ms/request, "
-          f"{a.bandwidth}B/s shared; {NODES} nodes x {RANKS_PER_NODE} ranks x 2 workers; step {a.step_ms:.0f} ms; "
-          f"batch {a.batch_size} samples/rank; {a.steps} steps; stager --ahead {a.ahead} -j {a.jobs}", flush=True)
+        make_dataset(
+            a.src, shards=a.shards, samples=a.samples, sample_bytes=a.shard_kb * 1000 // a.samples, replicate=True
+        )
+    options = {
+        "latency": a.latency,
+        "bandwidth": parse_size(a.bandwidth),
+        "bandwidth_file": os.path.join(work, "source-pipe"),
+    }
+    print(
+        f"dataset: {a.shards} shards x {a.shard_kb} kB; source: {a.latency * 1000:.0f} ms/request, "
+        f"{a.bandwidth}B/s shared; {NODES} nodes x {RANKS_PER_NODE} ranks x 2 workers; step {a.step_ms:.0f} ms; "
+        f"batch {a.batch_size} samples/rank; {a.steps} steps; stager --ahead {a.ahead} -j {a.jobs}",
+        flush=True,
+    )
     jobs = []
     for rep in range(a.repeat):  # alternating: load on the machine hits every set-up alike
         for mode in MODES:
@@ -114,8 +141,14 @@ def main() -> None:
     env = child_env()
     env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     began = time.monotonic()
-    res = subprocess.run([sys.executable, os.path.join(TESTS, "stage_worker.py"), path], env=env, capture_output=True,
-                         text=True, timeout=175 * len(jobs), check=False)
+    res = subprocess.run(
+        [sys.executable, os.path.join(TESTS, "stage_worker.py"), path],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=175 * len(jobs),
+        check=False,
+    )
     if res.returncode:
         raise SystemExit(res.stderr[-3000:])
     results: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
@@ -134,10 +167,12 @@ def main() -> None:
         med[mode] = statistics.median(firsts), statistics.median(waits)
         print(f"{mode:<15} {cell(firsts, '{:.3f}'):>28} {cell([w * 100 for w in waits], '{:.1f}%'):>30}")
     ratio = med["in-job"][0] / med["prolog"][0]
-    print(f"first batch: in-job / prolog {ratio:.2f}x (target <= 2x), fetch-on-miss / prolog "
-          f"{med['fetch-on-miss'][0] / med['prolog'][0]:.2f}x; wait after step {a.skip}: in-job "
-          f"{med['in-job'][1] * 100:.1f}% (target <= 5%), fetch-on-miss {med['fetch-on-miss'][1] * 100:.1f}% "
-          f"(medians of {a.repeat}; {time.monotonic() - began:.0f}s of runs)")
+    print(
+        f"first batch: in-job / prolog {ratio:.2f}x (target <= 2x), fetch-on-miss / prolog "
+        f"{med['fetch-on-miss'][0] / med['prolog'][0]:.2f}x; wait after step {a.skip}: in-job "
+        f"{med['in-job'][1] * 100:.1f}% (target <= 5%), fetch-on-miss {med['fetch-on-miss'][1] * 100:.1f}% "
+        f"(medians of {a.repeat}; {time.monotonic() - began:.0f}s of runs)"
+    )
     if not a.dir:
         shutil.rmtree(work, ignore_errors=True)
 

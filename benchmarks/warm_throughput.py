@@ -15,6 +15,7 @@ bytes and decompresses them, -j shards at once) and the compressed/plain ratio (
 
     python -m benchmarks.warm_throughput --compression zstd --dir DIR [--samples 200000] [--jobs 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,12 +46,15 @@ def compressed_warm(a) -> None:
     work = a.dir or tempfile.mkdtemp(prefix="warm-bench-")
     roots = packed_pair(work, "tokens", a.samples, a.compression)
     for root in roots.values():  # page cache warm for both contenders
-        subprocess.run(["cat"] + [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs],
-                       stdout=subprocess.DEVNULL, check=True)
+        subprocess.run(
+            ["cat"] + [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs],
+            stdout=subprocess.DEVNULL,
+            check=True,
+        )
     times: dict = {None: [], a.compression: []}
     report = {}
     for r in range(a.repeat):
-        for comp in ((None, a.compression) if r % 2 == 0 else (a.compression, None)):
+        for comp in (None, a.compression) if r % 2 == 0 else (a.compression, None):
             cache = os.path.join(work, "warm-cache")
             drop(cache)
             subprocess.run(["sync"], check=True)
@@ -64,11 +68,15 @@ def compressed_warm(a) -> None:
     plain, comp = statistics.median(times[None]), statistics.median(times[a.compression])
     rp, rc = report[None], report[a.compression]
     print(f"plain warm -j{a.jobs}: {rp.bytes_copied / 1e9:.3f} GB in {plain:.3f}s (median of {a.repeat})")
-    print(f"{a.compression} warm -j{a.jobs}: {rc.bytes_copied / 1e9:.3f} GB moved, {rc.cache_bytes_written / 1e9:.3f} GB "
-          f"plain written, in {comp:.3f}s (median of {a.repeat})")
+    print(
+        f"{a.compression} warm -j{a.jobs}: {rc.bytes_copied / 1e9:.3f} GB moved, {rc.cache_bytes_written / 1e9:.3f} GB "
+        f"plain written, in {comp:.3f}s (median of {a.repeat})"
+    )
     ratios = [c / p for p, c in zip(times[None], times[a.compression])]
-    print(f"compressed / plain warm time {comp / plain:.2f}x [{min(ratios):.2f}-{max(ratios):.2f}] "
-          f"(target <= 1.3x: {'met' if comp / plain <= 1.3 else 'MISSED'})")
+    print(
+        f"compressed / plain warm time {comp / plain:.2f}x [{min(ratios):.2f}-{max(ratios):.2f}] "
+        f"(target <= 1.3x: {'met' if comp / plain <= 1.3 else 'MISSED'})"
+    )
 
 
 def main() -> None:
@@ -77,11 +85,16 @@ def main() -> None:
     ap.add_argument("--shard-mb", type=float, default=32)
     ap.add_argument("--latency", type=float, default=0.05, help="seconds per request on the slow source")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
-    ap.add_argument("--source-dir", default=None,
-                    help="where the source dataset lives (default: inside --dir); put it on another filesystem "
-                         "(e.g. /dev/shm) to measure the cross-filesystem path a parallel filesystem takes")
+    ap.add_argument(
+        "--source-dir",
+        default=None,
+        help="where the source dataset lives (default: inside --dir); put it on another filesystem "
+        "(e.g. /dev/shm) to measure the cross-filesystem path a parallel filesystem takes",
+    )
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--compression", choices=["zstd", "lz4"], help="warm a compressed Arrow corpus against its plain twin")
+    ap.add_argument(
+        "--compression", choices=["zstd", "lz4"], help="warm a compressed Arrow corpus against its plain twin"
+    )
     ap.add_argument("--samples", type=int, default=200_000, help="with --compression: token samples in the corpus")
     ap.add_argument("--jobs", "-j", type=int, default=2, help="with --compression: warm -j (default 2: the cores here)")
     a = ap.parse_args()
@@ -92,11 +105,14 @@ def main() -> None:
     src = os.path.join(a.source_dir or work, "src")
     samples = 16
     if not os.path.exists(os.path.join(src, "index.json")):
-        make_dataset(src, shards=a.shards, samples=samples, sample_bytes=int(a.shard_mb * 1e6 / samples), replicate=False)
+        make_dataset(
+            src, shards=a.shards, samples=samples, sample_bytes=int(a.shard_mb * 1e6 / samples), replicate=False
+        )
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(src) for f in fs)
     print(f"dataset: {a.shards} shards, {total / 1e9:.3f} GB at {src}")
-    subprocess.run(["cat"] + [os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs],
-                   stdout=subprocess.DEVNULL, check=True)  # page cache warm for both contenders
+    subprocess.run(
+        ["cat"] + [os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs], stdout=subprocess.DEVNULL, check=True
+    )  # page cache warm for both contenders
 
     dst, cache = os.path.join(work, "cp"), os.path.join(work, "cache")
     contenders = {
@@ -123,8 +139,10 @@ def main() -> None:
     drop(cache)
     print("local:  " + "   ".join(f"{n} {total / t / 1e9:5.2f} GB/s ({t:.3f}s)" for n, t in best.items()))
     for label, t in (("best", best), ("median", med)):
-        print(f"local:  warm / cp -r time ratio {t['warm -j8'] / t['cp -r']:.2f}   warm --durable / (cp -r && sync) "
-              f"time ratio {t['warm -j8 --durable'] / t['cp -r && sync']:.2f}   ({label} of {a.repeat})")
+        print(
+            f"local:  warm / cp -r time ratio {t['warm -j8'] / t['cp -r']:.2f}   warm --durable / (cp -r && sync) "
+            f"time ratio {t['warm -j8 --durable'] / t['cp -r && sync']:.2f}   ({label} of {a.repeat})"
+        )
 
     url = "faulty://" + src
     opts = {"latency": a.latency}
@@ -137,7 +155,9 @@ def main() -> None:
         if r.status != "ok":
             raise SystemExit(f"warm failed: {r.error}")
         res[jobs] = r.seconds
-        print(f"latency {a.latency * 1000:.0f} ms/request, -j{jobs}: {r.bytes_copied / r.seconds / 1e9:6.3f} GB/s ({r.seconds:.2f}s)")
+        print(
+            f"latency {a.latency * 1000:.0f} ms/request, -j{jobs}: {r.bytes_copied / r.seconds / 1e9:6.3f} GB/s ({r.seconds:.2f}s)"
+        )
         drop(cache)
     print(f"latency source: 8 jobs / 1 job speedup {res[1] / res[8]:.2f}x")
     if not a.dir:

@@ -12,22 +12,23 @@ Public API::
 A cache this process cannot write (warmed by root) is only read; its misses go to the user's own
 cache (:mod:`cache.usercache`). What the cache writes gets :class:`Perms` (0644/0755 by default).
 """
+
 from .assign import assigned_shards
 from .dcache import CachedDataset, DatasetCache, open_cache
 from .errors import (
-                     EXIT_LOCAL,
-                     EXIT_OK,
-                     EXIT_REMOTE,
-                     EXIT_USAGE,
-                     BudgetError,
-                     CacheError,
-                     LocalFault,
-                     NotCached,
-                     RemoteError,
-                     SourceCorrupt,
-                     SourceMissing,
-                     SourceUnavailable,
-                     UsageError,
+    EXIT_LOCAL,
+    EXIT_OK,
+    EXIT_REMOTE,
+    EXIT_USAGE,
+    BudgetError,
+    CacheError,
+    LocalFault,
+    NotCached,
+    RemoteError,
+    SourceCorrupt,
+    SourceMissing,
+    SourceUnavailable,
+    UsageError,
 )
 from .layout import VersionDir
 from .perms import DEFAULT_PERMS, Perms
@@ -36,8 +37,27 @@ from .retry import RetryPolicy
 from .warmer import warm
 
 __all__ = [
-    "BudgetError", "CacheError", "CachedDataset", "DEFAULT_PERMS", "DatasetCache", "EXIT_LOCAL", "EXIT_OK",
-    "EXIT_REMOTE", "EXIT_USAGE", "LocalFault", "NotCached", "Perms", "RemoteError", "RetryPolicy",
-    "SourceCorrupt", "SourceMissing", "SourceUnavailable", "UsageError", "VersionDir", "WarmReport",
-    "assigned_shards", "open_cache", "warm",
+    "BudgetError",
+    "CacheError",
+    "CachedDataset",
+    "DEFAULT_PERMS",
+    "DatasetCache",
+    "EXIT_LOCAL",
+    "EXIT_OK",
+    "EXIT_REMOTE",
+    "EXIT_USAGE",
+    "LocalFault",
+    "NotCached",
+    "Perms",
+    "RemoteError",
+    "RetryPolicy",
+    "SourceCorrupt",
+    "SourceMissing",
+    "SourceUnavailable",
+    "UsageError",
+    "VersionDir",
+    "WarmReport",
+    "assigned_shards",
+    "open_cache",
+    "warm",
 ]

@@ -3,6 +3,7 @@
 Every removal of a shard takes its lock without waiting and skips shards in use, so maintenance
 is safe while a loader reads or a warmer writes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,11 +33,19 @@ def ls(cache_dir: str) -> list[dict]:
         name = os.path.basename(vd.root)
         cached = [i for i, s in enumerate(m.shards) if vd.trusted(i, s)]
         present = sum(1 for s in m.shards if os.path.exists(vd.path(s.path)))
-        out.append({"dir": name, "version": vd.version, "urls": urls.get(name, []), "shards": len(m.shards),
-                    "cached": len(cached), "untrusted_present": present - len(cached),
-                    "cached_bytes": sum(_size(vd.path(m.shards[i].path)) for i in cached),  # plain where decompressed
-                    "dataset_bytes": m.num_bytes,
-                    "assigned": len(vd.read_assigned())})
+        out.append(
+            {
+                "dir": name,
+                "version": vd.version,
+                "urls": urls.get(name, []),
+                "shards": len(m.shards),
+                "cached": len(cached),
+                "untrusted_present": present - len(cached),
+                "cached_bytes": sum(_size(vd.path(m.shards[i].path)) for i in cached),  # plain where decompressed
+                "dataset_bytes": m.num_bytes,
+                "assigned": len(vd.read_assigned()),
+            }
+        )
     return out
 
 
@@ -52,8 +61,10 @@ def verify(cache_dir: str, *, remove_bad: bool = True) -> dict:
     res = {"ok": 0, "bad": [], "busy": [], "metadata_bad": []}
     for vd, m in cached_versions(cache_dir):
         lf = m.lengths_file
-        if os.path.exists(vd.path(lengths_rel(m))) and read_verified_local(
-                vd.path(lengths_rel(m)), size=lf.get("bytes"), digest=lf.get("hash")) is None:
+        if (
+            os.path.exists(vd.path(lengths_rel(m)))
+            and read_verified_local(vd.path(lengths_rel(m)), size=lf.get("bytes"), digest=lf.get("hash")) is None
+        ):
             res["metadata_bad"].append(vd.path(lengths_rel(m)))
             if remove_bad:
                 os.unlink(vd.path(lengths_rel(m)))
@@ -93,7 +104,7 @@ def _remove_temps(cache_dir: str) -> int:
                 if not fn.startswith(TMP_PREFIX):
                     continue
                 p = os.path.join(dirpath, fn)
-                base = fn[len(TMP_PREFIX):].rsplit(".", 1)[0]
+                base = fn[len(TMP_PREFIX) :].rsplit(".", 1)[0]
                 if base in shard_of:
                     with try_exclusive(vd.lock_path(shard_of[base])) as held:
                         if held:
@@ -108,14 +119,18 @@ def _remove_temps(cache_dir: str) -> int:
     return n
 
 
-def gc(cache_dir: str, *, max_bytes: int | None = None, min_free: int | None = None,
-       unreferenced: bool = False) -> dict:
+def gc(
+    cache_dir: str, *, max_bytes: int | None = None, min_free: int | None = None, unreferenced: bool = False
+) -> dict:
     """Remove dead writers' temp files, optionally versions no URL points at, then evict to budget."""
     res = {"temps_removed": _remove_temps(cache_dir), "versions_removed": [], "evicted_shards": 0, "evicted_bytes": 0}
     if unreferenced:
         live = {e.get("dir") for e in read_sources(cache_dir).values() if isinstance(e, dict)}
         for vd, _ in list(cached_versions(cache_dir)):
-            if os.path.basename(vd.root) not in live and not clear(cache_dir, version_dir=os.path.basename(vd.root))["busy"]:
+            if (
+                os.path.basename(vd.root) not in live
+                and not clear(cache_dir, version_dir=os.path.basename(vd.root))["busy"]
+            ):
                 res["versions_removed"].append(os.path.basename(vd.root))
     if max_bytes is not None or min_free is not None:
         entries, where, used = scan(cache_dir)

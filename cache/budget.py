@@ -1,4 +1,5 @@
 """Measuring a cache directory and applying eviction decisions to it."""
+
 from __future__ import annotations
 
 import contextlib
@@ -39,9 +40,15 @@ def cached_versions(cache_dir: str):
             yield VersionDir(cache_dir, manifest_hash(f.read())), m
 
 
-def scan(cache_dir: str, *, current: VersionDir | None = None, assigned: set[int] | None = None,
-         protected: set[int] = frozenset(), keep: frozenset[str] = frozenset(),
-         live: frozenset[str] | None = None) -> tuple[list[Entry], dict, int]:
+def scan(
+    cache_dir: str,
+    *,
+    current: VersionDir | None = None,
+    assigned: set[int] | None = None,
+    protected: set[int] = frozenset(),
+    keep: frozenset[str] = frozenset(),
+    live: frozenset[str] | None = None,
+) -> tuple[list[Entry], dict, int]:
     """Every cached shard file of every version as eviction entries; returns (entries, where, used).
     ``keep``: versions (the other datasets of a mixture) whose assigned shards are protected too.
     ``live``: versions running jobs on the node asked for; every other version is idle and goes
@@ -52,8 +59,13 @@ def scan(cache_dir: str, *, current: VersionDir | None = None, assigned: set[int
     for vd, m in cached_versions(cache_dir):
         is_current = current is not None and vd.root == current.root
         kept = not is_current and vd.version in keep
-        mine = (assigned if assigned is not None else vd.read_assigned()) if is_current else \
-            vd.read_assigned() if kept else set()
+        mine = (
+            (assigned if assigned is not None else vd.read_assigned())
+            if is_current
+            else vd.read_assigned()
+            if kept
+            else set()
+        )
         for i, info in enumerate(m.shards):
             p = vd.path(info.path)
             try:
@@ -62,9 +74,16 @@ def scan(cache_dir: str, *, current: VersionDir | None = None, assigned: set[int
                 continue
             key = (os.path.basename(vd.root), i)
             used += st.st_size
-            entries.append(Entry(key, st.st_size, i in mine, vd.last_used(i) or st.st_mtime,
-                                 protected=(is_current and i in protected) or (kept and i in mine),
-                                 idle=live is not None and not is_current and vd.version not in live))
+            entries.append(
+                Entry(
+                    key,
+                    st.st_size,
+                    i in mine,
+                    vd.last_used(i) or st.st_mtime,
+                    protected=(is_current and i in protected) or (kept and i in mine),
+                    idle=live is not None and not is_current and vd.version not in live,
+                )
+            )
             where[key] = Cached(vd, i, p, st.st_size)
     return entries, where, used
 

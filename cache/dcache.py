@@ -4,6 +4,7 @@ cache, fetched from the source on a miss under the same per-shard locks as the w
 A cache this process may not write (warmed by root, read by the job's user) is read as it is;
 its misses go to the user's own cache (:mod:`cache.usercache`), with one warning per process.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,8 +39,9 @@ class CachedDataset(Dataset):
 
     def __init__(self, cache: DatasetCache, manifest_bytes: bytes, **kw):
         self._cache = cache
-        super().__init__(cache.vdir.root, fs=fsspec.filesystem("file"), root=cache.vdir.root,
-                         manifest_bytes=manifest_bytes, **kw)
+        super().__init__(
+            cache.vdir.root, fs=fsspec.filesystem("file"), root=cache.vdir.root, manifest_bytes=manifest_bytes, **kw
+        )
         self.url = cache.url
 
     @property
@@ -71,8 +73,11 @@ class CachedDataset(Dataset):
         offsets = self._offsets
         first = max(int(np.searchsorted(offsets, lo, side="right")) - 1, 0)
         last = min(int(np.searchsorted(offsets, hi, side="left")), self.num_shards)
-        missing = [s for s in range(first, last) if s not in self._indexes and not os.path.exists(
-            self._cache.vdir.path(self.manifest.shards[s].index))]
+        missing = [
+            s
+            for s in range(first, last)
+            if s not in self._indexes and not os.path.exists(self._cache.vdir.path(self.manifest.shards[s].index))
+        ]
         if len(missing) > 1:
             with ThreadPoolExecutor(min(jobs, len(missing)), thread_name_prefix="shardtool-index") as pool:
                 list(pool.map(self.load_index_bytes, missing))
@@ -120,16 +125,28 @@ class DatasetCache:
     ``read_only``: this process may not write the cache; what it lacks is fetched into the
     user's own cache ``user_cache`` (default: :func:`cache.usercache.user_cache_dir`)."""
 
-    def __init__(self, url: str, cache_dir: str, version: str, manifest_bytes: bytes, *,
-                 storage_options: dict | None = None, source: Source | None = None,
-                 retry: RetryPolicy = RetryPolicy(), max_bytes: int | None = None, min_free: int | None = None,
-                 allow_pickle: bool = False, perms: Perms = DEFAULT_PERMS, user_cache: str | None = None):
+    def __init__(
+        self,
+        url: str,
+        cache_dir: str,
+        version: str,
+        manifest_bytes: bytes,
+        *,
+        storage_options: dict | None = None,
+        source: Source | None = None,
+        retry: RetryPolicy = RetryPolicy(),
+        max_bytes: int | None = None,
+        min_free: int | None = None,
+        allow_pickle: bool = False,
+        perms: Perms = DEFAULT_PERMS,
+        user_cache: str | None = None,
+    ):
         self.url = url
         self.cache_dir = os.path.abspath(cache_dir)
         self.vdir = VersionDir(cache_dir, version, perms)
         self.read_only = not can_write(self.vdir.root if os.path.isdir(self.vdir.root) else self.cache_dir)
         self.user_cache = user_cache or user_cache_dir(os.environ)
-        self._user: VersionDir | None = None   # the user's own cache, once known to exist
+        self._user: VersionDir | None = None  # the user's own cache, once known to exist
         self._user_lock = threading.Lock()
         self._filling_user = False  # a miss was fetched into the user's cache (warned, recorded)
         self._where: dict[int, VersionDir] = {}  # shard -> the cache holding its trusted copy
@@ -169,9 +186,13 @@ class DatasetCache:
                 self._user = VersionDir(root, self.version)
             if create and not self._filling_user:
                 self._filling_user = True
-                warnings.warn(f"shardtool cache {self.cache_dir} is not writable by this user (uid {os.geteuid()}): "
-                              f"what it lacks is fetched into the user cache {self._user.cache_dir} "
-                              "(set SHARDTOOL_USER_CACHE to choose where)", RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    f"shardtool cache {self.cache_dir} is not writable by this user (uid {os.geteuid()}): "
+                    f"what it lacks is fetched into the user cache {self._user.cache_dir} "
+                    "(set SHARDTOOL_USER_CACHE to choose where)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
                 # so that an offline start finds what lands there
                 store_manifest(self._user, self.dataset.manifest_bytes)
                 record_source(self._user.cache_dir, self.url, self.version)
@@ -228,8 +249,10 @@ class DatasetCache:
             return held.path(info.path)
         src = self.source()
         if src is None:
-            raise NotCached(f"shard #{shard} {info.path} is not in the cache {self.vdir.root} "
-                            f"and the source {self.url} cannot be opened")
+            raise NotCached(
+                f"shard #{shard} {info.path} is not in the cache {self.vdir.root} "
+                f"and the source {self.url} cannot be opened"
+            )
         store = self._store()
         self._make_room(shard, store)
         try:
@@ -237,8 +260,9 @@ class DatasetCache:
             if ensure_shard(store, shard, info, src, plain=plain, **self.kw) == COPIED:
                 self.fetched_bytes += info.bytes
         except RemoteError as e:
-            raise NotCached(f"shard #{shard} {info.path} is not in the cache {store.root} and fetching it "
-                            f"failed: {e}") from e
+            raise NotCached(
+                f"shard #{shard} {info.path} is not in the cache {store.root} and fetching it failed: {e}"
+            ) from e
         self._where[shard] = store
         self._trusted(store, shard)
         return store.path(info.path)
@@ -259,10 +283,13 @@ class DatasetCache:
             if freed >= need:
                 return
             shortfall = need - freed
-        raise BudgetError(f"shard #{shard} {self.manifest.shards[shard].path} ({size} bytes) does not fit in the "
-                          f"cache budget of {limit} bytes: {shortfall} bytes short after evicting every shard not "
-                          "in use (shards being read are never evicted)", needed=used - need + shortfall + size,
-                          available=limit)
+        raise BudgetError(
+            f"shard #{shard} {self.manifest.shards[shard].path} ({size} bytes) does not fit in the "
+            f"cache budget of {limit} bytes: {shortfall} bytes short after evicting every shard not "
+            "in use (shards being read are never evicted)",
+            needed=used - need + shortfall + size,
+            available=limit,
+        )
 
     @contextlib.contextmanager
     def reading(self, shard: int) -> Iterator[str]:
@@ -297,10 +324,15 @@ def _offline(cache_dir: str, url: str) -> tuple[str, bytes]:
     version = recorded_version(cache_dir, url)
     if version is None:
         sources = os.path.join(cache_dir, SOURCES_NAME)
-        why = (f"; {sources} exists but this user cannot read it (warm it again to give it the cache's mode)"
-               if os.path.exists(sources) and not os.access(sources, os.R_OK) else "")
-        raise NotCached(f"source {url} is unreachable and the cache {cache_dir} has no record of it "
-                        f"(sources.json){why}; run `shardtool warm` while the source is reachable")
+        why = (
+            f"; {sources} exists but this user cannot read it (warm it again to give it the cache's mode)"
+            if os.path.exists(sources) and not os.access(sources, os.R_OK)
+            else ""
+        )
+        raise NotCached(
+            f"source {url} is unreachable and the cache {cache_dir} has no record of it "
+            f"(sources.json){why}; run `shardtool warm` while the source is reachable"
+        )
     vd = VersionDir(cache_dir, version)
     try:
         with open(vd.manifest_path, "rb") as f:
@@ -312,9 +344,18 @@ def _offline(cache_dir: str, url: str) -> tuple[str, bytes]:
     return version, manifest_bytes
 
 
-def open_cache(url: str, cache_dir: str, *, storage_options: dict | None = None, retry: RetryPolicy = RetryPolicy(),
-               max_bytes: int | None = None, min_free: int | None = None, allow_pickle: bool = False,
-               perms: Perms = DEFAULT_PERMS, user_cache: str | None = None) -> DatasetCache:
+def open_cache(
+    url: str,
+    cache_dir: str,
+    *,
+    storage_options: dict | None = None,
+    retry: RetryPolicy = RetryPolicy(),
+    max_bytes: int | None = None,
+    min_free: int | None = None,
+    allow_pickle: bool = False,
+    perms: Perms = DEFAULT_PERMS,
+    user_cache: str | None = None,
+) -> DatasetCache:
     """Open ``url`` through the node-local cache in ``cache_dir``.
 
     The manifest comes from the source when it answers (and is stored in the cache); otherwise
@@ -324,8 +365,15 @@ def open_cache(url: str, cache_dir: str, *, storage_options: dict | None = None,
     """
     with contextlib.suppress(OSError):  # one this process cannot create is read through the user cache
         perms.makedirs(cache_dir)
-    kw = dict(storage_options=storage_options, retry=retry, max_bytes=max_bytes, min_free=min_free,
-              allow_pickle=allow_pickle, perms=perms, user_cache=user_cache)
+    kw = dict(
+        storage_options=storage_options,
+        retry=retry,
+        max_bytes=max_bytes,
+        min_free=min_free,
+        allow_pickle=allow_pickle,
+        perms=perms,
+        user_cache=user_cache,
+    )
     found = _read_source_manifest(url, storage_options, retry)
     if found is not None:
         src, manifest_bytes = found

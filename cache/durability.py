@@ -12,6 +12,7 @@ That lets a warm publish at page-cache speed (as ``cp`` does) and still never se
 in a crash; ``durable=True`` fsyncs every shard before its rename instead (as ``cp; sync``), so
 nothing needs re-hashing after a reboot. Where the boot id is unknown, every shard is fsynced.
 """
+
 from __future__ import annotations
 
 import functools

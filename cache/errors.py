@@ -7,6 +7,7 @@
   Every node sees the same outage, so by default the warmer logs it and exits 0, and the loader
   fetches on demand later; ``--strict`` makes it fatal.
 """
+
 from __future__ import annotations
 
 from ..format.errors import ShardtoolError

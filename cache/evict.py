@@ -4,6 +4,7 @@ Order: shards of versions no running job on the node asked for (``idle``) first,
 assigned to this node, then least recently used, ties by key so the result is deterministic. Never
 a shard in use (being read or fetched) nor one the current warm wants (``protected``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
@@ -12,9 +13,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Entry:
-    key: Hashable          # (version dir, shard index)
+    key: Hashable  # (version dir, shard index)
     size: int
-    assigned: bool         # assigned to this node by the current plan
+    assigned: bool  # assigned to this node by the current plan
     last_used: float
     in_use: bool = False
     protected: bool = False

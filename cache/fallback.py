@@ -7,6 +7,7 @@ reached, a warm that finds every shard this node reads already trusted there suc
 warning (status ``cached``), and the loader opens the same version offline
 (:func:`shardtool.cache.open_cache`).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -24,8 +25,9 @@ from .retry import RetryPolicy
 _OFFLINE = {"policy": RetryPolicy(attempts=1), "deadline": None}
 
 
-def complete_cached_version(url: str, cache_dir: str, placement, data_layout, *,
-                            perms: Perms = DEFAULT_PERMS) -> tuple[VersionDir, list[int], int] | None:
+def complete_cached_version(
+    url: str, cache_dir: str, placement, data_layout, *, perms: Perms = DEFAULT_PERMS
+) -> tuple[VersionDir, list[int], int] | None:
     """(version dir, this node's shards, their bytes) when the version recorded for ``url`` holds
     every shard (and sample index) ``placement`` reads, all trusted; None otherwise."""
     version = recorded_version(cache_dir, url)
@@ -41,8 +43,9 @@ def complete_cached_version(url: str, cache_dir: str, placement, data_layout, *,
         m = ds.manifest
         summaries_bytes = ensure_summaries(vd, None, **_OFFLINE)
         if summaries_bytes is None:
-            ds._lengths = lengths_from_bytes(ensure_lengths(vd, m, None, **_OFFLINE), expected=m.num_samples,
-                                             source=vd.root)
+            ds._lengths = lengths_from_bytes(
+                ensure_lengths(vd, m, None, **_OFFLINE), expected=m.num_samples, source=vd.root
+            )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SummariesMissing)
             summaries = ds.load_summaries(summaries_bytes)

@@ -21,6 +21,7 @@ Two readers:
 The decisions (:func:`live_versions`, :func:`stale_jobs`, :func:`prolog_exit_code`,
 :func:`finding_severity`) are pure functions.
 """
+
 from __future__ import annotations
 
 import json
@@ -117,9 +118,9 @@ def read_job_records(cache_dir: str) -> dict[str, dict]:
     out = {}
     for name in names:
         if name.endswith(".json") and not name.startswith("."):
-            rec = read_job_record(cache_dir, name[:-len(".json")])
+            rec = read_job_record(cache_dir, name[: -len(".json")])
             if rec is not None:
-                out[name[:-len(".json")]] = rec
+                out[name[: -len(".json")]] = rec
     return out
 
 
@@ -159,8 +160,10 @@ def check_job_finding(cache_dir: str, url: str, env: Mapping[str, str]) -> None:
         bad = [s for s in mine if finding_severity(s.get("status", "")) == "error"]
         if bad or not sources:  # this dataset failed, or the request itself did
             what = bad[0].get("error") if bad else rec.get("finding")
-            raise StagingError(f"the SLURM prolog could not stage this job's data: {what} "
-                               f"(job {job}'s request {rec.get('comment')!r}; finding in {where})")
+            raise StagingError(
+                f"the SLURM prolog could not stage this job's data: {what} "
+                f"(job {job}'s request {rec.get('comment')!r}; finding in {where})"
+            )
     notes = [s.get("error") for s in mine if finding_severity(s.get("status", "")) == "warning" and s.get("error")]
     if not mine and rec.get("severity") and rec.get("finding"):
         notes = [rec["finding"]]
@@ -170,6 +173,17 @@ def check_job_finding(cache_dir: str, url: str, env: Mapping[str, str]) -> None:
             warnings.warn(f"SLURM prolog for job {job}: {note} (finding in {where})", RuntimeWarning, stacklevel=3)
 
 
-__all__ = ["JOBS_DIR", "StagingError", "check_job_finding", "finding_severity", "job_record_path", "live_versions",
-           "prolog_exit_code", "read_job_record", "read_job_records", "remove_job_records", "stale_jobs",
-           "write_job_record"]
+__all__ = [
+    "JOBS_DIR",
+    "StagingError",
+    "check_job_finding",
+    "finding_severity",
+    "job_record_path",
+    "live_versions",
+    "prolog_exit_code",
+    "read_job_record",
+    "read_job_records",
+    "remove_job_records",
+    "stale_jobs",
+    "write_job_record",
+]

@@ -7,6 +7,7 @@ Each is tried in turn, because which one works depends on the kernel and on the 
 filesystems: copy_file_range across filesystems is refused by many kernels (EXDEV), sendfile to
 a regular file needs Linux >= 2.6.33, and the plain loop works everywhere.
 """
+
 from __future__ import annotations
 
 import errno
@@ -16,8 +17,16 @@ from collections.abc import Callable
 STEP = 64 << 20  # bytes per call: big enough to be efficient, small enough for progress and timeouts
 
 # The method cannot copy between these two files at all; the next one may.
-UNSUPPORTED = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EBADF,
-               errno.ETXTBSY, errno.EPERM}
+UNSUPPORTED = {
+    errno.EXDEV,
+    errno.EINVAL,
+    errno.ENOSYS,
+    errno.EOPNOTSUPP,
+    errno.ENOTSUP,
+    errno.EBADF,
+    errno.ETXTBSY,
+    errno.EPERM,
+}
 # The destination side cannot take the bytes; no retry or other method helps.
 DEST_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
 
@@ -53,8 +62,9 @@ if hasattr(os, "sendfile"):
 METHODS.append(("read/write", _readwrite))
 
 
-def copy_range(src_fd: int, dst_fd: int, size: int, *, on_step: Callable[[int], None] | None = None,
-               methods=None) -> int:
+def copy_range(
+    src_fd: int, dst_fd: int, size: int, *, on_step: Callable[[int], None] | None = None, methods=None
+) -> int:
     """Copy ``size`` bytes from offset 0 of ``src_fd`` to offset 0 of ``dst_fd``; returns the bytes
     copied, fewer only if the source ended early. ``on_step(n)`` after every step (progress, and
     a place to raise on a deadline). Destination faults raise :class:`DestinationError`; other

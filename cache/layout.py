@@ -21,6 +21,7 @@ the rename records the file's stat, so later checks are one ``stat`` per shard. 
 file (size, mtime, ctime, inode) voids the stamp and the shard is hashed again before it is trusted;
 so does a reboot for a shard that was published without an fsync (:mod:`shardtool.cache.durability`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,7 +50,7 @@ def normalize_url(url: str) -> str:
     if "://" not in url:
         return os.path.abspath(url)
     if url.startswith("file://"):
-        return os.path.abspath(url[len("file://"):])
+        return os.path.abspath(url[len("file://") :])
     return url.rstrip("/")
 
 
@@ -87,7 +88,7 @@ class VersionDir:
         return self.trusted_form(shard, info) is not None
 
     def trusted_form(self, shard: int, info: ShardInfo) -> str | None:
-        """"stored" (the manifest's bytes), "plain" (a compressed shard decompressed on its way
+        """ "stored" (the manifest's bytes), "plain" (a compressed shard decompressed on its way
         in, :mod:`cache.plain`) or None where the stamp does not vouch for the file."""
         try:
             st = os.stat(self.path(info.path))
@@ -97,9 +98,14 @@ class VersionDir:
             return None
         # ctime too: a write followed by os.utime (rsync -t, a restore) can put size and mtime back,
         # but nothing can set ctime back.
-        if not (isinstance(stamp, dict) and stamp_survives(stamp) and stamp.get("size") == st.st_size
-                and stamp.get("mtime_ns") == st.st_mtime_ns and stamp.get("ctime_ns") == st.st_ctime_ns
-                and stamp.get("ino") == st.st_ino):
+        if not (
+            isinstance(stamp, dict)
+            and stamp_survives(stamp)
+            and stamp.get("size") == st.st_size
+            and stamp.get("mtime_ns") == st.st_mtime_ns
+            and stamp.get("ctime_ns") == st.st_ctime_ns
+            and stamp.get("ino") == st.st_ino
+        ):
             return None
         if "stored_hash" in stamp:  # a plain copy: its own hash, tied to the manifest's stored hash
             return "plain" if stamp["stored_hash"] == info.hash else None
@@ -108,8 +114,14 @@ class VersionDir:
     def write_stamp(self, shard: int, info: ShardInfo, *, fsynced: bool, plain: dict | None = None) -> None:
         """``plain``: the record of a decompressed copy (its size and hash, `cache.plain`)."""
         st = os.stat(self.path(info.path))
-        body = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
-                "hash": info.hash if plain is None else plain["hash"], **stamp_fields(fsynced)}
+        body = {
+            "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns,
+            "ctime_ns": st.st_ctime_ns,
+            "ino": st.st_ino,
+            "hash": info.hash if plain is None else plain["hash"],
+            **stamp_fields(fsynced),
+        }
         if plain is not None:
             body["stored_hash"] = info.hash
         # Not fsynced: a stamp lost in a crash only costs one re-hash; a torn one fails to parse.
@@ -183,8 +195,9 @@ def record_source(cache_dir: str, url: str, version: str, *, perms: Perms = DEFA
                 return
             data = read_sources(cache_dir)
             data[key] = {**entry, "updated": time.time()}
-            write_small(os.path.join(cache_dir, SOURCES_NAME), json.dumps(data, indent=1).encode(), perms=perms,
-                        durable=True)
+            write_small(
+                os.path.join(cache_dir, SOURCES_NAME), json.dumps(data, indent=1).encode(), perms=perms, durable=True
+            )
     except OSError as e:
         raise local_fault(e, f"{SOURCES_NAME} of cache {cache_dir}") from None
 

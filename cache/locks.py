@@ -7,6 +7,7 @@ process using separate descriptors exclude each other too, which is what the war
 A reader may not be allowed to write the cache (root warmed it, the job's user reads it): on
 Linux ``flock`` works on a descriptor opened read-only, so a shared lock needs read access only.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -77,8 +78,9 @@ def _acquire(fd: int, mode: int, timeout: float | None, done: Callable[[], bool]
 
 
 @contextlib.contextmanager
-def locked(path: str, *, shared: bool = False, timeout: float | None = None,
-           perms: Perms = DEFAULT_PERMS) -> Iterator[bool]:
+def locked(
+    path: str, *, shared: bool = False, timeout: float | None = None, perms: Perms = DEFAULT_PERMS
+) -> Iterator[bool]:
     """Hold the lock on ``path`` for the block; yields False (not held) if ``timeout`` ran out."""
     fd = _open(path, perms)
     try:
@@ -88,8 +90,9 @@ def locked(path: str, *, shared: bool = False, timeout: float | None = None,
 
 
 @contextlib.contextmanager
-def exclusive_unless(path: str, done: Callable[[], bool] | None, *, timeout: float | None = None,
-                     perms: Perms = DEFAULT_PERMS) -> Iterator[str]:
+def exclusive_unless(
+    path: str, done: Callable[[], bool] | None, *, timeout: float | None = None, perms: Perms = DEFAULT_PERMS
+) -> Iterator[str]:
     """The exclusive lock for doing some work (fetching a shard), or DONE once ``done()`` is true.
 
     Never blocks in the kernel: whoever holds the lock may, once the work is done, keep it as a

@@ -2,6 +2,7 @@
 a sample index, a shard. Shared by the warmer and the loader's fetch-on-miss, so both use the
 same verification and the same per-shard locks.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,12 +27,22 @@ HIT, VERIFIED, COPIED = "hit", "verified", "copied"
 def store_manifest(vd: VersionDir, manifest_bytes: bytes) -> None:
     if read_verified_local(vd.manifest_path, size=len(manifest_bytes), digest=None) == manifest_bytes:
         return
-    store_verified(vd.manifest_path, manifest_bytes, size=None, digest=None, what=f"manifest of {vd.version}",
-                   perms=vd.perms)
+    store_verified(
+        vd.manifest_path, manifest_bytes, size=None, digest=None, what=f"manifest of {vd.version}", perms=vd.perms
+    )
 
 
-def ensure_small(vd: VersionDir, rel: str, size: int | None, digest: str | None, src: Source | None, *,
-                 policy: RetryPolicy, deadline: float | None, what: str) -> bytes:
+def ensure_small(
+    vd: VersionDir,
+    rel: str,
+    size: int | None,
+    digest: str | None,
+    src: Source | None,
+    *,
+    policy: RetryPolicy,
+    deadline: float | None,
+    what: str,
+) -> bytes:
     """A small verified file (lengths, sample index): the cached copy, else fetched and stored."""
     path = vd.path(rel)
     data = read_verified_local(path, size=size, digest=digest)
@@ -46,8 +57,15 @@ def ensure_small(vd: VersionDir, rel: str, size: int | None, digest: str | None,
 
 def ensure_lengths(vd: VersionDir, manifest: Manifest, src: Source | None, **kw) -> bytes:
     lf = manifest.lengths_file
-    return ensure_small(vd, lengths_rel(manifest), lf.get("bytes"), lf.get("hash"), src,
-                        what=f"lengths file {lengths_rel(manifest)}", **kw)
+    return ensure_small(
+        vd,
+        lengths_rel(manifest),
+        lf.get("bytes"),
+        lf.get("hash"),
+        src,
+        what=f"lengths file {lengths_rel(manifest)}",
+        **kw,
+    )
 
 
 def ensure_summaries(vd: VersionDir, src: Source | None, **kw) -> bytes | None:
@@ -60,8 +78,7 @@ def ensure_summaries(vd: VersionDir, src: Source | None, **kw) -> bytes | None:
 
 
 def ensure_index(vd: VersionDir, info: ShardInfo, src: Source | None, **kw) -> bytes:
-    return ensure_small(vd, info.index, info.index_bytes, info.index_hash, src,
-                        what=f"sample index {info.index}", **kw)
+    return ensure_small(vd, info.index, info.index_bytes, info.index_hash, src, what=f"sample index {info.index}", **kw)
 
 
 def stamp_found_intact(vd: VersionDir, shard: int, info: ShardInfo, plain: dict | None = None) -> None:
@@ -81,9 +98,20 @@ def local_matches(path: str, info: ShardInfo) -> bool:
         return False
 
 
-def ensure_shard(vd: VersionDir, shard: int, info: ShardInfo, src: Source | None, *, policy: RetryPolicy,
-                 deadline: float | None = None, on_bytes=None, on_retry=None, verify: bool = False,
-                 durable: bool = False, plain: bool = False) -> str:
+def ensure_shard(
+    vd: VersionDir,
+    shard: int,
+    info: ShardInfo,
+    src: Source | None,
+    *,
+    policy: RetryPolicy,
+    deadline: float | None = None,
+    on_bytes=None,
+    on_retry=None,
+    verify: bool = False,
+    durable: bool = False,
+    plain: bool = False,
+) -> str:
     """Make shard ``shard`` present and trusted; returns HIT, VERIFIED (found intact) or COPIED.
     ``durable``: fsync a copied shard before publishing it (see :mod:`shardtool.cache.durability`).
     ``plain``: a compressed Arrow shard is decompressed on its way in (:mod:`shardtool.cache.plain`);
@@ -127,14 +155,32 @@ def ensure_shard(vd: VersionDir, shard: int, info: ShardInfo, src: Source | None
             # The stored bytes are verified as they land (copy_shard), then rewritten plain.
             stored = stored_copy_path(vd, shard)
             try:
-                copy_shard(src, info, stored, policy=policy, deadline=deadline, on_bytes=on_bytes,
-                           on_retry=on_retry, fsync=False, perms=vd.perms)
+                copy_shard(
+                    src,
+                    info,
+                    stored,
+                    policy=policy,
+                    deadline=deadline,
+                    on_bytes=on_bytes,
+                    on_retry=on_retry,
+                    fsync=False,
+                    perms=vd.perms,
+                )
                 record = decompress(vd, shard, info, stored, final, fsync=fsynced)
             finally:
                 remove_leftovers(vd, shard, final)
         else:
-            copy_shard(src, info, final, policy=policy, deadline=deadline, on_bytes=on_bytes, on_retry=on_retry,
-                       fsync=fsynced, perms=vd.perms)
+            copy_shard(
+                src,
+                info,
+                final,
+                policy=policy,
+                deadline=deadline,
+                on_bytes=on_bytes,
+                on_retry=on_retry,
+                fsync=fsynced,
+                perms=vd.perms,
+            )
         try:
             vd.write_stamp(shard, info, fsynced=fsynced, plain=record)
         except OSError as e:
@@ -148,5 +194,15 @@ def ensure_shard(vd: VersionDir, shard: int, info: ShardInfo, src: Source | None
         ctx.__exit__(None, None, None)
 
 
-__all__ = ["HIT", "VERIFIED", "COPIED", "LocalFault", "ensure_index", "ensure_lengths", "ensure_shard", "ensure_summaries",
-           "ensure_small", "store_manifest"]
+__all__ = [
+    "HIT",
+    "VERIFIED",
+    "COPIED",
+    "LocalFault",
+    "ensure_index",
+    "ensure_lengths",
+    "ensure_shard",
+    "ensure_summaries",
+    "ensure_small",
+    "store_manifest",
+]

@@ -10,6 +10,7 @@ Failure policy, as for one dataset: a local fault (cache unusable, over budget) 
 others are still warmed (exit 0, 1 with ``strict``); a source URL with no dataset is a usage
 error (exit 2) after the others are warmed.
 """
+
 from __future__ import annotations
 
 import json
@@ -69,14 +70,22 @@ class MixtureWarmReport:
         lines = [f"source {name!r}: {r.summary()}" for name, r in self.reports.items()]
         copied = sum(r.bytes_copied for r in self.reports.values())
         assigned = sum(r.assigned_bytes for r in self.reports.values())
-        lines.append(f"mixture {self.mixture}: warm {self.status}: {len(self.reports)} source(s), "
-                     f"{assigned / 1e9:.2f} GB assigned, {copied / 1e9:.2f} GB copied in {self.seconds:.2f}s")
+        lines.append(
+            f"mixture {self.mixture}: warm {self.status}: {len(self.reports)} source(s), "
+            f"{assigned / 1e9:.2f} GB assigned, {copied / 1e9:.2f} GB copied in {self.seconds:.2f}s"
+        )
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mixture": self.mixture, "cache_dir": self.cache_dir, "status": self.status,
-                "exit_code": self.exit_code, "error": self.error, "seconds": round(self.seconds, 4),
-                "sources": {name: r.to_dict() for name, r in self.reports.items()}}
+        return {
+            "mixture": self.mixture,
+            "cache_dir": self.cache_dir,
+            "status": self.status,
+            "exit_code": self.exit_code,
+            "error": self.error,
+            "seconds": round(self.seconds, 4),
+            "sources": {name: r.to_dict() for name, r in self.reports.items()},
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)

@@ -8,6 +8,7 @@ hpcusers``). The mode is set on the open descriptor before a file is renamed int
 published file is never visible with other permissions, and a trust stamp (which records the
 file's ctime) is written after it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Perms:
-    mode: int = 0o644           # files; directories add x wherever r is granted
-    gid: int | None = None      # group of created files and directories (None: the creator's)
+    mode: int = 0o644  # files; directories add x wherever r is granted
+    gid: int | None = None  # group of created files and directories (None: the creator's)
 
     @property
     def dir_mode(self) -> int:
@@ -69,8 +70,10 @@ def parse_mode(text: str) -> int:
     except ValueError:
         raise ValueError(f"not an octal file mode: {text!r} (examples: 0644, 0640)") from None
     if mode & ~0o777 or mode & 0o111 or mode & 0o600 != 0o600:
-        raise ValueError(f"file mode {text!r} must be within 0666, give the owner read and write (0600) and no "
-                         "execute bits (directories get search permission wherever the mode grants read)")
+        raise ValueError(
+            f"file mode {text!r} must be within 0666, give the owner read and write (0600) and no "
+            "execute bits (directories get search permission wherever the mode grants read)"
+        )
     return mode
 
 

@@ -16,6 +16,7 @@ under the shard's exclusive lock, and the plain file is published by rename afte
 written, so two warmers, or a warmer and a loader's fetch-on-miss, never see a half-written file
 and never decompress the same shard at once (the race of Streaming #863 and LitData #463).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -123,8 +124,13 @@ def decompress(vd, shard: int, info: ShardInfo, stored_path: str, final_path: st
         fd = os.open(tmp, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            rec = {"stored_hash": info.hash, "stored_bytes": info.bytes, "bytes": size,
-                   "hash": hash_fd(fd, size), "batches": batches}
+            rec = {
+                "stored_hash": info.hash,
+                "stored_bytes": info.bytes,
+                "bytes": size,
+                "hash": hash_fd(fd, size),
+                "batches": batches,
+            }
             if fsync:
                 os.fsync(fd)
         finally:
@@ -160,8 +166,7 @@ def _rewrite(stored_path: str, tmp: str, info: ShardInfo) -> int:
                     rows.append(rb.num_rows)
                     writer.write_batch(rb)
         check = pa.ipc.open_file(pa.memory_map(tmp))
-        if check.num_record_batches != len(rows) or any(
-                check.get_batch(k).num_rows != n for k, n in enumerate(rows)):
+        if check.num_record_batches != len(rows) or any(check.get_batch(k).num_rows != n for k, n in enumerate(rows)):
             raise SourceCorrupt(f"shard {info.path}: its plain copy does not keep the stored record batches")
         return len(rows)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:

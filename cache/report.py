@@ -1,4 +1,5 @@
 """What a warm did: counts, bytes, time, failures; as a one-line summary and as JSON."""
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,7 @@ class WarmReport:
     # unreachable; this node's cache holds every shard it reads of the version the URL last served)
     status: str = "ok"
     strict: bool = False
-    durable: bool = False       # shards fsynced before publishing (else re-verified after a reboot)
+    durable: bool = False  # shards fsynced before publishing (else re-verified after a reboot)
     seconds: float = 0.0
     # A compressed dataset: its codec, whether its shards are decompressed into the cache (plain)
     # and the bytes they take there; bytes_copied stays the stored bytes moved from the source.
@@ -71,12 +72,18 @@ class WarmReport:
 
     def summary(self) -> str:
         gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
-        line = (f"warm {self.status}: {self.assigned} shards assigned ({gb(self.assigned_bytes)}); "
-                f"copied {self.shards_copied} ({gb(self.bytes_copied)}), skipped {self.shards_skipped} "
-                f"({gb(self.bytes_skipped)}), failed {self.shards_failed}")
+        line = (
+            f"warm {self.status}: {self.assigned} shards assigned ({gb(self.assigned_bytes)}); "
+            f"copied {self.shards_copied} ({gb(self.bytes_copied)}), skipped {self.shards_skipped} "
+            f"({gb(self.bytes_skipped)}), failed {self.shards_failed}"
+        )
         if self.compression:
-            kept = (f"decompressed: {gb(self.assigned_cache_bytes)} plain in the cache, "
-                    f"{gb(self.cache_bytes_written)} written now" if self.decompressed else "kept compressed")
+            kept = (
+                f"decompressed: {gb(self.assigned_cache_bytes)} plain in the cache, "
+                f"{gb(self.cache_bytes_written)} written now"
+                if self.decompressed
+                else "kept compressed"
+            )
             line += f" [{self.compression}, {kept}]"
         if self.not_fitted:
             line += f", did not fit {len(self.not_fitted)}"
@@ -87,8 +94,10 @@ class WarmReport:
             line += "; every shard (--all)"
         else:
             lay = self.layout
-            line += (f"; node {lay['node']} of {lay['num_nodes']}, {lay['ranks_per_node']} rank(s) per node "
-                     f"(from {lay['from']})")
+            line += (
+                f"; node {lay['node']} of {lay['num_nodes']}, {lay['ranks_per_node']} rank(s) per node "
+                f"(from {lay['from']})"
+            )
         if self.data_layout is not None:
             line += "; " + describe_data_layout(self.data_layout)
         return line
@@ -98,8 +107,15 @@ def data_layout_dict(data, node: int) -> dict:
     """The report's view of a `shardtool.plan.DataLayout` from node ``node``'s side."""
     groups = data.groups_on_node(node)
     dp_ranks = [d for g in groups for d in range(data.first_dp_rank(g), data.first_dp_rank(g) + data.group_sizes[g])]
-    return {"dp_size": data.dp_size, "data_groups": data.num_groups, "node_groups": groups,
-            "node_dp_ranks": dp_ranks, "describe": data.describe(), "mesh": None, "dp_dims": None}
+    return {
+        "dp_size": data.dp_size,
+        "data_groups": data.num_groups,
+        "node_groups": groups,
+        "node_dp_ranks": dp_ranks,
+        "describe": data.describe(),
+        "mesh": None,
+        "dp_dims": None,
+    }
 
 
 def _span(values: list[int]) -> str:
@@ -111,10 +127,12 @@ def _span(values: list[int]) -> str:
 
 
 def describe_data_layout(d: dict) -> str:
-    """"2 data-parallel rank(s) in 1 data group(s) of 2 (mesh pp=2,dp=2, DP dim dp); this node
+    """ "2 data-parallel rank(s) in 1 data group(s) of 2 (mesh pp=2,dp=2, DP dim dp); this node
     reads data group 0 (DP ranks 0-1)"."""
     where = f" (mesh {d['mesh']}, DP dim {','.join(d['dp_dims'] or ['dp'])})" if d.get("mesh") else ""
     ranks = d["node_dp_ranks"]
     groups = d["node_groups"]
-    return (f"{d['describe']}{where}; this node reads data group{'s' if len(groups) != 1 else ''} {_span(groups)} "
-            f"(DP rank{'s' if len(ranks) != 1 else ''} {_span(ranks)})")
+    return (
+        f"{d['describe']}{where}; this node reads data group{'s' if len(groups) != 1 else ''} {_span(groups)} "
+        f"(DP rank{'s' if len(ranks) != 1 else ''} {_span(ranks)})"
+    )

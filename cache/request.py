@@ -17,6 +17,7 @@ A relative path is the job's: it is resolved against the job's working directory
 ``shardtool:`` asks for nothing. A malformed request is the job's mistake (:class:`RequestError`), never
 the node's: the prolog reports it to the job and exits 0.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,16 +54,25 @@ class StageRequest:
         return self.mesh is not None or self.dp_size is not None
 
     def to_dict(self) -> dict:
-        return {"url": self.url, "mesh": self.mesh, "dp_dim": self.dp_dim, "dp_size": self.dp_size,
-                "ranks_per_node": self.ranks_per_node, "best_effort": self.best_effort, "max_bytes": self.max_bytes}
+        return {
+            "url": self.url,
+            "mesh": self.mesh,
+            "dp_dim": self.dp_dim,
+            "dp_size": self.dp_size,
+            "ranks_per_node": self.ranks_per_node,
+            "best_effort": self.best_effort,
+            "max_bytes": self.max_bytes,
+        }
 
 
 def _find(comment: str) -> int | None:
     """Where the request's body starts (after the prefix), or None; RequestError if two."""
     starts = [m.end() for m in re.finditer(r"(?:^|(?<=\s))" + re.escape(PREFIX), comment)]
     if len(starts) > 1:
-        raise RequestError(f"the job comment holds {len(starts)} '{PREFIX}' requests; give one "
-                           "(a mixture file stages several datasets)")
+        raise RequestError(
+            f"the job comment holds {len(starts)} '{PREFIX}' requests; give one "
+            "(a mixture file stages several datasets)"
+        )
     return starts[0] if starts else None
 
 
@@ -85,7 +95,9 @@ def _size(value) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise RequestError(f"request key 'max_bytes' must be a size like \"200G\" or a number of bytes, found {value!r}")
+        raise RequestError(
+            f"request key 'max_bytes' must be a size like \"200G\" or a number of bytes, found {value!r}"
+        )
     try:
         return parse_size(value, what="request key 'max_bytes'")
     except SizeError as e:
@@ -104,7 +116,7 @@ def _from_json(text: str, workdir: str | None) -> StageRequest:
         raise RequestError(f"unknown request key(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(_KEYS))}")
     url = body.get("url")
     if not isinstance(url, str) or not url.strip():
-        raise RequestError(f"the request needs \"url\": a dataset or mixture file, found {url!r}")
+        raise RequestError(f'the request needs "url": a dataset or mixture file, found {url!r}')
     mesh = body.get("mesh")
     if mesh is not None and (not isinstance(mesh, str) or not mesh.strip()):
         raise RequestError(f"request key 'mesh' must be a string like \"pp=2,dp=2\", found {mesh!r}")
@@ -121,9 +133,15 @@ def _from_json(text: str, workdir: str | None) -> StageRequest:
         raise RequestError("give the request either 'mesh' or 'dp_size', not both")
     if "dp_dim" in body and mesh is None:
         raise RequestError("request key 'dp_dim' names dimensions of a 'mesh', and none is given")
-    return StageRequest(_resolve(url.strip(), workdir), mesh=mesh.strip() if mesh else None, dp_dim=dp_dim.strip(),
-                        dp_size=dp_size, ranks_per_node=_positive_int(body, "ranks_per_node"),
-                        best_effort=best_effort, max_bytes=_size(body.get("max_bytes")))
+    return StageRequest(
+        _resolve(url.strip(), workdir),
+        mesh=mesh.strip() if mesh else None,
+        dp_dim=dp_dim.strip(),
+        dp_size=dp_size,
+        ranks_per_node=_positive_int(body, "ranks_per_node"),
+        best_effort=best_effort,
+        max_bytes=_size(body.get("max_bytes")),
+    )
 
 
 def parse_request(comment: str | None, *, workdir: str | None = None) -> StageRequest | None:
@@ -153,9 +171,9 @@ def comment_from_scontrol(line: str) -> str | None:
     m = re.search(r"(?:^|\s)Comment=", line)
     if m is None:
         return None
-    rest = line[m.end():]
+    rest = line[m.end() :]
     nxt = _NEXT_KEY.search(rest)
-    value = (rest[:nxt.start()] if nxt else rest).strip()
+    value = (rest[: nxt.start()] if nxt else rest).strip()
     return None if value in ("", "(null)") else value
 
 

@@ -3,6 +3,7 @@ an overall deadline. Only the transient I/O errors declared below are retried; a
 raised at once: a 404, a refusal or a storage client's other errors as a permanent RemoteError
 naming the object, our own errors and Python's (a TypeError is a bug, not an outage) as they are.
 """
+
 from __future__ import annotations
 
 import random
@@ -20,11 +21,11 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    attempts: int = 5              # tries per object, the first included
-    base_delay: float = 0.5        # seconds before the 2nd try; doubles each time
-    max_delay: float = 20.0        # cap on one backoff sleep
-    attempt_timeout: float | None = 900.0   # one whole try of one object
-    stall_timeout: float | None = 60.0      # one read call returning nothing for this long
+    attempts: int = 5  # tries per object, the first included
+    base_delay: float = 0.5  # seconds before the 2nd try; doubles each time
+    max_delay: float = 20.0  # cap on one backoff sleep
+    attempt_timeout: float | None = 900.0  # one whole try of one object
+    stall_timeout: float | None = 60.0  # one read call returning nothing for this long
 
 
 def backoff_delay(policy: RetryPolicy, failures: int, rng: random.Random) -> float:
@@ -42,17 +43,19 @@ PERMANENT_OS_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError,
 # Network errors of the storage clients fsspec uses that are not OSErrors, matched by
 # (top-level package, class name) anywhere in the error's class hierarchy, so that none of these
 # packages has to be installed, let alone imported.
-TRANSIENT_CLIENT_ERRORS = frozenset({
-    ("botocore", "ConnectionError"),       # EndpointConnectionError, ConnectTimeoutError, ProxyConnectionError
-    ("botocore", "HTTPClientError"),       # ReadTimeoutError, ConnectionClosedError, ResponseStreamingError
-    ("botocore", "IncompleteReadError"),
-    ("aiohttp", "ClientConnectionError"),  # ServerDisconnectedError, ServerTimeoutError, ClientOSError
-    ("aiohttp", "ClientPayloadError"),     # the body ended early
-    ("urllib3", "ProtocolError"),          # connection aborted mid-response
-    ("http", "IncompleteRead"),
-    ("asyncio", "TimeoutError"),           # not an OSError before Python 3.11
-    ("concurrent", "TimeoutError"),
-})
+TRANSIENT_CLIENT_ERRORS = frozenset(
+    {
+        ("botocore", "ConnectionError"),  # EndpointConnectionError, ConnectTimeoutError, ProxyConnectionError
+        ("botocore", "HTTPClientError"),  # ReadTimeoutError, ConnectionClosedError, ResponseStreamingError
+        ("botocore", "IncompleteReadError"),
+        ("aiohttp", "ClientConnectionError"),  # ServerDisconnectedError, ServerTimeoutError, ClientOSError
+        ("aiohttp", "ClientPayloadError"),  # the body ended early
+        ("urllib3", "ProtocolError"),  # connection aborted mid-response
+        ("http", "IncompleteRead"),
+        ("asyncio", "TimeoutError"),  # not an OSError before Python 3.11
+        ("concurrent", "TimeoutError"),
+    }
+)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -93,9 +96,15 @@ def call_with_timeout(fn: Callable[[], T], timeout: float | None) -> T:
     return box["value"]
 
 
-def with_retries(fn: Callable[[float | None], T], *, what: str, policy: RetryPolicy,
-                 deadline: float | None = None, rng: random.Random | None = None,
-                 on_retry: Callable[[int, BaseException, float], None] | None = None) -> T:
+def with_retries(
+    fn: Callable[[float | None], T],
+    *,
+    what: str,
+    policy: RetryPolicy,
+    deadline: float | None = None,
+    rng: random.Random | None = None,
+    on_retry: Callable[[int, BaseException, float], None] | None = None,
+) -> T:
     """Call ``fn(attempt_timeout)`` until it succeeds, a permanent error, the retry budget or
     the deadline (``time.monotonic()`` value). Raises SourceMissing / SourceUnavailable naming ``what``."""
     failures = 0
@@ -119,7 +128,9 @@ def with_retries(fn: Callable[[float | None], T], *, what: str, policy: RetryPol
                 raise SourceRefused(f"{what}: {type(e).__name__}: {e}; not retried") from e
             failures += 1
             if failures >= policy.attempts:
-                raise SourceUnavailable(f"{what}: {failures} attempts failed; last error: {type(e).__name__}: {e}") from e
+                raise SourceUnavailable(
+                    f"{what}: {failures} attempts failed; last error: {type(e).__name__}: {e}"
+                ) from e
             rng = rng or random.Random()  # seeded from os.urandom: only when a retry needs it
             delay = backoff_delay(policy, failures, rng)
             if deadline is not None:

@@ -22,6 +22,7 @@ The stager stops once every expected rank has published an order and every shard
 orders is in the cache: later epochs are served from it. It also stops when every rank closed
 its loader, or when its parent process (the loader that started it) is gone.
 """
+
 from __future__ import annotations
 
 import json
@@ -75,8 +76,9 @@ class Board:
 
     def publish_order(self, epoch: int, order: TouchOrder, start: int) -> None:
         self.progress(epoch, start)  # before the order: a stager never sees it at a stale position
-        atomic_write_bytes(os.path.join(self.path, f"order-{self.local_rank}.json"),
-                           json.dumps(order.to_dict(epoch)).encode())
+        atomic_write_bytes(
+            os.path.join(self.path, f"order-{self.local_rank}.json"), json.dumps(order.to_dict(epoch)).encode()
+        )
 
     def progress(self, epoch: int, served: int) -> None:
         if self._fd is not None and self._last != (epoch, served):
@@ -94,8 +96,9 @@ class Board:
 @dataclass
 class Seen:
     """What the stager read off the board at one moment."""
+
     orders: dict[int, tuple[int, TouchOrder]]  # local rank -> (epoch, order)
-    progress: dict[int, tuple[int, int]]       # local rank -> (epoch, served)
+    progress: dict[int, tuple[int, int]]  # local rank -> (epoch, served)
     closed: set[int]
 
     def current(self, memo: dict | None = None) -> tuple[TouchOrder, int] | None:
@@ -187,13 +190,26 @@ class StageReport:
     seconds: float = 0.0
 
     def summary(self) -> str:
-        return (f"staged {self.shards_copied} shard(s), {self.bytes_copied / 1e9:.3f} GB, {self.shards_present} "
-                f"already in the cache, {len(self.failures)} failed, in {self.seconds:.1f}s ({self.status})")
+        return (
+            f"staged {self.shards_copied} shard(s), {self.bytes_copied / 1e9:.3f} GB, {self.shards_present} "
+            f"already in the cache, {len(self.failures)} failed, in {self.seconds:.1f}s ({self.status})"
+        )
 
 
-def follow(cache, *, run: str, ranks: int, ahead_shards: int = 16, ahead_bytes: int | None = None, jobs: int = 4,
-           bandwidth: float | None = None, poll: float = 0.02, parent: int | None = None,
-           stop: threading.Event | None = None, log: Callable[[str], None] | None = None) -> StageReport:
+def follow(
+    cache,
+    *,
+    run: str,
+    ranks: int,
+    ahead_shards: int = 16,
+    ahead_bytes: int | None = None,
+    jobs: int = 4,
+    bandwidth: float | None = None,
+    poll: float = 0.02,
+    parent: int | None = None,
+    stop: threading.Event | None = None,
+    log: Callable[[str], None] | None = None,
+) -> StageReport:
     """Stage the shards ``ranks`` local ranks read from ``cache`` (a `DatasetCache`), following
     their board; returns when done (see the module docstring) or when ``stop`` is set.
     ``jobs``: concurrent fetches; ``bandwidth``: bytes per second over all of them."""
@@ -267,12 +283,11 @@ def follow(cache, *, run: str, ranks: int, ahead_shards: int = 16, ahead_bytes: 
                     resolved += 1
                 # What a warm or a reader put there: the window's shards at every poll, all of them
                 # once a second (a stat each: 10,000s of shards must not be stat-ed 50 times a second).
-                end = window_end(order, sizes, slowest_step=slowest, ahead_shards=ahead_shards,
-                                 ahead_bytes=ahead_bytes)
+                end = window_end(order, sizes, slowest_step=slowest, ahead_shards=ahead_shards, ahead_bytes=ahead_bytes)
                 scan_all = time.monotonic() >= next_scan
                 if scan_all:
                     next_scan = time.monotonic() + 1.0
-                for i in (listed[resolved:] if scan_all else listed[resolved:end]):
+                for i in listed[resolved:] if scan_all else listed[resolved:end]:
                     if i not in present and i not in busy and vd.trusted(i, shards[i]):
                         present.add(i)
                         report.shards_present += 1
@@ -281,8 +296,16 @@ def follow(cache, *, run: str, ranks: int, ahead_shards: int = 16, ahead_bytes: 
                 if len(seen.orders) >= ranks and not busy and resolved == len(order):
                     report.status = "done"
                     break
-                picks = next_fetches(order, sizes, slowest_step=slowest, present=present | failed, busy=set(busy),
-                                     ahead_shards=ahead_shards, ahead_bytes=ahead_bytes, slots=jobs - len(busy))
+                picks = next_fetches(
+                    order,
+                    sizes,
+                    slowest_step=slowest,
+                    present=present | failed,
+                    busy=set(busy),
+                    ahead_shards=ahead_shards,
+                    ahead_bytes=ahead_bytes,
+                    slots=jobs - len(busy),
+                )
                 if picks:
                     where = {s: k for k, s in enumerate(order.shards[:end].tolist())}
                     for i in picks:

@@ -6,6 +6,7 @@ then hash), fsynced if asked (:mod:`shardtool.cache.durability`) and renamed. Er
 source side are retried by :mod:`shardtool.cache.retry`; errors on the local side (disk full, read-only,
 permissions) become :class:`LocalFault` at once, because retrying cannot fix them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,8 +64,12 @@ class Source:
         path = self.path(rel)
         if self.local:  # a local read cannot be abandoned usefully; no watchdog thread per file
             return with_retries(lambda t: self.fs.cat_file(path), what=path, policy=policy, deadline=deadline)
-        return with_retries(lambda t: call_with_timeout(lambda: self.fs.cat_file(path), _min(t, policy.stall_timeout)),
-                            what=path, policy=policy, deadline=deadline)
+        return with_retries(
+            lambda t: call_with_timeout(lambda: self.fs.cat_file(path), _min(t, policy.stall_timeout)),
+            what=path,
+            policy=policy,
+            deadline=deadline,
+        )
 
     def holding(self, info: ShardInfo) -> Source:
         """The source of shard ``info``'s bytes: this one, or, for a tar indexed in place, the
@@ -157,7 +162,7 @@ def hash_fd(fd: int, size: int, *, use_mmap: bool = True) -> str:
 def _write_all(fd: int, data) -> None:
     mv = memoryview(data)
     while mv:
-        mv = mv[os.write(fd, mv):]
+        mv = mv[os.write(fd, mv) :]
 
 
 def _copy_local(src: Source, info: ShardInfo, fd: int, what: str, progress: Callable[[int], None]) -> str:
@@ -177,8 +182,17 @@ def _copy_local(src: Source, info: ShardInfo, fd: int, what: str, progress: Call
     return hash_fd(fd, info.bytes)
 
 
-def _copy_stream(src: Source, info: ShardInfo, fd: int, what: str, began: float, timeout: float | None,
-                 stall: float | None, progress: Callable[[int], None], fsync: bool) -> str:
+def _copy_stream(
+    src: Source,
+    info: ShardInfo,
+    fd: int,
+    what: str,
+    began: float,
+    timeout: float | None,
+    stall: float | None,
+    progress: Callable[[int], None],
+    fsync: bool,
+) -> str:
     """Remote (or any fsspec) source: large sequential reads, hashed on the way. Returns the digest."""
     h = new_hasher()
     counted = written_back = 0
@@ -206,8 +220,16 @@ def _copy_stream(src: Source, info: ShardInfo, fd: int, what: str, began: float,
     return format_digest(h)
 
 
-def _copy_once(src: Source, info: ShardInfo, final_path: str, timeout: float | None,
-               stall: float | None, on_bytes: Callable[[int], None] | None, fsync: bool, perms: Perms) -> None:
+def _copy_once(
+    src: Source,
+    info: ShardInfo,
+    final_path: str,
+    timeout: float | None,
+    stall: float | None,
+    on_bytes: Callable[[int], None] | None,
+    fsync: bool,
+    perms: Perms,
+) -> None:
     what = f"shard {info.path}"
     fd, tmp = _new_temp(final_path, what, perms)
     counted = 0
@@ -250,26 +272,42 @@ def _copy_once(src: Source, info: ShardInfo, final_path: str, timeout: float | N
         raise
 
 
-def copy_shard(src: Source, info: ShardInfo, final_path: str, *, policy: RetryPolicy,
-               deadline: float | None = None, on_bytes: Callable[[int], None] | None = None,
-               on_retry=None, fsync: bool = True, perms: Perms = DEFAULT_PERMS) -> None:
+def copy_shard(
+    src: Source,
+    info: ShardInfo,
+    final_path: str,
+    *,
+    policy: RetryPolicy,
+    deadline: float | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+    on_retry=None,
+    fsync: bool = True,
+    perms: Perms = DEFAULT_PERMS,
+) -> None:
     """Fetch one shard into ``final_path``, verified and atomic, retrying transient failures;
     ``fsync``: make it durable before the rename (else see :mod:`shardtool.cache.durability`)."""
     src = src.holding(info)
     stall = None if src.local else policy.stall_timeout
     try:
-        with_retries(lambda t: _copy_once(src, info, final_path, t, stall, on_bytes, fsync, perms),
-                     what=f"shard {info.path} ({src.path(info.path)})", policy=policy, deadline=deadline,
-                     on_retry=on_retry)
+        with_retries(
+            lambda t: _copy_once(src, info, final_path, t, stall, on_bytes, fsync, perms),
+            what=f"shard {info.path} ({src.path(info.path)})",
+            policy=policy,
+            deadline=deadline,
+            on_retry=on_retry,
+        )
     except SourceUnavailable as e:
         if isinstance(e.__cause__, HashMismatch):
-            raise SourceCorrupt(f"{e.__cause__} on each of {policy.attempts} fetches; the source shard is corrupt "
-                                f"({src.path(info.path)})") from None
+            raise SourceCorrupt(
+                f"{e.__cause__} on each of {policy.attempts} fetches; the source shard is corrupt "
+                f"({src.path(info.path)})"
+            ) from None
         raise
 
 
-def store_verified(path: str, data: bytes, *, size: int | None, digest: str | None, what: str,
-                   perms: Perms = DEFAULT_PERMS) -> None:
+def store_verified(
+    path: str, data: bytes, *, size: int | None, digest: str | None, what: str, perms: Perms = DEFAULT_PERMS
+) -> None:
     """Write small metadata (manifest, lengths, index) atomically after checking it."""
     if size is not None and len(data) != size:
         raise SourceCorrupt(f"{what}: source has {len(data)} bytes, the manifest says {size}")

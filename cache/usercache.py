@@ -9,6 +9,7 @@ SLURM sites usually point TMPDIR at node-local disk). Whoever can write a cache 
 trusted shard in it, so the user's cache must be a directory of this user that no one else can
 write; it is created with mode 0700.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,16 +43,20 @@ def own_cache_dir(path: str, *, create: bool) -> str | None:
         try:
             os.makedirs(path, mode=0o700, exist_ok=True)
         except OSError as e:
-            raise LocalFault(f"cannot create the user cache {path}: {e.strerror or e}; set {ENV_VAR} to a "
-                             "directory of your own on local disk") from None
+            raise LocalFault(
+                f"cannot create the user cache {path}: {e.strerror or e}; set {ENV_VAR} to a "
+                "directory of your own on local disk"
+            ) from None
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return None
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise LocalFault(f"the user cache {path} is not a directory of this user (uid {os.geteuid()}) that only it "
-                         f"can write (found uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); anyone who can "
-                         f"write it could plant shards in it. Remove it or set {ENV_VAR} to another directory")
+        raise LocalFault(
+            f"the user cache {path} is not a directory of this user (uid {os.geteuid()}) that only it "
+            f"can write (found uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); anyone who can "
+            f"write it could plant shards in it. Remove it or set {ENV_VAR} to another directory"
+        )
     return path
 
 

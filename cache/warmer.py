@@ -7,6 +7,7 @@ loader fetches what is missing on demand. A URL with no dataset at all (the stor
 its manifest does not exist, or the protocol is unknown) is a mistake in the job's set-up, not
 an outage: ``usage_error``, exit 2.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,9 @@ def check_cache_dir(cache_dir: str, perms: Perms = DEFAULT_PERMS) -> None:
     parent = os.path.dirname(os.path.abspath(cache_dir))
     if not os.path.isdir(cache_dir):
         if not os.path.isdir(parent):
-            raise LocalFault(f"cache directory {cache_dir} is missing and so is its parent {parent} "
-                             "(is the local disk mounted?)")
+            raise LocalFault(
+                f"cache directory {cache_dir} is missing and so is its parent {parent} (is the local disk mounted?)"
+            )
         try:
             perms.makedirs(cache_dir)
         except OSError as e:
@@ -61,8 +63,16 @@ class _Progress:
         self.lock = threading.Lock()
         if enabled and total:
             from tqdm import tqdm
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, file=sys.stderr,
-                            desc="warm", dynamic_ncols=True)
+
+            self.bar = tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1000,
+                file=sys.stderr,
+                desc="warm",
+                dynamic_ncols=True,
+            )
 
     def __call__(self, n: int) -> None:
         if self.bar is not None:
@@ -74,14 +84,32 @@ class _Progress:
             self.bar.close()
 
 
-def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_layout: DataLayout | None = None,
-         all_shards: bool = False,
-         jobs: int = 8, max_bytes: int | None = None, min_free: int | None = None, best_effort: bool = False,
-         strict: bool = False, timeout: float | None = None, verify: bool = False, durable: bool = False,
-         retry: RetryPolicy = RetryPolicy(), storage_options: dict | None = None, progress: bool | None = None,
-         env: Mapping[str, str] | None = None, log=None, perms: Perms = DEFAULT_PERMS,
-         keep: Iterable[str] = (), live: Iterable[str] | None = None, stage_bytes: int | None = None,
-         keep_compressed: bool = False) -> WarmReport:
+def warm(
+    url: str,
+    cache_dir: str,
+    *,
+    placement: Placement | None = None,
+    data_layout: DataLayout | None = None,
+    all_shards: bool = False,
+    jobs: int = 8,
+    max_bytes: int | None = None,
+    min_free: int | None = None,
+    best_effort: bool = False,
+    strict: bool = False,
+    timeout: float | None = None,
+    verify: bool = False,
+    durable: bool = False,
+    retry: RetryPolicy = RetryPolicy(),
+    storage_options: dict | None = None,
+    progress: bool | None = None,
+    env: Mapping[str, str] | None = None,
+    log=None,
+    perms: Perms = DEFAULT_PERMS,
+    keep: Iterable[str] = (),
+    live: Iterable[str] | None = None,
+    stage_bytes: int | None = None,
+    keep_compressed: bool = False,
+) -> WarmReport:
     """Warm ``cache_dir`` with the shards node ``placement.node`` of its layout reads (every shard
     with ``all_shards``). Never raises for remote or local failures: the returned report carries
     ``status`` and ``exit_code``. ``placement=None`` without ``all_shards`` means one node;
@@ -107,18 +135,41 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
         progress = sys.stderr.isatty()
     if placement is None and not all_shards:
         placement = Placement(Layout(1, 1), 0, source="default: one node")
-    report = WarmReport(url=url, cache_dir=os.path.abspath(cache_dir), strict=strict,
-                        layout=None if all_shards else placement.to_dict(), durable=must_fsync(durable))
+    report = WarmReport(
+        url=url,
+        cache_dir=os.path.abspath(cache_dir),
+        strict=strict,
+        layout=None if all_shards else placement.to_dict(),
+        durable=must_fsync(durable),
+    )
     if not all_shards:
         data = data_layout if data_layout is not None else DataLayout.pure_dp(placement.layout)
         report.data_layout = data_layout_dict(data, placement.node)
     log = log or (lambda msg: print(f"shardtool warm: {msg}", file=sys.stderr))
     try:
-        _warm(report, url, cache_dir, placement=None if all_shards else placement, data_layout=data_layout, jobs=jobs, max_bytes=max_bytes,
-              min_free=min_free, best_effort=best_effort, deadline=deadline, verify=verify, durable=durable, retry=retry,
-              storage_options=storage_options, progress=progress, log=log, perms=perms, keep=frozenset(keep),
-              live=None if live is None else frozenset(live), stage_bytes=stage_bytes,
-              keep_compressed=keep_compressed)
+        _warm(
+            report,
+            url,
+            cache_dir,
+            placement=None if all_shards else placement,
+            data_layout=data_layout,
+            jobs=jobs,
+            max_bytes=max_bytes,
+            min_free=min_free,
+            best_effort=best_effort,
+            deadline=deadline,
+            verify=verify,
+            durable=durable,
+            retry=retry,
+            storage_options=storage_options,
+            progress=progress,
+            log=log,
+            perms=perms,
+            keep=frozenset(keep),
+            live=None if live is None else frozenset(live),
+            stage_bytes=stage_bytes,
+            keep_compressed=keep_compressed,
+        )
     except LocalFault as e:
         report.status, report.error = "local_fault", str(e)
     except UsageError as e:
@@ -134,9 +185,30 @@ def warm(url: str, cache_dir: str, *, placement: Placement | None = None, data_l
     return report
 
 
-def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, max_bytes, min_free, best_effort, deadline,
-          verify, durable, retry, storage_options, progress, log, perms, keep=frozenset(), live=None,
-          stage_bytes=None, keep_compressed=False) -> None:
+def _warm(
+    report: WarmReport,
+    url,
+    cache_dir,
+    *,
+    placement,
+    data_layout,
+    jobs,
+    max_bytes,
+    min_free,
+    best_effort,
+    deadline,
+    verify,
+    durable,
+    retry,
+    storage_options,
+    progress,
+    log,
+    perms,
+    keep=frozenset(),
+    live=None,
+    stage_bytes=None,
+    keep_compressed=False,
+) -> None:
     check_cache_dir(cache_dir, perms)
     try:
         src = Source(url, storage_options)
@@ -150,8 +222,10 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
     except SourceMissing:
         if _from_cache(report, url, cache_dir, placement, data_layout, perms, "has no manifest any more"):
             return
-        raise UsageError(f"no dataset at {url}: its manifest {src.path(MANIFEST_NAME)} does not exist "
-                         "(a mistyped path? an unreachable source is not an error without --strict)") from None
+        raise UsageError(
+            f"no dataset at {url}: its manifest {src.path(MANIFEST_NAME)} does not exist "
+            "(a mistyped path? an unreachable source is not an error without --strict)"
+        ) from None
     except RemoteError as e:
         if _from_cache(report, url, cache_dir, placement, data_layout, perms, f"cannot be reached ({e})"):
             return
@@ -169,8 +243,10 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
         warnings.simplefilter("ignore", SummariesMissing)  # said once, below, not once per rank
         summaries = ds.load_summaries(summaries_bytes)
     if summaries_bytes is None:
-        report.warnings.append(f"dataset {url} has no per-shard summaries (packed by shardtool < 0.2): every "
-                               f"rank computes them from all lengths; run `shardtool upgrade {url}` once")
+        report.warnings.append(
+            f"dataset {url} has no per-shard summaries (packed by shardtool < 0.2): every "
+            f"rank computes them from all lengths; run `shardtool upgrade {url}` once"
+        )
     shards = assigned_shards(summaries, placement, data_layout)
     report.assigned = len(shards)
     report.assigned_bytes = sum(m.shards[i].bytes for i in shards)
@@ -199,8 +275,9 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
             todo.append(i)
     if stage_bytes is not None:
         todo = _cap(report, m, shards, todo, stage_bytes, log, size_in_cache)
-    todo = _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log, keep, live,
-                       size_in_cache)
+    todo = _fit_budget(
+        report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log, keep, live, size_in_cache
+    )
 
     bar = _Progress(sum(m.shards[i].bytes for i in todo), progress)
     lock = threading.Lock()
@@ -215,8 +292,9 @@ def _warm(report: WarmReport, url, cache_dir, *, placement, data_layout, jobs, m
         if index.exception() is not None:  # waits for it; its failure is recorded by the main thread
             return
         try:
-            outcome = ensure_shard(vd, i, info, src, on_bytes=bar, on_retry=retried, verify=verify, durable=durable,
-                                   plain=plain, **kw)
+            outcome = ensure_shard(
+                vd, i, info, src, on_bytes=bar, on_retry=retried, verify=verify, durable=durable, plain=plain, **kw
+            )
         except LocalFault:
             raise
         except CacheError as e:  # a remote error, or a lock wait that ran past the deadline
@@ -282,8 +360,10 @@ def _from_cache(report, url, cache_dir, placement, data_layout, perms, why: str)
     report.status, report.version, report.version_dir = "cached", vd.version, vd.root
     report.assigned = report.shards_skipped = len(shards)
     report.assigned_bytes = report.bytes_skipped = size
-    report.warnings.append(f"source {url} {why}; this node's cache holds all {len(shards)} of its shards of the "
-                           f"version it last served ({vd.version}): the job reads that version")
+    report.warnings.append(
+        f"source {url} {why}; this node's cache holds all {len(shards)} of its shards of the "
+        f"version it last served ({vd.version}): the job reads that version"
+    )
     return True
 
 
@@ -294,8 +374,10 @@ def _cap(report, m, shards, todo, stage_bytes: int, log, size_in_cache) -> list[
     take, leave = choose_fit([(i, size_in_cache[i]) for i in shards if i in wanted], max(stage_bytes - held, 0))
     if leave:
         report.not_fitted = sorted(leave)
-        report.warnings.append(f"the job caps its staged shards at {stage_bytes} bytes on this node: {len(take)} "
-                               f"staged, {len(leave)} left to fetch on demand")
+        report.warnings.append(
+            f"the job caps its staged shards at {stage_bytes} bytes on this node: {len(take)} "
+            f"staged, {len(leave)} left to fetch on demand"
+        )
         log(report.warnings[-1])
     return [i for i in todo if i in set(take)]
 
@@ -307,15 +389,29 @@ def _size(path: str, default: int) -> int:
         return default
 
 
-def _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log,
-                keep=frozenset(), live=None, size_in_cache=None) -> list[int]:
+def _fit_budget(
+    report,
+    vd,
+    m,
+    shards,
+    todo,
+    cache_dir,
+    max_bytes,
+    min_free,
+    best_effort,
+    log,
+    keep=frozenset(),
+    live=None,
+    size_in_cache=None,
+) -> list[int]:
     """``size_in_cache``: shard -> bytes it takes in the cache (plain bytes where decompressed)."""
     if max_bytes is None and min_free is None:
         return todo
     size = size_in_cache or {i: m.shards[i].bytes for i in todo}
     incoming = sum(size[i] for i in todo)
-    entries, where, used = scan(cache_dir, current=vd, assigned=set(shards), protected=set(shards), keep=keep,
-                                live=live)
+    entries, where, used = scan(
+        cache_dir, current=vd, assigned=set(shards), protected=set(shards), keep=keep, live=live
+    )
     limit = effective_limit(used, disk_free(cache_dir), max_bytes=max_bytes, min_free=min_free)
     victims, shortfall = plan_eviction(entries, used=used, limit=limit, incoming=incoming)
     if shortfall:
@@ -323,9 +419,11 @@ def _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, bes
         resident = used - evictable
         needed = resident + incoming
         room = max(limit - resident, 0)
-        msg = (f"this node's shards need {needed / 1e9:.3f} GB ({needed} bytes: {len(todo)} to copy, "
-               f"{incoming} bytes) but the cache budget allows {max(limit, 0) / 1e9:.3f} GB ({limit} bytes; "
-               f"--max-bytes={max_bytes}, --min-free={min_free}); short by {shortfall} bytes")
+        msg = (
+            f"this node's shards need {needed / 1e9:.3f} GB ({needed} bytes: {len(todo)} to copy, "
+            f"{incoming} bytes) but the cache budget allows {max(limit, 0) / 1e9:.3f} GB ({limit} bytes; "
+            f"--max-bytes={max_bytes}, --min-free={min_free}); short by {shortfall} bytes"
+        )
         if not best_effort:
             raise BudgetError(msg, needed=needed, available=max(limit, 0))
         freed, gone = evict(where, entries, evictable)
@@ -343,9 +441,11 @@ def _fit_budget(report, vd, m, shards, todo, cache_dir, max_bytes, min_free, bes
     # evict() skips shards other processes are reading, so it may free less than planned.
     short = need - freed
     room = max(limit - (used - freed), 0)
-    msg = (f"this node's shards need {incoming} more bytes ({len(todo)} shard(s) to copy) but the cache budget "
-           f"allows {limit} bytes and {used - freed} bytes are cached and in use by readers; short by {short} bytes "
-           f"(--max-bytes={max_bytes}, --min-free={min_free})")
+    msg = (
+        f"this node's shards need {incoming} more bytes ({len(todo)} shard(s) to copy) but the cache budget "
+        f"allows {limit} bytes and {used - freed} bytes are cached and in use by readers; short by {short} bytes "
+        f"(--max-bytes={max_bytes}, --min-free={min_free})"
+    )
     if not best_effort:
         raise BudgetError(msg, needed=used - freed + incoming, available=limit)
     take, leave = choose_fit([(i, size[i]) for i in todo], room)

@@ -15,6 +15,7 @@ Megatron calls the provider on tensor-parallel rank 0 and hands what it returns 
 same on every rank, every rank restores from DP rank 0's file. No validation/test iterators: Megatron
 skips evaluation for a None one.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,13 @@ def build_train_iterator(args: Any, checkpoint_name: Any = None) -> MegatronIter
 
             restore = torch.load(path, weights_only=True)  # {"dataloader_state_dict": the state}: a plain dict
     url = args.data_path[0] if isinstance(args.data_path, (list, tuple)) else args.data_path
-    return build_iterator(url, seq_len=args.seq_length, batch_size=args.micro_batch_size,
-                          num_workers=getattr(args, "num_workers", 2), restore=restore)
+    return build_iterator(
+        url,
+        seq_len=args.seq_length,
+        batch_size=args.micro_batch_size,
+        num_workers=getattr(args, "num_workers", 2),
+        restore=restore,
+    )
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: Any):

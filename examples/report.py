@@ -6,6 +6,7 @@ served twice in an epoch, and every sample was served except the plan's reported
 
     python examples/report.py DATASET LOG_DIR --nodes 2 --ranks-per-node 2 --max-tokens 8192
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,7 @@ def read_step_logs(log_dir: str) -> dict[int, dict[int, dict]]:
     """rank -> step -> the last entry logged for it (a resumed run rewrites the steps after its checkpoint)."""
     per_rank: dict[int, dict[int, dict]] = {}
     for path in sorted(glob.glob(os.path.join(log_dir, "keys.rank*.jsonl"))):
-        rank = int(os.path.basename(path)[len("keys.rank"):-len(".jsonl")])
+        rank = int(os.path.basename(path)[len("keys.rank") : -len(".jsonl")])
         steps: dict[int, dict] = {}
         with open(path) as f:
             for line in f:
@@ -62,9 +63,11 @@ def main(argv=None) -> int:
     epoch0 = [k for steps in per_rank.values() for e in steps.values() if e["epoch"] == 0 for k in e["keys"]]
     remainder = {keys[i] for i in epoch_remainder(ds, layout, batching, 0).tolist()}
     print(f"ranks: {len(per_rank)}; steps per rank: {sorted({len(s) for s in per_rank.values()})}")
-    print(f"epoch 0: {len(epoch0)} samples served, {len(set(epoch0))} distinct, dataset {len(keys)}, "
-          f"remainder {len(remainder)} ({len(remainder) / len(keys):.2%}), padding efficiency "
-          f"{sim.padding_efficiency:.3f}")
+    print(
+        f"epoch 0: {len(epoch0)} samples served, {len(set(epoch0))} distinct, dataset {len(keys)}, "
+        f"remainder {len(remainder)} ({len(remainder) / len(keys):.2%}), padding efficiency "
+        f"{sim.padding_efficiency:.3f}"
+    )
     ok = len({len(s) for s in per_rank.values()}) == 1
     ok &= len(epoch0) == len(set(epoch0)) and set(epoch0) == set(keys) - remainder
     losses = [e["loss"] for e in per_rank[0].values()]

@@ -24,6 +24,7 @@ instead of epochs, and may resume under other weights:
     torchrun --nproc_per_node=2 examples/train_ddp.py --mixture mix.json --steps 1000 ... \
         --ckpt-dir ckpt/ --weights web=0.5,code=0.3,math=0.2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,9 @@ class TinyLM(nn.Module):
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(dim, vocab)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                attend: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, attend: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``attend`` [B, 1, S, S] (True = may attend, e.g. shardtool.loader.packed.block_causal_mask):
         packed rows attend within their documents only; default: plain causal."""
         n = tokens.shape[1]
@@ -74,9 +76,13 @@ def parse_args(argv=None):
     src.add_argument("--data", help="dataset URL (path, file://, s3://, ...)")
     src.add_argument("--mixture", help="a mixture file (JSON/YAML: datasets and token weights); runs --steps steps")
     p.add_argument("--steps", type=int, default=None, help="with --mixture: the run's length in steps (global batches)")
-    p.add_argument("--weights", default=None, metavar="NAME=W,...",
-                   help="with --mixture: these weights instead of the file's (and its schedule), e.g. at a resume: "
-                        "every source continues from where it was")
+    p.add_argument(
+        "--weights",
+        default=None,
+        metavar="NAME=W,...",
+        help="with --mixture: these weights instead of the file's (and its schedule), e.g. at a resume: "
+        "every source continues from where it was",
+    )
     p.add_argument("--cache-dir", default=None, help="node-local cache directory (warmed by `shardtool warm`)")
     p.add_argument("--field", default=None, help="token field (default: the dataset's length field)")
     g = p.add_mutually_exclusive_group()
@@ -84,12 +90,22 @@ def parse_args(argv=None):
     g.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in total")
-    p.add_argument("--seq-len", type=int, default=128, help="truncate sequences to this many tokens for the model; "
-                   "with --packing, the length of every packed row")
-    p.add_argument("--packing", choices=["best-fit", "concat", "no-split"], default=None,
-                   help="pack documents into rows of exactly --seq-len tokens (with --batch-size rows per batch); "
-                   "no token attends across a document boundary")
-    p.add_argument("--eos-id", type=int, default=None, help="with --packing: an end-of-sequence token after each document")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=128,
+        help="truncate sequences to this many tokens for the model; with --packing, the length of every packed row",
+    )
+    p.add_argument(
+        "--packing",
+        choices=["best-fit", "concat", "no-split"],
+        default=None,
+        help="pack documents into rows of exactly --seq-len tokens (with --batch-size rows per batch); "
+        "no token attends across a document boundary",
+    )
+    p.add_argument(
+        "--eos-id", type=int, default=None, help="with --packing: an end-of-sequence token after each document"
+    )
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -99,14 +115,25 @@ def parse_args(argv=None):
     p.add_argument("--log-dir", default=None, help="write per-rank JSONL logs of sample keys and stats here")
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step (to simulate a bigger model)")
     p.add_argument("--collective-timeout", type=float, default=120.0, help="seconds before a stuck collective fails")
-    p.add_argument("--stall-timeout", type=float, default=None,
-                   help="seconds a batch may take before the loader raises, naming the shard it reads and dumping "
-                        "the stacks (default: half of --collective-timeout, so that a rank stuck on its data is "
-                        "named instead of its peers timing out in a collective)")
-    p.add_argument("--metrics-every", type=int, default=50,
-                   help="steps between loader metric lines (JSONL per rank; rank 0 prints one); 0: none")
-    p.add_argument("--metrics-dir", default=None,
-                   help="node-local directory for the metric lines (default: <cache-dir>/metrics/<run> or $TMPDIR)")
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=None,
+        help="seconds a batch may take before the loader raises, naming the shard it reads and dumping "
+        "the stacks (default: half of --collective-timeout, so that a rank stuck on its data is "
+        "named instead of its peers timing out in a collective)",
+    )
+    p.add_argument(
+        "--metrics-every",
+        type=int,
+        default=50,
+        help="steps between loader metric lines (JSONL per rank; rank 0 prints one); 0: none",
+    )
+    p.add_argument(
+        "--metrics-dir",
+        default=None,
+        help="node-local directory for the metric lines (default: <cache-dir>/metrics/<run> or $TMPDIR)",
+    )
     return p.parse_args(argv)
 
 
@@ -127,9 +154,11 @@ def metrics_line(rank: int, step: int, m: dict) -> str:
     w = m["window"]
     hit = w["cache"]["hit_rate"]
     read = ", ".join(f"{t} {format_size(n)}" for t, n in w["bytes_read"].items() if n) or "nothing new"
-    return (f"[rank {rank}] step {step}: data wait {100 * (w['wait_fraction'] or 0):.1f}%, "
-            f"{w['tokens_per_s'] or 0:,.0f} tokens/s, {w['samples_per_s'] or 0:,.0f} samples/s, "
-            f"cache hit {'-' if hit is None else f'{100 * hit:.0f}%'}, read {read}")
+    return (
+        f"[rank {rank}] step {step}: data wait {100 * (w['wait_fraction'] or 0):.1f}%, "
+        f"{w['tokens_per_s'] or 0:,.0f} tokens/s, {w['samples_per_s'] or 0:,.0f} samples/s, "
+        f"cache hit {'-' if hit is None else f'{100 * hit:.0f}%'}, read {read}"
+    )
 
 
 def mixture_of(args) -> Mixture:
@@ -152,10 +181,13 @@ def save_checkpoint(path: str, payload: dict) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    )
     if distributed:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=args.collective_timeout))
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=args.collective_timeout)
+        )
     rank = dist.get_rank() if distributed else 0
     torch.manual_seed(args.seed)
 
@@ -171,10 +203,20 @@ def main(argv=None) -> int:
     data, length = args.data, {}
     if args.mixture:
         data, length = mixture_of(args), {"steps": args.steps}
-    loader = ShardedLoader(data, batch_size=args.batch_size, max_tokens=args.max_tokens,  # changed line 2 of 2
-                           seed=args.seed, num_workers=args.num_workers, cache_dir=args.cache_dir,
-                           metrics_every=args.metrics_every, metrics_dir=args.metrics_dir, metrics_reduce=distributed,
-                           stall_timeout=args.stall_timeout or args.collective_timeout / 2, **pack, **length)
+    loader = ShardedLoader(
+        data,
+        batch_size=args.batch_size,
+        max_tokens=args.max_tokens,  # changed line 2 of 2
+        seed=args.seed,
+        num_workers=args.num_workers,
+        cache_dir=args.cache_dir,
+        metrics_every=args.metrics_every,
+        metrics_dir=args.metrics_dir,
+        metrics_reduce=distributed,
+        stall_timeout=args.stall_timeout or args.collective_timeout / 2,
+        **pack,
+        **length,
+    )
     field = args.field or loader.length_field
 
     model = TinyLM(args.vocab, max_len=max(args.seq_len, 1)).to(device)
@@ -217,16 +259,33 @@ def main(argv=None) -> int:
             if args.step_sleep:
                 time.sleep(args.step_sleep)
             if log:
-                log.write(json.dumps({"epoch": epoch, "step": step, "loss": round(loss.item(), 4),
-                                      "keys": list(batch["__key__"]), "source": batch.get("__source__")}) + "\n")
+                log.write(
+                    json.dumps(
+                        {
+                            "epoch": epoch,
+                            "step": step,
+                            "loss": round(loss.item(), 4),
+                            "keys": list(batch["__key__"]),
+                            "source": batch.get("__source__"),
+                        }
+                    )
+                    + "\n"
+                )
                 log.flush()
             if args.metrics_every and step % args.metrics_every == 0 and rank == 0:
                 print(metrics_line(rank, step, loader.metrics()), flush=True)
             if ckpt_path and step % args.ckpt_every == 0:
                 if rank == 0:
                     os.makedirs(args.ckpt_dir, exist_ok=True)
-                    save_checkpoint(ckpt_path, {"model": model.state_dict(), "optim": opt.state_dict(),
-                                                "loader": loader.state_dict(), "step": step})
+                    save_checkpoint(
+                        ckpt_path,
+                        {
+                            "model": model.state_dict(),
+                            "optim": opt.state_dict(),
+                            "loader": loader.state_dict(),
+                            "step": step,
+                        },
+                    )
                 if distributed:
                     dist.barrier()
             if args.max_steps and step >= args.max_steps:
@@ -235,8 +294,13 @@ def main(argv=None) -> int:
         else:
             epoch += 1
     elapsed = time.perf_counter() - t0
-    summary = {"rank": rank, "steps": step, "epochs_done": epoch, "seconds": round(elapsed, 3),
-               "batches_per_epoch": len(loader)}
+    summary = {
+        "rank": rank,
+        "steps": step,
+        "epochs_done": epoch,
+        "seconds": round(elapsed, 3),
+        "batches_per_epoch": len(loader),
+    }
     summary["loader"] = loader.metrics()["cumulative"]
     summary["metrics_file"] = loader.metrics_path
     if args.mixture:

@@ -14,6 +14,7 @@ built before the Trainer: under torchrun its rank comes from torchrun's environm
 ``--log-dir`` writes, per rank, one JSON line per training batch (global step, sample keys, a hash
 of ``input_ids``): the test suite compares runs with it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,10 @@ class RecordingTrainer(ShardedTrainer):
                 os.makedirs(self.log_dir, exist_ok=True)
                 self._log = open(os.path.join(self.log_dir, f"batches.rank{self.args.process_index}.jsonl"), "a")
             keys = inputs.pop("__key__", None)  # kept for the log only (remove_unused_columns=False)
-            self._log.write(json.dumps({"step": self.state.global_step, "keys": keys,
-                                        "hash": batch_hash(inputs["input_ids"])}) + "\n")
+            self._log.write(
+                json.dumps({"step": self.state.global_step, "keys": keys, "hash": batch_hash(inputs["input_ids"])})
+                + "\n"
+            )
             self._log.flush()
         inputs = {k: inputs[k] for k in ("input_ids", "labels", "position_ids")}
         return super().training_step(model, inputs, num_items_in_batch)
@@ -66,8 +69,9 @@ class Preempt(transformers.TrainerCallback):
 
 def tiny_gpt2(vocab: int, seed: int) -> transformers.GPT2LMHeadModel:
     torch.manual_seed(seed)  # random init, nothing downloaded
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=256, vocab_size=vocab,
-                                      bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, n_positions=256, vocab_size=vocab, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -86,27 +90,55 @@ def parse_args(argv=None):
     p.add_argument("--num-workers", type=int, default=1)
     p.add_argument("--cache-dir", default=None, help="node-local cache directory (warmed by `shardtool warm`)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", nargs="?", const=True, default=None,
-                   help="resume: from this checkpoint folder, or (no value) the newest in --output-dir")
-    p.add_argument("--preempt-at-step", type=int, default=None, help="simulate a preemption: exit (status 3) after this step")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        help="resume: from this checkpoint folder, or (no value) the newest in --output-dir",
+    )
+    p.add_argument(
+        "--preempt-at-step", type=int, default=None, help="simulate a preemption: exit (status 3) after this step"
+    )
     p.add_argument("--log-dir", default=None, help="per-rank JSONL of every batch's keys and input_ids hash")
     return p.parse_args(argv)
 
 
 def build(args) -> RecordingTrainer:
-    loader = ShardedLoader(args.data, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
-                           num_workers=args.num_workers, cache_dir=args.cache_dir)
+    loader = ShardedLoader(
+        args.data,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        num_workers=args.num_workers,
+        cache_dir=args.cache_dir,
+    )
     targs = transformers.TrainingArguments(
-        output_dir=args.output_dir, num_train_epochs=args.epochs, max_steps=args.max_steps,
-        per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
-        ignore_data_skip=args.ignore_data_skip, learning_rate=1e-3, use_cpu=not torch.cuda.is_available(),
-        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        logging_strategy="no", report_to=[], disable_tqdm=True, seed=args.seed,
+        output_dir=args.output_dir,
+        num_train_epochs=args.epochs,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        ignore_data_skip=args.ignore_data_skip,
+        learning_rate=1e-3,
+        use_cpu=not torch.cuda.is_available(),
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        logging_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=args.seed,
         # keep __key__ for the log; RecordingTrainer passes the model only what it takes
-        remove_unused_columns=not args.log_dir)
+        remove_unused_columns=not args.log_dir,
+    )
     callbacks = [Preempt(args.preempt_at_step)] if args.preempt_at_step else []
-    return RecordingTrainer(model=tiny_gpt2(args.vocab, args.seed), args=targs, train_loader=loader,
-                            callbacks=callbacks, log_dir=args.log_dir)
+    return RecordingTrainer(
+        model=tiny_gpt2(args.vocab, args.seed),
+        args=targs,
+        train_loader=loader,
+        callbacks=callbacks,
+        log_dir=args.log_dir,
+    )
 
 
 def main(argv=None) -> int:

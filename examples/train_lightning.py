@@ -14,6 +14,7 @@ OneCycleLR schedule reads ``trainer.estimated_stepping_batches``, which without
 ``--log-dir`` writes, per rank, one JSON line per training batch (epoch, step, sample keys, a
 hash of the tokens) and per validation batch: the test suite compares runs with it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,12 @@ class ShardedData(L.LightningDataModule):
         if self.train is None:  # built once: the same loader serves every epoch and the resume
             # Rank and world size come from the process group Lightning started; ranks per node
             # (which ranks share a node's cache) Lightning does not export, so say it.
-            common = dict(batch_size=a.batch_size, num_workers=a.num_workers, cache_dir=a.cache_dir,
-                          ranks_per_node=self.trainer.num_devices)
+            common = dict(
+                batch_size=a.batch_size,
+                num_workers=a.num_workers,
+                cache_dir=a.cache_dir,
+                ranks_per_node=self.trainer.num_devices,
+            )
             self.train = LightningLoader(ShardedLoader(a.data, seed=a.seed, **common))
             if a.val_data:
                 self.val = LightningLoader(ShardedLoader(a.val_data, shuffle=False, drop_last=False, **common))
@@ -55,8 +60,15 @@ class ShardedData(L.LightningDataModule):
 
 
 class TinyLM(L.LightningModule):
-    def __init__(self, vocab: int = 1024, dim: int = 32, lr: float = 1e-2, schedule: bool = True,
-                 seq_len: int = 64, log_dir: str | None = None):
+    def __init__(
+        self,
+        vocab: int = 1024,
+        dim: int = 32,
+        lr: float = 1e-2,
+        schedule: bool = True,
+        seq_len: int = 64,
+        log_dir: str | None = None,
+    ):
         super().__init__()
         self.save_hyperparameters()
         self.embed = torch.nn.Embedding(vocab, dim)
@@ -75,8 +87,19 @@ class TinyLM(L.LightningModule):
             os.makedirs(self.hparams.log_dir, exist_ok=True)
             self._log = open(os.path.join(self.hparams.log_dir, f"batches.rank{self.global_rank}.jsonl"), "a")
         digest = hashlib.sha256(batch["tokens"].cpu().numpy().tobytes()).hexdigest()[:16]
-        self._log.write(json.dumps({"kind": kind, "epoch": self.current_epoch, "step": self.global_step,
-                                    "batch_idx": batch_idx, "keys": list(batch["__key__"]), "hash": digest}) + "\n")
+        self._log.write(
+            json.dumps(
+                {
+                    "kind": kind,
+                    "epoch": self.current_epoch,
+                    "step": self.global_step,
+                    "batch_idx": batch_idx,
+                    "keys": list(batch["__key__"]),
+                    "hash": digest,
+                }
+            )
+            + "\n"
+        )
         self._log.flush()
 
     def on_fit_end(self):
@@ -136,7 +159,9 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-dir", default=None, help="save checkpoints here (step-N.ckpt and last.ckpt)")
     p.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--resume", default=None, help="a checkpoint to resume from (e.g. CKPT_DIR/last.ckpt)")
-    p.add_argument("--preempt-at-step", type=int, default=None, help="simulate a preemption: exit (status 3) after this step")
+    p.add_argument(
+        "--preempt-at-step", type=int, default=None, help="simulate a preemption: exit (status 3) after this step"
+    )
     p.add_argument("--log-dir", default=None, help="per-rank JSONL of every batch's keys and hash")
     return p.parse_args(argv)
 
@@ -148,14 +173,30 @@ def main(argv=None) -> int:
     if args.preempt_at_step:
         callbacks.append(Preempt(args.preempt_at_step))
     if args.ckpt_dir:  # Lightning runs checkpoint callbacks after the others: step N's is written before a preemption
-        callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, filename="step-{step}", every_n_train_steps=args.ckpt_every,
-                                         save_top_k=-1, save_last=True))
-    trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices,
-                        strategy="ddp" if args.devices > 1 else "auto", max_epochs=args.epochs,
-                        max_steps=args.max_steps, callbacks=callbacks, val_check_interval=args.val_every,
-                        limit_val_batches=1.0 if args.val_data else 0,
-                        logger=False, enable_checkpointing=bool(args.ckpt_dir), enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=args.ckpt_dir or os.getcwd())
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=args.ckpt_dir,
+                filename="step-{step}",
+                every_n_train_steps=args.ckpt_every,
+                save_top_k=-1,
+                save_last=True,
+            )
+        )
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        max_epochs=args.epochs,
+        max_steps=args.max_steps,
+        callbacks=callbacks,
+        val_check_interval=args.val_every,
+        limit_val_batches=1.0 if args.val_data else 0,
+        logger=False,
+        enable_checkpointing=bool(args.ckpt_dir),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=args.ckpt_dir or os.getcwd(),
+    )
     model = TinyLM(lr=args.lr, schedule=not args.no_schedule, log_dir=args.log_dir)
     trainer.fit(model, datamodule=ShardedData(args), ckpt_path=args.resume)
     if trainer.global_rank == 0:

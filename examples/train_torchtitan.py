@@ -9,6 +9,7 @@ own trainer only the config line changes (``config.dataloader = ShardedTitanData
 README "Using shardtool with torchtitan"); the trainer passes the DP rank and size, seq_len and
 local_batch_size to its build() as below.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,26 +62,38 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     titan = ShardedTitanDataLoader.Config(dataset_path=args.data, options={"num_workers": 0}).build(
-        dp_rank=rank, dp_world_size=world, tokenizer=None, seq_len=args.seq_len, local_batch_size=args.batch_size,
-        snapshot_every_n_steps=None)
+        dp_rank=rank,
+        dp_world_size=world,
+        tokenizer=None,
+        seq_len=args.seq_len,
+        local_batch_size=args.batch_size,
+        snapshot_every_n_steps=None,
+    )
     model = torch.nn.Sequential(torch.nn.Embedding(args.vocab, 32), torch.nn.Linear(32, args.vocab))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = Step()
     ckpt = CheckpointManager(
         # last_save_model_only=False: torchtitan's default saves only the weights at the last step,
         # and a run that is extended later (--steps more) must resume from that step's loader position too.
-        CheckpointManager.Config(enable=True, folder=args.ckpt, interval=args.save_every, keep_latest_k=2,
-                                 last_save_model_only=False),
-        dataloader=titan, model_parts=[model], optimizers=Optim(opt), lr_schedulers=Step(),
-        states={"train_state": step}, sd_adapter=None)
+        CheckpointManager.Config(
+            enable=True, folder=args.ckpt, interval=args.save_every, keep_latest_k=2, last_save_model_only=False
+        ),
+        dataloader=titan,
+        model_parts=[model],
+        optimizers=Optim(opt),
+        lr_schedulers=Step(),
+        states={"train_state": step},
+        sd_adapter=None,
+    )
     ckpt.load()  # the newest step-N, if any: the loader continues at the next batch
     if rank == 0 and step.step:
         print(f"resumed at step {step.step} (epoch {titan.loader.epoch})", flush=True)
     for inputs, labels in titan:
         step.step += 1
         logits = model(inputs["input"].clamp(max=args.vocab - 1))
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.clamp(max=args.vocab - 1).flatten(),
-                                                 ignore_index=-100)
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels.clamp(max=args.vocab - 1).flatten(), ignore_index=-100
+        )
         opt.zero_grad()
         loss.backward()
         for prm in model.parameters():  # DDP's all-reduce, by hand, to keep the example short

@@ -4,6 +4,7 @@ Everything the loader decides comes from the pure planner (`shardtool.plan`); th
 reads and delivers. `ShardedLoader` is imported lazily so that ``import shardtool.loader`` stays
 cheap for code that only needs the error types.
 """
+
 from __future__ import annotations
 
 __all__ = ["LoaderError", "LoaderStateError", "Mixture", "MixtureSource", "ShardedLoader"]

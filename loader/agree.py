@@ -4,6 +4,7 @@ A rank on another dataset version, batching config or position would otherwise w
 training's first collective after the others ran out of batches. The check runs once per epoch
 (or per mixture run), only where torch.distributed is initialised with the loader's own layout.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,8 +33,10 @@ def disagreement(rank: int, numbers: list[int], ident: str, what: str, fix: str)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     t = torch.tensor(mine + [-x for x in mine], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    hi, neg_lo = t[: len(mine)].tolist(), t[len(mine):].tolist()
+    hi, neg_lo = t[: len(mine)].tolist(), t[len(mine) :].tolist()
     if all(h == -lo for h, lo in zip(hi, neg_lo)):
         return None
-    return (f"rank {rank}: ranks disagree on {what}: this rank has {mine}; ranges across ranks "
-            f"{list(zip([-x for x in neg_lo], hi))}. {fix}")
+    return (
+        f"rank {rank}: ranks disagree on {what}: this rank has {mine}; ranges across ranks "
+        f"{list(zip([-x for x in neg_lo], hi))}. {fix}"
+    )

@@ -7,6 +7,7 @@ A training batch's record batches that are not cached are decompressed on a few 
 (Arrow releases the GIL while it decompresses), each with its own reader of the shard.
 (The node cache holds such shards plain, `cache.plain`: none of this runs for them.)
 """
+
 from __future__ import annotations
 
 import os
@@ -91,8 +92,9 @@ class _CompressedBatches:
     _cached_bytes = 0
     _next_id = 0
 
-    def __init__(self, buf, index, fields: list[FieldSpec], name: str, tok_col: int | None = None,
-                 plain_bytes: int = 0):
+    def __init__(
+        self, buf, index, fields: list[FieldSpec], name: str, tok_col: int | None = None, plain_bytes: int = 0
+    ):
         try:
             # One thread: a record batch is small, and Arrow's pool spent more on handing its
             # columns out than on decompressing them (131 against 196 us a 64 KiB zstd batch).
@@ -179,7 +181,7 @@ class _CompressedBatches:
 
     def _note_tokens(self, b: int, starts: np.ndarray, sizes: np.ndarray) -> None:
         """Token positions of batch ``b``'s samples (element offsets into its values buffer)."""
-        samples = self._by_batch[self._batch_at[b]:self._batch_at[b + 1]]
+        samples = self._by_batch[self._batch_at[b] : self._batch_at[b + 1]]
         if not len(samples) or self._first[samples[0]] >= 0:
             return  # decompressed before, then evicted: the positions are the same
         item = self._item

@@ -5,6 +5,7 @@ as a padded ``LongTensor [B, L]`` (padded with ``pad_id``) plus ``lengths [B]`` 
 row); otherwise only ``lengths`` (from the index); every other field stacked where it stacks, as
 torch's ``default_collate`` does (:func:`stack_column`), else as a list of decoded values.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -38,8 +39,14 @@ def paddable(values: Sequence[Any]) -> bool:
     )
 
 
-def collate_samples(samples: list[dict[str, Any]], *, pad_field: str | None, pad_id: int = 0,
-                    lengths: np.ndarray | None = None, alloc: Alloc = np.empty) -> dict[str, Any]:
+def collate_samples(
+    samples: list[dict[str, Any]],
+    *,
+    pad_field: str | None,
+    pad_id: int = 0,
+    lengths: np.ndarray | None = None,
+    alloc: Alloc = np.empty,
+) -> dict[str, Any]:
     """The default batch from decoded (and possibly transformed) sample dicts.
 
     ``lengths`` (from the index) is used when the length field is not a paddable array.
@@ -111,8 +118,10 @@ def _stack_arrays(values: list[Any], alloc: Alloc) -> Any:
 
 def _stack_tensors(values: list[Any], alloc: Alloc) -> Any:
     t0 = values[0]
-    if not all(isinstance(v, torch.Tensor) and v.shape == t0.shape and v.dtype == t0.dtype
-               and v.device == t0.device for v in values):
+    if not all(
+        isinstance(v, torch.Tensor) and v.shape == t0.shape and v.dtype == t0.dtype and v.device == t0.device
+        for v in values
+    ):
         return values
     if t0.device.type != "cpu" or t0.layout != torch.strided or any(v.requires_grad for v in values):
         return torch.stack(values)
@@ -135,8 +144,9 @@ class PackedBytes:
         self.offsets = offsets
 
     @classmethod
-    def from_slices(cls, buffers: Sequence[Any], starts: Sequence[int], sizes: Sequence[int],
-                    alloc: Alloc = np.empty) -> PackedBytes:
+    def from_slices(
+        cls, buffers: Sequence[Any], starts: Sequence[int], sizes: Sequence[int], alloc: Alloc = np.empty
+    ) -> PackedBytes:
         """Copy buffer[k][starts[k] : starts[k]+sizes[k]] for every k into one tensor, once."""
         offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
         np.cumsum(sizes, out=offsets[1:])

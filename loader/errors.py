@@ -1,4 +1,5 @@
 """The loader's errors: at the bottom of `shardtool.loader`, so every module of it can raise them."""
+
 from __future__ import annotations
 
 from ..format import ShardtoolError

@@ -13,6 +13,7 @@ static shape B * max_docs_per_row + 1. Every batch that is a dict also carries `
 (the source's name; packed: one per row), ``per_source`` ({name: units}) and
 ``per_source_tokens`` ({name: real tokens}, padding not counted), for every source of the mixture.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,17 +40,31 @@ __all__ = ["MixtureBatches"]
 class MixtureBatches:
     """Steps ``0 .. steps - 1`` of DP rank ``dp_rank`` under ``state``'s phase."""
 
-    def __init__(self, planner: MixturePlanner, state: MixtureState, dp_rank: int, readers: dict[str, BatchReader],
-                 steps: int, *, where: str, transform: Callable | None = None, collate_fn: Callable | None = None,
-                 pad_id: int = 0, packing: Packing | None = None):
+    def __init__(
+        self,
+        planner: MixturePlanner,
+        state: MixtureState,
+        dp_rank: int,
+        readers: dict[str, BatchReader],
+        steps: int,
+        *,
+        where: str,
+        transform: Callable | None = None,
+        collate_fn: Callable | None = None,
+        pad_id: int = 0,
+        packing: Packing | None = None,
+    ):
         self.planner, self.state, self.dp_rank = planner, state, dp_rank
         self.readers, self.steps, self.where = readers, steps, where
         self.transform, self.collate_fn, self.pad_id = transform, collate_fn, pad_id
         self.packing = packing
         self.rows = planner.units_per_step
         self.names = planner.mixture.names
-        self.packed = {n: PackedReader(r, packing, name="input_ids", pad_id=pad_id) for n, r in readers.items()} \
-            if packing is not None else None
+        self.packed = (
+            {n: PackedReader(r, packing, name="input_ids", pad_id=pad_id) for n, r in readers.items()}
+            if packing is not None
+            else None
+        )
         self._plans: OrderedDict[tuple[str, int], RankPlan] = OrderedDict()
 
     def __len__(self) -> int:
@@ -99,8 +114,11 @@ class MixtureBatches:
 
     def describe(self, b: int) -> str:
         """Step b's units and their shards, for an error message."""
-        return "; ".join(f"source {name!r} epoch {pieces[0][0]} unit {pieces[0][1]}: "
-                         f"{describe_ids(self.readers[name], self._ids(name, pieces))}" for name, pieces in self.units(b))
+        return "; ".join(
+            f"source {name!r} epoch {pieces[0][0]} unit {pieces[0][1]}: "
+            f"{describe_ids(self.readers[name], self._ids(name, pieces))}"
+            for name, pieces in self.units(b)
+        )
 
     def stats(self) -> Callable[[int], tuple[int, int, int, dict[str, int]]]:
         """What the metrics count per step, asked for as each step is handed over (`step_stats`)."""
@@ -137,15 +155,24 @@ class MixtureBatches:
             raise
 
     def _tally(self, counts: dict[str, int], tokens: dict[str, int]) -> dict[str, Any]:
-        return {"per_source": {n: counts.get(n, 0) for n in self.names},
-                "per_source_tokens": {n: tokens.get(n, 0) for n in self.names}}
+        return {
+            "per_source": {n: counts.get(n, 0) for n in self.names},
+            "per_source_tokens": {n: tokens.get(n, 0) for n in self.names},
+        }
 
     def _bucketed(self, parts: list[tuple[str, list[Piece]]], alloc: Alloc | None) -> Any:
         ((name, ((epoch, index, _),)),) = parts  # one unit a step: a whole batch of one source
         plan = self.plan(name, epoch)
         where = f"{self.where}, source {name!r} epoch {epoch}"
-        batch = PlanBatches(self.readers[name], plan.ids, plan.offsets, where=where, transform=self.transform,
-                            collate_fn=self.collate_fn, pad_id=self.pad_id).load(index, alloc)
+        batch = PlanBatches(
+            self.readers[name],
+            plan.ids,
+            plan.offsets,
+            where=where,
+            transform=self.transform,
+            collate_fn=self.collate_fn,
+            pad_id=self.pad_id,
+        ).load(index, alloc)
         if isinstance(batch, dict):
             tokens = int(plan.lengths[plan.offsets[index] : plan.offsets[index + 1]].sum())
             batch["__source__"] = name
@@ -156,8 +183,10 @@ class MixtureBatches:
         # Each unit is one row, or none where a source's plan is short of rows: such a unit is a
         # row of padding in its place, so every source's rows are exactly its units.
         rows = [(name, _padded(self._rows(name, pieces), sum(c for _, _, c in pieces))) for name, pieces in parts]
-        extra = {"__source__": [name for name, r in rows for _ in range(r.num_rows)],
-                 **self._tally({name: r.num_rows for name, r in rows}, {name: r.tokens for name, r in rows})}
+        extra = {
+            "__source__": [name for name, r in rows for _ in range(r.num_rows)],
+            **self._tally({name: r.num_rows for name, r in rows}, {name: r.tokens for name, r in rows}),
+        }
         batch = read_together([(self.packed[name], r) for name, r in rows], self.rows, alloc)
         if batch is None:  # remote shards, decoded payloads, or sources of other token dtypes
             batch = self._by_part(rows, alloc)
@@ -188,9 +217,15 @@ class MixtureBatches:
         cu[flat.size :] = b * seq
         row_tokens = alloc(b, np.int64)
         row_tokens[:] = np.concatenate(lengths)
-        return {KEY: keys, "input_ids": torch.from_numpy(block[0]), "labels": torch.from_numpy(block[1]),
-                "position_ids": torch.from_numpy(block[2]), "cu_seqlens": torch.from_numpy(cu),
-                "max_seqlen": int(longest), "lengths": torch.from_numpy(row_tokens)}
+        return {
+            KEY: keys,
+            "input_ids": torch.from_numpy(block[0]),
+            "labels": torch.from_numpy(block[1]),
+            "position_ids": torch.from_numpy(block[2]),
+            "cu_seqlens": torch.from_numpy(cu),
+            "max_seqlen": int(longest),
+            "lengths": torch.from_numpy(row_tokens),
+        }
 
 
 def _padded(rows: Rows, count: int) -> Rows:

@@ -6,6 +6,7 @@ A mixture has no epoch: it runs for ``steps`` steps (or ``tokens`` expected toke
 into steps), each source passing over its data as often as the weights need, with a fresh
 shuffle each time, up to ``max_repeat`` passes (refused before the first batch otherwise).
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,11 +38,20 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
     on every rank); ``load_state_dict`` continues there — also under other weights or schedule,
     with sources added or removed, or on another data layout, each source from its own cursor."""
 
-    def _open(self, mixture: Mixture, *, cache_dir: str | None, storage_options: dict | None, steps: int | None,
-              tokens: int | None) -> None:
+    def _open(
+        self,
+        mixture: Mixture,
+        *,
+        cache_dir: str | None,
+        storage_options: dict | None,
+        steps: int | None,
+        tokens: int | None,
+    ) -> None:
         if (steps is None) == (tokens is None):
-            raise ValueError("a mixture has no epoch: give its length as exactly one of steps= (global batches) "
-                             f"and tokens= (expected tokens, all ranks); found steps={steps!r}, tokens={tokens!r}")
+            raise ValueError(
+                "a mixture has no epoch: give its length as exactly one of steps= (global batches) "
+                f"and tokens= (expected tokens, all ranks); found steps={steps!r}, tokens={tokens!r}"
+            )
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise ValueError(f"steps must be an int >= 1, found {steps!r}")
         self.mixture = mixture
@@ -49,15 +59,18 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
         datasets, versions = {}, {}
         try:
             for src in mixture.sources:
-                self.readers[src.name] = reader = BatchReader(SourceSpec(src.url, cache_dir, storage_options),
-                                                              pad_id=self.pad_id)
+                self.readers[src.name] = reader = BatchReader(
+                    SourceSpec(src.url, cache_dir, storage_options), pad_id=self.pad_id
+                )
                 try:
                     datasets[src.name] = reader.source.dataset
                 except ShardtoolError as e:
                     raise type(e)(f"mixture source {src.name!r}: {e}") from None
                 versions[src.name] = datasets[src.name].version
             self.datasets = datasets
-            self._no_double_eos({f"mixture source {n!r}": ds.manifest.length.get("eos_id") for n, ds in datasets.items()})
+            self._no_double_eos(
+                {f"mixture source {n!r}": ds.manifest.length.get("eos_id") for n, ds in datasets.items()}
+            )
             self.planner = MixturePlanner(mixture, datasets, versions, self.batching, self.data_layout)
             self._state = self.planner.start()
             self.steps = steps if steps is not None else steps_for_tokens(self.planner, self._state, tokens)
@@ -72,13 +85,17 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
     # ------------------------------------------------------------------ length and position
     @property
     def epoch(self) -> int:
-        raise AttributeError("a mixture has no epoch: it runs for steps= steps (loader.step served so far, "
-                             "len(loader) left); each source's own passes are in loader.source_epochs")
+        raise AttributeError(
+            "a mixture has no epoch: it runs for steps= steps (loader.step served so far, "
+            "len(loader) left); each source's own passes are in loader.source_epochs"
+        )
 
     def set_epoch(self, epoch: int) -> None:
-        raise LoaderStateError(f"set_epoch({epoch!r}) on a mixture: a mixture has no epoch. It yields steps= steps in "
-                               "one pass (len(loader) left) and resumes from state_dict(); each source repeats with "
-                               "a fresh shuffle on its own. Drop the set_epoch call (and the epoch loop around it)")
+        raise LoaderStateError(
+            f"set_epoch({epoch!r}) on a mixture: a mixture has no epoch. It yields steps= steps in "
+            "one pass (len(loader) left) and resumes from state_dict(); each source repeats with "
+            "a fresh shuffle on its own. Drop the set_epoch call (and the epoch loop around it)"
+        )
 
     @property
     def step(self) -> int:
@@ -99,8 +116,10 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
             return "input_ids"
         fields = {ds.manifest.length.get("field") for ds in self.datasets.values()}
         if len(fields) != 1:
-            raise ValueError(f"the sources of this mixture store their tokens under different fields {sorted(map(str, fields))}; "
-                             "each batch carries its own source's field (batch['__source__'] names the source)")
+            raise ValueError(
+                f"the sources of this mixture store their tokens under different fields {sorted(map(str, fields))}; "
+                "each batch carries its own source's field (batch['__source__'] names the source)"
+            )
         return fields.pop()
 
     @property
@@ -124,13 +143,24 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
         done = {s.name: s for s in span(self.planner, begin, self._served)}
         whole = {s.name: s for s in span(self.planner, begin, self.steps)}
         epochs = self.source_epochs
-        per = {name: {"weight_share": whole[name].weight_share,
-                      "realized_share": done[name].realized_share if self._served > begin.step else None,
-                      "units_in_phase": done[name].units, "tokens_in_phase": done[name].tokens,
-                      "source_epoch": epochs[name], "source_epochs_by_end": whole[name].epochs_touched}
-               for name in st.phase.names}
-        return {"step": self._served, "steps": self.steps, "phase_from_step": st.phase.from_step,
-                "phases_before": st.phases_before, "per_source": per}
+        per = {
+            name: {
+                "weight_share": whole[name].weight_share,
+                "realized_share": done[name].realized_share if self._served > begin.step else None,
+                "units_in_phase": done[name].units,
+                "tokens_in_phase": done[name].tokens,
+                "source_epoch": epochs[name],
+                "source_epochs_by_end": whole[name].epochs_touched,
+            }
+            for name in st.phase.names
+        }
+        return {
+            "step": self._served,
+            "steps": self.steps,
+            "phase_from_step": st.phase.from_step,
+            "phases_before": st.phases_before,
+            "per_source": per,
+        }
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -147,8 +177,10 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
             st = MixtureState.from_dict(state)
             resumed = self.planner.resume(st)
             if resumed.step > self.steps:
-                raise StateError(f"the loader state is at step {resumed.step}, past steps={self.steps}: nothing is left "
-                                 "to serve; give the run's whole length as steps=")
+                raise StateError(
+                    f"the loader state is at step {resumed.step}, past steps={self.steps}: nothing is left "
+                    "to serve; give the run's whole length as steps="
+                )
             check_repeat(self.planner, resumed, self.steps)
         except MixtureError:
             raise  # max_repeat: the table says what to change
@@ -177,9 +209,18 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
         self._pass_start = start = self._served
         self._check_mixture_ranks_agree()
         where = f"rank {self.rank}/{self.layout.world_size}"
-        batches = MixtureBatches(self.planner, self._state, self.dp_rank, self.readers, self.steps, where=where,
-                                 transform=self.transform, collate_fn=self.collate_fn, pad_id=self.pad_id,
-                                 packing=self.packing)
+        batches = MixtureBatches(
+            self.planner,
+            self._state,
+            self.dp_rank,
+            self.readers,
+            self.steps,
+            where=where,
+            transform=self.transform,
+            collate_fn=self.collate_fn,
+            pad_id=self.pad_id,
+            packing=self.packing,
+        )
         if start < self.steps:
             batches.prepare(start)  # before the workers fork: they inherit these plans
         return self._track(self._run(batches, start, self.steps, where))
@@ -195,9 +236,12 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
         position = self._state.at(0).to_dict()
         position.pop("about", None)  # words for people (URLs as each rank spelled them), not the data's identity
         ident = f"{self.planner.fingerprint}/{position}"
-        self._agree([self.steps, self._served], ident, "(steps, mixture/state, step)",
-                    "Every rank must open the same mixture (sources, weights, versions) with the same batching "
-                    "and state.")
+        self._agree(
+            [self.steps, self._served],
+            ident,
+            "(steps, mixture/state, step)",
+            "Every rank must open the same mixture (sources, weights, versions) with the same batching and state.",
+        )
 
     def _readers(self) -> dict[str, BatchReader]:
         return self.readers

@@ -27,6 +27,7 @@ allocation in a worker, fewer fresh pages in the trainer).
 `packed_batch` takes the tokens from any callable; `PackedReader` copies them straight from a
 `BatchReader`'s mapped shards (one memcpy per piece), falling back to decoding samples.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,8 +62,9 @@ class _Layout:
         if rows.span_len.size and int(rows.span_len.min()) < 1:
             raise ValueError("a span of no tokens: every span must hold at least one token")
         if per_row.size and int(per_row.max()) > packing.max_docs_per_row:
-            raise ValueError(f"a row has {int(per_row.max())} pieces, more than max_docs_per_row "
-                             f"{packing.max_docs_per_row}")
+            raise ValueError(
+                f"a row has {int(per_row.max())} pieces, more than max_docs_per_row {packing.max_docs_per_row}"
+            )
         seq = packing.seq_len
         if b * seq >= 2**31:
             raise ValueError(f"{b} rows of {seq} tokens overflow int32 cu_seqlens")
@@ -87,16 +89,20 @@ class _Layout:
         bad = np.flatnonzero(end > n + extra)
         if bad.size:
             k = int(bad[0])
-            raise FormatError(f"{where(int(self.docs[self.doc_of_span[k]]))} has {int(n[k])} tokens, but the plan "
-                              f"packs its tokens up to {int(end[k])}{' (eos included)' if extra else ''}: "
-                              "lengths and data disagree")
+            raise FormatError(
+                f"{where(int(self.docs[self.doc_of_span[k]]))} has {int(n[k])} tokens, but the plan "
+                f"packs its tokens up to {int(end[k])}{' (eos included)' if extra else ''}: "
+                "lengths and data disagree"
+            )
         self.eos_at = self.flat_start[end == n + 1] + rows.span_len[end == n + 1] - 1 if extra else None
         return np.minimum(rows.span_len, np.maximum(n - rows.span_start, 0))
 
     def keys_per_row(self, keys: Sequence[Any]) -> list[list[Any]]:
         per_span = [keys[d] for d in self.doc_of_span.tolist()]
         bounds = self.rows.row_offsets.tolist()
-        return [per_span[a:z] for a, z in zip(bounds[:-1], bounds[1:])] + [[] for _ in range(self.b - self.rows.num_rows)]
+        return [per_span[a:z] for a, z in zip(bounds[:-1], bounds[1:])] + [
+            [] for _ in range(self.b - self.rows.num_rows)
+        ]
 
 
 @functools.lru_cache(maxsize=4)
@@ -107,8 +113,9 @@ def _counting(n: int) -> np.ndarray:
     return out
 
 
-def _finish(block: np.ndarray, lay: _Layout, keys: Sequence[Any], *, name: str, pad_id: int,
-            alloc: Alloc) -> dict[str, Any]:
+def _finish(
+    block: np.ndarray, lay: _Layout, keys: Sequence[Any], *, name: str, pad_id: int, alloc: Alloc
+) -> dict[str, Any]:
     """Everything but the token copy: eos, padding, labels, positions, cu_seqlens. ``block`` is
     [3, B, S] int64 with the tokens in ``block[0]``; labels and positions go to the others (one
     allocation: fresh pages cost more than the arithmetic here)."""
@@ -131,13 +138,19 @@ def _finish(block: np.ndarray, lay: _Layout, keys: Sequence[Any], *, name: str, 
     seg_len = np.diff(np.append(starts, b * seq))
     cu = alloc(b * packing.max_docs_per_row + 1, np.int32)
     cu[: len(starts)] = starts
-    cu[len(starts):] = b * seq
+    cu[len(starts) :] = b * seq
     np.subtract(_counting(b * seq), np.repeat(starts, seg_len), out=pos)
     lengths = alloc(b, np.int64)
     lengths[:] = lay.row_tokens
-    return {KEY: lay.keys_per_row(keys), name: torch.from_numpy(ids), "labels": torch.from_numpy(labels),
-            "position_ids": torch.from_numpy(positions), "cu_seqlens": torch.from_numpy(cu),
-            "max_seqlen": int(seg_len.max(initial=0)), "lengths": torch.from_numpy(lengths)}
+    return {
+        KEY: lay.keys_per_row(keys),
+        name: torch.from_numpy(ids),
+        "labels": torch.from_numpy(labels),
+        "position_ids": torch.from_numpy(positions),
+        "cu_seqlens": torch.from_numpy(cu),
+        "max_seqlen": int(seg_len.max(initial=0)),
+        "lengths": torch.from_numpy(lengths),
+    }
 
 
 def _block(lay: _Layout, alloc: Alloc, into: np.ndarray | None) -> np.ndarray:
@@ -148,10 +161,18 @@ def _block(lay: _Layout, alloc: Alloc, into: np.ndarray | None) -> np.ndarray:
     return into
 
 
-def packed_batch(rows: Rows, tokens_of: Callable[[np.ndarray], Sequence[Any]], packing: Packing, *,
-                 keys_of: Callable[[np.ndarray], Sequence[Any]] | None = None, name: str = "input_ids",
-                 pad_id: int = 0, rows_per_batch: int | None = None, alloc: Alloc = np.empty,
-                 into: np.ndarray | None = None) -> dict[str, Any]:
+def packed_batch(
+    rows: Rows,
+    tokens_of: Callable[[np.ndarray], Sequence[Any]],
+    packing: Packing,
+    *,
+    keys_of: Callable[[np.ndarray], Sequence[Any]] | None = None,
+    name: str = "input_ids",
+    pad_id: int = 0,
+    rows_per_batch: int | None = None,
+    alloc: Alloc = np.empty,
+    into: np.ndarray | None = None,
+) -> dict[str, Any]:
     """The packed batch of ``rows`` (span_pos = sample ids). ``tokens_of(ids)`` gives the 1-D
     integer token arrays of the sorted distinct ``ids``, ``keys_of(ids)`` their keys (default:
     the ids). ``rows_per_batch`` pads a short batch with rows of padding to a fixed shape.
@@ -174,14 +195,27 @@ def packed_batch(rows: Rows, tokens_of: Callable[[np.ndarray], Sequence[Any]], p
 class PackedReader:
     """Packed batches read from a `BatchReader`: tokens copied straight from its mapped shards."""
 
-    def __init__(self, reader: BatchReader, packing: Packing, *, name: str = "input_ids", pad_id: int = 0,
-                 rows_per_batch: int | None = None):
+    def __init__(
+        self,
+        reader: BatchReader,
+        packing: Packing,
+        *,
+        name: str = "input_ids",
+        pad_id: int = 0,
+        rows_per_batch: int | None = None,
+    ):
         self.reader, self.packing = reader, packing
         self.name, self.pad_id, self.rows_per_batch = name, int(pad_id), rows_per_batch
         self._scratch_buf: np.ndarray | None = None
 
-    def read(self, rows: Rows, alloc: Alloc | None = None, *, rows_per_batch: int | None = None,
-             into: np.ndarray | None = None) -> dict[str, Any]:
+    def read(
+        self,
+        rows: Rows,
+        alloc: Alloc | None = None,
+        *,
+        rows_per_batch: int | None = None,
+        into: np.ndarray | None = None,
+    ) -> dict[str, Any]:
         """The packed batch of ``rows`` (span_pos = global sample ids), of ``rows_per_batch`` rows
         (default: the reader's); ``into``: see `packed_batch`."""
         alloc = alloc or np.empty
@@ -191,8 +225,9 @@ class PackedReader:
             return self._decoded(rows, lay, alloc, into)
         return self._copied(lay, src, alloc, into, self.reader.where)
 
-    def _copied(self, lay: _Layout, src: tuple, alloc: Alloc, into: np.ndarray | None,
-                where: Callable[[int], str]) -> dict[str, Any]:
+    def _copied(
+        self, lay: _Layout, src: tuple, alloc: Alloc, into: np.ndarray | None, where: Callable[[int], str]
+    ) -> dict[str, Any]:
         """The batch of ``lay`` from ``src`` (`BatchReader.token_sources` of ``lay.docs``)."""
         keys, bufs, which, first, counts, dtype = src
         n = lay.copy_counts(counts, where)
@@ -202,8 +237,12 @@ class PackedReader:
         narrow = self._scratch((lay.b, lay.seq), dtype)
         dst = memoryview(narrow.reshape(-1).view(np.uint8))
         d = lay.doc_of_span
-        for at, w, a, k in zip((lay.flat_start * item).tolist(), which[d].tolist(),
-                               ((first[d] + lay.rows.span_start) * item).tolist(), (n * item).tolist()):
+        for at, w, a, k in zip(
+            (lay.flat_start * item).tolist(),
+            which[d].tolist(),
+            ((first[d] + lay.rows.span_start) * item).tolist(),
+            (n * item).tolist(),
+        ):
             dst[at : at + k] = bufs[w][a : a + k]
         dst.release()
         block = _block(lay, alloc, into)
@@ -215,11 +254,21 @@ class PackedReader:
         field = self.reader.pad_field
         samples = self.reader.read_samples(lay.docs)
         if samples and not (field and isinstance(samples[0].get(field), np.ndarray)):
-            raise FormatError(f"packing needs the length field to be a 1-D integer token array; "
-                              f"this dataset's length field is {field!r}")
-        return packed_batch(rows, lambda _: [s[field] for s in samples], self.packing,
-                            keys_of=lambda _: [s[KEY] for s in samples], name=self.name, pad_id=self.pad_id,
-                            rows_per_batch=lay.b, alloc=alloc, into=into)
+            raise FormatError(
+                f"packing needs the length field to be a 1-D integer token array; "
+                f"this dataset's length field is {field!r}"
+            )
+        return packed_batch(
+            rows,
+            lambda _: [s[field] for s in samples],
+            self.packing,
+            keys_of=lambda _: [s[KEY] for s in samples],
+            name=self.name,
+            pad_id=self.pad_id,
+            rows_per_batch=lay.b,
+            alloc=alloc,
+            into=into,
+        )
 
     def _scratch(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
         need = int(np.prod(shape)) * dtype.itemsize
@@ -234,15 +283,17 @@ class PackedReader:
 SOURCE_SHIFT = 40  # read_together's document ids: part i's sample g is (i << 40) + g
 
 
-def read_together(parts: Sequence[tuple[PackedReader, Rows]], rows_per_batch: int,
-                  alloc: Alloc = np.empty) -> dict[str, Any] | None:
+def read_together(
+    parts: Sequence[tuple[PackedReader, Rows]], rows_per_batch: int, alloc: Alloc = np.empty
+) -> dict[str, Any] | None:
     """One packed batch of the rows of several readers (a mixture's sources), part after part:
     one layout, one pass of token copies and one finish, as for the rows of one dataset. Uses the
     first reader's name, pad id and scratch. None when a part's tokens are not raw arrays in its
     mapped shards, or the parts store tokens in different dtypes (then read part by part)."""
     first_reader = parts[0][0]
-    shifted = [dataclasses.replace(rows, span_pos=rows.span_pos + (i << SOURCE_SHIFT))
-               for i, (_, rows) in enumerate(parts)]
+    shifted = [
+        dataclasses.replace(rows, span_pos=rows.span_pos + (i << SOURCE_SHIFT)) for i, (_, rows) in enumerate(parts)
+    ]
     lay = _Layout(Rows.concat(shifted, first_reader.packing.seq_len), first_reader.packing, rows_per_batch)
     # The layout's sorted distinct documents are each part's, part after part (the shift): no
     # np.unique of its own per part.
@@ -260,8 +311,14 @@ def read_together(parts: Sequence[tuple[PackedReader, Rows]], rows_per_batch: in
         keys += src[0]
         which.append(src[2] + len(bufs))
         bufs += src[1]
-    joined = (keys, bufs, np.concatenate(which), np.concatenate([src[3] for src in sources]),
-              np.concatenate([src[4] for src in sources]), sources[0][5])
+    joined = (
+        keys,
+        bufs,
+        np.concatenate(which),
+        np.concatenate([src[3] for src in sources]),
+        np.concatenate([src[4] for src in sources]),
+        sources[0][5],
+    )
 
     def where(doc: int) -> str:
         part, gid = doc >> SOURCE_SHIFT, doc & ((1 << SOURCE_SHIFT) - 1)

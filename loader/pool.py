@@ -16,6 +16,7 @@ one that dies, or sends nothing for ``timeout`` seconds, is a `WorkerFailed` in 
 Workers are forked (they inherit the slots and the plan) and exit when told, when their pipe
 closes, or when the trainer is gone.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -47,9 +48,18 @@ class WorkerRaised(Exception):
 class WorkerPool:
     """Iterator over ``load(b, alloc)`` for b in ``range(start, n)``, computed by worker processes."""
 
-    def __init__(self, load: Callable[[int, Callable], Any], start: int, n: int, *, num_workers: int,
-                 prefetch_factor: int, timeout: float, pin: bool = False,
-                 worker_init: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        load: Callable[[int, Callable], Any],
+        start: int,
+        n: int,
+        *,
+        num_workers: int,
+        prefetch_factor: int,
+        timeout: float,
+        pin: bool = False,
+        worker_init: Callable[[int], None] | None = None,
+    ):
         self.start, self.n, self.next_b = start, n, start
         self.workers, self.depth = num_workers, prefetch_factor
         self.timeout, self.pin = timeout, pin
@@ -62,9 +72,12 @@ class WorkerPool:
         for w in range(num_workers):
             mine, theirs = ctx.Pipe(duplex=True)
             self.conns.append(mine)
-            p = ctx.Process(target=_worker_main, args=(load, theirs, self.slots[w], parent, list(self.conns),
-                                                       worker_init, w),
-                            name=f"shardtool-loader-{w}", daemon=True)
+            p = ctx.Process(
+                target=_worker_main,
+                args=(load, theirs, self.slots[w], parent, list(self.conns), worker_init, w),
+                name=f"shardtool-loader-{w}",
+                daemon=True,
+            )
             p.start()
             theirs.close()
             self.procs.append(p)
@@ -112,7 +125,9 @@ class WorkerPool:
                     msg = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
                     proc.join(1.0)
-                    raise WorkerFailed(f"worker {w} (pid {proc.pid}) {_exit_reason(proc)} while loading batch {b}") from None
+                    raise WorkerFailed(
+                        f"worker {w} (pid {proc.pid}) {_exit_reason(proc)} while loading batch {b}"
+                    ) from None
                 if msg[1] != b:
                     raise WorkerFailed(f"worker {w} sent batch {msg[1]} when batch {b} was due")
                 return msg
@@ -165,8 +180,15 @@ def _shutdown(procs: list, conns: list, slots: list) -> None:
 
 
 # ---------------------------------------------------------------------- worker process
-def _worker_main(load: Callable, conn, slots: list[Slot], parent: int, parent_ends: list,
-                 worker_init: Callable[[int], None] | None = None, w: int = 0) -> None:
+def _worker_main(
+    load: Callable,
+    conn,
+    slots: list[Slot],
+    parent: int,
+    parent_ends: list,
+    worker_init: Callable[[int], None] | None = None,
+    w: int = 0,
+) -> None:
     for c in parent_ends:  # so that our pipe (and our siblings') sees EOF when the trainer dies
         c.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle

@@ -6,6 +6,7 @@ default shape is assembled with vectorised numpy gathers straight from the maps.
 shards (no cache) are read sample by sample through `Dataset.read`, one ranged request each.
 Every error names the shard and the sample.
 """
+
 from __future__ import annotations
 
 import os
@@ -65,9 +66,16 @@ class BatchReader:
         index = ds.shard_index(shard)
         mapped = src.map_shard(shard)
         try:
-            v = ShardView(mapped, index, ds.manifest.fields, tar=self.tar, pad_field=self.pad_field,
-                          allow_pickle=ds.allow_pickle, compressed=ds.shard_compressed(shard),
-                          plain_bytes=ds.manifest.shards[shard].raw_bytes or 0)
+            v = ShardView(
+                mapped,
+                index,
+                ds.manifest.fields,
+                tar=self.tar,
+                pad_field=self.pad_field,
+                allow_pickle=ds.allow_pickle,
+                compressed=ds.shard_compressed(shard),
+                plain_bytes=ds.manifest.shards[shard].raw_bytes or 0,
+            )
         except BaseException:
             mapped.close()
             raise
@@ -149,11 +157,13 @@ class BatchReader:
             out[mask] = ds.shard_index(s).lengths[local[mask]]
         return out
 
-    def collate(self, samples: list[Any], ids: np.ndarray, *, pad_id: int,
-                alloc: Alloc | None = None) -> dict[str, Any]:
+    def collate(
+        self, samples: list[Any], ids: np.ndarray, *, pad_id: int, alloc: Alloc | None = None
+    ) -> dict[str, Any]:
         """The default collation of ``samples`` (those of ``ids``), lengths from the index."""
-        return collate_samples(samples, pad_field=self.pad_field, pad_id=pad_id, lengths=self.index_lengths(ids),
-                               alloc=alloc or np.empty)
+        return collate_samples(
+            samples, pad_field=self.pad_field, pad_id=pad_id, lengths=self.index_lengths(ids), alloc=alloc or np.empty
+        )
 
     def read_batch(self, ids: np.ndarray, *, pack: bool = False, alloc: Alloc | None = None) -> dict[str, Any]:
         """The default batch for ``ids``. ``alloc(shape, dtype)`` gives the arrays the batch's
@@ -294,8 +304,9 @@ class BatchReader:
         narrow.fill(self.pad_id)
         dst = memoryview(narrow.reshape(-1).view(np.uint8))
         item = dtype.itemsize
-        for r, w, a, k in zip((rows * (width * item)).tolist(), which.tolist(), (first * item).tolist(),
-                              (n * item).tolist()):
+        for r, w, a, k in zip(
+            (rows * (width * item)).tolist(), which.tolist(), (first * item).tolist(), (n * item).tolist()
+        ):
             dst[r : r + k] = bufs[w][a : a + k]
         dst.release()
         if narrow is not padded:

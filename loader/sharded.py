@@ -1,4 +1,5 @@
 """`ShardedLoader`: the plan of this rank's batches, read by workers, resumable by position."""
+
 from __future__ import annotations
 
 import logging
@@ -111,22 +112,52 @@ class ShardedLoader:
             from ..plan.mixture import Mixture
 
             if isinstance(url, Mixture):  # only when loader/mixed.py was never imported
-                raise TypeError("a Mixture is read by the ShardedLoader of shardtool.loader (from shardtool.loader "
-                                "import ShardedLoader), which knows mixtures; shardtool.loader.sharded alone does not")
+                raise TypeError(
+                    "a Mixture is read by the ShardedLoader of shardtool.loader (from shardtool.loader "
+                    "import ShardedLoader), which knows mixtures; shardtool.loader.sharded alone does not"
+                )
         return super().__new__(cls)
 
-    def __init__(self, url: Any, *, batch_size: int | None = None, max_tokens: int | None = None,
-                 shuffle: bool = True, seed: int = 0, bucketing: bool | None = None, rank: int | None = None,
-                 world_size: int | None = None, ranks_per_node: int | None = None, dp_rank: int | None = None,
-                 dp_size: int | None = None, mesh: Any = None, dp_dim: str | tuple[str, ...] = "dp",
-                 seq_len: int | None = None, packing: str = "best-fit", eos_id: int | None = None,
-                 max_docs_per_row: int | None = None, num_workers: int = 2, prefetch_factor: int = 2,
-                 pin_memory: bool | None = None, cache_dir: str | None = None,
-                 transform: Callable | None = None, collate_fn: Callable | None = None, pad_id: int = 0,
-                 storage_options: dict | None = None, timeout: float = 300.0, window: int | None = None,
-                 metrics: bool = True, metrics_every: int | None = 100, metrics_dir: str | None = None,
-                 metrics_reduce: bool = False, stall_timeout: float | None = 300.0, steps: int | None = None,
-                 tokens: int | None = None, drop_last: bool | None = None, stage: bool | str | None = None):
+    def __init__(
+        self,
+        url: Any,
+        *,
+        batch_size: int | None = None,
+        max_tokens: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        bucketing: bool | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        ranks_per_node: int | None = None,
+        dp_rank: int | None = None,
+        dp_size: int | None = None,
+        mesh: Any = None,
+        dp_dim: str | tuple[str, ...] = "dp",
+        seq_len: int | None = None,
+        packing: str = "best-fit",
+        eos_id: int | None = None,
+        max_docs_per_row: int | None = None,
+        num_workers: int = 2,
+        prefetch_factor: int = 2,
+        pin_memory: bool | None = None,
+        cache_dir: str | None = None,
+        transform: Callable | None = None,
+        collate_fn: Callable | None = None,
+        pad_id: int = 0,
+        storage_options: dict | None = None,
+        timeout: float = 300.0,
+        window: int | None = None,
+        metrics: bool = True,
+        metrics_every: int | None = 100,
+        metrics_dir: str | None = None,
+        metrics_reduce: bool = False,
+        stall_timeout: float | None = 300.0,
+        steps: int | None = None,
+        tokens: int | None = None,
+        drop_last: bool | None = None,
+        stage: bool | str | None = None,
+    ):
         import torch
 
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -136,17 +167,28 @@ class ShardedLoader:
         self.packing = None
         if seq_len is not None:
             if transform is not None or collate_fn is not None:
-                raise ValueError("packing builds its own batches: transform and collate_fn are not supported with "
-                                 "seq_len (pack the transformed tokens instead)")
+                raise ValueError(
+                    "packing builds its own batches: transform and collate_fn are not supported with "
+                    "seq_len (pack the transformed tokens instead)"
+                )
             self.packing = Packing(seq_len, packing, eos_id=eos_id, max_docs_per_row=max_docs_per_row)
-        self.batching = Batching(batch_size=batch_size, max_tokens=max_tokens, shuffle=shuffle, seed=seed,
-                                 window=window, bucketing=bucketing, packing=self.packing, drop_last=drop_last)
+        self.batching = Batching(
+            batch_size=batch_size,
+            max_tokens=max_tokens,
+            shuffle=shuffle,
+            seed=seed,
+            window=window,
+            bucketing=bucketing,
+            packing=self.packing,
+            drop_last=drop_last,
+        )
         self._bucketing = bucketing
         dist = torch.distributed if torch.distributed.is_available() else None
         self.placement = rank_placement(rank, world_size, ranks_per_node, env=os.environ, dist=dist)
         self.rank, self.layout = self.placement.rank, self.placement.layout
-        self.data_layout, self.dp_rank = data_parallel(self.placement, dp_rank=dp_rank, dp_size=dp_size,
-                                                       mesh=as_mesh(mesh), dp_dims=_dp_dims(dp_dim))
+        self.data_layout, self.dp_rank = data_parallel(
+            self.placement, dp_rank=dp_rank, dp_size=dp_size, mesh=as_mesh(mesh), dp_dims=_dp_dims(dp_dim)
+        )
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
@@ -156,10 +198,18 @@ class ShardedLoader:
         self.pad_id = int(pad_id)
         self._open(url, cache_dir=cache_dir, storage_options=storage_options, steps=steps, tokens=tokens)
         try:
-            self._obs = Observer(self._readers(), self.placement, num_workers=num_workers,
-                                 prefetch_factor=prefetch_factor, metrics=metrics, metrics_every=metrics_every,
-                                 metrics_dir=metrics_dir, metrics_reduce=metrics_reduce, cache_dir=cache_dir,
-                                 stall_timeout=stall_timeout)
+            self._obs = Observer(
+                self._readers(),
+                self.placement,
+                num_workers=num_workers,
+                prefetch_factor=prefetch_factor,
+                metrics=metrics,
+                metrics_every=metrics_every,
+                metrics_dir=metrics_dir,
+                metrics_reduce=metrics_reduce,
+                cache_dir=cache_dir,
+                stall_timeout=stall_timeout,
+            )
             from .staging import staging_for  # lazy: imports the cache, as a loader with a cache_dir does
 
             self._staging = staging_for(self, stage, cache_dir, one_dataset=type(self) is ShardedLoader)
@@ -167,12 +217,15 @@ class ShardedLoader:
             self.close()
             raise
 
-    def _open(self, url: str, *, cache_dir: str | None, storage_options: dict | None, steps: int | None,
-              tokens: int | None) -> None:
+    def _open(
+        self, url: str, *, cache_dir: str | None, storage_options: dict | None, steps: int | None, tokens: int | None
+    ) -> None:
         """The dataset and its plan (a `Mixture` opens its sources instead: loader/mixed.py)."""
         if steps is not None or tokens is not None:
-            raise ValueError("steps= and tokens= give the length of a Mixture; a single dataset is read by epochs "
-                             "(len(loader) batches each, set_epoch to choose one)")
+            raise ValueError(
+                "steps= and tokens= give the length of a Mixture; a single dataset is read by epochs "
+                "(len(loader) batches each, set_epoch to choose one)"
+            )
         self.spec = SourceSpec(url, cache_dir, storage_options)
         self.reader = BatchReader(self.spec, pad_id=self.pad_id)
         ds = self.reader.source.dataset  # metadata only: manifest, summaries, this rank's range's lengths
@@ -184,7 +237,9 @@ class ShardedLoader:
             raise
         self.fingerprint = ds.version
         if self._bucketing is None:  # the dataset decides (see the class docstring); the plan stays pure
-            self.batching = replace(self.batching, bucketing=default_bucketing(ds.manifest.length, self.batching.shuffle))
+            self.batching = replace(
+                self.batching, bucketing=default_bucketing(ds.manifest.length, self.batching.shuffle)
+            )
         self.planner = Planner(ds, self.batching)
         self._epoch = 0
         self._state = self.planner.start(0, self.fingerprint, self.data_layout)  # ValueError: cannot plan
@@ -198,8 +253,10 @@ class ShardedLoader:
         """Documents packed with --eos-id already end with it: the loader does not add another."""
         packing = with_packed_eos(self.packing, packed_eos)
         if packing is not self.packing:
-            log.info("documents already end with EOS id %d (packed with --eos-id): the loader appends none",
-                     self.packing.eos_id)
+            log.info(
+                "documents already end with EOS id %d (packed with --eos-id): the loader appends none",
+                self.packing.eos_id,
+            )
             self.packing = packing
             self.batching = replace(self.batching, packing=packing)
 
@@ -255,11 +312,22 @@ class ShardedLoader:
 
     def _log_plan(self) -> None:
         p = self._plan
-        left = f"remainder {p.remainder.size} samples of its group" if p.remainder is not None else \
-            f"{p.leftover_batches} batches left over by the resume's re-deal"
-        log.info("epoch %d rank %d/%d (DP rank %d of %d): %d batches, padding efficiency %.3f, %s",
-                 self._epoch, self.rank, self.layout.world_size, self.dp_rank, self.data_layout.dp_size,
-                 p.batches_per_rank, p.padding_efficiency, left)
+        left = (
+            f"remainder {p.remainder.size} samples of its group"
+            if p.remainder is not None
+            else f"{p.leftover_batches} batches left over by the resume's re-deal"
+        )
+        log.info(
+            "epoch %d rank %d/%d (DP rank %d of %d): %d batches, padding efficiency %.3f, %s",
+            self._epoch,
+            self.rank,
+            self.layout.world_size,
+            self.dp_rank,
+            self.data_layout.dp_size,
+            p.batches_per_rank,
+            p.padding_efficiency,
+            left,
+        )
 
     @property
     def length_field(self) -> str | None:
@@ -302,8 +370,10 @@ class ShardedLoader:
         layout from the next batch; on another one (DP size changed) with the epoch's unserved
         batches dealt over the new DP ranks. Refuses a state of another dataset or config."""
         if isinstance(state, dict) and state.get("kind") == "mixture":
-            raise LoaderStateError("cannot load this loader state: it was saved by a loader of a Mixture; load it "
-                                   "into ShardedLoader(Mixture(...)) of those sources")
+            raise LoaderStateError(
+                "cannot load this loader state: it was saved by a loader of a Mixture; load it "
+                "into ShardedLoader(Mixture(...)) of those sources"
+            )
         try:
             st = LoaderState.from_dict(state, batching=self.batching)
             check_compatible(st, self.fingerprint, self.batching, self._about())
@@ -335,12 +405,22 @@ class ShardedLoader:
         if self.packing is not None:
             from .packed import PackedReader
 
-            packed = PackedReader(self.reader, self.packing, name="input_ids", pad_id=self.pad_id,
-                                  rows_per_batch=self.batching.batch_size)
-        batches = PlanBatches(self.reader, plan.ids, plan.offsets, where=where, transform=self.transform,
-                              collate_fn=self.collate_fn, pad_id=self.pad_id, lengths=plan.lengths, packed=packed,
-                              packed_rows=plan.batch_rows if packed is not None else None,
-                              packed_stats=plan.packed_stats(self.batching.batch_size) if packed is not None else None)
+            packed = PackedReader(
+                self.reader, self.packing, name="input_ids", pad_id=self.pad_id, rows_per_batch=self.batching.batch_size
+            )
+        batches = PlanBatches(
+            self.reader,
+            plan.ids,
+            plan.offsets,
+            where=where,
+            transform=self.transform,
+            collate_fn=self.collate_fn,
+            pad_id=self.pad_id,
+            lengths=plan.lengths,
+            packed=packed,
+            packed_rows=plan.batch_rows if packed is not None else None,
+            packed_stats=plan.packed_stats(self.batching.batch_size) if packed is not None else None,
+        )
         return self._track(self._run(batches, start, n, where))
 
     def _track(self, run: Iterator[Any]) -> Iterator[Any]:
@@ -363,9 +443,16 @@ class ShardedLoader:
         entered = time.perf_counter()
         watch = self._obs.begin_pass(batches, start, n, where, self._epoch, entered)  # before the workers fork
         try:
-            dl = make_dataloader(batches, start, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
-                                 pin_memory=self.pin_memory, timeout=self.timeout, worker_init=self._obs.worker_init,
-                                 probe=self._obs.probe)
+            dl = make_dataloader(
+                batches,
+                start,
+                num_workers=self.num_workers,
+                prefetch_factor=self.prefetch_factor,
+                pin_memory=self.pin_memory,
+                timeout=self.timeout,
+                worker_init=self._obs.worker_init,
+                probe=self._obs.probe,
+            )
         except BaseException:
             self._obs.end_pass(complete=False)
             raise
@@ -409,8 +496,12 @@ class ShardedLoader:
             return
         self._checked_epoch = self._epoch
         ident = f"{self.fingerprint}/{self.batching.fingerprint()}/{self._epoch}"
-        self._agree([plan.batches_per_rank, self._served], ident, "(batches per rank, dataset/config, position)",
-                    "Every rank must open the same dataset version with the same batching and state.")
+        self._agree(
+            [plan.batches_per_rank, self._served],
+            ident,
+            "(batches per rank, dataset/config, position)",
+            "Every rank must open the same dataset version with the same batching and state.",
+        )
 
     def _in_process_group(self) -> bool:
         return in_process_group(self.layout.world_size, self.rank)

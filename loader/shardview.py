@@ -16,6 +16,7 @@ record batch, so each is decompressed at most once per training batch and its to
 with the same one-memcpy-per-row path as a plain shard's. (The node cache holds such shards
 plain, `cache.plain`: this path serves datasets read in place or ranged, without a cache.)
 """
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,18 @@ def yields_bytes(spec: FieldSpec, tar: bool) -> bool:
 class ShardView:
     """Byte ranges of every field of every sample of one shard, and its map."""
 
-    def __init__(self, mapped: MappedFile, index, fields: list[FieldSpec], *, tar: bool,
-                 pad_field: str | None, allow_pickle: bool = False, compressed: bool = False, plain_bytes: int = 0):
+    def __init__(
+        self,
+        mapped: MappedFile,
+        index,
+        fields: list[FieldSpec],
+        *,
+        tar: bool,
+        pad_field: str | None,
+        allow_pickle: bool = False,
+        compressed: bool = False,
+        plain_bytes: int = 0,
+    ):
         self.mapped = mapped
         self.name = mapped.shard_name
         self.keys = np.array(index.keys, dtype=object)
@@ -77,8 +88,9 @@ class ShardView:
         self._batches = None
         if compressed and not tar:
             fast = self.pad_col is not None and is_int_array(fields[self.pad_col])
-            self._batches = _CompressedBatches(buf, index, fields, self.name, self.pad_col if fast else None,
-                                               plain_bytes)
+            self._batches = _CompressedBatches(
+                buf, index, fields, self.name, self.pad_col if fast else None, plain_bytes
+            )
             self.bytes_fields = [False] * nf  # no slices of the map to hand out
             # A read touches its record batch: each sample's share of its batch's stored bytes.
             _, where, rows = np.unique(index.batch, return_inverse=True, return_counts=True)
@@ -101,8 +113,9 @@ class ShardView:
     def _fast_tokens(self, spec: FieldSpec, tar: bool) -> None:
         # Parsed once per shard for all samples: per-batch parsing (only the samples read) saved
         # a worker's start-up but cost more per batch when a batch spans many shards.
-        self.tok_view = np.frombuffer(self.mapped.buffer(), dtype=np.dtype(spec.dtype),
-                                      count=self.mapped.size // np.dtype(spec.dtype).itemsize)
+        self.tok_view = np.frombuffer(
+            self.mapped.buffer(), dtype=np.dtype(spec.dtype), count=self.mapped.size // np.dtype(spec.dtype).itemsize
+        )
         self.tok_dtype = self.tok_view.dtype
         self.tok_bytes = memoryview(self.mapped.buffer()).cast("B")  # rows are copied as raw bytes
         self._tok_ranges = self._parse(self.starts[:, self.pad_col], self.sizes[:, self.pad_col], npy=tar)
@@ -209,6 +222,7 @@ def _arrow_ranges(buf, file_size: int, index, fields: list[FieldSpec], name: str
     if len(starts) and ((starts < 0) | (starts + sizes > file_size)).any():
         # Buffers outside the map mean Arrow decompressed or copied them: a shard compressed
         # though its manifest says it is not.
-        raise FormatError(f"{name}: Arrow buffers are not in the file (a compressed shard the manifest does not "
-                          "declare compressed?)")
+        raise FormatError(
+            f"{name}: Arrow buffers are not in the file (a compressed shard the manifest does not declare compressed?)"
+        )
     return starts, sizes

@@ -9,6 +9,7 @@ batch does not fit), then `encode` replaces every array that lives in the slot b
 The trainer's `decode` copies each array out into a fresh tensor (optionally pinned), so the
 slot can go back to the worker at once while the user keeps the batch as long as they like.
 """
+
 from __future__ import annotations
 
 import functools

@@ -9,6 +9,7 @@ sample checked against its index checksum.
 A `SourceSpec` is the picklable recipe; each process (the trainer and every DataLoader worker)
 opens its own `Source` from it, after fork, so no file handle or event loop is shared.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -6,6 +6,7 @@ worker, as those workers are: it inherits the storage configuration (registered 
 credentials in the environment) and imports nothing new. It exits by itself when the node's
 shards are in, when every rank closed its loader, or when rank 0's process is gone.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,8 +32,10 @@ def stage_mode(stage: Any, env: Mapping[str, str]) -> bool | str:
             raise ValueError(f"SHARDTOOL_STAGE must be one of 1, 0, external; found {raw!r}")
         stage = MODES[raw]
     if stage not in (True, False, "external"):
-        raise ValueError(f"stage must be True (local rank 0 stages the node's shards), 'external' (a `shardtool "
-                         f"warm --follow` step does) or False, found {stage!r}")
+        raise ValueError(
+            f"stage must be True (local rank 0 stages the node's shards), 'external' (a `shardtool "
+            f"warm --follow` step does) or False, found {stage!r}"
+        )
     return stage
 
 
@@ -41,6 +44,7 @@ def stager_options(env: Mapping[str, str]) -> dict:
     default 16), SHARDTOOL_STAGE_AHEAD_BYTES, SHARDTOOL_STAGE_JOBS (concurrent fetches, default 4),
     SHARDTOOL_STAGE_BANDWIDTH (bytes per second, e.g. 500M); the same as `shardtool warm --follow`'s
     --ahead, --ahead-bytes, -j and --bandwidth."""
+
     def number(key: str, default: int | None, parse) -> int | None:
         raw = env.get(key, "").strip()
         if not raw:
@@ -56,10 +60,12 @@ def stager_options(env: Mapping[str, str]) -> dict:
     def sized(raw):
         return parse_size(raw, what="size")
 
-    return {"ahead_shards": number("SHARDTOOL_STAGE_AHEAD", 16, int),
-            "ahead_bytes": number("SHARDTOOL_STAGE_AHEAD_BYTES", None, sized),
-            "jobs": number("SHARDTOOL_STAGE_JOBS", 4, int),
-            "bandwidth": number("SHARDTOOL_STAGE_BANDWIDTH", None, sized)}
+    return {
+        "ahead_shards": number("SHARDTOOL_STAGE_AHEAD", 16, int),
+        "ahead_bytes": number("SHARDTOOL_STAGE_AHEAD_BYTES", None, sized),
+        "jobs": number("SHARDTOOL_STAGE_JOBS", 4, int),
+        "bandwidth": number("SHARDTOOL_STAGE_BANDWIDTH", None, sized),
+    }
 
 
 def _run_stager(url: str, cache_dir: str, storage_options: dict | None, parent: int, kw: dict) -> None:
@@ -84,8 +90,11 @@ class Staging:
         if mode is True and placement.rank % rpn == 0:
             kw = dict(run=run, ranks=rpn, **stager_options(env))
             self.process = multiprocessing.get_context("fork").Process(
-                target=_run_stager, args=(cache.url, cache.cache_dir, cache.storage_options, os.getpid(), kw),
-                name="shardtool-stager", daemon=True)
+                target=_run_stager,
+                args=(cache.url, cache.cache_dir, cache.storage_options, os.getpid(), kw),
+                name="shardtool-stager",
+                daemon=True,
+            )
             self.process.start()
 
     def begin_pass(self, epoch: int, plan, start: int) -> None:

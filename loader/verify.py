@@ -24,6 +24,7 @@ else ``$TMPDIR/shardtool-cache-<uid>``), which must belong to this user and be w
 else — whoever can write it could vouch for a damaged shard. Where it is unusable, every process
 hashes every shard it maps (correct, only slower), and says so in a warning.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,16 +53,20 @@ def stamp_dir(dataset: Dataset, env: Mapping[str, str]) -> str | None:
         os.makedirs(path, mode=0o700, exist_ok=True)
         return path
     except (LocalFault, OSError) as e:
-        log.warning("shards read in place are hashed in every process: no private directory for trust stamps "
-                    "(%s)", e)
+        log.warning("shards read in place are hashed in every process: no private directory for trust stamps (%s)", e)
         return None
 
 
 def file_identity(st: os.stat_result) -> dict:
     """What changes whenever a file's bytes can have changed. ctime too: a write followed by
     os.utime (rsync -t, a restore) can put size and mtime back, but nothing can set ctime back."""
-    return {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "ctime_ns": st.st_ctime_ns}
+    return {
+        "dev": st.st_dev,
+        "ino": st.st_ino,
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+    }
 
 
 class InPlaceVerifier:
@@ -93,8 +98,12 @@ class InPlaceVerifier:
                 stamp = json.load(f)
         except (OSError, ValueError):
             return False
-        return (isinstance(stamp, dict) and stamp_survives(stamp) and stamp.get("hash") == digest
-                and all(stamp.get(k) == v for k, v in file_identity(st).items()))
+        return (
+            isinstance(stamp, dict)
+            and stamp_survives(stamp)
+            and stamp.get("hash") == digest
+            and all(stamp.get(k) == v for k, v in file_identity(st).items())
+        )
 
     def _stamp(self, shard: int, digest: str, st: os.stat_result) -> None:
         from ..cache.durability import stamp_fields
@@ -104,8 +113,7 @@ class InPlaceVerifier:
         if path is None:
             return
         # Not fsynced, and never durable: the bytes were checked in this boot's page cache only.
-        body = {"path": self.dataset.shard_path(shard), **file_identity(st), "hash": digest,
-                **stamp_fields(False)}
+        body = {"path": self.dataset.shard_path(shard), **file_identity(st), "hash": digest, **stamp_fields(False)}
         try:
             write_small(path, json.dumps(body).encode())
         except OSError as e:  # a full or read-only /tmp costs a re-hash later, nothing else

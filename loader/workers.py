@@ -5,6 +5,7 @@
 loads them in worker processes into reusable shared-memory slots and delivers them in batch
 order, so the batch sequence never depends on ``num_workers``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,10 +25,21 @@ class PlanBatches:
     """Batch b: the batch of global sample ids ``ids[offsets[b]:offsets[b+1]]``, read and collated;
     or, packed, the rows ``packed_rows(b)`` read by ``packed`` (a `PackedReader`)."""
 
-    def __init__(self, reader: BatchReader, ids: np.ndarray, offsets: np.ndarray, *, where: str,
-                 transform: Callable | None = None, collate_fn: Callable | None = None, pad_id: int = 0,
-                 lengths: np.ndarray | None = None, packed: Any = None, packed_rows: Callable | None = None,
-                 packed_stats: tuple | None = None):
+    def __init__(
+        self,
+        reader: BatchReader,
+        ids: np.ndarray,
+        offsets: np.ndarray,
+        *,
+        where: str,
+        transform: Callable | None = None,
+        collate_fn: Callable | None = None,
+        pad_id: int = 0,
+        lengths: np.ndarray | None = None,
+        packed: Any = None,
+        packed_rows: Callable | None = None,
+        packed_stats: tuple | None = None,
+    ):
         self.reader = reader
         self.ids = ids
         self.offsets = offsets
@@ -92,8 +104,10 @@ class PlanBatches:
         got = got.numpy() if hasattr(got, "numpy") else np.asarray(got)
         if not np.array_equal(got, want):
             k = int(np.flatnonzero(got != want)[0])
-            raise FormatError(f"{self.reader.where(int(ids[k]))}: its data has length {int(got[k])}, the dataset's "
-                              f"lengths file says {int(want[k])} (the plan was made from it); run shardtool verify")
+            raise FormatError(
+                f"{self.reader.where(int(ids[k]))}: its data has length {int(got[k])}, the dataset's "
+                f"lengths file says {int(want[k])} (the plan was made from it); run shardtool verify"
+            )
 
     def _transform(self, sample: dict, gid: int) -> Any:
         try:
@@ -103,9 +117,17 @@ class PlanBatches:
             raise
 
 
-def make_dataloader(dataset: PlanBatches, start: int, *, num_workers: int, prefetch_factor: int,
-                    pin_memory: bool, timeout: float, worker_init: Callable[[int], None] | None = None,
-                    probe=None) -> Iterator[Any]:
+def make_dataloader(
+    dataset: PlanBatches,
+    start: int,
+    *,
+    num_workers: int,
+    prefetch_factor: int,
+    pin_memory: bool,
+    timeout: float,
+    worker_init: Callable[[int], None] | None = None,
+    probe=None,
+) -> Iterator[Any]:
     """Batches ``start .. len(dataset)-1`` in order (the name predates our own worker pool);
     ``probe``: the workers' metrics (loader/probe.py), None for none. ``dataset``: `PlanBatches`,
     or anything with its ``load`` and ``len`` (a mixture's steps)."""
@@ -113,8 +135,16 @@ def make_dataloader(dataset: PlanBatches, start: int, *, num_workers: int, prefe
     if num_workers == 0:
         return _in_process(dataset, start, pin)
     load = dataset.load if probe is None else functools.partial(_timed_load, dataset.load, probe, len(dataset))
-    return WorkerPool(load, start, len(dataset), num_workers=num_workers, prefetch_factor=prefetch_factor,
-                      timeout=timeout, pin=pin, worker_init=worker_init)
+    return WorkerPool(
+        load,
+        start,
+        len(dataset),
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor,
+        timeout=timeout,
+        pin=pin,
+        worker_init=worker_init,
+    )
 
 
 def _timed_load(load: Callable, probe, n: int, b: int, alloc: Alloc | None = None) -> Any:

@@ -3,6 +3,7 @@
 Kept light: importing ``shardtool`` imports only the format layer. ``shardtool.pack`` is the
 packing function itself, with its real signature and docstring; it loads on first use.
 """
+
 import sys
 import types
 

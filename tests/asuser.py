@@ -6,6 +6,7 @@ interpreter: the interpreter may live where the other user cannot read it (say u
 everything the function needs is imported before the fork (``preload``). Returns what the
 function returns (picklable); re-raises its error as ``ChildFailed`` with the child's traceback.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -49,8 +50,15 @@ def preload(*modules: str) -> None:
         importlib.import_module(m)
 
 
-def run_as(fn, *args, uid: int = NOBODY, gid: int = NOBODY, groups: tuple[int, ...] = (),
-           env: dict | None = None, timeout: float = 120):
+def run_as(
+    fn,
+    *args,
+    uid: int = NOBODY,
+    gid: int = NOBODY,
+    groups: tuple[int, ...] = (),
+    env: dict | None = None,
+    timeout: float = 120,
+):
     ctx = mp.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
 

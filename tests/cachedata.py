@@ -1,4 +1,5 @@
 """A synthetic packed dataset for cache tests and benchmarks (tar shards, random lengths)."""
+
 from __future__ import annotations
 
 import os
@@ -16,9 +17,17 @@ def child_env() -> dict:
     return e
 
 
-def make_dataset(root: str, *, shards: int = 8, samples: int = 10, sample_bytes: int = 1000,
-                 seed: int = 0, replicate: bool = False) -> str:
+def make_dataset(
+    root: str, *, shards: int = 8, samples: int = 10, sample_bytes: int = 1000, seed: int = 0, replicate: bool = False
+) -> str:
     """``shards`` tar shards of ``samples`` samples of ~``sample_bytes`` random bytes each, under ``root``.
     ``replicate`` packs one shard and copies it (same content, other names): fast for 1,000s."""
-    return write_synthetic(root, shard_sizes=[samples] * shards, kind="bytes", sample_bytes=sample_bytes, seed=seed,
-                           replicate=replicate, shard_name="shards/{:06d}").root
+    return write_synthetic(
+        root,
+        shard_sizes=[samples] * shards,
+        kind="bytes",
+        sample_bytes=sample_bytes,
+        seed=seed,
+        replicate=replicate,
+        shard_name="shards/{:06d}",
+    ).root

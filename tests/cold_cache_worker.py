@@ -4,6 +4,7 @@ Every step all-reduces the batch size, as DDP does, so a rank whose workers are 
 other wait and the job fail on the collective timeout instead of finishing. Writes the keys of
 each batch to OUT/rank<r>.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,15 @@ def main() -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.collective_timeout))
     rank = dist.get_rank()
     opts = {"latency": args.latency} if args.data.startswith("faulty://") else None
-    loader = ShardedLoader(args.data, max_tokens=2048, seed=0, num_workers=args.num_workers, cache_dir=args.cache_dir,
-                           storage_options=opts, pin_memory=False)
+    loader = ShardedLoader(
+        args.data,
+        max_tokens=2048,
+        seed=0,
+        num_workers=args.num_workers,
+        cache_dir=args.cache_dir,
+        storage_options=opts,
+        pin_memory=False,
+    )
     keys = []
     for batch in loader:
         t = torch.tensor([len(batch["__key__"])])

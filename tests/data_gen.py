@@ -1,4 +1,5 @@
 """Small, general test-data builders: token JSONL/Parquet, image-like file trees, tar shards."""
+
 from __future__ import annotations
 
 import gzip
@@ -12,8 +13,14 @@ import numpy as np
 
 def token_records(n: int, seed: int = 0, max_len: int = 64) -> list[dict]:
     rng = np.random.default_rng(seed)
-    return [{"tokens": rng.integers(0, 1000, int(rng.integers(1, max_len))).tolist(), "text": f"doc {i}",
-             "label": int(i % 7)} for i in range(n)]
+    return [
+        {
+            "tokens": rng.integers(0, 1000, int(rng.integers(1, max_len))).tolist(),
+            "text": f"doc {i}",
+            "label": int(i % 7),
+        }
+        for i in range(n)
+    ]
 
 
 def write_jsonl(path: str, records: list, *, compress: str | None = None, raw_lines: list[str] | None = None) -> str:
@@ -39,8 +46,10 @@ def write_parquet(path: str, records: list[dict], *, row_group_size: int = 16, t
     for name in records[0]:
         vals = [r[name] for r in records]
         if isinstance(vals[0], list):
-            cols[name] = pa.array([np.asarray(v, dtype=token_dtype) for v in vals],
-                                  type=pa.list_(pa.from_numpy_dtype(np.dtype(token_dtype))))
+            cols[name] = pa.array(
+                [np.asarray(v, dtype=token_dtype) for v in vals],
+                type=pa.list_(pa.from_numpy_dtype(np.dtype(token_dtype))),
+            )
         else:
             cols[name] = pa.array(vals)
     pq.write_table(pa.table(cols), path, row_group_size=row_group_size)
@@ -49,8 +58,10 @@ def write_parquet(path: str, records: list[dict], *, row_group_size: int = 16, t
 
 def image_samples(n: int, seed: int = 0, size: int = 2000) -> dict[str, dict[str, bytes]]:
     rng = np.random.default_rng(seed)
-    return {f"{i:05d}": {"jpg": rng.bytes(int(rng.integers(1, size))), "json": json.dumps({"i": i}).encode()}
-            for i in range(n)}
+    return {
+        f"{i:05d}": {"jpg": rng.bytes(int(rng.integers(1, size))), "json": json.dumps({"i": i}).encode()}
+        for i in range(n)
+    }
 
 
 def write_tree(root: str, samples: dict[str, dict[str, bytes]], *, subdirs: int = 0) -> str:

@@ -5,6 +5,7 @@ dataset through a slow fsspec source (tests/faultfs.py: every request waits --la
 others read it in place; after every batch the ranks all-reduce, as DDP does, so the fast
 ranks wait for the slow one in the collective and the slow one waits for its data.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,18 @@ def main() -> int:
     rank = dist.get_rank()
     slow = rank == args.slow_rank
     url = ("faulty://" + args.data) if slow else args.data
-    loader = ShardedLoader(url, batch_size=4, seed=1, num_workers=0, ranks_per_node=2, pin_memory=False,
-                           storage_options={"latency": args.latency} if slow else None, metrics_every=args.every,
-                           metrics_dir=os.path.join(args.out, "metrics", f"node{rank // 2}"), metrics_reduce=True)
+    loader = ShardedLoader(
+        url,
+        batch_size=4,
+        seed=1,
+        num_workers=0,
+        ranks_per_node=2,
+        pin_memory=False,
+        storage_options={"latency": args.latency} if slow else None,
+        metrics_every=args.every,
+        metrics_dir=os.path.join(args.out, "metrics", f"node{rank // 2}"),
+        metrics_reduce=True,
+    )
     for batch in loader:
         t = torch.tensor([len(batch["__key__"])])
         dist.all_reduce(t)

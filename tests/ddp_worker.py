@@ -4,6 +4,7 @@ Records every batch's keys per epoch into OUT/rank<r>.json. With --stop-at K it 
 loader's state after K batches to OUT/state-rank<r>.json and exits, as a job killed at step K
 would after its last checkpoint; --resume STATE continues from such a file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,12 +34,20 @@ def main() -> int:
     rank = dist.get_rank()
     transform = None
     if args.fail_key:
+
         def transform(sample, bad=args.fail_key):
             if sample["__key__"] == bad:
                 raise ValueError(f"injected failure on {bad}")
             return sample
-    loader = ShardedLoader(args.data, batch_size=args.batch_size, num_workers=args.num_workers, seed=1,
-                           transform=transform, pin_memory=False)
+
+    loader = ShardedLoader(
+        args.data,
+        batch_size=args.batch_size,
+        num_workers=args.num_workers,
+        seed=1,
+        transform=transform,
+        pin_memory=False,
+    )
     start_epoch = 0
     if args.resume:
         with open(args.resume) as f:
@@ -49,8 +58,9 @@ def main() -> int:
     step = 0
     for epoch in range(start_epoch, args.epochs):
         loader.set_epoch(epoch)
-        rec = record["epochs"].setdefault(str(epoch), {"len": len(loader), "remainder": loader.remainder.tolist(),
-                                                       "batches": []})
+        rec = record["epochs"].setdefault(
+            str(epoch), {"len": len(loader), "remainder": loader.remainder.tolist(), "batches": []}
+        )
         for batch in loader:
             t = torch.tensor([len(batch["__key__"])])
             dist.all_reduce(t)  # what DDP does every step: a rank short of batches would hang here

@@ -19,6 +19,7 @@ open, a cat, each read call of an open file — like one ranged GET each):
 Fault counters live on the instance (``cachable = False``), so each ``url_to_fs`` starts fresh;
 ``fs.requests`` counts requests per path for assertions ("one try, no retry storm").
 """
+
 from __future__ import annotations
 
 import collections
@@ -36,9 +37,22 @@ class FaultyFileSystem(AbstractFileSystem):
     protocol = ("faulty",)
     cachable = False
 
-    def __init__(self, target_protocol: str = "file", target_options: dict | None = None, *, latency: float = 0.0,
-                 transient: dict | None = None, missing=(), stall: dict | None = None, short: dict | None = None,
-                 refuse: bool = False, hang=(), bandwidth: float = 0.0, bandwidth_file: str | None = None, **kw):
+    def __init__(
+        self,
+        target_protocol: str = "file",
+        target_options: dict | None = None,
+        *,
+        latency: float = 0.0,
+        transient: dict | None = None,
+        missing=(),
+        stall: dict | None = None,
+        short: dict | None = None,
+        refuse: bool = False,
+        hang=(),
+        bandwidth: float = 0.0,
+        bandwidth_file: str | None = None,
+        **kw,
+    ):
         super().__init__(**kw)
         self.fs = fsspec.filesystem(target_protocol, **(target_options or {}))
         self.latency = latency

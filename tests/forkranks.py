@@ -8,6 +8,7 @@ A job is ``{"world": N, "out": DIR, "limit": SECONDS, "argv": [...], "env": {...
 ``rank_main(["--out", DIR, *argv])`` in its own session, with RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT and the job's ``env`` set, its output in DIR/rank<r>.log.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,14 @@ def _start_rank(rank: int, job: dict, port: int, rank_main: Callable[[list[str]]
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         local = int(job.get("env", {}).get("LOCAL_WORLD_SIZE", job["world"]))
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(job["world"]), LOCAL_RANK=str(rank % local),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **job.get("env", {}))
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(job["world"]),
+            LOCAL_RANK=str(rank % local),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            **job.get("env", {}),
+        )
         code = rank_main(["--out", out, *job["argv"]])
     except BaseException:
         traceback.print_exc()

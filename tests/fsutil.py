@@ -1,4 +1,5 @@
 """Test helpers for files on disk: damage one, list leftover temps, mount a small real tmpfs."""
+
 from __future__ import annotations
 
 import contextlib
@@ -29,10 +30,13 @@ def tmpfs(path, opts: str) -> Iterator:
     """A real tmpfs mounted at ``path`` with ``opts`` (e.g. "size=2m", "ro,size=1m") for the block;
     skips the test where mounting is not allowed (needs root or CAP_SYS_ADMIN; a failure in CI)."""
     os.makedirs(path, exist_ok=True)
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True,
-                         timeout=30)
-    require(res.returncode == 0,
-            f"cannot mount a tmpfs here ({res.stderr.strip() or res.returncode}); needs root or CAP_SYS_ADMIN")
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True, timeout=30
+    )
+    require(
+        res.returncode == 0,
+        f"cannot mount a tmpfs here ({res.stderr.strip() or res.returncode}); needs root or CAP_SYS_ADMIN",
+    )
     try:
         yield path
     finally:

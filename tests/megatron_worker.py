@@ -1,5 +1,6 @@
 """One rank of a Megatron-core run under torchrun (gloo, CPU): parallel_state's ranks, the
 MegatronIterator, per-step batch hashes to a per-rank file, and a save/restore of its state."""
+
 from __future__ import annotations
 
 import argparse
@@ -36,11 +37,17 @@ def main() -> None:
             log.write(json.dumps({"built": False}) + "\n")
         for step in range(a.first_step, a.first_step + a.steps if it is not None else 0):
             b = next(it)
-            ok = (set(b) == MEGATRON_KEYS and b["loss_mask"].dtype == torch.float32
-                  and b["tokens"].shape == b["labels"].shape == b["loss_mask"].shape == b["position_ids"].shape
-                  and b["max_seqlen"].shape == (1,) and b["cu_seqlens"].dtype == torch.int32)
+            ok = (
+                set(b) == MEGATRON_KEYS
+                and b["loss_mask"].dtype == torch.float32
+                and b["tokens"].shape == b["labels"].shape == b["loss_mask"].shape == b["position_ids"].shape
+                and b["max_seqlen"].shape == (1,)
+                and b["cu_seqlens"].dtype == torch.int32
+            )
             digest = hashlib.sha256(b["tokens"].numpy().tobytes() + b["labels"].numpy().tobytes()).hexdigest()[:16]
-            log.write(json.dumps({"step": step, "hash": digest, "ok": ok, "epoch": it.loader.state_dict()["epoch"]}) + "\n")
+            log.write(
+                json.dumps({"step": step, "hash": digest, "ok": ok, "epoch": it.loader.state_dict()["epoch"]}) + "\n"
+            )
             if a.save_at is not None and step + 1 == a.save_at:
                 it.save_state(a.ckpt)
     dist.barrier()

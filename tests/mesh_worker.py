@@ -14,6 +14,7 @@ of the collated batch, len(loader), the remainder, its DP rank, and state_dict()
 batch and at the end. With --stop-at K it also writes OUT/state-rank<r>.json after K batches and
 stops, as a job killed at step K after its checkpoint; --resume STATE continues from such a file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,14 +81,32 @@ def rank_main(argv: list[str]) -> int:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     cache_dir = args.cache_dir.format(node=rank // local) if args.cache_dir else None
     dp_dim = tuple(args.dp_dim.split(",")) if "," in args.dp_dim else args.dp_dim
-    loader = ShardedLoader(args.data, batch_size=args.batch_size, seed=args.seed, num_workers=args.num_workers,
-                           mesh=mesh, dp_dim=dp_dim, cache_dir=cache_dir, pin_memory=False, timeout=60)
+    loader = ShardedLoader(
+        args.data,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        num_workers=args.num_workers,
+        mesh=mesh,
+        dp_dim=dp_dim,
+        cache_dir=cache_dir,
+        pin_memory=False,
+        timeout=60,
+    )
     if args.resume:
         with open(args.resume) as f:
             loader.load_state_dict(json.load(f))
-    record = {"rank": rank, "world_size": dist.get_world_size(), "dp_rank": loader.dp_rank,
-              "dp_size": loader.data_layout.dp_size, "epoch": loader.epoch, "len": len(loader),
-              "remainder": loader.remainder.tolist(), "keys": [], "digests": [], "states": []}
+    record = {
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "dp_rank": loader.dp_rank,
+        "dp_size": loader.data_layout.dp_size,
+        "epoch": loader.epoch,
+        "len": len(loader),
+        "remainder": loader.remainder.tolist(),
+        "keys": [],
+        "digests": [],
+        "states": [],
+    }
     for batch in loader:
         t = torch.tensor([1])
         dist.all_reduce(t)  # every rank must reach every step

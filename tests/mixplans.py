@@ -1,5 +1,6 @@
 """Plan-level helpers of the mixture tests: planners over in-memory sources, and what every DP rank
 is served step by step (computed from the pure planner, the loader's own source of truth)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -42,7 +43,9 @@ class Served:
                         out.append((name, epoch, i, rows.span_pos, rows.tokens))
                     else:
                         ids = plan.batch(i)
-                        out.append((name, epoch, i, ids, int(plan.lengths[plan.offsets[i]:plan.offsets[i + 1]].sum())))
+                        out.append(
+                            (name, epoch, i, ids, int(plan.lengths[plan.offsets[i] : plan.offsets[i + 1]].sum()))
+                        )
         return out
 
     def unit_tokens(self, state, name, epoch, dp_rank) -> np.ndarray:
@@ -66,7 +69,9 @@ class Served:
             for name, pieces in self.planner.step_pieces(state, t):
                 for epoch, first, count in pieces:
                     for d in range(state.phase.layout.dp_size):
-                        out[row, names.index(name)] += self.unit_tokens(state, name, epoch, d)[first:first + count].sum()
+                        out[row, names.index(name)] += self.unit_tokens(state, name, epoch, d)[
+                            first : first + count
+                        ].sum()
         return out
 
 

@@ -5,6 +5,7 @@ on one machine; each simulated node reads through its own cache, CACHE_BASE/node
 ``--stop-at K`` it saves the state after step K to OUT/state-rank<r>.json and stops, as a job
 killed after its checkpoint at K; ``--resume STATE`` continues from such a file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,9 +36,16 @@ def main() -> int:
     rank = dist.get_rank()
     node = rank // args.ranks_per_node
     cache = os.path.join(args.cache_base, f"node{node}", "cache") if args.cache_base else None
-    loader = ShardedLoader(Mixture.from_file(args.mixture), steps=args.steps, max_tokens=args.max_tokens, seed=2,
-                           ranks_per_node=args.ranks_per_node, num_workers=args.num_workers, cache_dir=cache,
-                           pin_memory=False)
+    loader = ShardedLoader(
+        Mixture.from_file(args.mixture),
+        steps=args.steps,
+        max_tokens=args.max_tokens,
+        seed=2,
+        ranks_per_node=args.ranks_per_node,
+        num_workers=args.num_workers,
+        cache_dir=cache,
+        pin_memory=False,
+    )
     if args.resume:
         with open(args.resume) as f:
             loader.load_state_dict(json.load(f))

@@ -4,6 +4,7 @@ Streaming pins numpy<2.2, so they cannot share the test environment; tests/run.s
 (``.venv-peers``, or ``$SHARDTOOL_PEERS_VENV``) and exports ``SHARDTOOL_PEERS_PYTHON``. A test that
 needs it and finds none skips through tests/skips.require, which fails under CI's strict mode.
 """
+
 from __future__ import annotations
 
 import base64
@@ -17,8 +18,11 @@ from skips import require
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 TOOL = os.path.join(TESTS, "peers_tool.py")
-CANDIDATES = (os.environ.get("SHARDTOOL_PEERS_PYTHON", ""), os.path.join(os.path.dirname(TESTS), ".venv-peers/bin/python"),
-              "/work/venv-peers/bin/python")
+CANDIDATES = (
+    os.environ.get("SHARDTOOL_PEERS_PYTHON", ""),
+    os.path.join(os.path.dirname(TESTS), ".venv-peers/bin/python"),
+    "/work/venv-peers/bin/python",
+)
 
 
 def peers_python() -> str:
@@ -28,8 +32,13 @@ def peers_python() -> str:
 
 
 def run_peer(*args: str, timeout: float = 300) -> None:
-    res = subprocess.run([peers_python(), TOOL, *args], capture_output=True, text=True, timeout=timeout,
-                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    res = subprocess.run(
+        [peers_python(), TOOL, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
 
 

@@ -10,6 +10,7 @@ Streaming imports torchvision at import time for its vision datasets; where torc
 build over a CPU torch that import fails ("operator torchvision::nms does not exist"), so a stub
 stands in for it: nothing here touches images through torchvision.
 """
+
 from __future__ import annotations
 
 import base64
@@ -29,8 +30,13 @@ class _Stub(types.ModuleType):
 
 
 def stub_torchvision() -> None:
-    for name in ("torchvision", "torchvision.datasets", "torchvision.transforms",
-                 "torchvision.transforms.functional", "torchvision.io"):
+    for name in (
+        "torchvision",
+        "torchvision.datasets",
+        "torchvision.transforms",
+        "torchvision.transforms.functional",
+        "torchvision.io",
+    ):
         mod = _Stub(name)
         mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
         mod.__path__ = []
@@ -46,9 +52,16 @@ def stdlib_rows(n: int = 120) -> list[dict]:
     rows = []
     for i, p in enumerate(paths):
         data = open(p, "rb").read()
-        rows.append({"id": i, "text": data.decode("utf-8", "replace"), "tokens": np.frombuffer(data, np.uint8).astype(np.uint16),
-                     "score": np.float32(len(data) / 1000.0), "meta": {"name": os.path.basename(p), "lines": data.count(b"\n")},
-                     "blob": data[:100]})
+        rows.append(
+            {
+                "id": i,
+                "text": data.decode("utf-8", "replace"),
+                "tokens": np.frombuffer(data, np.uint8).astype(np.uint16),
+                "score": np.float32(len(data) / 1000.0),
+                "meta": {"name": os.path.basename(p), "lines": data.count(b"\n")},
+                "blob": data[:100],
+            }
+        )
     return rows
 
 
@@ -96,13 +109,23 @@ def litdata_write(out: str, compression: str | None) -> None:
     from litdata import optimize
 
     rows = stdlib_rows()
-    items = [{"id": r["id"], "text": r["text"], "tokens": r["tokens"], "score": float(r["score"]), "blob": r["blob"]}
-             for r in rows]
+    items = [
+        {"id": r["id"], "text": r["text"], "tokens": r["tokens"], "score": float(r["score"]), "blob": r["blob"]}
+        for r in rows
+    ]
     level = None
     if compression == "zstd-chunk":  # whole-file zstd (the default for zstd is per batch of items)
         compression, level = "zstd", "chunk"
-    optimize(fn=_lit_row, inputs=items, output_dir=out, chunk_bytes="64KB", num_workers=1,
-             compression=compression, mode="overwrite", **({"compression_level": level} if level else {}))
+    optimize(
+        fn=_lit_row,
+        inputs=items,
+        output_dir=out,
+        chunk_bytes="64KB",
+        num_workers=1,
+        compression=compression,
+        mode="overwrite",
+        **({"compression_level": level} if level else {}),
+    )
 
 
 def litdata_read(root: str, out: str) -> None:

@@ -1,5 +1,6 @@
 """Real data on this machine, for tests that must see what users feed us: the Adwaita icon theme's
 PNGs as an ImageFolder tree (one class per icon category; names like ``x-symbolic.symbolic.png``)."""
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,9 @@ def icon_tree(dst, per_class: int | None = None, classes=ICON_CLASSES) -> dict[s
     of each category by name, or all); returns class -> the file names linked. Skips the test
     when the icon theme is not installed (tests/run.sh installs it; under CI's strict mode a
     missing theme fails)."""
-    require(os.path.isdir(ICONS), f"real PNG icons not installed ({ICONS} is absent; apt-get install adwaita-icon-theme)")
+    require(
+        os.path.isdir(ICONS), f"real PNG icons not installed ({ICONS} is absent; apt-get install adwaita-icon-theme)"
+    )
     made: dict[str, list[str]] = {}
     for cls in classes:
         names = sorted(n for n in os.listdir(os.path.join(ICONS, cls)) if n.endswith(".png"))[:per_class]

@@ -3,6 +3,7 @@ the Python standard library's source files, and the text files of /usr/share/doc
 
 Synthetic lognormal corpora hide what these show: most stdlib files are longer than a 512-token
 row, a few are over 100k bytes, and /usr/share/doc has single files of several MB."""
+
 from __future__ import annotations
 
 import os
@@ -95,5 +96,9 @@ def stdlib_line_lengths(limit: int = 30000) -> np.ndarray:
     return np.array(out[:limit], dtype=np.int64)
 
 
-CORPORA = {"stdlib": stdlib_lengths, "doc": doc_lengths, "packages": stdlib_package_lengths,
-           "lines": stdlib_line_lengths}
+CORPORA = {
+    "stdlib": stdlib_lengths,
+    "doc": doc_lengths,
+    "packages": stdlib_package_lengths,
+    "lines": stdlib_line_lengths,
+}

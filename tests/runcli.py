@@ -1,4 +1,5 @@
 """Running the ``shardtool`` command of this checkout in a subprocess, as a user would."""
+
 from __future__ import annotations
 
 import os
@@ -15,5 +16,6 @@ def repo_env() -> dict:
 
 def shardtool_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """``python -m shardtool ARGS``: captured text output, never hanging past ``timeout``."""
-    return subprocess.run([sys.executable, "-m", "shardtool", *args], env=repo_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "shardtool", *args], env=repo_env(), capture_output=True, text=True, timeout=timeout
+    )

@@ -4,6 +4,7 @@ Use the ``s3_server`` fixture (``from s3server import s3_server``): it starts on
 session on a free port and stops it at the end. ``server.storage_options`` are what s3fs needs;
 ``server.upload(local_dir, "bucket/prefix")`` copies a packed dataset in.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,13 +32,20 @@ class S3Server:
 
     @property
     def storage_options(self) -> dict:
-        return {**CREDS, "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
-                "skip_instance_cache": True}
+        return {
+            **CREDS,
+            "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
+            "skip_instance_cache": True,
+        }
 
     def start(self, timeout: float = 30.0) -> S3Server:
         env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -82,6 +90,7 @@ class S3Server:
 def s3_server():
     import moto  # noqa: F401  declared test dependencies (pyproject [test]): missing ones are a broken
     import s3fs  # noqa: F401  install, an error here, never a quiet skip
+
     server = S3Server().start()
     try:
         yield server

@@ -9,6 +9,7 @@ the same skip is a failure: CI must never pass by testing less than it claims.
 A declared Python package is imported plainly, never ``pytest.importorskip``-ed: a missing one
 is a broken install, an error everywhere.
 """
+
 from __future__ import annotations
 
 import os

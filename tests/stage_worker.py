@@ -8,6 +8,7 @@ Every step all-reduces, as DDP does, then sleeps ``--step-s`` (the model's step)
 OUT/rank<r>.json: the keys of each batch, the seconds to the first batch (from before the loader
 is made), the loader's wait for data per step, and its cache counters.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,9 +50,18 @@ def rank_main(argv: list[str]) -> int:
     stage = {"off": False, "on": True, "external": "external"}[args.stage]
     began = time.perf_counter()
     size = {"batch_size": args.batch_size} if args.batch_size else {"max_tokens": args.max_tokens}
-    loader = ShardedLoader(args.data, **size, seed=0, num_workers=args.num_workers,
-                           cache_dir=cache_dir, storage_options=json.loads(args.options) if args.options else None,
-                           pin_memory=False, timeout=60, stage=stage, metrics_every=0)
+    loader = ShardedLoader(
+        args.data,
+        **size,
+        seed=0,
+        num_workers=args.num_workers,
+        cache_dir=cache_dir,
+        storage_options=json.loads(args.options) if args.options else None,
+        pin_memory=False,
+        timeout=60,
+        stage=stage,
+        metrics_every=0,
+    )
     record = {"rank": rank, "keys": [], "waits": [], "asked": [], "first_batch_s": None}
     it = iter(loader)
     while True:

@@ -25,7 +25,6 @@ class Dataset:
     shard_counts: np.ndarray
 
 
-
 def make_lengths(rng: np.random.Generator, size: int, shape: str) -> np.ndarray:
     if shape == "lognormal":
         return lognormal_lengths(size, seed=rng, median=60, sigma=1.0, low=0, high=2000)
@@ -112,15 +111,19 @@ class MixtureCase:
         rng = np.random.default_rng(self.seed)
         out = {}
         for i, size in enumerate(self.sizes):
-            lengths = lognormal_lengths(size, seed=rng) if self.corpus else \
-                lognormal_lengths(size, seed=rng, median=60, high=700)
+            lengths = (
+                lognormal_lengths(size, seed=rng)
+                if self.corpus
+                else lognormal_lengths(size, seed=rng, median=60, high=700)
+            )
             out[f"s{i}"] = ArraySource(lengths, make_shard_counts(rng, size, 8, False))
         return out
 
 
 @st.composite
-def mixture_cases(draw, packed: bool, min_size: int = 300, max_size: int = 1500, max_sources: int = 4,
-                  corpus: bool = False) -> MixtureCase:
+def mixture_cases(
+    draw, packed: bool, min_size: int = 300, max_size: int = 1500, max_sources: int = 4, corpus: bool = False
+) -> MixtureCase:
     """Small sources of short lengths (rows of 128-512 tokens, batches of 1024-4096), or with
     ``corpus`` text-like sources of 10,000-40,000 samples (rows of 1024-4096 tokens, at least 4 a
     step; batches of 8192-32768 tokens), the scale where the shares are measured."""
@@ -135,8 +138,9 @@ def mixture_cases(draw, packed: bool, min_size: int = 300, max_size: int = 1500,
     if packed:
         rows = draw(st.integers(4, 8)) if corpus else draw(st.integers(2, 8))
         seq = draw(st.sampled_from([1024, 2048, 4096] if corpus else [128, 256, 512]))
-        batching = Batching(batch_size=rows, seed=seed,
-                            packing=Packing(seq, draw(st.sampled_from(["best-fit", "concat"]))))
+        batching = Batching(
+            batch_size=rows, seed=seed, packing=Packing(seq, draw(st.sampled_from(["best-fit", "concat"])))
+        )
     else:
         budget = draw(st.sampled_from([8192, 16384, 32768] if corpus else [1024, 2048, 4096]))
         batching = Batching(max_tokens=budget, seed=seed)
@@ -151,8 +155,9 @@ def tar_samples(draw):
     import tarfile
 
     fmt = draw(st.sampled_from([tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT]))
-    exts = draw(st.lists(st.sampled_from(["txt", "json", "npy", "jpg", "cls", "seg.png"]), min_size=1, max_size=3,
-                         unique=True))
+    exts = draw(
+        st.lists(st.sampled_from(["txt", "json", "npy", "jpg", "cls", "seg.png"]), min_size=1, max_size=3, unique=True)
+    )
     n = draw(st.integers(1, 12))
     long_dir = draw(st.booleans()) and fmt != tarfile.USTAR_FORMAT
     samples = []

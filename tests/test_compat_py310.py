@@ -4,6 +4,7 @@
 a real Python 3.10 interpreter where one is installed (pyenv or PATH); the helper's module is
 loaded by file path there, since the interpreter has none of the package's dependencies.
 """
+
 from __future__ import annotations
 
 import glob
@@ -28,8 +29,12 @@ def _python310() -> str | None:
     cands += [shutil.which("python3.10")] if shutil.which("python3.10") else []
     for exe in cands:
         try:
-            r = subprocess.run([exe, "-I", "-c", "import sys; print(sys.version_info[:2] == (3, 10))"],
-                               capture_output=True, text=True, timeout=30)
+            r = subprocess.run(
+                [exe, "-I", "-c", "import sys; print(sys.version_info[:2] == (3, 10))"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
         except (OSError, subprocess.TimeoutExpired):
             continue
         if r.stdout.strip() == "True":
@@ -81,10 +86,15 @@ def test_add_note_on_python_310_keeps_the_real_error():
 @needs_310
 @pytest.mark.timeout(120)
 def test_package_sources_parse_on_python_310():
-    files = [f for d in ("shardtool", "loader", "cache") for f in glob.glob(os.path.join(ROOT, d, "**", "*.py"),
-                                                                          recursive=True)]
-    script = ("import sys\nfor p in sys.argv[1:]:\n    compile(open(p, encoding='utf-8').read(), p, 'exec')\n"
-              "print(len(sys.argv) - 1)")
+    files = [
+        f
+        for d in ("shardtool", "loader", "cache")
+        for f in glob.glob(os.path.join(ROOT, d, "**", "*.py"), recursive=True)
+    ]
+    script = (
+        "import sys\nfor p in sys.argv[1:]:\n    compile(open(p, encoding='utf-8').read(), p, 'exec')\n"
+        "print(len(sys.argv) - 1)"
+    )
     r = subprocess.run([PY310, "-I", "-c", script, *files], capture_output=True, text=True, timeout=100)
     assert r.returncode == 0 and r.stdout.strip() == str(len(files)), r.stderr
 
@@ -100,8 +110,11 @@ def test_add_note_uses_the_native_notes_where_they_exist():
 def test_no_direct_add_note_calls_in_shardtool():
     """Every note goes through the helper."""
     offenders = []
-    paths = {os.path.realpath(f) for d in ("shardtool", "loader", "cache")
-             for f in glob.glob(os.path.join(ROOT, d, "**", "*.py"), recursive=True)}
+    paths = {
+        os.path.realpath(f)
+        for d in ("shardtool", "loader", "cache")
+        for f in glob.glob(os.path.join(ROOT, d, "**", "*.py"), recursive=True)
+    }
     for path in sorted(paths):
         if path == ERRORS_PY:
             continue

@@ -11,6 +11,7 @@ than one module (or a module importing itself). A package's ``__init__`` re-expo
 submodules is an edge like any other; importing ``a.b.c`` is an edge to ``a.b.c`` only, not to
 the packages above it (Python runs their ``__init__`` first, but they are what re-exports it).
 """
+
 from __future__ import annotations
 
 import ast
@@ -166,7 +167,8 @@ def test_the_circle_finder_finds_circles():
 def test_no_import_circle_among_our_modules():
     found = circles(import_graph())
     assert not found, "import circles (each file must import only downward): " + "; ".join(
-        " <-> ".join(c) for c in found)
+        " <-> ".join(c) for c in found
+    )
 
 
 def test_imports_go_down_the_layers():
@@ -189,9 +191,16 @@ def test_no_module_imports_a_top_level_loader_cache_or_benchmarks():
     bad = []
     for module, path in sorted(project_modules().items()):
         for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
-            bad += [f"{module}:{node.lineno} {n}" for n in names if n.split(".")[0] in ("loader", "cache", "benchmarks")]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            bad += [
+                f"{module}:{node.lineno} {n}" for n in names if n.split(".")[0] in ("loader", "cache", "benchmarks")
+            ]
     assert not bad, f"top-level imports of the repository's folders: {bad}"
 
 
@@ -204,14 +213,20 @@ def test_the_pure_layers_never_import_torch(layer):
     for module, path in sorted(modules.items()):
         if _layer(module) == layer:
             for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
-                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom) and not node.level
+                    else []
+                )
                 bad += [f"{module}:{node.lineno}" for n in names if n.split(".")[0] == "torch"]
     assert not bad, f"torch imported in shardtool.{layer}: {bad}"
 
 
 def test_importing_the_planner_imports_no_torch():
     code = "import sys, shardtool.plan; assert 'torch' not in sys.modules, sorted(sys.modules)"
-    res = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0, res.stderr

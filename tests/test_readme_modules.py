@@ -5,6 +5,7 @@ checkout's root; installed, it is `shardtool.benchmarks`. So the module names ar
 another directory, with only the `shardtool` package importable — as after `pip install`. A
 command the README says is for a checkout (on the same line: "from a checkout") is left out.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,7 @@ def documented_modules() -> dict[str, str]:
         text = doc.read_text()
         for m in PATTERN.finditer(text):
             line_no = text.count("\n", 0, m.start()) + 1
-            lines = text.splitlines()[line_no - 1:line_no + 1]
+            lines = text.splitlines()[line_no - 1 : line_no + 1]
             if any("from a checkout" in line for line in lines):
                 continue
             found.setdefault(m.group(1), f"{doc.relative_to(REPO)}:{line_no}")
@@ -50,8 +51,9 @@ def test_every_documented_module_runs_outside_the_checkout(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(site))
     failed = {}
     for module, where in documented_modules().items():
-        cp = subprocess.run([sys.executable, "-m", module, "--help"], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=120)
+        cp = subprocess.run(
+            [sys.executable, "-m", module, "--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
         if cp.returncode != 0:
             failed[f"{module} ({where})"] = cp.stderr.strip().splitlines()[-1:]
     assert not failed, failed

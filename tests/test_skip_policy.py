@@ -1,5 +1,6 @@
 """CI never passes by skipping: under SHARDTOOL_TEST_STRICT=1 (set by .ci/run) a skip for want
 of something CI has — root, a kernel feature, the SLURM cluster, a declared dependency — fails."""
+
 from __future__ import annotations
 
 import os
@@ -18,13 +19,20 @@ UNDECLARED = {"test_compat_py310.py": "a Python 3.10 interpreter beside the one 
 
 def _pytest(tmp_path, strict: bool):
     (tmp_path / "test_needs.py").write_text(
-        "from skips import require\n\ndef test_needs_a_frobnicator():\n    require(False, 'no frobnicator here')\n")
+        "from skips import require\n\ndef test_needs_a_frobnicator():\n    require(False, 'no frobnicator here')\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "SHARDTOOL_TEST_STRICT"}
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO)])
     if strict:
         env["SHARDTOOL_TEST_STRICT"] = "1"
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(tmp_path)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.timeout(150)
@@ -40,8 +48,11 @@ def test_ci_runs_the_readme_test_command_in_strict_mode():
     readme = (REPO / "README.md").read_text()
     documented = re.search(r"^(bash tests/run\.sh)\s", readme, re.M)
     assert documented, "README documents no test command"
-    lines = [ln.strip() for ln in (REPO / ".ci" / "run").read_text().splitlines()
-             if ln.strip() and not ln.strip().startswith("#")]
+    lines = [
+        ln.strip()
+        for ln in (REPO / ".ci" / "run").read_text().splitlines()
+        if ln.strip() and not ln.strip().startswith("#")
+    ]
     assert lines[-1] == documented.group(1)  # exactly the README's command, run last
     assert "export SHARDTOOL_TEST_STRICT=1" in lines
 
@@ -54,5 +65,6 @@ def test_every_environment_skip_goes_through_the_one_helper():
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if re.search(r"importorskip|pytest\.skip\(|mark\.skipif|mark\.skip\(", line):
                 offenders.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
-    assert not offenders, "skip through tests/skips.py (require/needs_root), or import declared deps plainly:\n" + \
-        "\n".join(offenders)
+    assert not offenders, (
+        "skip through tests/skips.py (require/needs_root), or import declared deps plainly:\n" + "\n".join(offenders)
+    )

@@ -8,6 +8,7 @@ then trains steps N+1, N+2, ... on the loader's batches until the epoch ends or 
 every K steps. The batch of each step goes to DIR/steps.rank<r>.jsonl as {"step", "hash"}; a
 refused load goes to DIR/error.rank<r>.txt.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,7 @@ def rank_main(argv: list[str]) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--ckpt", required=True)
-    p.add_argument("--save-every", type=int, default=10 ** 9)
+    p.add_argument("--save-every", type=int, default=10**9)
     p.add_argument("--stop-at", type=int, default=None)
     a = p.parse_args(argv)
 
@@ -60,16 +61,26 @@ def rank_main(argv: list[str]) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     # built as torchtitan's trainer builds its dataloader (config.dataloader.build(...))
     titan = ShardedTitanDataLoader.Config(dataset_path=a.data, options={"num_workers": 0}).build(
-        dp_rank=rank, dp_world_size=world, tokenizer=None, seq_len=SEQ - 1, local_batch_size=ROWS,
-        snapshot_every_n_steps=None)
+        dp_rank=rank,
+        dp_world_size=world,
+        tokenizer=None,
+        seq_len=SEQ - 1,
+        local_batch_size=ROWS,
+        snapshot_every_n_steps=None,
+    )
     titan.epochs = 1  # the test reads one epoch (torchtitan itself stops at training.steps)
     loader = titan.loader
     model = torch.nn.Linear(2, 2)
     state = TrainState()
     ckpt = CheckpointManager(
         CheckpointManager.Config(enable=True, folder=a.ckpt, interval=a.save_every, keep_latest_k=0),
-        dataloader=titan, model_parts=[model], optimizers=TrainState(), lr_schedulers=TrainState(),
-        states={"train_state": state}, sd_adapter=None)
+        dataloader=titan,
+        model_parts=[model],
+        optimizers=TrainState(),
+        lr_schedulers=TrainState(),
+        states={"train_state": state},
+        sd_adapter=None,
+    )
     try:
         ckpt.load()
     except LoaderStateError as e:

@@ -1,5 +1,6 @@
 """WebDataset tars as other tools write them (Python's tarfile, GNU and PAX headers), for the
 tests of `shardtool index` and of packing tars."""
+
 from __future__ import annotations
 
 import io
@@ -37,8 +38,10 @@ def text_samples(shard: int, n: int, *, subdir: bool = False) -> list[tuple[str,
 
 def write_collection(root: str, shards: int = 4, per_shard: int = 25, *, fmt=tarfile.PAX_FORMAT) -> list[str]:
     os.makedirs(root, exist_ok=True)
-    return [write_tar(os.path.join(root, f"{s:06d}.tar"), text_samples(s, per_shard, subdir=s % 2 == 1), fmt=fmt)
-            for s in range(shards)]
+    return [
+        write_tar(os.path.join(root, f"{s:06d}.tar"), text_samples(s, per_shard, subdir=s % 2 == 1), fmt=fmt)
+        for s in range(shards)
+    ]
 
 
 def write_stdlib_tars(root: str, shards: int = 3, per_shard: int = 40) -> list[str]:

@@ -16,6 +16,7 @@ builds a venv with all three). Every peer module offers the same small interface
 Batches are dicts: ``__key__`` (list of str) and ``tokens`` (LongTensor [B, max len], zero
 padded) + ``lengths``, or ``jpg`` (list of bytes) for the image-like corpus.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -9,6 +9,7 @@ task_encoder=…)`` + ``get_savable_loader``. The task encoder's cooker turns a 
 a ``Sample`` with the decoded payload; its ``batch`` builds the same batch as the other sides.
 Resume: the savable loader's ``save_state_rank()`` / ``restore_state_rank()``.
 """
+
 from __future__ import annotations
 
 import io
@@ -40,9 +41,25 @@ def prepare(src: str, out: str, kind: str, workers: int = 1) -> None:
     for p in tar_paths(src):
         shutil.copyfile(p, os.path.join(out, os.path.basename(p)))
     cli = os.path.join(os.path.dirname(sys.executable), "energon")
-    subprocess.run([cli, "prepare", out, "--non-interactive", "--force-overwrite", "--split-ratio", "1,0,0",
-                    "--sample-type", "CrudeWebdataset", "--num-workers", str(max(1, workers)), "--no-progress"],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            cli,
+            "prepare",
+            out,
+            "--non-interactive",
+            "--force-overwrite",
+            "--split-ratio",
+            "1,0,0",
+            "--sample-type",
+            "CrudeWebdataset",
+            "--num-workers",
+            str(max(1, workers)),
+            "--no-progress",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
 
 
 def _types():
@@ -92,13 +109,29 @@ def _types():
     return Encoder
 
 
-def loader(out: str, kind: str, workers: int, batch: int, seed: int = 0, rank: int = 0, world_size: int = 1,
-           state=None, repeat: bool = False):
+def loader(
+    out: str,
+    kind: str,
+    workers: int,
+    batch: int,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    state=None,
+    repeat: bool = False,
+):
     from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
     wc = WorkerConfig(rank=rank, world_size=world_size, num_workers=workers, seed_offset=seed)
-    ds = get_train_dataset(out, worker_config=wc, batch_size=batch, shuffle_buffer_size=1000,
-                           max_samples_per_sequence=100, repeat=repeat, task_encoder=_types()(kind))
+    ds = get_train_dataset(
+        out,
+        worker_config=wc,
+        batch_size=batch,
+        shuffle_buffer_size=1000,
+        max_samples_per_sequence=100,
+        repeat=repeat,
+        task_encoder=_types()(kind),
+    )
     ld = get_savable_loader(ds)
     if state is not None:
         ld.restore_state_rank(state)

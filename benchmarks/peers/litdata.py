@@ -8,6 +8,7 @@ num_workers=W, collate_fn=…)``. Ranks: it reads the torch.distributed world, e
 its ``_DistributedEnv`` reads (``WORLD_SIZE``/``GLOBAL_RANK`` with ``NODE_RANK``). Resume: the
 loader's ``state_dict()`` / ``load_state_dict()``.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,15 @@ def prepare(src: str, out: str, kind: str, workers: int = 1) -> None:
 
     from . import tar_paths
 
-    litdata.optimize(fn=_Shard(kind), inputs=tar_paths(src), output_dir=out, chunk_bytes="64MB",
-                     num_workers=max(1, workers), mode="overwrite", verbose=False)
+    litdata.optimize(
+        fn=_Shard(kind),
+        inputs=tar_paths(src),
+        output_dir=out,
+        chunk_bytes="64MB",
+        num_workers=max(1, workers),
+        mode="overwrite",
+        verbose=False,
+    )
 
 
 class _Collate:
@@ -56,12 +64,27 @@ class _Collate:
         return {"__key__": [r["key"] for r in rows], "jpg": [r["jpg"] for r in rows]}
 
 
-def loader(out: str, kind: str, workers: int, batch: int, seed: int = 0, rank: int = 0, world_size: int = 1,
-           state: dict | None = None):
+def loader(
+    out: str,
+    kind: str,
+    workers: int,
+    batch: int,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    state: dict | None = None,
+):
     import litdata
 
-    os.environ.update({"WORLD_SIZE": str(world_size), "GLOBAL_RANK": str(rank), "RANK": str(rank),
-                       "LOCAL_RANK": "0", "NODE_RANK": "0"})
+    os.environ.update(
+        {
+            "WORLD_SIZE": str(world_size),
+            "GLOBAL_RANK": str(rank),
+            "RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "NODE_RANK": "0",
+        }
+    )
     ds = litdata.StreamingDataset(out, shuffle=True, seed=seed)  # drop_last: its default (True on several ranks)
     ld = litdata.StreamingDataLoader(ds, batch_size=batch, num_workers=workers, collate_fn=_Collate(kind))
     if state is not None:

@@ -13,6 +13,7 @@ never touches torchvision, so where torchvision does not import, ``streaming.vis
 by an empty module before ``streaming`` is imported (benchmarks/setup_peers.sh uninstalls the
 unloadable torchvision wheel). Nothing else of Streaming is changed.
 """
+
 from __future__ import annotations
 
 import os
@@ -70,22 +71,34 @@ class _Collate:
         return _collate(self.kind)(rows)
 
 
-def loader(out: str, kind: str, workers: int, batch: int, seed: int = 0, rank: int = 0, world_size: int = 1,
-           state: dict | None = None, canonical_nodes: int | None = None):
+def loader(
+    out: str,
+    kind: str,
+    workers: int,
+    batch: int,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    state: dict | None = None,
+    canonical_nodes: int | None = None,
+):
     """StreamingDataset over the MDS shards; ranks as its docs set them: RANK/WORLD_SIZE/LOCAL_* env
     (one node here: LOCAL_WORLD_SIZE = WORLD_SIZE; with several ranks it joins torch.distributed
     through MASTER_ADDR/MASTER_PORT, which the caller sets, all ranks running at once)."""
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size)})
+    os.environ.update(
+        {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
+    )
     streaming = _import()
     if world_size == 1:  # several ranks: the caller cleans once, before they start (they share it)
         clean()
     # num_canonical_nodes: its default, except where ranks change (its docs: a value that every
     # world size divides, kept across the resume).
-    ds = streaming.StreamingDataset(local=out, shuffle=True, shuffle_seed=seed, batch_size=batch,
-                                    num_canonical_nodes=canonical_nodes)
-    ld = streaming.StreamingDataLoader(ds, batch_size=batch, num_workers=workers, collate_fn=_Collate(kind),
-                                       persistent_workers=False)
+    ds = streaming.StreamingDataset(
+        local=out, shuffle=True, shuffle_seed=seed, batch_size=batch, num_canonical_nodes=canonical_nodes
+    )
+    ld = streaming.StreamingDataLoader(
+        ds, batch_size=batch, num_workers=workers, collate_fn=_Collate(kind), persistent_workers=False
+    )
     if state is not None:
         ld.load_state_dict(state)
     return ld

@@ -6,6 +6,7 @@ the reading processes' counters from the shared `Table` (observability/probe.py)
 flat vector of all of it, so a window ("since the last call") is the difference of two snapshots
 and costs the same as the cumulative view: a few microseconds, cheap enough for every step.
 """
+
 from __future__ import annotations
 
 import time
@@ -44,8 +45,15 @@ class Meter:
         self.batch_samples = self.batch_tokens = self.batch_padded = ()
 
     # ------------------------------------------------------------------ per pass / per step
-    def start_pass(self, samples: np.ndarray, tokens: np.ndarray, padded: np.ndarray, workers: int,
-                   restart: bool, entered: float | None = None) -> None:
+    def start_pass(
+        self,
+        samples: np.ndarray,
+        tokens: np.ndarray,
+        padded: np.ndarray,
+        workers: int,
+        restart: bool,
+        entered: float | None = None,
+    ) -> None:
         """Per-batch samples, tokens and padded tokens of this pass's plan (`PlanBatches.stats`);
         ``entered``: when the first ``next()`` of the pass was called (default: now)."""
         if self.began is None:
@@ -77,9 +85,20 @@ class Meter:
     # ------------------------------------------------------------------ reporting
     def snapshot(self) -> Snapshot:
         now = time.perf_counter()
-        t = np.array([now - (self.began if self.began is not None else now), self.wait_s, self.steps, self.samples,
-                      self.tokens, self.padded, self.worker_starts, self.worker_restarts, *self.source_tokens],
-                     dtype=np.float64)
+        t = np.array(
+            [
+                now - (self.began if self.began is not None else now),
+                self.wait_s,
+                self.steps,
+                self.samples,
+                self.tokens,
+                self.padded,
+                self.worker_starts,
+                self.worker_restarts,
+                *self.source_tokens,
+            ],
+            dtype=np.float64,
+        )
         return Snapshot(np.concatenate([t, self.table.totals()]))
 
     def section(self, now: Snapshot, since: Snapshot | None = None) -> dict:
@@ -106,16 +125,26 @@ class Meter:
             "samples_per_s": _ratio(samples, seconds),
             "tokens_per_s": _ratio(tokens, seconds),
             "padding_efficiency": _ratio(tokens, padded),
-            "tokens_by_source": ({n: int(v) for n, v in zip(self.source_names, by_source)} if by_source
-                                 else {self.source_names[0]: tokens}),
+            "tokens_by_source": (
+                {n: int(v) for n, v in zip(self.source_names, by_source)}
+                if by_source
+                else {self.source_names[0]: tokens}
+            ),
             "worker_starts": int(t[T_STARTS]),
             "worker_restarts": int(t[T_RESTARTS]),
             "produce_s": wait if self.in_process else c[P.PRODUCE_S],
             "batches_produced": int(t[T_BATCHES] if self.in_process else c[P.BATCHES]),
-            "bytes_read": {"cache": int(c[P.BYTES_CACHE]), "local": int(c[P.BYTES_LOCAL]),
-                           "remote": int(c[P.BYTES_REMOTE])},
-            "cache": {"hits": hits, "misses": misses, "hit_rate": _ratio(hits, hits + misses),
-                      "fetch_bytes": int(c[P.FETCH_BYTES])},
+            "bytes_read": {
+                "cache": int(c[P.BYTES_CACHE]),
+                "local": int(c[P.BYTES_LOCAL]),
+                "remote": int(c[P.BYTES_REMOTE]),
+            },
+            "cache": {
+                "hits": hits,
+                "misses": misses,
+                "hit_rate": _ratio(hits, hits + misses),
+                "fetch_bytes": int(c[P.FETCH_BYTES]),
+            },
             "shard_opens": int(c[P.OPENS]),
             "shard_open_p50_s": p50,
             "shard_open_p99_s": p99,

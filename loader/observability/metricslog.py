@@ -10,6 +10,7 @@ makes its own and the ranks of a launch share ``local``.
 ``metrics_reduce``: every N steps, one all-gather of five numbers per rank gives min / median /
 max of wait and throughput across ranks and names the slowest rank and its node; rank 0 logs it.
 """
+
 from __future__ import annotations
 
 import json
@@ -106,8 +107,11 @@ def reduce_ranks(window: dict, *, rank: int, world_size: int, node: int) -> dict
     if dist.get_world_size() != world_size or dist.get_rank() != rank:
         return None  # an explicit layout that is not the process group's
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    mine = torch.tensor([window["wait_s"], window["seconds"], window["tokens"], window["samples"], node],
-                        dtype=torch.float64, device=device)
+    mine = torch.tensor(
+        [window["wait_s"], window["seconds"], window["tokens"], window["samples"], node],
+        dtype=torch.float64,
+        device=device,
+    )
     every = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(every, mine)
     table = torch.stack(every).cpu().numpy()
@@ -124,12 +128,19 @@ def summarize_ranks(table: np.ndarray) -> dict:
     frac, tps = wait / seconds, tokens / seconds
     slowest = int(np.lexsort((tps, -frac))[0])  # most waiting; ties: the lowest throughput
     stats = lambda x: {"min": float(x.min()), "median": float(np.median(x)), "max": float(x.max())}  # noqa: E731
-    return {"wait_fraction": stats(frac), "tokens_per_s": stats(tps), "slowest_rank": slowest,
-            "slowest_node": int(table[slowest, 4]), "slowest_wait_fraction": float(frac[slowest])}
+    return {
+        "wait_fraction": stats(frac),
+        "tokens_per_s": stats(tps),
+        "slowest_rank": slowest,
+        "slowest_node": int(table[slowest, 4]),
+        "slowest_wait_fraction": float(frac[slowest]),
+    }
 
 
 def format_summary(s: dict, step: int) -> str:
     w, t = s["wait_fraction"], s["tokens_per_s"]
-    return (f"loader step {step}: data wait min/median/max {w['min']:.1%}/{w['median']:.1%}/{w['max']:.1%}, "
-            f"tokens/s {t['min']:,.0f}/{t['median']:,.0f}/{t['max']:,.0f}; slowest rank {s['slowest_rank']} "
-            f"on node {s['slowest_node']} (waited {s['slowest_wait_fraction']:.1%} of the time)")
+    return (
+        f"loader step {step}: data wait min/median/max {w['min']:.1%}/{w['median']:.1%}/{w['max']:.1%}, "
+        f"tokens/s {t['min']:,.0f}/{t['median']:,.0f}/{t['max']:,.0f}; slowest rank {s['slowest_rank']} "
+        f"on node {s['slowest_node']} (waited {s['slowest_wait_fraction']:.1%} of the time)"
+    )

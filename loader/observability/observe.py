@@ -10,6 +10,7 @@ return: the wait for a worker, unpacking, pinning, the metric line of that step,
 call of a pass the start of the workers. The loader takes the entry time and hands it to
 `begin_pass`, `Pass.next` and `end_pass` (the call that ends the pass closes the workers).
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,9 +32,21 @@ CACHE_CHECK_S = 5.0  # how often the watchdog thread looks at the cache ahead of
 
 
 class Observer:
-    def __init__(self, readers: dict, placement, *, num_workers: int, prefetch_factor: int, metrics: bool,
-                 metrics_every: int | None, metrics_dir: str | None, metrics_reduce: bool, cache_dir: str | None,
-                 stall_timeout: float | None, env=os.environ):
+    def __init__(
+        self,
+        readers: dict,
+        placement,
+        *,
+        num_workers: int,
+        prefetch_factor: int,
+        metrics: bool,
+        metrics_every: int | None,
+        metrics_dir: str | None,
+        metrics_reduce: bool,
+        cache_dir: str | None,
+        stall_timeout: float | None,
+        env=os.environ,
+    ):
         """``readers``: the dataset's reader under its URL, or a mixture's under its source names."""
         every = 0 if metrics_every is None else metrics_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
@@ -60,8 +73,13 @@ class Observer:
         self.file = metricslog.MetricsFile(self.dir, self.host, self.rank)
         self._current: dict = {}  # the pass's batches, for the watchdog (no reference back to us)
         where = BatchStart(self.readers, self._current)
-        self.watchdog = (Watchdog(self.table, num_workers, stall_timeout, dump_dir=self.dir, details=metrics,
-                                  describe=where.describe) if stall_timeout is not None else None)
+        self.watchdog = (
+            Watchdog(
+                self.table, num_workers, stall_timeout, dump_dir=self.dir, details=metrics, describe=where.describe
+            )
+            if stall_timeout is not None
+            else None
+        )
         self.cache_behind = 0
         self.rank_summary: dict | None = None
         self._user_since: Snapshot | None = None
@@ -130,10 +148,19 @@ class Observer:
         return out
 
     def _report(self, now: Snapshot, since: Snapshot | None, epoch: int, batch: int) -> dict:
-        return {"rank": self.rank, "world_size": self.layout.world_size, "node": self.node, "host": self.host,
-                "epoch": epoch, "batch": batch, "step": self.meter.steps, "time": time.time(),
-                "cache_behind_shards": self.cache_behind,
-                "cumulative": self.meter.section(now), "window": self.meter.section(now, since)}
+        return {
+            "rank": self.rank,
+            "world_size": self.layout.world_size,
+            "node": self.node,
+            "host": self.host,
+            "epoch": epoch,
+            "batch": batch,
+            "step": self.meter.steps,
+            "time": time.time(),
+            "cache_behind_shards": self.cache_behind,
+            "cumulative": self.meter.section(now),
+            "window": self.meter.section(now, since),
+        }
 
     def line(self, epoch: int, batch: int) -> None:
         """Every ``metrics_every`` steps: one JSON line, and the cross-rank summary if asked for."""
@@ -143,8 +170,9 @@ class Observer:
         self._line_since = now
         out.update(v=metricslog.LINE_VERSION, run=self.run, pid=os.getpid(), start=self.started)
         if self.reduce:
-            s = metricslog.reduce_ranks(out["window"], rank=self.rank, world_size=self.layout.world_size,
-                                        node=self.node)
+            s = metricslog.reduce_ranks(
+                out["window"], rank=self.rank, world_size=self.layout.world_size, node=self.node
+            )
             if s is not None:
                 self.rank_summary = s
                 if self.rank == 0:
@@ -152,9 +180,13 @@ class Observer:
                     log.info("%s", metricslog.format_summary(s, out["step"]))
             else:
                 self.reduce = False
-                log.warning("rank %d: metrics_reduce needs an initialised torch.distributed process group whose "
-                            "ranks are the loader's (rank %d of %d); no cross-rank summary", self.rank, self.rank,
-                            self.layout.world_size)
+                log.warning(
+                    "rank %d: metrics_reduce needs an initialised torch.distributed process group whose "
+                    "ranks are the loader's (rank %d of %d); no cross-rank summary",
+                    self.rank,
+                    self.rank,
+                    self.layout.world_size,
+                )
         self.file.append(out)
 
 
@@ -179,17 +211,23 @@ class BatchStart:
             (shards,) = names.values()
             return shards[s].path if 0 <= s < len(shards) else f"#{s}"
         # A mixture's probe row holds a shard number, not its source: every source's shard of that number.
-        return f"#{s} (" + " or ".join(f"source {n!r}: {sh[s].path}" for n, sh in names.items() if 0 <= s < len(sh)) + ")"
+        return (
+            f"#{s} (" + " or ".join(f"source {n!r}: {sh[s].path}" for n, sh in names.items() if 0 <= s < len(sh)) + ")"
+        )
 
     def describe(self, act: dict) -> str:
         if act["phase"] != PHASES[0]:
             name = self.shard_name(act["shard"])
             size = f", {act['size']} bytes" if act["size"] else ""
-            return (f"{act['phase']} shard {name} at byte offset {act['offset']}{size} (tier {act['tier']}) "
-                    f"for {act['for_s']:.1f} s")
-        return (f"inside batch {act['batch']} for {act['for_s']:.1f} s, in no open, fetch or ranged read (so reading "
-                f"from the memory-mapped shards, or decoding, transforming, collating: the stacks say which); "
-                f"{self.begins(act['batch'])}")
+            return (
+                f"{act['phase']} shard {name} at byte offset {act['offset']}{size} (tier {act['tier']}) "
+                f"for {act['for_s']:.1f} s"
+            )
+        return (
+            f"inside batch {act['batch']} for {act['for_s']:.1f} s, in no open, fetch or ranged read (so reading "
+            f"from the memory-mapped shards, or decoding, transforming, collating: the stacks say which); "
+            f"{self.begins(act['batch'])}"
+        )
 
     def begins(self, b: int) -> str:
         batches = self.current.get("batches")
@@ -207,7 +245,9 @@ class BatchStart:
         t = threading.Thread(target=lambda: done.append(int(src.dataset.shard_index(s).offsets[i])), daemon=True)
         t.start()
         t.join(self.INDEX_WAIT_S)
-        at = f"byte offset {done[0]}" if done else f"sample #{i} (its index did not load within {self.INDEX_WAIT_S:g} s)"
+        at = (
+            f"byte offset {done[0]}" if done else f"sample #{i} (its index did not load within {self.INDEX_WAIT_S:g} s)"
+        )
         return f"batch {b} begins at shard {src.dataset.manifest.shards[s].path} {at} (tier {TIERS[src.tier - 1]})"
 
 
@@ -293,8 +333,14 @@ class Pass:
         if missing and not self._warned and not self.obs.staged:
             self._warned = True
             m = src.dataset.manifest
-            log.warning("rank %d: the node cache is behind the plan: %d of the %d shards the next %d batches read "
-                        "are not cached and nobody is fetching them (no warm running), e.g. %s; each will be "
-                        "fetched from the source when a batch needs it, which stalls that batch. Run `shardtool "
-                        "warm` for this node (e.g. in the job prolog), or stage in the job (stage=True).", self.obs.rank, len(missing), len(shards),
-                        min(self.obs.lookahead, self.n - b), m.shards[missing[0]].path)
+            log.warning(
+                "rank %d: the node cache is behind the plan: %d of the %d shards the next %d batches read "
+                "are not cached and nobody is fetching them (no warm running), e.g. %s; each will be "
+                "fetched from the source when a batch needs it, which stalls that batch. Run `shardtool "
+                "warm` for this node (e.g. in the job prolog), or stage in the job (stage=True).",
+                self.obs.rank,
+                len(missing),
+                len(shards),
+                min(self.obs.lookahead, self.n - b),
+                m.shards[missing[0]].path,
+            )

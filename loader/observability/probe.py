@@ -10,6 +10,7 @@ Shard-open latencies go to a log-spaced histogram (four buckets per octave from 
 p50/p99 over any window are a difference of two snapshots. Values are plain stores into
 aligned float64 cells: a reader may see one batch's counters half applied, never a torn number.
 """
+
 from __future__ import annotations
 
 import math
@@ -64,10 +65,16 @@ class Table:
         if batch is None and r[BUSY_BATCH] < 0:
             return None
         tier, phase = int(r[BUSY_TIER]), int(r[BUSY_PHASE])
-        return {"pid": int(r[PID]) or os.getpid(), "batch": int(r[BUSY_BATCH]) if batch is None else batch,
-                "shard": int(r[BUSY_SHARD]), "offset": int(r[BUSY_OFFSET]), "size": int(r[BUSY_SIZE]),
-                "tier": TIERS[tier - 1] if tier else None, "phase": PHASES.get(phase, "?"),
-                "for_s": time.monotonic() - r[BUSY_SINCE] if phase != IDLE or batch is None else waited}
+        return {
+            "pid": int(r[PID]) or os.getpid(),
+            "batch": int(r[BUSY_BATCH]) if batch is None else batch,
+            "shard": int(r[BUSY_SHARD]),
+            "offset": int(r[BUSY_OFFSET]),
+            "size": int(r[BUSY_SIZE]),
+            "tier": TIERS[tier - 1] if tier else None,
+            "phase": PHASES.get(phase, "?"),
+            "for_s": time.monotonic() - r[BUSY_SINCE] if phase != IDLE or batch is None else waited,
+        }
 
     def announce(self, row: int) -> None:
         """In the process of ``row``: its pid, so the watchdog can ask it for its stacks."""

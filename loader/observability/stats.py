@@ -6,6 +6,7 @@ in several processes (a restarted or resumed job in the same run) adds them up. 
 ranks' counters add up. The slowest ranks are those that spent the largest share of their time
 waiting for data: in synchronous training the whole job steps at their pace.
 """
+
 from __future__ import annotations
 
 import glob
@@ -14,9 +15,24 @@ import os
 from collections import defaultdict
 
 # Cumulative counters that add up across processes and ranks (nested: "a.b").
-ADDITIVE = ("seconds", "batches", "samples", "tokens", "padded_tokens", "wait_s", "produce_s",
-            "bytes_read.cache", "bytes_read.local", "bytes_read.remote", "cache.hits", "cache.misses",
-            "cache.fetch_bytes", "shard_opens", "worker_starts", "worker_restarts")
+ADDITIVE = (
+    "seconds",
+    "batches",
+    "samples",
+    "tokens",
+    "padded_tokens",
+    "wait_s",
+    "produce_s",
+    "bytes_read.cache",
+    "bytes_read.local",
+    "bytes_read.remote",
+    "cache.hits",
+    "cache.misses",
+    "cache.fetch_bytes",
+    "shard_opens",
+    "worker_starts",
+    "worker_restarts",
+)
 
 
 class StatsError(ValueError):
@@ -101,9 +117,14 @@ def summarize(lines: list[dict], top: int = 3) -> dict:
     for r, rl in sorted(per_rank.items()):
         sessions = _sessions(rl)
         last = [s[-1] for s in sessions]
-        row = {"rank": r, "node": last[-1].get("node"), "host": last[-1].get("host"),
-               "steps": sum(int(x.get("step", 0)) for x in last), "processes": len(sessions),
-               **_totals([x["cumulative"] for x in last])}
+        row = {
+            "rank": r,
+            "node": last[-1].get("node"),
+            "host": last[-1].get("host"),
+            "steps": sum(int(x.get("step", 0)) for x in last),
+            "processes": len(sessions),
+            **_totals([x["cumulative"] for x in last]),
+        }
         p99 = [x["cumulative"].get("shard_open_p99_s") for x in last]
         row["shard_open_p99_s"] = max((p for p in p99 if p is not None), default=None)
         ranks.append(row)
@@ -111,15 +132,23 @@ def summarize(lines: list[dict], top: int = 3) -> dict:
     for node in sorted({r["node"] for r in ranks}, key=lambda n: (n is None, n)):
         mine = [r for r in ranks if r["node"] == node]
         t = {k: _sum(mine, k) for k in ADDITIVE}
-        row = {"node": node, "hosts": sorted({str(r["host"]) for r in mine}), "ranks": len(mine), **t,
-               "wait_fraction": t["wait_s"] / t["seconds"] if t["seconds"] else None,
-               "tokens_per_s": sum(r["tokens_per_s"] or 0 for r in mine)}
+        row = {
+            "node": node,
+            "hosts": sorted({str(r["host"]) for r in mine}),
+            "ranks": len(mine),
+            **t,
+            "wait_fraction": t["wait_s"] / t["seconds"] if t["seconds"] else None,
+            "tokens_per_s": sum(r["tokens_per_s"] or 0 for r in mine),
+        }
         opens = t["cache.hits"] + t["cache.misses"]
         row["cache_hit_rate"] = t["cache.hits"] / opens if opens else None
         nodes.append(row)
     slowest = sorted(ranks, key=lambda r: (-(r["wait_fraction"] or 0), r["tokens_per_s"] or 0))[:top]
-    return {"ranks": ranks, "nodes": nodes,
-            "slowest": [{k: r[k] for k in ("rank", "node", "host", "wait_fraction", "tokens_per_s")} for r in slowest]}
+    return {
+        "ranks": ranks,
+        "nodes": nodes,
+        "slowest": [{k: r[k] for k in ("rank", "node", "host", "wait_fraction", "tokens_per_s")} for r in slowest],
+    }
 
 
 def series(lines: list[dict]) -> dict[int, dict[str, list]]:

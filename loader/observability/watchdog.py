@@ -15,6 +15,7 @@ main thread, so a pass iterated from another thread is not interrupted: the stal
 with its dump at the limit, and the error is raised when the wait ends (the pool's own
 ``timeout`` bounds it with workers).
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -57,8 +58,9 @@ def _on_stall_signal(signum, frame) -> None:
 class Watchdog:
     """One per loader; ``start_pass``/``stop`` around a pass, ``begin``/``end`` around each wait."""
 
-    def __init__(self, table: Table, workers: int, stall_timeout: float, *, dump_dir: str, describe,
-                 details: bool = True):
+    def __init__(
+        self, table: Table, workers: int, stall_timeout: float, *, dump_dir: str, describe, details: bool = True
+    ):
         self.table = table
         self.details = details  # the table has what each process is reading (metrics on)
         self.workers = workers
@@ -97,8 +99,9 @@ class Watchdog:
         """After the workers forked (a fork copies no thread, but could copy a lock one holds):
         the watching thread, which also runs ``extra_check`` every poll."""
         self._stop = threading.Event()
-        threading.Thread(target=self._watch, args=(self._stop, extra_check), name="shardtool-watchdog",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._watch, args=(self._stop, extra_check), name="shardtool-watchdog", daemon=True
+        ).start()
 
     def stop(self) -> None:
         if self._stop is not None:
@@ -135,9 +138,11 @@ class Watchdog:
                 return self.error
             waited = time.perf_counter() - self.since
             path = self._dump()
-            self.error = (f"{self.where}: batch {b} was not delivered within stall_timeout={self.timeout:g} s "
-                          f"(waited {waited:.1f} s): {self._reading(b)}. Python stacks of the trainer and its "
-                          f"{self.workers} worker(s): {path}")
+            self.error = (
+                f"{self.where}: batch {b} was not delivered within stall_timeout={self.timeout:g} s "
+                f"(waited {waited:.1f} s): {self._reading(b)}. Python stacks of the trainer and its "
+                f"{self.workers} worker(s): {path}"
+            )
             log.error("%s", self.error)
             self.fired = b
             return self.error

@@ -4,6 +4,7 @@ Each ``cmd_<name>.py`` module defines ``HELP`` (one line), ``add_arguments(parse
 ``run(args) -> int``. Subcommands that need ``cache`` or ``loader`` import them inside ``run``,
 so ``shardtool --help`` stays fast and the format package never imports them at module level.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,20 @@ import sys
 
 from ..format.errors import ShardtoolError
 
-COMMANDS = ["pack", "index", "merge", "inspect", "verify", "upgrade", "plan", "warm", "prolog", "cache", "bench", "stats"]
+COMMANDS = [
+    "pack",
+    "index",
+    "merge",
+    "inspect",
+    "verify",
+    "upgrade",
+    "plan",
+    "warm",
+    "prolog",
+    "cache",
+    "bench",
+    "stats",
+]
 
 
 def _load(name: str):
@@ -47,8 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         mod = _load(name)
         if mod is None:
             continue
-        p = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name,
+            help=mod.HELP,
+            description=getattr(mod, "DESCRIPTION", mod.HELP),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser

@@ -1,4 +1,5 @@
 """Argument types shared by the subcommands."""
+
 from __future__ import annotations
 
 import argparse
@@ -37,5 +38,11 @@ def storage_options_from(args) -> dict | None:
 
 
 def add_storage_option_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--storage-option", "-o", action="append", type=parse_storage_option, metavar="KEY=VALUE",
-                   help="fsspec storage option (repeatable; dotted keys nest, values parsed as JSON when possible)")
+    p.add_argument(
+        "--storage-option",
+        "-o",
+        action="append",
+        type=parse_storage_option,
+        metavar="KEY=VALUE",
+        help="fsspec storage option (repeatable; dotted keys nest, values parsed as JSON when possible)",
+    )

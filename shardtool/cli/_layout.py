@@ -4,6 +4,7 @@ Both commands must read the same description the loader takes (``dp_size``, or a
 data-parallel dimensions), so that `plan` reports, and `warm` caches, exactly what the job's
 ranks will read.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,12 +18,25 @@ hosting each DP rank's peers; without either, every rank is its own DP rank."""
 
 def add_layout_arguments(group) -> None:
     """--dp-size, --mesh, --dp-dim on ``group`` (a parser or an argument group)."""
-    group.add_argument("--dp-size", type=int, default=None, metavar="D",
-                       help="data-parallel size when each DP rank has model-parallel peers (default: every rank)")
-    group.add_argument("--mesh", default=None, metavar="SPEC",
-                       help='device mesh, row-major like torch\'s DeviceMesh, e.g. "pp=2,dp=4,tp=2"')
-    group.add_argument("--dp-dim", default="dp", metavar="NAMES",
-                       help="the mesh's data-parallel dimension(s), comma-separated (default dp)")
+    group.add_argument(
+        "--dp-size",
+        type=int,
+        default=None,
+        metavar="D",
+        help="data-parallel size when each DP rank has model-parallel peers (default: every rank)",
+    )
+    group.add_argument(
+        "--mesh",
+        default=None,
+        metavar="SPEC",
+        help='device mesh, row-major like torch\'s DeviceMesh, e.g. "pp=2,dp=4,tp=2"',
+    )
+    group.add_argument(
+        "--dp-dim",
+        default="dp",
+        metavar="NAMES",
+        help="the mesh's data-parallel dimension(s), comma-separated (default dp)",
+    )
 
 
 def dp_dims(args: argparse.Namespace) -> tuple[str, ...]:

@@ -1,4 +1,5 @@
 """``shardtool plan mix.json``: what a mixture takes from each source over a span of steps."""
+
 from __future__ import annotations
 
 import json
@@ -58,21 +59,43 @@ def plan_mixture(args) -> int:
         _, node_bytes = node_shards(ds.summaries, data, layout, shard_bytes)
         shape = planner.planners[src.name].shape(data)
         sources[src.name] = {
-            "url": src.url, "weight_share": s.weight_share, "realized_share": s.realized_share,
-            "tokens": s.tokens, "tokens_per_epoch": s.tokens_per_epoch, "source_epochs": s.epochs,
-            "source_epochs_begun": s.epochs_touched, "units_per_rank": s.units,
+            "url": src.url,
+            "weight_share": s.weight_share,
+            "realized_share": s.realized_share,
+            "tokens": s.tokens,
+            "tokens_per_epoch": s.tokens_per_epoch,
+            "source_epochs": s.epochs,
+            "source_epochs_begun": s.epochs_touched,
+            "units_per_rank": s.units,
             "units_per_rank_per_epoch": shape.batches_per_rank,
-            "bytes_per_node": {"min": int(node_bytes.min()), "mean": float(node_bytes.mean()),
-                               "max": int(node_bytes.max())}}
+            "bytes_per_node": {
+                "min": int(node_bytes.min()),
+                "mean": float(node_bytes.mean()),
+                "max": int(node_bytes.max()),
+            },
+        }
     report = {
-        "source": args.url, "scope": "mixture", "steps": steps, "max_repeat": mixture.max_repeat,
-        "layout": {"nodes": layout.num_nodes, "ranks_per_node": layout.ranks_per_node,
-                   "world_size": layout.world_size, "dp_size": data.dp_size, "data_groups": data.num_groups,
-                   **describe_layout(args)},
+        "source": args.url,
+        "scope": "mixture",
+        "steps": steps,
+        "max_repeat": mixture.max_repeat,
+        "layout": {
+            "nodes": layout.num_nodes,
+            "ranks_per_node": layout.ranks_per_node,
+            "world_size": layout.world_size,
+            "dp_size": data.dp_size,
+            "data_groups": data.num_groups,
+            **describe_layout(args),
+        },
         "units": "rows" if batching.packing is not None else "batches",
-        "units_per_step": planner.units_per_step, "tokens": sum(v["tokens"] for v in sources.values()),
-        "schedule": mixture.schedule_identity(), "sources": sources, "plan_seconds": seconds,
-        "peak_rss_mb": peak_rss_mb(), "refused": refusal}
+        "units_per_step": planner.units_per_step,
+        "tokens": sum(v["tokens"] for v in sources.values()),
+        "schedule": mixture.schedule_identity(),
+        "sources": sources,
+        "plan_seconds": seconds,
+        "peak_rss_mb": peak_rss_mb(),
+        "refused": refusal,
+    }
     if args.json:
         print(json.dumps(report))
     else:
@@ -86,18 +109,30 @@ def _print(report: dict, data, human) -> None:
     out = sys.stdout.write
     lay = report["layout"]
     per_step = "one batch of one source" if report["units"] == "batches" else f"{report['units_per_step']} rows"
-    out(f"mixture       {report['source']}: {len(report['sources'])} sources, {report['steps']:,} steps of "
-        f"{per_step} per rank, {report['tokens']:,.0f} tokens expected\n")
-    out(f"layout        {lay['nodes']} nodes x {lay['ranks_per_node']} ranks = {lay['world_size']} ranks; "
-        f"{data.describe()}\n")
+    out(
+        f"mixture       {report['source']}: {len(report['sources'])} sources, {report['steps']:,} steps of "
+        f"{per_step} per rank, {report['tokens']:,.0f} tokens expected\n"
+    )
+    out(
+        f"layout        {lay['nodes']} nodes x {lay['ranks_per_node']} ranks = {lay['world_size']} ranks; "
+        f"{data.describe()}\n"
+    )
     if len(report["schedule"]) > 1:
         out(f"schedule      {len(report['schedule'])} entries from steps {[e[0] for e in report['schedule']]}\n")
-    out(f"\n  {'source':<16}{'target':>8}{'realized':>10}{'tokens':>16}{'epochs':>9}{'units/rank':>12}"
-        f"{'bytes/node max':>16}\n")
+    out(
+        f"\n  {'source':<16}{'target':>8}{'realized':>10}{'tokens':>16}{'epochs':>9}{'units/rank':>12}"
+        f"{'bytes/node max':>16}\n"
+    )
     for name, s in report["sources"].items():
-        out(f"  {name:<16}{s['weight_share']:>8.4f}{s['realized_share']:>10.4f}{s['tokens']:>16,.0f}"
-            f"{s['source_epochs']:>9.2f}{s['units_per_rank']:>12,}{human(s['bytes_per_node']['max']):>16}\n")
-    out(f"\n  target: the schedule's share of the tokens; realized: the composition's (expected tokens per "
-        f"unit);\n  epochs: passes over the source by the last step (max_repeat {report['max_repeat']})\n")
-    out(f"planning      {report['plan_seconds']:.2f} s (every source's shape, from its summaries), peak RSS "
-        f"{report['peak_rss_mb']:.0f} MB\n")
+        out(
+            f"  {name:<16}{s['weight_share']:>8.4f}{s['realized_share']:>10.4f}{s['tokens']:>16,.0f}"
+            f"{s['source_epochs']:>9.2f}{s['units_per_rank']:>12,}{human(s['bytes_per_node']['max']):>16}\n"
+        )
+    out(
+        f"\n  target: the schedule's share of the tokens; realized: the composition's (expected tokens per "
+        f"unit);\n  epochs: passes over the source by the last step (max_repeat {report['max_repeat']})\n"
+    )
+    out(
+        f"planning      {report['plan_seconds']:.2f} s (every source's shape, from its summaries), peak RSS "
+        f"{report['peak_rss_mb']:.0f} MB\n"
+    )

@@ -1,5 +1,6 @@
 """What ``shardtool plan`` and its mixture report (cli/_mixture.py) share: the layout and batching
 from the arguments, the shards each node caches, and the peak memory of the planning process."""
+
 from __future__ import annotations
 
 import resource
@@ -29,8 +30,14 @@ def _batching(args, source=None):
     manifest = getattr(source, "manifest", None)
     if manifest is not None:  # documents packed with --eos-id end with it already: as the loader plans them
         packing = with_packed_eos(packing, {args.url: manifest.length.get("eos_id")})
-    return Batching(batch_size=args.batch_size, max_tokens=args.max_tokens, shuffle=not args.no_shuffle,
-                    seed=args.seed, packing=packing, drop_last={"auto": None, "yes": True, "no": False}[args.drop_last])
+    return Batching(
+        batch_size=args.batch_size,
+        max_tokens=args.max_tokens,
+        shuffle=not args.no_shuffle,
+        seed=args.seed,
+        packing=packing,
+        drop_last={"auto": None, "yes": True, "no": False}[args.drop_last],
+    )
 
 
 def node_shards(summaries, data, layout, shard_bytes):

@@ -1,4 +1,5 @@
 """``shardtool cache ls|verify|gc|clear``: inspect and maintain a node-local cache directory."""
+
 from __future__ import annotations
 
 import argparse
@@ -41,22 +42,28 @@ def run(args) -> int:
         res = admin.ls(args.cache_dir)
         if not args.json:
             for v in res:
-                print(f"{v['dir']}  {v['cached']}/{v['shards']} shards  {v['cached_bytes'] / 1e9:.3f} GB"
-                      f"  assigned {v['assigned']}  {' '.join(v['urls']) or '(no url recorded)'}")
+                print(
+                    f"{v['dir']}  {v['cached']}/{v['shards']} shards  {v['cached_bytes'] / 1e9:.3f} GB"
+                    f"  assigned {v['assigned']}  {' '.join(v['urls']) or '(no url recorded)'}"
+                )
             if not res:
                 print(f"{args.cache_dir}: empty")
     elif args.action == "verify":
         res = admin.verify(args.cache_dir, remove_bad=not args.keep_bad)
         if not args.json:
-            print(f"{res['ok']} shards ok, {len(res['bad'])} bad, {len(res['metadata_bad'])} bad metadata, "
-                  f"{len(res['busy'])} in use (skipped)")
+            print(
+                f"{res['ok']} shards ok, {len(res['bad'])} bad, {len(res['metadata_bad'])} bad metadata, "
+                f"{len(res['busy'])} in use (skipped)"
+            )
             for p in res["bad"] + res["metadata_bad"]:
                 print(f"bad: {p}{'' if args.keep_bad else ' (removed)'}", file=sys.stderr)
     elif args.action == "gc":
         res = admin.gc(args.cache_dir, max_bytes=args.max_bytes, min_free=args.min_free, unreferenced=args.unreferenced)
         if not args.json:
-            print(f"removed {res['temps_removed']} temp files, {len(res['versions_removed'])} versions; "
-                  f"evicted {res['evicted_shards']} shards ({res['evicted_bytes'] / 1e9:.3f} GB)")
+            print(
+                f"removed {res['temps_removed']} temp files, {len(res['versions_removed'])} versions; "
+                f"evicted {res['evicted_shards']} shards ({res['evicted_bytes'] / 1e9:.3f} GB)"
+            )
     else:
         res = admin.clear(args.cache_dir, version_dir=args.version_dir)
         if not args.json:

@@ -1,4 +1,5 @@
 """shardtool index TARS... -o DATASET"""
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,9 @@ def add_arguments(p) -> None:
     p.add_argument("--num-tasks", type=int, metavar="T", help="job-array size (default: $SLURM_ARRAY_TASK_COUNT or 1)")
     p.add_argument("--task-index", type=int, metavar="I", help="this task (default: $SLURM_ARRAY_TASK_ID)")
     p.add_argument("--skip-bad", action="store_true", help="leave out tars that break the rules, listing them")
-    p.add_argument("--max-member-bytes", metavar="SIZE", type=size_arg, help="refuse members larger than this "
-                   "(default 256MiB)")
+    p.add_argument(
+        "--max-member-bytes", metavar="SIZE", type=size_arg, help="refuse members larger than this (default 256MiB)"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in DATASET")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -56,13 +58,23 @@ def run(args) -> int:
     from ..pack.inplace import index_tars
 
     try:
-        result = index_tars(args.tars, args.out, length=args.length_field, length_fn=args.length_fn,
-                            workers=args.workers, skip_bad=args.skip_bad, overwrite=args.overwrite,
-                            max_member_bytes=args.max_member_bytes, num_tasks=args.num_tasks,
-                            task_index=args.task_index)
+        result = index_tars(
+            args.tars,
+            args.out,
+            length=args.length_field,
+            length_fn=args.length_fn,
+            workers=args.workers,
+            skip_bad=args.skip_bad,
+            overwrite=args.overwrite,
+            max_member_bytes=args.max_member_bytes,
+            num_tasks=args.num_tasks,
+            task_index=args.task_index,
+        )
     except OSError as e:
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        raise ShardtoolError(f"writing {args.out} failed: {e.strerror or e}{where}; no manifest was published") from None
+        raise ShardtoolError(
+            f"writing {args.out} failed: {e.strerror or e}{where}; no manifest was published"
+        ) from None
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:

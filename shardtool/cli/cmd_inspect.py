@@ -1,4 +1,5 @@
 """shardtool inspect URL"""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """shardtool merge OUT"""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,12 @@ task has not finished, and if sample keys collide across tasks.
 
 def add_arguments(p) -> None:
     p.add_argument("out", metavar="OUT", help="dataset directory the tasks packed into")
-    p.add_argument("--num-tasks", type=int, metavar="T", help="job-array size (needed only if OUT holds "
-                   "fragments of several arrays)")
+    p.add_argument(
+        "--num-tasks",
+        type=int,
+        metavar="T",
+        help="job-array size (needed only if OUT holds fragments of several arrays)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -24,8 +29,13 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(r, indent=1))
     else:
-        capped = (f"dropped {r['dropped']} and truncated {r['truncated']} over --max-length; "
-                  if r["dropped"] or r["truncated"] else "")
-        print(f"merged {r['tasks']} tasks: {r['samples']} samples in {r['shards']} shards "
-              f"({r['bytes'] / 1e6:.1f} MB); skipped {len(r['skipped'])}; {capped}manifest at {r['out']}/index.json")
+        capped = (
+            f"dropped {r['dropped']} and truncated {r['truncated']} over --max-length; "
+            if r["dropped"] or r["truncated"]
+            else ""
+        )
+        print(
+            f"merged {r['tasks']} tasks: {r['samples']} samples in {r['shards']} shards "
+            f"({r['bytes'] / 1e6:.1f} MB); skipped {len(r['skipped'])}; {capped}manifest at {r['out']}/index.json"
+        )
     return 0

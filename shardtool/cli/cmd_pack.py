@@ -1,4 +1,5 @@
 """shardtool pack SRC... -o OUT"""
+
 from __future__ import annotations
 
 import json
@@ -87,40 +88,83 @@ def add_arguments(p) -> None:
     p.add_argument("sources", nargs="+", metavar="SRC", help="input files, directories or glob patterns")
     p.add_argument("-o", "--out", required=True, metavar="OUT", help="output dataset directory")
     p.add_argument("--format", choices=["tar", "arrow"], default="tar", help="shard format (default: tar)")
-    p.add_argument("--key", metavar="FIELD", help="take sample keys from FIELD (JSONL/Parquet/Arrow; FIELD is then "
-                   "not stored as a field); default: the running position, zero-padded")
-    p.add_argument("--compression", choices=["zstd", "lz4", "none"], help="--format arrow only: compress each record "
-                   "batch (default none)")
+    p.add_argument(
+        "--key",
+        metavar="FIELD",
+        help="take sample keys from FIELD (JSONL/Parquet/Arrow; FIELD is then "
+        "not stored as a field); default: the running position, zero-padded",
+    )
+    p.add_argument(
+        "--compression",
+        choices=["zstd", "lz4", "none"],
+        help="--format arrow only: compress each record batch (default none)",
+    )
     t = p.add_argument_group("tokenizing (see above)")
     t.add_argument("--tokenizer", metavar="PATH", help="a Hugging Face tokenizer.json (or a directory holding one)")
     t.add_argument("--text-field", metavar="FIELD", help="the text field to tokenize (with --tokenizer)")
     t.add_argument("--eos-id", type=int, metavar="N", help="append token id N to every sample's ids")
     t.add_argument("--keep-text", action="store_true", help="keep the text field as well as the token ids")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--length", metavar="FIELD", help="sample length = len(FIELD), or its value if an integer "
-                   "(default: payload bytes)")
-    g.add_argument("--length-fn", metavar="MODULE:FUNCTION", help="sample length = FUNCTION(sample dict); "
-                   "MODULE is imported from sys.path or, failing that, the current directory")
-    p.add_argument("--max-length", type=int, metavar="N", help="cap sample lengths at N (see --max-length-policy); "
-                   "the summary counts the samples dropped or truncated")
-    p.add_argument("--max-length-policy", choices=["drop", "truncate"], default="drop",
-                   help="drop: skip samples longer than N (default; any length definition); truncate: cut the "
-                   "--length field's array to its first N elements (needs --length naming a 1-D array field)")
-    p.add_argument("--shard-size", metavar="SIZE", type=size_arg, help="target shard size, e.g. 1GiB (default 256MiB unless "
-                   "--samples-per-shard is given)")
+    g.add_argument(
+        "--length",
+        metavar="FIELD",
+        help="sample length = len(FIELD), or its value if an integer (default: payload bytes)",
+    )
+    g.add_argument(
+        "--length-fn",
+        metavar="MODULE:FUNCTION",
+        help="sample length = FUNCTION(sample dict); "
+        "MODULE is imported from sys.path or, failing that, the current directory",
+    )
+    p.add_argument(
+        "--max-length",
+        type=int,
+        metavar="N",
+        help="cap sample lengths at N (see --max-length-policy); the summary counts the samples dropped or truncated",
+    )
+    p.add_argument(
+        "--max-length-policy",
+        choices=["drop", "truncate"],
+        default="drop",
+        help="drop: skip samples longer than N (default; any length definition); truncate: cut the "
+        "--length field's array to its first N elements (needs --length naming a 1-D array field)",
+    )
+    p.add_argument(
+        "--shard-size",
+        metavar="SIZE",
+        type=size_arg,
+        help="target shard size, e.g. 1GiB (default 256MiB unless --samples-per-shard is given)",
+    )
     p.add_argument("--samples-per-shard", type=int, metavar="N", help="at most N samples per shard")
     p.add_argument("--workers", type=int, default=1, metavar="N", help="worker processes (default 1)")
     p.add_argument("--num-tasks", type=int, metavar="T", help="job-array size (default: $SLURM_ARRAY_TASK_COUNT or 1)")
     p.add_argument("--task-index", type=int, metavar="I", help="this task (default: $SLURM_ARRAY_TASK_ID)")
-    p.add_argument("--per-file", action="store_true", help="directory sources: one file = one sample, "
-                   "fields bin (bytes) and path (relative path); see above")
-    p.add_argument("--label-from-dir", action="store_true", help="directory sources as ImageFolder trees "
-                   "(DIR/CLASS/FILE): one file = one sample, fields EXT (its bytes) and cls (class index); see above")
+    p.add_argument(
+        "--per-file",
+        action="store_true",
+        help="directory sources: one file = one sample, fields bin (bytes) and path (relative path); see above",
+    )
+    p.add_argument(
+        "--label-from-dir",
+        action="store_true",
+        help="directory sources as ImageFolder trees "
+        "(DIR/CLASS/FILE): one file = one sample, fields EXT (its bytes) and cls (class index); see above",
+    )
     p.add_argument("--skip-bad", action="store_true", help="skip bad samples/files/sources, counting and listing them")
-    p.add_argument("--max-skip-fraction", type=float, metavar="F", help="with skipping (implies --skip-bad): fail, "
-                   "publishing nothing, if more than F (0..1) of the samples were skipped")
-    p.add_argument("--max-sample-bytes", metavar="SIZE", type=size_arg, help="refuse lines/members/files larger than this "
-                   "(default 256MiB; bounds memory on corrupt or compressed-bomb input)")
+    p.add_argument(
+        "--max-skip-fraction",
+        type=float,
+        metavar="F",
+        help="with skipping (implies --skip-bad): fail, "
+        "publishing nothing, if more than F (0..1) of the samples were skipped",
+    )
+    p.add_argument(
+        "--max-sample-bytes",
+        metavar="SIZE",
+        type=size_arg,
+        help="refuse lines/members/files larger than this "
+        "(default 256MiB; bounds memory on corrupt or compressed-bomb input)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -136,21 +180,40 @@ def run(args) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", PackWarning)  # printed below, where they cannot be missed
-            result = pack(args.sources, args.out, format=args.format, key=args.key, length=args.length,
-                          length_fn=args.length_fn, shard_size=args.shard_size,
-                          samples_per_shard=args.samples_per_shard, workers=args.workers, num_tasks=args.num_tasks,
-                          task_index=args.task_index, skip_bad=args.skip_bad, overwrite=args.overwrite,
-                          quiet=args.quiet or args.json, max_sample_bytes=args.max_sample_bytes,
-                          per_file=args.per_file, max_length=args.max_length,
-                          max_length_policy=args.max_length_policy, max_skip_fraction=args.max_skip_fraction,
-                          tokenizer=args.tokenizer, text_field=args.text_field, eos_id=args.eos_id,
-                          keep_text=args.keep_text, compression=args.compression,
-                          label_from_dir=args.label_from_dir)
+            result = pack(
+                args.sources,
+                args.out,
+                format=args.format,
+                key=args.key,
+                length=args.length,
+                length_fn=args.length_fn,
+                shard_size=args.shard_size,
+                samples_per_shard=args.samples_per_shard,
+                workers=args.workers,
+                num_tasks=args.num_tasks,
+                task_index=args.task_index,
+                skip_bad=args.skip_bad,
+                overwrite=args.overwrite,
+                quiet=args.quiet or args.json,
+                max_sample_bytes=args.max_sample_bytes,
+                per_file=args.per_file,
+                max_length=args.max_length,
+                max_length_policy=args.max_length_policy,
+                max_skip_fraction=args.max_skip_fraction,
+                tokenizer=args.tokenizer,
+                text_field=args.text_field,
+                eos_id=args.eos_id,
+                keep_text=args.keep_text,
+                compression=args.compression,
+                label_from_dir=args.label_from_dir,
+            )
     except OSError as e:
         # Disk full, quota, permissions on OUT: a one-line error, not a traceback. (Unreadable
         # *inputs* are BadSampleErrors already; this is the output side.)
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        raise ShardtoolError(f"writing {args.out} failed: {e.strerror or e}{where}; no manifest was published") from None
+        raise ShardtoolError(
+            f"writing {args.out} failed: {e.strerror or e}{where}; no manifest was published"
+        ) from None
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:

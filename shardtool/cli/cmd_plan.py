@@ -1,4 +1,5 @@
 """``shardtool plan``: what every node and rank of a layout would read, from metadata only."""
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,13 @@ def add_arguments(p) -> None:
     p.add_argument("url", nargs="?", help="dataset root (local path or fsspec URL), or a mixture file")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--nodes", type=int, default=None, help="number of nodes (default 1)")
-    where.add_argument("--simulate-nodes", type=int, default=None, metavar="N",
-                       help="same as --nodes; says that the layout is only planned, never run")
+    where.add_argument(
+        "--simulate-nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="same as --nodes; says that the layout is only planned, never run",
+    )
     p.add_argument("--ranks-per-node", type=int, default=1, metavar="G", help="ranks (GPUs) per node (default 1)")
     add_layout_arguments(p)
     size = p.add_mutually_exclusive_group(required=True)
@@ -59,29 +65,63 @@ def add_arguments(p) -> None:
     size.add_argument("--max-tokens", type=int, help="token budget per batch, padding counted")
     pk = p.add_argument_group("sequence packing (with --batch-size: rows per batch)")
     pk.add_argument("--seq-len", type=int, default=None, metavar="S", help="pack documents into rows of S tokens")
-    pk.add_argument("--packing", choices=["best-fit", "concat", "no-split"], default="best-fit",
-                    help="how documents fill rows (default best-fit)")
-    pk.add_argument("--eos-id", type=int, default=None, metavar="ID", help="an end-of-sequence token after each document")
+    pk.add_argument(
+        "--packing",
+        choices=["best-fit", "concat", "no-split"],
+        default="best-fit",
+        help="how documents fill rows (default best-fit)",
+    )
+    pk.add_argument(
+        "--eos-id", type=int, default=None, metavar="ID", help="an end-of-sequence token after each document"
+    )
     p.add_argument("--seed", type=int, default=0, help="shuffle seed, as given to ShardedLoader (default 0)")
-    p.add_argument("--epoch", type=int, default=0, help="which epoch to plan (default 0); the order and the "
-                   "remainder change every epoch, node ranges never do")
+    p.add_argument(
+        "--epoch",
+        type=int,
+        default=0,
+        help="which epoch to plan (default 0); the order and the remainder change every epoch, node ranges never do",
+    )
     p.add_argument("--no-shuffle", action="store_true", help="plan without shuffling (dataset order)")
-    p.add_argument("--drop-last", choices=["auto", "yes", "no"], default="auto",
-                   help="may equal counts leave out a surplus (<= 0.2%% of tokens, rotating)? auto (default): "
-                   "yes with several data-parallel ranks, no with one; as ShardedLoader(drop_last=)")
-    p.add_argument("--rank", type=int, default=None, metavar="R",
-                   help="evaluate only what global rank R computes at start-up, in a fresh process")
-    p.add_argument("--synthetic", type=int, default=None, metavar="N",
-                   help="plan N synthetic lognormal lengths instead of a dataset")
-    p.add_argument("--samples-per-shard", type=int, default=10_000, metavar="K",
-                   help="shard size of --synthetic (default 10,000)")
-    p.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1),
-                   help="processes for the simulation of every group (default: up to 2)")
+    p.add_argument(
+        "--drop-last",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="may equal counts leave out a surplus (<= 0.2%% of tokens, rotating)? auto (default): "
+        "yes with several data-parallel ranks, no with one; as ShardedLoader(drop_last=)",
+    )
+    p.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="evaluate only what global rank R computes at start-up, in a fresh process",
+    )
+    p.add_argument(
+        "--synthetic",
+        type=int,
+        default=None,
+        metavar="N",
+        help="plan N synthetic lognormal lengths instead of a dataset",
+    )
+    p.add_argument(
+        "--samples-per-shard", type=int, default=10_000, metavar="K", help="shard size of --synthetic (default 10,000)"
+    )
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="processes for the simulation of every group (default: up to 2)",
+    )
     mx = p.add_argument_group("mixtures (URL is a mixture file: .json or .yaml)")
     length = mx.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, default=None, metavar="N", help="steps (global batches) to plan")
-    length.add_argument("--tokens", type=int, default=None, metavar="T",
-                        help="expected tokens to plan (all ranks), converted into steps")
+    length.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        metavar="T",
+        help="expected tokens to plan (all ranks), converted into steps",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -110,8 +150,9 @@ def _rank_job(args, summaries_path: str | None, result) -> None:
         source = SyntheticSource(args.synthetic, samples_per_shard=args.samples_per_shard, seed=0)
         with open(summaries_path, "rb") as f:
             data = f.read()
-        source._summaries = ShardSummaries.from_bytes(data, lengths_hash=None, counts=source.shard_counts,
-                                                      total_tokens=None, source=summaries_path)
+        source._summaries = ShardSummaries.from_bytes(
+            data, lengths_hash=None, counts=source.shard_counts, total_tokens=None, source=summaries_path
+        )
     else:
         from ..format import open_dataset
 
@@ -131,12 +172,20 @@ def _rank_job(args, summaries_path: str | None, result) -> None:
     if group_plan.rows is not None:
         left = group_plan.left_out.tokens
         tokens = group_plan.rows.tokens + left
-    result.put({"rank": args.rank, "dp_rank": dp_rank, "group": group, "plan_seconds": seconds,
-                "peak_rss_mb": peak_rss_mb(),
-                "batches_per_rank": plan.batches_per_rank, "rank_samples": int(plan.ids.size),
-                "padding_efficiency": plan.fill_rate if plan.rows is not None else plan.padding_efficiency,
-                "group_samples": int(group_plan.lengths.size),
-                "remainder_tokens_fraction": left / tokens if tokens else 0.0})
+    result.put(
+        {
+            "rank": args.rank,
+            "dp_rank": dp_rank,
+            "group": group,
+            "plan_seconds": seconds,
+            "peak_rss_mb": peak_rss_mb(),
+            "batches_per_rank": plan.batches_per_rank,
+            "rank_samples": int(plan.ids.size),
+            "padding_efficiency": plan.fill_rate if plan.rows is not None else plan.padding_efficiency,
+            "group_samples": int(group_plan.lengths.size),
+            "remainder_tokens_fraction": left / tokens if tokens else 0.0,
+        }
+    )
 
 
 def _evaluate_rank(args, source) -> dict:
@@ -173,8 +222,10 @@ def run(args) -> int:
 
         return plan_mixture(args)
     if args.steps is not None or args.tokens is not None:
-        raise ShardtoolError("--steps and --tokens give the length of a mixture (a mixture file); a dataset is "
-                             "planned by epochs (--epoch)")
+        raise ShardtoolError(
+            "--steps and --tokens give the length of a mixture (a mixture file); a dataset is "
+            "planned by epochs (--epoch)"
+        )
     if args.url is None and args.synthetic is None:
         raise ShardtoolError("give a dataset URL or --synthetic N")
     try:
@@ -210,24 +261,42 @@ def run(args) -> int:
         node_plain = np.array([int(plain[s].sum()) if s else 0 for s in per_node_shards], dtype=np.int64)
     report = {
         "source": name,
-        "layout": {"nodes": layout.num_nodes, "ranks_per_node": layout.ranks_per_node,
-                   "world_size": layout.world_size, "dp_size": data.dp_size, "data_groups": data.num_groups,
-                   **described},
-        "batching": {"batch_size": args.batch_size, "max_tokens": args.max_tokens, "seed": args.seed,
-                     "epoch": args.epoch, "shuffle": not args.no_shuffle, "seq_len": args.seq_len,
-                     "packing": args.packing if args.seq_len else None, "eos_id": args.eos_id},
+        "layout": {
+            "nodes": layout.num_nodes,
+            "ranks_per_node": layout.ranks_per_node,
+            "world_size": layout.world_size,
+            "dp_size": data.dp_size,
+            "data_groups": data.num_groups,
+            **described,
+        },
+        "batching": {
+            "batch_size": args.batch_size,
+            "max_tokens": args.max_tokens,
+            "seed": args.seed,
+            "epoch": args.epoch,
+            "shuffle": not args.no_shuffle,
+            "seq_len": args.seq_len,
+            "packing": args.packing if args.seq_len else None,
+            "eos_id": args.eos_id,
+        },
         "samples": int(summaries.samples.sum()),
         "shards": int(summaries.num_shards),
         "synthetic_seconds": made,
-        "bytes_per_node": {"min": int(node_bytes.min()), "mean": float(node_bytes.mean()),
-                           "max": int(node_bytes.max())},
+        "bytes_per_node": {
+            "min": int(node_bytes.min()),
+            "mean": float(node_bytes.mean()),
+            "max": int(node_bytes.max()),
+        },
         "bytes_per_node_max_over_mean": float(node_bytes.max() / node_bytes.mean()) if node_bytes.mean() else 1.0,
         "shards_per_node": {"min": min(map(len, per_node_shards)), "max": max(map(len, per_node_shards))},
     }
     if compression:
         report["compression"] = compression
-        report["plain_bytes_per_node"] = {"min": int(node_plain.min()), "mean": float(node_plain.mean()),
-                                          "max": int(node_plain.max())}
+        report["plain_bytes_per_node"] = {
+            "min": int(node_plain.min()),
+            "mean": float(node_plain.mean()),
+            "max": int(node_plain.max()),
+        }
     if args.json and layout.num_nodes <= 4096:
         report["per_node"] = {"shards": [len(s) for s in per_node_shards], "bytes": node_bytes.tolist()}
         if compression:
@@ -240,19 +309,27 @@ def run(args) -> int:
             began = time.perf_counter()
             sim = simulate_epoch(source, data, batching, args.epoch, processes=args.processes)
             per_rank = sim.samples_per_rank
-            report.update({
-                "scope": "every group",
-                "plan_seconds": time.perf_counter() - began,
-                "peak_rss_mb": peak_rss_mb(),
-                "batches_per_rank": sim.shape.batches_per_rank,
-                "samples_per_rank": {"min": int(per_rank.min()), "max": int(per_rank.max())},
-                "padding_efficiency": sim.padding_efficiency,
-                "remainder_samples": sim.remainder_samples,
-                "remainder_tokens_fraction": sim.remainder_tokens_fraction,
-            })
+            report.update(
+                {
+                    "scope": "every group",
+                    "plan_seconds": time.perf_counter() - began,
+                    "peak_rss_mb": peak_rss_mb(),
+                    "batches_per_rank": sim.shape.batches_per_rank,
+                    "samples_per_rank": {"min": int(per_rank.min()), "max": int(per_rank.max())},
+                    "padding_efficiency": sim.padding_efficiency,
+                    "remainder_samples": sim.remainder_samples,
+                    "remainder_tokens_fraction": sim.remainder_tokens_fraction,
+                }
+            )
             if batching.packing is not None:
-                report.update({"fill_rate": sim.fill_rate, "documents_split": sim.split_docs,
-                               "documents_dropped": sim.dropped_docs, "rows_per_rank": report.pop("samples_per_rank")})
+                report.update(
+                    {
+                        "fill_rate": sim.fill_rate,
+                        "documents_split": sim.split_docs,
+                        "documents_dropped": sim.dropped_docs,
+                        "rows_per_rank": report.pop("samples_per_rank"),
+                    }
+                )
     except ValueError as e:
         raise ShardtoolError(str(e)) from None
     if args.json:
@@ -268,39 +345,59 @@ def _print(report: dict, data) -> None:
     out(f"dataset       {report['source']}: {report['samples']:,} samples in {report['shards']:,} shards\n")
     if report["synthetic_seconds"] is not None:
         out(f"              (made up, with its per-shard summaries, in {report['synthetic_seconds']:.1f} s)\n")
-    out(f"layout        {lay['nodes']} nodes x {lay['ranks_per_node']} ranks = {lay['world_size']} ranks; "
-        f"{data.describe()}\n")
+    out(
+        f"layout        {lay['nodes']} nodes x {lay['ranks_per_node']} ranks = {lay['world_size']} ranks; "
+        f"{data.describe()}\n"
+    )
     out(f"batches/rank  {report['batches_per_rank']:,} (equal on every rank)\n")
     if report["scope"] == "rank":
-        out(f"rank          {report['rank']} (DP rank {report['dp_rank']}, data group {report['group']} of "
-            f"{report['group_samples']:,} samples): {report['rank_samples']:,} samples\n")
-        out(f"{'fill rate' if report['batching']['seq_len'] else 'padding eff.':<14}"
-            f"{report['padding_efficiency']:.4f}\n")
+        out(
+            f"rank          {report['rank']} (DP rank {report['dp_rank']}, data group {report['group']} of "
+            f"{report['group_samples']:,} samples): {report['rank_samples']:,} samples\n"
+        )
+        out(
+            f"{'fill rate' if report['batching']['seq_len'] else 'padding eff.':<14}"
+            f"{report['padding_efficiency']:.4f}\n"
+        )
         out(f"remainder     {report['remainder_tokens_fraction']:.3%} of its group's tokens this epoch\n")
-        out(f"planning      {report['plan_seconds']:.3f} s, peak RSS {report['peak_rss_mb']:.0f} MB "
-            "(a fresh process, as a training rank at start-up)\n")
+        out(
+            f"planning      {report['plan_seconds']:.3f} s, peak RSS {report['peak_rss_mb']:.0f} MB "
+            "(a fresh process, as a training rank at start-up)\n"
+        )
     else:
         if "fill_rate" in report:
             rpr = report["rows_per_rank"]
-            out(f"rows/rank     {rpr['min']:,}..{rpr['max']:,} of {report['batching']['seq_len']:,} tokens "
-                f"({report['batching']['packing']})\n")
+            out(
+                f"rows/rank     {rpr['min']:,}..{rpr['max']:,} of {report['batching']['seq_len']:,} tokens "
+                f"({report['batching']['packing']})\n"
+            )
             out(f"fill rate     {report['fill_rate']:.4f} (real tokens / row tokens)\n")
-            out(f"documents     {report['documents_split']:,} split into pieces, {report['documents_dropped']:,} "
-                "dropped (longer than a row, no-split)\n")
+            out(
+                f"documents     {report['documents_split']:,} split into pieces, {report['documents_dropped']:,} "
+                "dropped (longer than a row, no-split)\n"
+            )
         else:
             spr = report["samples_per_rank"]
             out(f"samples/rank  {spr['min']:,}..{spr['max']:,}\n")
             out(f"padding eff.  {report['padding_efficiency']:.4f}\n")
-        out(f"remainder     {report['remainder_samples']:,} samples, {report['remainder_tokens_fraction']:.3%} of the "
-            "tokens, not served this epoch (rotates across epochs)\n")
-        out(f"planning      {report['plan_seconds']:.2f} s to simulate every group, peak RSS "
-            f"{report['peak_rss_mb']:.0f} MB (a training rank plans only its own: --rank R)\n")
+        out(
+            f"remainder     {report['remainder_samples']:,} samples, {report['remainder_tokens_fraction']:.3%} of the "
+            "tokens, not served this epoch (rotates across epochs)\n"
+        )
+        out(
+            f"planning      {report['plan_seconds']:.2f} s to simulate every group, peak RSS "
+            f"{report['peak_rss_mb']:.0f} MB (a training rank plans only its own: --rank R)\n"
+        )
     s = report["shards_per_node"]
     out(f"shards/node   {s['min']}..{s['max']}\n")
-    out(f"bytes/node    min {format_size(b['min'])}  mean {format_size(b['mean'])}  max {format_size(b['max'])} "
-        f"(max/mean {report['bytes_per_node_max_over_mean']:.3f}; whole shards to cache)\n")
+    out(
+        f"bytes/node    min {format_size(b['min'])}  mean {format_size(b['mean'])}  max {format_size(b['max'])} "
+        f"(max/mean {report['bytes_per_node_max_over_mean']:.3f}; whole shards to cache)\n"
+    )
     if "plain_bytes_per_node" in report:
         p = report["plain_bytes_per_node"]
-        out(f"plain/node    min {format_size(p['min'])}  mean {format_size(p['mean'])}  max {format_size(p['max'])} "
+        out(
+            f"plain/node    min {format_size(p['min'])}  mean {format_size(p['mean'])}  max {format_size(p['max'])} "
             f"(the node cache decompresses {report['compression']} shards; bytes/node above is stored, "
-            "what warm moves and what warm --keep-compressed keeps)\n")
+            "what warm moves and what warm --keep-compressed keeps)\n"
+        )

@@ -1,4 +1,5 @@
 """``shardtool prolog``: stage what a SLURM job asks for into this node's shared cache (one prolog, every job)."""
+
 from __future__ import annotations
 
 import argparse
@@ -43,14 +44,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-root", required=True, help="node-local cache root; this node's cache is ROOT/<node name>")
     p.add_argument("--scontrol", default="/usr/bin/scontrol", help="absolute path of scontrol (a prolog has no PATH)")
     p.add_argument("--squeue", default="/usr/bin/squeue", help="absolute path of squeue (which jobs still run)")
-    p.add_argument("--comment-from", choices=("auto", "env", "scontrol"), default="auto",
-                   help="where the job's comment is read: SLURM_JOB_COMMENT (env), `scontrol show job` (scontrol), "
-                        "or the environment and scontrol when it is not set there (auto, default)")
+    p.add_argument(
+        "--comment-from",
+        choices=("auto", "env", "scontrol"),
+        default="auto",
+        help="where the job's comment is read: SLURM_JOB_COMMENT (env), `scontrol show job` (scontrol), "
+        "or the environment and scontrol when it is not set there (auto, default)",
+    )
     p.add_argument("--jobs", "-j", type=int, default=8, help="concurrent transfers (default 8)")
     p.add_argument("--max-bytes", type=size_arg, help="most bytes the node's cache may hold (e.g. 1500G)")
     p.add_argument("--min-free", type=size_arg, help="bytes to leave free on the cache's disk (e.g. 50G)")
-    p.add_argument("--best-effort", action="store_true",
-                   help="for every job: if its shards do not fit, stage what fits (a job may ask for it itself)")
+    p.add_argument(
+        "--best-effort",
+        action="store_true",
+        help="for every job: if its shards do not fit, stage what fits (a job may ask for it itself)",
+    )
     p.add_argument("--timeout", type=float, help="overall deadline of the staging in seconds")
     p.add_argument("--durable", action="store_true", help="fsync every shard before publishing it")
     p.add_argument("--mode", default="0644", help="octal mode of what is written (default 0644)")
@@ -58,15 +66,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def log(env, msg: str) -> None:
-    print(f"shardtool-prolog[job {env.get('SLURM_JOB_ID', '?')} on {env.get('SLURMD_NODENAME', '?')}]: {msg}",
-          file=sys.stderr, flush=True)
+    print(
+        f"shardtool-prolog[job {env.get('SLURM_JOB_ID', '?')} on {env.get('SLURMD_NODENAME', '?')}]: {msg}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _slurm(argv: list[str], timeout: float = 30) -> str | None:
     """stdout of a SLURM client command, None if it fails (never raises: the prolog must not)."""
     try:
-        cp = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env={k: v for k, v in
-                            os.environ.items() if k == "SLURM_CONF" or not k.startswith("SLURM_")})
+        cp = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={k: v for k, v in os.environ.items() if k == "SLURM_CONF" or not k.startswith("SLURM_")},
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return cp.stdout if cp.returncode == 0 else None
@@ -90,8 +106,9 @@ def active_jobs(args) -> set[str] | None:
 
 def _layout_args(request) -> argparse.Namespace:
     """The request's layout as `shardtool warm`'s options (one way of reading a layout)."""
-    return argparse.Namespace(mesh=request.mesh, dp_dim=request.dp_dim, dp_size=request.dp_size,
-                              ranks_per_node=request.ranks_per_node)
+    return argparse.Namespace(
+        mesh=request.mesh, dp_dim=request.dp_dim, dp_size=request.dp_size, ranks_per_node=request.ranks_per_node
+    )
 
 
 def place(args, env, request):
@@ -122,8 +139,15 @@ def place(args, env, request):
 def sources_of(report) -> list[dict]:
     reports = getattr(report, "reports", None)
     items = reports.values() if reports is not None else [report]
-    return [{"url": r.url, "version": r.version, "status": r.status,
-             "error": r.error or ("; ".join(r.warnings) if r.warnings else None)} for r in items]
+    return [
+        {
+            "url": r.url,
+            "version": r.version,
+            "status": r.status,
+            "error": r.error or ("; ".join(r.warnings) if r.warnings else None),
+        }
+        for r in items
+    ]
 
 
 def _report_path(cache_dir: str, job: str) -> str:
@@ -208,8 +232,9 @@ def run(args) -> int:
 
     live = _running_jobs_versions(args, cache_dir, job)
     try:
-        write_job_record(cache_dir, job, {**record, "status": "staging", "sources": _claims(cache_dir, request.url)},
-                         perms=perms)
+        write_job_record(
+            cache_dir, job, {**record, "status": "staging", "sources": _claims(cache_dir, request.url)}, perms=perms
+        )
     except OSError as e:
         log(env, f"local fault: cannot write the job's record in {cache_dir}: {e}")
         return prolog_exit_code("local_fault")
@@ -225,6 +250,7 @@ def run(args) -> int:
     message = report.error or ("; ".join(warned) if warned else None)
     try:
         from ..format.atomic import atomic_write_bytes
+
         atomic_write_bytes(_report_path(cache_dir, job), report.to_json().encode())
     except OSError as e:
         log(env, f"cannot write the warm report: {e}")
@@ -240,10 +266,24 @@ def _warm(args, request, cache_dir, placement, data, live, perms):
 
     # a mixture file: every source's range for this node, one report
     staging = warm_mixture if is_mixture_file(request.url) else warm
-    return staging(request.url, cache_dir, placement=placement, data_layout=data, jobs=args.jobs,
-                max_bytes=args.max_bytes, min_free=args.min_free, best_effort=args.best_effort or request.best_effort,
-                timeout=args.timeout, durable=args.durable, retry=RetryPolicy(), perms=perms, progress=False,
-                live=live, stage_bytes=request.max_bytes, log=lambda msg: print(f"shardtool warm: {msg}", file=sys.stderr))
+    return staging(
+        request.url,
+        cache_dir,
+        placement=placement,
+        data_layout=data,
+        jobs=args.jobs,
+        max_bytes=args.max_bytes,
+        min_free=args.min_free,
+        best_effort=args.best_effort or request.best_effort,
+        timeout=args.timeout,
+        durable=args.durable,
+        retry=RetryPolicy(),
+        perms=perms,
+        progress=False,
+        live=live,
+        stage_bytes=request.max_bytes,
+        log=lambda msg: print(f"shardtool warm: {msg}", file=sys.stderr),
+    )
 
 
 def _finish(env, cache_dir, job, record, status, message, perms) -> int:

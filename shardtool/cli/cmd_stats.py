@@ -1,4 +1,5 @@
 """`shardtool stats`: one table from the loader metric files of every node of a run."""
+
 from __future__ import annotations
 
 import json
@@ -25,10 +26,20 @@ def add_arguments(p) -> None:
     p.add_argument("paths", nargs="+", help="metric directories (searched recursively for *.jsonl) or files")
     p.add_argument("--run", default=None, help="the run id to show (default: the newest run found)")
     p.add_argument("--top", type=int, default=3, help="how many of the slowest ranks to name (default 3)")
-    p.add_argument("--json", dest="json_path", nargs="?", const="-", default=None,
-                   help="write the summary as JSON to this file; with no file, to stdout instead of the tables")
-    p.add_argument("--plot", default=None, metavar="PNG",
-                   help="draw wait fraction and tokens/s per rank over steps (needs matplotlib: shardtool[plot])")
+    p.add_argument(
+        "--json",
+        dest="json_path",
+        nargs="?",
+        const="-",
+        default=None,
+        help="write the summary as JSON to this file; with no file, to stdout instead of the tables",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PNG",
+        help="draw wait fraction and tokens/s per rank over steps (needs matplotlib: shardtool[plot])",
+    )
 
 
 def _pct(x) -> str:
@@ -53,23 +64,64 @@ def format_summary(run: str, s: dict) -> str:
     """The per-rank and per-node tables and the slowest ranks, as text."""
     ranks, nodes = s["ranks"], s["nodes"]
     steps = sorted({r["steps"] for r in ranks})
-    lines = [f"run {run}: {len(ranks)} rank(s) on {len(nodes)} node(s), "
-             f"{steps[0] if len(steps) == 1 else f'{steps[0]}-{steps[-1]}'} steps per rank", "", "per rank"]
-    lines += _table(["rank", "node", "host", "steps", "wait %", "tokens/s", "samples/s", "cache hit",
-                     "read: cache / local / remote", "open p99"],
-                    [[str(r["rank"]), str(r["node"]), str(r["host"]), str(r["steps"]), _pct(r["wait_fraction"]),
-                      _num(r["tokens_per_s"]), _num(r["samples_per_s"]), _pct(r["cache_hit_rate"]), _read(r),
-                      "-" if r["shard_open_p99_s"] is None else f"{1000 * r['shard_open_p99_s']:.1f} ms"]
-                     for r in ranks])
+    lines = [
+        f"run {run}: {len(ranks)} rank(s) on {len(nodes)} node(s), "
+        f"{steps[0] if len(steps) == 1 else f'{steps[0]}-{steps[-1]}'} steps per rank",
+        "",
+        "per rank",
+    ]
+    lines += _table(
+        [
+            "rank",
+            "node",
+            "host",
+            "steps",
+            "wait %",
+            "tokens/s",
+            "samples/s",
+            "cache hit",
+            "read: cache / local / remote",
+            "open p99",
+        ],
+        [
+            [
+                str(r["rank"]),
+                str(r["node"]),
+                str(r["host"]),
+                str(r["steps"]),
+                _pct(r["wait_fraction"]),
+                _num(r["tokens_per_s"]),
+                _num(r["samples_per_s"]),
+                _pct(r["cache_hit_rate"]),
+                _read(r),
+                "-" if r["shard_open_p99_s"] is None else f"{1000 * r['shard_open_p99_s']:.1f} ms",
+            ]
+            for r in ranks
+        ],
+    )
     lines += ["", "per node"]
-    lines += _table(["node", "hosts", "ranks", "wait %", "tokens/s", "cache hit", "read: cache / local / remote"],
-                    [[str(n["node"]), ",".join(n["hosts"]), str(n["ranks"]), _pct(n["wait_fraction"]),
-                      _num(n["tokens_per_s"]), _pct(n["cache_hit_rate"]), _read(n)] for n in nodes])
+    lines += _table(
+        ["node", "hosts", "ranks", "wait %", "tokens/s", "cache hit", "read: cache / local / remote"],
+        [
+            [
+                str(n["node"]),
+                ",".join(n["hosts"]),
+                str(n["ranks"]),
+                _pct(n["wait_fraction"]),
+                _num(n["tokens_per_s"]),
+                _pct(n["cache_hit_rate"]),
+                _read(n),
+            ]
+            for n in nodes
+        ],
+    )
     lines += ["", "slowest ranks (largest share of time waiting for data)"]
-    lines += [f"  rank {r['rank']} (node {r['node']}, {r['host']}): wait {_pct(r['wait_fraction'])}, "
-              f"tokens/s {_num(r['tokens_per_s'])}" for r in s["slowest"]]
+    lines += [
+        f"  rank {r['rank']} (node {r['node']}, {r['host']}): wait {_pct(r['wait_fraction'])}, "
+        f"tokens/s {_num(r['tokens_per_s'])}"
+        for r in s["slowest"]
+    ]
     return "\n".join(lines)
-
 
 
 def run(args) -> int:
@@ -92,8 +144,9 @@ def run(args) -> int:
         return 2
     others = [r for r in by_run if r != run_id]
     if args.json_path:
-        text = json.dumps({"run": run_id, "other_runs": others, "files": len(files), "unreadable_lines": bad,
-                           **summary}, indent=1)
+        text = json.dumps(
+            {"run": run_id, "other_runs": others, "files": len(files), "unreadable_lines": bad, **summary}, indent=1
+        )
         if args.json_path != "-":
             with open(args.json_path, "w") as f:
                 f.write(text + "\n")

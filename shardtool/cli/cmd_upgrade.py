@@ -1,4 +1,5 @@
 """``shardtool upgrade DATASET``: bring a dataset packed by an older shardtool up to this one's format."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,11 @@ examples:
 
 def add_arguments(p) -> None:
     p.add_argument("url", metavar="DATASET", help="dataset root: local path or fsspec URL (s3://, gs://, ...)")
-    p.add_argument("--check", action="store_true",
-                   help="only report whether the dataset needs an upgrade (exit 1 if it does); write nothing")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="only report whether the dataset needs an upgrade (exit 1 if it does); write nothing",
+    )
     add_storage_option_argument(p)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 

@@ -1,4 +1,5 @@
 """shardtool verify URL"""
+
 from __future__ import annotations
 
 import json
@@ -35,6 +36,8 @@ def run(args) -> int:
         for b in report["bad"]:
             print(f"BAD {b['shard']}: {b['error']}", file=sys.stderr)
         status = "OK" if report["ok"] else f"{len(report['bad'])} bad"
-        print(f"verify {args.url}: {status} ({report['shards']} shards, {report['samples']} samples, "
-              f"{report['bytes'] / 1e6:.1f} MB)")
+        print(
+            f"verify {args.url}: {status} ({report['shards']} shards, {report['samples']} samples, "
+            f"{report['bytes'] / 1e6:.1f} MB)"
+        )
     return 0 if report["ok"] else 1

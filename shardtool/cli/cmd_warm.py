@@ -1,4 +1,5 @@
 """``shardtool warm``: copy this node's shards into a node-local cache (run it in a SLURM prolog)."""
+
 from __future__ import annotations
 
 import argparse
@@ -66,56 +67,85 @@ examples:
   shardtool warm ./ds --cache-dir /local/cache --nodes 2 --node-rank 0 --mesh pp=2,dp=2   # PP across nodes
 """.format(layout=LAYOUT_HELP)
 
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("url", help="dataset root: local path, file://, s3://, gs://, http(s)://; or a mixture file "
-                               "(.json/.yaml) to warm every source it names")
+    p.add_argument(
+        "url",
+        help="dataset root: local path, file://, s3://, gs://, http(s)://; or a mixture file "
+        "(.json/.yaml) to warm every source it names",
+    )
     p.add_argument("--cache-dir", required=True, help="node-local cache directory")
     g = p.add_argument_group("node layout")
     g.add_argument("--nodes", type=int, help="number of nodes (default: SLURM_JOB_NUM_NODES, else 1)")
     g.add_argument("--node-rank", type=int, help="this node's index in [0, nodes) (default: SLURM_NODEID)")
-    g.add_argument("--ranks-per-node", type=int,
-                   help="ranks per node (with pure data parallelism only recorded: it does not change the node's "
-                        "shards; with --dp-size or --mesh it places the model-parallel peers)")
+    g.add_argument(
+        "--ranks-per-node",
+        type=int,
+        help="ranks per node (with pure data parallelism only recorded: it does not change the node's "
+        "shards; with --dp-size or --mesh it places the model-parallel peers)",
+    )
     g.add_argument("--all", action="store_true", help="warm every shard of the dataset")
     add_layout_arguments(p.add_argument_group("data layout (as given to ShardedLoader)"))
     p.add_argument("--jobs", "-j", type=int, default=8, help="concurrent transfers (default 8)")
     b = p.add_argument_group("budget")
     b.add_argument("--max-bytes", type=size_arg, help="most bytes the cache may hold (e.g. 800G, 750GiB)")
     b.add_argument("--min-free", type=size_arg, help="bytes to leave free on the cache's disk (e.g. 20G)")
-    b.add_argument("--best-effort", action="store_true",
-                   help="if this node's shards do not fit, warm what fits and warn (exit 0)")
+    b.add_argument(
+        "--best-effort", action="store_true", help="if this node's shards do not fit, warm what fits and warn (exit 0)"
+    )
     f = p.add_argument_group("failures")
     f.add_argument("--strict", action="store_true", help="exit 1 on remote failures (default: log them, exit 0)")
     f.add_argument("--timeout", type=float, help="overall deadline in seconds")
     f.add_argument("--retries", type=int, default=5, help="attempts per object on transient errors (default 5)")
     f.add_argument("--attempt-timeout", type=float, default=900.0, help="seconds for one try of one object")
     f.add_argument("--stall-timeout", type=float, default=60.0, help="seconds a single read may stall")
-    p.add_argument("--durable", action="store_true",
-                   help="fsync every shard before publishing it, so the cache survives a machine crash without "
-                        "re-hashing (slower: waits for the disk, like `cp; sync`). Without it, shards are published "
-                        "as soon as verified, like `cp`, and any not yet on disk when the machine crashes are "
-                        "hashed again before they are trusted")
-    p.add_argument("--verify", action="store_true", help="re-hash shards already in the cache instead of trusting stamps")
-    p.add_argument("--keep-compressed", action="store_true",
-                   help="cache a compressed dataset's shards as stored (smaller; every read then decompresses a "
-                        "record batch). Default: decompress each into a plain, memory-mappable shard on its way in")
+    p.add_argument(
+        "--durable",
+        action="store_true",
+        help="fsync every shard before publishing it, so the cache survives a machine crash without "
+        "re-hashing (slower: waits for the disk, like `cp; sync`). Without it, shards are published "
+        "as soon as verified, like `cp`, and any not yet on disk when the machine crashes are "
+        "hashed again before they are trusted",
+    )
+    p.add_argument(
+        "--verify", action="store_true", help="re-hash shards already in the cache instead of trusting stamps"
+    )
+    p.add_argument(
+        "--keep-compressed",
+        action="store_true",
+        help="cache a compressed dataset's shards as stored (smaller; every read then decompresses a "
+        "record batch). Default: decompress each into a plain, memory-mappable shard on its way in",
+    )
     a = p.add_argument_group("permissions")
-    a.add_argument("--mode", default="0644",
-                   help="octal mode of the files the warm writes (default 0644: readable by every user, whatever "
-                        "the umask); directories get x wherever it grants r (0644 -> 0755, 0640 -> 0750)")
-    a.add_argument("--group", help="group (name or gid) of the files and directories the warm writes, e.g. with "
-                                   "--mode 0640 to let only that group's jobs read the cache")
+    a.add_argument(
+        "--mode",
+        default="0644",
+        help="octal mode of the files the warm writes (default 0644: readable by every user, whatever "
+        "the umask); directories get x wherever it grants r (0644 -> 0755, 0640 -> 0750)",
+    )
+    a.add_argument(
+        "--group",
+        help="group (name or gid) of the files and directories the warm writes, e.g. with "
+        "--mode 0640 to let only that group's jobs read the cache",
+    )
     add_storage_option_argument(p)
-    p.add_argument("--report", metavar="FILE", help="write a JSON report (shards/bytes copied/skipped/failed, seconds, GB/s)")
+    p.add_argument(
+        "--report", metavar="FILE", help="write a JSON report (shards/bytes copied/skipped/failed, seconds, GB/s)"
+    )
     p.add_argument("--json", action="store_true", help="print the JSON report on stdout")
     s = p.add_argument_group("in-job staging")
-    s.add_argument("--follow", action="store_true",
-                   help="stage beside the job: fetch the shards its ranks publish, in their order, ahead of them")
+    s.add_argument(
+        "--follow",
+        action="store_true",
+        help="stage beside the job: fetch the shards its ranks publish, in their order, ahead of them",
+    )
     s.add_argument("--ahead", type=int, default=16, help="shards staged ahead of the slowest rank (default 16)")
     s.add_argument("--ahead-bytes", type=size_arg, help="and at most this many bytes ahead (e.g. 20G)")
     s.add_argument("--bandwidth", type=size_arg, help="bytes per second over all transfers (e.g. 500M)")
-    s.add_argument("--run", help="the job's id shared with its ranks (default: SHARDTOOL_STAGE_RUN, SLURM_JOB_ID, "
-                                 "TORCHELASTIC_RUN_ID)")
+    s.add_argument(
+        "--run",
+        help="the job's id shared with its ranks (default: SHARDTOOL_STAGE_RUN, SLURM_JOB_ID, TORCHELASTIC_RUN_ID)",
+    )
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
 
 
@@ -141,14 +171,24 @@ def mesh_placement(args, placement):
     from ..plan import Layout, LayoutError, Placement
 
     mesh, layout = parsed_mesh(args), placement.layout
-    if mesh is None or args.ranks_per_node is not None or layout.ranks_per_node != 1 or \
-            mesh.ranks.size == layout.world_size:
+    if (
+        mesh is None
+        or args.ranks_per_node is not None
+        or layout.ranks_per_node != 1
+        or mesh.ranks.size == layout.world_size
+    ):
         return placement
     if mesh.ranks.size % layout.num_nodes:
-        raise LayoutError(f"the mesh {mesh.describe()} has {mesh.ranks.size} ranks, which do not divide over "
-                          f"{layout.num_nodes} node(s); give --nodes and --ranks-per-node of the job")
-    return Placement(Layout(layout.num_nodes, mesh.ranks.size // layout.num_nodes), placement.node, None,
-                     f"{placement.source}; ranks per node from --mesh")
+        raise LayoutError(
+            f"the mesh {mesh.describe()} has {mesh.ranks.size} ranks, which do not divide over "
+            f"{layout.num_nodes} node(s); give --nodes and --ranks-per-node of the job"
+        )
+    return Placement(
+        Layout(layout.num_nodes, mesh.ranks.size // layout.num_nodes),
+        placement.node,
+        None,
+        f"{placement.source}; ranks per node from --mesh",
+    )
 
 
 def run(args) -> int:
@@ -180,24 +220,41 @@ def run(args) -> int:
                 try:
                     data, _ = data_layout_of(args, placement)
                 except LayoutError as e:
-                    raise LayoutError(f"{e} ({placement.describe()}; --nodes and --ranks-per-node must be "
-                                      "the training job's)") from None
+                    raise LayoutError(
+                        f"{e} ({placement.describe()}; --nodes and --ranks-per-node must be the training job's)"
+                    ) from None
         except LayoutError as e:
             print(f"shardtool warm: error: {e}", file=sys.stderr)
             return EXIT_USAGE
     policy = RetryPolicy(attempts=args.retries, attempt_timeout=args.attempt_timeout, stall_timeout=args.stall_timeout)
     if is_mixture_file(args.url):  # every source of the mixture, one report
         from ..cache.mixwarm import warm_mixture as warm
-    report = warm(args.url, args.cache_dir, placement=placement, data_layout=data, all_shards=args.all, jobs=args.jobs,
-                  max_bytes=args.max_bytes, min_free=args.min_free, best_effort=args.best_effort,
-                  strict=args.strict, timeout=args.timeout, verify=args.verify, durable=args.durable, retry=policy,
-                  storage_options=storage_options_from(args), perms=perms, keep_compressed=args.keep_compressed,
-                  progress=(not args.quiet) and sys.stderr.isatty())
+    report = warm(
+        args.url,
+        args.cache_dir,
+        placement=placement,
+        data_layout=data,
+        all_shards=args.all,
+        jobs=args.jobs,
+        max_bytes=args.max_bytes,
+        min_free=args.min_free,
+        best_effort=args.best_effort,
+        strict=args.strict,
+        timeout=args.timeout,
+        verify=args.verify,
+        durable=args.durable,
+        retry=policy,
+        storage_options=storage_options_from(args),
+        perms=perms,
+        keep_compressed=args.keep_compressed,
+        progress=(not args.quiet) and sys.stderr.isatty(),
+    )
     for r in getattr(report, "reports", {"": report}).values():  # a mixture: each source's report
         if r.data_layout is not None and args.mesh:
             r.data_layout.update(describe_layout(args))
     if args.report:
         from ..format.atomic import atomic_write_bytes
+
         try:
             atomic_write_bytes(args.report, report.to_json().encode())
         except OSError as e:  # the report must never turn a good warm into a failure
@@ -205,8 +262,9 @@ def run(args) -> int:
     for w in report.warnings:
         print(f"shardtool warm: warning: {w}", file=sys.stderr)
     if report.error:
-        kind = {"local_fault": "local fault", "remote_failed": "remote failure",
-                "usage_error": "error"}.get(report.status, report.status)
+        kind = {"local_fault": "local fault", "remote_failed": "remote failure", "usage_error": "error"}.get(
+            report.status, report.status
+        )
         tail = "" if report.exit_code else " (not fatal without --strict; the loader fetches on demand)"
         print(f"shardtool warm: {kind}: {report.error}{tail}", file=sys.stderr)
     print(report.summary(), file=sys.stderr)
@@ -233,8 +291,10 @@ def follow(args) -> int:
         print("shardtool warm: error: --ahead must be >= 1", file=sys.stderr)
         return EXIT_USAGE
     if is_mixture_file(args.url) or args.all:
-        print("shardtool warm: error: --follow stages one dataset for its ranks (not a mixture, not --all)",
-              file=sys.stderr)
+        print(
+            "shardtool warm: error: --follow stages one dataset for its ranks (not a mixture, not --all)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     policy = RetryPolicy(attempts=args.retries, attempt_timeout=args.attempt_timeout, stall_timeout=args.stall_timeout)
     try:
@@ -242,7 +302,14 @@ def follow(args) -> int:
     except NotCached as e:  # the loaders will say the same, naming their rank: not this node's fault
         print(f"shardtool warm: error: {e}", file=sys.stderr)
         return 0
-    report = stage(cache, run=args.run or stage_run(os.environ), ranks=rpn, ahead_shards=args.ahead,
-                   ahead_bytes=args.ahead_bytes, jobs=args.jobs, bandwidth=args.bandwidth)
+    report = stage(
+        cache,
+        run=args.run or stage_run(os.environ),
+        ranks=rpn,
+        ahead_shards=args.ahead,
+        ahead_bytes=args.ahead_bytes,
+        jobs=args.jobs,
+        bandwidth=args.bandwidth,
+    )
     print(f"shardtool warm --follow: {report.summary()}", file=sys.stderr)
     return EXIT_LOCAL if report.status == "local_fault" else 0

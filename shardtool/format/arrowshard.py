@@ -4,6 +4,7 @@ Record batches are kept small (a few hundred rows or about 1 MiB) so that readin
 touches one small batch; the file is memory-mappable. Each batch's byte range is recorded in
 the sample index, so a remote reader can fetch just that range.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,7 +57,8 @@ def _concat(pieces: list[pa.RecordBatch], schema: pa.Schema) -> pa.RecordBatch:
     values serialise differently), so every batch is rebuilt before it is written: then a shard's
     bytes depend only on its values, whichever source or code path produced them."""
     return pa.RecordBatch.from_arrays(
-        [pa.concat_arrays([p.column(j) for p in pieces]) for j in range(len(schema))], schema=schema)
+        [pa.concat_arrays([p.column(j) for p in pieces]) for j in range(len(schema))], schema=schema
+    )
 
 
 class ArrowShardWriter:
@@ -70,8 +72,15 @@ class ArrowShardWriter:
     decompresses at most ``batch_bytes`` or so.
     """
 
-    def __init__(self, f: IO[bytes], fields: list[FieldSpec], *, batch_rows: int = DEFAULT_BATCH_ROWS,
-                 batch_bytes: int | None = None, compression: str | None = None):
+    def __init__(
+        self,
+        f: IO[bytes],
+        fields: list[FieldSpec],
+        *,
+        batch_rows: int = DEFAULT_BATCH_ROWS,
+        batch_bytes: int | None = None,
+        compression: str | None = None,
+    ):
         self.fields = fields
         self.schema = schema_for(fields)
         self.sink = pa.PythonFile(f, mode="w")
@@ -114,8 +123,10 @@ class ArrowShardWriter:
         while i < n:
             base = int(cum[i - 1]) if i else 0
             # The sample that closes the current batch: by row count, or by payload bytes.
-            j = min(i + self.batch_rows - self._pending_rows - 1,
-                    i + int(np.searchsorted(cum[i:], base + self.batch_bytes - self._pending_bytes, side="left")))
+            j = min(
+                i + self.batch_rows - self._pending_rows - 1,
+                i + int(np.searchsorted(cum[i:], base + self.batch_bytes - self._pending_bytes, side="left")),
+            )
             stop = min(j + 1, n)
             batch_no[i:stop] = len(self.batch_ranges)
             row[i:stop] = self._pending_rows + np.arange(stop - i)

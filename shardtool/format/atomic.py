@@ -3,6 +3,7 @@
 Every file shardtool publishes goes through here, so a reader never sees a half-written
 shard, index or manifest, whatever kills the writer.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -3,6 +3,7 @@
 The whole-shard hash says only *that* a shard is bad; the per-sample checksums in its index say
 *where*. Used by ``shardtool verify`` and by the loader before it serves a shard read in place.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -58,13 +59,17 @@ def corrupt_shard_error(ds: Dataset, shard: int, data) -> FormatError:
                 runs[-1].append((i, key))
             else:
                 runs.append([(i, key)])
-        named = ", ".join(f"#{r[0][0]} ({r[0][1]!r})" if len(r) == 1 else
-                          f"#{r[0][0]}..#{r[-1][0]} ({r[0][1]!r}..{r[-1][1]!r})" for r in runs[:5])
+        named = ", ".join(
+            f"#{r[0][0]} ({r[0][1]!r})" if len(r) == 1 else f"#{r[0][0]}..#{r[-1][0]} ({r[0][1]!r}..{r[-1][1]!r})"
+            for r in runs[:5]
+        )
         more = f" and {len(runs) - 5} more runs" if len(runs) > 5 else ""
         where = f"; damaged sample{'s' if len(bad) > 1 else ''} {named}{more}"
     elif bad is not None:
-        where = ("; every sample's bytes match their checksums, so the damage is outside them "
-                 "(tar end blocks or Arrow file metadata)")
+        where = (
+            "; every sample's bytes match their checksums, so the damage is outside them "
+            "(tar end blocks or Arrow file metadata)"
+        )
     err = FormatError(f"{path}: content hash does not match the manifest (corrupted){where}")
     err.samples = [{"index": i, "key": key} for i, key in (bad or [])]  # type: ignore[attr-defined]  # this error only
     return err

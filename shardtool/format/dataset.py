@@ -4,6 +4,7 @@ Every sample is one positioned read of the byte range its index records; tar sha
 parsed at read time. Local files use ``os.pread`` on one descriptor per shard; remote ones one
 ranged request per read.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,16 @@ class SummariesMissing(UserWarning):
 class Dataset:
     """A packed dataset. Cheap to open: reads the manifest and the lengths file only."""
 
-    def __init__(self, url: str, *, storage_options: dict | None = None, allow_pickle: bool = False,
-                 fs=None, root: str | None = None, manifest_bytes: bytes | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        storage_options: dict | None = None,
+        allow_pickle: bool = False,
+        fs=None,
+        root: str | None = None,
+        manifest_bytes: bytes | None = None,
+    ):
         self.url = url
         if fs is None:
             fs, root = dataset_fs(url, storage_options)
@@ -184,8 +193,12 @@ class Dataset:
         summaries, reason = self.stored_summaries(data)
         if summaries is not None:
             return summaries
-        warnings.warn(f"dataset {self.url} {reason}: computing them from every sample's length, on every "
-                      f"rank; run `shardtool upgrade {self.url}` once to store them", SummariesMissing, stacklevel=3)
+        warnings.warn(
+            f"dataset {self.url} {reason}: computing them from every sample's length, on every "
+            f"rank; run `shardtool upgrade {self.url}` once to store them",
+            SummariesMissing,
+            stacklevel=3,
+        )
         return ShardSummaries.from_lengths(self.lengths, self.shard_counts)
 
     def stored_summaries(self, data: bytes | None) -> tuple[ShardSummaries | None, str]:
@@ -194,9 +207,13 @@ class Dataset:
             return None, "has no per-shard summaries (packed by shardtool < 0.2)"
         total = (self.manifest.length.get("summary") or {}).get("total")
         try:
-            return ShardSummaries.from_bytes(data, lengths_hash=self.manifest.lengths_file.get("hash"),
-                                             counts=self.shard_counts, total_tokens=total,
-                                             source=f"{self.url}/{SUMMARIES_NAME}"), ""
+            return ShardSummaries.from_bytes(
+                data,
+                lengths_hash=self.manifest.lengths_file.get("hash"),
+                counts=self.shard_counts,
+                total_tokens=total,
+                source=f"{self.url}/{SUMMARIES_NAME}",
+            ), ""
         except FormatError as e:
             return None, f"has unusable per-shard summaries ({e})"
 
@@ -216,15 +233,21 @@ class Dataset:
         info = self.manifest.shards[shard]
         data = read_file(self.fs, self.index_path(shard), what=f"shard {info.path}")
         if len(data) != info.index_bytes or hash_bytes(data) != info.index_hash:
-            raise FormatError(f"{info.path}: its sample index {info.index} does not match its size/hash in the manifest")
+            raise FormatError(
+                f"{info.path}: its sample index {info.index} does not match its size/hash in the manifest"
+            )
         return data
 
     def shard_index(self, shard: int) -> ShardIndex:
         idx = self._indexes.get(shard)
         if idx is None:
             info = self.manifest.shards[shard]
-            idx = ShardIndex.from_bytes(self.load_index_bytes(shard), self._field_names, shard=info.path,
-                                        tar=self.manifest.shard_format == "tar")
+            idx = ShardIndex.from_bytes(
+                self.load_index_bytes(shard),
+                self._field_names,
+                shard=info.path,
+                tar=self.manifest.shard_format == "tar",
+            )
             idx.check(shard=info.path, samples=info.samples, shard_bytes=info.bytes, lengths=self.shard_lengths(shard))
             self._indexes[shard] = idx
         return idx
@@ -299,8 +322,9 @@ class Dataset:
         raw = self.read_raw(shard, i)
         if not decode:
             return {k: (bytes(v) if isinstance(v, memoryview) else v) for k, v in raw.items()}
-        return decode_sample(self.manifest, raw, allow_pickle=self.allow_pickle,
-                             where=f"{self.manifest.shards[shard].path} sample #{i}")
+        return decode_sample(
+            self.manifest, raw, allow_pickle=self.allow_pickle, where=f"{self.manifest.shards[shard].path} sample #{i}"
+        )
 
     def close(self) -> None:
         for r in self._ranges.values():
@@ -315,7 +339,9 @@ class Dataset:
         self.close()
 
 
-def decode_sample(manifest: Manifest, raw: dict[str, Any], *, allow_pickle: bool = False, where: str = "") -> dict[str, Any]:
+def decode_sample(
+    manifest: Manifest, raw: dict[str, Any], *, allow_pickle: bool = False, where: str = ""
+) -> dict[str, Any]:
     out: dict[str, Any] = {KEY_COLUMN: raw[KEY_COLUMN]}
     tar = manifest.shard_format == "tar"
     for spec in manifest.fields:

@@ -9,6 +9,7 @@ Policy (read by pack, loader and cache alike):
 - Anything else (``OSError``, ``MemoryError``, ``KeyboardInterrupt``) propagates unchanged: it
   is never turned into a skip.
 """
+
 from __future__ import annotations
 
 

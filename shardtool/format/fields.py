@@ -4,6 +4,7 @@ A field has a *storage* (what Python value the packer holds) and an *encoding* (
 are decoded). Sources that already hold encoded bytes (file trees, tar shards, binary columns)
 use storage ``raw`` and keep their bytes untouched, so webdataset reads them back unmodified.
 """
+
 from __future__ import annotations
 
 import ast
@@ -83,8 +84,10 @@ def storage_of(value: Any) -> tuple[str, str | None]:
         if value.dtype == object or value.ndim != 1:
             return "json", None
         return "array", value.dtype.str.lstrip("<>=|")
-    if isinstance(value, list) and value and all(
-        isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
     ):
         return "array", "i8"
     return "json", None
@@ -118,7 +121,8 @@ def _npy_header_of(dtype: np.dtype, shape: tuple) -> bytes:
     if header is None:
         buf = io.BytesIO()
         np.lib.format.write_array_header_1_0(
-            buf, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape})
+            buf, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+        )
         header = buf.getvalue()
         if len(_npy_header_cache) < 65536:
             _npy_header_cache[key] = header

@@ -4,6 +4,7 @@ xxh3-128: non-cryptographic but collision-resistant enough to detect corruption,
 hashes at >10 GB/s per core, so verifying every shard on warm/verify costs about what reading
 it costs. The algorithm name is stored with the digest so it can change later.
 """
+
 from __future__ import annotations
 
 import xxhash

@@ -4,14 +4,17 @@ Keys become tar member names (``<key>.<ext>``), so a key must never be able to n
 outside the shard's directory, and webdataset splits member names at the first dot, so a key
 with a dot would be read back as a different key.
 """
+
 from __future__ import annotations
 
 MAX_KEY_BYTES = 200
 # Said in ``shardtool pack --help`` and the README.
-KEY_RULES = (f"A sample key is non-empty UTF-8 of at most {MAX_KEY_BYTES} bytes without '/', '\\', '.', NUL, "
-             "newline or other control characters: it becomes the tar member name KEY.FIELD, which must "
-             "stay inside the shard's directory, and WebDataset reads everything after the first '.' as "
-             "the field name.")
+KEY_RULES = (
+    f"A sample key is non-empty UTF-8 of at most {MAX_KEY_BYTES} bytes without '/', '\\', '.', NUL, "
+    "newline or other control characters: it becomes the tar member name KEY.FIELD, which must "
+    "stay inside the shard's directory, and WebDataset reads everything after the first '.' as "
+    "the field name."
+)
 _FORBIDDEN = {"/": "a '/'", "\\": "a '\\'", "\x00": "a NUL byte", "\n": "a newline", "\r": "a carriage return"}
 
 

@@ -3,6 +3,7 @@
 It holds nothing time-dependent, so packing the same input twice gives the same manifest, and
 its hash names a dataset version (the cache keys directories on it).
 """
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,9 @@ def safe_source(source: str, what: str) -> str:
     if "://" in source:
         return source
     if source.startswith("/"):
-        raise FormatError(f"{what}: source {source!r} is absolute; give it relative to the dataset root or as "
-                          "a file:// URL")
+        raise FormatError(
+            f"{what}: source {source!r} is absolute; give it relative to the dataset root or as a file:// URL"
+        )
     norm = posixpath.normpath(source)
     if norm in (".", ".."):
         raise FormatError(f"{what}: source {source!r} names a directory")
@@ -180,13 +182,22 @@ class Manifest:
         try:
             fields = [FieldSpec.from_dict(f) for f in d["fields"]]
             shards = [ShardInfo.from_dict(s, i) for i, s in enumerate(d["shards"])]
-            m = cls(fmt, fields, shards, dict(d["length"]), dict(d.get("lengths") or {}), dict(d.get("extra") or {}),
-                    d.get("compression"))
+            m = cls(
+                fmt,
+                fields,
+                shards,
+                dict(d["length"]),
+                dict(d.get("lengths") or {}),
+                dict(d.get("extra") or {}),
+                d.get("compression"),
+            )
         except (KeyError, TypeError) as e:
             raise FormatError(f"{source}: missing or malformed entry {e}") from None
         if m.compression is not None and (fmt != "arrow" or m.compression not in COMPRESSIONS):
-            raise FormatError(f"{source}: compression {m.compression!r} is not supported for {fmt} shards "
-                              f"(arrow shards: {', '.join(COMPRESSIONS)})")
+            raise FormatError(
+                f"{source}: compression {m.compression!r} is not supported for {fmt} shards "
+                f"(arrow shards: {', '.join(COMPRESSIONS)})"
+            )
         if m.lengths_file:
             m.lengths_file["path"] = safe_relpath(m.lengths_file.get("path", ""), "lengths file")
         seen = set()
@@ -195,7 +206,9 @@ class Manifest:
                 raise FormatError(f"{source}: shard {s.path!r} listed twice")
             seen.add(s.path)
         if d.get("num_samples") is not None and int(d["num_samples"]) != m.num_samples:
-            raise FormatError(f"{source}: num_samples {d['num_samples']} disagrees with the shards' sum {m.num_samples}")
+            raise FormatError(
+                f"{source}: num_samples {d['num_samples']} disagrees with the shards' sum {m.num_samples}"
+            )
         return m
 
 
@@ -212,8 +225,10 @@ def check_length_summary(lengths: np.ndarray, summary: dict | None, *, source: s
         got.update(min=int(lengths.min()), max=int(lengths.max()))
     for k, v in got.items():
         if k in summary and int(summary[k]) != v:
-            raise FormatError(f"{source}: lengths disagree with the manifest's length summary "
-                              f"({k} is {v}, manifest says {summary[k]})")
+            raise FormatError(
+                f"{source}: lengths disagree with the manifest's length summary "
+                f"({k} is {v}, manifest says {summary[k]})"
+            )
 
 
 def manifest_hash(data: bytes) -> str:

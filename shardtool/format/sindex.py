@@ -5,6 +5,7 @@ every decision about batches, and every positioned read, comes from here.
 - tar shards: per field, the payload's offset inside the sample's range and its size.
 - arrow shards: the record batch and row holding the sample (offset/size = the batch's range).
 """
+
 from __future__ import annotations
 
 import io

@@ -3,6 +3,7 @@
 ``10G``/``10GB`` are powers of 1000 and ``10Gi``/``10GiB`` powers of 1024 (K, M, G, T, P),
 case-insensitive; a plain number is bytes; a decimal point is allowed (``1.5G``).
 """
+
 from __future__ import annotations
 
 import re

@@ -14,6 +14,7 @@ least 8 a shard and at most 1,024. Up to 256 shards get 1,024 cells each (a sing
 balances to 0.05% of it), 10^4 shards 16, 10^5 shards 8 (a group holds hundreds of shards there,
 so half a cell is noise). O(shards x K) memory, like the rest of the summaries.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,8 +60,12 @@ class ShardSketch:
         # cum_w[i + 1] is the weight through sample i: count the samples with cum_w[i + 1] <= target.
         through = np.searchsorted(cum_w[1:], target.reshape(-1), side="right").reshape(shards, cells - 1)
         pos = np.clip(through, offsets[:-1, None], offsets[1:, None])
-        return cls(cells, pos - offsets[:-1, None], cum_t[pos] - cum_t[offsets[:-1], None],
-                   cum_w[pos] - cum_w[offsets[:-1], None])
+        return cls(
+            cells,
+            pos - offsets[:-1, None],
+            cum_t[pos] - cum_t[offsets[:-1], None],
+            cum_w[pos] - cum_w[offsets[:-1], None],
+        )
 
     @classmethod
     def concat(cls, parts: list[ShardSketch]) -> ShardSketch:
@@ -71,6 +76,7 @@ class ShardSketch:
 
     def points(self, shard: int, count: int, tokens: int, weight: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(positions, token sums, weight sums) before every point of ``shard``, ends included."""
+
         def with_ends(inner: np.ndarray, last: int) -> np.ndarray:
             return np.concatenate([[0], inner[shard], [last]]).astype(np.int64)
 

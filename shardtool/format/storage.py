@@ -1,5 +1,6 @@
 """Where a dataset's bytes come from: positioned reads of local files and ranged requests to
 remote stores (through fsspec), and opening a dataset URL with errors that say what was given."""
+
 from __future__ import annotations
 
 import errno
@@ -9,8 +10,16 @@ import posixpath
 from .errors import FormatError
 from .manifest import MANIFEST_NAME
 
-__all__ = ["LocalRange", "RemoteRange", "dataset_fs", "is_local", "open_range", "read_file", "read_manifest",
-           "shard_location"]
+__all__ = [
+    "LocalRange",
+    "RemoteRange",
+    "dataset_fs",
+    "is_local",
+    "open_range",
+    "read_file",
+    "read_manifest",
+    "shard_location",
+]
 
 
 def is_local(fs) -> bool:
@@ -27,7 +36,9 @@ class LocalRange:
     def read(self, offset: int, size: int) -> bytes:
         data = os.pread(self.fd, size, offset)
         if len(data) != size:
-            raise FormatError(f"{self.path}: short read at offset {offset} ({len(data)} of {size} bytes); shard truncated?")
+            raise FormatError(
+                f"{self.path}: short read at offset {offset} ({len(data)} of {size} bytes); shard truncated?"
+            )
         return data
 
     def close(self) -> None:
@@ -52,11 +63,15 @@ class RemoteRange:
             # A range wholly past the end of a truncated object is an HTTP 416, which s3fs
             # reports as EINVAL without the object's name.
             if e.errno == errno.EINVAL or "not satisfiable" in str(e):
-                raise FormatError(f"{self.path}: range {offset}..{offset + size} is past the end of the object "
-                                  f"({e}); shard truncated?") from None
+                raise FormatError(
+                    f"{self.path}: range {offset}..{offset + size} is past the end of the object "
+                    f"({e}); shard truncated?"
+                ) from None
             raise
         if len(data) != size:
-            raise FormatError(f"{self.path}: short read at offset {offset} ({len(data)} of {size} bytes); shard truncated?")
+            raise FormatError(
+                f"{self.path}: short read at offset {offset} ({len(data)} of {size} bytes); shard truncated?"
+            )
         return data
 
     def close(self) -> None:
@@ -67,8 +82,10 @@ def open_range(fs, path: str):
     return LocalRange(path) if is_local(fs) else RemoteRange(fs, path)
 
 
-DATASET_URL_HELP = ("a dataset URL names a directory or object-store prefix holding index.json, as written by "
-                    "`shardtool pack` (e.g. /data/ds, file:///data/ds, s3://bucket/ds)")
+DATASET_URL_HELP = (
+    "a dataset URL names a directory or object-store prefix holding index.json, as written by "
+    "`shardtool pack` (e.g. /data/ds, file:///data/ds, s3://bucket/ds)"
+)
 
 
 def dataset_fs(url: str, storage_options: dict | None = None):

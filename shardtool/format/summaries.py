@@ -12,6 +12,7 @@ lengths, so it is bound to them by the lengths file's hash rather than listed in
 a dataset packed before summaries existed gets them with `shardtool upgrade` without changing
 its manifest, its version or the caches and loader states keyed on it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -75,39 +76,63 @@ class ShardSummaries:
         np.maximum.at(longest, owner, lengths)
         # bincount sums in float64: exact below 2^53 tokens per shard, far past any real shard.
         sketch = ShardSketch.from_lengths(lengths, counts, sketch_cells) if sketch_cells and sketch_cells > 1 else None
-        return cls(counts.copy(), tokens.astype(np.int64), weight.astype(np.int64), longest, hist_count,
-                   hist_tokens.astype(np.int64), hist_squares, sketch)
+        return cls(
+            counts.copy(),
+            tokens.astype(np.int64),
+            weight.astype(np.int64),
+            longest,
+            hist_count,
+            hist_tokens.astype(np.int64),
+            hist_squares,
+            sketch,
+        )
 
     @classmethod
     def concat(cls, parts: list[ShardSummaries]) -> ShardSummaries:
         sketches = [p.sketch for p in parts]
         if any(k is None for k in sketches) and not all(k is None for k in sketches):
             raise ValueError("summaries with and without a sketch cannot be joined")
-        return cls(*(np.concatenate([getattr(p, name) for p in parts]) for name in  # type: ignore[call-arg, arg-type]  # mypy cannot count a starred generator's fields
-                     ("samples", "tokens", "weight", "longest", "hist_count", "hist_tokens", "hist_squares")),
-                   ShardSketch.concat(cast("list[ShardSketch]", sketches)) if parts and sketches[0] is not None else None)
+        return cls(
+            *(
+                np.concatenate([getattr(p, name) for p in parts])
+                for name in ("samples", "tokens", "weight", "longest", "hist_count", "hist_tokens", "hist_squares")  # type: ignore[call-arg, arg-type]  # mypy cannot count a starred generator's fields
+            ),
+            ShardSketch.concat(cast("list[ShardSketch]", sketches)) if parts and sketches[0] is not None else None,
+        )
 
     def to_bytes(self, lengths_hash: str) -> bytes:
         def fixed(a: np.ndarray) -> pa.Array:
             return pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1)), BINS)
 
-        columns = {"samples": self.samples, "tokens": self.tokens, "weight": self.weight,
-                   "longest": self.longest, "hist_count": fixed(self.hist_count),
-                   "hist_tokens": fixed(self.hist_tokens), "hist_squares": fixed(self.hist_squares)}
-        meta = {"shardtool": "summaries", "version": SUMMARIES_VERSION, "bins": f"log2x{BINS}",
-                "lengths_hash": lengths_hash}
+        columns = {
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "weight": self.weight,
+            "longest": self.longest,
+            "hist_count": fixed(self.hist_count),
+            "hist_tokens": fixed(self.hist_tokens),
+            "hist_squares": fixed(self.hist_squares),
+        }
+        meta = {
+            "shardtool": "summaries",
+            "version": SUMMARIES_VERSION,
+            "bins": f"log2x{BINS}",
+            "lengths_hash": lengths_hash,
+        }
         if self.sketch is not None:
             inner = self.sketch.cells - 1
             for name in ("pos", "tokens", "weight"):
                 columns[f"sketch_{name}"] = pa.FixedSizeListArray.from_arrays(
-                    pa.array(getattr(self.sketch, name).reshape(-1)), inner)
+                    pa.array(getattr(self.sketch, name).reshape(-1)), inner
+                )
             meta.update(version=SKETCH_VERSION, sketch_cells=str(self.sketch.cells))
         table = pa.table(columns)
         return ipc_file_bytes(table.replace_schema_metadata(meta))
 
     @classmethod
-    def from_bytes(cls, data: bytes, *, lengths_hash: str | None, counts: np.ndarray, total_tokens: int | None,
-                   source: str) -> ShardSummaries:
+    def from_bytes(
+        cls, data: bytes, *, lengths_hash: str | None, counts: np.ndarray, total_tokens: int | None, source: str
+    ) -> ShardSummaries:
         """Read and check against the manifest: the lengths they were computed from, every shard's
         count, the dataset's token total. Raises FormatError naming ``source`` on any mismatch."""
         try:
@@ -142,17 +167,27 @@ class ShardSummaries:
                     return flat.reshape(table.num_rows, cells - 1)
 
                 sketch = ShardSketch(cells, inner("sketch_pos"), inner("sketch_tokens"), inner("sketch_weight"))
-            out = cls(col("samples"), col("tokens"), col("weight"), col("longest"), hist("hist_count"),
-                      hist("hist_tokens"), hist("hist_squares", np.float64), sketch)
+            out = cls(
+                col("samples"),
+                col("tokens"),
+                col("weight"),
+                col("longest"),
+                hist("hist_count"),
+                hist("hist_tokens"),
+                hist("hist_squares", np.float64),
+                sketch,
+            )
         except (KeyError, ValueError) as e:
             raise FormatError(f"{source}: malformed summaries ({e})") from None
         counts = np.asarray(counts, dtype=np.int64)
         if out.samples.shape != counts.shape or not np.array_equal(out.samples, counts):
             raise FormatError(f"{source}: per-shard sample counts disagree with the manifest")
-        if not np.array_equal(out.hist_count.sum(axis=1), out.samples) or \
-                not np.array_equal(out.hist_tokens.sum(axis=1), out.tokens):
+        if not np.array_equal(out.hist_count.sum(axis=1), out.samples) or not np.array_equal(
+            out.hist_tokens.sum(axis=1), out.tokens
+        ):
             raise FormatError(f"{source}: histograms disagree with the shard totals")
         if total_tokens is not None and int(out.tokens.sum()) != int(total_tokens):
-            raise FormatError(f"{source}: token total {int(out.tokens.sum())} disagrees with the manifest's "
-                              f"{int(total_tokens)}")
+            raise FormatError(
+                f"{source}: token total {int(out.tokens.sum())} disagrees with the manifest's {int(total_tokens)}"
+            )
         return out

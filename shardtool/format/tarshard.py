@@ -5,6 +5,7 @@ faster per member, and it lets us fix every header field (mtime 0, uid/gid 0, mo
 user names) so the same samples always give the same bytes. Names over 100 bytes use a PAX
 ``path`` record, which webdataset's reader (Python's tarfile) understands.
 """
+
 from __future__ import annotations
 
 import tarfile
@@ -61,14 +62,14 @@ _CONST_SUM = sum(_MODE_IDS) + sum(_MTIME) + sum(_TAIL) + 8 * 32
 def _header(name: bytes, size: int, typeflag: bytes) -> bytes:
     size_field = b"%011o\x00" % size
     checksum = _CONST_SUM + sum(name) + sum(size_field) + typeflag[0]
-    return b"".join((name, b"\x00" * (100 - len(name)), _MODE_IDS, size_field, _MTIME,
-                     b"%06o\x00 " % checksum, typeflag, _TAIL))
+    return b"".join(
+        (name, b"\x00" * (100 - len(name)), _MODE_IDS, size_field, _MTIME, b"%06o\x00 " % checksum, typeflag, _TAIL)
+    )
 
 
 # A whole batch of headers at once (the columnar packer's path): the same bytes as ``_header``,
 # built as rows of one array so the per-member cost is a few vectorised operations.
-_TEMPLATE = np.frombuffer(b"\x00" * 100 + _MODE_IDS + b"\x00" * 12 + _MTIME + b" " * 8 + b"0" + _TAIL,
-                          dtype=np.uint8)
+_TEMPLATE = np.frombuffer(b"\x00" * 100 + _MODE_IDS + b"\x00" * 12 + _MTIME + b" " * 8 + b"0" + _TAIL, dtype=np.uint8)
 _SIZE_SHIFTS = np.arange(30, -1, -3, dtype=np.int64)  # 11 octal digits, most significant first
 _SUM_SHIFTS = np.arange(15, -1, -3, dtype=np.int64)  # 6 octal digits
 
@@ -229,20 +230,20 @@ def iter_tar_members(
                 refuse(BadSampleError("special file member (device/FIFO) refused", source=source, position=where))
                 continue
             if info.size > max_member_bytes:
-                refuse(BadSampleError(
-                    f"member declares {info.size} bytes, over the {max_member_bytes}-byte limit",
-                    source=source,
-                    position=where,
-                ))
+                refuse(
+                    BadSampleError(
+                        f"member declares {info.size} bytes, over the {max_member_bytes}-byte limit",
+                        source=source,
+                        position=where,
+                    )
+                )
                 continue
             member = tf.extractfile(info)
             if member is None:  # pragma: no cover - regular files always have a payload
                 raise BadSampleError("member has no payload", source=source, position=where)
             data = member.read()
             if len(data) != info.size:
-                raise BadSampleError(
-                    f"truncated: read {len(data)} of {info.size} bytes", source=source, position=where
-                )
+                raise BadSampleError(f"truncated: read {len(data)} of {info.size} bytes", source=source, position=where)
             yield info.name, data
 
 
@@ -261,7 +262,11 @@ def check_sample_range(data: bytes, key: str, exts: list[str], offsets, sizes, s
         # A tar indexed in place keeps its own names: dir/stem.ext is key dir__stem (as pack
         # keys it), and a long name's header may hold a cut or GNU-mangled form of it.
         spelled = name.replace("/", "__")
-        if name != expected[:100] and spelled != expected and not (len(name) >= 99 and expected.startswith(spelled[:50])):
+        if (
+            name != expected[:100]
+            and spelled != expected
+            and not (len(name) >= 99 and expected.startswith(spelled[:50]))
+        ):
             raise FormatError(f"{shard}: sample {key!r}: expected member {expected!r}, found {name!r}")
         declared = int(header[124:136].rstrip(b"\x00 ") or b"0", 8)
         if declared != size:

@@ -8,6 +8,7 @@ rename), as one object write on an object store. The manifest is never touched: 
 are bound to the lengths by the lengths file's hash, so the dataset's version, the node caches
 keyed on it and saved loader states all stay valid.
 """
+
 from __future__ import annotations
 
 import posixpath
@@ -45,9 +46,11 @@ class UpgradeReport:
             return f"{where} is up to date: its per-shard summaries match its lengths; nothing to do"
         if self.written is None:
             return f"{where} {self.reason}: needs an upgrade (run without --check to store its summaries)"
-        return (f"{where} {self.reason}: upgraded, wrote {self.written} ({self.bytes:,} bytes) in "
-                f"{self.seconds:.2f} s; index.json and the dataset version are unchanged, so node caches and "
-                "loader states stay valid")
+        return (
+            f"{where} {self.reason}: upgraded, wrote {self.written} ({self.bytes:,} bytes) in "
+            f"{self.seconds:.2f} s; index.json and the dataset version are unchanged, so node caches and "
+            "loader states stay valid"
+        )
 
 
 def upgrade_dataset(url: str, *, storage_options: dict | None = None, check: bool = False) -> UpgradeReport:

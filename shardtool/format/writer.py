@@ -4,6 +4,7 @@ A shard is written under a temp name and hashed as it is written (no second read
 ``finish`` the shard, then its index, are renamed into place. The manifest (with the global
 lengths file) is published last, so it never points at a partial shard.
 """
+
 from __future__ import annotations
 
 import io
@@ -80,8 +81,9 @@ class ShardFileWriter:
     of arrays whenever a block follows them, so both kinds interleave in order.
     """
 
-    def __init__(self, root: str, rel_path: str, shard_format: str, fields: list[FieldSpec], *,
-                 compression: str | None = None):
+    def __init__(
+        self, root: str, rel_path: str, shard_format: str, fields: list[FieldSpec], *, compression: str | None = None
+    ):
         self.root = root
         self.rel_path = rel_path
         self.index_rel = rel_path.rsplit(".", 1)[0] + ".idx.arrow"
@@ -125,8 +127,9 @@ class ShardFileWriter:
         else:
             self._add_row(key, length, *self._arrow.write(key, values, sum(len(p) for p in payloads)))
 
-    def add_tar_block(self, data, keys, offsets: np.ndarray, field_offsets: np.ndarray,
-                      field_sizes: np.ndarray, lengths: np.ndarray) -> None:
+    def add_tar_block(
+        self, data, keys, offsets: np.ndarray, field_offsets: np.ndarray, field_sizes: np.ndarray, lengths: np.ndarray
+    ) -> None:
         """Append consecutive samples whose tar members the caller laid out in ``data``.
 
         ``keys``: a list or an Arrow string array; ``offsets`` (n + 1,) are the sample boundaries
@@ -135,8 +138,9 @@ class ShardFileWriter:
         """
         base = self._tar.write_block(data)
         self._flush_rows()
-        self._chunks.append((_key_array(keys), lengths, offsets[:-1] + base, np.diff(offsets), field_offsets,
-                             field_sizes))
+        self._chunks.append(
+            (_key_array(keys), lengths, offsets[:-1] + base, np.diff(offsets), field_offsets, field_sizes)
+        )
         self.count += len(lengths)
 
     def add_arrow_batch(self, batch, lengths: np.ndarray, sample_bytes: np.ndarray) -> None:
@@ -153,8 +157,12 @@ class ShardFileWriter:
         cols: list[Any] = [pa.array(rows[0], type=pa.string()), np.array(rows[1], dtype=np.int64)]
         if self.shard_format == "tar":
             F = len(self.fields)
-            cols += [np.array(rows[2], dtype=np.int64), np.array(rows[3], dtype=np.int64),
-                     np.array(rows[4], dtype=np.int64).reshape(-1, F), np.array(rows[5], dtype=np.int64).reshape(-1, F)]
+            cols += [
+                np.array(rows[2], dtype=np.int64),
+                np.array(rows[3], dtype=np.int64),
+                np.array(rows[4], dtype=np.int64).reshape(-1, F),
+                np.array(rows[5], dtype=np.int64).reshape(-1, F),
+            ]
         else:
             cols += [np.array(rows[2], dtype=np.int32), np.array(rows[3], dtype=np.int32)]
         self._chunks.append(tuple(cols))
@@ -177,8 +185,14 @@ class ShardFileWriter:
         if not self._chunks:
             empty = np.zeros(0, np.int64)
             if self.shard_format == "tar":
-                return [pa.array([], pa.string()), empty, empty, empty, np.zeros((0, F), np.int64),
-                        np.zeros((0, F), np.int64)]
+                return [
+                    pa.array([], pa.string()),
+                    empty,
+                    empty,
+                    empty,
+                    np.zeros((0, F), np.int64),
+                    np.zeros((0, F), np.int64),
+                ]
             return [pa.array([], pa.string()), empty, np.zeros(0, np.int32), np.zeros(0, np.int32)]
         keys = pa.concat_arrays([c[0] for c in self._chunks])
         return [keys] + [np.concatenate([c[k] for c in self._chunks]) for k in range(1, len(self._chunks[0]))]
@@ -250,8 +264,9 @@ def range_checksums(path: str, offsets: np.ndarray, sizes: np.ndarray) -> np.nda
     out = np.zeros(len(offsets), dtype=np.uint64)
     if not len(offsets):
         return out
-    pairs, inverse = np.unique(np.stack([offsets.astype(np.uint64), sizes.astype(np.uint64)], axis=1),
-                               axis=0, return_inverse=True)
+    pairs, inverse = np.unique(
+        np.stack([offsets.astype(np.uint64), sizes.astype(np.uint64)], axis=1), axis=0, return_inverse=True
+    )
     digests = np.empty(len(pairs), dtype=np.uint64)
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
         view = memoryview(mm)

@@ -25,6 +25,7 @@ What the Trainer's protocol needs, and nothing more (the position lives in the l
 ``loader.state_dict()`` with ``save_state`` (``custom_checkpoint_<i>.pkl``, written by the main
 process) and loads it on every rank with ``load_state``.
 """
+
 from __future__ import annotations
 
 import json
@@ -93,10 +94,12 @@ def _install_skip() -> None:
     if current is _skip_first_batches:
         return
     if current is None or not callable(getattr(transformers.Trainer, "_run_epoch", None)):
-        raise ImportError(f"transformers {transformers.__version__} does not resume through "
-                          f"Trainer._run_epoch and transformers.trainer.skip_first_batches; ShardedTrainer cannot "
-                          f"keep it from replaying the loader. Use the transformers it was tested with (5.24), or "
-                          f"accelerate directly")
+        raise ImportError(
+            f"transformers {transformers.__version__} does not resume through "
+            f"Trainer._run_epoch and transformers.trainer.skip_first_batches; ShardedTrainer cannot "
+            f"keep it from replaying the loader. Use the transformers it was tested with (5.24), or "
+            f"accelerate directly"
+        )
     _skip_first_batches.original = current
     _trainer_module.skip_first_batches = _skip_first_batches
 
@@ -154,7 +157,8 @@ class ShardedTrainer(transformers.Trainer):
                 f"the checkpoint {self._resume_dir} was saved on {saved.get('dp_size')} data-parallel ranks "
                 f"(groups {saved.get('groups')}), this run has {here['dp_size']} (groups {here['groups']}): the Trainer "
                 f"counts epochs and steps from one epoch length and cannot resume on another layout. Resume on the "
-                f"same number of ranks and nodes, or drive the loader with accelerate in your own loop")
+                f"same number of ranks and nodes, or drive the loader with accelerate in your own loop"
+            )
 
     def _run_epoch(self, *args: Any, **kwargs: Any):
         train_dataloader = kwargs.get("train_dataloader")
@@ -164,11 +168,17 @@ class ShardedTrainer(transformers.Trainer):
 
     def _check_position(self, view: TrainerLoader, kw: dict[str, Any]) -> None:
         try:
-            epoch, first, resume, done = (kw["epoch"], kw["epochs_trained"], kw["resume_from_checkpoint"],
-                                          kw["steps_trained_in_current_epoch"])
+            epoch, first, resume, done = (
+                kw["epoch"],
+                kw["epochs_trained"],
+                kw["resume_from_checkpoint"],
+                kw["steps_trained_in_current_epoch"],
+            )
         except KeyError as e:
-            raise LoaderError(f"transformers {transformers.__version__} runs epochs with other arguments (no {e}); "
-                              f"ShardedTrainer cannot check the loader's position against it") from None
+            raise LoaderError(
+                f"transformers {transformers.__version__} runs epochs with other arguments (no {e}); "
+                f"ShardedTrainer cannot check the loader's position against it"
+            ) from None
         resumed = epoch == first and resume is not None and not self.args.ignore_data_skip
         if not resumed:
             view.set_epoch(epoch)  # what the Trainer does next; a new epoch starts at its first batch
@@ -180,13 +190,16 @@ class ShardedTrainer(transformers.Trainer):
             f"the train loader is at epoch {found[0]}, batch {found[1]}, but the Trainer starts epoch {expected[0]} "
             f"at batch {expected[1]}: it would train on other batches than the interrupted run. Give ShardedTrainer "
             f"a fresh ShardedLoader of the same dataset and config, and resume with "
-            f"train(resume_from_checkpoint=...) rather than load_state_dict by hand")
+            f"train(resume_from_checkpoint=...) rather than load_state_dict by hand"
+        )
 
     # ------------------------------------------------------------------ save
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
         if self.args.should_save:  # where the Trainer writes trainer_state.json: once (per node if asked)
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
             write_state(folder, self.train_loader.state_dict())
 
 
@@ -205,8 +218,10 @@ def read_state(checkpoint_dir: str) -> dict[str, Any]:
         with open(path) as f:
             return json.load(f)
     except FileNotFoundError:
-        raise LoaderStateError(f"{checkpoint_dir} has no {STATE_FILE}: it was not saved by ShardedTrainer, so the "
-                               f"loader's position is unknown. Pass TrainingArguments(ignore_data_skip=True) to start "
-                               f"the checkpoint's epoch over from its first batch") from None
+        raise LoaderStateError(
+            f"{checkpoint_dir} has no {STATE_FILE}: it was not saved by ShardedTrainer, so the "
+            f"loader's position is unknown. Pass TrainingArguments(ignore_data_skip=True) to start "
+            f"the checkpoint's epoch over from its first batch"
+        ) from None
     except ValueError as e:
         raise LoaderStateError(f"{path} is not a loader state ({e})") from None

@@ -23,6 +23,7 @@ the loader's position (Lightning issue #20550). The callback restores it, checks
 batch of every fit that the loader's position is Lightning's step in its epoch, and after a resume
 on another number of ranks has Lightning re-read ``len()`` every epoch (it reads it once per fit).
 """
+
 from __future__ import annotations
 
 import logging
@@ -129,7 +130,8 @@ class LightningLoader:
                 f"this ShardedLoader was built for rank {self.loader.rank} of {self.loader.layout.world_size}, but "
                 f"Lightning runs it on rank {rank} of {world}: build it inside the LightningModule's or "
                 f"DataModule's setup() or *_dataloader() hook, after Lightning has started the process group, "
-                f"not before trainer.fit()")
+                f"not before trainer.fit()"
+            )
 
     def close(self) -> None:
         self.loader.close()
@@ -139,7 +141,11 @@ def _views(loaders: Any) -> list[LightningLoader]:
     """Lightning's stateful train loaders, in the order its checkpoint lists their states."""
     flat = pl.utilities.CombinedLoader(loaders).flattened if loaders is not None else []
     # Lightning's test (its _Stateful protocol): both methods present
-    return [dl for dl in flat if callable(getattr(dl, "state_dict", None)) and callable(getattr(dl, "load_state_dict", None))]
+    return [
+        dl
+        for dl in flat
+        if callable(getattr(dl, "state_dict", None)) and callable(getattr(dl, "load_state_dict", None))
+    ]
 
 
 class ShardedLoaderCallback(pl.Callback):
@@ -155,8 +161,9 @@ class ShardedLoaderCallback(pl.Callback):
         self._saved: list[dict] | None = None
         self._check_next_batch = False
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         fit = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
         self._saved = fit.get("combined_loader") or None
 
@@ -170,8 +177,10 @@ class ShardedLoaderCallback(pl.Callback):
             # would end every later epoch at this one's length; re-reading it each epoch costs a
             # train_dataloader() call (the same loader, if the hook returns it).
             if trainer.reload_dataloaders_every_n_epochs != 1:
-                log.info("resumed on another number of ranks: Lightning re-reads the train loader's length every "
-                         "epoch (reload_dataloaders_every_n_epochs=1) so that later epochs are whole")
+                log.info(
+                    "resumed on another number of ranks: Lightning re-reads the train loader's length every "
+                    "epoch (reload_dataloaders_every_n_epochs=1) so that later epochs are whole"
+                )
                 trainer.reload_dataloaders_every_n_epochs = 1
 
     def _restore(self, views: list) -> None:
@@ -182,20 +191,26 @@ class ShardedLoaderCallback(pl.Callback):
             if isinstance(view, ShardedLoader) and any(s.get("served") for s in state.get("segments", [])):
                 # Its len() after a resume is what is left of the epoch, while Lightning counts
                 # from the batches already done: the resumed epoch would end early.
-                raise LoaderError("train_dataloader() returns a ShardedLoader itself; resumed mid-epoch, Lightning "
-                                  "would end the epoch early and mis-count the next ones. Return "
-                                  "shardtool.integrations.lightning.LightningLoader(loader) instead")
+                raise LoaderError(
+                    "train_dataloader() returns a ShardedLoader itself; resumed mid-epoch, Lightning "
+                    "would end the epoch early and mis-count the next ones. Return "
+                    "shardtool.integrations.lightning.LightningLoader(loader) instead"
+                )
             if isinstance(view, LightningLoader) and not view.restored:
                 view.load_state_dict(state)
                 if any(s.get("served") for s in state.get("segments", [])):
-                    log.warning("Lightning did not restore the train loader's position from the checkpoint (it "
-                                "built the loader before reading the checkpoint, as when configure_optimizers reads "
-                                "trainer.estimated_stepping_batches: Lightning issue #20550); ShardedLoaderCallback "
-                                "restored it: epoch %s, batch %s", state.get("epoch"),
-                                sum(s.get("served", 0) for s in state.get("segments", [])))
+                    log.warning(
+                        "Lightning did not restore the train loader's position from the checkpoint (it "
+                        "built the loader before reading the checkpoint, as when configure_optimizers reads "
+                        "trainer.estimated_stepping_batches: Lightning issue #20550); ShardedLoaderCallback "
+                        "restored it: epoch %s, batch %s",
+                        state.get("epoch"),
+                        sum(s.get("served", 0) for s in state.get("segments", [])),
+                    )
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self._check_next_batch:
             return
         self._check_next_batch = False
@@ -215,4 +230,5 @@ class ShardedLoaderCallback(pl.Callback):
                 f"the train loader is at epoch {found[0]}, batch {found[1]}, but Lightning is at epoch {epoch}, "
                 f"batch {done}: the resumed run would train on other batches than the interrupted one. Return the "
                 f"same LightningLoader from train_dataloader() (built once, in setup()), and let Lightning's "
-                f"checkpoint (trainer.fit(ckpt_path=...)) restore it rather than load_state_dict by hand")
+                f"checkpoint (trainer.fit(ckpt_path=...)) restore it rather than load_state_dict by hand"
+            )

@@ -27,6 +27,7 @@ What Megatron's protocol needs, and nothing more (the position lives in the load
   on every rank, so ``save_state(folder)`` writes it once, from DP/TP/PP rank 0, atomically, as
   ``folder/shardtool_loader.json``, and every rank restores from that one file.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,23 +71,33 @@ def megatron_ranks(dp_rank: int | None = None, dp_size: int | None = None, tp_ra
     explicit = (dp_rank, dp_size, tp_rank)
     try:
         from megatron.core import parallel_state as ps
+
         ready = ps.model_parallel_is_initialized()
     except ImportError:
         ready = False
     if ready:
         # get_data_parallel_rank() leaves context parallelism out: CP peers read the same batch
-        got = Ranks(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
-                    ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-                    ps.is_pipeline_first_stage(ignore_virtual=True), ps.is_pipeline_last_stage(ignore_virtual=True))
+        got = Ranks(
+            ps.get_data_parallel_rank(),
+            ps.get_data_parallel_world_size(),
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_rank(),
+            ps.is_pipeline_first_stage(ignore_virtual=True),
+            ps.is_pipeline_last_stage(ignore_virtual=True),
+        )
         given = {k: v for k, v in zip(("dp_rank", "dp_size", "tp_rank"), explicit) if v is not None}
         wrong = {k: v for k, v in given.items() if getattr(got, k) != v}
         if wrong:
-            raise ValueError(f"megatron.core.parallel_state says {', '.join(f'{k}={getattr(got, k)}' for k in wrong)}, "
-                             f"but {', '.join(f'{k}={v}' for k, v in wrong.items())} was passed: leave them out")
+            raise ValueError(
+                f"megatron.core.parallel_state says {', '.join(f'{k}={getattr(got, k)}' for k in wrong)}, "
+                f"but {', '.join(f'{k}={v}' for k, v in wrong.items())} was passed: leave them out"
+            )
         return got
     if dp_rank is None or dp_size is None:
-        raise ValueError("megatron.core.parallel_state is not initialised: pass dp_rank= and dp_size= (and tp_rank=), "
-                         "or call build_iterator after Megatron's initialize_megatron()")
+        raise ValueError(
+            "megatron.core.parallel_state is not initialised: pass dp_rank= and dp_size= (and tp_rank=), "
+            "or call build_iterator after Megatron's initialize_megatron()"
+        )
     return Ranks(int(dp_rank), int(dp_size), int(tp_rank or 0))
 
 
@@ -131,8 +142,10 @@ class MegatronIterator:
         if isinstance(state, dict) and "dataloader_state_dict" in state:
             state = state["dataloader_state_dict"]
         if not isinstance(state, dict):
-            raise LoaderStateError(f"cannot restore from a {type(state).__name__}: pass the dict save_state() returned "
-                                   f"or the folder it wrote")
+            raise LoaderStateError(
+                f"cannot restore from a {type(state).__name__}: pass the dict save_state() returned "
+                f"or the folder it wrote"
+            )
         self.loader.load_state_dict(state)
         self._it = None  # the next batch is the restored position's
 
@@ -146,17 +159,30 @@ def to_megatron(batch: dict[str, Any]) -> dict[str, Any]:
 
     labels = batch["labels"]
     ignored = labels == IGNORE
-    out = {"tokens": batch["input_ids"], "labels": labels.masked_fill(ignored, 0),
-           "loss_mask": (~ignored).to(torch.float32), "position_ids": batch["position_ids"]}
+    out = {
+        "tokens": batch["input_ids"],
+        "labels": labels.masked_fill(ignored, 0),
+        "loss_mask": (~ignored).to(torch.float32),
+        "position_ids": batch["position_ids"],
+    }
     if "cu_seqlens" in batch:
         out["cu_seqlens"] = batch["cu_seqlens"].to(torch.int32)
         out["max_seqlen"] = torch.tensor([int(batch["max_seqlen"])], dtype=torch.int32)
     return out
 
 
-def build_iterator(url: Any, *, seq_len: int, batch_size: int, dp_rank: int | None = None,
-                   dp_size: int | None = None, tp_rank: int | None = None, everywhere: bool = False,
-                   restore: Any = None, **loader_kwargs: Any) -> MegatronIterator | None:
+def build_iterator(
+    url: Any,
+    *,
+    seq_len: int,
+    batch_size: int,
+    dp_rank: int | None = None,
+    dp_size: int | None = None,
+    tp_rank: int | None = None,
+    everywhere: bool = False,
+    restore: Any = None,
+    **loader_kwargs: Any,
+) -> MegatronIterator | None:
     """A `MegatronIterator` of packed rows where Megatron reads data, None elsewhere (``everywhere=True``:
     on every rank). Ranks from ``megatron.core.parallel_state`` if initialised, else the arguments.
     ``restore``: a state or the folder `save_state` wrote (missing folder: start afresh)."""

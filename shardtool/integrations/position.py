@@ -6,6 +6,7 @@ reaches ``len()``: the length it needs is the whole epoch's — the batches serv
 earlier segments (layouts it ran on before an elastic resume) plus the current segment's count —
 not what is left of it, which is what ``len(ShardedLoader)`` says.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -34,6 +35,7 @@ def one_dataset(loader: Any, adapter: str, why: str) -> Any:
     if not isinstance(loader, ShardedLoader):
         raise TypeError(f"{adapter} wraps a ShardedLoader, found {type(loader).__name__}")
     if isinstance(loader, MixtureLoader):
-        raise TypeError(f"a ShardedLoader of a Mixture has no epochs, and {why}: {adapter} takes a ShardedLoader "
-                        "of one dataset")
+        raise TypeError(
+            f"a ShardedLoader of a Mixture has no epochs, and {why}: {adapter} takes a ShardedLoader of one dataset"
+        )
     return loader

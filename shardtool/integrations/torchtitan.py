@@ -19,6 +19,7 @@ What torchtitan's protocol needs, and nothing more (the position lives in the lo
 * Iteration yields ``(input_dict, labels)``, what torchtitan's ``batch_generator`` unpacks, from
   one stream over epochs: torchtitan counts steps, not epochs, and calls ``iter()`` once per fit.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,13 +56,20 @@ class TitanLoader:
     reaches that epoch, also after a resume (None: endless, as torchtitan's own datasets with ``infinite=True``).
     """
 
-    def __init__(self, loader: ShardedLoader, *, split: Callable[[dict], tuple[dict, Any]] = next_token_split,
-                 epochs: int | None = None):
+    def __init__(
+        self,
+        loader: ShardedLoader,
+        *,
+        split: Callable[[dict], tuple[dict, Any]] = next_token_split,
+        epochs: int | None = None,
+    ):
         if not isinstance(loader, ShardedLoader):
             raise TypeError(f"TitanLoader wraps a ShardedLoader, found {type(loader).__name__}")
         if epochs is not None and isinstance(loader, MixtureLoader):
-            raise TypeError("a ShardedLoader of a Mixture has no epochs: leave TitanLoader's epochs=None and stop at "
-                            "torchtitan's training.steps")
+            raise TypeError(
+                "a ShardedLoader of a Mixture has no epochs: leave TitanLoader's epochs=None and stop at "
+                "torchtitan's training.steps"
+            )
         self.loader = loader
         self.split = split
         self.epochs = epochs
@@ -70,24 +78,31 @@ class TitanLoader:
     def state_dict(self) -> dict[str, Any]:
         # A JSON string, not the dict: DCP flattens nested dicts and lists into one key each, and
         # the keys read on load must all exist in the checkpoint (the segment lists differ by then).
-        return {STATE_KEY: json.dumps(self.loader.state_dict(), sort_keys=True),
-                "world_size": self.loader.data_layout.dp_size}
+        return {
+            STATE_KEY: json.dumps(self.loader.state_dict(), sort_keys=True),
+            "world_size": self.loader.data_layout.dp_size,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get(STATE_KEY) if isinstance(state, dict) else None
         if isinstance(saved, (bytes, bytearray)):
             raise LoaderStateError(
                 "the checkpoint's dataloader state was saved by torchtitan's own ParallelAwareDataloader, not by "
-                "shardtool's TitanLoader: start the data afresh with checkpoint.exclude_from_loading=['dataloader']")
+                "shardtool's TitanLoader: start the data afresh with checkpoint.exclude_from_loading=['dataloader']"
+            )
         if not isinstance(saved, str):
             raise LoaderStateError(
                 f"the checkpoint's dataloader state has no shardtool entry ({STATE_KEY!r}); found keys "
                 f"{sorted(state) if isinstance(state, dict) else type(state).__name__}: start the data afresh "
-                f"with checkpoint.exclude_from_loading=['dataloader']")
+                f"with checkpoint.exclude_from_loading=['dataloader']"
+            )
         saved_dp = state.get("world_size")
         if saved_dp is not None and saved_dp != self.loader.data_layout.dp_size:
-            log.info("resuming a state saved on %s DP ranks on %d: the rest of the epoch is re-dealt",
-                     saved_dp, self.loader.data_layout.dp_size)
+            log.info(
+                "resuming a state saved on %s DP ranks on %d: the rest of the epoch is re-dealt",
+                saved_dp,
+                self.loader.data_layout.dp_size,
+            )
         self.loader.load_state_dict(json.loads(saved))
 
     # ------------------------------------------------------------------ iteration
@@ -125,16 +140,32 @@ class ShardedTitanDataLoader(TitanLoader, BaseDataLoader):
         options: dict[str, Any] = field(default_factory=dict)
         """`ShardedLoader` keyword arguments other than the url, DP coordinates and batch shape."""
 
-    def __init__(self, config: ShardedTitanDataLoader.Config, *, dp_rank: int, dp_world_size: int, seq_len: int,
-                 local_batch_size: int, **_trainer_kwargs: Any):
+    def __init__(
+        self,
+        config: ShardedTitanDataLoader.Config,
+        *,
+        dp_rank: int,
+        dp_world_size: int,
+        seq_len: int,
+        local_batch_size: int,
+        **_trainer_kwargs: Any,
+    ):
         # _trainer_kwargs: what the trainer passes every dataloader and we do not use (tokenizer:
         # the shards are tokenized at pack time; snapshot_every_n_steps: our state is always small)
         if not config.dataset_path:
             raise ValueError("ShardedTitanDataLoader.Config needs dataset_path: the packed dataset's url")
         taken = {"url", "dp_rank", "dp_size", "seq_len", "batch_size"} & set(config.options)
         if taken:
-            raise ValueError(f"ShardedTitanDataLoader.Config.options sets {sorted(taken)}, which torchtitan's trainer "
-                             f"passes (dataset_path, DP rank and size, training.seq_len, training.local_batch_size)")
-        loader = ShardedLoader(config.dataset_path, batch_size=local_batch_size, seq_len=seq_len + 1, dp_rank=dp_rank,
-                               dp_size=dp_world_size, **config.options)
+            raise ValueError(
+                f"ShardedTitanDataLoader.Config.options sets {sorted(taken)}, which torchtitan's trainer "
+                f"passes (dataset_path, DP rank and size, training.seq_len, training.local_batch_size)"
+            )
+        loader = ShardedLoader(
+            config.dataset_path,
+            batch_size=local_batch_size,
+            seq_len=seq_len + 1,
+            dp_rank=dp_rank,
+            dp_size=dp_world_size,
+            **config.options,
+        )
         super().__init__(loader)

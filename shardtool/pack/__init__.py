@@ -4,6 +4,7 @@ Importing this subpackage rebinds ``shardtool.pack`` from the function to this m
 sets a package attribute for each imported submodule), so the module itself is made callable:
 ``shardtool.pack(...)`` packs either way.
 """
+
 import sys
 import types
 

@@ -1,4 +1,5 @@
 """``shardtool.pack(...)``: sources → shards + manifest (or a task fragment in a job array)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,11 +54,16 @@ class PackResult:
         rate = self.samples / self.seconds if self.seconds > 0 else 0.0
         mbs = self.bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
         what = "dataset" if self.manifest else f"task {self.task}/{self.num_tasks} fragment"
-        capped = (f"dropped {self.dropped} and truncated {self.truncated} over --max-length; "
-                  if self.dropped or self.truncated else "")
-        return (f"packed {self.samples} samples ({self.bytes / 1e6:.1f} MB) into {self.shards} shards in "
-                f"{self.seconds:.2f} s ({rate:,.0f} samples/s, {mbs:.1f} MB/s); skipped {len(self.skipped)}; "
-                f"{capped}{what} at {self.out}")
+        capped = (
+            f"dropped {self.dropped} and truncated {self.truncated} over --max-length; "
+            if self.dropped or self.truncated
+            else ""
+        )
+        return (
+            f"packed {self.samples} samples ({self.bytes / 1e6:.1f} MB) into {self.shards} shards in "
+            f"{self.seconds:.2f} s ({rate:,.0f} samples/s, {mbs:.1f} MB/s); skipped {len(self.skipped)}; "
+            f"{capped}{what} at {self.out}"
+        )
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -80,8 +86,11 @@ def _first_sample_fields(units: list[Unit], *, max_sample_bytes, skip_bad, key_f
 
     for unit in units:
         try:
-            records = (read_unit(unit, max_sample_bytes=max_sample_bytes, on_bad=on_bad) if not unit.stream
-                       else _peek_stream(unit))
+            records = (
+                read_unit(unit, max_sample_bytes=max_sample_bytes, on_bad=on_bad)
+                if not unit.stream
+                else _peek_stream(unit)
+            )
             for rec in records:
                 if rec.__class__ is Bad:
                     on_bad(rec.error)
@@ -121,8 +130,9 @@ def _counted(units: list[Unit], *, skip_bad: bool, skipped: list[str]) -> list[U
     return counted
 
 
-def _units(sources: list, *, skip_bad: bool, skipped: list[str], per_file: bool,
-           label_from_dir: bool = False) -> list[Unit]:
+def _units(
+    sources: list, *, skip_bad: bool, skipped: list[str], per_file: bool, label_from_dir: bool = False
+) -> list[Unit]:
     """Units of paths and in-memory sources, in the order given."""
     units: list[Unit] = []
     paths: list[str] = []
@@ -131,13 +141,13 @@ def _units(sources: list, *, skip_bad: bool, skipped: list[str], per_file: bool,
             paths.append(src)
             continue
         if label_from_dir:
-            raise ShardtoolError(f"label_from_dir reads directories (ROOT/CLASS/FILE); source #{i} is a "
-                                 f"{type(src).__name__}")
+            raise ShardtoolError(
+                f"label_from_dir reads directories (ROOT/CLASS/FILE); source #{i} is a {type(src).__name__}"
+            )
         units.extend(discover(paths, skip_bad=skip_bad, skipped=skipped, per_file=per_file))
         paths = []
         units.extend(memory_units(src, i, len(sources)))
-    units.extend(discover(paths, skip_bad=skip_bad, skipped=skipped, per_file=per_file,
-                          label_from_dir=label_from_dir))
+    units.extend(discover(paths, skip_bad=skip_bad, skipped=skipped, per_file=per_file, label_from_dir=label_from_dir))
     return units
 
 
@@ -150,13 +160,22 @@ def _classes(units: list[Unit]) -> dict:
     first_path, classes = next(iter(trees.items()))
     for path, other in trees.items():
         if other != classes:
-            raise ShardtoolError(f"--label-from-dir: {path} has classes {list(other)[:8]}, {first_path} has "
-                                 f"{list(classes)[:8]}; labels would mean different classes (pack them separately)")
+            raise ShardtoolError(
+                f"--label-from-dir: {path} has classes {list(other)[:8]}, {first_path} has "
+                f"{list(classes)[:8]}; labels would mean different classes (pack them separately)"
+            )
     return {"classes": list(classes)}
 
 
-def _check_options(format: str, length: str | None, length_fn: str | None, workers: int,
-                   compression: str | None, tokenizer, text_field: str | None) -> str | None:
+def _check_options(
+    format: str,
+    length: str | None,
+    length_fn: str | None,
+    workers: int,
+    compression: str | None,
+    tokenizer,
+    text_field: str | None,
+) -> str | None:
     """Refuse inconsistent options before anything is read; returns the compression (or None)."""
     if format not in ("tar", "arrow"):
         raise ShardtoolError(f"--format must be tar or arrow, got {format!r}")
@@ -171,13 +190,16 @@ def _check_options(format: str, length: str | None, length_fn: str | None, worke
     elif compression not in COMPRESSIONS:
         raise ShardtoolError(f"--compression must be one of {', '.join(COMPRESSIONS)} or none, got {compression!r}")
     elif format != "arrow":
-        raise ShardtoolError("--compression applies to Arrow shards (--format arrow): tar shards stay plain "
-                             "WebDataset tars, which webdataset and tar read unmodified")
+        raise ShardtoolError(
+            "--compression applies to Arrow shards (--format arrow): tar shards stay plain "
+            "WebDataset tars, which webdataset and tar read unmodified"
+        )
     if (tokenizer is None) != (text_field is None):
         raise ShardtoolError("--tokenizer and --text-field go together (the text field is what gets tokenized)")
     if tokenizer is not None and (length_fn is not None or length not in (None, TOKENS_FIELD)):
-        raise ShardtoolError(f"with --tokenizer the length is the token count (field {TOKENS_FIELD!r}); "
-                             "drop --length/--length-fn")
+        raise ShardtoolError(
+            f"with --tokenizer the length is the token count (field {TOKENS_FIELD!r}); drop --length/--length-fn"
+        )
     return compression
 
 
@@ -258,22 +280,31 @@ def pack(
         raise ShardtoolError("--samples-per-shard must be ≥ 1")
     if shard_size is None and samples_per_shard is None:
         shard_size = DEFAULT_SHARD_SIZE
-    max_sample_bytes = parse_size(max_sample_bytes, what="--max-sample-bytes", positive=True) or DEFAULT_MAX_SAMPLE_BYTES
+    max_sample_bytes = (
+        parse_size(max_sample_bytes, what="--max-sample-bytes", positive=True) or DEFAULT_MAX_SAMPLE_BYTES
+    )
     max_skip_fraction = check_fraction_option(max_skip_fraction)
     skip_bad = skip_bad or max_skip_fraction is not None
     T, I = array_task(num_tasks, task_index, env=os.environ if env is None else env)
     out = strip_file_scheme(out)
     if "://" in out:
-        raise ShardtoolError(f"output {out!r}: pack writes to a local or mounted path (copy it to object storage after)")
+        raise ShardtoolError(
+            f"output {out!r}: pack writes to a local or mounted path (copy it to object storage after)"
+        )
 
     skipped: list[str] = []
     if per_file and label_from_dir:
-        raise ShardtoolError("give --per-file or --label-from-dir, not both (--label-from-dir is one file per "
-                             "sample too, with a class label)")
+        raise ShardtoolError(
+            "give --per-file or --label-from-dir, not both (--label-from-dir is one file per "
+            "sample too, with a class label)"
+        )
     units = _units(sources, skip_bad=skip_bad, skipped=skipped, per_file=per_file, label_from_dir=label_from_dir)
     if not units:
-        raise ShardtoolError("no samples found in the sources: " + ", ".join(map(str, sources))
-                             + (f" ({len(skipped)} skipped; first: {skipped[0]})" if skipped else ""))
+        raise ShardtoolError(
+            "no samples found in the sources: "
+            + ", ".join(map(str, sources))
+            + (f" ({len(skipped)} skipped; first: {skipped[0]})" if skipped else "")
+        )
     extra = _classes(units)
     if key is not None and any(u.kind in ("tree", "files", "images", "tar") for u in units):
         raise ShardtoolError("--key applies to JSONL/Parquet/Arrow sources; file trees and tars take keys from names")
@@ -293,8 +324,10 @@ def pack(
     units = _counted(units, skip_bad=skip_bad, skipped=skipped)
     streaming = any(u.stream for u in units)
     if streaming and T > 1:
-        raise ShardtoolError("a stream (a generator, RecordBatchReader or IterableDataset) is read once, by one "
-                             "process: it cannot be split over job-array tasks (pack it with num_tasks=1)")
+        raise ShardtoolError(
+            "a stream (a generator, RecordBatchReader or IterableDataset) is read once, by one "
+            "process: it cannot be split over job-array tasks (pack it with num_tasks=1)"
+        )
     pos = positions(units)
     count = total if streaming and total is not None else pos[-1]
     key_width = max(9, len(str(max(count - 1, 0))))
@@ -303,12 +336,31 @@ def pack(
     my_units, my_pos = units[t0:t1], pos[t0:t1]
     jobs = []
     for w, (a, b) in enumerate(split_contiguous([u.weight for u in my_units], 1 if streaming else workers)):
-        jobs.append(Job(out=out, fmt=format, fields=fields, units=my_units[a:b], positions=my_pos[a:b], task=I,
-                        worker=w, key_field=key, length_field=length, length_fn=length_fn, key_width=key_width,
-                        shard_size=shard_size, samples_per_shard=samples_per_shard, skip_bad=skip_bad,
-                        max_sample_bytes=max_sample_bytes, max_length=max_length, truncate=truncate,
-                        source_fields=source_fields, tokenize=tok, compression=compression,
-                        running_positions=streaming))
+        jobs.append(
+            Job(
+                out=out,
+                fmt=format,
+                fields=fields,
+                units=my_units[a:b],
+                positions=my_pos[a:b],
+                task=I,
+                worker=w,
+                key_field=key,
+                length_field=length,
+                length_fn=length_fn,
+                key_width=key_width,
+                shard_size=shard_size,
+                samples_per_shard=samples_per_shard,
+                skip_bad=skip_bad,
+                max_sample_bytes=max_sample_bytes,
+                max_length=max_length,
+                truncate=truncate,
+                source_fields=source_fields,
+                tokenize=tok,
+                compression=compression,
+                running_positions=streaming,
+            )
+        )
     before = outdir.snapshot(out)
     outdir.prepare(out, task=I, num_tasks=T, overwrite=overwrite)
 
@@ -323,8 +375,9 @@ def pack(
         length_def = length_definition(fields, length, length_fn)
         if tok is not None and tok.eos:
             length_def["eos_id"] = tok.eos[0]  # every document ends with it: a loader must not append another
-        result = _publish(out, format, fields, length_def, results, skipped, T, I, max_skip_fraction, compression,
-                          extra)
+        result = _publish(
+            out, format, fields, length_def, results, skipped, T, I, max_skip_fraction, compression, extra
+        )
     except BaseException:
         outdir.undo(out, before, task=I, num_tasks=T)  # a killed or failed worker cannot clean up its own
         raise
@@ -334,9 +387,19 @@ def pack(
     return result
 
 
-def _publish(out: str, fmt: str, fields: list[FieldSpec], length_def: dict, results: list[JobResult],
-             skipped: list[str], T: int, I: int, max_skip_fraction: float | None,
-             compression: str | None, extra: dict | None = None) -> PackResult:
+def _publish(
+    out: str,
+    fmt: str,
+    fields: list[FieldSpec],
+    length_def: dict,
+    results: list[JobResult],
+    skipped: list[str],
+    T: int,
+    I: int,
+    max_skip_fraction: float | None,
+    compression: str | None,
+    extra: dict | None = None,
+) -> PackResult:
     """Check the workers' results and publish the manifest (or this task's fragment), last."""
     results.sort(key=lambda r: r.worker)
     _check_unique_keys(results)
@@ -345,9 +408,18 @@ def _publish(out: str, fmt: str, fields: list[FieldSpec], length_def: dict, resu
     for r in results:
         skipped.extend(r.skipped)
     n_samples = int(lengths.size)
-    result = PackResult(out, n_samples, sum(s.bytes for s in shards), len(shards), 0.0, skipped, task=I,
-                        num_tasks=T, dropped=sum(r.dropped for r in results),
-                        truncated=sum(r.truncated for r in results))
+    result = PackResult(
+        out,
+        n_samples,
+        sum(s.bytes for s in shards),
+        len(shards),
+        0.0,
+        skipped,
+        task=I,
+        num_tasks=T,
+        dropped=sum(r.dropped for r in results),
+        truncated=sum(r.truncated for r in results),
+    )
     result.warnings = check_skips(skipped, n_samples, max_skip_fraction)
     keep = {p for s in shards for p in (s.path, s.index)}
     if T == 1:
@@ -356,17 +428,26 @@ def _publish(out: str, fmt: str, fields: list[FieldSpec], length_def: dict, resu
             why += [f"{result.dropped} dropped by --max-length"] if result.dropped else []
             raise ShardtoolError("no samples were packed" + (f" ({', '.join(why)})" if why else ""))
         outdir.remove_orphans(out, keep)
-        publish_manifest(out, Manifest(fmt, fields, shards, length_def, extra=dict(extra or {}),
-                                       compression=compression), lengths)
+        publish_manifest(
+            out, Manifest(fmt, fields, shards, length_def, extra=dict(extra or {}), compression=compression), lengths
+        )
         result.manifest = os.path.join(out, "index.json")
     else:
         outdir.remove_orphans(out, keep, task=I)
-        body = {"shardtool": "task-fragment", "task": I, "num_tasks": T, "shard_format": fmt,
-                **({"compression": compression} if compression else {}),
-                **({"extra": extra} if extra else {}),
-                "fields": [f.to_dict() for f in fields], "length": length_def,
-                "shards": [s.to_dict() for s in shards], "skipped": skipped,
-                "dropped": result.dropped, "truncated": result.truncated}
+        body = {
+            "shardtool": "task-fragment",
+            "task": I,
+            "num_tasks": T,
+            "shard_format": fmt,
+            **({"compression": compression} if compression else {}),
+            **({"extra": extra} if extra else {}),
+            "fields": [f.to_dict() for f in fields],
+            "length": length_def,
+            "shards": [s.to_dict() for s in shards],
+            "skipped": skipped,
+            "dropped": result.dropped,
+            "truncated": result.truncated,
+        }
         result.fragment = outdir.write_fragment(out, I, T, body, lengths)
     return result
 
@@ -389,6 +470,7 @@ def _check_unique_keys(results: list[JobResult]) -> None:
         for shard, keys in zip(r.shards, r.keys):
             for k in keys.to_pylist():
                 if k in owner:
-                    raise BadSampleError(f"duplicate key {k!r} (packed in {owner[k]} and {shard['path']})",
-                                         source=shard["path"])
+                    raise BadSampleError(
+                        f"duplicate key {k!r} (packed in {owner[k]} and {shard['path']})", source=shard["path"]
+                    )
                 owner[k] = shard["path"]

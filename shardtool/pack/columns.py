@@ -11,6 +11,7 @@ per-sample path (``schema.Shaper``) would — nulls, unexpected types or columns
 that needs decoding, over-long samples to truncate — and the caller packs that batch sample by
 sample, which also produces the errors naming the bad row.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -147,8 +148,16 @@ def string_keys(col) -> pa.Array | None:
 class ColumnShaper:
     """Shapes record batches for one pack job's fields (see the module docstring)."""
 
-    def __init__(self, fields: list[FieldSpec], *, key_field: str | None, length_field: str | None,
-                 key_width: int, max_length: int | None = None, truncate: bool = False):
+    def __init__(
+        self,
+        fields: list[FieldSpec],
+        *,
+        key_field: str | None,
+        length_field: str | None,
+        key_width: int,
+        max_length: int | None = None,
+        truncate: bool = False,
+    ):
         self.fields = fields
         self.names = [f.name for f in fields]
         self.schema = schema_for(fields)
@@ -211,8 +220,12 @@ class ColumnShaper:
         size_matrix = np.stack(sizes, axis=1) if sizes else np.zeros((n, 0), np.int64)
         if self.length_field is None:
             lengths = size_matrix.sum(axis=1)
-        out = ShardBatch(pa.RecordBatch.from_arrays(arrays, schema=self.schema), np.asarray(lengths, np.int64),
-                         size_matrix, from_data)
+        out = ShardBatch(
+            pa.RecordBatch.from_arrays(arrays, schema=self.schema),
+            np.asarray(lengths, np.int64),
+            size_matrix,
+            from_data,
+        )
         if self.max_length is not None:
             keep = out.lengths <= self.max_length
             if not keep.all():
@@ -244,7 +257,8 @@ def _py_column(spec: FieldSpec, values: list):
     dtype = np.dtype(spec.dtype)
     if types == {np.ndarray}:
         if any(v.ndim != 1 for v in values) or not all(
-                np.can_cast(dt, dtype, "safe") for dt in {v.dtype for v in values}):
+            np.can_cast(dt, dtype, "safe") for dt in {v.dtype for v in values}
+        ):
             return None
         offsets = np.zeros(len(values) + 1, dtype=np.int64)
         np.cumsum([len(v) for v in values], out=offsets[1:])

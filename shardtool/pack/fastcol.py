@@ -9,6 +9,7 @@ The output is byte-identical to the per-sample path. A batch holding a member na
 bytes (a PAX record) or a sample larger than the shard size makes :meth:`TarEncoder.encode`
 return ``None``, and the caller packs it sample by sample.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -76,8 +77,14 @@ class TarEncoder:
             uniq, inverse = np.unique(counts, return_inverse=True)
             heads = [npy_header(dtype, u) for u in uniq.tolist()]
             hlen = np.array([len(h) for h in heads], dtype=np.int64)[inverse]
-            return ("array", heads, inverse, hlen, np.ascontiguousarray(values).view(np.uint8),
-                    offsets * dtype.itemsize)
+            return (
+                "array",
+                heads,
+                inverse,
+                hlen,
+                np.ascontiguousarray(values).view(np.uint8),
+                offsets * dtype.itemsize,
+            )
         if spec.storage == "int":
             col = col.cast(pa.string())
         return ("bytes", *_string_buffers(col))
@@ -143,5 +150,4 @@ class TarEncoder:
                     mv[d:e] = heads[inv[i]]
                     a, b = offs[i], offs[i + 1]
                     mv[e : e + b - a] = src[a:b]
-        return EncodedBatch(data, sb.batch.column(0), offsets, field_offsets, sizes, sb.lengths,
-                            int(sizes.sum()))
+        return EncodedBatch(data, sb.batch.column(0), offsets, field_offsets, sizes, sb.lengths, int(sizes.sum()))

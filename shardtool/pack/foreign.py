@@ -10,6 +10,7 @@ All three are read from their documented on-disk formats, without the peers' lib
 Arrow record batches (one column per field, dtypes kept), so the columnar packer takes them as
 it takes Parquet, and the same rows give the same dataset byte for byte.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,7 +42,11 @@ def foreign_units(src: str) -> list[Unit] | None:
         from .mds import mds_units
 
         return mds_units(src, body)
-    if isinstance(body.get("chunks"), list) and isinstance(body.get("config"), dict) and "data_format" in body["config"]:
+    if (
+        isinstance(body.get("chunks"), list)
+        and isinstance(body.get("config"), dict)
+        and "data_format" in body["config"]
+    ):
         from .litdata import litdata_units
 
         return litdata_units(src, body)

@@ -12,6 +12,7 @@ tars by task (``--num-tasks``) and ``shardtool merge`` writes the manifest, as f
 Nothing is published until every tar is indexed; a bad tar is an error naming it and its
 member, or, with ``skip_bad``, left out and listed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,8 +60,10 @@ class IndexResult:
     def summary(self) -> str:
         what = "dataset" if self.manifest else f"task {self.task}/{self.num_tasks} fragment"
         mbs = self.bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
-        return (f"indexed {self.samples} samples in {self.tars} tars ({self.bytes / 1e6:.1f} MB, left in place) in "
-                f"{self.seconds:.2f} s ({mbs:.0f} MB/s); skipped {len(self.skipped)}; {what} at {self.out}")
+        return (
+            f"indexed {self.samples} samples in {self.tars} tars ({self.bytes / 1e6:.1f} MB, left in place) in "
+            f"{self.seconds:.2f} s ({mbs:.0f} MB/s); skipped {len(self.skipped)}; {what} at {self.out}"
+        )
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -123,8 +126,12 @@ def _scan_one(args: tuple) -> tuple:
     except BadSampleError as e:
         return n, e, None
     count = len(scan.keys)
-    idx = ShardIndex(pa.array(scan.keys, type=pa.string()), np.array(scan.offsets, dtype=np.uint64),
-                     np.array(scan.sizes, dtype=np.uint64), np.array(scan.lengths, dtype=np.int64))
+    idx = ShardIndex(
+        pa.array(scan.keys, type=pa.string()),
+        np.array(scan.offsets, dtype=np.uint64),
+        np.array(scan.sizes, dtype=np.uint64),
+        np.array(scan.lengths, dtype=np.int64),
+    )
     idx.field_offsets = np.array(scan.field_offsets, dtype=np.uint32).reshape(count, len(scan.exts))
     idx.field_sizes = np.array(scan.field_sizes, dtype=np.uint64).reshape(count, len(scan.exts))
     idx.checksums = np.array(scan.checksums, dtype=np.uint64)
@@ -140,16 +147,27 @@ def _scan_all(work: list[tuple], workers: int, length: str | None, length_fn: st
 
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context("spawn")
     # A worker killed mid-scan (OOM) fails the whole run with BrokenProcessPool, never a hang.
-    with ProcessPoolExecutor(min(workers, len(work)), mp_context=ctx, initializer=_init,
-                             initargs=(length, length_fn)) as pool:
+    with ProcessPoolExecutor(
+        min(workers, len(work)), mp_context=ctx, initializer=_init, initargs=(length, length_fn)
+    ) as pool:
         return list(pool.map(_scan_one, work, chunksize=1))
 
 
 # ------------------------------------------------------------------ the collection
-def index_tars(tars, out: str, *, length: str | None = None, length_fn: str | None = None, workers: int = 1,
-               skip_bad: bool = False, overwrite: bool = False, max_member_bytes: int | str | None = None,
-               num_tasks: int | None = None, task_index: int | None = None,
-               env: Mapping[str, str] | None = None) -> IndexResult:
+def index_tars(
+    tars,
+    out: str,
+    *,
+    length: str | None = None,
+    length_fn: str | None = None,
+    workers: int = 1,
+    skip_bad: bool = False,
+    overwrite: bool = False,
+    max_member_bytes: int | str | None = None,
+    num_tasks: int | None = None,
+    task_index: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> IndexResult:
     """Index WebDataset ``tars`` (paths, globs, directories or URLs) in place into dataset ``out``.
 
     ``length``: the sample length, as pack's ``--length`` reads a field (``txt`` → characters,
@@ -193,13 +211,15 @@ def _length_def(fields: list[FieldSpec], length: str | None, length_fn: str | No
     if length is not None and ":" in length:
         return {"field": None, "unit": "value", "fn": None, "json": length}
     if length is not None and length not in [f.name for f in fields]:
-        raise ShardtoolError(f"--length-field {length!r} is not a field of the tars "
-                             f"(fields: {', '.join(f.name for f in fields)})")
+        raise ShardtoolError(
+            f"--length-field {length!r} is not a field of the tars (fields: {', '.join(f.name for f in fields)})"
+        )
     return length_definition(fields, length, length_fn)
 
 
-def _publish(out: str, work: list[tuple], scans: list[tuple], length, length_fn, skip_bad: bool,
-             T: int, I: int) -> IndexResult:
+def _publish(
+    out: str, work: list[tuple], scans: list[tuple], length, length_fn, skip_bad: bool, T: int, I: int
+) -> IndexResult:
     skipped: list[str] = []
 
     def bad(err: BadSampleError) -> None:
@@ -227,8 +247,9 @@ def _publish(out: str, work: list[tuple], scans: list[tuple], length, length_fn,
         owner.update(dict.fromkeys(scan.keys, tar))
         good.append((n, tar, source, scan, index_bytes))
     if not good:
-        raise ShardtoolError("no tar was indexed" + (f" ({len(skipped)} skipped; first: {skipped[0]})"
-                                                     if skipped else ""))
+        raise ShardtoolError(
+            "no tar was indexed" + (f" ({len(skipped)} skipped; first: {skipped[0]})" if skipped else "")
+        )
     fields = [FieldSpec.raw(e) for e in exts]
     length_def = _length_def(fields, length, length_fn)
     shards, lengths, written = [], [], []
@@ -237,8 +258,18 @@ def _publish(out: str, work: list[tuple], scans: list[tuple], length, length_fn,
             rel, index_rel = f"shards/{n:06d}.tar", f"shards/{n:06d}.idx.arrow"
             atomic_write_bytes(os.path.join(out, index_rel), index_bytes)
             written.append(os.path.join(out, index_rel))
-            shards.append(ShardInfo(rel, len(scan.keys), scan.bytes, scan.hash, index_rel, len(index_bytes),
-                                    hash_bytes(index_bytes), source=source))
+            shards.append(
+                ShardInfo(
+                    rel,
+                    len(scan.keys),
+                    scan.bytes,
+                    scan.hash,
+                    index_rel,
+                    len(index_bytes),
+                    hash_bytes(index_bytes),
+                    source=source,
+                )
+            )
             lengths.append(np.array(scan.lengths, dtype=np.int64))
         return _commit(out, fields, length_def, shards, lengths, skipped, T, I)
     except BaseException:
@@ -250,8 +281,9 @@ def _publish(out: str, work: list[tuple], scans: list[tuple], length, length_fn,
 
 def _commit(out: str, fields, length_def, shards, lengths, skipped, T: int, I: int) -> IndexResult:
     all_lengths = np.concatenate(lengths)
-    result = IndexResult(out, len(shards), int(all_lengths.size), sum(s.bytes for s in shards), 0.0, skipped,
-                         task=I, num_tasks=T)
+    result = IndexResult(
+        out, len(shards), int(all_lengths.size), sum(s.bytes for s in shards), 0.0, skipped, task=I, num_tasks=T
+    )
     if T == 1:
         keep = {os.path.basename(s.index) for s in shards}
         for name in os.listdir(os.path.join(out, "shards")):  # indexes of an earlier run's other tars
@@ -261,8 +293,17 @@ def _commit(out: str, fields, length_def, shards, lengths, skipped, T: int, I: i
         publish_manifest(out, Manifest("tar", fields, shards, length_def), all_lengths)
         result.manifest = os.path.join(out, "index.json")
     else:
-        body = {"shardtool": "task-fragment", "task": I, "num_tasks": T, "shard_format": "tar",
-                "fields": [f.to_dict() for f in fields], "length": length_def,
-                "shards": [s.to_dict() for s in shards], "skipped": skipped, "dropped": 0, "truncated": 0}
+        body = {
+            "shardtool": "task-fragment",
+            "task": I,
+            "num_tasks": T,
+            "shard_format": "tar",
+            "fields": [f.to_dict() for f in fields],
+            "length": length_def,
+            "shards": [s.to_dict() for s in shards],
+            "skipped": skipped,
+            "dropped": 0,
+            "truncated": 0,
+        }
         result.fragment = outdir.write_fragment(out, I, T, body, all_lengths)
     return result

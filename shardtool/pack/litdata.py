@@ -15,6 +15,7 @@ leaves: ``item0``, ``item1``, ...). Serializers read: ``int`` (int64), ``float``
 (unpickling runs code), images, video — is an error naming the chunk and the serializer; so is
 encryption or a per-sample/per-batch compression layout.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,11 +31,37 @@ from .mds import _gather
 from .unit import Unit
 
 # litdata.constants: _NUMPY_SCTYPES (index = the code in "no_header_numpy:N") and _TORCH_DTYPES_MAPPING
-NUMPY_CODES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
-               "float64"]
-TORCH_CODES = {0: "float32", 1: "float32", 2: "float64", 3: "float64", 8: "float16", 9: "float16", 11: "uint8",
-               12: "int8", 13: "int16", 14: "int16", 15: "int32", 16: "int32", 17: "int64", 18: "int64", 19: "bool",
-               20: "uint16"}
+NUMPY_CODES = [
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+]
+TORCH_CODES = {
+    0: "float32",
+    1: "float32",
+    2: "float64",
+    3: "float64",
+    8: "float16",
+    9: "float16",
+    11: "uint8",
+    12: "int8",
+    13: "int16",
+    14: "int16",
+    15: "int32",
+    16: "int32",
+    17: "int64",
+    18: "int64",
+    19: "bool",
+    20: "uint16",
+}
 SCALARS = {"int": "<i8", "float": "<f8", "bool": "?"}
 FRAMED_MAGIC = b"LDFZ01\0\0"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -49,8 +76,7 @@ def _field_names(spec_text, leaves: int, where: str) -> list[str]:
     if spec.get("type") is None and leaves == 1:
         return ["item"]
     if any(c.get("children_spec") for c in children):
-        raise BadSampleError("nested items (a dict or list inside the item) are not read; flatten them",
-                             source=where)
+        raise BadSampleError("nested items (a dict or list inside the item) are not read; flatten them", source=where)
     if spec.get("type") in ("builtins.dict", "collections.OrderedDict"):
         names = json.loads(spec["context"])
     elif spec.get("type") in ("builtins.tuple", "builtins.list"):
@@ -64,10 +90,17 @@ def _field_names(spec_text, leaves: int, where: str) -> list[str]:
 
 def _check_serializer(fmt: str, name: str, where: str) -> None:
     base = fmt.split(":", 1)[0]
-    if fmt in SCALARS or fmt in ("str", "bytes", "json", "numpy", "tensor") or base in (
-            "no_header_numpy", "no_header_tensor"):
+    if (
+        fmt in SCALARS
+        or fmt in ("str", "bytes", "json", "numpy", "tensor")
+        or base in ("no_header_numpy", "no_header_tensor")
+    ):
         return
-    why = "unpickling runs code" if base == "pickle" else "pack reads int, float, bool, str, bytes, json, 1-D numpy/tensor"
+    why = (
+        "unpickling runs code"
+        if base == "pickle"
+        else "pack reads int, float, bool, str, bytes, json, 1-D numpy/tensor"
+    )
     raise BadSampleError(f"leaf {name!r} has serializer {fmt!r}: not read ({why})", source=where)
 
 
@@ -79,8 +112,9 @@ def litdata_units(root: str, index: dict) -> list[Unit]:
     compression = config.get("compression")
     level = config.get("compression_level") or ("chunk" if compression else None)
     if compression and (not str(compression).startswith("zstd") or level not in ("chunk", "batch", "sample")):
-        raise BadSampleError(f"compression {compression!r} at level {level!r} is not read (zstd: chunk, batch "
-                             "or sample)", source=where)
+        raise BadSampleError(
+            f"compression {compression!r} at level {level!r} is not read (zstd: chunk, batch or sample)", source=where
+        )
     formats = list(config.get("data_format") or [])
     names = _field_names(config.get("data_spec"), len(formats), where)
     for fmt, name in zip(formats, names):
@@ -92,8 +126,19 @@ def litdata_units(root: str, index: dict) -> list[Unit]:
         except (FormatError, KeyError) as e:
             raise BadSampleError(str(e), source=where) from None
         n = int(chunk["chunk_size"])
-        units.append(Unit("litdata", root, 0, n, n, 0, max(int(chunk.get("chunk_bytes") or 1), 1), (rel,),
-                          {"formats": formats, "names": names, "compression": compression and level}))
+        units.append(
+            Unit(
+                "litdata",
+                root,
+                0,
+                n,
+                n,
+                0,
+                max(int(chunk.get("chunk_bytes") or 1), 1),
+                (rel,),
+                {"formats": formats, "names": names, "compression": compression and level},
+            )
+        )
     return units
 
 
@@ -123,8 +168,10 @@ def read_chunk(unit: Unit) -> bytes:
                 raise BadSampleError("not a framed zstd chunk (bad magic)", source=path)
             offsets = np.frombuffer(data, np.uint32, n + 1, 24).astype(np.int64)
             table = 24 + 4 * (n + 1)
-            body = b"".join(inflate(data[off : off + clen]) for _, _, off, clen, _ in
-                            (struct.unpack_from("<IIQII", data, table + 24 * f) for f in range(frames)))
+            body = b"".join(
+                inflate(data[off : off + clen])
+                for _, _, off, clen, _ in (struct.unpack_from("<IIQII", data, table + 24 * f) for f in range(frames))
+            )
         else:  # "sample": the classic layout, each item its own zstd frame
             n = struct.unpack_from("<I", data, 0)[0]
             offsets = np.frombuffer(data, np.uint32, n + 1, 4).astype(np.int64)
@@ -134,8 +181,10 @@ def read_chunk(unit: Unit) -> bytes:
     except (zstandard.ZstdError, struct.error, ValueError) as e:
         raise BadSampleError(f"cannot decompress ({type(e).__name__}: {e})", source=path) from None
     if len(body) != int(offsets[-1] - offsets[0]):
-        raise BadSampleError(f"decompressed items are {len(body)} bytes, the chunk's offsets say "
-                             f"{int(offsets[-1] - offsets[0])}", source=path)
+        raise BadSampleError(
+            f"decompressed items are {len(body)} bytes, the chunk's offsets say {int(offsets[-1] - offsets[0])}",
+            source=path,
+        )
     header = 4 + 4 * (n + 1)
     return struct.pack("<I", n) + (offsets - offsets[0] + header).astype(np.uint32).tobytes() + body
 
@@ -151,15 +200,18 @@ def litdata_batches(unit: Unit) -> Iterator:
         raise BadSampleError(f"chunk holds {n} items, index.json says {unit.count}", source=path)
     offsets = np.frombuffer(data, np.uint32, n + 1, 4).astype(np.int64)
     if n and (offsets[-1] > len(data) or np.any(np.diff(offsets) <= 0)):
-        raise BadSampleError("item offsets run past the chunk's end, or an item is empty (a layout not read: "
-                             "Arrow-only chunks)", source=path)
+        raise BadSampleError(
+            "item offsets run past the chunk's end, or an item is empty (a layout not read: Arrow-only chunks)",
+            source=path,
+        )
     formats, names = unit.obj["formats"], unit.obj["names"]
     k = len(formats)
     starts = offsets[:-1]
     head, _ = _gather(buf, np.repeat(starts, 1), np.full(n, 4 * k, np.int64))
     sizes = head.view(np.uint32).reshape(n, k).astype(np.int64)
-    col_starts = starts[:, None] + 4 * k + np.concatenate([np.zeros((n, 1), np.int64),
-                                                           np.cumsum(sizes, axis=1)[:, :-1]], axis=1)
+    col_starts = (
+        starts[:, None] + 4 * k + np.concatenate([np.zeros((n, 1), np.int64), np.cumsum(sizes, axis=1)[:, :-1]], axis=1)
+    )
     ends = col_starts[:, -1] + sizes[:, -1]
     if n and np.any(ends != offsets[1:]):
         bad = int(np.flatnonzero(ends != offsets[1:])[0])
@@ -198,8 +250,9 @@ def _leaves(name: str, fmt: str, values: np.ndarray, voff: np.ndarray, where: st
         if np.any(voff % dtype.itemsize):
             raise BadSampleError(f"leaf sizes are not whole {dtype} elements", source=where)
         # the leaves' bytes are the values: one list column over them, no per-item work
-        return pa.ListArray.from_arrays(pa.array((voff // dtype.itemsize).astype(np.int32)),
-                                        pa.array(values.view(dtype)))
+        return pa.ListArray.from_arrays(
+            pa.array((voff // dtype.itemsize).astype(np.int32)), pa.array(values.view(dtype))
+        )
     raw = [values[voff[i] : voff[i + 1]].tobytes() for i in range(n)]
     if fmt == "json":
         try:
@@ -224,8 +277,9 @@ def _leaves(name: str, fmt: str, values: np.ndarray, voff: np.ndarray, where: st
                 dt, shape_fmt = TORCH_CODES.get(code_i), ">%dI"
             shape = struct.unpack_from(shape_fmt % ndim, x, 8)
             if dt is None or ndim != 1 or (dtype is not None and dt != dtype):
-                raise BadSampleError(f"item {i}: a {ndim}-D {dt} array; fields are 1-D arrays of one dtype",
-                                     source=where)
+                raise BadSampleError(
+                    f"item {i}: a {ndim}-D {dt} array; fields are 1-D arrays of one dtype", source=where
+                )
             dtype = dt
             arrays.append(np.frombuffer(x, np.dtype(dt), shape[0], 8 + 4 * ndim))
         dtype = np.dtype(dtype or "uint8")

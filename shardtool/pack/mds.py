@@ -16,6 +16,7 @@ decoded into Arrow values. ``pkl`` is refused (unpickling runs code), as are ``p
 multi-dimensional forms we cannot keep. A shard whose size or recorded hash disagrees with
 index.json is an error naming it; compressed shards are decompressed in memory, one at a time.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,8 +32,19 @@ from .unit import Unit
 
 SCALARS = {"uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16", "float32", "float64"}
 BINARY = {"bytes", "jpeg", "png"}
-NDARRAY_DTYPES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 32: "uint32", 33: "int32", 64: "uint64",
-                  65: "int64", 66: "float16", 67: "float32", 68: "float64"}
+NDARRAY_DTYPES = {
+    8: "uint8",
+    9: "int8",
+    16: "uint16",
+    17: "int16",
+    32: "uint32",
+    33: "int32",
+    64: "uint64",
+    65: "int64",
+    66: "float16",
+    67: "float32",
+    68: "float64",
+}
 REFUSED = {"pkl": "pickled objects are refused (unpickling runs code)"}
 
 
@@ -42,8 +54,9 @@ def mds_units(root: str, index: dict) -> list[Unit]:
     for i, shard in enumerate(index["shards"]):
         where = os.path.join(root, "index.json")
         if not isinstance(shard, dict) or shard.get("format") != "mds":
-            raise BadSampleError(f"shard #{i} is not an MDS shard (format {shard.get('format')!r}); only MDS is read",
-                                 source=where)
+            raise BadSampleError(
+                f"shard #{i} is not an MDS shard (format {shard.get('format')!r}); only MDS is read", source=where
+            )
         cols = (tuple(shard["column_names"]), tuple(shard["column_encodings"]), tuple(shard["column_sizes"]))
         if first is None:
             first = cols
@@ -67,8 +80,11 @@ def _check_encoding(name: str, enc: str, where: str) -> None:
         raise BadSampleError(f"column {name!r} ({enc}): {REFUSED[base]}", source=where)
     if enc in SCALARS | BINARY | {"str", "int", "str_int", "str_float", "json"} or base == "ndarray":
         return
-    raise BadSampleError(f"column {name!r} has MDS encoding {enc!r}, which pack does not read "
-                         "(bytes, str, int, scalars, str_int, str_float, json, jpeg, png, 1-D ndarray)", source=where)
+    raise BadSampleError(
+        f"column {name!r} has MDS encoding {enc!r}, which pack does not read "
+        "(bytes, str, int, scalars, str_int, str_float, json, jpeg, png, 1-D ndarray)",
+        source=where,
+    )
 
 
 _HASHES = {"xxh64": "xxh64", "xxh128": "xxh3_128", "xxh3_64": "xxh3_64", "xxh3_128": "xxh3_128", "xxh32": "xxh32"}
@@ -171,8 +187,11 @@ def mds_batches(unit: Unit) -> Iterator:
     for j, s in enumerate(sizes):
         if s:
             col_sizes[:, j] = s
-    col_starts = starts[:, None] + 4 * len(var) + np.concatenate([np.zeros((n, 1), np.int64),
-                                                                  np.cumsum(col_sizes, axis=1)[:, :-1]], axis=1)
+    col_starts = (
+        starts[:, None]
+        + 4 * len(var)
+        + np.concatenate([np.zeros((n, 1), np.int64), np.cumsum(col_sizes, axis=1)[:, :-1]], axis=1)
+    )
     if n and np.any(col_starts[:, -1] + col_sizes[:, -1] != offsets[1:]):
         bad = int(np.flatnonzero(col_starts[:, -1] + col_sizes[:, -1] != offsets[1:])[0])
         raise BadSampleError(f"sample {bad}: its column sizes do not add up to its byte range", source=path)
@@ -188,8 +207,7 @@ def _column(name: str, enc: str, values: np.ndarray, voff: np.ndarray, path: str
 
     n = len(voff) - 1
     if enc in BINARY or enc == "str":
-        arr = pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(voff.astype(np.int32)),
-                                                     pa.py_buffer(values)])
+        arr = pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(voff.astype(np.int32)), pa.py_buffer(values)])
         if enc == "str":
             try:
                 arr = arr.cast(pa.string())  # validates the UTF-8
@@ -254,8 +272,7 @@ def _ndarrays_1d(enc: str, values: np.ndarray, voff: np.ndarray):
     data, offsets = _gather(values, pos, sizes)
     if offsets[-1] // dtype.itemsize >= 1 << 31:
         return None
-    return pa.ListArray.from_arrays(pa.array((offsets // dtype.itemsize).astype(np.int32)),
-                                    pa.array(data.view(dtype)))
+    return pa.ListArray.from_arrays(pa.array((offsets // dtype.itemsize).astype(np.int32)), pa.array(data.view(dtype)))
 
 
 def _ndarrays(name: str, enc: str, raw: list[bytes], path: str):

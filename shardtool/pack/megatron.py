@@ -15,6 +15,7 @@ dtype: the sentences of a ``--split-sentences`` document are joined). Lengths co
 measured. A ``.bin`` shorter or longer than the ``.idx`` says, pointers that do not follow the
 lengths, or a document index that is not monotonic are errors naming the file.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,8 +55,9 @@ class MegatronIndex:
             raw = np.memmap(idx, mode="r", dtype=np.uint8) if os.path.getsize(idx) else np.zeros(0, np.uint8)
             bin_size = os.path.getsize(bin_)
         except FileNotFoundError as e:
-            raise BadSampleError(f"missing {e.filename} (a Megatron dataset is PREFIX.bin + PREFIX.idx)",
-                                 source=prefix) from None
+            raise BadSampleError(
+                f"missing {e.filename} (a Megatron dataset is PREFIX.bin + PREFIX.idx)", source=prefix
+            ) from None
         buf = bytes(raw[:34])
         if len(buf) < 34 or buf[:9] != HEADER:
             raise BadSampleError("not a Megatron MMIDIDX index (bad header)", source=idx)
@@ -69,8 +71,11 @@ class MegatronIndex:
         if len(raw) == need + seqs and seqs:
             raise BadSampleError("a multimodal index (sequence modes) is not supported", source=idx)
         if len(raw) != need:
-            raise BadSampleError(f"index is {len(raw)} bytes, its header declares {seqs} sequences and {docs} "
-                                 f"document indices ({need} bytes): truncated or not this format", source=idx)
+            raise BadSampleError(
+                f"index is {len(raw)} bytes, its header declares {seqs} sequences and {docs} "
+                f"document indices ({need} bytes): truncated or not this format",
+                source=idx,
+            )
         self.lengths = np.frombuffer(raw, np.int32, seqs, 34)
         self.pointers = np.frombuffer(raw, np.int64, seqs, 34 + 4 * seqs)
         self.doc_index = np.frombuffer(raw, np.int64, docs, 34 + 12 * seqs)
@@ -79,11 +84,17 @@ class MegatronIndex:
         np.cumsum(self.lengths.astype(np.int64) * item, out=expected[1:])
         if seqs and (int(self.lengths.min()) < 0 or not np.array_equal(self.pointers, expected[:-1])):
             bad = int(np.flatnonzero((self.pointers != expected[:-1]) | (self.lengths < 0))[0])
-            raise BadSampleError(f"sequence {bad}: its pointer {int(self.pointers[bad])} does not follow the "
-                                 f"lengths before it ({int(expected[bad])}): the .idx does not match its .bin",
-                                 source=idx)
-        if len(self.doc_index) < 1 or self.doc_index[0] != 0 or self.doc_index[-1] != seqs or (
-                len(self.doc_index) > 1 and int(np.diff(self.doc_index).min()) < 0):
+            raise BadSampleError(
+                f"sequence {bad}: its pointer {int(self.pointers[bad])} does not follow the "
+                f"lengths before it ({int(expected[bad])}): the .idx does not match its .bin",
+                source=idx,
+            )
+        if (
+            len(self.doc_index) < 1
+            or self.doc_index[0] != 0
+            or self.doc_index[-1] != seqs
+            or (len(self.doc_index) > 1 and int(np.diff(self.doc_index).min()) < 0)
+        ):
             raise BadSampleError(f"document indices do not run from 0 to {seqs} in order", source=idx)
         # token offset of every document's start, and of the end
         self.doc_tokens = (expected // item)[self.doc_index]
@@ -91,8 +102,9 @@ class MegatronIndex:
             what = "truncated" if bin_size < expected[-1] else "longer than its index says"
             doc = self.document_of_byte(bin_size) if bin_size < expected[-1] else None
             at = f" (ends inside document {doc})" if doc is not None else ""
-            raise BadSampleError(f"{bin_} is {bin_size} bytes, its .idx says {int(expected[-1])}: {what}{at}",
-                                 source=bin_)
+            raise BadSampleError(
+                f"{bin_} is {bin_size} bytes, its .idx says {int(expected[-1])}: {what}{at}", source=bin_
+            )
 
     @property
     def documents(self) -> int:
@@ -107,8 +119,10 @@ _OPEN: dict[tuple, MegatronIndex] = {}  # per process (forked workers inherit th
 
 def open_index(prefix: str) -> MegatronIndex:
     """The checked index of PREFIX, parsed once per process and file version."""
-    key = tuple((os.stat(prefix + ext).st_mtime_ns, os.stat(prefix + ext).st_size) if os.path.exists(prefix + ext)
-                else None for ext in (".idx", ".bin"))
+    key = tuple(
+        (os.stat(prefix + ext).st_mtime_ns, os.stat(prefix + ext).st_size) if os.path.exists(prefix + ext) else None
+        for ext in (".idx", ".bin")
+    )
     index = _OPEN.get((prefix, key))
     if index is None:
         index = _OPEN[(prefix, key)] = MegatronIndex(prefix)
@@ -120,9 +134,18 @@ def megatron_units(src: str) -> list[Unit]:
     index = open_index(prefix)
     n = index.documents
     item = index.dtype.itemsize
-    return [Unit("megatron", prefix, a, min(n, a + UNIT_DOCS), min(n, a + UNIT_DOCS) - a, 0,
-                 max(int(index.doc_tokens[min(n, a + UNIT_DOCS)] - index.doc_tokens[a]) * item, 1))
-            for a in range(0, n, UNIT_DOCS)]
+    return [
+        Unit(
+            "megatron",
+            prefix,
+            a,
+            min(n, a + UNIT_DOCS),
+            min(n, a + UNIT_DOCS) - a,
+            0,
+            max(int(index.doc_tokens[min(n, a + UNIT_DOCS)] - index.doc_tokens[a]) * item, 1),
+        )
+        for a in range(0, n, UNIT_DOCS)
+    ]
 
 
 def megatron_batches(unit: Unit) -> Iterator:
@@ -130,15 +153,20 @@ def megatron_batches(unit: Unit) -> Iterator:
     import pyarrow as pa
 
     index = open_index(unit.path)
-    tokens = np.memmap(unit.path + ".bin", mode="r", dtype=index.dtype) if index.doc_tokens[-1] else \
-        np.zeros(0, index.dtype)
+    tokens = (
+        np.memmap(unit.path + ".bin", mode="r", dtype=index.dtype) if index.doc_tokens[-1] else np.zeros(0, index.dtype)
+    )
     for a in range(unit.start, unit.stop, BATCH_DOCS):
         b = min(unit.stop, a + BATCH_DOCS)
         bounds = index.doc_tokens[a : b + 1]
         values = np.asarray(tokens[bounds[0] : bounds[-1]])
         offsets = bounds - bounds[0]
         list_type = pa.large_list if offsets[-1] >= 1 << 31 else pa.list_
-        arr = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32 if list_type is pa.list_ else np.int64)),
-                                       pa.array(values)) if list_type is pa.list_ else \
-            pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+        arr = (
+            pa.ListArray.from_arrays(
+                pa.array(offsets.astype(np.int32 if list_type is pa.list_ else np.int64)), pa.array(values)
+            )
+            if list_type is pa.list_
+            else pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+        )
         yield pa.RecordBatch.from_arrays([arr], [FIELD])

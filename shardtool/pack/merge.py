@@ -4,6 +4,7 @@ Checks that every task 0..T-1 has finished, that all agree on format, fields and
 definition, and that sample keys are unique across tasks; shards are listed in task order
 (tasks own contiguous, ordered slices of the input, so that is input order).
 """
+
 from __future__ import annotations
 
 import glob
@@ -53,8 +54,10 @@ def merge(out: str, *, num_tasks: int | None = None) -> dict:
     have = frags.get(num_tasks, {})
     missing = [t for t in range(num_tasks) if t not in have]
     if missing:
-        raise ShardtoolError(f"{out}: {len(missing)} of {num_tasks} tasks have not finished: "
-                             f"{', '.join(str(t) for t in missing[:20])}{' …' if len(missing) > 20 else ''}")
+        raise ShardtoolError(
+            f"{out}: {len(missing)} of {num_tasks} tasks have not finished: "
+            f"{', '.join(str(t) for t in missing[:20])}{' …' if len(missing) > 20 else ''}"
+        )
     bodies = [_load(have[t]) for t in range(num_tasks)]
     first = bodies[0]
     for t, b in enumerate(bodies):
@@ -78,14 +81,29 @@ def merge(out: str, *, num_tasks: int | None = None) -> dict:
     if all_lengths.size == 0:
         raise ShardtoolError(f"{out}: the job array packed no samples")
     outdir.remove_orphans(out, {p for s in shards for p in (s.path, s.index)})
-    publish_manifest(out, Manifest(first["shard_format"], fields, shards, first["length"],
-                                   extra=dict(first.get("extra") or {}), compression=first.get("compression")),
-                     all_lengths)
+    publish_manifest(
+        out,
+        Manifest(
+            first["shard_format"],
+            fields,
+            shards,
+            first["length"],
+            extra=dict(first.get("extra") or {}),
+            compression=first.get("compression"),
+        ),
+        all_lengths,
+    )
     skipped = [s for b in bodies for s in b.get("skipped", [])]
-    return {"out": out, "tasks": num_tasks, "shards": len(shards), "samples": int(all_lengths.size),
-            "bytes": sum(s.bytes for s in shards), "skipped": skipped,
-            "dropped": sum(b.get("dropped", 0) for b in bodies),
-            "truncated": sum(b.get("truncated", 0) for b in bodies)}
+    return {
+        "out": out,
+        "tasks": num_tasks,
+        "shards": len(shards),
+        "samples": int(all_lengths.size),
+        "bytes": sum(s.bytes for s in shards),
+        "skipped": skipped,
+        "dropped": sum(b.get("dropped", 0) for b in bodies),
+        "truncated": sum(b.get("truncated", 0) for b in bodies),
+    }
 
 
 def _check_keys(out: str, shards: list[ShardInfo], fields: list[FieldSpec], tar: bool) -> None:

@@ -3,6 +3,7 @@
 Sizes follow the one size grammar (`shardtool.format.sizes`); job-array slices come from the one
 environment reader (`shardtool.plan.env.array_task`).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -15,7 +16,7 @@ from ..format.errors import ShardtoolError
 
 def strip_file_scheme(path: str) -> str:
     """``file:///data/x`` → ``/data/x``; any other path or URL is returned unchanged."""
-    return path[len("file://"):] if path.startswith("file://") else path
+    return path[len("file://") :] if path.startswith("file://") else path
 
 
 def load_function(spec: str, *, search_dir: str | None = None) -> Callable:
@@ -31,8 +32,10 @@ def load_function(spec: str, *, search_dir: str | None = None) -> Callable:
     try:
         obj = _import_here_too(mod_name, os.path.abspath(search_dir or os.getcwd()))
     except ImportError as e:
-        raise ShardtoolError(f"--length-fn {spec!r}: cannot import {mod_name!r} ({e}; looked in sys.path and "
-                             f"{os.path.abspath(search_dir or os.getcwd())})") from None
+        raise ShardtoolError(
+            f"--length-fn {spec!r}: cannot import {mod_name!r} ({e}; looked in sys.path and "
+            f"{os.path.abspath(search_dir or os.getcwd())})"
+        ) from None
     for part in fn_name.split("."):
         obj = getattr(obj, part, None)
         if obj is None:

@@ -4,6 +4,7 @@ A rerun after a kill must give the same dataset: stale temp files of *this* task
 (never another task's, which may be writing right now), the old manifest is removed before any
 shard is rewritten, and shards no manifest will reference are deleted before publishing.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -3,6 +3,7 @@
 Parquet/Arrow decoding releases the GIL, so on a 2-core machine one packing process keeps both
 cores busy. Items and errors arrive in order; the consumer stopping early stops the thread.
 """
+
 from __future__ import annotations
 
 import queue

@@ -3,6 +3,7 @@
 A worker that dies without a result (the OOM killer, a SIGKILL) fails the pack with an error
 naming it; ``multiprocessing.Pool`` would wait for its lost task forever.
 """
+
 from __future__ import annotations
 
 import queue as queue_mod
@@ -98,8 +99,10 @@ def run_jobs(jobs: list[Job], bar: Progress) -> list[JobResult]:
                         raise value
                 if not procs[i].is_alive() and i not in results:
                     procs[i].join()
-                    raise ShardtoolError(f"pack worker {jobs[i].worker} died ({_exit_text(procs[i].exitcode)}) "
-                                         "before finishing; nothing was published")
+                    raise ShardtoolError(
+                        f"pack worker {jobs[i].worker} died ({_exit_text(procs[i].exitcode)}) "
+                        "before finishing; nothing was published"
+                    )
         drain()
         return [results[i] for i in range(len(jobs))]
     except BaseException:

@@ -1,4 +1,5 @@
 """A tqdm bar on stderr (samples/s and MB/s), silent when stderr is not a terminal or quiet."""
+
 from __future__ import annotations
 
 import sys
@@ -14,8 +15,7 @@ class Progress:
         if not quiet and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=desc, unit=" samples", file=sys.stderr, smoothing=0.1,
-                            dynamic_ncols=True)
+            self.bar = tqdm(total=total, desc=desc, unit=" samples", file=sys.stderr, smoothing=0.1, dynamic_ncols=True)
 
     def update(self, samples: int, nbytes: int) -> None:
         self.samples += samples

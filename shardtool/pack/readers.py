@@ -5,6 +5,7 @@ Each reader yields ``(position_in_unit, key_or_None, fields_dict, where)`` for g
 Compressed sources are decompressed as streams and lines are read with a length cap, so a
 gzip/zstd bomb costs at most ``max_sample_bytes`` of memory before it is refused.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -150,8 +151,9 @@ def _jsonl(unit: Unit, max_line: int) -> Iterator[Any]:
             except (OSError, EOFError) as e:
                 raise BadSampleError(f"cannot read source after line {line_no} ({e})", source=unit.path) from None
             except Exception as e:  # zstd raises its own error type on corrupt frames
-                raise BadSampleError(f"cannot decompress after line {line_no} ({type(e).__name__}: {e})",
-                                     source=unit.path) from None
+                raise BadSampleError(
+                    f"cannot decompress after line {line_no} ({type(e).__name__}: {e})", source=unit.path
+                ) from None
             if not line:
                 break
             if remaining > 0:
@@ -161,8 +163,11 @@ def _jsonl(unit: Unit, max_line: int) -> Iterator[Any]:
             where = f"line {line_no}"
             if len(line) > max_line:
                 # Never read the rest of an over-long line into memory: refuse the source.
-                raise BadSampleError(f"line is longer than the {max_line}-byte sample limit "
-                                     "(corrupt or compressed-bomb input?)", source=unit.path, position=where)
+                raise BadSampleError(
+                    f"line is longer than the {max_line}-byte sample limit (corrupt or compressed-bomb input?)",
+                    source=unit.path,
+                    position=where,
+                )
             if not line.strip():
                 continue
             try:
@@ -171,8 +176,11 @@ def _jsonl(unit: Unit, max_line: int) -> Iterator[Any]:
                 yield Bad(BadSampleError(f"malformed JSON ({e})", source=unit.path, position=where))
                 continue
             if not isinstance(obj, dict):
-                yield Bad(BadSampleError(f"expected a JSON object, got {type(obj).__name__}",
-                                         source=unit.path, position=where))
+                yield Bad(
+                    BadSampleError(
+                        f"expected a JSON object, got {type(obj).__name__}", source=unit.path, position=where
+                    )
+                )
                 continue
             yield pos, None, obj, where
 
@@ -184,8 +192,11 @@ def _column_values(col) -> list:
     import pyarrow.types as pt
 
     t = col.type
-    if (pt.is_list(t) or pt.is_large_list(t)) and col.null_count == 0 and col.values.null_count == 0 and (
-        pt.is_integer(t.value_type) or pt.is_floating(t.value_type)
+    if (
+        (pt.is_list(t) or pt.is_large_list(t))
+        and col.null_count == 0
+        and col.values.null_count == 0
+        and (pt.is_integer(t.value_type) or pt.is_floating(t.value_type))
     ):
         offsets = col.offsets.to_numpy()
         values = col.values.to_numpy()
@@ -266,8 +277,11 @@ def _dicts(unit: Unit) -> Iterator[Any]:
     for pos, obj in enumerate(unit.obj.batches(unit.start, unit.stop)):
         where = f"row {unit.start + pos}"
         if not isinstance(obj, dict):
-            yield Bad(BadSampleError(f"expected a dict (one sample), got {type(obj).__name__}",
-                                     source=unit.path, position=where))
+            yield Bad(
+                BadSampleError(
+                    f"expected a dict (one sample), got {type(obj).__name__}", source=unit.path, position=where
+                )
+            )
             continue
         yield pos, None, obj, where
 
@@ -297,8 +311,11 @@ def _tar(unit: Unit, max_member: int, on_bad) -> Iterator[Any]:
                     pos += 1
                 current, fields, first_member = key, {}, name
             if ext in fields:
-                yield Bad(BadSampleError(f"field {ext!r} appears twice in sample {key!r}",
-                                         source=unit.path, position=f"member {name!r}"))
+                yield Bad(
+                    BadSampleError(
+                        f"field {ext!r} appears twice in sample {key!r}", source=unit.path, position=f"member {name!r}"
+                    )
+                )
                 continue
             fields[ext] = data
     if current is not None:
@@ -313,8 +330,7 @@ def read_whole_file(path: str, max_bytes: int) -> bytes:
     except OSError as e:
         raise BadSampleError(f"cannot read ({e})", source=path) from None
     if len(data) > max_bytes:
-        raise BadSampleError(f"file is larger than the {max_bytes}-byte sample limit (--max-sample-bytes)",
-                             source=path)
+        raise BadSampleError(f"file is larger than the {max_bytes}-byte sample limit (--max-sample-bytes)", source=path)
     return data
 
 

@@ -1,5 +1,6 @@
 """Cutting one worker's samples into shards: a new shard when the next sample would pass the
 size or count limit, whether samples arrive one at a time or as whole batches."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -27,16 +28,24 @@ class Roller:
 
     def _open_next(self) -> None:
         job = self.job
-        self.w = ShardFileWriter(job.out, shard_name(job.task, job.worker, self.seq, job.fmt), job.fmt, job.fields,
-                                 compression=job.compression)
+        self.w = ShardFileWriter(
+            job.out,
+            shard_name(job.task, job.worker, self.seq, job.fmt),
+            job.fmt,
+            job.fields,
+            compression=job.compression,
+        )
         self.seq += 1
         self.cur_bytes = 0
 
     def add(self, key, values, payloads, length, sample_bytes, source, where) -> None:
         job = self.job
         if job.shard_size is not None and sample_bytes > job.shard_size:
-            raise BadSampleError(f"sample {key!r} is {sample_bytes} bytes, larger than the shard size "
-                                 f"({job.shard_size} bytes)", source=source, position=where)
+            raise BadSampleError(
+                f"sample {key!r} is {sample_bytes} bytes, larger than the shard size ({job.shard_size} bytes)",
+                source=source,
+                position=where,
+            )
         if self.w is not None and (
             (job.samples_per_shard is not None and self.w.count >= job.samples_per_shard)
             or (job.shard_size is not None and self.cur_bytes + sample_bytes + 2 * BLOCK > job.shard_size)

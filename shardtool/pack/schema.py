@@ -4,6 +4,7 @@ The dataset's fields are inferred once, from the first sample of the first unit,
 task and worker alike, so all shards agree whatever the split. Every later sample is checked
 against them; anything that does not fit is a :class:`BadSampleError` naming where it came from.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -29,8 +30,9 @@ def field_name_problem(name: str) -> str | None:
     return None
 
 
-def infer_fields(kind: str, obj: dict[str, Any], *, source: str, where: str,
-                 key_field: str | None = None) -> list[FieldSpec]:
+def infer_fields(
+    kind: str, obj: dict[str, Any], *, source: str, where: str, key_field: str | None = None
+) -> list[FieldSpec]:
     """Fields of the dataset from its first sample (file trees / tars: one raw field per extension).
     The ``key_field`` column is the key, not also a field."""
     if kind in ("tree", "tar", "images"):
@@ -53,9 +55,17 @@ def infer_fields(kind: str, obj: dict[str, Any], *, source: str, where: str,
 class Shaper:
     """Turns a reader's record into (key, payloads, values, length) for the shard writer."""
 
-    def __init__(self, fields: list[FieldSpec], *, key_field: str | None, length_field: str | None,
-                 length_fn: Callable | None, key_width: int, max_length: int | None = None,
-                 truncate: bool = False):
+    def __init__(
+        self,
+        fields: list[FieldSpec],
+        *,
+        key_field: str | None,
+        length_field: str | None,
+        length_fn: Callable | None,
+        key_width: int,
+        max_length: int | None = None,
+        truncate: bool = False,
+    ):
         self.fields = fields
         self.names = [f.name for f in fields]
         self.name_set = set(self.names)
@@ -109,8 +119,11 @@ class Shaper:
             if self.length_field and self.length_field not in obj:
                 raise BadSampleError(f"missing length field {self.length_field!r}", source=source, position=where)
             got = sorted(k for k in obj if k not in self.not_fields)
-            raise BadSampleError(f"sample {key!r} has fields {got}, the dataset has {sorted(self.names)}"
-                                 + self.field_hint, source=source, position=where)
+            raise BadSampleError(
+                f"sample {key!r} has fields {got}, the dataset has {sorted(self.names)}" + self.field_hint,
+                source=source,
+                position=where,
+            )
         values = []
         payloads = []
         nbytes = 0
@@ -151,14 +164,15 @@ class Shaper:
             except (KeyboardInterrupt, MemoryError, SystemExit):
                 raise
             except Exception as e:
-                raise BadSampleError(f"length function failed ({type(e).__name__}: {e})",
-                                     source=source, position=where) from None
+                raise BadSampleError(
+                    f"length function failed ({type(e).__name__}: {e})", source=source, position=where
+                ) from None
             if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
-                raise BadSampleError(f"length function returned {type(n).__name__} {n!r}, not an integer",
-                                     source=source, position=where)
+                raise BadSampleError(
+                    f"length function returned {type(n).__name__} {n!r}, not an integer", source=source, position=where
+                )
             if n < 0:
-                raise BadSampleError(f"length function returned a negative length ({n})",
-                                     source=source, position=where)
+                raise BadSampleError(f"length function returned a negative length ({n})", source=source, position=where)
             return int(n)
         return nbytes
 
@@ -195,6 +209,7 @@ def _codec(spec: FieldSpec) -> Callable[[Any], tuple[Any, bytes]]:
 
         return enc_array
     if spec.storage == "text":
+
         def enc_text(v):
             if not isinstance(v, str):
                 raise TypeError(f"expected a string, got {type(v).__name__}")
@@ -202,6 +217,7 @@ def _codec(spec: FieldSpec) -> Callable[[Any], tuple[Any, bytes]]:
 
         return enc_text
     if spec.storage == "int":
+
         def enc_int(v):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise TypeError(f"expected an integer, got {type(v).__name__}")
@@ -210,6 +226,7 @@ def _codec(spec: FieldSpec) -> Callable[[Any], tuple[Any, bytes]]:
 
         return enc_int
     if spec.storage == "raw":
+
         def enc_raw(v):
             if not isinstance(v, (bytes, bytearray, memoryview)):
                 raise TypeError(f"expected bytes, got {type(v).__name__}")
@@ -226,15 +243,17 @@ def _describe(v: list) -> str:
 
 def check_length_option(fields: list[FieldSpec], length_field: str | None) -> None:
     if length_field is not None and length_field not in [f.name for f in fields]:
-        raise ShardtoolError(f"--length {length_field!r} is not a field of the samples "
-                             f"(fields: {', '.join(f.name for f in fields)})")
+        raise ShardtoolError(
+            f"--length {length_field!r} is not a field of the samples (fields: {', '.join(f.name for f in fields)})"
+        )
 
 
 MAX_LENGTH_POLICIES = ("drop", "truncate")
 
 
-def check_max_length_option(fields: list[FieldSpec], length_field: str | None, max_length: int | None,
-                            policy: str) -> bool:
+def check_max_length_option(
+    fields: list[FieldSpec], length_field: str | None, max_length: int | None, policy: str
+) -> bool:
     """Validate --max-length / --max-length-policy; True when over-long samples are truncated."""
     if policy not in MAX_LENGTH_POLICIES:
         raise ShardtoolError(f"--max-length-policy must be one of {', '.join(MAX_LENGTH_POLICIES)}, got {policy!r}")
@@ -246,9 +265,14 @@ def check_max_length_option(fields: list[FieldSpec], length_field: str | None, m
         return False
     spec = next((f for f in fields if f.name == length_field), None)
     if spec is None or spec.storage != "array":
-        what = (f"--length {length_field!r} is stored as {spec.storage}" if spec is not None else
-                "the length is not a field (payload bytes or --length-fn)")
-        raise ShardtoolError(f"--max-length-policy truncate cuts the --length field's array to --max-length "
-                             f"elements, so it needs --length naming a 1-D array field; {what}. "
-                             "Use --max-length-policy drop to skip over-long samples instead")
+        what = (
+            f"--length {length_field!r} is stored as {spec.storage}"
+            if spec is not None
+            else "the length is not a field (payload bytes or --length-fn)"
+        )
+        raise ShardtoolError(
+            f"--max-length-policy truncate cuts the --length field's array to --max-length "
+            f"elements, so it needs --length naming a 1-D array field; {what}. "
+            "Use --max-length-policy drop to skip over-long samples instead"
+        )
     return True

@@ -5,6 +5,7 @@ or unit that could not be read past some point, each once) against packed sample
 ``skipped / (packed + skipped)``. Samples dropped by ``--max-length`` were asked for, and are
 not skips.
 """
+
 from __future__ import annotations
 
 from ..format.errors import ShardtoolError
@@ -31,11 +32,15 @@ def check_skips(skipped: list[str], packed: int, max_fraction: float | None) -> 
     frac = skip_fraction(n, packed)
     total = n + packed
     if max_fraction is not None and frac > max_fraction:
-        raise ShardtoolError(f"{n} of {total} samples were skipped ({frac:.1%}), more than --max-skip-fraction "
-                             f"{max_fraction:g}; nothing was published. First skipped: {skipped[0]}")
+        raise ShardtoolError(
+            f"{n} of {total} samples were skipped ({frac:.1%}), more than --max-skip-fraction "
+            f"{max_fraction:g}; nothing was published. First skipped: {skipped[0]}"
+        )
     if max_fraction is None and frac > LOUD_FRACTION:  # a stated limit is the user's own judgement
-        return [f"MOST SAMPLES WERE SKIPPED: {n} of {total} ({frac:.0%}); the dataset holds only {packed}. "
-                f"First skipped: {skipped[0]}. Pass --max-skip-fraction F to make this an error."]
+        return [
+            f"MOST SAMPLES WERE SKIPPED: {n} of {total} ({frac:.0%}); the dataset holds only {packed}. "
+            f"First skipped: {skipped[0]}. Pass --max-skip-fraction F to make this an error."
+        ]
     return []
 
 

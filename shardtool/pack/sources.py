@@ -11,6 +11,7 @@
 
 ``datasets`` is never imported: its objects are recognised by what they have (duck typing).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -28,10 +29,12 @@ FRAGMENTED_ROWS = 64
 FRAGMENTED_BYTES = 1 << 20
 COMBINE_BYTES = 64 << 20
 
-ACCEPTED = ("a path (str or os.PathLike: a directory, .jsonl[.gz|.zst], .parquet, .arrow, .tar) or a list of "
-            "paths; a pyarrow.Table, pyarrow.RecordBatchReader or pyarrow.dataset.Dataset; a Hugging Face "
-            "datasets.Dataset or IterableDataset; or an iterable of dicts (a list, a generator), one dict per "
-            "sample")
+ACCEPTED = (
+    "a path (str or os.PathLike: a directory, .jsonl[.gz|.zst], .parquet, .arrow, .tar) or a list of "
+    "paths; a pyarrow.Table, pyarrow.RecordBatchReader or pyarrow.dataset.Dataset; a Hugging Face "
+    "datasets.Dataset or IterableDataset; or an iterable of dicts (a list, a generator), one dict per "
+    "sample"
+)
 
 
 class ArrowSlices:
@@ -150,8 +153,9 @@ def classify(source) -> list[Any]:
     if is_path(source):
         return [os.fspath(source)]
     if isinstance(source, dict):
-        raise TypeError(f"pack got a single dict; pass a list (or other iterable) of dicts, one per sample. "
-                        f"Accepted: {ACCEPTED}")
+        raise TypeError(
+            f"pack got a single dict; pass a list (or other iterable) of dicts, one per sample. Accepted: {ACCEPTED}"
+        )
     if isinstance(source, (list, tuple)):
         if not source:
             return []
@@ -160,8 +164,10 @@ def classify(source) -> list[Any]:
         if all(is_path(x) or _one_source(x) for x in source):
             return [os.fspath(x) if is_path(x) else x for x in source]
         kinds = sorted({type(x).__name__ for x in source})
-        raise TypeError(f"pack got a list of {', '.join(kinds)}; a list must hold only dicts (one per sample) or "
-                        f"only sources. Accepted: {ACCEPTED}")
+        raise TypeError(
+            f"pack got a list of {', '.join(kinds)}; a list must hold only dicts (one per sample) or "
+            f"only sources. Accepted: {ACCEPTED}"
+        )
     if _one_source(source) or hasattr(source, "__iter__"):
         return [source]
     raise TypeError(f"pack cannot read a {type(source).__module__}.{type(source).__name__}. Accepted: {ACCEPTED}")
@@ -206,8 +212,10 @@ def memory_source(obj, name: str):
         import pyarrow.dataset as pads
 
         if isinstance(obj, pads.Dataset):
-            return [Fragment(f"{name} fragment {getattr(f, 'path', i)}", f, obj.schema)
-                    for i, f in enumerate(obj.get_fragments())]
+            return [
+                Fragment(f"{name} fragment {getattr(f, 'path', i)}", f, obj.schema)
+                for i, f in enumerate(obj.get_fragments())
+            ]
     except ImportError:  # pragma: no cover
         pass
     if isinstance(obj, (list, tuple)):
@@ -229,8 +237,10 @@ def memory_units(obj, i: int, n: int) -> list[Unit]:
     name = describe(obj, i, n)
     src = memory_source(obj, name)
     if isinstance(src, list):  # fragments of a pyarrow dataset
-        return [Unit("memory", f.name, 0, -1, f.fragment.count_rows(), weight=max(f.fragment.count_rows(), 1), obj=f)
-                for f in src]
+        return [
+            Unit("memory", f.name, 0, -1, f.fragment.count_rows(), weight=max(f.fragment.count_rows(), 1), obj=f)
+            for f in src
+        ]
     if isinstance(src, Stream):
         first = next(iter(src.peek()), None)
         if src.items == "dicts" and first is not None and not isinstance(first, dict):
@@ -238,6 +248,15 @@ def memory_units(obj, i: int, n: int) -> list[Unit]:
         return [Unit("memory", name, 0, -1, -1, weight=1, obj=src)]
     rows = src.rows if isinstance(src, ArrowSlices) else len(src.rows_seq)
     per_row = (src.nbytes / rows) if isinstance(src, ArrowSlices) and rows else 1.0
-    return [Unit("memory", name, a, min(rows, a + UNIT_ROWS), min(rows, a + UNIT_ROWS) - a,
-                 weight=max(int((min(rows, a + UNIT_ROWS) - a) * per_row), 1), obj=src)
-            for a in range(0, rows, UNIT_ROWS)]
+    return [
+        Unit(
+            "memory",
+            name,
+            a,
+            min(rows, a + UNIT_ROWS),
+            min(rows, a + UNIT_ROWS) - a,
+            weight=max(int((min(rows, a + UNIT_ROWS) - a) * per_row), 1),
+            obj=src,
+        )
+        for a in range(0, rows, UNIT_ROWS)
+    ]

@@ -1,4 +1,5 @@
 """``shardtool inspect``: what a dataset holds, from its manifest, plus a peek at one sample."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -38,8 +39,11 @@ def inspect(url: str, *, storage_options: dict | None = None, peek: bool = True)
         out["classes"] = list(m.extra["classes"])
     if m.compression:
         raw = sum(s.raw_bytes if s.raw_bytes is not None else s.bytes for s in m.shards)
-        out["compression"] = {"codec": m.compression, "uncompressed_bytes": raw,
-                              "ratio": raw / m.num_bytes if m.num_bytes else 1.0}
+        out["compression"] = {
+            "codec": m.compression,
+            "uncompressed_bytes": raw,
+            "ratio": raw / m.num_bytes if m.num_bytes else 1.0,
+        }
     # What storage holds and what a node cache holds (compressed shards are decompressed into it).
     out["stored_bytes"] = m.num_bytes
     out["plain_bytes"] = out["compression"]["uncompressed_bytes"] if m.compression else m.num_bytes
@@ -52,19 +56,30 @@ def inspect(url: str, *, storage_options: dict | None = None, peek: bool = True)
 
 
 def render(info: dict) -> str:
-    lines = [f"{info['url']}  ({info['shard_format']}, version {info['version']})",
-             f"  samples {info['samples']:,} in {info['shards']} shards, {info['bytes'] / 1e6:,.1f} MB"]
+    lines = [
+        f"{info['url']}  ({info['shard_format']}, version {info['version']})",
+        f"  samples {info['samples']:,} in {info['shards']} shards, {info['bytes'] / 1e6:,.1f} MB",
+    ]
     comp = info.get("compression")
     if comp:
-        lines.append(f"  compressed with {comp['codec']}: {comp['uncompressed_bytes'] / 1e6:,.1f} MB uncompressed, "
-                     f"ratio {comp['ratio']:.2f}x")
-        lines.append(f"  stored {info['stored_bytes'] / 1e6:,.1f} MB; in a node cache {info['plain_bytes'] / 1e6:,.1f} MB "
-                     "plain (warm decompresses; --keep-compressed keeps the stored size)")
+        lines.append(
+            f"  compressed with {comp['codec']}: {comp['uncompressed_bytes'] / 1e6:,.1f} MB uncompressed, "
+            f"ratio {comp['ratio']:.2f}x"
+        )
+        lines.append(
+            f"  stored {info['stored_bytes'] / 1e6:,.1f} MB; in a node cache {info['plain_bytes'] / 1e6:,.1f} MB "
+            "plain (warm decompresses; --keep-compressed keeps the stored size)"
+        )
     sps = info.get("samples_per_shard")
     if sps:
         lines.append(f"  samples per shard {sps['min']:,}..{sps['max']:,}")
-    lines.append("  fields: " + ", ".join(f"{f['name']} ({f['storage']}{', ' + f['dtype'] if 'dtype' in f else ''}"
-                                         f" as .{f['ext']})" for f in info["fields"]))
+    lines.append(
+        "  fields: "
+        + ", ".join(
+            f"{f['name']} ({f['storage']}{', ' + f['dtype'] if 'dtype' in f else ''} as .{f['ext']})"
+            for f in info["fields"]
+        )
+    )
     classes = info.get("classes")
     if classes:
         shown = ", ".join(f"{i} {c}" for i, c in enumerate(classes[:12]))
@@ -73,8 +88,10 @@ def render(info: dict) -> str:
     what = L.get("field") or L.get("fn") or L.get("json") or "payload"
     s = L.get("summary", {})
     if s.get("count"):
-        lines.append(f"  length = {what} [{L.get('unit')}]: total {s['total']:,}, min {s['min']}, p50 {s['p50']:g}, "
-                     f"p90 {s['p90']:g}, p99 {s['p99']:g}, max {s['max']}")
+        lines.append(
+            f"  length = {what} [{L.get('unit')}]: total {s['total']:,}, min {s['min']}, p50 {s['p50']:g}, "
+            f"p90 {s['p90']:g}, p99 {s['p99']:g}, max {s['max']}"
+        )
     if "peek" in info:
         lines.append(f"  peek at {info['peek']['shard']} sample 0:")
         for k, v in info["peek"]["sample"].items():

@@ -5,6 +5,7 @@ building a 200k-sample corpus takes seconds. Everything is a deterministic funct
 arguments: sample ``g``'s tokens are ``(arange(n) + 7 g) mod vocab`` (a test can recompute them),
 its bytes a slice of one seeded random blob.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,11 @@ def token_fields(dtype: str = "i4", extra: bool = False) -> list[FieldSpec]:
     """``tokens`` (a 1-D integer array, the length field) and optionally a text, a JSON and a bytes field."""
     fields = [FieldSpec("tokens", "tokens.npy", "npy", "array", dtype)]
     if extra:
-        fields += [FieldSpec("text", "text.txt", "txt", "text"), FieldSpec("meta", "meta.json", "json", "json"),
-                   FieldSpec("bin", "bin", "bytes", "raw")]
+        fields += [
+            FieldSpec("text", "text.txt", "txt", "text"),
+            FieldSpec("meta", "meta.json", "json", "json"),
+            FieldSpec("bin", "bin", "bytes", "raw"),
+        ]
     return fields
 
 
@@ -51,11 +55,26 @@ def _shard_sizes(n: int | None, shard_sizes: Sequence[int] | None, samples_per_s
     return [samples_per_shard] * full + ([rest] if rest else [])
 
 
-def write_synthetic(root: str, n: int | None = None, *, shard_sizes: Sequence[int] | None = None,
-                    samples_per_shard: int = 2000, lengths: np.ndarray | None = None, kind: str = "tokens",
-                    fmt: str = "tar", dtype: str = "i4", extra_fields: bool = False, field: str = "bin",
-                    seed: int = 0, vocab: int = 32000, sample_bytes: int = 1000, key_prefix: str = "s",
-                    key_width: int = 9, shard_name: str = "shards/shard-{:06d}", replicate: bool = False) -> SyntheticDataset:
+def write_synthetic(
+    root: str,
+    n: int | None = None,
+    *,
+    shard_sizes: Sequence[int] | None = None,
+    samples_per_shard: int = 2000,
+    lengths: np.ndarray | None = None,
+    kind: str = "tokens",
+    fmt: str = "tar",
+    dtype: str = "i4",
+    extra_fields: bool = False,
+    field: str = "bin",
+    seed: int = 0,
+    vocab: int = 32000,
+    sample_bytes: int = 1000,
+    key_prefix: str = "s",
+    key_width: int = 9,
+    shard_name: str = "shards/shard-{:06d}",
+    replicate: bool = False,
+) -> SyntheticDataset:
     """Write a packed dataset under ``root``.
 
     ``kind="tokens"``: the length field ``tokens`` (dtype ``dtype``), ``extra_fields`` adds text/meta/bin;

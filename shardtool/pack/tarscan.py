@@ -9,6 +9,7 @@ links or special files, no absolute or ``..`` names, no member over the size lim
 made as pack makes them (``dir/stem.ext`` → ``dir__stem``). Any breach is a
 :class:`BadSampleError` naming the tar and the member: a tar is indexed whole or not at all.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,9 @@ class LengthRule:
     def of(self, key: str, exts: list[str], payloads: list, source: str, where: str) -> int:
         if self.field is not None:
             if self.field not in exts:
-                raise BadSampleError(f"sample {key!r} has no field {self.field!r} to read its length from",
-                                     source=source, position=where)
+                raise BadSampleError(
+                    f"sample {key!r} has no field {self.field!r} to read its length from", source=source, position=where
+                )
             data = bytes(payloads[exts.index(self.field)])
             try:
                 if self.json_key is None:
@@ -60,8 +62,9 @@ class LengthRule:
                 return length_of(FieldSpec(self.field, self.field, "json", "json"), value)
             except (ValueError, TypeError, KeyError) as e:
                 what = f"{self.field}:{self.json_key}" if self.json_key else self.field
-                raise BadSampleError(f"no length in {what} ({type(e).__name__}: {e})", source=source,
-                                     position=where) from None
+                raise BadSampleError(
+                    f"no length in {what} ({type(e).__name__}: {e})", source=source, position=where
+                ) from None
         if self.fn is not None:
             sample = {"__key__": key, **{e: bytes(p) for e, p in zip(exts, payloads)}}
             try:
@@ -69,11 +72,11 @@ class LengthRule:
             except (KeyboardInterrupt, MemoryError, SystemExit):
                 raise
             except Exception as e:
-                raise BadSampleError(f"length function failed ({type(e).__name__}: {e})", source=source,
-                                     position=where) from None
+                raise BadSampleError(
+                    f"length function failed ({type(e).__name__}: {e})", source=source, position=where
+                ) from None
             if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 0:
-                raise BadSampleError(f"length function returned {n!r}, not a length ≥ 0", source=source,
-                                     position=where)
+                raise BadSampleError(f"length function returned {n!r}, not a length ≥ 0", source=source, position=where)
             return int(n)
         return sum(len(p) for p in payloads)
 
@@ -177,23 +180,28 @@ def _scan(view: memoryview, source: str, max_member: int, length: LengthRule) ->
             exts = names
             out.exts = names
         elif names != exts:
-            raise BadSampleError(f"sample {cur_key!r} has fields {names}, the tar's first sample has {exts}",
-                                 source=source, position=where)
+            raise BadSampleError(
+                f"sample {cur_key!r} has fields {names}, the tar's first sample has {exts}",
+                source=source,
+                position=where,
+            )
         if cur_key in seen:
             raise BadSampleError(f"duplicate key {cur_key!r}", source=source, position=where)
         seen.add(cur_key)
         size = cur_end - cur_start
         if size >= 1 << 32:
-            raise BadSampleError(f"sample of {size} bytes: members of one sample must lie within 4 GiB",
-                                 source=source, position=where)
+            raise BadSampleError(
+                f"sample of {size} bytes: members of one sample must lie within 4 GiB", source=source, position=where
+            )
         out.keys.append(cur_key)
         out.offsets.append(cur_start)
         out.sizes.append(size)
         out.field_offsets.append([cur[e][0] - cur_start for e in exts])
         out.field_sizes.append([cur[e][1] for e in exts])
         out.checksums.append(range_checksum(view[cur_start:cur_end]))
-        out.lengths.append(length.of(cur_key, exts, [view[cur[e][0] : cur[e][0] + cur[e][1]] for e in exts],
-                                     source, where))
+        out.lengths.append(
+            length.of(cur_key, exts, [view[cur[e][0] : cur[e][0] + cur[e][1]] for e in exts], source, where)
+        )
         hasher.update(view[hashed:cur_end])
         hashed = cur_end
 
@@ -209,8 +217,9 @@ def _scan(view: memoryview, source: str, max_member: int, length: LengthRule) ->
         where = f"member #{index} at offset {pos}"
         stored = _octal(header[148:156], source, where)
         if stored != sum(header) - sum(header[148:156]) + 256:  # the checksum field counts as spaces
-            raise BadSampleError("corrupt tar header (checksum mismatch): not a tar, or damaged",
-                                 source=source, position=where)
+            raise BadSampleError(
+                "corrupt tar header (checksum mismatch): not a tar, or damaged", source=source, position=where
+            )
         typeflag = header[156:157]
         size = _octal(header[124:136], source, where)
         if long_size is not None:
@@ -218,8 +227,9 @@ def _scan(view: memoryview, source: str, max_member: int, length: LengthRule) ->
         start = pos + BLOCK
         end = start + size + (-size % BLOCK)
         if size < 0 or start + size > n:
-            raise BadSampleError(f"truncated: member declares {size} bytes, the tar ends first", source=source,
-                                 position=where)
+            raise BadSampleError(
+                f"truncated: member declares {size} bytes, the tar ends first", source=source, position=where
+            )
         if typeflag in (b"x", b"L", b"g", b"K"):
             if size > 1 << 20:
                 raise BadSampleError(f"extended header of {size} bytes refused", source=source, position=where)
@@ -259,8 +269,9 @@ def _scan(view: memoryview, source: str, max_member: int, length: LengthRule) ->
         if typeflag not in _REGULAR:
             raise BadSampleError("special file member (device/FIFO) refused", source=source, position=where)
         if size > max_member:
-            raise BadSampleError(f"member declares {size} bytes, over the {max_member}-byte limit",
-                                 source=source, position=where)
+            raise BadSampleError(
+                f"member declares {size} bytes, over the {max_member}-byte limit", source=source, position=where
+            )
         try:
             raw_key, ext = split_member_name(name)
         except ValueError as e:

@@ -7,6 +7,7 @@ backend tokenizer). It is never fetched from the network. Each pack worker encod
 (uint16 for up to 65,536 ids, else uint32), so the ids equal ``tokenizer.encode(text).ids``
 (plus ``eos_id`` when given) and the sample's length is their count.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -30,12 +31,16 @@ def load_tokenizer(tokenizer: Any):
         if os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(path):
-            raise ShardtoolError(f"--tokenizer {os.fspath(tokenizer)!r}: no such file (give the path of a "
-                                 "tokenizer.json, or a directory holding one; tokenizers are never downloaded)")
+            raise ShardtoolError(
+                f"--tokenizer {os.fspath(tokenizer)!r}: no such file (give the path of a "
+                "tokenizer.json, or a directory holding one; tokenizers are never downloaded)"
+            )
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise ShardtoolError("--tokenizer needs the tokenizers package: pip install 'shardtool[tokenize]'") from None
+            raise ShardtoolError(
+                "--tokenizer needs the tokenizers package: pip install 'shardtool[tokenize]'"
+            ) from None
         try:
             return Tokenizer.from_file(path)
         except Exception as e:  # tokenizers raises its own Exception subclass for a bad file
@@ -45,8 +50,10 @@ def load_tokenizer(tokenizer: Any):
         tokenizer = backend
     if hasattr(tokenizer, "encode_batch") and hasattr(tokenizer, "get_vocab_size"):
         return tokenizer
-    raise TypeError(f"tokenizer must be a path to a tokenizer.json, a tokenizers.Tokenizer or a transformers fast "
-                    f"tokenizer, not {type(tokenizer).__name__}")
+    raise TypeError(
+        f"tokenizer must be a path to a tokenizer.json, a tokenizers.Tokenizer or a transformers fast "
+        f"tokenizer, not {type(tokenizer).__name__}"
+    )
 
 
 def token_dtype(vocab_size: int) -> str:

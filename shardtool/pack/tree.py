@@ -9,6 +9,7 @@ one file = one sample labelled by its class directory). Which files count:
   packed twice; a link with no target is bad input, like an unreadable directory or anything
   that is not a regular file (a FIFO would block the reader forever, a device never ends).
 """
+
 from __future__ import annotations
 
 import os
@@ -93,8 +94,11 @@ def find_classes(root: str) -> list[str]:
     except OSError as e:
         raise BadSampleError(f"cannot list directory ({e.strerror or e})", source=root) from None
     if not classes:
-        raise BadSampleError(f"no class directories: --label-from-dir reads {IMAGE_FOLDER_SHAPE} and every "
-                             "file's label is the CLASS directory it is under", source=root)
+        raise BadSampleError(
+            f"no class directories: --label-from-dir reads {IMAGE_FOLDER_SHAPE} and every "
+            "file's label is the CLASS directory it is under",
+            source=root,
+        )
     return classes
 
 
@@ -115,18 +119,29 @@ def image_folder_samples(root: str, on_bad: OnBad) -> tuple[list[str], list[tupl
     (it has no class) or one without an extension."""
     classes = find_classes(root)
     for name in _root_files(root):
-        on_bad(BadSampleError(f"file is directly in the root, not in a class directory ({IMAGE_FOLDER_SHAPE})",
-                              source=os.path.join(root, name)))
+        on_bad(
+            BadSampleError(
+                f"file is directly in the root, not in a class directory ({IMAGE_FOLDER_SHAPE})",
+                source=os.path.join(root, name),
+            )
+        )
     # Each class directory is walked from itself, so a class that is a link to a directory is
     # read (torchvision follows it too); links below a class are not descended, as everywhere.
-    listed = ((f"{c}/{rel}", path, size) for c in classes for rel, path, size in walk_files(os.path.join(root, c), on_bad))
+    listed = (
+        (f"{c}/{rel}", path, size) for c in classes for rel, path, size in walk_files(os.path.join(root, c), on_bad)
+    )
     label = {name: i for i, name in enumerate(classes)}
     files = []
     for key, rel, path, size in keyed_files(listed, on_bad):
         field = field_of_file(rel.rpartition("/")[2])
         if not field:
-            on_bad(BadSampleError("file has no extension, so no field name (--label-from-dir stores a file's bytes "
-                                  "under its last extension, e.g. png)", source=path))
+            on_bad(
+                BadSampleError(
+                    "file has no extension, so no field name (--label-from-dir stores a file's bytes "
+                    "under its last extension, e.g. png)",
+                    source=path,
+                )
+            )
         elif field == LABEL_FIELD:
             on_bad(BadSampleError(f"file extension {field!r} is the label field's name", source=path))
         else:
@@ -149,9 +164,14 @@ def _one_field(files: list[tuple[str, str, int, str, int]], on_bad: OnBad) -> li
         if f[1] == main:
             keep.append(f)
         else:
-            on_bad(BadSampleError(f"extension {f[1]!r} differs from the tree's {main!r} (it holds {held} files) and "
-                                  "every sample of a dataset has the same fields: convert these files, or pack with "
-                                  "--per-file", source=f[3]))
+            on_bad(
+                BadSampleError(
+                    f"extension {f[1]!r} differs from the tree's {main!r} (it holds {held} files) and "
+                    "every sample of a dataset has the same fields: convert these files, or pack with "
+                    "--per-file",
+                    source=f[3],
+                )
+            )
     return keep
 
 

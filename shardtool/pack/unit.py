@@ -2,6 +2,7 @@
 
 Its own module so that every source reader (.units, .foreign and the readers it loads) can name it
 without importing the module that dispatches to them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

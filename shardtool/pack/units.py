@@ -8,6 +8,7 @@ sample labelled by its class directory, with ``--label-from-dir``). Units are li
 by every task identically, so slicing them is a pure function of (units, T, I, N), and sample
 positions (the default keys) come from unit counts, not from who packs what.
 """
+
 from __future__ import annotations
 
 import glob
@@ -51,10 +52,12 @@ def expand_sources(srcs: list[str]) -> list[str]:
     return out
 
 
-def discover(srcs: list[str], *, skip_bad: bool, skipped: list[str], per_file: bool = False,
-             label_from_dir: bool = False) -> list[Unit]:
+def discover(
+    srcs: list[str], *, skip_bad: bool, skipped: list[str], per_file: bool = False, label_from_dir: bool = False
+) -> list[Unit]:
     """Units of every source, in order. With ``skip_bad`` a bad source, or a bad file of a
     directory source (only that file), is listed in ``skipped``; otherwise it raises."""
+
     def on_bad(err: BadSampleError) -> None:
         if not skip_bad:
             raise err
@@ -92,7 +95,8 @@ def units_of(src: str, *, per_file: bool = False, label_from_dir: bool = False, 
     kind = kind_of(src)
     if kind is None:
         raise BadSampleError(
-            "unknown source type (expected a directory, .jsonl[.gz|.zst], .parquet, .arrow or .tar)", source=src)
+            "unknown source type (expected a directory, .jsonl[.gz|.zst], .parquet, .arrow or .tar)", source=src
+        )
     try:
         if kind == "jsonl":
             return jsonl_units(src)
@@ -131,8 +135,9 @@ def jsonl_units(path: str) -> list[Unit]:
                     lines_in_chunk += block.count(b"\n", base)
                     break
                 lines_in_chunk += block.count(b"\n", base, nl + 1)
-                units.append(Unit("jsonl", path, start, pos + nl + 1, lines_in_chunk, lines_before,
-                                  pos + nl + 1 - start))
+                units.append(
+                    Unit("jsonl", path, start, pos + nl + 1, lines_in_chunk, lines_before, pos + nl + 1 - start)
+                )
                 lines_before += lines_in_chunk
                 start, lines_in_chunk, base = pos + nl + 1, 0, nl + 1
             pos += len(block)
@@ -149,8 +154,10 @@ def parquet_units(path: str) -> list[Unit]:
         md = pq.ParquetFile(path).metadata
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError variants
         raise BadSampleError(f"not a readable Parquet file ({e})", source=path) from None
-    return [Unit("parquet", path, g, g + 1, md.row_group(g).num_rows, 0, max(md.row_group(g).total_byte_size, 1))
-            for g in range(md.num_row_groups)]
+    return [
+        Unit("parquet", path, g, g + 1, md.row_group(g).num_rows, 0, max(md.row_group(g).total_byte_size, 1))
+        for g in range(md.num_row_groups)
+    ]
 
 
 def arrow_units(path: str) -> list[Unit]:
@@ -196,15 +203,17 @@ def tree_units(root: str, on_bad: OnBad = _raise) -> list[Unit]:
             continue
         rel_group = os.path.join(reldir, stem)
         if key in origin and origin[key] != rel_group:
-            on_bad(BadSampleError(f"duplicate key {key!r} (also made from {origin[key]!r})" + PER_FILE_HINT,
-                                  source=path))
+            on_bad(
+                BadSampleError(f"duplicate key {key!r} (also made from {origin[key]!r})" + PER_FILE_HINT, source=path)
+            )
             continue
         origin[key] = rel_group
         groups.setdefault(key, []).append((ext, path))
         sizes[key] = sizes.get(key, 0) + size
     samples = sorted(groups.items(), key=lambda kv: origin[kv[0]])
-    chunks = [tuple((k, tuple(sorted(v))) for k, v in samples[i : i + TREE_CHUNK])
-              for i in range(0, len(samples), TREE_CHUNK)]
+    chunks = [
+        tuple((k, tuple(sorted(v))) for k, v in samples[i : i + TREE_CHUNK]) for i in range(0, len(samples), TREE_CHUNK)
+    ]
     return _tree_chunk_units("tree", root, chunks, [sum(sizes[k] for k, _ in c) for c in chunks])
 
 
@@ -212,16 +221,25 @@ def file_units(root: str, on_bad: OnBad = _raise) -> list[Unit]:
     """One file = one sample (``--per-file``): fields ``bin`` (its bytes) and ``path``."""
     samples = per_file_samples(root, on_bad)
     chunks = [samples[i : i + TREE_CHUNK] for i in range(0, len(samples), TREE_CHUNK)]
-    return _tree_chunk_units("files", root, [tuple((k, rel, p) for k, rel, p, _ in c) for c in chunks],
-                             [sum(size for *_, size in c) for c in chunks])
+    return _tree_chunk_units(
+        "files",
+        root,
+        [tuple((k, rel, p) for k, rel, p, _ in c) for c in chunks],
+        [sum(size for *_, size in c) for c in chunks],
+    )
 
 
 def image_units(root: str, on_bad: OnBad = _raise) -> list[Unit]:
     """ImageFolder (``--label-from-dir``): one file = one sample, fields its extension and ``cls``."""
     classes, samples = image_folder_samples(root, on_bad)
     chunks = [samples[i : i + TREE_CHUNK] for i in range(0, len(samples), TREE_CHUNK)]
-    return _tree_chunk_units("images", root, [tuple((k, f, c, p) for k, f, c, p, _ in ch) for ch in chunks],
-                             [sum(size for *_, size in ch) for ch in chunks], obj=tuple(classes))
+    return _tree_chunk_units(
+        "images",
+        root,
+        [tuple((k, f, c, p) for k, f, c, p, _ in ch) for ch in chunks],
+        [sum(size for *_, size in ch) for ch in chunks],
+        obj=tuple(classes),
+    )
 
 
 def _tree_chunk_units(kind: str, root: str, chunks: list[tuple], weights: list[int], obj: Any = None) -> list[Unit]:

@@ -3,6 +3,7 @@
 Never raises on a bad shard: every shard is checked and each problem is reported with the
 shard's path, so one run lists all the damage.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,9 @@ def verify_shard(ds: Dataset, shard: int) -> None:
             exts = [f.ext for f in ds.manifest.fields]
             for i, key in enumerate(idx.keys):
                 off, size = int(idx.offsets[i]), int(idx.sizes[i])
-                check_sample_range(data[off : off + size], key, exts, idx.field_offsets[i], idx.field_sizes[i],
-                                   info.path)
+                check_sample_range(
+                    data[off : off + size], key, exts, idx.field_offsets[i], idx.field_sizes[i], info.path
+                )
             spec = _length_spec(ds)
             if spec is not None:
                 j = ds.manifest.field_names.index(spec.name)
@@ -134,12 +136,19 @@ def _compare_lengths(shard: str, spec: FieldSpec, idx, actual: list[int]) -> Non
     actual_arr = np.asarray(actual, dtype=np.int64)
     if not np.array_equal(actual_arr, idx.lengths):
         i = int(np.flatnonzero(actual_arr != idx.lengths)[0])
-        raise FormatError(f"{shard}: sample #{i} ({idx.keys[i]!r}) has length {int(actual_arr[i])} by field "
-                          f"{spec.name!r}, but the index and lengths file record {int(idx.lengths[i])}")
+        raise FormatError(
+            f"{shard}: sample #{i} ({idx.keys[i]!r}) has length {int(actual_arr[i])} by field "
+            f"{spec.name!r}, but the index and lengths file record {int(idx.lengths[i])}"
+        )
 
 
-def verify(url: str, *, storage_options: dict | None = None,
-           progress: Callable[[int], None] | None = None, dataset: Dataset | None = None) -> dict:
+def verify(
+    url: str,
+    *,
+    storage_options: dict | None = None,
+    progress: Callable[[int], None] | None = None,
+    dataset: Dataset | None = None,
+) -> dict:
     """Check a dataset; returns {"ok", "shards", "samples", "bytes", "bad": [{"shard", "error"}]}.
 
     A bad entry whose shard failed its hash also lists, under ``"samples"``, the ``index`` (within
@@ -167,5 +176,12 @@ def verify(url: str, *, storage_options: dict | None = None,
             progress(1)
     if dataset is None:
         ds.close()
-    return {"ok": not bad, "url": url, "shards": ds.num_shards, "samples": ds.manifest.num_samples,
-            "bytes": ds.manifest.num_bytes, "version": ds.version, "bad": bad}
+    return {
+        "ok": not bad,
+        "url": url,
+        "shards": ds.num_shards,
+        "samples": ds.manifest.num_samples,
+        "bytes": ds.manifest.num_bytes,
+        "version": ds.version,
+        "bad": bad,
+    }

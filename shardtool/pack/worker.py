@@ -9,6 +9,7 @@ JSONL lines and dicts gathered into chunks): ``columns.ColumnShaper`` → tar me
 by sample (``schema.Shaper``), which also raises the errors naming the bad sample; both paths
 write the same bytes.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -77,12 +78,28 @@ class _Packer:
     def __init__(self, job: Job, result: JobResult, progress: Callable[[int, int], None] | None):
         self.job, self.result, self.progress = job, result, progress
         fn = load_function(job.length_fn) if job.length_fn else None
-        self.shaper = Shaper(job.fields, key_field=job.key_field, length_field=job.length_field, length_fn=fn,
-                             key_width=job.key_width, max_length=job.max_length, truncate=job.truncate)
+        self.shaper = Shaper(
+            job.fields,
+            key_field=job.key_field,
+            length_field=job.length_field,
+            length_fn=fn,
+            key_width=job.key_width,
+            max_length=job.max_length,
+            truncate=job.truncate,
+        )
         # A length function sees one sample at a time: no columnar path then.
-        self.columns = None if fn is not None else ColumnShaper(
-            job.fields, key_field=job.key_field, length_field=job.length_field, key_width=job.key_width,
-            max_length=job.max_length, truncate=job.truncate)
+        self.columns = (
+            None
+            if fn is not None
+            else ColumnShaper(
+                job.fields,
+                key_field=job.key_field,
+                length_field=job.length_field,
+                key_width=job.key_width,
+                max_length=job.max_length,
+                truncate=job.truncate,
+            )
+        )
         self.tar = TarEncoder(job.fields, shard_size=job.shard_size) if job.fmt == "tar" else None
         self.source_fields = job.source_fields or job.fields
         self.roller = Roller(job, result)
@@ -133,8 +150,14 @@ class _Packer:
 
             def put(w, i, j):
                 a, b = int(enc.offsets[i]), int(enc.offsets[j])
-                w.add_tar_block(data[a:b], enc.keys.slice(i, j - i), enc.offsets[i : j + 1] - a,
-                                enc.field_offsets[i:j], enc.field_sizes[i:j], enc.lengths[i:j])
+                w.add_tar_block(
+                    data[a:b],
+                    enc.keys.slice(i, j - i),
+                    enc.offsets[i : j + 1] - a,
+                    enc.field_offsets[i:j],
+                    enc.field_sizes[i:j],
+                    enc.lengths[i:j],
+                )
 
             self.roller.add_batch(enc.offsets, put)
             payload = enc.payload_bytes
@@ -200,8 +223,12 @@ class _Packer:
                     pos0 = running
                 self.shaper.field_hint = TREE_FIELDS_HINT if unit.kind == "tree" else ""
                 try:
-                    items = read_unit(unit, max_sample_bytes=job.max_sample_bytes, on_bad=self.skip,
-                                      whole_batches=self.columns is not None)
+                    items = read_unit(
+                        unit,
+                        max_sample_bytes=job.max_sample_bytes,
+                        on_bad=self.skip,
+                        whole_batches=self.columns is not None,
+                    )
                     if self.columns is not None and unit.kind in ("parquet", "arrow"):
                         items = prefetch(items)
                         reading.append(items)

@@ -7,6 +7,7 @@ numbers, JSON, the same on every rank: it is built from the loader's arguments a
 manifest), and the found/expected messages quote it. States saved before it have none; loading
 them still works, and a refusal then says that the state does not name what it was saved for.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,10 @@ NO_DESCRIPTION = "a state saved before shardtool described what it was saved for
 
 def describe(url: str, version: str, samples: int, batching: Batching) -> dict[str, Any]:
     """The description a single-dataset loader's state carries."""
-    return {"dataset": {"url": str(url), "version": str(version), "samples": int(samples)},
-            "batching": batching.describe()}
+    return {
+        "dataset": {"url": str(url), "version": str(version), "samples": int(samples)},
+        "batching": batching.describe(),
+    }
 
 
 def describe_mixture(urls: Mapping[str, str], batching: Batching) -> dict[str, Any]:
@@ -33,6 +36,7 @@ def describe_mixture(urls: Mapping[str, str], batching: Batching) -> dict[str, A
 
 def render(settings: Mapping[str, Any]) -> str:
     """``{max_tokens: 65536, seed: 0, shuffle: true}``: compact, JSON values, keys unquoted."""
+
     def value(v: Any) -> str:
         return render(v) if isinstance(v, Mapping) else json.dumps(v)
 
@@ -47,29 +51,39 @@ def _dataset(about: Mapping[str, Any] | None, fingerprint: str, *, saved: bool) 
     return f"dataset {ds.get('url')!r} (version {ds.get('version', fingerprint)!r}{samples})"
 
 
-def dataset_mismatch(found: Mapping[str, Any] | None, found_fingerprint: str, expected: Mapping[str, Any],
-                     expected_fingerprint: str) -> str:
+def dataset_mismatch(
+    found: Mapping[str, Any] | None, found_fingerprint: str, expected: Mapping[str, Any], expected_fingerprint: str
+) -> str:
     """The refusal of a state saved for another dataset (``found``: the state's description)."""
     was, now = _dataset(found, found_fingerprint, saved=True), _dataset(expected, expected_fingerprint, saved=False)
-    return (f"loader state was saved for another dataset: found {was}, expected {now}. A changed dataset has "
-            "another plan: its position cannot be carried over; start without loading the state, or load it into "
-            "a loader of that dataset")
+    return (
+        f"loader state was saved for another dataset: found {was}, expected {now}. A changed dataset has "
+        "another plan: its position cannot be carried over; start without loading the state, or load it into "
+        "a loader of that dataset"
+    )
 
 
-def batching_mismatch(found: Mapping[str, Any] | None, found_fingerprint: str, expected: Mapping[str, Any],
-                      expected_fingerprint: str) -> str:
+def batching_mismatch(
+    found: Mapping[str, Any] | None, found_fingerprint: str, expected: Mapping[str, Any], expected_fingerprint: str
+) -> str:
     """The refusal of a state saved with another batching config (``found``: the state's description)."""
     was = (found or {}).get("batching")
     now = expected.get("batching") or {}
     if was is None:
-        return (f"loader state was saved with another batching config: found batching fingerprint "
-                f"{found_fingerprint!r} ({NO_DESCRIPTION}: it names no settings), expected {render(now)} "
-                f"(fingerprint {expected_fingerprint!r})")
+        return (
+            f"loader state was saved with another batching config: found batching fingerprint "
+            f"{found_fingerprint!r} ({NO_DESCRIPTION}: it names no settings), expected {render(now)} "
+            f"(fingerprint {expected_fingerprint!r})"
+        )
     if dict(was) == dict(now):
-        return (f"loader state was saved with batching {render(was)} as here, but by another plan version "
-                f"(found fingerprint {found_fingerprint!r}, expected {expected_fingerprint!r}): its batches were "
-                "ordered by another planner, so the position cannot be carried over")
+        return (
+            f"loader state was saved with batching {render(was)} as here, but by another plan version "
+            f"(found fingerprint {found_fingerprint!r}, expected {expected_fingerprint!r}): its batches were "
+            "ordered by another planner, so the position cannot be carried over"
+        )
     differ = [k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
-    return (f"loader state was saved with another batching config: found batching {render(was)}, expected "
-            f"{render(now)} (differing: {', '.join(differ)}). Load it into a loader with the same batching, or "
-            "start without loading it")
+    return (
+        f"loader state was saved with another batching config: found batching {render(was)}, expected "
+        f"{render(now)} (differing: {', '.join(differ)}). Load it into a loader with the same batching, or "
+        "start without loading it"
+    )

@@ -1,4 +1,5 @@
 """Small array helpers shared by the planning stages."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -14,8 +14,13 @@ __all__ = ["MAX_DROP", "batches_per_rank", "fit_group", "deal_order"]
 MAX_DROP = 0.002
 
 
-def batches_per_rank(group_batches: np.ndarray, group_tokens: np.ndarray, group_capacity: np.ndarray,
-                     group_sizes: np.ndarray, max_drop: float = MAX_DROP) -> int:
+def batches_per_rank(
+    group_batches: np.ndarray,
+    group_tokens: np.ndarray,
+    group_capacity: np.ndarray,
+    group_sizes: np.ndarray,
+    max_drop: float = MAX_DROP,
+) -> int:
     """The per-DP-rank batch count n for the whole world (0 if some rank cannot get a batch).
 
     ``group_batches`` are each group's batch counts (exact, or estimated from the summaries): n

@@ -11,8 +11,7 @@ import numpy as np
 from .arrays import gather_runs
 from .packing import Packing
 
-__all__ = ["Batching", "PLAN_VERSION", "group_rng", "resolve_window", "bucket", "gather_runs",
-           "default_bucketing"]
+__all__ = ["Batching", "PLAN_VERSION", "group_rng", "resolve_window", "bucket", "gather_runs", "default_bucketing"]
 
 # Bumped whenever the planning algorithm changes the batches it produces, so a
 # saved position is never replayed against a different plan.
@@ -241,9 +240,7 @@ def _fixed_starts(window_starts: np.ndarray, window_stops: np.ndarray, size: int
     return first + rank_in_window * size
 
 
-def _budget_starts(
-    window_starts: np.ndarray, window_stops: np.ndarray, lens: np.ndarray, budget: int
-) -> np.ndarray:
+def _budget_starts(window_starts: np.ndarray, window_stops: np.ndarray, lens: np.ndarray, budget: int) -> np.ndarray:
     # A batch opened at s (its longest sample) takes budget // lengths[s]
     # samples; max(.., 1) caps runs of empty samples at `budget` per batch.
     capacity = (budget // np.maximum(lens, 1)).tolist()

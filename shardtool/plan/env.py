@@ -73,8 +73,14 @@ def _detect_rank(env: Mapping[str, str], dist: Any) -> tuple[int | None, int | N
     return None, None, None, "default"
 
 
-def rank_placement(rank: int | None = None, world_size: int | None = None, ranks_per_node: int | None = None,
-                   *, env: Mapping[str, str], dist: Any = None) -> Placement:
+def rank_placement(
+    rank: int | None = None,
+    world_size: int | None = None,
+    ranks_per_node: int | None = None,
+    *,
+    env: Mapping[str, str],
+    dist: Any = None,
+) -> Placement:
     """This process's rank and layout.
 
     Each value comes from the first place that has it: the explicit argument, an initialised
@@ -111,8 +117,9 @@ def rank_placement(rank: int | None = None, world_size: int | None = None, ranks
     return Placement(layout, layout.node_of(rank), rank, source)
 
 
-def node_placement(num_nodes: int | None = None, node: int | None = None, ranks_per_node: int | None = None,
-                   *, env: Mapping[str, str]) -> Placement:
+def node_placement(
+    num_nodes: int | None = None, node: int | None = None, ranks_per_node: int | None = None, *, env: Mapping[str, str]
+) -> Placement:
     """This node's index and the layout, for work done once per node (the cache warmer).
 
     Explicit arguments first, then SLURM: SLURM_JOB_NUM_NODES (or SLURM_NNODES), SLURM_NODEID,
@@ -142,8 +149,9 @@ def node_placement(num_nodes: int | None = None, node: int | None = None, ranks_
         num_nodes = 1
     if node is None:
         if num_nodes != 1:
-            raise LayoutError(f"{num_nodes} nodes but no node rank: pass --node-rank "
-                              "(SLURM_NODEID is not set in a prolog)")
+            raise LayoutError(
+                f"{num_nodes} nodes but no node rank: pass --node-rank (SLURM_NODEID is not set in a prolog)"
+            )
         node = 0
     sources = sorted(set(used))
     source = ", ".join(sources) if sources else "default: one node (no --nodes, no SLURM environment)"

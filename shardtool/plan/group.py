@@ -65,8 +65,10 @@ def plan_group(source: PlanSource, shape: PlanShape, group: int, epoch: int) -> 
         raise ValueError(f"the plan source gave {lengths.size} lengths for samples [{lo}, {hi})")
     if batching.max_tokens is not None and lengths.size and int(lengths.max()) > batching.max_tokens:
         bad = int(np.argmax(lengths))
-        raise ValueError(f"sample {lo + bad} has length {int(lengths[bad])}, more than max_tokens="
-                         f"{batching.max_tokens}; raise max_tokens or filter these samples out")
+        raise ValueError(
+            f"sample {lo + bad} has length {int(lengths[bad])}, more than max_tokens="
+            f"{batching.max_tokens}; raise max_tokens or filter these samples out"
+        )
     k = shape.data_layout.group_sizes[group]
     n = shape.batches_per_rank
     ids = np.arange(lo, hi, dtype=np.int64)
@@ -86,8 +88,9 @@ def plan_group(source: PlanSource, shape: PlanShape, group: int, epoch: int) -> 
     return GroupPlan(group, k, n, lo, lengths, kept, offsets, ids[~served])
 
 
-def _packed(shape: PlanShape, group: int, epoch: int, lo: int, lengths: np.ndarray, ids: np.ndarray, rng,
-            k: int, n: int) -> GroupPlan:
+def _packed(
+    shape: PlanShape, group: int, epoch: int, lo: int, lengths: np.ndarray, ids: np.ndarray, rng, k: int, n: int
+) -> GroupPlan:
     """Windows of the (permuted) group packed into rows; rows shuffled; exactly k × n batches of
     at most batch_size rows: surplus rows dropped (a window that moves with the epoch), or, short
     of rows, the batches share them out evenly (the loader pads a short batch with empty rows),
@@ -101,8 +104,13 @@ def _packed(shape: PlanShape, group: int, epoch: int, lo: int, lengths: np.ndarr
         window_lengths = lengths
     windows = -(-count // shape.window) if count else 0
     cuts = (np.arange(windows + 1, dtype=np.int64) * count) // max(windows, 1)
-    rows = Rows.concat([pack_rows(window_lengths[a:b], packing).with_ids(ids[a:b])
-                        for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist())], packing.seq_len)
+    rows = Rows.concat(
+        [
+            pack_rows(window_lengths[a:b], packing).with_ids(ids[a:b])
+            for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist())
+        ],
+        packing.seq_len,
+    )
     order = rng.permutation(rows.num_rows) if rng is not None else np.arange(rows.num_rows)
     target = k * n
     have = rows.num_rows
@@ -118,8 +126,11 @@ def _packed(shape: PlanShape, group: int, epoch: int, lo: int, lengths: np.ndarr
     if rows.num_rows < target:  # fewer rows than batches: cut the fullest, as bucketing splits batches
         rows = split_rows(rows, target)
     # Rows per batch: full batches, or (short of rows) shared out evenly over all target batches.
-    sizes = np.full(target, per_batch, np.int64) if rows.num_rows == target * per_batch else \
-        np.diff((np.arange(target + 1, dtype=np.int64) * rows.num_rows) // max(target, 1))
+    sizes = (
+        np.full(target, per_batch, np.int64)
+        if rows.num_rows == target * per_batch
+        else np.diff((np.arange(target + 1, dtype=np.int64) * rows.num_rows) // max(target, 1))
+    )
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     dealt = deal_order(n, k)
     row_begin, row_count = starts[:-1][dealt], sizes[dealt]
@@ -129,5 +140,6 @@ def _packed(shape: PlanShape, group: int, epoch: int, lo: int, lengths: np.ndarr
     served = np.zeros(count, dtype=bool)
     served[rows.span_pos - lo] = True
     all_ids = np.arange(lo, lo + count, dtype=np.int64)
-    return GroupPlan(group, k, n, lo, lengths, rows.span_pos, span_offsets, all_ids[~served], rows, row_offsets,
-                     left_out)
+    return GroupPlan(
+        group, k, n, lo, lengths, rows.span_pos, span_offsets, all_ids[~served], rows, row_offsets, left_out
+    )

@@ -41,9 +41,7 @@ class Layout:
 
     def check_rank(self, rank: int) -> int:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(
-                f"rank must be an int in [0, {self.world_size}) for {self}, found {rank!r}"
-            )
+            raise ValueError(f"rank must be an int in [0, {self.world_size}) for {self}, found {rank!r}")
         return rank
 
     def check_node(self, node: int) -> int:
@@ -86,8 +84,13 @@ class Placement:
         return f"{where} (from {self.source})"
 
     def to_dict(self) -> dict:
-        return {"node": self.node, "num_nodes": self.layout.num_nodes, "ranks_per_node": self.layout.ranks_per_node,
-                "rank": self.rank, "from": self.source}
+        return {
+            "node": self.node,
+            "num_nodes": self.layout.num_nodes,
+            "ranks_per_node": self.layout.ranks_per_node,
+            "rank": self.rank,
+            "from": self.source,
+        }
 
 
 @dataclass(frozen=True)
@@ -107,8 +110,9 @@ class DataLayout:
 
     def __post_init__(self) -> None:
         require_positive_int("dp_size", self.dp_size)
-        if not self.group_sizes or any(isinstance(k, bool) or not isinstance(k, int) or k < 1
-                                       for k in self.group_sizes):
+        if not self.group_sizes or any(
+            isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in self.group_sizes
+        ):
             raise ValueError(f"group_sizes must be ints >= 1, found {self.group_sizes!r}")
         if sum(self.group_sizes) != self.dp_size:
             raise ValueError(f"group sizes {self.group_sizes} do not add up to dp_size {self.dp_size}")
@@ -118,8 +122,9 @@ class DataLayout:
     @classmethod
     def pure_dp(cls, layout: Layout) -> DataLayout:
         """DDP/FSDP: every rank is its own DP rank, and each node's ranks form one group."""
-        return cls(layout.world_size, (layout.ranks_per_node,) * layout.num_nodes,
-                   tuple((n,) for n in range(layout.num_nodes)))
+        return cls(
+            layout.world_size, (layout.ranks_per_node,) * layout.num_nodes, tuple((n,) for n in range(layout.num_nodes))
+        )
 
     @property
     def num_groups(self) -> int:

@@ -7,6 +7,7 @@ replicate × shard) give each rank its DP index; the other dimensions are its re
 see the same batches. Two DP ranks belong to one data group when their replicas share a node, so
 that each node caches exactly the ranges its ranks read.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -30,8 +31,9 @@ class Mesh:
 
     def __post_init__(self) -> None:
         if len(set(self.names)) != len(self.names) or self.ranks.ndim != len(self.names):
-            raise LayoutError(f"a mesh needs one distinct name per dimension: found {self.names} for shape "
-                              f"{self.ranks.shape}")
+            raise LayoutError(
+                f"a mesh needs one distinct name per dimension: found {self.names} for shape {self.ranks.shape}"
+            )
         flat = np.sort(self.ranks.reshape(-1))
         if not np.array_equal(flat, np.arange(flat.size)):
             raise LayoutError(f"mesh ranks must be 0..{flat.size - 1}, each once")
@@ -60,8 +62,10 @@ def as_mesh(mesh: Any) -> Mesh | None:
     names = getattr(mesh, "mesh_dim_names", None)
     ranks = getattr(mesh, "mesh", None)
     if names is None or ranks is None:
-        raise ValueError("mesh must be a torch.distributed.device_mesh.DeviceMesh with mesh_dim_names, or a "
-                         f"shardtool.plan.Mesh; found {type(mesh).__name__}")
+        raise ValueError(
+            "mesh must be a torch.distributed.device_mesh.DeviceMesh with mesh_dim_names, or a "
+            f"shardtool.plan.Mesh; found {type(mesh).__name__}"
+        )
     return Mesh(tuple(names), np.asarray(ranks.cpu().numpy() if hasattr(ranks, "cpu") else ranks, dtype=np.int64))
 
 
@@ -95,8 +99,9 @@ def _dp_index(mesh: Mesh, dp_dims: Sequence[str]) -> np.ndarray:
 def data_layout(mesh: Mesh, dp_dims: Sequence[str], layout: Layout) -> tuple[DataLayout, np.ndarray]:
     """(DataLayout, dp_index per global rank) for a mesh laid over ``layout``'s nodes."""
     if mesh.ranks.size != layout.world_size:
-        raise LayoutError(f"the mesh {mesh.describe()} has {mesh.ranks.size} ranks, the job {layout.world_size} "
-                          f"({layout.describe()})")
+        raise LayoutError(
+            f"the mesh {mesh.describe()} has {mesh.ranks.size} ranks, the job {layout.world_size} ({layout.describe()})"
+        )
     dp = _dp_index(mesh, dp_dims)
     dp_size = int(dp.max()) + 1
     node = np.arange(layout.world_size) // layout.ranks_per_node
@@ -126,7 +131,8 @@ def data_layout(mesh: Mesh, dp_dims: Sequence[str], layout: Layout) -> tuple[Dat
         if ranks != list(range(start, start + len(ranks))):
             raise LayoutError(
                 f"mesh {mesh.describe()} on {layout.describe()}: DP ranks {ranks} share nodes but are not "
-                "adjacent; order the mesh so that DP ranks whose peers share nodes have consecutive indices")
+                "adjacent; order the mesh so that DP ranks whose peers share nodes have consecutive indices"
+            )
         group_of_dp[start : start + len(ranks)] = g
         start += len(ranks)
         sizes.append(len(ranks))
@@ -136,8 +142,14 @@ def data_layout(mesh: Mesh, dp_dims: Sequence[str], layout: Layout) -> tuple[Dat
     return DataLayout(dp_size, tuple(sizes), tuple(tuple(sorted(s)) for s in nodes)), dp
 
 
-def data_parallel(placement: Placement, *, dp_rank: int | None = None, dp_size: int | None = None,
-                  mesh: Mesh | None = None, dp_dims: Sequence[str] = ("dp",)) -> tuple[DataLayout, int]:
+def data_parallel(
+    placement: Placement,
+    *,
+    dp_rank: int | None = None,
+    dp_size: int | None = None,
+    mesh: Mesh | None = None,
+    dp_dims: Sequence[str] = ("dp",),
+) -> tuple[DataLayout, int]:
     """(DataLayout, this rank's DP rank): from a mesh; from ``dp_size`` (and ``dp_rank``) alone,
     taking the mesh as (dp, mp) with the model-parallel ranks of a DP rank adjacent — the layout of
     torch's DeviceMesh((dp, tp)) and of Megatron without pipeline stages across nodes; or pure data

@@ -61,8 +61,9 @@ def group_cuts(summaries: ShardSummaries, group_sizes: Sequence[int]) -> np.ndar
 def _nearest_point(summaries: ShardSummaries, shard: int, inside: int, ranks: int) -> int:
     """The sketch point of ``shard`` whose weight before it is nearest ``inside / ranks`` (the
     first of equals): where the cut goes, so that both sides' token counts are known exactly."""
-    pos, _, weight = summaries.sketch.points(shard, int(summaries.samples[shard]), int(summaries.tokens[shard]),
-                                             int(summaries.weight[shard]))
+    pos, _, weight = summaries.sketch.points(
+        shard, int(summaries.samples[shard]), int(summaries.tokens[shard]), int(summaries.weight[shard])
+    )
     error = np.abs(weight * ranks - inside)  # int64: weights < 2^63 / ranks on any real dataset
     return int(pos[int(np.argmin(error))])
 

@@ -48,7 +48,9 @@ class RankPlan:
         """Packed, per batch: pieces, real tokens, tokens of its rows_per_batch rows."""
         spans = np.diff(self.rows.row_offsets[self.row_offsets])
         before = np.concatenate([[0], np.cumsum(self.rows.span_len)])
-        tokens = before[self.rows.row_offsets[self.row_offsets[1:]]] - before[self.rows.row_offsets[self.row_offsets[:-1]]]
+        tokens = (
+            before[self.rows.row_offsets[self.row_offsets[1:]]] - before[self.rows.row_offsets[self.row_offsets[:-1]]]
+        )
         return spans, tokens, np.full(self.batches_per_rank, rows_per_batch * self.rows.seq_len, np.int64)
 
     @property
@@ -80,8 +82,9 @@ class RankPlan:
         return float(lengths.sum()) / padded if padded else 1.0
 
 
-def _in_rank_order(parts: list[Rows], counts: list[np.ndarray], where: list[np.ndarray], n: int,
-                   seq_len: int) -> tuple[Rows, np.ndarray]:
+def _in_rank_order(
+    parts: list[Rows], counts: list[np.ndarray], where: list[np.ndarray], n: int, seq_len: int
+) -> tuple[Rows, np.ndarray]:
     """The rows of a rank's n batches, gathered group by group, put back in the rank's order."""
     every = Rows.concat(parts, seq_len)
     sizes = np.concatenate(counts) if counts else np.zeros(0, np.int64)
@@ -158,8 +161,9 @@ class Planner:
     def continue_on(self, state: LoaderState, layout: DataLayout) -> LoaderState:
         """``state`` continued on ``layout``: the same segment, or a new one dealing what is left."""
         if not state.segments:
-            return LoaderState.start(state.epoch, state.dataset_fingerprint, self.batching, layout,
-                                     self.shape(layout).batches_per_rank)
+            return LoaderState.start(
+                state.epoch, state.dataset_fingerprint, self.batching, layout, self.shape(layout).batches_per_rank
+            )
         if state.same_layout(layout):
             return state.copy()
         trimmed = state.copy()
@@ -168,8 +172,9 @@ class Planner:
         while trimmed.segments and trimmed.last["served"] == 0:
             trimmed.segments.pop()
         if not trimmed.segments:
-            return LoaderState.start(state.epoch, state.dataset_fingerprint, self.batching, layout,
-                                     self.shape(layout).batches_per_rank)
+            return LoaderState.start(
+                state.epoch, state.dataset_fingerprint, self.batching, layout, self.shape(layout).batches_per_rank
+            )
         if trimmed.same_layout(layout):
             return trimmed
         n, _ = _redeal(trimmed.last, segment_layout(trimmed.last), layout)
@@ -185,8 +190,10 @@ class Planner:
             else:
                 want, _ = _redeal(state.segments[i - 1], segment_layout(state.segments[i - 1]), layout)
             if seg["batches"] != want:
-                raise StateError(f"segment {i} of the loader state has {seg['batches']} batches per rank where "
-                                 f"this dataset and config give {want}: found a state from another dataset or config")
+                raise StateError(
+                    f"segment {i} of the loader state has {seg['batches']} batches per rank where "
+                    f"this dataset and config give {want}: found a state from another dataset or config"
+                )
 
     def _batch_ids(self, layout0: DataLayout, epoch: int, d0: np.ndarray, b0: np.ndarray) -> list[np.ndarray]:
         firsts = np.cumsum([0, *layout0.group_sizes])
@@ -247,8 +254,10 @@ class Planner:
         for where, got, counts, got_lengths in pieces:
             dest = gather_runs(np.arange(ids.size, dtype=np.int64), offsets[where], counts)
             ids[dest], lengths[dest] = got, got_lengths
-        leftover = sum(_redeal(segments[i - 1], segment_layout(segments[i - 1]), segment_layout(segments[i]))[1]
-                       for i in range(1, j + 1))
+        leftover = sum(
+            _redeal(segments[i - 1], segment_layout(segments[i - 1]), segment_layout(segments[i]))[1]
+            for i in range(1, j + 1)
+        )
         remainder = None
         if j == 0:
             g, _ = layout0.group_of(dp_rank)

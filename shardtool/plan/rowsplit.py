@@ -5,6 +5,7 @@ ranks) must still hand every batch at least one real token, without dropping any
 are cut into near-equal parts, at token positions (a cut may fall inside a document, as ``concat``
 cuts documents anyway). Rare, and small when it happens, so plain Python is fine.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -50,8 +51,7 @@ def split_rows(rows: Rows, target: int) -> Rows:
     split_docs = rows.split_docs
     for r, p in enumerate(_parts(row_tokens, target)):
         lo, hi = int(rows.row_offsets[r]), int(rows.row_offsets[r + 1])
-        spans = list(zip(rows.span_pos[lo:hi].tolist(), rows.span_start[lo:hi].tolist(),
-                         rows.span_len[lo:hi].tolist()))
+        spans = list(zip(rows.span_pos[lo:hi].tolist(), rows.span_start[lo:hi].tolist(), rows.span_len[lo:hi].tolist()))
         cuts = [row_tokens[r] * i // p for i in range(p + 1)]  # part i: row tokens [cuts[i], cuts[i + 1])
         for a, b in zip(cuts[:-1], cuts[1:]):
             seen = 0
@@ -66,5 +66,9 @@ def split_rows(rows: Rows, target: int) -> Rows:
         ends = np.cumsum([count for _, _, count in spans]).tolist()
         inside = [c for c in cuts[1:-1] if c not in set(ends)]  # cuts that fall within a span
         split_docs += len(set(np.searchsorted(ends, inside, side="right").tolist()))
-    return Rows(rows.seq_len, *(np.asarray(v, dtype=np.int64) for v in (offsets, pos, start, length)),  # type: ignore[call-arg, arg-type]  # mypy cannot count a starred generator's fields
-                rows.dropped, split_docs)
+    return Rows(
+        rows.seq_len,
+        *(np.asarray(v, dtype=np.int64) for v in (offsets, pos, start, length)),  # type: ignore[call-arg, arg-type]  # mypy cannot count a starred generator's fields
+        rows.dropped,
+        split_docs,
+    )

@@ -12,6 +12,7 @@ for its last one. The estimate only chooses the per-rank count; each group then 
 batches to it (splitting, or dropping a rotating remainder), so a wrong estimate can never break
 equal counts — it shows as a larger remainder, which `shardtool plan` reports.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,8 +56,9 @@ def group_histograms(summaries: ShardSummaries, cuts: np.ndarray) -> tuple[np.nd
         return zero, zero, zero
     offsets = np.concatenate([[0], np.cumsum(summaries.samples)]).astype(np.int64)
     shard = np.clip(np.searchsorted(offsets, cuts, side="right") - 1, 0, summaries.num_shards - 1)
-    frac = np.divide(cuts - offsets[shard], summaries.samples[shard], out=np.zeros(len(cuts)),
-                     where=summaries.samples[shard] > 0)[:, None]
+    frac = np.divide(
+        cuts - offsets[shard], summaries.samples[shard], out=np.zeros(len(cuts)), where=summaries.samples[shard] > 0
+    )[:, None]
     token_frac = _token_fractions(summaries, cuts, shard, offsets, frac[:, 0])[:, None]
     edges = np.unique(np.concatenate([[0], shard]))  # the shards where a cut falls, and 0
     out = []
@@ -69,8 +71,9 @@ def group_histograms(summaries: ShardSummaries, cuts: np.ndarray) -> tuple[np.nd
     return out[0], out[1], out[2]
 
 
-def _token_fractions(summaries: ShardSummaries, cuts: np.ndarray, shard: np.ndarray, offsets: np.ndarray,
-                     frac: np.ndarray) -> np.ndarray:
+def _token_fractions(
+    summaries: ShardSummaries, cuts: np.ndarray, shard: np.ndarray, offsets: np.ndarray, frac: np.ndarray
+) -> np.ndarray:
     """Per cut, the share of its shard's tokens before it: exact where the cut is a point of the
     shard's sketch (every cut of a dataset packed with one), else the share of its samples."""
     out = frac.copy()
@@ -101,8 +104,9 @@ def _bin_support(bins: int, points: int = 128) -> tuple[np.ndarray, np.ndarray]:
     return grid, span
 
 
-def _inverse_capacity(mean: np.ndarray, variance: np.ndarray, share: np.ndarray, window: float,
-                      budget: int) -> np.ndarray:
+def _inverse_capacity(
+    mean: np.ndarray, variance: np.ndarray, share: np.ndarray, window: float, budget: int
+) -> np.ndarray:
     """Per bin, the expected batches per sample: 1 / floor(budget / L_open) over its lengths.
 
     Within a bin (an octave) lengths follow an exponential tilt whose mean is the bin's mean (the
@@ -143,14 +147,16 @@ def _inverse_capacity(mean: np.ndarray, variance: np.ndarray, share: np.ndarray,
     spread = (w * (1.0 / np.maximum(budget // np.maximum(np.floor(opener), 1), 1))).sum(axis=1) / norm[:, 0]
     tilt_mean = (w * grid).sum(axis=1) / norm[:, 0]
     tilt_variance = (w * (grid - tilt_mean[:, None]) ** 2).sum(axis=1) / norm[:, 0]
-    point = np.clip(1.0 - np.divide(variance, tilt_variance, out=np.ones_like(variance), where=tilt_variance > 0),
-                    0.0, 1.0)
+    point = np.clip(
+        1.0 - np.divide(variance, tilt_variance, out=np.ones_like(variance), where=tilt_variance > 0), 0.0, 1.0
+    )
     at_mean = 1.0 / np.maximum(budget // np.maximum(np.round(mean), 1), 1)
     return point * at_mean + (1.0 - point) * spread
 
 
-def _estimate_batches(count: np.ndarray, tokens: np.ndarray, squares: np.ndarray, samples: np.ndarray,
-                      batching: Batching, window: int) -> np.ndarray:
+def _estimate_batches(
+    count: np.ndarray, tokens: np.ndarray, squares: np.ndarray, samples: np.ndarray, batching: Batching, window: int
+) -> np.ndarray:
     windows = -(-samples // window)
     if batching.packing is not None:
         return _estimate_packed(count, tokens, samples, windows, batching)
@@ -159,8 +165,9 @@ def _estimate_batches(count: np.ndarray, tokens: np.ndarray, squares: np.ndarray
     budget = batching.max_tokens
     total_count, total_tokens, total_squares = count.sum(axis=0), tokens.sum(axis=0), squares.sum(axis=0)
     mean = np.divide(total_tokens, total_count, out=np.zeros_like(total_tokens), where=total_count > 0)
-    variance = np.maximum(np.divide(total_squares, total_count, out=np.zeros_like(total_squares),
-                                    where=total_count > 0) - mean ** 2, 0.0)
+    variance = np.maximum(
+        np.divide(total_squares, total_count, out=np.zeros_like(total_squares), where=total_count > 0) - mean**2, 0.0
+    )
     if not batching.bucketing:
         # In dataset order a batch is padded to its longest sample, which soon comes from the
         # dataset's longest lengths: count every sample at the capacity of the top bin.
@@ -172,8 +179,9 @@ def _estimate_batches(count: np.ndarray, tokens: np.ndarray, squares: np.ndarray
     return count @ _inverse_capacity(mean, variance, share, sorted_together, budget) + 0.5 * windows
 
 
-def _estimate_packed(count: np.ndarray, tokens: np.ndarray, samples: np.ndarray, windows: np.ndarray,
-                     batching: Batching) -> np.ndarray:
+def _estimate_packed(
+    count: np.ndarray, tokens: np.ndarray, samples: np.ndarray, windows: np.ndarray, batching: Batching
+) -> np.ndarray:
     """Batches of packed rows: each group's rows (`rows_estimate`, from its token and document
     counts) over rows per batch. For no-split, the documents longer than a row are left out,
     counted from the histogram (a bin straddling the row length pro rata)."""
@@ -195,8 +203,14 @@ def _estimate_packed(count: np.ndarray, tokens: np.ndarray, samples: np.ndarray,
             long_tokens = int(round(float((tokens[g] * over).sum())))
             too_long = (min(docs, int(samples[g])), min(long_tokens, int(round(float(tokens[g].sum())))))
         short = (float((count[g] * below).sum()), float((tokens[g] * below).sum()))
-        rows = rows_estimate(int(round(float(tokens[g].sum()))), int(samples[g]), packing,
-                             windows=max(int(windows[g]), 1), too_long=too_long, short=short)
+        rows = rows_estimate(
+            int(round(float(tokens[g].sum()))),
+            int(samples[g]),
+            packing,
+            windows=max(int(windows[g]), 1),
+            too_long=too_long,
+            short=short,
+        )
         out[g] = rows / batching.batch_size
     return out
 
@@ -217,7 +231,8 @@ def plan_shape(summaries: ShardSummaries, data_layout: DataLayout, batching: Bat
         raise ValueError(
             f"shard #{shard} holds a sample of length {int(summaries.longest[shard])}, more than "
             f"max_tokens={batching.max_tokens} ({int((summaries.longest > batching.max_tokens).sum())} shard(s) "
-            "hold such samples); raise max_tokens or filter these samples out")
+            "hold such samples); raise max_tokens or filter these samples out"
+        )
     cuts = group_cuts(summaries, data_layout.group_sizes)
     samples = np.diff(cuts)
     count, tokens, squares = group_histograms(summaries, cuts)
@@ -227,12 +242,16 @@ def plan_shape(summaries: ShardSummaries, data_layout: DataLayout, batching: Bat
     batches = _estimate_batches(count, tokens, squares, samples, batching, window)
     sizes = np.asarray(data_layout.group_sizes, dtype=np.int64)
     max_drop = MAX_DROP if batching.drops(data_layout.dp_size) else 0.0
-    n = batches_per_rank(batches, tokens.sum(axis=1), _capacity(tokens, samples, batching), sizes,
-                         max_drop) if total else 0
+    n = (
+        batches_per_rank(batches, tokens.sum(axis=1), _capacity(tokens, samples, batching), sizes, max_drop)
+        if total
+        else 0
+    )
     if n == 0:
         small = int(np.argmin(samples / sizes)) if samples.size else 0
         raise ValueError(
             f"dataset too small for this layout: {total} samples cannot give each of {data_layout.dp_size} "
             f"data-parallel ranks a batch ({data_layout.describe()}); data group {small} holds "
-            f"{int(samples[small]) if samples.size else 0} samples for {int(sizes[small])} ranks")
+            f"{int(samples[small]) if samples.size else 0} samples for {int(sizes[small])} ranks"
+        )
     return PlanShape(data_layout, batching, cuts, window, n, samples, tokens.sum(axis=1), batches)

@@ -3,6 +3,7 @@
 A training rank never does this (it plans its own group); a simulation plans every group, one
 at a time so memory stays one group's, optionally in several processes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -87,8 +88,9 @@ def _stats(source: PlanSource, shape: PlanShape, group: int, epoch: int) -> Grou
         padded = int((longest * sizes).sum())
     n = plan.batches_per_rank
     per_rank = tuple(int(plan.offsets[(j + 1) * n] - plan.offsets[j * n]) for j in range(plan.size))
-    return GroupStats(group, int(plan.lengths.size), int(plan.lengths.sum()), int(plan.ids.size), int(lengths.sum()),
-                      padded, per_rank)
+    return GroupStats(
+        group, int(plan.lengths.size), int(plan.lengths.sum()), int(plan.ids.size), int(lengths.sum()), padded, per_rank
+    )
 
 
 # What forked simulation workers plan: set before the pool forks, so they inherit the source (a
@@ -104,9 +106,17 @@ def _packed_stats(plan, shape: PlanShape) -> GroupStats:
     served = rows.tokens
     n, k = plan.batches_per_rank, plan.size
     per_rank = tuple(int(plan.row_offsets[(j + 1) * n] - plan.row_offsets[j * n]) for j in range(k))
-    return GroupStats(plan.group, int(plan.lengths.size), served + left.tokens, int(np.unique(rows.span_pos).size),
-                      served, k * n * per_batch * packing.seq_len, per_rank, split_docs=rows.split_docs + left.split_docs,
-                      dropped_docs=int(rows.dropped.size + left.dropped.size))
+    return GroupStats(
+        plan.group,
+        int(plan.lengths.size),
+        served + left.tokens,
+        int(np.unique(rows.span_pos).size),
+        served,
+        k * n * per_batch * packing.seq_len,
+        per_rank,
+        split_docs=rows.split_docs + left.split_docs,
+        dropped_docs=int(rows.dropped.size + left.dropped.size),
+    )
 
 
 def _forked_stats(group: int) -> GroupStats:
@@ -114,8 +124,9 @@ def _forked_stats(group: int) -> GroupStats:
     return _stats(source, shape, group, epoch)
 
 
-def simulate_epoch(source: PlanSource, layout: DataLayout, batching: Batching, epoch: int = 0, *,
-                   processes: int = 1) -> Simulation:
+def simulate_epoch(
+    source: PlanSource, layout: DataLayout, batching: Batching, epoch: int = 0, *, processes: int = 1
+) -> Simulation:
     global _FORKED
     shape = plan_shape(source.summaries, layout, batching)
     groups = list(range(layout.num_groups))

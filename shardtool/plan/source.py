@@ -7,6 +7,7 @@ small tools; `shardtool.plan.synthetic.SyntheticSource` makes lengths up shard b
 planner calls ``lengths_range`` only for the ranges it plans — its own group's — which is what
 keeps a rank's cost proportional to its share of the data.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -47,8 +48,7 @@ def as_shard_counts(shard_counts, num_samples: int) -> np.ndarray:
         raise ValueError(f"shard_counts must be >= 0, found {counts.min()}")
     if int(counts.sum()) != num_samples:
         raise ValueError(
-            f"shard_counts must add up to the number of lengths: found {int(counts.sum())}, "
-            f"expected {num_samples}"
+            f"shard_counts must add up to the number of lengths: found {int(counts.sum())}, expected {num_samples}"
         )
     return counts
 

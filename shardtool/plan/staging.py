@@ -7,6 +7,7 @@ index at which it is first read), sorted by step, ties by shard id. Steps are ba
 epoch (a resumed pass starts at its first unserved batch): every rank of a DDP job is at the same
 step, so the ranks' orders merge by step.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -18,7 +19,7 @@ import numpy as np
 @dataclass(frozen=True)
 class TouchOrder:
     shards: np.ndarray  # int64, each shard once, in the order first read
-    steps: np.ndarray   # int64, non-decreasing: the batch index of that first read
+    steps: np.ndarray  # int64, non-decreasing: the batch index of that first read
 
     def __len__(self) -> int:
         return int(self.shards.size)
@@ -67,8 +68,17 @@ def merge_orders(orders: Iterable[TouchOrder]) -> TouchOrder:
     return _sorted(np.concatenate([o.shards for o in orders]), np.concatenate([o.steps for o in orders]))
 
 
-def next_fetches(order: TouchOrder, sizes: Sequence[int] | np.ndarray, *, slowest_step: int, present: set[int],
-                 busy: set[int], ahead_shards: int, ahead_bytes: int | None = None, slots: int = 1) -> list[int]:
+def next_fetches(
+    order: TouchOrder,
+    sizes: Sequence[int] | np.ndarray,
+    *,
+    slowest_step: int,
+    present: set[int],
+    busy: set[int],
+    ahead_shards: int,
+    ahead_bytes: int | None = None,
+    slots: int = 1,
+) -> list[int]:
     """The shards to start fetching now, at most ``slots``, most urgent first.
 
     ``slowest_step`` is the batch the slowest reader needs next (its count of batches served).
@@ -91,8 +101,14 @@ def next_fetches(order: TouchOrder, sizes: Sequence[int] | np.ndarray, *, slowes
     return picks
 
 
-def window_end(order: TouchOrder, sizes: Sequence[int] | np.ndarray, *, slowest_step: int, ahead_shards: int,
-               ahead_bytes: int | None = None) -> int:
+def window_end(
+    order: TouchOrder,
+    sizes: Sequence[int] | np.ndarray,
+    *,
+    slowest_step: int,
+    ahead_shards: int,
+    ahead_bytes: int | None = None,
+) -> int:
     """How many leading entries of ``order`` the window of `next_fetches` spans."""
     if ahead_shards < 1:
         raise ValueError(f"ahead_shards must be >= 1, found {ahead_shards}")

@@ -57,8 +57,13 @@ def segment_layout(segment: Mapping[str, Any]) -> DataLayout:
 
 def _v1_fingerprint(batching: Batching) -> str:
     """The batching fingerprint the previous release (plan version 1) gave this config."""
-    fields = {"batch_size": batching.batch_size, "max_tokens": batching.max_tokens, "shuffle": batching.shuffle,
-              "seed": batching.seed, "window": batching.window}
+    fields = {
+        "batch_size": batching.batch_size,
+        "max_tokens": batching.max_tokens,
+        "shuffle": batching.shuffle,
+        "seed": batching.seed,
+        "window": batching.window,
+    }
     canonical = json.dumps({"plan_version": 1, **fields}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -76,8 +81,9 @@ class LoaderState:
     about: dict[str, Any] | None = None
 
     @classmethod
-    def start(cls, epoch: int, dataset_fingerprint: str, batching: Batching, layout: DataLayout,
-              batches: int) -> LoaderState:
+    def start(
+        cls, epoch: int, dataset_fingerprint: str, batching: Batching, layout: DataLayout, batches: int
+    ) -> LoaderState:
         """The state before the first batch of ``epoch`` on ``layout`` (``batches`` per DP rank)."""
         return cls(epoch, dataset_fingerprint, batching.fingerprint(), [_segment(layout.identity(), batches, 0)])
 
@@ -107,9 +113,14 @@ class LoaderState:
         return new
 
     def copy(self) -> LoaderState:
-        return LoaderState(self.epoch, self.dataset_fingerprint, self.batching_fingerprint,
-                           [dict(s, groups=[list(g) for g in s["groups"]]) for s in self.segments], self.version,
-                           self.about)
+        return LoaderState(
+            self.epoch,
+            self.dataset_fingerprint,
+            self.batching_fingerprint,
+            [dict(s, groups=[list(g) for g in s["groups"]]) for s in self.segments],
+            self.version,
+            self.about,
+        )
 
     def described(self, about: Mapping[str, Any] | None) -> LoaderState:
         """This state with ``about`` (`shardtool.plan.about.describe`) as its description."""
@@ -140,8 +151,9 @@ class LoaderState:
             return cls._from_v1(data, batching)
         expected = {"version", "epoch", "dataset_fingerprint", "batching_fingerprint", "segments"}
         if set(data) - {"about"} != expected:  # "about": optional, states from before it lack it
-            raise StateError(f"loader state keys: found {sorted(data)}, expected {sorted(expected)} "
-                             "and optionally 'about'")
+            raise StateError(
+                f"loader state keys: found {sorted(data)}, expected {sorted(expected)} and optionally 'about'"
+            )
         if data["version"] != STATE_VERSION:
             raise StateError(f"unsupported loader state version: found {data['version']!r}, expected {STATE_VERSION}")
         epoch = _int("epoch", data["epoch"], 0)
@@ -156,8 +168,14 @@ class LoaderState:
             if not isinstance(seg, Mapping) or set(seg) != _SEGMENT_KEYS:
                 raise StateError(f"loader state segment: found {seg!r}, expected keys {sorted(_SEGMENT_KEYS)}")
             parsed.append(_segment(seg, seg["batches"], seg["served"]))
-        return cls(epoch, data["dataset_fingerprint"], data["batching_fingerprint"], parsed, STATE_VERSION,
-                   parse_about(data.get("about")))
+        return cls(
+            epoch,
+            data["dataset_fingerprint"],
+            data["batching_fingerprint"],
+            parsed,
+            STATE_VERSION,
+            parse_about(data.get("about")),
+        )
 
     @classmethod
     def _from_v1(cls, data: Mapping[str, Any], batching: Batching | None) -> LoaderState:
@@ -170,14 +188,22 @@ class LoaderState:
                 "(version 1) ordered batches differently from this release's, so that position cannot be "
                 "carried over exactly. Finish the epoch with shardtool 0.1, or start epoch "
                 f"{epoch!r} afresh here with loader.set_epoch({epoch!r}) (its samples served before the "
-                "checkpoint are then seen again)")
+                "checkpoint are then seen again)"
+            )
         if batching is not None and data.get("batching_fingerprint") != _v1_fingerprint(batching):
-            raise StateError("loader state was saved with another batching config: found fingerprint "
-                             f"{data.get('batching_fingerprint')!r}, expected {_v1_fingerprint(batching)!r} for "
-                             f"{batching} (as shardtool 0.1 computed it)")
+            raise StateError(
+                "loader state was saved with another batching config: found fingerprint "
+                f"{data.get('batching_fingerprint')!r}, expected {_v1_fingerprint(batching)!r} for "
+                f"{batching} (as shardtool 0.1 computed it)"
+            )
         # No segment: the start of the epoch, on whatever layout loads it.
-        return cls(_int("epoch", epoch, 0), str(data.get("dataset_fingerprint")),
-                   batching.fingerprint() if batching is not None else "", [], STATE_VERSION)
+        return cls(
+            _int("epoch", epoch, 0),
+            str(data.get("dataset_fingerprint")),
+            batching.fingerprint() if batching is not None else "",
+            [],
+            STATE_VERSION,
+        )
 
 
 def parse_about(value: Any) -> dict[str, Any] | None:
@@ -192,14 +218,15 @@ def parse_about(value: Any) -> dict[str, Any] | None:
         raise StateError(f"loader state 'about' is not JSON ({e})") from None
 
 
-def check_compatible(state: LoaderState, dataset_fingerprint: str, batching: Batching,
-                     about: Mapping[str, Any] | None = None) -> None:
+def check_compatible(
+    state: LoaderState, dataset_fingerprint: str, batching: Batching, about: Mapping[str, Any] | None = None
+) -> None:
     """Refuse a state saved for another dataset or batching config; ``about`` (this loader's
     description, `shardtool.plan.about.describe`) lets the message name both sides."""
     expected = about or {"batching": batching.describe()}
     if state.dataset_fingerprint != dataset_fingerprint:
-        raise StateError(_about.dataset_mismatch(state.about, state.dataset_fingerprint, expected,
-                                                 dataset_fingerprint))
+        raise StateError(_about.dataset_mismatch(state.about, state.dataset_fingerprint, expected, dataset_fingerprint))
     if state.batching_fingerprint != batching.fingerprint():
-        raise StateError(_about.batching_mismatch(state.about, state.batching_fingerprint, expected,
-                                                  batching.fingerprint()))
+        raise StateError(
+            _about.batching_mismatch(state.about, state.batching_fingerprint, expected, batching.fingerprint())
+        )

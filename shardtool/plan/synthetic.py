@@ -6,6 +6,7 @@ Text lengths in tokens are close to lognormal; the default (median 350, sigma 0.
 of 65,536 lognormal quantiles (a uint16 per sample, then a lookup), several times cheaper than
 exp(normal): `SyntheticSource` makes up a billion lengths, shard by shard, in seconds.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,12 +33,21 @@ def _quantiles(median: float, sigma: float, low: int, high: int) -> np.ndarray:
     return np.clip(np.round(median * np.exp(sigma * z)), low, high).astype(np.int64)
 
 
-def lognormal_lengths(n: int, *, seed: int | np.random.Generator = 0, median: float = MEDIAN,
-                      sigma: float = SIGMA, low: int = 1, high: int = MAX_LENGTH) -> np.ndarray:
+def lognormal_lengths(
+    n: int,
+    *,
+    seed: int | np.random.Generator = 0,
+    median: float = MEDIAN,
+    sigma: float = SIGMA,
+    low: int = 1,
+    high: int = MAX_LENGTH,
+) -> np.ndarray:
     """``n`` int64 lengths, lognormal around ``median``, clipped to ``[low, high]``; deterministic
     from ``seed`` (an int, hashed by numpy's SeedSequence, or a Generator to draw from)."""
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-    return _quantiles(float(median), float(sigma), int(low), int(high))[rng.integers(0, _LEVELS, int(n), dtype=np.uint16)]
+    return _quantiles(float(median), float(sigma), int(low), int(high))[
+        rng.integers(0, _LEVELS, int(n), dtype=np.uint16)
+    ]
 
 
 class SyntheticSource:
@@ -46,8 +56,17 @@ class SyntheticSource:
 
     CHUNK = 256  # shards whose summaries are computed in one vectorised pass
 
-    def __init__(self, n: int, *, samples_per_shard: int = 10_000, seed: int = 0, median: float = MEDIAN,
-                 sigma: float = SIGMA, high: int = MAX_LENGTH, processes: int = 1):
+    def __init__(
+        self,
+        n: int,
+        *,
+        samples_per_shard: int = 10_000,
+        seed: int = 0,
+        median: float = MEDIAN,
+        sigma: float = SIGMA,
+        high: int = MAX_LENGTH,
+        processes: int = 1,
+    ):
         self.n = int(n)
         self.per_shard = int(samples_per_shard)
         self.seed = seed
@@ -82,8 +101,13 @@ class SyntheticSource:
                     parts = pool.map(self._chunk, firsts)
             else:
                 parts = [self._chunk(f) for f in firsts]
-            self._summaries = ShardSummaries.concat(parts) if parts else ShardSummaries.from_lengths(
-                np.zeros(0, np.int64), self.shard_counts, sketch_cells(len(self.shard_counts)))
+            self._summaries = (
+                ShardSummaries.concat(parts)
+                if parts
+                else ShardSummaries.from_lengths(
+                    np.zeros(0, np.int64), self.shard_counts, sketch_cells(len(self.shard_counts))
+                )
+            )
         return self._summaries
 
     def lengths_range(self, lo: int, hi: int) -> np.ndarray:

@@ -1,4 +1,5 @@
 """Node assignment through the planner's pure function (node placement is tested in test_env.py)."""
+
 import numpy as np
 import pytest
 from hypothesis import given, settings

@@ -6,6 +6,7 @@ for its lock used to wait for good: the other rank's worker fetched the shard an
 its lock as a reader while its shard was open, and that rank then waited for this one at the
 next collective. Every run must finish, with the batches of an uncached read.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,10 +31,30 @@ RUNS = 5
 def torchrun(url: str, cache_dir: str, out: str, *, latency: float, timeout: float):
     os.makedirs(out, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", WORKER, "--data", url, "--cache-dir", cache_dir,
-           "--out", out, "--latency", str(latency), "--max-steps", str(STEPS), "--num-workers", "2",
-           "--collective-timeout", "20"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        WORKER,
+        "--data",
+        url,
+        "--cache-dir",
+        cache_dir,
+        "--out",
+        out,
+        "--latency",
+        str(latency),
+        "--max-steps",
+        str(STEPS),
+        "--num-workers",
+        "2",
+        "--collective-timeout",
+        "20",
+    ]
     try:
         return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as e:  # subprocess.run killed torchrun; its ranks die with it
@@ -45,8 +66,12 @@ def test_two_ranks_with_two_workers_each_fill_an_empty_cache_without_deadlock(tm
     # Few large-ish shards, so that both ranks' workers want the same shard at the first steps.
     lengths = np.random.default_rng(0).integers(200, 1500, size=4 * 150)
     src, _ = write_dataset(str(tmp_path / "src"), [150] * 4, lengths=lengths, extra=False)
-    expected = [read_all(ShardedLoader(src, max_tokens=2048, seed=0, rank=r, world_size=2, ranks_per_node=2,
-                                       num_workers=0))[:STEPS] for r in range(2)]
+    expected = [
+        read_all(ShardedLoader(src, max_tokens=2048, seed=0, rank=r, world_size=2, ranks_per_node=2, num_workers=0))[
+            :STEPS
+        ]
+        for r in range(2)
+    ]
     # A source slow per request (as object storage is) keeps each fetch in flight long enough for
     # the other rank's workers to miss the same shard and wait for its lock.
     url = "faulty://" + src

@@ -4,6 +4,7 @@ A machine crash cannot be staged in a test; what it leaves behind can: a shard w
 lost while its stamp (written in the earlier boot) still matches the file's stat. These tests
 write exactly that state to real files and check that nothing reads the lost bytes.
 """
+
 import json
 import os
 
@@ -35,8 +36,14 @@ def stamp(vd, i):
 def restamp(vd, i, **fields):
     """Rewrite shard i's stamp to the file's current stat, with ``fields`` changed."""
     st = os.stat(vd.path(open_dataset(vd.root).manifest.shards[i].path))
-    body = {**stamp(vd, i), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
-            "ino": st.st_ino, **fields}
+    body = {
+        **stamp(vd, i),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "ino": st.st_ino,
+        **fields,
+    }
     with open(vd.stamp_path(i), "w") as f:
         json.dump(body, f)
 

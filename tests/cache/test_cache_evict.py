@@ -1,13 +1,23 @@
 """The eviction decision is a pure function: property-tested directly."""
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardtool.cache.evict import Entry, choose_fit, effective_limit, eviction_order, plan_eviction
 
 entries_st = st.lists(
-    st.builds(Entry, key=st.integers(0, 10_000), size=st.integers(0, 1000), assigned=st.booleans(),
-              last_used=st.floats(0, 1e6, allow_nan=False), in_use=st.booleans(), protected=st.booleans()),
-    max_size=30, unique_by=lambda e: e.key)
+    st.builds(
+        Entry,
+        key=st.integers(0, 10_000),
+        size=st.integers(0, 1000),
+        assigned=st.booleans(),
+        last_used=st.floats(0, 1e6, allow_nan=False),
+        in_use=st.booleans(),
+        protected=st.booleans(),
+    ),
+    max_size=30,
+    unique_by=lambda e: e.key,
+)
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,4 +1,5 @@
 """cache/kcopy.py: the in-kernel copy of a local shard, each method and the fallbacks between them."""
+
 import os
 
 import pytest
@@ -50,8 +51,9 @@ def test_across_filesystems_falls_back_and_copies_exactly(tmp_path):
     # /dev/shm is a tmpfs: copy_file_range between it and the test's disk is refused by most
     # kernels (EXDEV), as between Lustre/GPFS and a node's NVMe; the next method must take over.
     shm = "/dev/shm"
-    require(os.path.isdir(shm) and os.stat(shm).st_dev != os.stat(str(tmp_path)).st_dev,
-            "no second filesystem at /dev/shm")
+    require(
+        os.path.isdir(shm) and os.stat(shm).st_dev != os.stat(str(tmp_path)).st_dev, "no second filesystem at /dev/shm"
+    )
     d = os.path.join(shm, f"kcopy-test-{os.getpid()}")
     os.makedirs(d, exist_ok=True)
     data = os.urandom(3 << 20)

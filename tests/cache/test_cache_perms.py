@@ -5,6 +5,7 @@ tightest umask a prolog may have; the loader then runs as uid 65534 in a forked 
 source reachable and with it gone. Reading must need no write access to the cache; a shard the
 cache lacks is fetched into the user's own fallback cache, with one warning.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -37,8 +38,9 @@ preload("shardtool.cache.admin", "fsspec.implementations.local", "shardtool.form
 def _loader(url, cache_dir, rank):
     # No workers: a worker start method other than fork would exec the interpreter as the other
     # user, who may not be allowed to (the cold-cache tests cover workers).
-    return ShardedLoader(url, max_tokens=256, seed=3, rank=rank, world_size=4, ranks_per_node=2, num_workers=0,
-                         cache_dir=cache_dir)
+    return ShardedLoader(
+        url, max_tokens=256, seed=3, rank=rank, world_size=4, ranks_per_node=2, num_workers=0, cache_dir=cache_dir
+    )
 
 
 def _snapshot(root):
@@ -99,8 +101,15 @@ def site():
         ds = open_dataset(src)
         node0 = set(shards_for_node(ds.summaries, DataLayout.pure_dp(Layout(2, 1)), 0))
         expected = {r: read_all(_loader(src, None, r)) for r in range(4)}
-        yield {"base": base, "src": src, "cache": cache_dir, "tmp": tmp, "node0": node0, "expected": expected,
-               "num_shards": len(SHARDS)}
+        yield {
+            "base": base,
+            "src": src,
+            "cache": cache_dir,
+            "tmp": tmp,
+            "node0": node0,
+            "expected": expected,
+            "num_shards": len(SHARDS),
+        }
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -209,6 +218,7 @@ def _perms_for(mode, group):
     import argparse
 
     from shardtool.cli.cmd_warm import perms_from
+
     try:
         return perms_from(argparse.Namespace(mode=mode, group=group))
     except ValueError as e:

@@ -1,5 +1,6 @@
 """Compressed Arrow shards enter the node cache plain (cache/plain.py): verified as stored,
 decompressed once under the shard's lock, trusted by the plain file's own recorded hash."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,15 @@ FAST = RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.05, attempt_timeout=
 
 def _rows(n: int = 3000, seed: int = 5) -> list[dict]:
     rng = np.random.default_rng(seed)
-    return [{"tokens": rng.integers(0, 300, int(rng.integers(1, 160))).astype(np.int32), "n": i,
-             "text": f"doc {i} " * (i % 7), "meta": {"i": i}} for i in range(n)]
+    return [
+        {
+            "tokens": rng.integers(0, 300, int(rng.integers(1, 160))).astype(np.int32),
+            "n": i,
+            "text": f"doc {i} " * (i % 7),
+            "meta": {"i": i},
+        }
+        for i in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +100,9 @@ def test_warmed_compressed_dataset_reads_like_plain_with_the_source_gone(packed,
     dc = open_cache(src, cdir)
     assert all(dc.is_cached(i) and dc.is_plain(i) for i in range(dc.dataset.num_shards))
     assert not dc.dataset.shard_compressed(0)
-    assert [dc.dataset.read(s, 3)["n"] for s in range(dc.dataset.num_shards)] == \
-        [shardtool.open_dataset(packed[None]).read(s, 3)["n"] for s in range(dc.dataset.num_shards)]
+    assert [dc.dataset.read(s, 3)["n"] for s in range(dc.dataset.num_shards)] == [
+        shardtool.open_dataset(packed[None]).read(s, 3)["n"] for s in range(dc.dataset.num_shards)
+    ]
     assert admin.verify(cdir) == {"ok": dc.dataset.num_shards, "bad": [], "busy": [], "metadata_bad": []}
 
 
@@ -180,8 +189,10 @@ def test_the_budget_counts_plain_bytes(packed, tmp_path):
     between = (stored + plain) // 2
     r = warm(src, str(tmp_path / "a"), all_shards=True, max_bytes=between, progress=False)
     assert r.status == "local_fault" and "short by" in r.error
-    assert warm(src, str(tmp_path / "b"), all_shards=True, max_bytes=between, keep_compressed=True,
-                progress=False).status == "ok"
+    assert (
+        warm(src, str(tmp_path / "b"), all_shards=True, max_bytes=between, keep_compressed=True, progress=False).status
+        == "ok"
+    )
     be = warm(src, str(tmp_path / "c"), all_shards=True, max_bytes=between, best_effort=True, progress=False)
     assert be.status == "partial" and be.not_fitted
     assert sum(_plain_sizes_present(be)) <= between
@@ -195,8 +206,9 @@ def test_the_budget_counts_plain_bytes(packed, tmp_path):
 
 
 def _plain_sizes_present(report):
-    return _plain_sizes_present_dir(VersionDir(report.cache_dir, report.version),
-                                    shardtool.open_dataset(report.version_dir).manifest)
+    return _plain_sizes_present_dir(
+        VersionDir(report.cache_dir, report.version), shardtool.open_dataset(report.version_dir).manifest
+    )
 
 
 def _plain_sizes_present_dir(vd, m):
@@ -231,9 +243,16 @@ def test_concurrent_decompression_by_warmers_and_a_loader_yields_one_good_file(t
     assert len(m.shards) >= 3
     cdir, go = str(tmp_path / "cache"), str(tmp_path / "go")
     env = repo_env()
-    procs = [subprocess.Popen([sys.executable, "-c", RACER, kind, src, cdir, go], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env)
-             for kind in ("warm", "warm", "load", "load")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, kind, src, cdir, go],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for kind in ("warm", "warm", "load", "load")
+    ]
     time.sleep(2.0)  # every process imported and waiting
     open(go, "w").close()
     outs = []
@@ -256,8 +275,14 @@ def test_real_text_compressed_through_the_cache(tmp_path):
     files = stdlib_files(400)
     rows = [{"tokens": byte_ids(p), "path": os.path.relpath(p)} for p in files]
     for comp in (None, "zstd"):
-        shardtool.pack(rows, str(tmp_path / (comp or "plain")), format="arrow", length="tokens",
-                       shard_size=1_000_000, compression=comp)
+        shardtool.pack(
+            rows,
+            str(tmp_path / (comp or "plain")),
+            format="arrow",
+            length="tokens",
+            shard_size=1_000_000,
+            compression=comp,
+        )
     src = str(tmp_path / "zstd")
     cdir = str(tmp_path / "cache")
     r = warm(src, cdir, all_shards=True, jobs=2, progress=False)
@@ -265,8 +290,10 @@ def test_real_text_compressed_through_the_cache(tmp_path):
     kw = dict(batch_size=4, seq_len=4096, seed=0, rank=0, world_size=1)
 
     def epoch(url, workers=0, **more):
-        return [{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
-                for b in ShardedLoader(url, num_workers=workers, **kw, **more)]
+        return [
+            {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
+            for b in ShardedLoader(url, num_workers=workers, **kw, **more)
+        ]
 
     want = epoch(str(tmp_path / "plain"))
     assert want and epoch(src, 2) == want  # read in place, compressed
@@ -297,8 +324,9 @@ def _epoch(url, workers=0, seed=4, **kw):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("shape", [dict(max_tokens=2048), dict(batch_size=8, seq_len=256),
-                                   dict(batch_size=16, pad_id=2**40)])
+@pytest.mark.parametrize(
+    "shape", [dict(max_tokens=2048), dict(batch_size=8, seq_len=256), dict(batch_size=16, pad_id=2**40)]
+)
 def test_compressed_read_in_place_gathers_batches_like_plain(packed, workers, shape):
     assert _epoch(packed["zstd"], workers, **shape) == _epoch(packed[None], workers, **shape)
 
@@ -340,14 +368,18 @@ def test_warm_cli_keep_compressed_and_the_json_report(packed, tmp_path):
         rep = json.loads(r.stdout)
         assert rep["compression"] == "zstd" and rep["decompressed"] is plain
         assert rep["bytes_copied"] == m.num_bytes
-        assert rep["cache_bytes_written"] == (sum(_plain_sizes_present_dir(VersionDir(cdir, rep["version"]), m))
-                                              if plain else m.num_bytes)
+        assert rep["cache_bytes_written"] == (
+            sum(_plain_sizes_present_dir(VersionDir(cdir, rep["version"]), m)) if plain else m.num_bytes
+        )
         assert rep["assigned_cache_bytes"] == (sum(s.raw_bytes for s in m.shards) if plain else m.num_bytes)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**16), size=st.sampled_from([("batch_size", 1), ("batch_size", 7), ("max_tokens", 700)]),
-       cache_bytes=st.sampled_from([1 << 16, 1 << 20, 256 << 20]))
+@given(
+    seed=st.integers(0, 2**16),
+    size=st.sampled_from([("batch_size", 1), ("batch_size", 7), ("max_tokens", 700)]),
+    cache_bytes=st.sampled_from([1 << 16, 1 << 20, 256 << 20]),
+)
 def test_compressed_in_place_batches_equal_plain_whatever_the_seed_and_the_batch_cache(packed, seed, size, cache_bytes):
     """The delivered batches never depend on how many decompressed batches a process keeps."""
     from shardtool.loader import batchcache

@@ -1,5 +1,6 @@
 """Which errors the cache retries: transient I/O errors only. A bug in our code (a TypeError, a
 NameError) must surface at once as itself, not after five tries as "source unavailable"."""
+
 from __future__ import annotations
 
 import aiohttp
@@ -24,11 +25,20 @@ def counting(exc: BaseException):
     def fn(timeout):
         calls.append(timeout)
         raise exc
+
     return fn, calls
 
 
-@pytest.mark.parametrize("exc", [TypeError("unsupported operand"), NameError("name 'x' is not defined"),
-                                 AttributeError("no attribute"), KeyError("k"), ValueError("bad value")])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        TypeError("unsupported operand"),
+        NameError("name 'x' is not defined"),
+        AttributeError("no attribute"),
+        KeyError("k"),
+        ValueError("bad value"),
+    ],
+)
 def test_a_programming_error_is_raised_as_itself_after_one_call(exc):
     fn, calls = counting(exc)
     with pytest.raises(type(exc)) as ei:
@@ -37,13 +47,17 @@ def test_a_programming_error_is_raised_as_itself_after_one_call(exc):
 
 
 TRANSIENT = [
-    ConnectionResetError("reset by peer"), ConnectionRefusedError("refused"), TimeoutError("no answer"),
-    OSError(5, "Input/output error"), fsspec.exceptions.FSTimeoutError(),
+    ConnectionResetError("reset by peer"),
+    ConnectionRefusedError("refused"),
+    TimeoutError("no answer"),
+    OSError(5, "Input/output error"),
+    fsspec.exceptions.FSTimeoutError(),
     botocore.exceptions.EndpointConnectionError(endpoint_url="http://127.0.0.1:1"),
     botocore.exceptions.ReadTimeoutError(endpoint_url="http://127.0.0.1:1"),
     botocore.exceptions.ConnectionClosedError(endpoint_url="http://127.0.0.1:1"),
     botocore.exceptions.ResponseStreamingError(error="stream cut"),
-    aiohttp.ServerDisconnectedError(), aiohttp.ClientPayloadError("payload cut"),
+    aiohttp.ServerDisconnectedError(),
+    aiohttp.ClientPayloadError("payload cut"),
 ]
 
 
@@ -56,13 +70,19 @@ def test_transient_io_errors_are_retried_up_to_the_budget(exc):
     assert len(calls) == 5
 
 
-@pytest.mark.parametrize("exc, raised", [
-    (FileNotFoundError("gone"), SourceMissing), (PermissionError("denied"), SourceRefused),
-    (IsADirectoryError("dir"), SourceRefused), (LocalFault("disk full"), LocalFault),
-    (SourceCorrupt("hash"), SourceCorrupt),
-    # a storage client's own permanent error: not retried, but still a failure of the source
-    (botocore.exceptions.NoCredentialsError(), SourceRefused),
-], ids=lambda v: v.__name__ if isinstance(v, type) else type(v).__name__)
+@pytest.mark.parametrize(
+    "exc, raised",
+    [
+        (FileNotFoundError("gone"), SourceMissing),
+        (PermissionError("denied"), SourceRefused),
+        (IsADirectoryError("dir"), SourceRefused),
+        (LocalFault("disk full"), LocalFault),
+        (SourceCorrupt("hash"), SourceCorrupt),
+        # a storage client's own permanent error: not retried, but still a failure of the source
+        (botocore.exceptions.NoCredentialsError(), SourceRefused),
+    ],
+    ids=lambda v: v.__name__ if isinstance(v, type) else type(v).__name__,
+)
 def test_permanent_errors_are_not_retried(exc, raised):
     assert not is_transient(exc)
     fn, calls = counting(exc)

@@ -1,4 +1,5 @@
 """warm(): exactly the node's shards, verified and atomic; trust, budget, retries and faults."""
+
 import os
 import subprocess
 import time
@@ -84,8 +85,16 @@ def test_stale_lock_and_temp_from_a_dead_holder_are_recovered(src, tmp_path):
     lock = vd.lock_path(0)
     os.makedirs(os.path.dirname(lock), exist_ok=True)
     # A process takes the shard's lock and leaves a temp, then dies by SIGKILL.
-    holder = subprocess.Popen(["python3", "-c", f"import fcntl,time;f=open({lock!r},'w');fcntl.flock(f,fcntl.LOCK_EX);"
-                               "print('locked',flush=True);time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            "python3",
+            "-c",
+            f"import fcntl,time;f=open({lock!r},'w');fcntl.flock(f,fcntl.LOCK_EX);"
+            "print('locked',flush=True);time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "locked"
     final = vd.path(ds.manifest.shards[0].path)
     os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -103,7 +112,9 @@ def test_budget_too_small_is_a_local_fault_naming_the_need(src, tmp_path):
     r = warm(src, str(tmp_path), placement=Placement(Layout(2, 1), 0), max_bytes=ds.manifest.num_bytes // 10)
     assert r.status == "local_fault" and r.exit_code == 3
     assert "need" in r.error and "bytes" in r.error
-    be = warm(src, str(tmp_path), placement=Placement(Layout(2, 1), 0), max_bytes=ds.manifest.num_bytes // 5, best_effort=True)
+    be = warm(
+        src, str(tmp_path), placement=Placement(Layout(2, 1), 0), max_bytes=ds.manifest.num_bytes // 5, best_effort=True
+    )
     assert be.exit_code == 0 and be.status == "partial" and be.not_fitted and be.warnings
     assert be.shards_copied + len(be.not_fitted) == be.assigned
     assert sum(ds.manifest.shards[i].bytes for i in cached_files(be)) <= ds.manifest.num_bytes // 5
@@ -136,8 +147,11 @@ def test_reading_keeps_a_shard_from_eviction(src, tmp_path):
 def test_transient_errors_short_reads_and_stalls_are_retried(src, tmp_path):
     m = open_dataset(src).manifest
     url = "faulty://" + src
-    opts = {"transient": {m.shards[0].path: 2, "index.json": 1}, "short": {m.shards[1].path: 1},
-            "stall": {m.shards[2].path: [3.0, 1]}}
+    opts = {
+        "transient": {m.shards[0].path: 2, "index.json": 1},
+        "short": {m.shards[1].path: 1},
+        "stall": {m.shards[2].path: [3.0, 1]},
+    }
     r = warm(url, str(tmp_path), all_shards=True, retry=FAST, storage_options=opts)
     assert r.status == "ok", r.error
     assert r.shards_copied == len(m.shards)
@@ -148,13 +162,15 @@ def test_transient_errors_short_reads_and_stalls_are_retried(src, tmp_path):
 def test_missing_source_shard_fails_naming_the_shard(src, tmp_path):
     m = open_dataset(src).manifest
     bad = m.shards[4].path
-    r = warm("faulty://" + src, str(tmp_path), all_shards=True, retry=FAST, strict=True,
-             storage_options={"missing": [bad]})
+    r = warm(
+        "faulty://" + src, str(tmp_path), all_shards=True, retry=FAST, strict=True, storage_options={"missing": [bad]}
+    )
     assert r.status == "remote_failed" and r.exit_code == 1
     assert r.shards_failed == 1 and bad in r.error and "404" in r.error
     assert r.shards_copied == len(m.shards) - 1
-    lax = warm("faulty://" + src, str(tmp_path / "lax"), all_shards=True, retry=FAST,
-               storage_options={"missing": [bad]})
+    lax = warm(
+        "faulty://" + src, str(tmp_path / "lax"), all_shards=True, retry=FAST, storage_options={"missing": [bad]}
+    )
     assert lax.exit_code == 0 and lax.status == "remote_failed"
 
 
@@ -191,8 +207,9 @@ def test_corrupt_source_shard_is_named_and_never_published(src, tmp_path):
 def test_unreachable_source_is_remote_not_local(tmp_path, src):
     r = warm("faulty://" + src, str(tmp_path), all_shards=True, retry=FAST, storage_options={"refuse": True})
     assert r.status == "remote_failed" and r.exit_code == 0
-    r = warm("faulty://" + src, str(tmp_path), all_shards=True, retry=FAST, storage_options={"refuse": True},
-             strict=True)
+    r = warm(
+        "faulty://" + src, str(tmp_path), all_shards=True, retry=FAST, storage_options={"refuse": True}, strict=True
+    )
     assert r.exit_code == 1
 
 

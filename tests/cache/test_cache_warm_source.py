@@ -1,5 +1,6 @@
 """``shardtool warm`` on a dataset URL with no dataset there is an error (exit 2, naming it);
 an unreachable source stays a logged remote failure that exits 0 without --strict."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,12 @@ def _warm_cli(url, cache_dir, *extra):
 def test_a_local_path_with_no_dataset_is_a_usage_error(src, tmp_path, how):
     empty = tmp_path / "empty"
     empty.mkdir()
-    url = {"missing": str(tmp_path / "no" / "such" / "ds"), "typo": src + "x", "not-a-dataset": str(empty),
-           "file-url": "file://" + str(tmp_path / "nope")}[how]
+    url = {
+        "missing": str(tmp_path / "no" / "such" / "ds"),
+        "typo": src + "x",
+        "not-a-dataset": str(empty),
+        "file-url": "file://" + str(tmp_path / "nope"),
+    }[how]
     res = _warm_cli(url, str(tmp_path / "c"))
     assert res.returncode == 2, (res.returncode, res.stderr)
     assert "no dataset at" in res.stderr and url in res.stderr, res.stderr
@@ -39,20 +44,40 @@ def test_a_local_path_with_no_dataset_is_a_usage_error(src, tmp_path, how):
 def test_a_missing_prefix_in_a_reachable_bucket_is_a_usage_error(src, tmp_path, s3_server):  # noqa: F811
     url = s3_server.upload(src, "present/ds")
     opts = s3_server.storage_options
-    r = warm(url + "-typo", str(tmp_path / "c"), all_shards=True, storage_options=opts,
-             retry=RetryPolicy(attempts=2, base_delay=0.01))
+    r = warm(
+        url + "-typo",
+        str(tmp_path / "c"),
+        all_shards=True,
+        storage_options=opts,
+        retry=RetryPolicy(attempts=2, base_delay=0.01),
+    )
     assert r.status == "usage_error" and r.exit_code == 2 and url + "-typo" in r.error, r.error
     ok = warm(url, str(tmp_path / "c"), all_shards=True, storage_options=opts)
     assert ok.exit_code == 0 and ok.shards_copied == 2, ok.summary()
 
 
 def test_an_unreachable_source_still_exits_0_without_strict(src, tmp_path):
-    r = warm("faulty://" + src, str(tmp_path / "c"), all_shards=True, storage_options={"refuse": True},
-             retry=RetryPolicy(attempts=2, base_delay=0.01))
+    r = warm(
+        "faulty://" + src,
+        str(tmp_path / "c"),
+        all_shards=True,
+        storage_options={"refuse": True},
+        retry=RetryPolicy(attempts=2, base_delay=0.01),
+    )
     assert r.status == "remote_failed" and r.exit_code == 0
     # an S3 endpoint nobody listens on: unreachable, not missing
-    opts = ["-o", f"client_kwargs.endpoint_url=http://127.0.0.1:{free_port()}", "-o", "key=k", "-o", "secret=s",
-            "-o", "config_kwargs.retries.max_attempts=1", "-o", "config_kwargs.connect_timeout=2"]
+    opts = [
+        "-o",
+        f"client_kwargs.endpoint_url=http://127.0.0.1:{free_port()}",
+        "-o",
+        "key=k",
+        "-o",
+        "secret=s",
+        "-o",
+        "config_kwargs.retries.max_attempts=1",
+        "-o",
+        "config_kwargs.connect_timeout=2",
+    ]
     res = _warm_cli("s3://bucket/ds", str(tmp_path / "c2"), *opts)
     assert res.returncode == 0 and "remote failure" in res.stderr, (res.returncode, res.stderr)
     assert _warm_cli("s3://bucket/ds", str(tmp_path / "c2"), *opts, "--strict").returncode == 1

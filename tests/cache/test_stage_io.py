@@ -1,6 +1,7 @@
 """The node's stager (shardtool.cache.stager) against a real cache and source: it stays within its
 bound of the slowest reader, a reader waits for the shard it is fetching instead of fetching it
 again, and it stops when it should. Real files, real flock locks; the stager runs in a thread."""
+
 from __future__ import annotations
 
 import glob
@@ -182,8 +183,17 @@ def test_a_staged_loader_reads_the_batches_of_an_unstaged_one_and_the_stager_cop
 
     reference = read_all(ShardedLoader(src, batch_size=4, seed=2, rank=0, world_size=1, num_workers=0))
     cache_dir = str(tmp_path / "cache")
-    loader = ShardedLoader("faulty://" + src, batch_size=4, seed=2, rank=0, world_size=1, num_workers=2,
-                           cache_dir=cache_dir, storage_options={"latency": 0.01}, stage=True)
+    loader = ShardedLoader(
+        "faulty://" + src,
+        batch_size=4,
+        seed=2,
+        rank=0,
+        world_size=1,
+        num_workers=2,
+        cache_dir=cache_dir,
+        storage_options={"latency": 0.01},
+        stage=True,
+    )
     assert read_all(loader) == reference
     fetched = loader.metrics()["cumulative"]["cache"]["fetch_bytes"]
     loader.close()
@@ -220,7 +230,12 @@ def test_warm_follow_refuses_what_it_cannot_stage(src, tmp_path):
 
     from cachedata import child_env
 
-    res = subprocess.run([sys.executable, "-m", "shardtool", "warm", src, "--cache-dir", str(tmp_path / "c"),
-                          "--follow", "--all"], env=child_env(), capture_output=True, text=True, timeout=60,
-                         check=False)
+    res = subprocess.run(
+        [sys.executable, "-m", "shardtool", "warm", src, "--cache-dir", str(tmp_path / "c"), "--follow", "--all"],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert res.returncode == 2 and "--follow stages one dataset" in res.stderr

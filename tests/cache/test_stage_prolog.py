@@ -2,6 +2,7 @@
 fake scontrol/squeue): each job stages what its comment asks for; only node faults exit non-zero; the
 job's own mistakes reach its loader; a source gone after a warm is served from the node's cache;
 a budget evicts versions no running job asked for first. (The real cluster: tests/slurm/.)"""
+
 import json
 import os
 import shutil
@@ -34,8 +35,9 @@ except Exception as e:
 
 def train(url, cache_dir, job):
     env = {**child_env(), "SLURM_JOB_ID": str(job)}
-    return subprocess.run([sys.executable, "-c", LOADER, str(url), str(cache_dir)], capture_output=True, text=True,
-                          env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", LOADER, str(url), str(cache_dir)], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def stage(conf, job, comment, **kw):
@@ -66,8 +68,9 @@ def test_nothing_asked_nothing_staged(tmp_path, datasets):
         assert res.returncode == 0 and "asks for nothing" in res.stderr, res.stderr
     assert os.listdir(tmp_path / "cache") == []
     # no config at all: nothing to do, no drain
-    res = run_prolog(str(tmp_path / "missing.conf"), NODE, job_id="1", nodelist=NODE, num_nodes=1,
-                     comment=f"shardtool:{datasets[0]}")
+    res = run_prolog(
+        str(tmp_path / "missing.conf"), NODE, job_id="1", nodelist=NODE, num_nodes=1, comment=f"shardtool:{datasets[0]}"
+    )
     assert res.returncode == 0 and "no config" in res.stderr
 
 
@@ -77,9 +80,11 @@ def test_the_jobs_mistakes_exit_0_and_fail_its_loader(tmp_path, datasets):
     os.makedirs(tmp_path / "cache")
     cache_dir = tmp_path / "cache" / NODE
     typo = datasets[0] + "-v2"
-    cases = {5: f"shardtool:{typo}",                                           # no dataset at the URL
-             6: 'shardtool:{{"url": "{}", "mesh": "pp=3,dp=1"}}'.format(datasets[0]),  # 3 stages over 2 nodes x 1 rank
-             7: 'shardtool:{{"url": "{}", "meshh": "dp=2"}}'.format(datasets[0])}     # a typo in the request
+    cases = {
+        5: f"shardtool:{typo}",  # no dataset at the URL
+        6: 'shardtool:{{"url": "{}", "mesh": "pp=3,dp=1"}}'.format(datasets[0]),  # 3 stages over 2 nodes x 1 rank
+        7: 'shardtool:{{"url": "{}", "meshh": "dp=2"}}'.format(datasets[0]),
+    }  # a typo in the request
     for job, comment in cases.items():
         res = run_prolog(conf, NODE, job_id=str(job), nodelist="n[1-2]", num_nodes=2, comment=comment)
         assert res.returncode == 0, res.stderr
@@ -207,7 +212,7 @@ def test_a_job_caps_what_it_holds_in_the_node_cache(tmp_path, datasets):
     cache_dir = tmp_path / "cache" / NODE
     url = datasets[0]
     shard = open_dataset(url).manifest.shards[0].bytes
-    res = stage(conf, 1, 'shardtool:' + json.dumps({"url": url, "max_bytes": 2 * shard + 100}))
+    res = stage(conf, 1, "shardtool:" + json.dumps({"url": url, "max_bytes": 2 * shard + 100}))
     assert res.returncode == 0, res.stderr
     rec = read_job_record(str(cache_dir), 1)
     assert rec["status"] == "partial" and rec["severity"] == "warning" and "caps its staged shards" in rec["finding"]
@@ -225,8 +230,13 @@ def test_epilog_forgets_the_jobs_record(tmp_path, datasets):
     assert stage(conf, 9, f"shardtool:{datasets[0]}").returncode == 0
     assert read_job_record(str(tmp_path / "cache" / NODE), 9) is not None
     env = {"SLURM_JOB_ID": "9", "SLURMD_NODENAME": NODE, "SHARDTOOL_WARM_CONF": conf}
-    res = subprocess.run(["/bin/bash", os.path.join(REPO, "examples", "slurm", "epilog.sh")], env=env,
-                         capture_output=True, text=True, timeout=30)
+    res = subprocess.run(
+        ["/bin/bash", os.path.join(REPO, "examples", "slurm", "epilog.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert res.returncode == 0, res.stderr
     assert read_job_record(str(tmp_path / "cache" / NODE), 9) is None
     assert not (tmp_path / "cache" / f"{NODE}.warm-9.json").exists()

@@ -1,5 +1,6 @@
 """A job's staging request (its SLURM comment) and the prolog's pure decisions: parsing, which
 versions a budget may evict first, which findings fail the job and which exit drains a node."""
+
 import json
 
 import pytest
@@ -28,8 +29,10 @@ def test_a_url_alone_and_relative_paths_are_the_jobs():
 
 
 def test_json_request_with_layout():
-    r = parse_request('eval shardtool:{"url": "s3://b/ds", "mesh": "pp=2,dp=2", "dp_dim": ["rep", "shard"], '
-                      '"ranks_per_node": 8, "best_effort": true} after')
+    r = parse_request(
+        'eval shardtool:{"url": "s3://b/ds", "mesh": "pp=2,dp=2", "dp_dim": ["rep", "shard"], '
+        '"ranks_per_node": 8, "best_effort": true} after'
+    )
     assert r == StageRequest("s3://b/ds", mesh="pp=2,dp=2", dp_dim="rep,shard", ranks_per_node=8, best_effort=True)
     assert r.model_parallel
     r = parse_request('shardtool:{"url": "ds", "dp_size": 4}', workdir="/w")
@@ -39,22 +42,25 @@ def test_json_request_with_layout():
     assert parse_request('shardtool:{"url": "ds", "max_bytes": 4096}').max_bytes == 4096
 
 
-@pytest.mark.parametrize("comment, message", [
-    ("shardtool:", "must be followed by"),
-    ("shardtool: /x", "must be followed by"),
-    ('shardtool:{"url": "x"', "not valid JSON"),
-    ('shardtool:["x"]', "must be a JSON object"),
-    ('shardtool:{"path": "x"}', "unknown request key(s) 'path'"),
-    ('shardtool:{"mesh": "dp=2"}', 'needs "url"'),
-    ('shardtool:{"url": "x", "dp_size": 0}', "'dp_size' must be an integer >= 1"),
-    ('shardtool:{"url": "x", "ranks_per_node": "8"}', "'ranks_per_node' must be an integer"),
-    ('shardtool:{"url": "x", "mesh": "dp=2", "dp_size": 2}', "either 'mesh' or 'dp_size'"),
-    ('shardtool:{"url": "x", "dp_dim": "dp"}', "names dimensions of a 'mesh'"),
-    ('shardtool:{"url": "x", "best_effort": "yes"}', "'best_effort' must be true or false"),
-    ("shardtool:/a shardtool:/b", "holds 2 'shardtool:' requests"),
-    ('shardtool:{"url": "x", "max_bytes": "lots"}', "cannot read request key 'max_bytes'"),
-    ('shardtool:{"url": "x", "max_bytes": [1]}', "'max_bytes' must be a size"),
-])
+@pytest.mark.parametrize(
+    "comment, message",
+    [
+        ("shardtool:", "must be followed by"),
+        ("shardtool: /x", "must be followed by"),
+        ('shardtool:{"url": "x"', "not valid JSON"),
+        ('shardtool:["x"]', "must be a JSON object"),
+        ('shardtool:{"path": "x"}', "unknown request key(s) 'path'"),
+        ('shardtool:{"mesh": "dp=2"}', 'needs "url"'),
+        ('shardtool:{"url": "x", "dp_size": 0}', "'dp_size' must be an integer >= 1"),
+        ('shardtool:{"url": "x", "ranks_per_node": "8"}', "'ranks_per_node' must be an integer"),
+        ('shardtool:{"url": "x", "mesh": "dp=2", "dp_size": 2}', "either 'mesh' or 'dp_size'"),
+        ('shardtool:{"url": "x", "dp_dim": "dp"}', "names dimensions of a 'mesh'"),
+        ('shardtool:{"url": "x", "best_effort": "yes"}', "'best_effort' must be true or false"),
+        ("shardtool:/a shardtool:/b", "holds 2 'shardtool:' requests"),
+        ('shardtool:{"url": "x", "max_bytes": "lots"}', "cannot read request key 'max_bytes'"),
+        ('shardtool:{"url": "x", "max_bytes": [1]}', "'max_bytes' must be a size"),
+    ],
+)
 def test_malformed_requests_are_the_jobs_mistake(comment, message):
     with pytest.raises(RequestError, match=None) as e:
         parse_request(comment)
@@ -65,8 +71,13 @@ url_st = st.from_regex(r"(s3://[a-z]{1,8}/|/)[A-Za-z0-9_./-]{1,30}", fullmatch=T
 
 
 @settings(max_examples=150, deadline=None)
-@given(url_st, st.one_of(st.none(), st.sampled_from(["pp=2,dp=2", "dp=4,tp=2"])),
-       st.one_of(st.none(), st.integers(1, 64)), st.booleans(), st.text(" abc=1", max_size=10))
+@given(
+    url_st,
+    st.one_of(st.none(), st.sampled_from(["pp=2,dp=2", "dp=4,tp=2"])),
+    st.one_of(st.none(), st.integers(1, 64)),
+    st.booleans(),
+    st.text(" abc=1", max_size=10),
+)
 def test_json_round_trip(url, mesh, rpn, best_effort, noise):
     body = {"url": url, "best_effort": best_effort}
     if mesh:
@@ -80,8 +91,10 @@ def test_json_round_trip(url, mesh, rpn, best_effort, noise):
 
 
 def test_comment_from_scontrol_line():
-    line = ('JobId=7 JobName=t UserId=u(1) Command=/x/job.sh WorkDir=/x '
-            'Comment=shardtool:{"url": "/d s", "mesh": "pp=2,dp=2"}  StdErr=/x/o StdIn=/dev/null Power=')
+    line = (
+        "JobId=7 JobName=t UserId=u(1) Command=/x/job.sh WorkDir=/x "
+        'Comment=shardtool:{"url": "/d s", "mesh": "pp=2,dp=2"}  StdErr=/x/o StdIn=/dev/null Power='
+    )
     assert comment_from_scontrol(line) == 'shardtool:{"url": "/d s", "mesh": "pp=2,dp=2"}'
     assert parse_request(comment_from_scontrol(line)).mesh == "pp=2,dp=2"
     assert comment_from_scontrol("JobId=7 Comment=(null) StdErr=/x") is None
@@ -102,10 +115,13 @@ def test_finding_severity():
 
 
 # ------------------------------------------------------------------ running jobs and eviction
-records_st = st.dictionaries(st.sampled_from([str(j) for j in range(1, 9)]),
-                             st.lists(st.sampled_from(["v1", "v2", "v3", "v4"]), max_size=3).map(
-                                 lambda vs: {"sources": [{"url": f"/d/{v}", "version": v} for v in vs]}),
-                             max_size=6)
+records_st = st.dictionaries(
+    st.sampled_from([str(j) for j in range(1, 9)]),
+    st.lists(st.sampled_from(["v1", "v2", "v3", "v4"]), max_size=3).map(
+        lambda vs: {"sources": [{"url": f"/d/{v}", "version": v} for v in vs]}
+    ),
+    max_size=6,
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -122,10 +138,19 @@ def test_live_versions_and_stale_jobs(records, active):
 
 
 entries_st = st.lists(
-    st.builds(Entry, key=st.integers(0, 10_000), size=st.integers(1, 1000), assigned=st.booleans(),
-              last_used=st.floats(0, 1e6, allow_nan=False), in_use=st.booleans(), protected=st.booleans(),
-              idle=st.booleans()),
-    max_size=30, unique_by=lambda e: e.key)
+    st.builds(
+        Entry,
+        key=st.integers(0, 10_000),
+        size=st.integers(1, 1000),
+        assigned=st.booleans(),
+        last_used=st.floats(0, 1e6, allow_nan=False),
+        in_use=st.booleans(),
+        protected=st.booleans(),
+        idle=st.booleans(),
+    ),
+    max_size=30,
+    unique_by=lambda e: e.key,
+)
 
 
 @settings(max_examples=200, deadline=None)

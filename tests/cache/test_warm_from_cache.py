@@ -1,6 +1,7 @@
 """`shardtool.cache.warm` when the source is gone or down: a node whose cache holds a complete version
 for the URL succeeds with a warning (status `cached`, exit 0) and the loader opens that version; an
 incomplete cache leaves the error as it was (no dataset: a usage error; an outage: a remote failure)."""
+
 import os
 import shutil
 

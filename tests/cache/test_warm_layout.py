@@ -1,6 +1,7 @@
 """`shardtool warm` takes the loader's data layout (--dp-size, --mesh/--dp-dim) and warms what the
 node's ranks read: the same shards as the planner's `shards_for_node` for that layout, said in
 the summary line and the JSON report; the SLURM prolog passes the layout through from the job's request."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,13 @@ from shardtool.plan import DataLayout, Layout, Mesh, data_layout, parse_mesh, sh
 
 
 def warm(*args, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardtool", "warm", *map(str, args)], capture_output=True,
-                          text=True, env=child_env(), timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "shardtool", "warm", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -27,30 +33,50 @@ def src(tmp_path_factory):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout_args, nodes, rpn, expect", [
-    # DP x TP with TP peers adjacent: 4 nodes x 2 ranks, dp 4 -> one DP rank per node
-    (["--dp-size", "4"], 4, 2, lambda lay: data_layout(Mesh.row_major(("dp", "mp"), (4, 2)), ("dp",), lay)[0]),
-    # PP stages across nodes: every DP rank has a stage on nodes 0-1 and on nodes 2-3
-    (["--mesh", "pp=2,dp=4"], 4, 2, lambda lay: data_layout(parse_mesh("pp=2,dp=4"), ("dp",), lay)[0]),
-    # HSDP: replicate x shard are both data-parallel
-    (["--mesh", "rep=2,shard=2,tp=2", "--dp-dim", "rep,shard"], 4, 2,
-     lambda lay: data_layout(parse_mesh("rep=2,shard=2,tp=2"), ("rep", "shard"), lay)[0]),
-    # pure data parallelism, as before
-    ([], 4, 2, DataLayout.pure_dp),
-])
+@pytest.mark.parametrize(
+    "layout_args, nodes, rpn, expect",
+    [
+        # DP x TP with TP peers adjacent: 4 nodes x 2 ranks, dp 4 -> one DP rank per node
+        (["--dp-size", "4"], 4, 2, lambda lay: data_layout(Mesh.row_major(("dp", "mp"), (4, 2)), ("dp",), lay)[0]),
+        # PP stages across nodes: every DP rank has a stage on nodes 0-1 and on nodes 2-3
+        (["--mesh", "pp=2,dp=4"], 4, 2, lambda lay: data_layout(parse_mesh("pp=2,dp=4"), ("dp",), lay)[0]),
+        # HSDP: replicate x shard are both data-parallel
+        (
+            ["--mesh", "rep=2,shard=2,tp=2", "--dp-dim", "rep,shard"],
+            4,
+            2,
+            lambda lay: data_layout(parse_mesh("rep=2,shard=2,tp=2"), ("rep", "shard"), lay)[0],
+        ),
+        # pure data parallelism, as before
+        ([], 4, 2, DataLayout.pure_dp),
+    ],
+)
 def test_each_node_warms_the_shards_its_ranks_read(src, tmp_path, layout_args, nodes, rpn, expect):
     ds = open_dataset(src)
     layout = Layout(nodes, rpn)
     data = expect(layout)
     for node in range(nodes):
-        res = warm(src, "--cache-dir", tmp_path / f"n{node}", "--nodes", nodes, "--node-rank", node,
-                   "--ranks-per-node", rpn, "--json", "-q", *layout_args)
+        res = warm(
+            src,
+            "--cache-dir",
+            tmp_path / f"n{node}",
+            "--nodes",
+            nodes,
+            "--node-rank",
+            node,
+            "--ranks-per-node",
+            rpn,
+            "--json",
+            "-q",
+            *layout_args,
+        )
         assert res.returncode == 0, res.stderr
         report = json.loads(res.stdout)
         want = shards_for_node(ds.summaries, data, node)
         assert report["assigned"] == len(want) and report["shards_copied"] == len(want)
-        cached = sorted(i for i, s in enumerate(ds.manifest.shards)
-                        if os.path.exists(os.path.join(report["version_dir"], s.path)))
+        cached = sorted(
+            i for i, s in enumerate(ds.manifest.shards) if os.path.exists(os.path.join(report["version_dir"], s.path))
+        )
         assert cached == want
         d = report["data_layout"]
         assert d["dp_size"] == data.dp_size and d["data_groups"] == data.num_groups
@@ -66,8 +92,9 @@ def test_each_node_warms_the_shards_its_ranks_read(src, tmp_path, layout_args, n
 
 @pytest.mark.timeout(120)
 def test_mesh_gives_ranks_per_node_and_bad_layouts_exit_2(src, tmp_path):
-    res = warm(src, "--cache-dir", tmp_path / "a", "--nodes", 2, "--node-rank", 1, "--mesh", "pp=2,dp=2,tp=2",
-               "--json", "-q")
+    res = warm(
+        src, "--cache-dir", tmp_path / "a", "--nodes", 2, "--node-rank", 1, "--mesh", "pp=2,dp=2,tp=2", "--json", "-q"
+    )
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert report["layout"]["ranks_per_node"] == 4 and "ranks per node from --mesh" in report["layout"]["from"]

@@ -1,5 +1,6 @@
 """warm as real processes: SIGKILL at random moments, concurrent warmers, two simulated nodes served
 offline, S3 through a real moto server, and the SLURM prolog with a fake minimal environment."""
+
 import json
 import os
 import random
@@ -23,12 +24,19 @@ from shardtool.plan import Layout, Placement
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.join(REPO, "tests")
 # The CLI in a subprocess, with faulty:// registered so tests can slow the source down.
-CLI = [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); import faultfs; "
-       "from shardtool.cli import main; sys.exit(main(sys.argv[1:]))", TESTS]
+CLI = [
+    sys.executable,
+    "-c",
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); import faultfs; "
+    "from shardtool.cli import main; sys.exit(main(sys.argv[1:]))",
+    TESTS,
+]
 
 
 def cli(*args, timeout=120, check=None):
-    res = subprocess.run(CLI + ["warm", *map(str, args)], capture_output=True, text=True, env=child_env(), timeout=timeout)
+    res = subprocess.run(
+        CLI + ["warm", *map(str, args)], capture_output=True, text=True, env=child_env(), timeout=timeout
+    )
     if check is not None:
         assert res.returncode == check, res.stderr
     return res
@@ -52,8 +60,12 @@ def test_sigkill_at_random_moments_then_rerun_finishes(src, tmp_path):
     rng = random.Random(7)
     cache_dir = str(tmp_path / "c")
     for _ in range(5):
-        p = subprocess.Popen(CLI + ["warm", "faulty://" + src, "--cache-dir", cache_dir, "--all", "--jobs", "3",
-                                    "-o", "latency=0.01"], env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(
+            CLI + ["warm", "faulty://" + src, "--cache-dir", cache_dir, "--all", "--jobs", "3", "-o", "latency=0.01"],
+            env=child_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         time.sleep(rng.uniform(0.3, 2.0))
         p.send_signal(signal.SIGKILL)
         p.wait(30)
@@ -74,9 +86,28 @@ def test_sigkill_at_random_moments_then_rerun_finishes(src, tmp_path):
 def test_two_concurrent_warmers_publish_each_shard_once(src, tmp_path):
     ds = open_dataset(src)
     cache_dir = str(tmp_path / "c")
-    procs = [subprocess.Popen(CLI + ["warm", "faulty://" + src, "--cache-dir", cache_dir, "--all", "--jobs", "4",
-                                     "-o", "latency=0.005", "--json"], env=child_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            CLI
+            + [
+                "warm",
+                "faulty://" + src,
+                "--cache-dir",
+                cache_dir,
+                "--all",
+                "--jobs",
+                "4",
+                "-o",
+                "latency=0.005",
+                "--json",
+            ],
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     reports = []
     for p in procs:
         out, err = p.communicate(timeout=100)
@@ -113,6 +144,7 @@ def test_two_nodes_two_ranks_served_from_cache_alone(src, tmp_path):
         others = [i for i in range(ds.num_shards) if i not in want]
         if others:
             from shardtool.cache import NotCached
+
             with pytest.raises(NotCached, match=ds.manifest.shards[others[0]].path):
                 c.local_shard(others[0])
 
@@ -132,8 +164,16 @@ def test_s3_source_through_a_real_local_s3_server(src, tmp_path, s3_server):  # 
     url = s3_server.upload(src, "warm-test/ds")
     ep = s3_server.endpoint
     cache_dir = str(tmp_path / "c")
-    opts = ["-o", "key=testing", "-o", "secret=testing", "-o", f"client_kwargs.endpoint_url={ep}",
-            "-o", "client_kwargs.region_name=us-east-1"]
+    opts = [
+        "-o",
+        "key=testing",
+        "-o",
+        "secret=testing",
+        "-o",
+        f"client_kwargs.endpoint_url={ep}",
+        "-o",
+        "client_kwargs.region_name=us-east-1",
+    ]
     res = cli(url, "--cache-dir", cache_dir, "--nodes", 2, "--node-rank", 0, "--json", *opts, check=0)
     report = json.loads(res.stdout)
     ds = open_dataset(src)
@@ -150,7 +190,9 @@ def test_s3_source_through_a_real_local_s3_server(src, tmp_path, s3_server):  # 
 def test_usage_errors_exit_2(src, tmp_path):
     assert cli(src, "--cache-dir", tmp_path, "--nodes", 3).returncode == 2
     assert cli(src, "--cache-dir", tmp_path, "--jobs", 0).returncode == 2
-    assert "exit codes" in subprocess.run(CLI + ["warm", "--help"], capture_output=True, text=True, env=child_env()).stdout
+    assert (
+        "exit codes" in subprocess.run(CLI + ["warm", "--help"], capture_output=True, text=True, env=child_env()).stdout
+    )
 
 
 @pytest.mark.timeout(120)

@@ -1,4 +1,5 @@
 """`shardtool bench`: real rank processes, a peer in the same run, JSON and plot outputs."""
+
 from __future__ import annotations
 
 import json
@@ -19,10 +20,35 @@ def test_bench_generates_compares_and_writes_json_and_plot(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     cp = subprocess.run(
-        [sys.executable, "-m", "shardtool", "bench", "--generate", "3000", "--ranks", "2", "--workers", "0,1",
-         "--max-tokens", "8192", "--max-batches", "10", "--step-ms", "2", "--compare", "webdataset",
-         "--json", str(out_json), "--plot", str(out_png)],
-        env=env, capture_output=True, text=True, timeout=280)
+        [
+            sys.executable,
+            "-m",
+            "shardtool",
+            "bench",
+            "--generate",
+            "3000",
+            "--ranks",
+            "2",
+            "--workers",
+            "0,1",
+            "--max-tokens",
+            "8192",
+            "--max-batches",
+            "10",
+            "--step-ms",
+            "2",
+            "--compare",
+            "webdataset",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert cp.returncode == 0, cp.stdout + cp.stderr
     report = json.loads(out_json.read_text())
     rows = {(r["reader"], r["num_workers"]): r for r in report["rows"]}
@@ -48,8 +74,13 @@ def test_bench_generates_compares_and_writes_json_and_plot(tmp_path):
 
 def test_bench_refuses_an_unknown_peer(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    cp = subprocess.run([sys.executable, "-m", "shardtool", "bench", "--generate", "200", "--compare", "nope",
-                         "--step-ms", "1"], env=env, capture_output=True, text=True, timeout=120)
+    cp = subprocess.run(
+        [sys.executable, "-m", "shardtool", "bench", "--generate", "200", "--compare", "nope", "--step-ms", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cp.returncode == 2 and "unknown peer 'nope'" in cp.stderr
 
 
@@ -69,8 +100,14 @@ def _session_procs(sid: int) -> list[int]:
 
 def _bench(args, env, timeout):
     """Run `shardtool bench ARGS` in its own session; on timeout kill all of it, then fail."""
-    proc = subprocess.Popen([sys.executable, "-m", "shardtool", "bench", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardtool", "bench", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -90,8 +127,26 @@ def test_bench_in_its_documented_form_does_not_hang(tmp_path):
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.pop(var, None)
     out_json = tmp_path / "out.json"
-    proc, out, err = _bench(["--generate", "3000", "--ranks", "2", "--workers", "0", "--max-batches", "6",
-                             "--compare", "webdataset", "--json", str(out_json), "--timeout", "150"], env, 330)
+    proc, out, err = _bench(
+        [
+            "--generate",
+            "3000",
+            "--ranks",
+            "2",
+            "--workers",
+            "0",
+            "--max-batches",
+            "6",
+            "--compare",
+            "webdataset",
+            "--json",
+            str(out_json),
+            "--timeout",
+            "150",
+        ],
+        env,
+        330,
+    )
     assert proc.returncode == 0, out + err
     assert "measured tiny-model step" in err
     rows = json.loads(out_json.read_text())["rows"]

@@ -1,4 +1,5 @@
 """What a user reads: the warm summary says which layout it assumed; every option explains itself."""
+
 import subprocess
 import sys
 
@@ -9,13 +10,23 @@ from runcli import shardtool_cli
 def test_warm_without_a_layout_says_it_assumed_one_node(tmp_path):
     # It used to copy everything, silently, as if the job had one node.
     src = make_dataset(str(tmp_path / "ds"), shards=4, samples=5)
-    res = subprocess.run([sys.executable, "-m", "shardtool", "warm", src, "--cache-dir", str(tmp_path / "c"), "-q"],
-                         env=child_env(), capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "shardtool", "warm", src, "--cache-dir", str(tmp_path / "c"), "-q"],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert "node 0 of 1" in res.stderr and "from default: one node (no --nodes, no SLURM environment)" in res.stderr
     env = {**child_env(), "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1"}
-    res = subprocess.run([sys.executable, "-m", "shardtool", "warm", src, "--cache-dir", str(tmp_path / "c2"), "-q"],
-                         env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "shardtool", "warm", src, "--cache-dir", str(tmp_path / "c2"), "-q"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0 and "node 1 of 2" in res.stderr and "SLURM_NODEID" in res.stderr, res.stderr
 
 

@@ -1,4 +1,5 @@
 """`shardtool plan`: the plan of a layout from metadata only, as text and JSON."""
+
 from __future__ import annotations
 
 import functools
@@ -16,12 +17,27 @@ shardtool = functools.partial(shardtool_cli, timeout=120)
 @pytest.mark.timeout(150)
 def test_plan_json_agrees_with_the_loaders(tmp_path):
     root, _ = write_dataset(str(tmp_path / "d"), [30, 30, 30, 30])
-    out = shardtool("plan", root, "--nodes", "2", "--ranks-per-node", "2", "--batch-size", "4", "--seed", "3",
-                    "--epoch", "1", "--json")
+    out = shardtool(
+        "plan",
+        root,
+        "--nodes",
+        "2",
+        "--ranks-per-node",
+        "2",
+        "--batch-size",
+        "4",
+        "--seed",
+        "3",
+        "--epoch",
+        "1",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
-    loaders = [ShardedLoader(root, rank=r, world_size=4, ranks_per_node=2, batch_size=4, seed=3, num_workers=0)
-               for r in range(4)]
+    loaders = [
+        ShardedLoader(root, rank=r, world_size=4, ranks_per_node=2, batch_size=4, seed=3, num_workers=0)
+        for r in range(4)
+    ]
     for ld in loaders:
         ld.set_epoch(1)
     assert rep["batches_per_rank"] == len(loaders[3])
@@ -41,16 +57,43 @@ def test_plan_text_and_big_simulated_layouts(tmp_path):
     assert out.returncode == 0, out.stderr
     for word in ("batches/rank", "padding eff.", "remainder", "shards/node", "bytes/node", "planning"):
         assert word in out.stdout
-    big = shardtool("plan", "--synthetic", "300000", "--simulate-nodes", "1024", "--ranks-per-node", "8",
-                    "--batch-size", "8", "--json")
+    big = shardtool(
+        "plan",
+        "--synthetic",
+        "300000",
+        "--simulate-nodes",
+        "1024",
+        "--ranks-per-node",
+        "8",
+        "--batch-size",
+        "8",
+        "--json",
+    )
     assert big.returncode == 0, big.stderr
     rep = json.loads(big.stdout)
     assert rep["layout"]["world_size"] == 8192 and rep["scope"] == "every group"
-    for key in ("plan_seconds", "peak_rss_mb", "batches_per_rank", "remainder_tokens_fraction",
-                "bytes_per_node_max_over_mean"):
+    for key in (
+        "plan_seconds",
+        "peak_rss_mb",
+        "batches_per_rank",
+        "remainder_tokens_fraction",
+        "bytes_per_node_max_over_mean",
+    ):
         assert key in rep
-    one = shardtool("plan", "--synthetic", "300000", "--simulate-nodes", "1024", "--ranks-per-node", "8",
-                    "--batch-size", "8", "--rank", "5000", "--json")
+    one = shardtool(
+        "plan",
+        "--synthetic",
+        "300000",
+        "--simulate-nodes",
+        "1024",
+        "--ranks-per-node",
+        "8",
+        "--batch-size",
+        "8",
+        "--rank",
+        "5000",
+        "--json",
+    )
     assert one.returncode == 0, one.stderr
     mine = json.loads(one.stdout)
     assert mine["scope"] == "rank" and mine["dp_rank"] == 5000 and mine["group"] == 625

@@ -1,4 +1,5 @@
 """`shardtool plan mix.json` and `shardtool warm mix.json`, run as a user runs them."""
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,10 @@ def test_plan_prints_every_sources_share_tokens_epochs_and_bytes_per_node(mix, t
         assert abs(s["realized_share"] - s["weight_share"]) < 0.02  # one batch of one source a step
         assert s["tokens"] > 0 and 0 < s["source_epochs"] <= s["source_epochs_begun"] <= 8
         ds = open_dataset(str(tmp_path / name))
-        per_node = [sum(ds.manifest.shards[i].bytes for i in shards_for_node(ds.summaries,
-                    DataLayout.pure_dp(Layout(2, 1)), n)) for n in range(2)]
+        per_node = [
+            sum(ds.manifest.shards[i].bytes for i in shards_for_node(ds.summaries, DataLayout.pure_dp(Layout(2, 1)), n))
+            for n in range(2)
+        ]
         assert s["bytes_per_node"]["max"] == max(per_node) and s["bytes_per_node"]["min"] == min(per_node)
     text = shardtool_cli("plan", mix, "--steps", "150", "--nodes", "2", "--max-tokens", "160")
     assert text.returncode == 0, text.stderr

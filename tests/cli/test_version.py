@@ -1,5 +1,6 @@
 """`shardtool --version` and `shardtool.__version__`: the installed package's version, whose one
 source is pyproject.toml; and the changelog has an entry for it."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -38,4 +39,6 @@ def test_the_changelog_has_an_entry_for_this_version():
     version = _pyproject_version()
     with open(f"{REPO}/CHANGELOG.md") as f:
         headings = re.findall(r"^## \[?([0-9][^\]\s]*)", f.read(), re.M)
-    assert headings and headings[0] == version, f"CHANGELOG.md's latest entry is {headings[:1]}, pyproject says {version}"
+    assert headings and headings[0] == version, (
+        f"CHANGELOG.md's latest entry is {headings[:1]}, pyproject says {version}"
+    )

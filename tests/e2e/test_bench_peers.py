@@ -9,6 +9,7 @@ prints every peer's column. Numbers on a tiny corpus are not results; that they 
 Minutes of installs and runs, so it is marked ``peers``: left out of the default run, run by
 `.ci/run` as its own step. ``SHARDTOOL_PEERS_VENV=DIR`` reuses a venv setup_peers.sh built.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,9 @@ PEERS = ("streaming", "litdata", "energon")
 
 def _run(cmd: list[str], timeout: float, env: dict | None = None) -> str:
     """``cmd`` in the checkout; its whole process group killed past ``timeout``; its output."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -50,17 +52,52 @@ def test_every_peer_benchmark_runs_with_every_peer(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
 
-    out = _run([py, "-m", "benchmarks.loader_throughput", "--tiny", "--repeats", "1", "--max-seconds", "1",
-                "--dir", str(tmp_path / "read")], 600, env)
+    out = _run(
+        [
+            py,
+            "-m",
+            "benchmarks.loader_throughput",
+            "--tiny",
+            "--repeats",
+            "1",
+            "--max-seconds",
+            "1",
+            "--dir",
+            str(tmp_path / "read"),
+        ],
+        600,
+        env,
+    )
     assert "verified: every side read each corpus whole" in out, out[-3000:]
     for peer in PEERS:
         assert f"peer {peer}: " in out and "not measured" not in out, out[-3000:]
-        for ratio in (f"tokens samples/s ours/{peer} w0", f"tokens samples/s ours/{peer} w2",
-                      f"images MB/s ours/{peer} w2"):
+        for ratio in (
+            f"tokens samples/s ours/{peer} w0",
+            f"tokens samples/s ours/{peer} w2",
+            f"images MB/s ours/{peer} w2",
+        ):
             assert ratio in out, out[-3000:]
 
-    out = _run([py, "-m", "benchmarks.peer_packing", "--tiny", "--repeats", "1", "--max-seconds", "1",
-                "--seq-lens", "2048", "--workers", "0", "--dir", str(tmp_path / "rows")], 300, env)
+    out = _run(
+        [
+            py,
+            "-m",
+            "benchmarks.peer_packing",
+            "--tiny",
+            "--repeats",
+            "1",
+            "--max-seconds",
+            "1",
+            "--seq-lens",
+            "2048",
+            "--workers",
+            "0",
+            "--dir",
+            str(tmp_path / "rows"),
+        ],
+        300,
+        env,
+    )
     assert "ours best-fit / LitData TokensLoader" in out and "BinPackCollator (reimpl." in out, out[-3000:]
 
     out = _run([py, "-m", "benchmarks.peer_resume", "--tiny", "--dir", str(tmp_path / "resume")], 600, env)
@@ -69,8 +106,9 @@ def test_every_peer_benchmark_runs_with_every_peer(tmp_path):
         assert any(ln.startswith(side) and "epoch" in ln for ln in lines), out[-3000:]
     assert "mid-epoch resume: exact" in out and "4 ranks: batches [4, 4, 4, 4] (equal), 0 repeated, 0 skipped" in out
 
-    out = _run([py, "-m", "benchmarks.peer_pack", "--tiny", "--repeats", "1", "--dir", str(tmp_path / "pack")],
-               600, env)
+    out = _run(
+        [py, "-m", "benchmarks.peer_pack", "--tiny", "--repeats", "1", "--dir", str(tmp_path / "pack")], 600, env
+    )
     for side in ("mds:1", "litdata:2", "energon:2"):
         assert side in out, out[-3000:]
     assert out.count("/ best peer") == 2, out[-3000:]

@@ -1,4 +1,5 @@
 """Real multi-process runs: torchrun --nproc_per_node=4 (gloo) over a packed dataset."""
+
 from __future__ import annotations
 
 import json
@@ -16,13 +17,24 @@ WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
 NPROC = 4
 
 
-
-
 def torchrun(data: str, out: str, *extra: str, timeout: int = 150) -> subprocess.CompletedProcess:
     os.makedirs(out, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={NPROC}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", WORKER, "--data", data, "--out", out, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc_per_node={NPROC}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        WORKER,
+        "--data",
+        data,
+        "--out",
+        out,
+        *extra,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -63,8 +75,9 @@ def test_kill_at_step_k_then_resume_matches_the_uninterrupted_run(dataset, full_
     assert first.returncode == 0, first.stderr[-3000:]
     states = [json.load(open(tmp_path / "a" / f"state-rank{r}.json")) for r in range(NPROC)]
     assert all(s == states[0] for s in states), "state_dict is identical on every rank"
-    second = torchrun(dataset[0], str(tmp_path / "b"), "--resume", str(tmp_path / "a" / "state-rank0.json"),
-                      "--num-workers", "2")
+    second = torchrun(
+        dataset[0], str(tmp_path / "b"), "--resume", str(tmp_path / "a" / "state-rank0.json"), "--num-workers", "2"
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     a, b = records(str(tmp_path / "a")), records(str(tmp_path / "b"))
     for r in range(NPROC):

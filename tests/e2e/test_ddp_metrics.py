@@ -5,6 +5,7 @@ but wait for it in the per-step all-reduce, as DDP ranks do. The loader's all-ga
 steps must name that rank and its node, and the merged JSONL files of both simulated nodes must
 say the same in `shardtool stats`, its JSON and its plot.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,24 @@ def job(tmp_path_factory):
     out = str(base / "out")
     os.makedirs(out)
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=4",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", WORKER, "--data", data, "--out", out,
-           "--slow-rank", str(SLOW), "--every", str(EVERY)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=4",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        WORKER,
+        "--data",
+        data,
+        "--out",
+        out,
+        "--slow-rank",
+        str(SLOW),
+        "--every",
+        str(EVERY),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=150)
     assert res.returncode == 0, res.stderr[-4000:]
     recs = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(4)]

@@ -2,6 +2,7 @@
 
 (examples/train_ddp.py, slurm/prolog.sh and slurm/train.sbatch run in tests/slurm/test_e2e_train.py.)
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,15 @@ def test_convert_images_example(tmp_path):
 @pytest.mark.timeout(600)
 def test_quickstart_main_job_end_to_end(tmp_path):
     work = tmp_path / "qs"
-    cp = _run(["bash", "examples/quickstart.sh"], 580, WORK=str(work), SAMPLES="3000", BENCH_BATCHES="20",
-              SHARDTOOL_NO_INSTALL="1", OMP_NUM_THREADS="1")
+    cp = _run(
+        ["bash", "examples/quickstart.sh"],
+        580,
+        WORK=str(work),
+        SAMPLES="3000",
+        BENCH_BATCHES="20",
+        SHARDTOOL_NO_INSTALL="1",
+        OMP_NUM_THREADS="1",
+    )
     out = cp.stdout
     assert "checks: equal steps, exactly once, remainder as planned: OK" in out, out[-4000:]
     bench = json.loads((work / "bench.json").read_text())

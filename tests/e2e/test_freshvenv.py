@@ -7,6 +7,7 @@ and fails the first command a user runs. So a copy of the checkout is set up fro
 the README writes them. Slow (installs, then the whole quickstart: minutes), so it is marked
 ``freshvenv``: left out of the default run, run by `.ci/run` as its own step.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,16 +37,20 @@ def readme_setup_commands() -> list[str]:
 
 def _checkout_copy(dest: Path) -> Path:
     """The checkout as a fresh clone has it: no build outputs, work files or caches."""
-    junk = shutil.ignore_patterns(".git", "_work", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis",
-                                  "build", "dist", ".venv")
+    junk = shutil.ignore_patterns(
+        ".git", "_work", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis", "build", "dist", ".venv"
+    )
     shutil.copytree(REPO, dest, symlinks=True, ignore=junk)
     return dest
 
 
 def _fresh_env() -> dict:
     """A user's shell before `source venv/bin/activate`: none of this run's Python settings."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PYTHON", "VIRTUAL_ENV", "CONDA", "PYTEST", "SHARDTOOL_NO_INSTALL", "OMP_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTHON", "VIRTUAL_ENV", "CONDA", "PYTEST", "SHARDTOOL_NO_INSTALL", "OMP_"))
+    }
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -53,8 +58,15 @@ def _fresh_env() -> dict:
 def _in_venv(venv: Path, command: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """``command`` in bash with ``venv`` activated; the whole process group killed past ``timeout``."""
     script = f'source "{venv}/bin/activate" && {command}'
-    proc = subprocess.Popen(["bash", "-c", script], cwd=cwd, env=_fresh_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", "-c", script],
+        cwd=cwd,
+        env=_fresh_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -9,6 +9,7 @@ instead of hanging it.
     must hold both DP ranks' range; the epoch runs with the source renamed away.
   - DP 4 -> 2 -> 3: checkpoint mid-epoch, restart on another world size, twice.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,9 @@ def forked(jobs: list[dict], base, timeout: float) -> list[list]:
     path = os.path.join(base, "jobs.json")
     with open(path, "w") as f:
         json.dump(jobs, f)
-    res = subprocess.run([sys.executable, WORKER, path], env=worker_env(), capture_output=True, text=True,
-                         timeout=timeout)
+    res = subprocess.run(
+        [sys.executable, WORKER, path], env=worker_env(), capture_output=True, text=True, timeout=timeout
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [json.loads(line) for line in res.stdout.splitlines()]
     assert [line["out"] for line in lines] == [job["out"] for job in jobs], res.stdout
@@ -97,8 +99,12 @@ def dataset(tmp_path_factory):
 @pytest.mark.timeout(240)
 def test_tp2_dp2_peers_yield_identical_batches_from_a_device_mesh(dataset, tmp_path):
     root, keys = dataset
-    job = {"world": 4, "out": str(tmp_path / "tp"), "limit": 150,
-           "argv": ["--data", root, "--mesh", "dp=2,tp=2", "--dp-dim", "dp", "--batch-size", str(BATCH)]}
+    job = {
+        "world": 4,
+        "out": str(tmp_path / "tp"),
+        "limit": 150,
+        "argv": ["--data", root, "--mesh", "dp=2,tp=2", "--dp-dim", "dp", "--batch-size", str(BATCH)],
+    }
     forked([job], tmp_path, timeout=200)
     recs = records(job["out"], 4)
     # mesh (dp, tp), row-major: ranks 0, 1 are DP rank 0; ranks 2, 3 DP rank 1
@@ -110,9 +116,25 @@ def test_tp2_dp2_peers_yield_identical_batches_from_a_device_mesh(dataset, tmp_p
 
 
 def _torchrun(node: int, port: int, out: str, argv: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-           "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port), WORKER,
-           "--out", out, *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--node_rank",
+        str(node),
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        WORKER,
+        "--out",
+        out,
+        *argv,
+    ]
     log = open(os.path.join(out, f"torchrun-node{node}.log"), "w")
     return subprocess.Popen(cmd, env=worker_env(), stdout=log, stderr=subprocess.STDOUT)
 
@@ -127,8 +149,23 @@ def test_pp2_dp2_across_two_nodes_runs_from_mesh_warmed_caches_alone(dataset, tm
         os.makedirs(tmp_path / f"node{k}")  # each simulated node's local disk
     reports = []
     for k in range(2):
-        res = shardtool_cli("warm", moved, "--cache-dir", caches[k], "--mesh", "pp=2,dp=2", "--nodes", "2",
-                            "--node-rank", str(k), "--ranks-per-node", "2", "--json", "-q", timeout=120)
+        res = shardtool_cli(
+            "warm",
+            moved,
+            "--cache-dir",
+            caches[k],
+            "--mesh",
+            "pp=2,dp=2",
+            "--nodes",
+            "2",
+            "--node-rank",
+            str(k),
+            "--ranks-per-node",
+            "2",
+            "--json",
+            "-q",
+            timeout=120,
+        )
         assert res.returncode == 0, res.stderr
         reports.append(json.loads(res.stdout))
         assert "mesh pp=2,dp=2" in res.stderr and "this node reads data group 0 (DP ranks 0-1)" in res.stderr
@@ -136,18 +173,42 @@ def test_pp2_dp2_across_two_nodes_runs_from_mesh_warmed_caches_alone(dataset, tm
     # parallelism would give each node half (and the run below would miss shards offline).
     shards = len(json.load(open(os.path.join(moved, "index.json")))["shards"])
     assert [r["assigned"] for r in reports] == [shards, shards]
-    assert all(r["data_layout"]["mesh"] == "pp=2,dp=2" and r["data_layout"]["node_dp_ranks"] == [0, 1]
-               for r in reports)
-    pure = shardtool_cli("warm", moved, "--cache-dir", str(tmp_path / "pure"), "--nodes", "2", "--node-rank", "0",
-                         "--ranks-per-node", "2", "--json", "-q", timeout=120)
+    assert all(r["data_layout"]["mesh"] == "pp=2,dp=2" and r["data_layout"]["node_dp_ranks"] == [0, 1] for r in reports)
+    pure = shardtool_cli(
+        "warm",
+        moved,
+        "--cache-dir",
+        str(tmp_path / "pure"),
+        "--nodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--ranks-per-node",
+        "2",
+        "--json",
+        "-q",
+        timeout=120,
+    )
     assert json.loads(pure.stdout)["assigned"] < shards
     os.rename(moved, moved + ".away")  # the shared filesystem is gone: the caches must serve everything
 
     out = str(tmp_path / "pp")
     os.makedirs(out)
     port = free_port()
-    argv = ["--data", moved, "--cache-dir", str(tmp_path / "node{node}" / "cache"), "--mesh", "pp=2,dp=2",
-            "--dp-dim", "dp", "--batch-size", str(BATCH), "--pg-timeout", "60"]
+    argv = [
+        "--data",
+        moved,
+        "--cache-dir",
+        str(tmp_path / "node{node}" / "cache"),
+        "--mesh",
+        "pp=2,dp=2",
+        "--dp-dim",
+        "dp",
+        "--batch-size",
+        str(BATCH),
+        "--pg-timeout",
+        "60",
+    ]
     procs = [_torchrun(k, port, out, argv) for k in range(2)]
     try:
         rcs = [p.wait(timeout=240) for p in procs]
@@ -179,9 +240,15 @@ def test_dp_4_to_2_to_3_resume_chain_serves_every_sample_once(dataset, tmp_path)
     jobs = []
     for i, (world, local, extra) in enumerate(runs):
         resume = ["--resume", os.path.join(jobs[-1]["out"], "state-rank0.json")] if jobs else []
-        jobs.append({"world": world, "out": str(tmp_path / f"run{i}"), "limit": 120,
-                     "env": {"LOCAL_WORLD_SIZE": str(local)},
-                     "argv": [*common, *extra, *resume]})
+        jobs.append(
+            {
+                "world": world,
+                "out": str(tmp_path / f"run{i}"),
+                "limit": 120,
+                "env": {"LOCAL_WORLD_SIZE": str(local)},
+                "argv": [*common, *extra, *resume],
+            }
+        )
     forked(jobs, tmp_path, timeout=280)
     recs = [records(job["out"], world) for job, (world, _, _) in zip(jobs, runs)]
     for i, run in enumerate(recs):
@@ -189,8 +256,9 @@ def test_dp_4_to_2_to_3_resume_chain_serves_every_sample_once(dataset, tmp_path)
         assert len(counts) == 1, f"run {i}: every rank the same batch count, found {counts}"
         assert all(rec["epoch"] == 0 for rec in run)
         if i:
-            states = [json.load(open(os.path.join(jobs[i - 1]["out"], f"state-rank{r}.json")))
-                      for r in range(runs[i - 1][0])]
+            states = [
+                json.load(open(os.path.join(jobs[i - 1]["out"], f"state-rank{r}.json"))) for r in range(runs[i - 1][0])
+            ]
             assert all(s == states[0] for s in states), f"run {i - 1}: the checkpointed state is every rank's"
     assert {len(rec["keys"]) for rec in recs[0]} == {5} and {len(rec["keys"]) for rec in recs[1]} == {6}
     assert recs[2][0]["len"] == len(recs[2][0]["keys"]) > 0, "the last run finishes the epoch"

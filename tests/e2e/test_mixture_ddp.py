@@ -1,5 +1,6 @@
 """Mixtures in real processes: warmed caches on two simulated nodes serve torchrun ranks with the
 sources gone; the example trains, is killed, and resumes under new weights."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,17 @@ WEIGHTS = {"web": 0.5, "code": 0.3, "math": 0.2}
 
 def torchrun(script: str, *args: str, nproc: int, timeout: int) -> subprocess.CompletedProcess:
     env = dict(repo_env(), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", script, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        script,
+        *args,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -41,24 +51,58 @@ def test_a_warmed_three_source_mixture_on_two_nodes_serves_every_rank_with_the_s
     path, _ = mix
     for node in range(2):
         os.makedirs(tmp_path / f"node{node}")
-        res = shardtool_cli("warm", path, "--cache-dir", str(tmp_path / f"node{node}" / "cache"), "--nodes", "2",
-                            "--node-rank", str(node), "--ranks-per-node", "2", "-q", timeout=120)
+        res = shardtool_cli(
+            "warm",
+            path,
+            "--cache-dir",
+            str(tmp_path / f"node{node}" / "cache"),
+            "--nodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--ranks-per-node",
+            "2",
+            "-q",
+            timeout=120,
+        )
         assert res.returncode == 0, res.stderr
         assert all(f"source '{n}': warm ok" in res.stderr for n in WEIGHTS)
     steps = 60
     expected = []
     for r in range(4):  # what each rank reads straight from the sources
-        ld = ShardedLoader(Mixture.from_file(path), steps=steps, max_tokens=160, seed=2, rank=r, world_size=4,
-                           ranks_per_node=2, num_workers=0)
+        ld = ShardedLoader(
+            Mixture.from_file(path),
+            steps=steps,
+            max_tokens=160,
+            seed=2,
+            rank=r,
+            world_size=4,
+            ranks_per_node=2,
+            num_workers=0,
+        )
         expected.append([[b["__source__"], list(b["__key__"])] for b in ld])
     shutil.move(str(tmp_path / "data"), str(tmp_path / "moved-away"))  # the parallel filesystem is gone
     os.makedirs(tmp_path / "data")
     shutil.copy(str(tmp_path / "moved-away" / "mix.json"), path)  # only the mixture file is left
     out = tmp_path / "out"
     out.mkdir()
-    res = torchrun(os.path.join(REPO, "tests", "mixture_worker.py"), "--mixture", path, "--out", str(out),
-                   "--steps", str(steps), "--ranks-per-node", "2", "--cache-base", str(tmp_path), "--num-workers", "1",
-                   nproc=4, timeout=240)
+    res = torchrun(
+        os.path.join(REPO, "tests", "mixture_worker.py"),
+        "--mixture",
+        path,
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--ranks-per-node",
+        "2",
+        "--cache-base",
+        str(tmp_path),
+        "--num-workers",
+        "1",
+        nproc=4,
+        timeout=240,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     got = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     for r in range(4):
@@ -71,12 +115,34 @@ def test_a_warmed_three_source_mixture_on_two_nodes_serves_every_rank_with_the_s
 def test_the_example_trains_a_mixture_and_resumes_under_new_weights(mix, tmp_path):
     path, keys = mix
     example = os.path.join(REPO, "examples", "train_ddp.py")
-    common = ["--mixture", path, "--steps", "40", "--max-tokens", "160", "--num-workers", "1", "--ckpt-dir",
-              str(tmp_path / "ckpt"), "--ckpt-every", "15", "--collective-timeout", "60"]
+    common = [
+        "--mixture",
+        path,
+        "--steps",
+        "40",
+        "--max-tokens",
+        "160",
+        "--num-workers",
+        "1",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+        "--ckpt-every",
+        "15",
+        "--collective-timeout",
+        "60",
+    ]
     first = torchrun(example, *common, "--max-steps", "15", "--log-dir", str(tmp_path / "a"), nproc=2, timeout=200)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-4000:]
-    second = torchrun(example, *common, "--weights", "web=0.2,code=0.2,math=0.6", "--log-dir", str(tmp_path / "b"),
-                      nproc=2, timeout=200)
+    second = torchrun(
+        example,
+        *common,
+        "--weights",
+        "web=0.2,code=0.2,math=0.6",
+        "--log-dir",
+        str(tmp_path / "b"),
+        nproc=2,
+        timeout=200,
+    )
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-4000:]
     assert "resumed from step 15" in second.stdout
     for r in range(2):
@@ -89,8 +155,16 @@ def test_the_example_trains_a_mixture_and_resumes_under_new_weights(mix, tmp_pat
         assert math_share > 0.35  # the new weights (0.6 of the tokens) took over at the resume
         # Every source continued from its cursor: the rank's batches of a source, before and
         # after, are the source's own plan in order (what an uninterrupted run of it serves).
-        ld = ShardedLoader(Mixture.from_file(path), steps=40, max_tokens=160, seed=0, rank=r, world_size=2,
-                           ranks_per_node=2, num_workers=0)
+        ld = ShardedLoader(
+            Mixture.from_file(path),
+            steps=40,
+            max_tokens=160,
+            seed=0,
+            rank=r,
+            world_size=2,
+            ranks_per_node=2,
+            num_workers=0,
+        )
         for name in WEIGHTS:
             served = [x["keys"] for x in before + after if x["source"] == name]
             planner = ld.planner.planners[name]
@@ -108,19 +182,39 @@ def test_killed_and_resumed_ranks_serve_exactly_the_uninterrupted_batches(mix, t
     steps, cut = 50, 23
     expected = []
     for r in range(2):
-        ld = ShardedLoader(Mixture.from_file(path), steps=steps, max_tokens=160, seed=2, rank=r, world_size=2,
-                           ranks_per_node=2, num_workers=0)
+        ld = ShardedLoader(
+            Mixture.from_file(path),
+            steps=steps,
+            max_tokens=160,
+            seed=2,
+            rank=r,
+            world_size=2,
+            ranks_per_node=2,
+            num_workers=0,
+        )
         expected.append([[b["__source__"], list(b["__key__"])] for b in ld])
     worker = os.path.join(REPO, "tests", "mixture_worker.py")
     common = ["--mixture", path, "--steps", str(steps), "--ranks-per-node", "2"]
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
-    first = torchrun(worker, *common, "--out", str(a), "--stop-at", str(cut), "--num-workers", "2", nproc=2, timeout=200)
+    first = torchrun(
+        worker, *common, "--out", str(a), "--stop-at", str(cut), "--num-workers", "2", nproc=2, timeout=200
+    )
     assert first.returncode == 0, first.stderr[-4000:]
     states = [json.loads((a / f"state-rank{r}.json").read_text()) for r in range(2)]
     assert states[0] == states[1] and states[0]["step"] == cut
-    second = torchrun(worker, *common, "--out", str(b), "--resume", str(a / "state-rank0.json"), "--num-workers", "0",
-                      nproc=2, timeout=200)
+    second = torchrun(
+        worker,
+        *common,
+        "--out",
+        str(b),
+        "--resume",
+        str(a / "state-rank0.json"),
+        "--num-workers",
+        "0",
+        nproc=2,
+        timeout=200,
+    )
     assert second.returncode == 0, second.stderr[-4000:]
     for r in range(2):
         before = json.loads((a / f"rank{r}.json").read_text())["batches"]

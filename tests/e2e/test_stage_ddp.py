@@ -2,6 +2,7 @@
 with the real, heavy-tailed lengths of the stdlib's files (tests/realtext.py). Staged in the job
 (local rank 0's stager, or `shardtool warm --follow` beside the ranks), the job trains exactly the
 batches of a prolog-warmed cache and of no cache at all, and no shard is fetched twice."""
+
 from __future__ import annotations
 
 import glob
@@ -40,8 +41,14 @@ def forked(jobs: list[dict], base: str, run: str, timeout: float = 280) -> None:
     path = os.path.join(base, f"jobs-{run}.json")
     with open(path, "w") as f:
         json.dump(jobs, f)
-    res = subprocess.run([sys.executable, WORKER, path], env=worker_env(run), capture_output=True, text=True,
-                         timeout=timeout, check=False)
+    res = subprocess.run(
+        [sys.executable, WORKER, path],
+        env=worker_env(run),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     for j, line in zip(jobs, map(json.loads, res.stdout.splitlines())):
         logs = "\n".join(read(p)[-2000:] for p in glob.glob(os.path.join(j["out"], "rank*.log")))
@@ -60,8 +67,7 @@ def records(out: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     lengths = np.minimum(stdlib_lengths(), 4096)[: SHARDS * 40]
-    root, _ = write_dataset(str(tmp_path_factory.mktemp("stage") / "src"), [40] * SHARDS, lengths=lengths,
-                            extra=False)
+    root, _ = write_dataset(str(tmp_path_factory.mktemp("stage") / "src"), [40] * SHARDS, lengths=lengths, extra=False)
     return root
 
 
@@ -80,10 +86,14 @@ def test_in_job_staging_trains_the_batches_of_a_warmed_cache_and_of_no_cache(dat
     assert report.status == "ok", report.error
     staged = str(tmp_path / "staged")
     slow = json.dumps({"latency": 0.01})  # a remote source: each fetch stays in flight a while
-    jobs = [job(str(tmp_path / "none"), ["--data", dataset]),
-            job(str(tmp_path / "warm"), ["--data", dataset, "--cache-dir", warmed]),
-            job(str(tmp_path / "stage"), ["--data", "faulty://" + dataset, "--cache-dir", staged, "--stage", "on",
-                                          "--options", slow])]
+    jobs = [
+        job(str(tmp_path / "none"), ["--data", dataset]),
+        job(str(tmp_path / "warm"), ["--data", dataset, "--cache-dir", warmed]),
+        job(
+            str(tmp_path / "stage"),
+            ["--data", "faulty://" + dataset, "--cache-dir", staged, "--stage", "on", "--options", slow],
+        ),
+    ]
     forked(jobs, str(tmp_path), "ddp")
     none, warm_, stage = (records(j["out"]) for j in jobs)
     for r in range(2):
@@ -102,9 +112,28 @@ def test_in_job_staging_trains_the_batches_of_a_warmed_cache_and_of_no_cache(dat
 def test_a_warm_follow_step_beside_the_ranks_stages_for_them(dataset, tmp_path):
     staged = str(tmp_path / "follow")
     env = worker_env("follow")
-    stager = subprocess.Popen([sys.executable, "-m", "shardtool", "warm", dataset, "--cache-dir", staged, "--follow",
-                               "--ranks-per-node", "2", "--ahead", "4", "-j", "2"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stager = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "shardtool",
+            "warm",
+            dataset,
+            "--cache-dir",
+            staged,
+            "--follow",
+            "--ranks-per-node",
+            "2",
+            "--ahead",
+            "4",
+            "-j",
+            "2",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out = str(tmp_path / "external")
         forked([job(out, ["--data", dataset, "--cache-dir", staged, "--stage", "external"])], str(tmp_path), "follow")

@@ -1,4 +1,5 @@
 """Fault-injection suite: make the shared test helpers in ``tests/`` importable from here."""
+
 import os
 import sys
 

@@ -13,6 +13,7 @@ writes OUT/rank<r>.json with, per case, its keys or the error planning raised.
 SIGKILLs its own process on sample KEY. Every rank writes OUT/rank<r>.json when it fails,
 with the elapsed seconds and the error, then exits 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,9 +48,15 @@ def run_cases(cases: list[dict], rank: int, out: str) -> int:
         results.append(res)
         kw = {k: case[k] for k in ("batch_size", "max_tokens") if k in case}
         try:
-            loader = ShardedLoader(case["data"], **kw, ranks_per_node=case["ranks_per_node"],
-                                   num_workers=case["num_workers"], seed=case.get("seed", 0), pin_memory=False,
-                                   timeout=30)
+            loader = ShardedLoader(
+                case["data"],
+                **kw,
+                ranks_per_node=case["ranks_per_node"],
+                num_workers=case["num_workers"],
+                seed=case.get("seed", 0),
+                pin_memory=False,
+                timeout=30,
+            )
             res["len"] = len(loader)  # plans the epoch: where a too-small dataset is refused
         except ValueError as e:
             res["error"] = str(e)
@@ -85,8 +92,15 @@ def sabotaged(kind: str, key: str):
 def run_sabotage(args, rank: int) -> int:
     kind, key = args.sabotage.split(":", 1)
     transform = sabotaged(kind, key) if rank == args.sabotage_rank else None
-    loader = ShardedLoader(args.data, batch_size=args.batch_size, num_workers=args.num_workers, seed=1,
-                           pin_memory=False, timeout=args.loader_timeout, transform=transform)
+    loader = ShardedLoader(
+        args.data,
+        batch_size=args.batch_size,
+        num_workers=args.num_workers,
+        seed=1,
+        pin_memory=False,
+        timeout=args.loader_timeout,
+        transform=transform,
+    )
     began = time.monotonic()
     steps = 0
     try:
@@ -95,8 +109,17 @@ def run_sabotage(args, rank: int) -> int:
             dist.all_reduce(t)
             steps += 1
     except Exception as e:
-        _write(args.out, rank, {"rank": rank, "steps": steps, "elapsed": time.monotonic() - began,
-                                "type": type(e).__name__, "error": "".join(traceback.format_exception(e))})
+        _write(
+            args.out,
+            rank,
+            {
+                "rank": rank,
+                "steps": steps,
+                "elapsed": time.monotonic() - began,
+                "type": type(e).__name__,
+                "error": "".join(traceback.format_exception(e)),
+            },
+        )
         raise
     _write(args.out, rank, {"rank": rank, "steps": steps, "elapsed": time.monotonic() - began, "error": None})
     return 0

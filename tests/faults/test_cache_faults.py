@@ -1,5 +1,6 @@
 """Faults on the cache side: a full disk, cached files damaged at rest, warmers killed or racing,
 stale locks, and eviction under pressure while other real processes read."""
+
 from __future__ import annotations
 
 import collections
@@ -71,8 +72,13 @@ def spawn(script, *args, **kw):
 
 
 def hold(url, cache_dir, shards):
-    p = spawn(READER, REPO, json.dumps({"url": url, "cache": cache_dir, "mode": "hold", "shards": shards}),
-              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    p = spawn(
+        READER,
+        REPO,
+        json.dumps({"url": url, "cache": cache_dir, "mode": "hold", "shards": shards}),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     assert p.stdout.readline().strip() == "holding"
     return p
 
@@ -184,8 +190,7 @@ def test_warmer_killed_mid_copy_leaves_no_final_file_and_recovery_is_automatic(s
     vd = VersionDir(cache_dir, ds.version)
     final = vd.path(info.path)
     # every read of shard 0 takes 1.5 s: the bytes land in the temp, then the EOF read stalls
-    args = {"url": "edgefaulty://" + src, "cache": cache_dir, "jobs": 1,
-            "opts": {"stall": {info.path: [1.5, 1000]}}}
+    args = {"url": "edgefaulty://" + src, "cache": cache_dir, "jobs": 1, "opts": {"stall": {info.path: [1.5, 1000]}}}
     p = spawn(WARM, FAULTS, TESTS, json.dumps(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
@@ -212,8 +217,9 @@ def test_two_warmers_on_the_same_shards_read_and_publish_each_once(src, tmp_path
     ds = open_dataset(src)
     cache_dir = str(tmp_path / "c")
     log = str(tmp_path / "opens.log")
-    args = json.dumps({"url": "edgefaulty://" + src, "cache": cache_dir, "jobs": 4,
-                       "opts": {"latency": 0.1, "log": log}})
+    args = json.dumps(
+        {"url": "edgefaulty://" + src, "cache": cache_dir, "jobs": 4, "opts": {"latency": 0.1, "log": log}}
+    )
     procs = [spawn(WARM, FAULTS, TESTS, args, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
     reports = []
     for p in procs:
@@ -263,8 +269,9 @@ def test_shards_read_by_another_process_are_never_evicted(src, tmp_path):
         assert cached(cache_dir, ds) == set(held)
         assert res["evicted_shards"] == ds.num_shards - len(held)
         cleared = admin.clear(cache_dir)
-        assert sorted(cleared["busy"]) == sorted(VersionDir(cache_dir, ds.version).path(ds.manifest.shards[i].path)
-                                                 for i in held)
+        assert sorted(cleared["busy"]) == sorted(
+            VersionDir(cache_dir, ds.version).path(ds.manifest.shards[i].path) for i in held
+        )
         assert cached(cache_dir, ds) == set(held)
     finally:
         release(p)
@@ -276,9 +283,24 @@ def test_readers_in_other_processes_keep_reading_while_the_cache_is_evicted(src,
     ds = open_dataset(src)
     cache_dir = str(tmp_path / "c")
     warm(src, cache_dir, all_shards=True)
-    readers = [spawn(READER, REPO, json.dumps({"url": src, "cache": cache_dir, "mode": "loop", "seconds": 3,
-                                               "shards": list(range(k, ds.num_shards, 2))}),
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE) for k in range(2)]
+    readers = [
+        spawn(
+            READER,
+            REPO,
+            json.dumps(
+                {
+                    "url": src,
+                    "cache": cache_dir,
+                    "mode": "loop",
+                    "seconds": 3,
+                    "shards": list(range(k, ds.num_shards, 2)),
+                }
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for k in range(2)
+    ]
     evicted = 0
     while any(r.poll() is None for r in readers):
         evicted += admin.gc(cache_dir, max_bytes=ds.manifest.shards[0].bytes)["evicted_shards"]
@@ -315,8 +337,13 @@ def test_budget_below_the_working_set_in_use_is_a_clear_error(src, tmp_path):
         assert cached(cache_dir, ds) == set(held)
         be = warm(src, cache_dir, placement=Placement(Layout(2, 1), 1), max_bytes=budget, best_effort=True)
         assert be.status == "partial" and be.not_fitted
-        assert sum(os.path.getsize(VersionDir(cache_dir, ds.version).path(ds.manifest.shards[i].path))
-                   for i in cached(cache_dir, ds)) <= budget
+        assert (
+            sum(
+                os.path.getsize(VersionDir(cache_dir, ds.version).path(ds.manifest.shards[i].path))
+                for i in cached(cache_dir, ds)
+            )
+            <= budget
+        )
         assert set(held) <= cached(cache_dir, ds)
     finally:
         release(p)

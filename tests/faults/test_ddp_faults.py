@@ -5,6 +5,7 @@ collective timeout, so a rank short of batches or a survivor of a failed rank sh
 bounded failure, never as a 30-minute hang. One process group per world size runs every
 dataset/layout case in sequence, to keep torch start-ups few.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,8 +62,12 @@ def layout_datasets(tmp_path_factory):
         # 2 shards for up to 5 ranks / 5 nodes: boundary shards split between nodes
         "two_shards": (write_dataset(str(base / "two"), [23, 19], seed=2), {"batch_size": 2}),
         # mostly 1-3 tokens with 10% of 300-500: a token budget makes batch sizes vary 2x-200x
-        "skewed": (write_dataset(str(base / "skewed"), skew_sizes, seed=3, extra=False,
-                                 lengths=_skewed_lengths(sum(skew_sizes))), {"max_tokens": 1000}),
+        "skewed": (
+            write_dataset(
+                str(base / "skewed"), skew_sizes, seed=3, extra=False, lengths=_skewed_lengths(sum(skew_sizes))
+            ),
+            {"max_tokens": 1000},
+        ),
         # 3 samples in one shard: some layouts cannot give every rank a batch
         "tiny": (write_dataset(str(base / "tiny"), [3], seed=4), {"batch_size": 2}),
     }
@@ -73,8 +78,16 @@ def _cases(datasets: dict, world: int) -> list[dict]:
     for name, ((root, _), batching) in datasets.items():
         for rpn in sorted({world, 1} | ({2} if world % 2 == 0 else set())):
             for nw in (0, 2) if name == "uneven" else (1,):
-                cases.append({"name": f"{name}/rpn{rpn}/nw{nw}", "dataset": name, "data": root, "ranks_per_node": rpn,
-                              "num_workers": nw, **batching})
+                cases.append(
+                    {
+                        "name": f"{name}/rpn{rpn}/nw{nw}",
+                        "dataset": name,
+                        "data": root,
+                        "ranks_per_node": rpn,
+                        "num_workers": nw,
+                        **batching,
+                    }
+                )
     return cases
 
 
@@ -90,8 +103,14 @@ def layout_runs(layout_datasets, tmp_path_factory):
         cases[world] = _cases(layout_datasets, world)
         path = base / f"cases-{world}.json"
         path.write_text(json.dumps(cases[world]))
-        jobs.append({"world": world, "out": str(base / f"w{world}"), "limit": 90,
-                     "argv": ["--cases", str(path), "--pg-timeout", "20"]})
+        jobs.append(
+            {
+                "world": world,
+                "out": str(base / f"w{world}"),
+                "limit": 90,
+                "argv": ["--cases", str(path), "--pg-timeout", "20"],
+            }
+        )
     ranks = run_jobs(jobs, timeout=400)
     return {w: (cases[w], job["out"], r) for w, job, r in zip(WORLDS, jobs, ranks)}
 
@@ -152,10 +171,30 @@ def sabotage_runs(sabotage_dataset, tmp_path_factory):
     ld = ShardedLoader(root, batch_size=4, seed=1, rank=1, world_size=WORLD, num_workers=0)
     bad = keys[int(ld.plan.batches()[2][0])]
     base = tmp_path_factory.mktemp("ddp-sabotage-runs")
-    jobs = [{"world": WORLD, "out": str(base / kind), "limit": PG_TIMEOUT + 30,
-             "argv": ["--data", root, "--batch-size", "4", "--num-workers", "2",
-                      "--loader-timeout", str(LOADER_TIMEOUT), "--pg-timeout", str(PG_TIMEOUT),
-                      "--sabotage", f"{kind}:{bad}", "--sabotage-rank", "1"]} for kind in KINDS]
+    jobs = [
+        {
+            "world": WORLD,
+            "out": str(base / kind),
+            "limit": PG_TIMEOUT + 30,
+            "argv": [
+                "--data",
+                root,
+                "--batch-size",
+                "4",
+                "--num-workers",
+                "2",
+                "--loader-timeout",
+                str(LOADER_TIMEOUT),
+                "--pg-timeout",
+                str(PG_TIMEOUT),
+                "--sabotage",
+                f"{kind}:{bad}",
+                "--sabotage-rank",
+                "1",
+            ],
+        }
+        for kind in KINDS
+    ]
     ranks = run_jobs(jobs, timeout=len(KINDS) * (PG_TIMEOUT + 30) + 60)
     return {kind: (bad, job["out"], r) for kind, job, r in zip(KINDS, jobs, ranks)}
 
@@ -167,8 +206,11 @@ def test_a_sabotaged_worker_fails_its_rank_fast_and_every_rank_exits(sabotage_ru
     text = logs(out, WORLD)
     assert all(rc is not None for rc, _ in results), f"{kind}: ranks still running after the bound: {results}\n{text}"
     assert all(rc != 0 for rc, _ in results), f"{kind}: every rank must fail: {results}\n{text}"
-    recs = {r: json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(WORLD)
-            if os.path.exists(os.path.join(out, f"rank{r}.json"))}
+    recs = {
+        r: json.load(open(os.path.join(out, f"rank{r}.json")))
+        for r in range(WORLD)
+        if os.path.exists(os.path.join(out, f"rank{r}.json"))
+    }
     mine = recs[1]
     # raise, hang and kill all surface at the culprit's batch
     assert mine["steps"] == 2, mine

@@ -5,6 +5,7 @@ through ``pack``, so these tests show what a *reader* does with a hostile or bro
 a clear error naming the shard (or manifest), from the API and from ``shardtool verify`` /
 ``shardtool inspect`` (exit code ≠ 0), and never an unpickle, never wrong lengths.
 """
+
 from __future__ import annotations
 
 import io
@@ -50,8 +51,9 @@ def _publish_shard(root, rel, data: bytes, idx: ShardIndex, fields: list[FieldSp
     return ShardInfo(rel, len(idx), len(data), hash_bytes(data), index_rel, len(index_bytes), hash_bytes(index_bytes))
 
 
-def handmade_tar(root, samples: list[tuple[str, list[bytes]]], fields: list[FieldSpec], *,
-                 lengths=None, rel=SHARD) -> str:
+def handmade_tar(
+    root, samples: list[tuple[str, list[bytes]]], fields: list[FieldSpec], *, lengths=None, rel=SHARD
+) -> str:
     """A tar dataset written byte by byte, keys unchecked; lengths default to payload bytes."""
     buf = io.BytesIO()
     w = TarShardWriter(buf, [f.ext for f in fields])
@@ -59,19 +61,26 @@ def handmade_tar(root, samples: list[tuple[str, list[bytes]]], fields: list[Fiel
     w.close()
     n = len(samples)
     real = np.array([sum(len(p) for p in ps) for _, ps in samples], dtype=np.int64)
-    idx = ShardIndex([k for k, _ in samples], np.array([e.offset for e in entries], np.uint64),
-                     np.array([e.size for e in entries], np.uint64),
-                     real if lengths is None else np.asarray(lengths, np.int64))
+    idx = ShardIndex(
+        [k for k, _ in samples],
+        np.array([e.offset for e in entries], np.uint64),
+        np.array([e.size for e in entries], np.uint64),
+        real if lengths is None else np.asarray(lengths, np.int64),
+    )
     idx.field_offsets = np.array([e.field_offsets for e in entries], np.uint32).reshape(n, len(fields))
     idx.field_sizes = np.array([e.field_sizes for e in entries], np.uint64).reshape(n, len(fields))
     info = _publish_shard(root, rel, buf.getvalue(), idx, fields)
-    publish_manifest(str(root), Manifest("tar", fields, [info], {"field": None, "unit": "bytes", "fn": None}),
-                     real if lengths is None else idx.lengths)
+    publish_manifest(
+        str(root),
+        Manifest("tar", fields, [info], {"field": None, "unit": "bytes", "fn": None}),
+        real if lengths is None else idx.lengths,
+    )
     return str(root)
 
 
-def handmade_arrow(root, keys: list[str], tokens: list[list[int]], *, file_dtype="i8", manifest_dtype="i8",
-                   index_lengths=None) -> str:
+def handmade_arrow(
+    root, keys: list[str], tokens: list[list[int]], *, file_dtype="i8", manifest_dtype="i8", index_lengths=None
+) -> str:
     """An Arrow dataset whose shard is written with ``file_dtype`` tokens, its manifest saying ``manifest_dtype``."""
     file_fields = [FieldSpec("tokens", "tokens.npy", "npy", "array", file_dtype)]
     fields = [FieldSpec("tokens", "tokens.npy", "npy", "array", manifest_dtype)]
@@ -82,13 +91,15 @@ def handmade_arrow(root, keys: list[str], tokens: list[list[int]], *, file_dtype
     ranges = np.array(w.batch_ranges, np.uint64).reshape(-1, 2)
     b = np.array([x[0] for x in where], np.int64)
     real = np.array([len(t) for t in tokens], np.int64)
-    idx = ShardIndex(list(keys), ranges[b, 0], ranges[b, 1], real if index_lengths is None else
-                     np.asarray(index_lengths, np.int64))
+    idx = ShardIndex(
+        list(keys), ranges[b, 0], ranges[b, 1], real if index_lengths is None else np.asarray(index_lengths, np.int64)
+    )
     idx.batch = b.astype(np.int32)
     idx.row = np.array([x[1] for x in where], np.int32)
     info = _publish_shard(root, ASHARD, buf.getvalue(), idx, fields)
-    publish_manifest(str(root), Manifest("arrow", fields, [info], {"field": "tokens", "unit": "elements", "fn": None}),
-                     real)
+    publish_manifest(
+        str(root), Manifest("arrow", fields, [info], {"field": "tokens", "unit": "elements", "fn": None}), real
+    )
     return str(root)
 
 
@@ -313,8 +324,13 @@ def test_length_field_disagreeing_with_recorded_lengths_fails_verify(tmp_path, f
     from data_gen import token_records, write_jsonl
 
     out = str(tmp_path / "o")
-    shardtool.pack(write_jsonl(str(tmp_path / "in.jsonl"), token_records(20)), out, format=fmt,
-                   samples_per_shard=10, length="tokens")
+    shardtool.pack(
+        write_jsonl(str(tmp_path / "in.jsonl"), token_records(20)),
+        out,
+        format=fmt,
+        samples_per_shard=10,
+        length="tokens",
+    )
     assert verify(out)["ok"]
     ds = open_dataset(out)
     info = ds.manifest.shards[1]

@@ -6,6 +6,7 @@ one (`load_state_dict`, then `for epoch in range(state epoch, E): set_epoch(epoc
 loader`), the state always goes through JSON, and once through a fresh process. Multi-rank
 faults (a rank's worker failing while the others wait in a collective) are in test_ddp_faults.
 """
+
 from __future__ import annotations
 
 import json
@@ -94,12 +95,14 @@ NAMED = {
 
 # every point with num_workers 0; the worker-count change 0 <-> 2 at three of them (worker start-up is slow)
 POINT_WORKERS = [(p, (0,)) for p in NAMED] + [
-    (p, w) for p in ("mid-epoch", "last batch", "two resumes in a row, across the epoch end") for w in ((0, 2), (2, 0))]
+    (p, w) for p in ("mid-epoch", "last batch", "two resumes in a row, across the epoch end") for w in ((0, 2), (2, 0))
+]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("point,workers", POINT_WORKERS,
-                         ids=[f"{p}-nw{'-to-'.join(map(str, w))}" for p, w in POINT_WORKERS])
+@pytest.mark.parametrize(
+    "point,workers", POINT_WORKERS, ids=[f"{p}-nw{'-to-'.join(map(str, w))}" for p, w in POINT_WORKERS]
+)
 def test_resume_at_named_points_matches_the_uninterrupted_stream(dataset, full, point, workers):
     n = per_epoch(dataset)
     stream, state = resumed_run(dataset[0], NAMED[point](n), workers)
@@ -107,8 +110,9 @@ def test_resume_at_named_points_matches_the_uninterrupted_stream(dataset, full, 
     assert state == full[1]
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(cuts=st.lists(st.integers(0, 29), min_size=1, max_size=3))
 def test_any_chain_of_resume_points_matches_the_uninterrupted_stream(dataset, full, cuts):
     stream, state = resumed_run(dataset[0], cuts, (0,))
@@ -151,8 +155,13 @@ def test_a_state_saved_here_resumes_in_a_fresh_process(dataset, full, tmp_path):
     path = tmp_path / "state.json"
     path.write_text(json.dumps(state))
     args = {"root": dataset[0], "config": CONFIG, "state": str(path), "epochs": EPOCHS}
-    res = subprocess.run([sys.executable, "-c", FRESH, REPO, json.dumps(args)], capture_output=True, text=True,
-                         timeout=100, env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+    res = subprocess.run(
+        [sys.executable, "-c", FRESH, REPO, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rest = [(e, keys) for e, keys in json.loads(res.stdout)]
     assert got + rest == full[0]
@@ -168,7 +177,7 @@ def test_resume_on_three_simulated_ranks_at_the_last_batch(dataset):
     for r in range(3):
         ld = make(dataset[0], rank=r, world_size=3)
         ld.load_state_dict(states[0])
-        assert train(ld)[0] == ref[r][n - 1:]
+        assert train(ld)[0] == ref[r][n - 1 :]
 
 
 # --------------------------------------------------------------------------- workers that fail

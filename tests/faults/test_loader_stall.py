@@ -6,6 +6,7 @@ and went silent (tests/faultfs.py ``hang``). Both with the trainer reading (``nu
 the main thread itself is stuck in C code) and with two workers; each must fail within
 ``stall_timeout`` plus a few seconds and leave the stacks of every process in the dump file.
 """
+
 from __future__ import annotations
 
 import os
@@ -66,7 +67,9 @@ def test_a_fifo_shard_stalls_into_an_error_with_stacks(tmp_path, workers):
     assert f"opening shard {HUNG} at byte offset 0" in msg and "(tier local)" in msg
     assert ("worker " if workers else "the trainer") in msg
     dump = dump_of(err)
-    assert dump.startswith("rank 0/1") and os.path.dirname(re.search(r"(\S+\.log)", msg).group(1)) == str(tmp_path / "m")
+    assert dump.startswith("rank 0/1") and os.path.dirname(re.search(r"(\S+\.log)", msg).group(1)) == str(
+        tmp_path / "m"
+    )
     if workers:
         for w in range(workers):  # every worker answered with its own stacks, stuck in the open
             part = dump.split(f"--- worker {w} (pid ")[1]
@@ -78,8 +81,14 @@ def test_a_fifo_shard_stalls_into_an_error_with_stacks(tmp_path, workers):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_silent_remote_store_stalls_into_an_error_naming_the_offset(tmp_path, workers):
     root, _ = write_dataset(str(tmp_path / "d"), [30, 25, 40, 20], seed=4)
-    ld = ShardedLoader("faulty://" + root, batch_size=6, num_workers=workers, stall_timeout=STALL,
-                       storage_options={"hang": [HUNG]}, metrics_dir=str(tmp_path / "m"))
+    ld = ShardedLoader(
+        "faulty://" + root,
+        batch_size=6,
+        num_workers=workers,
+        stall_timeout=STALL,
+        storage_options={"hang": [HUNG]},
+        metrics_dir=str(tmp_path / "m"),
+    )
     batch, offset = first_read_of_hung_shard(root, ld)
     err, took = stalled(ld)
     msg = str(err)
@@ -93,8 +102,9 @@ def test_without_metrics_the_watchdog_still_fires_and_dumps(tmp_path):
     root, _ = write_dataset(str(tmp_path / "d"), [30, 25, 40, 20], seed=4)
     os.unlink(os.path.join(root, HUNG))
     os.mkfifo(os.path.join(root, HUNG))
-    ld = ShardedLoader(root, batch_size=6, num_workers=2, stall_timeout=STALL, metrics=False,
-                       metrics_dir=str(tmp_path / "m"))
+    ld = ShardedLoader(
+        root, batch_size=6, num_workers=2, stall_timeout=STALL, metrics=False, metrics_dir=str(tmp_path / "m")
+    )
     err, took = stalled(ld)
     assert took < STALL + SLACK and "no read details (metrics=False)" in str(err)
     assert "in map_shard" in dump_of(err)
@@ -106,8 +116,9 @@ def test_a_pass_in_another_thread_fails_at_the_pool_timeout_with_the_stall_repor
     root, _ = write_dataset(str(tmp_path / "d"), [30, 25, 40, 20], seed=4)
     os.unlink(os.path.join(root, HUNG))
     os.mkfifo(os.path.join(root, HUNG))
-    ld = ShardedLoader(root, batch_size=6, num_workers=2, stall_timeout=STALL, timeout=STALL + 2,
-                       metrics_dir=str(tmp_path / "m"))
+    ld = ShardedLoader(
+        root, batch_size=6, num_workers=2, stall_timeout=STALL, timeout=STALL + 2, metrics_dir=str(tmp_path / "m")
+    )
     out: dict = {}
 
     def loop():
@@ -126,8 +137,14 @@ def test_a_pass_in_another_thread_fails_at_the_pool_timeout_with_the_stall_repor
 
 def test_a_slow_batch_within_the_limit_is_not_a_stall(tmp_path):
     root, _ = write_dataset(str(tmp_path / "d"), [30, 25, 40, 20], seed=4)
-    ld = ShardedLoader("faulty://" + root, batch_size=6, num_workers=0, stall_timeout=3.0,
-                       storage_options={"latency": 0.2}, metrics_dir=str(tmp_path / "m"))
+    ld = ShardedLoader(
+        "faulty://" + root,
+        batch_size=6,
+        num_workers=0,
+        stall_timeout=3.0,
+        storage_options={"latency": 0.2},
+        metrics_dir=str(tmp_path / "m"),
+    )
     it = iter(ld)
     # 6 sample reads of 0.2 s each, and up to 4 shard indexes on first use: at most 2 s a batch,
     # under the limit
@@ -147,8 +164,14 @@ def _hang_on_s000050(sample):
 def test_a_stall_outside_any_read_names_where_the_batch_begins(tmp_path, workers):
     # Not a read: a transform that never returns. The error says so, and where the batch's reading began.
     root, keys = write_dataset(str(tmp_path / "d"), [30, 25, 40, 20], seed=4)
-    ld = ShardedLoader(root, batch_size=6, num_workers=workers, stall_timeout=STALL, transform=_hang_on_s000050,
-                       metrics_dir=str(tmp_path / "m"))
+    ld = ShardedLoader(
+        root,
+        batch_size=6,
+        num_workers=workers,
+        stall_timeout=STALL,
+        transform=_hang_on_s000050,
+        metrics_dir=str(tmp_path / "m"),
+    )
     ds = open_dataset(root)
     gid = keys.index("s000050")
     b = next(i for i in range(len(ld)) if gid in ld.plan.batch(i).tolist())

@@ -6,6 +6,7 @@ not repeated here: malformed JSONL lines and bad keys from a key field (tests/pa
 ``test_bad_jsonl_line``), '../' and absolute tar members, a symlink member and a gzip bomb in
 JSONL (same file), a timed SIGKILL mid-shard (``test_sigkill_mid_shard_then_rerun_is_identical``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,7 +32,6 @@ from shardtool.pack.verify import verify
 cli = functools.partial(shardtool_cli, timeout=120)
 
 
-
 def files_under(root) -> set[str]:
     return {os.path.relpath(os.path.join(d, n), root) for d, _, files in os.walk(root) for n in files}
 
@@ -40,7 +40,7 @@ def files_under(root) -> set[str]:
 # Runs `python -m shardtool ...` with os.replace wrapped so the whole process group is SIGKILLed
 # just before the n-th rename onto a path ending with the given suffix: the storage-edge moment
 # a kill is hardest to survive (temp file complete, not yet published).
-KILLER = r'''
+KILLER = r"""
 import os, runpy, signal, sys
 suffix, nth = sys.argv[1], int(sys.argv[2])
 del sys.argv[1:3]
@@ -54,7 +54,7 @@ def replace(src, dst, *a, **k):
 os.replace = replace
 sys.argv[0] = "shardtool"
 runpy.run_module("shardtool", run_name="__main__")
-'''
+"""
 
 
 def _two_sources(tmp_path) -> list[str]:
@@ -64,14 +64,28 @@ def _two_sources(tmp_path) -> list[str]:
 
 
 def _pack_args(src, out, workers):
-    return ["pack", *src, "-o", out, "-q", "--samples-per-shard", "300", "--length", "tokens", "--workers",
-            str(workers)]
+    return [
+        "pack",
+        *src,
+        "-o",
+        out,
+        "-q",
+        "--samples-per-shard",
+        "300",
+        "--length",
+        "tokens",
+        "--workers",
+        str(workers),
+    ]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("workers", [1, 2])
-@pytest.mark.parametrize("point", [("000001.tar", 1), (".idx.arrow", 2), ("lengths.npy", 1), ("index.json", 1)],
-                         ids=["mid-shards", "shard-index", "lengths", "manifest"])
+@pytest.mark.parametrize(
+    "point",
+    [("000001.tar", 1), (".idx.arrow", 2), ("lengths.npy", 1), ("index.json", 1)],
+    ids=["mid-shards", "shard-index", "lengths", "manifest"],
+)
 def test_sigkill_at_publish_points_then_rerun_is_identical(tmp_path, workers, point):
     src = _two_sources(tmp_path)
     ref = str(tmp_path / "ref")
@@ -80,8 +94,13 @@ def test_sigkill_at_publish_points_then_rerun_is_identical(tmp_path, workers, po
     killer = tmp_path / "killer.py"
     killer.write_text(KILLER)
     out = str(tmp_path / "out")
-    p = subprocess.run([sys.executable, str(killer), point[0], str(point[1]), *_pack_args(src, out, workers)],
-                       env=repo_env(), capture_output=True, timeout=120, start_new_session=True)
+    p = subprocess.run(
+        [sys.executable, str(killer), point[0], str(point[1]), *_pack_args(src, out, workers)],
+        env=repo_env(),
+        capture_output=True,
+        timeout=120,
+        start_new_session=True,
+    )
     assert p.returncode == -signal.SIGKILL, p.stderr
     # No manifest may exist, so no reader can be pointed at the partial output.
     assert not os.path.exists(os.path.join(out, "index.json"))
@@ -100,8 +119,14 @@ def test_killed_worker_fails_the_pack_instead_of_hanging(tmp_path):
     # Kill only the process doing the 2nd shard rename of worker 1 (a forked pool worker).
     killer.write_text(KILLER.replace("os.killpg(os.getpgrp(), signal.SIGKILL)", "os.kill(os.getpid(), signal.SIGKILL)"))
     out = str(tmp_path / "out")
-    p = subprocess.run([sys.executable, str(killer), "w01-000001.tar", "1", *_pack_args(src, out, 2)],
-                       env=repo_env(), capture_output=True, text=True, timeout=90, start_new_session=True)
+    p = subprocess.run(
+        [sys.executable, str(killer), "w01-000001.tar", "1", *_pack_args(src, out, 2)],
+        env=repo_env(),
+        capture_output=True,
+        text=True,
+        timeout=90,
+        start_new_session=True,
+    )
     assert p.returncode not in (0, -signal.SIGKILL), p.stderr
     assert "worker" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not os.path.exists(os.path.join(out, "index.json"))
@@ -133,7 +158,9 @@ def test_undecodable_inputs_name_path_and_position_and_skip_bad_lists_them(tmp_p
 
     res = json.loads(p.stdout)
     assert len(res["skipped"]) == 2 and res["samples"] == 12
-    assert any("utf8.jsonl (line 2)" in s for s in res["skipped"]) and any("broken.parquet" in s for s in res["skipped"])
+    assert any("utf8.jsonl (line 2)" in s for s in res["skipped"]) and any(
+        "broken.parquet" in s for s in res["skipped"]
+    )
     p = cli("pack", str(bad_utf8), str(pq), ok, "-o", str(tmp_path / "o5"), "-q", "--skip-bad")
     assert p.returncode == 0 and "skipped 2" in p.stdout
     assert p.stderr.count("skipped: ") == 2 and "utf8.jsonl (line 2)" in p.stderr
@@ -158,8 +185,9 @@ def test_bad_keys_rejected_at_pack_time(tmp_path, name):
     import json
 
     key = BAD_KEYS[name]
-    src = write_jsonl(str(tmp_path / "in.jsonl"), [], raw_lines=[json.dumps({"id": "ok", "n": 1}),
-                                                                  json.dumps({"id": key, "n": 2})])
+    src = write_jsonl(
+        str(tmp_path / "in.jsonl"), [], raw_lines=[json.dumps({"id": "ok", "n": 1}), json.dumps({"id": key, "n": 2})]
+    )
     with pytest.raises(BadSampleError, match=r"in\.jsonl \(line 2\): key"):
         shardtool.pack(src, str(tmp_path / "o"), key="id")
     assert not os.path.exists(tmp_path / "o" / "index.json")
@@ -221,8 +249,15 @@ runpy.run_module("shardtool", run_name="__main__")
 
 def _run_measured(args, cwd) -> tuple[int, str, int]:
     """Run the CLI; returns (exit code, stderr, peak RSS of that process alone in MiB)."""
-    p = subprocess.run([sys.executable, "-c", _MEASURED, *args], env=repo_env(), cwd=cwd, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE, timeout=170, start_new_session=True)
+    p = subprocess.run(
+        [sys.executable, "-c", _MEASURED, *args],
+        env=repo_env(),
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        timeout=170,
+        start_new_session=True,
+    )
     err = p.stderr.decode()
     peak = [int(line.split()[1]) for line in err.splitlines() if line.startswith("PEAK_KIB ")]
     if not peak:
@@ -296,8 +331,9 @@ def test_bombs_refused_with_bounded_memory(tmp_path, kind):
         pattern = r"bomb\.jsonl\.zst \(line 1\): line is longer than"
     assert os.path.getsize(src) < 64 << 20
     before = files_under(tmp_path)
-    rc, err, peak_mib = _run_measured(["pack", src, "-o", str(tmp_path / "o"), "-q", "--max-sample-bytes", "16MiB"],
-                                      cwd=str(tmp_path))
+    rc, err, peak_mib = _run_measured(
+        ["pack", src, "-o", str(tmp_path / "o"), "-q", "--max-sample-bytes", "16MiB"], cwd=str(tmp_path)
+    )
     import re
 
     assert rc == 1 and re.search(pattern, err), err
@@ -321,8 +357,10 @@ class Marker:
 def test_pickle_member_never_unpickled_through_pack_and_read(tmp_path, fmt, ext):
     marker = tmp_path / "MARKER"
     payload = pickle.dumps(Marker(marker))
-    src = write_tar(str(tmp_path / "in.tar"), [("0000.txt", b"hello"), (f"0000.{ext}", payload),
-                                                ("0001.txt", b"bye"), (f"0001.{ext}", payload)])
+    src = write_tar(
+        str(tmp_path / "in.tar"),
+        [("0000.txt", b"hello"), (f"0000.{ext}", payload), ("0001.txt", b"bye"), (f"0001.{ext}", payload)],
+    )
     out = str(tmp_path / "o")
     r = shardtool.pack(src, out, format=fmt)
     assert r.samples == 2 and not marker.exists()

@@ -7,6 +7,7 @@ The trainer appends one line per batch holding the batch's keys and the state af
 write: a checkpoint that is never ahead of or behind the batches it covers. A kill can tear only
 the last line, which the driver cuts off before resuming.
 """
+
 from __future__ import annotations
 
 import collections
@@ -26,8 +27,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 EPOCHS = 6
 # 2 ranks on one node under a token budget: the remainder changes every epoch (8 to 50 samples)
 WORLD = 2
-CONFIG = {"max_tokens": 200, "seed": 9, "pin_memory": False, "prefetch_factor": 2, "world_size": WORLD,
-          "ranks_per_node": 2}
+CONFIG = {
+    "max_tokens": 200,
+    "seed": 9,
+    "pin_memory": False,
+    "prefetch_factor": 2,
+    "world_size": WORLD,
+    "ranks_per_node": 2,
+}
 
 TRAINER = r"""
 import json, os, sys, time
@@ -85,10 +92,23 @@ def test_random_kills_and_resumes_serve_exactly_the_uninterrupted_run(tmp_path):
             break
         steps = [r for r in records if "step" in r]
         state = steps[-1]["state"] if steps else None
-        args = {"root": root, "config": CONFIG, "num_workers": rng.choice([0, 2]), "state": state, "log": log,
-                "epochs": EPOCHS, "world": WORLD, "step_seconds": rng.choice([0.0, 0.005, 0.02])}
-        proc = subprocess.Popen([sys.executable, "-c", TRAINER, REPO, json.dumps(args)], env=env,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        args = {
+            "root": root,
+            "config": CONFIG,
+            "num_workers": rng.choice([0, 2]),
+            "state": state,
+            "log": log,
+            "epochs": EPOCHS,
+            "world": WORLD,
+            "step_seconds": rng.choice([0.0, 0.005, 0.02]),
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-c", TRAINER, REPO, json.dumps(args)],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         starts += 1
         target = len(steps) + rng.randint(1, 20)
         try:
@@ -125,7 +145,8 @@ def test_random_kills_and_resumes_serve_exactly_the_uninterrupted_run(tmp_path):
             ref.set_epoch(epoch)
         expected = [[[keys[g] for g in b.tolist()] for b in ref.plan.batches()] for ref in refs]
         assert [list(step) for step in zip(*expected)] == served[epoch], (
-            f"epoch {epoch}: batches differ from the uninterrupted run")
+            f"epoch {epoch}: batches differ from the uninterrupted run"
+        )
         flat = [k for step in served[epoch] for b in step for k in b]
         assert sorted(flat + remainders[epoch]) == sorted(keys), f"epoch {epoch}: a sample lost or repeated"
         total.update(flat)
@@ -133,7 +154,13 @@ def test_random_kills_and_resumes_serve_exactly_the_uninterrupted_run(tmp_path):
     expected_total.subtract(collections.Counter(k for e in range(EPOCHS) for k in remainders[e]))
     assert total == +expected_total
     assert kills >= 3, f"only {kills} kills: the soak did not exercise resume"
-    summary = {"epochs": EPOCHS, "kills": kills, "starts": starts, "samples": sum(total.values()),
-               "dataset": len(keys), "remainders": {e: len(r) for e, r in remainders.items()},
-               "seconds": round(time.monotonic() - began, 1)}
+    summary = {
+        "epochs": EPOCHS,
+        "kills": kills,
+        "starts": starts,
+        "samples": sum(total.values()),
+        "dataset": len(keys),
+        "remainders": {e: len(r) for e, r in remainders.items()},
+        "seconds": round(time.monotonic() - began, 1),
+    }
     print("\nsoak:", json.dumps(summary))

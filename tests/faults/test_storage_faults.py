@@ -5,6 +5,7 @@ Faults are injected by a wrapping fsspec filesystem (``faulty://`` from tests/fa
 opens shared across processes), over a local directory or a real moto S3 server; our own code
 is never mocked. Every error must name the shard.
 """
+
 from __future__ import annotations
 
 import collections
@@ -138,8 +139,9 @@ def test_corrupt_s3_source_is_detected_before_publish(src, tmp_path, s3_server, 
     shutil.copyfile(os.path.join(src, m.shards[1].path), local)
     corrupt(local, how, random.Random(3))
     s3_server.fs().put_file(local, f"corrupt-{how}/ds/{m.shards[1].path}")
-    r = warm(url, str(tmp_path / "c"), all_shards=True, retry=FAST, strict=True,
-             storage_options=s3_server.storage_options)
+    r = warm(
+        url, str(tmp_path / "c"), all_shards=True, retry=FAST, strict=True, storage_options=s3_server.storage_options
+    )
     assert r.exit_code == 1 and r.shards_failed == 1 and m.shards[1].path in r.error, r.error
     vd = VersionDir(str(tmp_path / "c"), r.version)
     assert not os.path.exists(vd.path(m.shards[1].path)) and temps(vd.root) == []
@@ -153,8 +155,13 @@ def test_corrupt_s3_source_is_detected_before_publish(src, tmp_path, s3_server, 
 @pytest.mark.timeout(60)
 def test_a_bit_flipped_in_transit_is_caught_by_the_hash_and_refetched(src, tmp_path):
     m = open_dataset(src).manifest
-    r = warm("edgefaulty://" + src, str(tmp_path), all_shards=True, retry=FAST,
-             storage_options={"flip": {m.shards[3].path: 2}})
+    r = warm(
+        "edgefaulty://" + src,
+        str(tmp_path),
+        all_shards=True,
+        retry=FAST,
+        storage_options={"flip": {m.shards[3].path: 2}},
+    )
     assert r.status == "ok", r.error
     assert r.retries == 2
     assert hash_file(open_dataset(r.version_dir).shard_path(3))[0] == m.shards[3].hash
@@ -166,15 +173,26 @@ def test_a_bit_flipped_in_transit_is_caught_by_the_hash_and_refetched(src, tmp_p
 def test_missing_object_is_one_request_and_a_named_permanent_error(src, tmp_path, what):
     m = open_dataset(src).manifest
     rel = m.shards[4].path if what == "shard" else m.shards[4].index
-    r = warm("edgefaulty://" + src, str(tmp_path), all_shards=True, strict=True, jobs=3,
-             retry=RetryPolicy(attempts=8, base_delay=0.5), storage_options={"missing": [rel]})
+    r = warm(
+        "edgefaulty://" + src,
+        str(tmp_path),
+        all_shards=True,
+        strict=True,
+        jobs=3,
+        retry=RetryPolicy(attempts=8, base_delay=0.5),
+        storage_options={"missing": [rel]},
+    )
     assert r.status == "remote_failed" and r.exit_code == 1 and r.shards_failed == 1
     assert rel in r.error and "404" in r.error
     assert r.retries == 0 and r.seconds < 5  # no backoff sleeps
     assert last_fs().requests[os.path.join(src, rel)] == 1
     # fetch-on-miss: one request again, NotCached naming the shard
-    c = open_cache("edgefaulty://" + src, str(tmp_path / "c2"), storage_options={"missing": [rel]},
-                   retry=RetryPolicy(attempts=8, base_delay=0.5))
+    c = open_cache(
+        "edgefaulty://" + src,
+        str(tmp_path / "c2"),
+        storage_options={"missing": [rel]},
+        retry=RetryPolicy(attempts=8, base_delay=0.5),
+    )
     with pytest.raises(ShardtoolError, match=rel.replace(".", r"\.")):
         c.dataset.read(4, 0)
     assert last_fs().requests[os.path.join(src, rel)] == 1
@@ -198,10 +216,15 @@ def test_resets_503s_and_short_reads_k_times_then_success(src, tmp_path):
 def test_s3_transient_faults_then_success(src, tmp_path, s3_server):  # noqa: F811
     url = s3_server.upload(src, "transient/ds")
     m = open_dataset(src).manifest
-    opts = {"target_protocol": "s3", "target_options": s3_server.storage_options,
-            "http503": {m.shards[0].path: 2}, "short": {m.shards[1].path: 1}, "transient": {m.shards[2].path: 1},
-            "flip": {m.shards[3].path: 1}}
-    r = warm("edgefaulty://" + url[len("s3://"):], str(tmp_path), all_shards=True, retry=FAST, storage_options=opts)
+    opts = {
+        "target_protocol": "s3",
+        "target_options": s3_server.storage_options,
+        "http503": {m.shards[0].path: 2},
+        "short": {m.shards[1].path: 1},
+        "transient": {m.shards[2].path: 1},
+        "flip": {m.shards[3].path: 1},
+    }
+    r = warm("edgefaulty://" + url[len("s3://") :], str(tmp_path), all_shards=True, retry=FAST, storage_options=opts)
     assert r.status == "ok", r.error
     assert r.retries == 5
     local = open_dataset(r.version_dir)
@@ -220,8 +243,14 @@ def test_backoff_grows_with_full_jitter(src, tmp_path):
     for run in range(4):
         fs = fsspec.filesystem("edgefaulty", transient={ds.manifest.shards[0].path: 5})
         vd = VersionDir(str(tmp_path / f"c{run}"), ds.version)
-        ensure_shard(vd, 0, ds.manifest.shards[0], Source("edgefaulty://" + src, fs=fs, root=src), policy=policy,
-                     on_retry=lambda n, e, d: delays.append((n, d)))
+        ensure_shard(
+            vd,
+            0,
+            ds.manifest.shards[0],
+            Source("edgefaulty://" + src, fs=fs, root=src),
+            policy=policy,
+            on_retry=lambda n, e, d: delays.append((n, d)),
+        )
     for n, d in delays:
         assert 0 <= d <= min(policy.max_delay, policy.base_delay * 2 ** (n - 1))
     assert len({round(d, 6) for _, d in delays}) > len(delays) // 2  # jittered, not lock-step
@@ -232,8 +261,13 @@ def test_backoff_grows_with_full_jitter(src, tmp_path):
 def test_a_stalled_read_times_out_per_attempt_and_is_retried(src, tmp_path):
     m = open_dataset(src).manifest
     began = time.monotonic()
-    r = warm("edgefaulty://" + src, str(tmp_path), all_shards=True, retry=FAST,
-             storage_options={"stall": {m.shards[5].path: [30.0, 1]}})
+    r = warm(
+        "edgefaulty://" + src,
+        str(tmp_path),
+        all_shards=True,
+        retry=FAST,
+        storage_options={"stall": {m.shards[5].path: [30.0, 1]}},
+    )
     took = time.monotonic() - began
     assert r.status == "ok", r.error
     assert r.retries == 1 and took < 10  # the 30 s stall was abandoned after stall_timeout (0.5 s)
@@ -244,8 +278,15 @@ def test_a_source_stalled_for_good_ends_at_the_overall_deadline(src, tmp_path):
     m = open_dataset(src).manifest
     policy = RetryPolicy(attempts=1000, base_delay=0.05, max_delay=0.2, attempt_timeout=60, stall_timeout=1.0)
     began = time.monotonic()
-    r = warm("edgefaulty://" + src, str(tmp_path), all_shards=True, retry=policy, timeout=4, strict=True,
-             storage_options={"stall": {m.shards[0].path: [120.0, 10_000]}})
+    r = warm(
+        "edgefaulty://" + src,
+        str(tmp_path),
+        all_shards=True,
+        retry=policy,
+        timeout=4,
+        strict=True,
+        storage_options={"stall": {m.shards[0].path: [120.0, 10_000]}},
+    )
     took = time.monotonic() - began
     assert took < 4 + 3, f"warm ran {took:.1f}s past a 4 s deadline"
     assert r.exit_code == 1 and r.shards_failed == 1 and m.shards[0].path in r.error

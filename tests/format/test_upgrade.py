@@ -1,5 +1,6 @@
 """`shardtool upgrade`: a dataset packed before per-shard summaries existed gets them, in place,
 without a new version; the loader then plans the same batches without a warning."""
+
 from __future__ import annotations
 
 import json
@@ -121,8 +122,16 @@ def test_upgrade_on_a_real_s3_api_server(packed, tmp_path, s3_server):  # noqa: 
     old = old_copy(root, str(tmp_path / "old"))
     url = s3_server.upload(old, "upgrade-test/ds")
     ep = s3_server.endpoint
-    opts = ["-o", "key=testing", "-o", "secret=testing", "-o", f"client_kwargs.endpoint_url={ep}",
-            "-o", "client_kwargs.region_name=us-east-1"]
+    opts = [
+        "-o",
+        "key=testing",
+        "-o",
+        "secret=testing",
+        "-o",
+        f"client_kwargs.endpoint_url={ep}",
+        "-o",
+        "client_kwargs.region_name=us-east-1",
+    ]
     version = open_dataset(url, storage_options=s3_server.storage_options).version
     check = shardtool_cli("upgrade", url, "--check", *opts)
     assert check.returncode == 1, check.stderr
@@ -132,8 +141,9 @@ def test_upgrade_on_a_real_s3_api_server(packed, tmp_path, s3_server):  # noqa: 
     assert report["needed"] and report["written"].endswith(SUMMARIES_NAME) and report["version"] == version
     fs = s3_server.fs()
     local = open_dataset(root)
-    assert fs.cat_file(f"upgrade-test/ds/{SUMMARIES_NAME}") == summaries_bytes(local.manifest, local.lengths,
-                                                                                sketch=False)
+    assert fs.cat_file(f"upgrade-test/ds/{SUMMARIES_NAME}") == summaries_bytes(
+        local.manifest, local.lengths, sketch=False
+    )
     with pytest.warns(SummariesMissing):
         before = batches(old)  # the plan before the upgrade: from every length
     with warnings.catch_warnings():

@@ -5,6 +5,7 @@ The DDP run launches examples/train_hf.py under ``torch.distributed.run`` with s
 what users run, the batches each rank trains on are written to per-rank files, and a preemption is
 a real process exit. The model is a randomly initialised one-layer GPT-2 (nothing downloaded).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,9 +62,25 @@ def _free_port() -> int:
 # ---------------------------------------------------------------------------------------- DDP
 def _torchrun(args: list[str], *, expect: int = 0) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(EXAMPLE), "--num-workers", "0", "--seq-len", str(SEQ),
-           "--batch-size", str(ROWS), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(EXAMPLE),
+        "--num-workers",
+        "0",
+        "--seq-len",
+        str(SEQ),
+        "--batch-size",
+        str(ROWS),
+        *args,
+    ]
     cp = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
     # torchrun reports a worker's exit status 3 as its own status 1
     assert (cp.returncode == 0) == (expect == 0), f"exit {cp.returncode}\n{cp.stdout[-3000:]}\n{cp.stderr[-6000:]}"
@@ -79,12 +96,26 @@ def test_torchrun_trainer_resumed_mid_epoch_trains_the_same_batches_per_rank(tmp
     # A: uninterrupted. B: checkpoints every 5 steps, every rank killed after step 7 (inside epoch 0).
     # C: the same command resumed from B's checkpoint-5 with train(resume_from_checkpoint=...).
     _torchrun([*data, "--output-dir", str(tmp_path / "outA"), "--log-dir", str(tmp_path / "A")])
-    _torchrun([*data, "--output-dir", str(out), "--save-steps", "5", "--preempt-at-step", "7",
-               "--log-dir", str(tmp_path / "B")], expect=3)
+    _torchrun(
+        [
+            *data,
+            "--output-dir",
+            str(out),
+            "--save-steps",
+            "5",
+            "--preempt-at-step",
+            "7",
+            "--log-dir",
+            str(tmp_path / "B"),
+        ],
+        expect=3,
+    )
     assert sorted(os.listdir(out)) == ["checkpoint-5"]
     saved = json.loads((out / "checkpoint-5" / "shardtool_loader.json").read_text())
     assert saved["epoch"] == 0 and sum(s["served"] for s in saved["segments"]) == 5
-    _torchrun([*data, "--output-dir", str(out), "--resume", str(out / "checkpoint-5"), "--log-dir", str(tmp_path / "C")])
+    _torchrun(
+        [*data, "--output-dir", str(out), "--resume", str(out / "checkpoint-5"), "--log-dir", str(tmp_path / "C")]
+    )
 
     # Each rank trains on its own plain loader's batches, epoch after epoch (no DistributedSampler,
     # no DataLoaderShard splitting them again), and no batch or document goes to two ranks.
@@ -95,7 +126,7 @@ def test_torchrun_trainer_resumed_mid_epoch_trains_the_same_batches_per_rank(tmp
     for r in (0, 1):
         assert [x["hash"] for x in a[r]] == want[r][0] + want[r][1]
     for e in (0, 1):
-        keys = [{k for x in a[r][e * n:(e + 1) * n] for row in x["keys"] for k in row} for r in (0, 1)]
+        keys = [{k for x in a[r][e * n : (e + 1) * n] for row in x["keys"] for k in row} for r in (0, 1)]
         assert keys[0] and keys[1] and not keys[0] & keys[1]
     assert not {x["hash"] for x in a[0]} & {x["hash"] for x in a[1]}
 
@@ -109,9 +140,28 @@ def test_torchrun_trainer_resumed_mid_epoch_trains_the_same_batches_per_rank(tmp
     # D: the 2-rank checkpoint resumed in one process is refused before training (the Trainer counts
     # epochs from one epoch length; the loader alone could continue on 1 rank)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cp = subprocess.run([sys.executable, str(EXAMPLE), *data, "--num-workers", "0", "--seq-len", str(SEQ), "--batch-size",
-                         str(ROWS), "--output-dir", str(out), "--resume", str(out / "checkpoint-5")], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=120)
+    cp = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLE),
+            *data,
+            "--num-workers",
+            "0",
+            "--seq-len",
+            str(SEQ),
+            "--batch-size",
+            str(ROWS),
+            "--output-dir",
+            str(out),
+            "--resume",
+            str(out / "checkpoint-5"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cp.returncode != 0 and "LoaderStateError" in cp.stderr and "saved on 2 data-parallel ranks" in cp.stderr
 
 
@@ -124,8 +174,22 @@ def _example():
 
 
 def _trainer(ex, root: str, out: Path, log: Path | None, *extra: str):
-    args = ex.parse_args(["--data", root, "--output-dir", str(out), "--num-workers", "0", "--seq-len", str(SEQ),
-                          "--batch-size", str(ROWS), *(["--log-dir", str(log)] if log else []), *extra])
+    args = ex.parse_args(
+        [
+            "--data",
+            root,
+            "--output-dir",
+            str(out),
+            "--num-workers",
+            "0",
+            "--seq-len",
+            str(SEQ),
+            "--batch-size",
+            str(ROWS),
+            *(["--log-dir", str(log)] if log else []),
+            *extra,
+        ]
+    )
     return ex.build(args)
 
 
@@ -168,7 +232,9 @@ def test_gradient_accumulation_resumes_at_the_batch_after_the_last_optimizer_ste
     ex, root, _, _ = one_process
     flat = sum(_plain_epochs(root, 2), [])
     assert len(flat) == 40
-    b = _trainer(ex, root, tmp_path / "out", tmp_path / "B", "--grad-accum", "3", "--save-steps", "5", "--max-steps", "6")
+    b = _trainer(
+        ex, root, tmp_path / "out", tmp_path / "B", "--grad-accum", "3", "--save-steps", "5", "--max-steps", "6"
+    )
     b.train()
     b.train_loader.close()
     assert [x["hash"] for x in _records(tmp_path / "B")] == flat[:18]
@@ -234,7 +300,9 @@ def test_a_loader_not_at_the_trainers_step_is_refused_before_training(one_proces
 
     ex, root, tmp, _ = one_process
     trainer = _trainer(ex, root, tmp_path / "out", None)
-    trainer.train_loader.load_state_dict(json.loads((tmp / "out" / "checkpoint-5" / "shardtool_loader.json").read_text()))
+    trainer.train_loader.load_state_dict(
+        json.loads((tmp / "out" / "checkpoint-5" / "shardtool_loader.json").read_text())
+    )
     with pytest.raises(LoaderError, match="at epoch 0, batch 5, but the Trainer starts epoch 0 at batch 0"):
         trainer.train()  # a fresh run: the Trainer starts at step 0
     trainer.train_loader.close()
@@ -272,4 +340,4 @@ def test_accelerate_prepare_passes_the_loader_through_and_save_load_state_restor
     rest = [_hash(b["input_ids"]) for b in loader]
     rest += [_hash(b["input_ids"]) for b in loader]  # the next iter() is epoch 1
     loader.close()
-    assert seen == whole[:n] and rest == whole[n - 3:]
+    assert seen == whole[:n] and rest == whole[n - 3 :]

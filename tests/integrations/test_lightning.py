@@ -6,6 +6,7 @@ that is what users run (Lightning starts rank 1 by re-running the script), the b
 trains on are written to per-rank files, and a preemption is a real process exit. ``ddp_spawn``
 would pickle the loader into the workers and is not what the example does.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -50,9 +51,26 @@ def _plain_epochs(root: str, epochs: int, **layout) -> list[list[list[str]]]:
 # ---------------------------------------------------------------------------------------- DDP
 def _run_example(args: list[str], *, expect: int = 0, devices: int = 2) -> str:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cp = subprocess.run([sys.executable, str(EXAMPLE), "--devices", str(devices), "--accelerator", "cpu", "--batch-size",
-                         str(BATCH), "--num-workers", "0", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                        timeout=150)
+    cp = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--devices",
+            str(devices),
+            "--accelerator",
+            "cpu",
+            "--batch-size",
+            str(BATCH),
+            "--num-workers",
+            "0",
+            *args,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert cp.returncode == expect, f"exit {cp.returncode}\n{cp.stdout[-3000:]}\n{cp.stderr[-6000:]}"
     return cp.stdout + cp.stderr
 
@@ -66,8 +84,20 @@ def test_ddp_resume_from_lightning_checkpoint_mid_epoch_trains_the_same_batches(
     # A: uninterrupted, 2 epochs. B: checkpoints every 5 steps, preempted (every rank exits) after
     # step 7, inside epoch 0. C: resumes from B's step-5 checkpoint with trainer.fit(ckpt_path=...).
     _run_example([*data, "--log-dir", str(tmp_path / "A")])
-    _run_example([*data, "--log-dir", str(tmp_path / "B"), "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "5",
-                  "--preempt-at-step", "7"], expect=3)
+    _run_example(
+        [
+            *data,
+            "--log-dir",
+            str(tmp_path / "B"),
+            "--ckpt-dir",
+            str(tmp_path / "ck"),
+            "--ckpt-every",
+            "5",
+            "--preempt-at-step",
+            "7",
+        ],
+        expect=3,
+    )
     out = _run_example([*data, "--log-dir", str(tmp_path / "C"), "--resume", str(tmp_path / "ck" / "step-step=5.ckpt")])
     assert "#20550" in out  # Lightning skipped the restore here; the callback did it
 
@@ -103,8 +133,17 @@ def test_ddp_resume_from_lightning_checkpoint_mid_epoch_trains_the_same_batches(
     # unserved batches re-dealt to the one rank (what ShardedLoader.load_state_dict gives), epoch 1
     # a whole 1-rank epoch: Lightning's epoch lengths follow (5 + 20 batches, then 30). A constant
     # LR: a schedule sized by estimated_stepping_batches for 2 devices cannot run 55 steps.
-    _run_example([*data, "--no-schedule", "--log-dir", str(tmp_path / "D"), "--resume",
-                  str(tmp_path / "ck" / "step-step=5.ckpt")], devices=1)
+    _run_example(
+        [
+            *data,
+            "--no-schedule",
+            "--log-dir",
+            str(tmp_path / "D"),
+            "--resume",
+            str(tmp_path / "ck" / "step-step=5.ckpt"),
+        ],
+        devices=1,
+    )
     import torch
 
     ckpt = torch.load(tmp_path / "ck" / "step-step=5.ckpt", map_location="cpu", weights_only=False)
@@ -139,8 +178,20 @@ class _Stop:
         return Stop()
 
 
-def _fit(ex, root: str, log_dir: Path, *, schedule: bool = True, callback: bool = True, ckpt_dir: Path | None = None,
-         every: int = 5, stop: int | None = None, resume: Path | None = None, epochs: int = 2, val: str | None = None):
+def _fit(
+    ex,
+    root: str,
+    log_dir: Path,
+    *,
+    schedule: bool = True,
+    callback: bool = True,
+    ckpt_dir: Path | None = None,
+    every: int = 5,
+    stop: int | None = None,
+    resume: Path | None = None,
+    epochs: int = 2,
+    val: str | None = None,
+):
     """One fit of the example's module and data; ``val``: validate every ``every`` steps and
     checkpoint at each validation's end (monitor="val_loss") instead of every ``every`` steps."""
     import lightning as L
@@ -148,8 +199,9 @@ def _fit(ex, root: str, log_dir: Path, *, schedule: bool = True, callback: bool 
 
     from shardtool.integrations.lightning import ShardedLoaderCallback
 
-    args = ex.parse_args(["--data", root, "--batch-size", str(BATCH), "--num-workers", "0"] +
-                         (["--val-data", val] if val else []))
+    args = ex.parse_args(
+        ["--data", root, "--batch-size", str(BATCH), "--num-workers", "0"] + (["--val-data", val] if val else [])
+    )
     callbacks = [ShardedLoaderCallback()] if callback else []
     if stop is not None:
         callbacks.append(_Stop(stop))
@@ -157,12 +209,24 @@ def _fit(ex, root: str, log_dir: Path, *, schedule: bool = True, callback: bool 
         when = dict(monitor="val_loss") if val else dict(every_n_train_steps=every)
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step-{step}", save_top_k=-1, **when))
     L.seed_everything(0)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, callbacks=callbacks, logger=False,
-                        limit_val_batches=1.0 if val else 0, val_check_interval=every if val else 1.0,
-                        enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=str(log_dir))
-    trainer.fit(ex.TinyLM(schedule=schedule, log_dir=str(log_dir)), datamodule=ex.ShardedData(args),
-                ckpt_path=str(resume) if resume else None)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        callbacks=callbacks,
+        logger=False,
+        limit_val_batches=1.0 if val else 0,
+        val_check_interval=every if val else 1.0,
+        enable_checkpointing=ckpt_dir is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(log_dir),
+    )
+    trainer.fit(
+        ex.TinyLM(schedule=schedule, log_dir=str(log_dir)),
+        datamodule=ex.ShardedData(args),
+        ckpt_path=str(resume) if resume else None,
+    )
     return _by_step(_records(log_dir, 0)), trainer
 
 
@@ -202,7 +266,9 @@ def test_without_a_schedule_lightning_restores_the_loader_itself(one_process, ca
     whole, _ = _fit(ex, root, tmp / "A-const", schedule=False)
     _fit(ex, root, tmp / "B-const", schedule=False, ckpt_dir=tmp / "ck-const", stop=9)
     with caplog.at_level(logging.WARNING, logger="shardtool.integrations.lightning"):
-        resumed, _ = _fit(ex, root, tmp / "C-const", schedule=False, callback=False, resume=tmp / "ck-const" / "step-step=5.ckpt")
+        resumed, _ = _fit(
+            ex, root, tmp / "C-const", schedule=False, callback=False, resume=tmp / "ck-const" / "step-step=5.ckpt"
+        )
     assert resumed == {s: whole[s] for s in range(5, 30)}
     assert "#20550" not in caplog.text
 
@@ -246,9 +312,18 @@ def test_the_callback_refuses_a_loader_that_is_not_at_lightnings_step(one_proces
     loader = ShardedLoader(root, batch_size=BATCH, num_workers=0)
     loader.load_state_dict(ahead.state_dict())
     data.train = LightningLoader(loader)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, callbacks=[ShardedLoaderCallback()], logger=False,
-                        limit_val_batches=0, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=str(tmp / "ahead"))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        callbacks=[ShardedLoaderCallback()],
+        logger=False,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp / "ahead"),
+    )
     with pytest.raises(LoaderError, match="at epoch 0, batch 6, but Lightning is at epoch 0, batch 1"):
         trainer.fit(ex.TinyLM(), datamodule=data)
 
@@ -269,9 +344,18 @@ def test_a_bare_sharded_loader_resumed_mid_epoch_is_refused_with_the_fix(one_pro
             return self.train.loader
 
     data = Bare(ex.parse_args(["--data", root, "--batch-size", str(BATCH), "--num-workers", "0"]))
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, callbacks=[ShardedLoaderCallback()], logger=False,
-                        limit_val_batches=0, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=str(tmp / "bare"))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        callbacks=[ShardedLoaderCallback()],
+        logger=False,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp / "bare"),
+    )
     with pytest.raises(LoaderError, match="LightningLoader"):
         trainer.fit(ex.TinyLM(schedule=False), datamodule=data, ckpt_path=str(tmp / "ck" / "step-step=5.ckpt"))
 

@@ -3,6 +3,7 @@ on CPU with gloo under torchrun (2 processes, subprocess with a timeout), as 2 D
 from save_state across an epoch boundary) and as 1 DP x 2 TP (only TP rank 0 builds; both would
 get the same batch). Megatron-LM's training loop is not in the megatron-core wheel, so the worker
 drives the iterator as its RerunDataIterator does: next() once per micro-batch."""
+
 from __future__ import annotations
 
 import json
@@ -33,11 +34,23 @@ def _free_port() -> int:
 
 def _torchrun(*args: str) -> None:
     env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(WORKER), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(WORKER),
+        *args,
+    ]
     # its own process group: a timeout ends torchrun's workers too, not only torchrun
-    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:
+    with subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as proc:
         try:
             out, err = proc.communicate(timeout=150)
         except subprocess.TimeoutExpired:
@@ -63,11 +76,22 @@ def test_two_dp_ranks_resume_from_save_state_exactly_across_an_epoch_boundary(da
     # 10 batches per rank per epoch; A: 25 steps uninterrupted. B: saves after step 7 and stops at 8.
     # C: a fresh run restored from B's folder, steps 7..24 (over the boundaries at 10 and 20).
     _torchrun("--data", data, "--out", str(tmp_path / "A"), "--steps", "25")
-    _torchrun("--data", data, "--out", str(tmp_path / "B"), "--steps", "8", "--save-at", "7",
-              "--ckpt", str(tmp_path / "ckpt"))
+    _torchrun(
+        "--data", data, "--out", str(tmp_path / "B"), "--steps", "8", "--save-at", "7", "--ckpt", str(tmp_path / "ckpt")
+    )
     assert os.listdir(tmp_path / "ckpt") == [STATE_FILE]  # one file, written once (DP rank 0), no temporary left
-    _torchrun("--data", data, "--out", str(tmp_path / "C"), "--steps", "18", "--first-step", "7",
-              "--restore", str(tmp_path / "ckpt"))
+    _torchrun(
+        "--data",
+        data,
+        "--out",
+        str(tmp_path / "C"),
+        "--steps",
+        "18",
+        "--first-step",
+        "7",
+        "--restore",
+        str(tmp_path / "ckpt"),
+    )
     a = {r: _records(tmp_path / "A", r) for r in (0, 1)}
     for r in (0, 1):
         whole = {x["step"]: x["hash"] for x in a[r]}
@@ -154,6 +178,7 @@ def test_megatrons_own_dataloader_save_file_restores(data, tmp_path):
 @pytest.mark.timeout(60)
 def test_the_example_provider_restores_from_megatrons_dataloader_save_file(data, tmp_path):
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("megatron_data_example", REPO / "examples" / "megatron_data.py")
     ex = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ex)
@@ -176,8 +201,15 @@ def _example_resume(ex, data: str, tmp_path: Path) -> None:
     def checkpoint_name(root, iteration, pipeline_rank=None, basename=None):  # Megatron's layout of the file
         return os.path.join(root, f"iter_{iteration:07d}", basename)
 
-    args = SimpleNamespace(data_path=[data], seq_length=32, micro_batch_size=2, num_workers=0, load=None,
-                           dataloader_save=str(tmp_path / "data"), iteration=0)
+    args = SimpleNamespace(
+        data_path=[data],
+        seq_length=32,
+        micro_batch_size=2,
+        num_workers=0,
+        load=None,
+        dataloader_save=str(tmp_path / "data"),
+        iteration=0,
+    )
     first = ex.build_train_iterator(args, checkpoint_name)
     for _ in range(4):
         next(first)

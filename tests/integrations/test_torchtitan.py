@@ -6,6 +6,7 @@ Ranks are forked from tests/titan_worker.py (tests/forkranks.py), one subprocess
 a timeout. A worker builds ``CheckpointManager`` as torchtitan's trainer does (dataloader, a
 one-layer model, train_state), loads the newest ``step-N`` and saves every K steps.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,8 +24,10 @@ from test_loader_data import write_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "titan_worker.py"
-INSTALL = ("pip install --no-deps torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 spmd_types==0.2.3 "
-           "tyro==1.0.17 docstring_parser==0.18.0 (tests/run.sh does)")
+INSTALL = (
+    "pip install --no-deps torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 spmd_types==0.2.3 "
+    "tyro==1.0.17 docstring_parser==0.18.0 (tests/run.sh does)"
+)
 SAVE_AT = 5  # 2 x 5 batches left of a 10-step epoch: on 3 ranks, 3 each and 1 left over
 
 
@@ -38,8 +41,9 @@ def _forked(jobs: list[dict], tmp: Path, timeout: float) -> list[list]:
     path = tmp / f"jobs{len(list(tmp.glob('jobs*.json')))}.json"
     path.write_text(json.dumps(jobs))
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cp = subprocess.run([sys.executable, str(WORKER), str(path)], env=env, capture_output=True, text=True,
-                        timeout=timeout)
+    cp = subprocess.run(
+        [sys.executable, str(WORKER), str(path)], env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert cp.returncode == 0, cp.stderr[-4000:]
     return [json.loads(line)["ranks"] for line in cp.stdout.splitlines()]
 
@@ -64,9 +68,14 @@ def saved(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("titan")
     root, _ = write_dataset(str(tmp / "data"), [30, 30])
     ckpt = tmp / "ckB"
-    ranks = _forked([_job(2, tmp / "A", root, tmp / "ckA"),
-                     _job(2, tmp / "B", root, ckpt, "--save-every", str(SAVE_AT), "--stop-at", str(SAVE_AT + 2))],
-                    tmp, timeout=280)
+    ranks = _forked(
+        [
+            _job(2, tmp / "A", root, tmp / "ckA"),
+            _job(2, tmp / "B", root, ckpt, "--save-every", str(SAVE_AT), "--stop-at", str(SAVE_AT + 2)),
+        ],
+        tmp,
+        timeout=280,
+    )
     for job, out in zip(ranks, ("A", "B")):
         assert [rc for rc, _ in job] == [0, 0], _log(tmp / out, 0)
     assert sorted(os.listdir(ckpt)) == [f"step-{SAVE_AT}"]
@@ -141,9 +150,30 @@ def test_the_example_trains_checkpoints_and_resumes(tmp_path):
     """examples/train_torchtitan.py under torchrun: 12 steps checkpointed every 4, then a second
     launch resumes from step-12 and trains on to 16."""
     root, _ = write_dataset(str(tmp_path / "data"), [60, 60])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(REPO / "examples" / "train_torchtitan.py"), "--data", root, "--ckpt", str(tmp_path / "ckpt"),
-           "--save-every", "4", "--seq-len", "16", "--batch-size", "2", "--vocab", "30000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(REPO / "examples" / "train_torchtitan.py"),
+        "--data",
+        root,
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+        "--save-every",
+        "4",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--vocab",
+        "30000",
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     first = subprocess.run([*cmd, "--steps", "12"], env=env, capture_output=True, text=True, timeout=110)
     assert first.returncode == 0, first.stderr[-3000:]

@@ -4,6 +4,7 @@ World sizes 1-4 are simulated by one loader per rank in this process, with expli
 rank / world_size / ranks_per_node. The planner's own properties are tested on its branch;
 these test the glue: what the loader reads, in which order, and where it resumes.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,9 @@ def datasets(tmp_path_factory):
     def get(shards: tuple[int, ...], fmt: str, seed: int):
         key = (shards, fmt, seed)
         if key not in _DATASETS:
-            _DATASETS[key] = write_dataset(str(base / f"{fmt}-{seed}-{'-'.join(map(str, shards))}"), list(shards),
-                                           fmt=fmt, seed=seed)
+            _DATASETS[key] = write_dataset(
+                str(base / f"{fmt}-{seed}-{'-'.join(map(str, shards))}"), list(shards), fmt=fmt, seed=seed
+            )
         return _DATASETS[key]
 
     return get
@@ -40,8 +42,10 @@ def datasets(tmp_path_factory):
 
 shard_sizes = st.lists(st.integers(0, 25), min_size=1, max_size=4).filter(lambda s: sum(s) >= 16).map(tuple)
 layouts = st.sampled_from([(1, 1), (2, 1), (2, 2), (3, 1), (4, 2), (4, 1)])  # (world_size, ranks_per_node)
-batchings = st.one_of(st.builds(lambda b: {"batch_size": b}, st.integers(1, 5)),
-                      st.builds(lambda t: {"max_tokens": t}, st.integers(40, 120)))
+batchings = st.one_of(
+    st.builds(lambda b: {"batch_size": b}, st.integers(1, 5)),
+    st.builds(lambda t: {"max_tokens": t}, st.integers(40, 120)),
+)
 
 
 def make(root, world, rpn, batching, **kw):
@@ -57,8 +61,14 @@ def plannable(root, world, rpn, batching, **kw):
 
 
 @SETTINGS
-@given(shards=shard_sizes, fmt=st.sampled_from(["tar", "arrow"]), layout=layouts, batching=batchings,
-       seed=st.integers(0, 3), epoch=st.integers(0, 3))
+@given(
+    shards=shard_sizes,
+    fmt=st.sampled_from(["tar", "arrow"]),
+    layout=layouts,
+    batching=batchings,
+    seed=st.integers(0, 3),
+    epoch=st.integers(0, 3),
+)
 def test_every_sample_once_per_epoch_except_the_remainder(datasets, shards, fmt, layout, batching, seed, epoch):
     root, keys = datasets(shards, fmt, 0)
     loaders = plannable(root, *layout, batching, seed=seed, num_workers=0)
@@ -80,16 +90,22 @@ def test_every_sample_once_per_epoch_except_the_remainder(datasets, shards, fmt,
 
 
 @SETTINGS
-@given(shards=shard_sizes, fmt=st.sampled_from(["tar", "arrow"]), layout=layouts, batching=batchings,
-       workers=st.sampled_from([1, 2]))
+@given(
+    shards=shard_sizes,
+    fmt=st.sampled_from(["tar", "arrow"]),
+    layout=layouts,
+    batching=batchings,
+    workers=st.sampled_from([1, 2]),
+)
 def test_batch_sequence_does_not_depend_on_num_workers(datasets, shards, fmt, layout, batching, workers):
     root, _ = datasets(shards, fmt, 1)
     assume(_fits(root, layout, batching))
     world, rpn = layout
     seqs = []
     for nw in (0, workers):
-        ld = ShardedLoader(root, rank=world - 1, world_size=world, ranks_per_node=rpn, **batching, num_workers=nw,
-                           seed=5)
+        ld = ShardedLoader(
+            root, rank=world - 1, world_size=world, ranks_per_node=rpn, **batching, num_workers=nw, seed=5
+        )
         seqs.append([(b["__key__"], b["tokens"].tolist(), b["lengths"].tolist(), b["meta"], b["bin"]) for b in ld])
     assert seqs[0] == seqs[1]
 
@@ -103,8 +119,14 @@ def _fits(root, layout, batching) -> bool:
 
 
 @SETTINGS
-@given(shards=shard_sizes, fmt=st.sampled_from(["tar", "arrow"]), layout=layouts, batching=batchings,
-       cut=st.floats(0, 1), workers=st.sampled_from([(0, 0), (0, 2), (2, 0)]))
+@given(
+    shards=shard_sizes,
+    fmt=st.sampled_from(["tar", "arrow"]),
+    layout=layouts,
+    batching=batchings,
+    cut=st.floats(0, 1),
+    workers=st.sampled_from([(0, 0), (0, 2), (2, 0)]),
+)
 def test_resume_yields_the_tail_of_the_uninterrupted_run(datasets, shards, fmt, layout, batching, cut, workers):
     root, _ = datasets(shards, fmt, 2)
     assume(_fits(root, layout, batching))
@@ -148,8 +170,10 @@ def test_elastic_resume_serves_each_remaining_sample_once(datasets, shards, layo
             served += next(it)["__key__"]
         it.close()
     state = before[0].state_dict()
-    after = [ShardedLoader(root, rank=r, world_size=new_layout[0], ranks_per_node=new_layout[1], **batching,
-                           num_workers=0) for r in range(new_layout[0])]
+    after = [
+        ShardedLoader(root, rank=r, world_size=new_layout[0], ranks_per_node=new_layout[1], **batching, num_workers=0)
+        for r in range(new_layout[0])
+    ]
     for ld in after:
         ld.load_state_dict(state)
     # Not served this epoch: the remainder of its plan (the first layout's, or the new one's when

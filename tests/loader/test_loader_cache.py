@@ -3,6 +3,7 @@
 The contract users rely on in a SLURM job: after the prolog warmed each node, training runs a
 whole epoch from the node's cache even if the parallel filesystem goes away.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,9 +22,20 @@ SHARDS = [37, 5, 60, 22, 41, 13, 50, 8, 33, 29, 44, 17, 26, 35]  # 14 uneven sha
 
 
 def _loaders(url, cache_dirs, **kw):
-    return [ShardedLoader(url, max_tokens=256, seed=3, rank=r, world_size=4, ranks_per_node=2,
-                          num_workers=0, cache_dir=cache_dirs[r // 2] if cache_dirs else None, **kw)
-            for r in range(4)]
+    return [
+        ShardedLoader(
+            url,
+            max_tokens=256,
+            seed=3,
+            rank=r,
+            world_size=4,
+            ranks_per_node=2,
+            num_workers=0,
+            cache_dir=cache_dirs[r // 2] if cache_dirs else None,
+            **kw,
+        )
+        for r in range(4)
+    ]
 
 
 def test_two_nodes_run_an_epoch_from_their_caches_with_the_source_gone(tmp_path):
@@ -64,8 +76,9 @@ def test_a_shard_missing_from_the_cache_is_fetched_into_it_on_demand(tmp_path):
     cdir = str(tmp_path / "cache")
     cache.warm(src, cdir, placement=Placement(Layout(2, 2), 0), progress=False)  # node 0's shards only
     # A rank of node 1 reading through this cache must fetch its shards on demand.
-    ld = ShardedLoader(src, max_tokens=256, seed=3, rank=2, world_size=4, ranks_per_node=2, num_workers=0,
-                       cache_dir=cdir)
+    ld = ShardedLoader(
+        src, max_tokens=256, seed=3, rank=2, world_size=4, ranks_per_node=2, num_workers=0, cache_dir=cdir
+    )
     direct = ShardedLoader(src, max_tokens=256, seed=3, rank=2, world_size=4, ranks_per_node=2, num_workers=0)
     expected = read_all(direct)
     assert read_all(ld) == expected
@@ -75,6 +88,7 @@ def test_a_shard_missing_from_the_cache_is_fetched_into_it_on_demand(tmp_path):
     assert all(dc.is_cached(i) for i in node1)
     # ...and once fetched, the source is no longer needed for them.
     shutil.move(src, str(tmp_path / "gone"))
-    again = ShardedLoader(src, max_tokens=256, seed=3, rank=2, world_size=4, ranks_per_node=2, num_workers=2,
-                          cache_dir=cdir)
+    again = ShardedLoader(
+        src, max_tokens=256, seed=3, rank=2, world_size=4, ranks_per_node=2, num_workers=2, cache_dir=cdir
+    )
     assert read_all(again) == expected

@@ -3,6 +3,7 @@
 One flipped byte in a tar or Arrow shard must stop the loader with an error naming the shard and
 the damaged sample, on every worker count, before a batch with that byte reaches the training loop.
 """
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """A batch-size run serves every sample where nothing needs equalising (one DP rank), or when asked
 (drop_last=False); the 0.2% balanced surplus only where ranks must be evened out, or when asked."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,5 +1,6 @@
 """Epochs as a trainer drives them: a consumer that stops after len(loader) batches, without ever
 seeing StopIteration (Lightning does), must get the next epoch from its next iter()."""
+
 from __future__ import annotations
 
 import itertools
@@ -82,8 +83,16 @@ def test_lightning_max_epochs_trains_every_epoch_in_full(tmp_path):
         def train_dataloader(self):
             return loader
 
-    trainer = L.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer = L.Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
     trainer.fit(Tiny())
     want = []
     for e in range(3):

@@ -2,6 +2,7 @@
 (OpenMP) thread pool. A forked child inherits that pool's bookkeeping but not its threads, so
 its first parallel op would wait forever; the workers must still run a transform and a collate
 that use parallel torch ops. Run in a fresh interpreter with a hard timeout."""
+
 from __future__ import annotations
 
 import os

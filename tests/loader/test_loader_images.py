@@ -1,6 +1,7 @@
 """An ImageFolder user's loader: real PNG icons packed with --label-from-dir read back through
 ShardedLoader (bytes and labels, in and out of worker processes), batches that stack what
 torch's default_collate stacks, and bucketing only where lengths are token counts."""
+
 from __future__ import annotations
 
 import io
@@ -93,8 +94,16 @@ def test_stack_column_stacks_what_default_collate_stacks():
     t = stack_column([torch.zeros(3, 4, dtype=torch.bfloat16)] * 2)
     assert t.shape == (2, 3, 4) and t.dtype == torch.bfloat16
     # what does not stack stays the list
-    for values in ([b"a", b"b"], ["x", "y"], [np.zeros(2), np.zeros(3)], [1, 2.5], [1, None], [2**70, 1],
-                   [np.array(["a"]), np.array(["b"])], [{"a": 1}, {"a": 2}]):
+    for values in (
+        [b"a", b"b"],
+        ["x", "y"],
+        [np.zeros(2), np.zeros(3)],
+        [1, 2.5],
+        [1, None],
+        [2**70, 1],
+        [np.array(["a"]), np.array(["b"])],
+        [{"a": 1}, {"a": 2}],
+    ):
         assert stack_column(values) is values
 
 

@@ -5,6 +5,7 @@ Ground truth is what a user would count by hand: the bytes of every served sampl
 shards each process had to open, the node cache's hits and misses when half the shards are
 warmed, and one metric line per ``metrics_every`` steps in a node-local file.
 """
+
 from __future__ import annotations
 
 import json
@@ -88,8 +89,9 @@ def test_counters_match_the_index_on_a_local_dataset(data, workers, tmp_path):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_remote_source_counts_its_ranged_requests(data, workers, tmp_path):
     root, ds, where = data
-    ld = ShardedLoader("faulty://" + root, batch_size=5, seed=2, num_workers=workers, pin_memory=False,
-                       metrics_dir=str(tmp_path))
+    ld = ShardedLoader(
+        "faulty://" + root, batch_size=5, seed=2, num_workers=workers, pin_memory=False, metrics_dir=str(tmp_path)
+    )
     batches, _, end = run(ld)
     c = end["cumulative"]
     requested = sum(int(ds.shard_index(s).sizes[i]) for s, i in (where[k] for b in batches for k in b))
@@ -116,16 +118,16 @@ def test_half_warmed_cache_splits_hits_and_misses(data, workers, tmp_path):
     assert c["cache"]["misses"] == len(cold)  # each cold shard fetched once, whichever worker came first
     assert c["cache"]["hits"] + c["cache"]["misses"] == c["shard_opens"] == opens_per_worker(where, batches, workers)
     assert c["cache"]["fetch_bytes"] == sum(ds.manifest.shards[s].bytes for s in cold)
-    assert c["bytes_read"] == {"cache": payload_bytes(ds, where, keys), "local": 0,
-                               "remote": c["cache"]["fetch_bytes"]}
+    assert c["bytes_read"] == {"cache": payload_bytes(ds, where, keys), "local": 0, "remote": c["cache"]["fetch_bytes"]}
     assert ld.metrics_path.startswith(os.path.join(os.path.abspath(cdir), "metrics") + os.sep)
 
 
 def test_one_metric_line_per_n_steps_in_a_node_local_file(data, tmp_path):
     root, _, _ = data
     mdir = tmp_path / "m"
-    ld = ShardedLoader(root, batch_size=5, seed=2, num_workers=1, pin_memory=False, metrics_every=3,
-                       metrics_dir=str(mdir))
+    ld = ShardedLoader(
+        root, batch_size=5, seed=2, num_workers=1, pin_memory=False, metrics_every=3, metrics_dir=str(mdir)
+    )
     n = len(ld)
     for _ in range(2):  # two epochs: steps count on across the epoch boundary
         for _ in ld:
@@ -146,8 +148,10 @@ def test_default_metric_dir_is_node_local_and_per_run(data):
     env = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "TMPDIR": "/local/tmp"}
     assert run_id(env, 8, 1, 0.0) == "slurm-77.0"
     assert run_id({"TORCHELASTIC_RUN_ID": "abc"}, 8, 1, 0.0) == "torchrun-abc"
-    assert run_id({"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}, 8, 1, 0.0) == \
-        "master-n1-29500"
+    assert (
+        run_id({"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}, 8, 1, 0.0)
+        == "master-n1-29500"
+    )
     assert run_id({}, 8, 1, 0.0) == "local"
     assert run_id({}, 1, 42, 0.0).endswith("-42")
     assert default_dir(None, None, "slurm-77.0", env) == "/local/tmp/shardtool-metrics/slurm-77.0"
@@ -193,8 +197,9 @@ def test_a_pass_continued_after_an_error_counts_its_worker_restarts(data, tmp_pa
             raise ValueError(f"injected failure on {target}")
         return sample
 
-    ld = ShardedLoader(root, batch_size=5, seed=2, num_workers=2, transform=fail_once, pin_memory=False,
-                       metrics_dir=str(tmp_path))
+    ld = ShardedLoader(
+        root, batch_size=5, seed=2, num_workers=2, transform=fail_once, pin_memory=False, metrics_dir=str(tmp_path)
+    )
     n, got = len(ld), []
     with pytest.raises(Exception, match="injected failure"):
         for b in ld:
@@ -208,8 +213,9 @@ def test_a_pass_continued_after_an_error_counts_its_worker_restarts(data, tmp_pa
 def test_metrics_reduce_without_a_process_group_says_so_once(data, tmp_path, caplog):
     root, _, _ = data
     caplog.set_level(logging.WARNING, logger="shardtool.loader")
-    ld = ShardedLoader(root, batch_size=5, num_workers=0, metrics_every=2, metrics_reduce=True,
-                       metrics_dir=str(tmp_path))
+    ld = ShardedLoader(
+        root, batch_size=5, num_workers=0, metrics_every=2, metrics_reduce=True, metrics_dir=str(tmp_path)
+    )
     list(ld)
     said = [r for r in caplog.records if "metrics_reduce needs" in r.getMessage()]
     assert len(said) == 1 and ld.rank_summary is None
@@ -224,8 +230,9 @@ def test_every_read_path_counts_the_same_bytes(fmt, extra, tmp_path):
     root, _ = write_dataset(str(tmp_path / fmt), [23, 9, 31], fmt=fmt, seed=8, extra=extra)
     got = set()
     for kw in ({}, {"transform": lambda s: s}, {"num_workers": 2}):
-        ld = ShardedLoader(root, batch_size=5, seed=2, pin_memory=False, metrics_dir=str(tmp_path),
-                           **{"num_workers": 0, **kw})
+        ld = ShardedLoader(
+            root, batch_size=5, seed=2, pin_memory=False, metrics_dir=str(tmp_path), **{"num_workers": 0, **kw}
+        )
         list(ld)
         c = ld.metrics()["cumulative"]
         got.add((c["bytes_read"]["local"], c["samples"]))

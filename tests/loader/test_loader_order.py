@@ -1,5 +1,6 @@
 """ShardedLoader(shuffle=False) reads the dataset in plain order, as DistributedSampler(shuffle=False)
 would; bucketing=True sorts by length again (issue 11, item 16)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,8 +19,12 @@ def dataset(tmp_path_factory):
 @pytest.mark.parametrize("world, ranks_per_node", [(1, 1), (2, 2), (2, 1)])
 def test_shuffle_false_yields_samples_in_dataset_order(dataset, world, ranks_per_node):
     root, keys = dataset
-    loaders = [ShardedLoader(root, batch_size=4, shuffle=False, rank=r, world_size=world,
-                             ranks_per_node=ranks_per_node, num_workers=0) for r in range(world)]
+    loaders = [
+        ShardedLoader(
+            root, batch_size=4, shuffle=False, rank=r, world_size=world, ranks_per_node=ranks_per_node, num_workers=0
+        )
+        for r in range(world)
+    ]
     per_rank = [read_all(ld) for ld in loaders]
     n = len(per_rank[0])
     assert all(len(b) == n for b in per_rank)

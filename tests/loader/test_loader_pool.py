@@ -1,4 +1,5 @@
 """The worker pool and its shared-memory slots: same batches as in-process, nothing left behind."""
+
 from __future__ import annotations
 
 import os
@@ -60,9 +61,15 @@ def test_batches_do_not_depend_on_workers_or_prefetch_and_can_be_kept(tmp_path):
 def _big_and_small(sample):
     # Growing sizes make the slot grow mid-pass; small values travel pickled, large ones in the slot.
     n = int(sample["__key__"][1:]) + 1
-    return {"__key__": sample["__key__"], "tokens": sample["tokens"],
-            "big": torch.full((n * 500,), n, dtype=torch.float32), "arr": np.arange(n * 700, dtype=np.int16),
-            "blob": bytes([n % 256]) * (n * 3000), "small": torch.tensor([n]), "bf": torch.ones(3, dtype=torch.bfloat16)}
+    return {
+        "__key__": sample["__key__"],
+        "tokens": sample["tokens"],
+        "big": torch.full((n * 500,), n, dtype=torch.float32),
+        "arr": np.arange(n * 700, dtype=np.int16),
+        "blob": bytes([n % 256]) * (n * 3000),
+        "small": torch.tensor([n]),
+        "bf": torch.ones(3, dtype=torch.bfloat16),
+    }
 
 
 @pytest.mark.timeout(120)
@@ -72,9 +79,17 @@ def test_transformed_batches_of_any_shape_cross_intact(tmp_path):
     def collect(nw):
         out = []
         for b in ShardedLoader(root, batch_size=5, num_workers=nw, transform=_big_and_small):
-            out.append((b["__key__"], b["tokens"].tolist(), [t.tolist() for t in b["big"]],
-                        [a.tolist() for a in b["arr"]], b["blob"], [t.tolist() for t in b["small"]],
-                        [t.float().tolist() for t in b["bf"]]))
+            out.append(
+                (
+                    b["__key__"],
+                    b["tokens"].tolist(),
+                    [t.tolist() for t in b["big"]],
+                    [a.tolist() for a in b["arr"]],
+                    b["blob"],
+                    [t.tolist() for t in b["small"]],
+                    [t.float().tolist() for t in b["bf"]],
+                )
+            )
             assert all(type(a) is np.ndarray for a in b["arr"]) and all(type(x) is bytes for x in b["blob"])
         return out
 
@@ -155,8 +170,9 @@ def test_workers_exit_when_the_trainer_is_killed(tmp_path):
     deadline = time.monotonic() + 15
     while any(os.path.exists(f"/proc/{p}") for p in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]
-                   for p in workers)
+    assert not any(
+        os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2] for p in workers
+    )
 
 
 def test_arrays_allocated_before_a_slot_grows_stay_writable():
@@ -176,4 +192,3 @@ def test_arrays_allocated_before_a_slot_grows_stay_writable():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
-

@@ -1,5 +1,6 @@
 """The resume trap: a checkpoint taken on the last batch of an epoch, resumed with the script's
 own epoch counter, must not replay that epoch silently."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """What a loader process pays before its first batch, where every worker would pay it again: no
 pandas import (pyarrow's to_numpy and compute import it, ~0.3 s), and the modules a worker needs
 for its first shard imported in the trainer, so forked workers inherit them."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,9 @@ print(json.dumps({"pandas": "pandas" in sys.modules, "cache_modules_at_construct
 def test_a_fresh_loader_reaches_its_first_batch_without_importing_pandas(tmp_path):
     icon_tree(tmp_path / "icons", per_class=5)
     shardtool.pack(str(tmp_path / "icons"), str(tmp_path / "ds"), label_from_dir=True)
-    r = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "ds")], env=repo_env(), capture_output=True,
-                       text=True, timeout=100)
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE, str(tmp_path / "ds")], env=repo_env(), capture_output=True, text=True, timeout=100
+    )
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["pandas"] is False
@@ -49,5 +51,4 @@ ALPHABET = st.sampled_from(["a", "Z", "0", "-", "_", ".", "/", "\\", "\x00", "\x
 def test_key_check_by_bytes_finds_what_the_regex_finds(keys, cut, large):
     arr = pa.array(keys, pa.large_string() if large else pa.string()).slice(min(cut, len(keys)))
     assert bad_keys(arr) == _bad_keys_compute(arr)
-    assert bad_keys(pa.chunked_array([arr, arr], arr.type)) == _bad_keys_compute(
-        pa.concat_arrays([arr, arr]))
+    assert bad_keys(pa.chunked_array([arr, arr], arr.type)) == _bad_keys_compute(pa.concat_arrays([arr, arr]))

@@ -4,6 +4,7 @@ Only the loader's own failures — a worker killed, exited or timed out — are 
 user's RuntimeError (or EOFError, ConnectionError, …) keeps its type and message, with notes
 saying which batch, shard and sample it was raised on, for any num_workers.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -64,8 +65,11 @@ def root(tmp_path_factory):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("exc", [RuntimeError("CUDA error: my transform's bug"), EOFError("my EOF"),
-                                 ConnectionResetError(104, "my peer reset")], ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize(
+    "exc",
+    [RuntimeError("CUDA error: my transform's bug"), EOFError("my EOF"), ConnectionResetError(104, "my peer reset")],
+    ids=lambda e: type(e).__name__,
+)
 def test_a_transform_error_is_raised_as_itself_with_where(root, workers, exc):
     with pytest.raises(type(exc)) as info:
         _run(root, workers, transform=_raiser(exc))

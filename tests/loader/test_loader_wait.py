@@ -10,6 +10,7 @@ not wall-clock thresholds: workers slower than the step make every call wait mil
 
 Data: Python's stdlib sources read as byte ids, one document per file.
 """
+
 from __future__ import annotations
 
 import glob
@@ -49,8 +50,9 @@ def roots(tmp_path_factory):
     out = {}
     for i, name in enumerate(("code", "more")):
         out[name] = str(base / name)
-        shardtool.pack(stdlib_rows(DOCS, skip=i * DOCS), out[name], format="arrow", length="tokens",
-                       samples_per_shard=100)
+        shardtool.pack(
+            stdlib_rows(DOCS, skip=i * DOCS), out[name], format="arrow", length="tokens", samples_per_shard=100
+        )
     return out
 
 
@@ -77,13 +79,19 @@ def timed_loop(loader) -> tuple[float, int]:
 
 @pytest.mark.parametrize("kind", ["dataset", "mixture"])
 def test_wait_s_accounts_for_the_time_inside_next(roots, kind, tmp_path):
-    opts = dict(batch_size=4, seed=3, num_workers=2, pin_memory=False, transform=slow_transform,
-                metrics_every=1, metrics_dir=str(tmp_path))  # a metric line inside every step
+    opts = dict(
+        batch_size=4,
+        seed=3,
+        num_workers=2,
+        pin_memory=False,
+        transform=slow_transform,
+        metrics_every=1,
+        metrics_dir=str(tmp_path),
+    )  # a metric line inside every step
     if kind == "dataset":
         loader = ShardedLoader(roots["code"], **opts)
     else:
-        loader = ShardedLoader(Mixture({"code": (roots["code"], 0.5), "more": (roots["more"], 0.5)}), steps=100,
-                               **opts)
+        loader = ShardedLoader(Mixture({"code": (roots["code"], 0.5), "more": (roots["more"], 0.5)}), steps=100, **opts)
     inside, steps = timed_loop(loader)
     c = loader.metrics()["cumulative"]
     loader.close()

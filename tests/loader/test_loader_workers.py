@@ -1,4 +1,5 @@
 """Worker processes: failures surface fast and name the data; payloads cross as tensors."""
+
 from __future__ import annotations
 
 import os
@@ -65,8 +66,10 @@ def _binary_dataset(root: str, sizes: list[int]) -> list[bytes]:
     os.makedirs(root, exist_ok=True)
     fields = [FieldSpec.raw("bin")]
     rng = np.random.default_rng(0)
-    payloads = [rng.integers(0, 256, size=int(rng.integers(50_000, 150_000)), dtype=np.uint8).tobytes()
-                for _ in range(sum(sizes))]
+    payloads = [
+        rng.integers(0, 256, size=int(rng.integers(50_000, 150_000)), dtype=np.uint8).tobytes()
+        for _ in range(sum(sizes))
+    ]
     infos, lens, g = [], [], 0
     for s, n in enumerate(sizes):
         w = ShardFileWriter(root, f"img-{s}.tar", "tar", fields)
@@ -76,8 +79,9 @@ def _binary_dataset(root: str, sizes: list[int]) -> list[bytes]:
         info, ln = w.finish()
         infos.append(info)
         lens.append(ln)
-    publish_manifest(root, Manifest("tar", fields, infos, {"field": None, "unit": "bytes", "fn": None}),
-                     np.concatenate(lens))
+    publish_manifest(
+        root, Manifest("tar", fields, infos, {"field": None, "unit": "bytes", "fn": None}), np.concatenate(lens)
+    )
     return payloads
 
 

@@ -3,6 +3,7 @@
 Ranks are simulated by one loader per rank in this process (explicit rank / world_size), as in
 test_loader.py; real processes are in test_mixture_ddp.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -86,14 +87,18 @@ def test_packed_rows_of_several_sources_share_one_batch_of_static_shape(data):
     maxd = ld.packing.max_docs_per_row
     mixed = 0
     for b in ld:
-        ids, pos, labels, cu = b["input_ids"].numpy(), b["position_ids"].numpy(), b["labels"].numpy(), \
-            b["cu_seqlens"].numpy()
+        ids, pos, labels, cu = (
+            b["input_ids"].numpy(),
+            b["position_ids"].numpy(),
+            b["labels"].numpy(),
+            b["cu_seqlens"].numpy(),
+        )
         assert ids.shape == (4, 64) and cu.shape == (4 * maxd + 1,)
         assert sum(b["per_source"].values()) == 4 and len(b["__source__"]) == 4
         mixed += len(set(b["__source__"])) > 1
         flat_pos = pos.reshape(-1)
         starts = np.flatnonzero(flat_pos == 0)
-        assert (cu[: len(starts)] == starts).all() and (cu[len(starts):] == 4 * 64).all()
+        assert (cu[: len(starts)] == starts).all() and (cu[len(starts) :] == 4 * 64).all()
         for r in range(4):
             name, keys, real = b["__source__"][r], b["__key__"][r], int(b["lengths"][r])
             assert all(k.startswith(name[0]) for k in keys)
@@ -105,10 +110,11 @@ def test_packed_rows_of_several_sources_share_one_batch_of_static_shape(data):
                 run_ = ids[r, a:z]
                 assert (np.diff(run_) % VOCAB == 1).all()
                 assert (int(run_[0]) - 7 * g) % VOCAB + len(run_) <= data[name][2][g]  # a span of document g
-                assert (labels[r, a:z - 1] == run_[1:]).all() and labels[r, z - 1] == -100
+                assert (labels[r, a : z - 1] == run_[1:]).all() and labels[r, z - 1] == -100
             assert (labels[r, real:] == -100).all()
-        assert b["per_source_tokens"] == {n: int(b["lengths"][[s == n for s in b["__source__"]]].sum())
-                                          for n in WEIGHTS}
+        assert b["per_source_tokens"] == {
+            n: int(b["lengths"][[s == n for s in b["__source__"]]].sum()) for n in WEIGHTS
+        }
     assert mixed > 10  # rows of several sources in one batch, most steps
 
 
@@ -118,8 +124,9 @@ BIG_PACKED = dict(seq_len=8192, batch_size=8, packing="best-fit")
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind,steps", [(BUCKETED, 50), (PACKED, 50), (BIG_PACKED, 4)],
-                         ids=["bucketed", "packed", "packed-8192"])
+@pytest.mark.parametrize(
+    "kind,steps", [(BUCKETED, 50), (PACKED, 50), (BIG_PACKED, 4)], ids=["bucketed", "packed", "packed-8192"]
+)
 def test_batch_sequence_does_not_depend_on_num_workers(data, kind, steps):
     mix = mixture(data, WEIGHTS, max_repeat=1000)
     base = [run(ld)[0] for ld in loaders(mix, num_workers=0, steps=steps, **kind)]
@@ -127,8 +134,9 @@ def test_batch_sequence_does_not_depend_on_num_workers(data, kind, steps):
 
 
 # ---------------------------------------------------------------------- resume
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(kind=st.sampled_from(["bucketed", "packed"]), cut=st.integers(0, 90), workers=st.sampled_from([(0, 0), (0, 2)]))
 def test_kill_and_resume_at_any_step_gives_the_same_batches(data, kind, cut, workers):
     batching = BUCKETED if kind == "bucketed" else PACKED
@@ -151,8 +159,9 @@ def unit_keys(loader, data, name: str, count: int) -> list[list]:
     keys = data[name][1]
     out, epoch = [], 0
     while len(out) < count:
-        plan = planner.rank_plan(planner.start(epoch, loader.datasets[name].version, loader.data_layout),
-                                 loader.dp_rank)
+        plan = planner.rank_plan(
+            planner.start(epoch, loader.datasets[name].version, loader.data_layout), loader.dp_rank
+        )
         out += [[keys[g] for g in plan.batch(i)] for i in range(plan.batches_per_rank)]
         epoch += 1
     return out[:count]
@@ -168,8 +177,12 @@ def per_source(batches) -> dict[str, list]:
 def test_weights_changed_at_resume_serve_every_source_as_a_contiguous_prefix_of_its_plan(data):
     first = loaders(mixture(data, WEIGHTS), steps=200, **BUCKETED)
     halves = [run(ld, stop=70) for ld in first]
-    changed = mixture(data, {"web": 0.1, "code": 0.2, "math": 0.7},
-                      schedule=[(150, {"web": 0.5, "code": 0.5, "math": 0})], max_repeat=50)
+    changed = mixture(
+        data,
+        {"web": 0.1, "code": 0.2, "math": 0.7},
+        schedule=[(150, {"web": 0.5, "code": 0.5, "math": 0})],
+        max_repeat=50,
+    )
     for r, ld in enumerate(loaders(changed, steps=200, **BUCKETED)):
         ld.load_state_dict(halves[r][1])
         report = ld.report()
@@ -263,11 +276,14 @@ def test_length_is_steps_and_a_mixture_has_no_epoch(data):
     assert 20_000 <= got < 20_000 + 2 * 160
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(), "exactly one of steps= .* and tokens="),
-    (dict(steps=10, tokens=10), "exactly one of steps="),
-    (dict(steps=0), "steps must be an int >= 1"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(), "exactly one of steps= .* and tokens="),
+        (dict(steps=10, tokens=10), "exactly one of steps="),
+        (dict(steps=0), "steps must be an int >= 1"),
+    ],
+)
 def test_a_mixture_needs_its_length(data, kw, match):
     with pytest.raises(ValueError, match=match):
         ShardedLoader(mixture(data, WEIGHTS), num_workers=0, **BUCKETED, **kw)
@@ -315,8 +331,7 @@ def test_transform_and_collate_fn_apply_to_every_source(data):
         seen.append(sample["__key__"][0])
         return {"__key__": sample["__key__"], "n": len(sample["tokens"])}
 
-    (ld,) = loaders(mix, world=1, steps=20, transform=transform, collate_fn=lambda s: [x["n"] for x in s],
-                    **BUCKETED)
+    (ld,) = loaders(mix, world=1, steps=20, transform=transform, collate_fn=lambda s: [x["n"] for x in s], **BUCKETED)
     batches = list(ld)
     assert all(isinstance(b, list) for b in batches) and len(batches) == 20
     assert set(seen) == {"w", "c", "m"}
@@ -355,8 +370,10 @@ def test_sources_storing_tokens_in_other_dtypes_give_the_same_packed_batches(dat
 
 def test_model_parallel_peers_of_a_dp_rank_get_identical_batches(data):
     mix = mixture(data, WEIGHTS)
-    lds = [ShardedLoader(mix, steps=30, rank=r, world_size=4, ranks_per_node=4, dp_size=2, num_workers=0, seed=5,
-                         **PACKED) for r in range(4)]
+    lds = [
+        ShardedLoader(mix, steps=30, rank=r, world_size=4, ranks_per_node=4, dp_size=2, num_workers=0, seed=5, **PACKED)
+        for r in range(4)
+    ]
     got = {}
     for ld in lds:
         got.setdefault(ld.dp_rank, []).append(run(ld)[0])

@@ -1,4 +1,5 @@
 """Packed batches (shardtool.loader.packed): tensors consistent with the spans, no attention across documents."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -86,8 +87,10 @@ def test_batch_tensors_match_the_spans(case):
     assert cu.tolist() == starts + [b * seq] * (len(cu) - len(starts))
     assert out["max_seqlen"] == max(np.diff(starts + [b * seq]).tolist(), default=0)
     assert out["__key__"] == keys
-    assert out["lengths"].tolist() == [int(batch.span_len[batch.row_offsets[r]:batch.row_offsets[r + 1]].sum())
-                                       if r < batch.num_rows else 0 for r in range(b)]
+    assert out["lengths"].tolist() == [
+        int(batch.span_len[batch.row_offsets[r] : batch.row_offsets[r + 1]].sum()) if r < batch.num_rows else 0
+        for r in range(b)
+    ]
 
 
 class Tiny(torch.nn.Module):
@@ -98,10 +101,17 @@ class Tiny(torch.nn.Module):
         self.heads = heads
         self.tok, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(max_pos, d)
         self.blocks = torch.nn.ModuleList(
-            torch.nn.ModuleDict({"n1": torch.nn.LayerNorm(d), "qkv": torch.nn.Linear(d, 3 * d), "out": torch.nn.Linear(d, d),
-                                 "n2": torch.nn.LayerNorm(d), "mlp": torch.nn.Sequential(
-                                     torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))})
-            for _ in range(2))
+            torch.nn.ModuleDict(
+                {
+                    "n1": torch.nn.LayerNorm(d),
+                    "qkv": torch.nn.Linear(d, 3 * d),
+                    "out": torch.nn.Linear(d, d),
+                    "n2": torch.nn.LayerNorm(d),
+                    "mlp": torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d)),
+                }
+            )
+            for _ in range(2)
+        )
         self.head = torch.nn.Linear(d, vocab)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -141,8 +151,10 @@ def test_no_cross_contamination(policy, eos):
         g, s, n = int(rows.span_pos[k]), int(rows.span_start[k]), int(rows.span_len[k])
         at = int(row_of[k] * seq + before[k] - before[starts[row_of[k]]])
         assert at in cu
-        doc = torch.as_tensor(np.concatenate([doc_tokens(g, int(lengths[g])), [eos] if eos is not None else []])[s : s + n],
-                              dtype=torch.int64)[None]
+        doc = torch.as_tensor(
+            np.concatenate([doc_tokens(g, int(lengths[g])), [eos] if eos is not None else []])[s : s + n],
+            dtype=torch.int64,
+        )[None]
         with torch.no_grad():
             alone = model(doc, torch.arange(n)[None], causal(n))[0]
         torch.testing.assert_close(flat[at : at + n], alone, rtol=1e-9, atol=1e-9)
@@ -164,18 +176,23 @@ def test_cu_seqlens_drive_varlen_attention_like_the_mask():
     varlen = torch.zeros_like(q)
     for a, z in zip(cu[:-1], cu[1:]):
         if z > a:
-            varlen[..., a:z, :] = F.scaled_dot_product_attention(q[..., a:z, :], k[..., a:z, :], v[..., a:z, :], is_causal=True)
+            varlen[..., a:z, :] = F.scaled_dot_product_attention(
+                q[..., a:z, :], k[..., a:z, :], v[..., a:z, :], is_causal=True
+            )
     assert max(z - a for a, z in zip(cu[:-1], cu[1:])) == batch["max_seqlen"]
     per_row = lambda t: t.view(2, b, seq, 8).transpose(0, 1)  # [B, heads, S, dim]
-    masked = F.scaled_dot_product_attention(per_row(q[0]), per_row(k[0]), per_row(v[0]), attn_mask=block_causal_mask(batch))
+    masked = F.scaled_dot_product_attention(
+        per_row(q[0]), per_row(k[0]), per_row(v[0]), attn_mask=block_causal_mask(batch)
+    )
     torch.testing.assert_close(per_row(varlen[0]), masked)
 
 
 @pytest.mark.parametrize("fmt, dtype", [("tar", "i4"), ("arrow", "i2"), ("tar", "u2")])
 def test_reader_fast_path_equals_generic_path(tmp_path, fmt, dtype):
     lengths = np.random.default_rng(3).integers(0, 90, 300)
-    ds = write_synthetic(str(tmp_path / "ds"), lengths=lengths, shard_sizes=[100, 120, 80], fmt=fmt, dtype=dtype,
-                         vocab=1000)
+    ds = write_synthetic(
+        str(tmp_path / "ds"), lengths=lengths, shard_sizes=[100, 120, 80], fmt=fmt, dtype=dtype, vocab=1000
+    )
     packing = Packing(64, "best-fit", eos_id=999)
     rows = pack_rows(lengths[::-1], packing).with_ids(np.arange(len(lengths))[::-1])  # window order != id order
     reader = BatchReader(SourceSpec(ds.root), pad_id=7)
@@ -184,8 +201,9 @@ def test_reader_fast_path_equals_generic_path(tmp_path, fmt, dtype):
     for sel in (np.arange(8), np.arange(rows.num_rows - 5, rows.num_rows), np.array([3, 1, 4, 1])):
         batch = rows.take(sel)
         got = fast.read(batch)
-        want = packed_batch(batch, want_tokens, packing, keys_of=lambda ids: [ds.keys[g] for g in ids], name="tokens",
-                            pad_id=7)
+        want = packed_batch(
+            batch, want_tokens, packing, keys_of=lambda ids: [ds.keys[g] for g in ids], name="tokens", pad_id=7
+        )
         assert got.keys() == want.keys()
         for key in want:
             if isinstance(want[key], torch.Tensor):
@@ -206,7 +224,7 @@ def test_remote_shards_decode_to_the_same_batch(tmp_path, s3_server):  # noqa: F
     assert remote.token_sources(np.arange(3)) is None  # no maps: decoded sample by sample
     want, got = PackedReader(local, packing).read(rows), PackedReader(remote, packing).read(rows)
     for key in want:
-        assert (torch.equal(got[key], want[key]) if isinstance(want[key], torch.Tensor) else got[key] == want[key]), key
+        assert torch.equal(got[key], want[key]) if isinstance(want[key], torch.Tensor) else got[key] == want[key], key
     local.close()
     remote.close()
 

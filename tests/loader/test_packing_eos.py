@@ -1,6 +1,7 @@
 """An EOS token appended at pack time is appended once: the manifest records it and the loader (and
 `shardtool plan`) append none on top; another id is refused. On real text: stdlib files tokenized
 with a BPE tokenizer trained on them."""
+
 from __future__ import annotations
 
 import json
@@ -22,12 +23,32 @@ def packed(tmp_path_factory):
     tok = train_tokenizer(texts)
     tok.save(str(d / "tokenizer.json"))
     eos = tok.token_to_id("[EOS]")
-    r = shardtool_cli("pack", str(d / "code.jsonl"), "-o", str(d / "with"), "--key", "id", "--text-field", "text",
-                      "--tokenizer", str(d / "tokenizer.json"), "--eos-id", str(eos), "--format", "arrow",
-                      timeout=120)
+    r = shardtool_cli(
+        "pack",
+        str(d / "code.jsonl"),
+        "-o",
+        str(d / "with"),
+        "--key",
+        "id",
+        "--text-field",
+        "text",
+        "--tokenizer",
+        str(d / "tokenizer.json"),
+        "--eos-id",
+        str(eos),
+        "--format",
+        "arrow",
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
-    shardtool.pack(str(d / "code.jsonl"), str(d / "without"), key="id", text_field="text",
-                   tokenizer=str(d / "tokenizer.json"), format="arrow")
+    shardtool.pack(
+        str(d / "code.jsonl"),
+        str(d / "without"),
+        key="id",
+        text_field="text",
+        tokenizer=str(d / "tokenizer.json"),
+        format="arrow",
+    )
     return d, eos
 
 

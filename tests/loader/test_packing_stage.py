@@ -1,5 +1,6 @@
 """Packing as a plan stage: rows planned per data group, equal counts, every token once, exact and
 elastic resume — at the planner, and through the loader with workers."""
+
 from __future__ import annotations
 
 import json
@@ -32,10 +33,12 @@ def packed_cases(draw):
     data = draw(datasets(min_size=300, max_size=2000))
     longest = max(int(data.lengths.max(initial=1)), 1)
     seq = draw(st.integers(max(8, longest // 4), 2 * longest + 8))
-    packing = Packing(seq, draw(st.sampled_from(["concat", "best-fit", "no-split"])),
-                      eos_id=draw(st.one_of(st.none(), st.just(2))))
-    batching = Batching(batch_size=draw(st.integers(1, 6)), packing=packing, shuffle=draw(st.booleans()),
-                        seed=draw(st.integers(0, 99)))
+    packing = Packing(
+        seq, draw(st.sampled_from(["concat", "best-fit", "no-split"])), eos_id=draw(st.one_of(st.none(), st.just(2)))
+    )
+    batching = Batching(
+        batch_size=draw(st.integers(1, 6)), packing=packing, shuffle=draw(st.booleans()), seed=draw(st.integers(0, 99))
+    )
     return data, draw(st.sampled_from(LAYOUTS)), batching, draw(st.integers(0, 50))
 
 
@@ -93,16 +96,16 @@ def test_elastic_resume_of_packed_rows_repeats_no_token(case, new, where):
     start = resumed.last["served"]
     assert len({p.batches_per_rank for p in after}) == 1
     for p in after:
-        served = served + token_counts(p.rows.take(np.arange(p.row_offsets[start], p.rows.num_rows)),
-                                       data.lengths.size)
+        served = served + token_counts(p.rows.take(np.arange(p.row_offsets[start], p.rows.num_rows)), data.lengths.size)
     assert (served <= data.lengths + batching.packing.extra_tokens).all(), "no token served twice"
 
 
 def test_fill_rate_and_remainder_on_the_lognormal_corpus():
     source = ArraySource(lognormal_lengths(100_000, seed=4), np.full(10, 10_000))
     for policy in ("best-fit", "concat"):
-        sim = simulate_epoch(source, DataLayout.pure_dp(Layout(2, 2)),
-                             Batching(batch_size=8, packing=Packing(8192, policy)), 0)
+        sim = simulate_epoch(
+            source, DataLayout.pure_dp(Layout(2, 2)), Batching(batch_size=8, packing=Packing(8192, policy)), 0
+        )
         assert sim.fill_rate >= 0.995 and sim.remainder_tokens_fraction <= 0.01, (policy, sim.fill_rate)
 
 
@@ -115,8 +118,16 @@ def corpus(tmp_path_factory):
 
 def _rows_of(batches):
     """(keys per row, tokens per row) of a run of packed batches, for comparing runs."""
-    return [(tuple(tuple(r) for r in b["__key__"]), b["input_ids"].tolist(), b["labels"].tolist(),
-             b["position_ids"].tolist(), b["cu_seqlens"].tolist()) for b in batches]
+    return [
+        (
+            tuple(tuple(r) for r in b["__key__"]),
+            b["input_ids"].tolist(),
+            b["labels"].tolist(),
+            b["position_ids"].tolist(),
+            b["cu_seqlens"].tolist(),
+        )
+        for b in batches
+    ]
 
 
 @pytest.mark.timeout(240)
@@ -187,11 +198,41 @@ def test_the_example_trains_on_packed_rows_under_torchrun(corpus, tmp_path):
     root, _, _ = corpus
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                          "127.0.0.1", f"--master_port={free_port()}", os.path.join(repo, "examples", "train_ddp.py"),
-                          "--data", root, "--seq-len", "128", "--packing", "best-fit", "--eos-id", "1",
-                          "--batch-size", "4", "--max-steps", "6", "--num-workers", "1", "--log-dir", str(tmp_path),
-                          "--collective-timeout", "60"], env=env, capture_output=True, text=True, timeout=200)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            f"--master_port={free_port()}",
+            os.path.join(repo, "examples", "train_ddp.py"),
+            "--data",
+            root,
+            "--seq-len",
+            "128",
+            "--packing",
+            "best-fit",
+            "--eos-id",
+            "1",
+            "--batch-size",
+            "4",
+            "--max-steps",
+            "6",
+            "--num-workers",
+            "1",
+            "--log-dir",
+            str(tmp_path),
+            "--collective-timeout",
+            "60",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     summaries = [json.loads((tmp_path / f"summary.rank{r}.json").read_text()) for r in range(2)]
     assert [s["steps"] for s in summaries] == [6, 6]

@@ -3,6 +3,7 @@
 Fingerprints alone (`found dataset fingerprint 'xxh3_128:d78c…'`) leave the user to guess which
 dataset or which setting differs. States from before the description still load.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,9 +49,10 @@ def test_another_batching_is_named_by_its_settings(two):
     with pytest.raises(LoaderStateError) as e:
         ShardedLoader(a, max_tokens=256, seed=3, num_workers=0).load_state_dict(state)
     msg = str(e.value)
-    assert ("found batching {batch_size: 4, shuffle: true, seed: 0, bucketing: true}, expected "
-            "{max_tokens: 256, shuffle: true, seed: 3, bucketing: true} (differing: batch_size, max_tokens, seed)"
-            in msg), msg
+    assert (
+        "found batching {batch_size: 4, shuffle: true, seed: 0, bucketing: true}, expected "
+        "{max_tokens: 256, shuffle: true, seed: 3, bucketing: true} (differing: batch_size, max_tokens, seed)" in msg
+    ), msg
     assert "fingerprint" not in msg
 
 
@@ -76,12 +78,17 @@ def test_a_state_from_before_the_description_still_loads_and_a_refusal_says_it_n
     again.load_state_dict(state)
     assert read_all(fresh) == read_all(again)
     assert fresh.state_dict()["about"]["dataset"]["url"] == a  # saved again, it names its dataset
-    with pytest.raises(LoaderStateError, match=r"found dataset fingerprint '[^']+' \(a state saved before shardtool "
-                                               r"described what it was saved for: it names no URL\), expected dataset "
-                                               + re.escape(f"'{b}'")):
+    with pytest.raises(
+        LoaderStateError,
+        match=r"found dataset fingerprint '[^']+' \(a state saved before shardtool "
+        r"described what it was saved for: it names no URL\), expected dataset " + re.escape(f"'{b}'"),
+    ):
         ShardedLoader(b, batch_size=4, num_workers=0).load_state_dict(old)
-    with pytest.raises(LoaderStateError, match=r"found batching fingerprint '\w+' \(.*names no settings\), "
-                                               r"expected \{batch_size: 5,"):
+    with pytest.raises(
+        LoaderStateError,
+        match=r"found batching fingerprint '\w+' \(.*names no settings\), "
+        r"expected \{batch_size: 5,",
+    ):
         ShardedLoader(a, batch_size=5, num_workers=0).load_state_dict(old)
 
 
@@ -92,8 +99,11 @@ def test_a_mixture_state_names_the_batching_and_the_url_it_was_saved_on(two, tmp
     state = json.loads(json.dumps(ld.state_dict()))
     assert state["about"]["sources"] == {"x": a, "y": b}
     other = ShardedLoader(Mixture({"x": (a, 0.5), "y": (b, 0.5)}), steps=6, max_tokens=320, num_workers=0)
-    with pytest.raises(LoaderStateError, match=r"found batching \{max_tokens: 160, .*\}, expected \{max_tokens: 320, "
-                                               r".*\(differing: max_tokens\)"):
+    with pytest.raises(
+        LoaderStateError,
+        match=r"found batching \{max_tokens: 160, .*\}, expected \{max_tokens: 320, "
+        r".*\(differing: max_tokens\)",
+    ):
         other.load_state_dict(state)
     c, _ = write_dataset(str(tmp_path / "c"), [20, 13], seed=4)
     moved = ShardedLoader(Mixture({"x": (a, 0.5), "y": (c, 0.5)}), steps=6, max_tokens=160, num_workers=0)

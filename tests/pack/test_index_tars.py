@@ -1,5 +1,6 @@
 """`shardtool index`: WebDataset tars indexed in place, read, verified, warmed and trained on
 without being copied or changed."""
+
 from __future__ import annotations
 
 import hashlib
@@ -67,7 +68,9 @@ def test_lengths_from_a_json_key_with_workers_on_real_text(tmp_path):
     assert ds.lengths.tolist() == expected and r.samples == 120
     assert ds.manifest.length["unit"] == "value"  # a count batches pad: bucketing is on by default
     one = index_tars(paths, str(tmp_path / "one"), length="json:num_tokens", workers=1)
-    assert open(os.path.join(r.out, "index.json"), "rb").read() == open(os.path.join(one.out, "index.json"), "rb").read()
+    assert (
+        open(os.path.join(r.out, "index.json"), "rb").read() == open(os.path.join(one.out, "index.json"), "rb").read()
+    )
 
 
 def test_length_fn_and_payload_bytes(tars, tmp_path):
@@ -115,9 +118,17 @@ def _bad_tar(path: str, kind: str) -> str:
     return path
 
 
-BAD = {"symlink": "link member", "hardlink": "link member", "dotdot": "'..'", "absolute": "absolute member path",
-       "oversized": "over the 4096-byte limit", "fields": "has fields", "fifo": "special file", "truncated": "truncated",
-       "garbage": "corrupt tar header"}
+BAD = {
+    "symlink": "link member",
+    "hardlink": "link member",
+    "dotdot": "'..'",
+    "absolute": "absolute member path",
+    "oversized": "over the 4096-byte limit",
+    "fields": "has fields",
+    "fifo": "special file",
+    "truncated": "truncated",
+    "garbage": "corrupt tar header",
+}
 
 
 @pytest.mark.parametrize("kind", sorted(BAD))
@@ -130,7 +141,9 @@ def test_a_bad_tar_is_named_nothing_is_published_and_skip_bad_lists_it(tars, tmp
     if kind not in ("truncated", "garbage", "fields"):
         assert "member" in str(e.value)
     assert not os.path.exists(os.path.join(out, "index.json"))
-    assert not [f for f in os.listdir(os.path.join(out, "shards"))] if os.path.isdir(os.path.join(out, "shards")) else True
+    assert (
+        not [f for f in os.listdir(os.path.join(out, "shards"))] if os.path.isdir(os.path.join(out, "shards")) else True
+    )
     r = index_tars([tars[0], bad, tars[1]], out, max_member_bytes=4096, skip_bad=True)
     assert r.tars == 2 and len(r.skipped) == 1 and bad in r.skipped[0]
     assert [s.source.rsplit("/", 1)[1] for s in open_dataset(out).manifest.shards] == ["000000.tar", "000001.tar"]
@@ -176,8 +189,19 @@ def test_cli_job_array_and_merge_give_the_manifest_of_one_run(tars, tmp_path):
     assert "indexed 100 samples in 4 tars" in res.stdout
     arr = str(tmp_path / "arr")
     for t in range(2):
-        res = shardtool_cli("index", *tars, "-o", arr, "--length-field", "json:num_tokens", "--num-tasks", "2",
-                            "--task-index", str(t), "--json")
+        res = shardtool_cli(
+            "index",
+            *tars,
+            "-o",
+            arr,
+            "--length-field",
+            "json:num_tokens",
+            "--num-tasks",
+            "2",
+            "--task-index",
+            str(t),
+            "--json",
+        )
         assert res.returncode == 0, res.stderr
         assert json.loads(res.stdout)["fragment"]
     res = shardtool_cli("merge", arr)
@@ -221,10 +245,28 @@ def test_torchrun_trains_from_warmed_node_cache_with_the_tars_untouched(tmp_path
     os.rename(str(tmp_path / "tars"), hidden)  # the run must read the warmed cache, never the tars
     try:
         env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}", WORKER, "--data", out,
-               "--cache-dir", cache_dir, "--out", str(tmp_path / "run"), "--max-steps", "8", "--num-workers", "1",
-               "--collective-timeout", "30"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            WORKER,
+            "--data",
+            out,
+            "--cache-dir",
+            cache_dir,
+            "--out",
+            str(tmp_path / "run"),
+            "--max-steps",
+            "8",
+            "--num-workers",
+            "1",
+            "--collective-timeout",
+            "30",
+        ]
         os.makedirs(tmp_path / "run")
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=200, start_new_session=True)
         assert res.returncode == 0, res.stderr[-3000:]
@@ -249,7 +291,9 @@ def test_any_tar_reads_back_as_packing_it_reads(tmp_path_factory, drawn):
     tar = write_tar(str(tmp / "x.tar"), rows, fmt=fmt)
     ds = open_dataset(index_tars([tar], str(tmp / "ds")).out)
     ref = open_dataset(pack([tar], str(tmp / "p")).out)
-    assert [ds.read(0, i, decode=False) for i in range(len(ds))] == [ref.read(0, i, decode=False) for i in range(len(ref))]
+    assert [ds.read(0, i, decode=False) for i in range(len(ds))] == [
+        ref.read(0, i, decode=False) for i in range(len(ref))
+    ]
     with tarfile.open(tar) as tf:  # every payload offset is tarfile's, too
         offsets = {m.name: m.offset_data for m in tf.getmembers()}
     idx = ds.shard_index(0)

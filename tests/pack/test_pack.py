@@ -1,4 +1,5 @@
 """Packing: every sample exactly once with identical bytes, determinism, interop, job arrays."""
+
 from __future__ import annotations
 
 import json
@@ -24,12 +25,15 @@ from shardtool.pack import merge
 from shardtool.pack.units import split_contiguous
 
 records_st = st.lists(
-    st.fixed_dictionaries({
-        "tokens": st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40),
-        "text": st.text(max_size=30),
-        "label": st.integers(-(2**40), 2**40),
-    }),
-    min_size=1, max_size=60,
+    st.fixed_dictionaries(
+        {
+            "tokens": st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=40),
+            "text": st.text(max_size=30),
+            "label": st.integers(-(2**40), 2**40),
+        }
+    ),
+    min_size=1,
+    max_size=60,
 )
 SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -43,12 +47,21 @@ def _pack_all_tasks(src, out, T, **kw):
 
 @pytest.mark.timeout(240)
 @SETTINGS
-@given(records=records_st, fmt=st.sampled_from(["tar", "arrow"]), source=st.sampled_from(["jsonl", "parquet"]),
-       workers=st.sampled_from([1, 2]), tasks=st.sampled_from([1, 3]), per_shard=st.integers(1, 25))
+@given(
+    records=records_st,
+    fmt=st.sampled_from(["tar", "arrow"]),
+    source=st.sampled_from(["jsonl", "parquet"]),
+    workers=st.sampled_from([1, 2]),
+    tasks=st.sampled_from([1, 3]),
+    per_shard=st.integers(1, 25),
+)
 def test_every_sample_exactly_once(tmp_path_factory, records, fmt, source, workers, tasks, per_shard):
     tmp = tmp_path_factory.mktemp("p")
-    src = (write_jsonl(str(tmp / "in.jsonl"), records) if source == "jsonl"
-           else write_parquet(str(tmp / "in.parquet"), records, row_group_size=7))
+    src = (
+        write_jsonl(str(tmp / "in.jsonl"), records)
+        if source == "jsonl"
+        else write_parquet(str(tmp / "in.parquet"), records, row_group_size=7)
+    )
     out = str(tmp / "out")
     _pack_all_tasks(src, out, tasks, format=fmt, workers=workers, samples_per_shard=per_shard, length="tokens")
     got = read_all(out)
@@ -167,8 +180,13 @@ def test_job_array_merge_refuses_missing_task_and_cli_inspect(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     penv = dict(os.environ, PYTHONPATH=root)
-    p = subprocess.run([sys.executable, "-m", "shardtool", "inspect", out, "--json"], env=penv,
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "shardtool", "inspect", out, "--json"],
+        env=penv,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     info = json.loads(p.stdout)
     assert info["samples"] == 100 and info["length"]["summary"]["count"] == 100

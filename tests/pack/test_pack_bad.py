@@ -1,4 +1,5 @@
 """Bad input: a clear error naming file and position, or with skip_bad a count and a list."""
+
 from __future__ import annotations
 
 import gzip
@@ -28,8 +29,11 @@ CASES = {
     "negative length": ([GOOD, '{"tokens": [1], "n": -4}', GOOD], {"length": "n"}, r"line 2\): bad length.*negative"),
     "non-integer length": ([GOOD, '{"tokens": [1], "n": "x"}', GOOD], {"length": "n"}, r"line 2\): field 'n'"),
     "field sets differ": ([GOOD, '{"tokens": [1], "n": 1, "extra": 2}', GOOD], {}, r"line 2\): sample .* has fields"),
-    "duplicate keys": (['{"id": "a", "n": 1}', '{"id": "b", "n": 1}', '{"id": "a", "n": 2}'], {"key": "id"},
-                       r"line 3\): duplicate key 'a'"),
+    "duplicate keys": (
+        ['{"id": "a", "n": 1}', '{"id": "b", "n": 1}', '{"id": "a", "n": 2}'],
+        {"key": "id"},
+        r"line 3\): duplicate key 'a'",
+    ),
     "key with slash": (['{"id": "a/b", "n": 1}', '{"id": "c", "n": 1}'], {"key": "id"}, r"line 1\): key .* '/'"),
     "key with dotdot": (['{"id": "..x", "n": 1}', '{"id": "c", "n": 1}'], {"key": "id"}, r"line 1\): key .*"),
     "key with NUL": (['{"id": "a\\u0000", "n": 1}', '{"id": "c", "n": 1}'], {"key": "id"}, r"line 1\): key .*NUL"),
@@ -73,10 +77,13 @@ def test_non_utf8_key_from_tar_and_tree_key_rules(tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("member,pattern", [
-    ("/abs/0001.jpg", "absolute member path"),
-    ("../0001.jpg", r"contains '\.\.'"),
-])
+@pytest.mark.parametrize(
+    "member,pattern",
+    [
+        ("/abs/0001.jpg", "absolute member path"),
+        ("../0001.jpg", r"contains '\.\.'"),
+    ],
+)
 def test_tar_member_paths_refused(tmp_path, member, pattern):
     src = write_tar(str(tmp_path / "in.tar"), [("0000.jpg", b"ok"), (member, b"evil"), ("0002.jpg", b"ok")])
     with pytest.raises(BadSampleError, match=pattern):
@@ -111,8 +118,12 @@ def test_gzip_bomb_is_refused_with_bounded_memory(tmp_path):
 
 def _run_pack(src, out, *extra):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.Popen([sys.executable, "-m", "shardtool", "pack", src, "-o", out, "-q", "--samples-per-shard",
-                             "2000", *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardtool", "pack", src, "-o", out, "-q", "--samples-per-shard", "2000", *extra],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 @pytest.mark.timeout(180)

@@ -1,4 +1,5 @@
 """Compressed Arrow shards (--compression zstd|lz4): the same samples through every reader."""
+
 from __future__ import annotations
 
 import os
@@ -20,9 +21,16 @@ pytestmark = pytest.mark.timeout(180)
 
 def _rows(n: int = 3000) -> list[dict]:
     rng = np.random.default_rng(5)
-    return [{"tokens": (rng.integers(0, 300, int(rng.integers(1, 120)))).astype(np.int32), "text": f"doc {i} " * (i % 9),
-             "n": i, "blob": bytes(int(rng.integers(0, 200))), "meta": {"i": i, "even": i % 2 == 0}}
-            for i in range(n)]
+    return [
+        {
+            "tokens": (rng.integers(0, 300, int(rng.integers(1, 120)))).astype(np.int32),
+            "text": f"doc {i} " * (i % 9),
+            "n": i,
+            "blob": bytes(int(rng.integers(0, 200))),
+            "meta": {"i": i, "even": i % 2 == 0},
+        }
+        for i in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +45,9 @@ def packed(tmp_path_factory):
 
 
 def _samples(url):
-    return [{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in s.items()}
-            for s in shardtool.open_dataset(url)]
+    return [
+        {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in s.items()} for s in shardtool.open_dataset(url)
+    ]
 
 
 def test_compressed_shards_hold_the_same_samples_smaller(packed):

@@ -1,4 +1,5 @@
 """The columnar path writes exactly the bytes the sample-by-sample path writes (tar and Arrow)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,8 +16,13 @@ from shardtool.pack import columns, fastcol
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.binary(min_size=1, max_size=100).filter(lambda b: b"\x00" not in b),
-                          st.integers(0, 8**11 - 1)), min_size=1, max_size=8))
+@given(
+    st.lists(
+        st.tuples(st.binary(min_size=1, max_size=100).filter(lambda b: b"\x00" not in b), st.integers(0, 8**11 - 1)),
+        min_size=1,
+        max_size=8,
+    )
+)
 def test_headers_batch_matches_reference(members):
     width = len(members[0][0])
     members = [(n[:width].ljust(width, b"a"), s) for n, s in members]
@@ -30,27 +36,39 @@ def _table(n: int, seed: int, nulls: bool) -> pa.Table:
     rng = np.random.default_rng(seed)
     lens = rng.integers(0, 40, n)
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    toks = pa.ListArray.from_arrays(pa.array(offsets), pa.array(rng.integers(-5, 1000, int(offsets[-1]), dtype=np.int32)))
+    toks = pa.ListArray.from_arrays(
+        pa.array(offsets), pa.array(rng.integers(-5, 1000, int(offsets[-1]), dtype=np.int32))
+    )
     floats = pa.ListArray.from_arrays(pa.array(offsets), pa.array(rng.random(int(offsets[-1]), dtype=np.float32)))
     text = [("é" * int(k)) + f"doc-{i}" for i, k in enumerate(rng.integers(0, 5, n))]
     blobs = [rng.bytes(int(k)) for k in rng.integers(0, 700, n)]
-    ids = rng.integers(-10**12, 10**12, n)
+    ids = rng.integers(-(10**12), 10**12, n)
     if nulls:
         text[n // 2] = None  # one batch must fall back to the row path (and skip this sample)
-    return pa.table({"tokens": toks, "emb": floats, "text": pa.array(text, pa.string()), "blob": pa.array(blobs),
-                     "id": pa.array(ids)})
+    return pa.table(
+        {
+            "tokens": toks,
+            "emb": floats,
+            "text": pa.array(text, pa.string()),
+            "blob": pa.array(blobs),
+            "id": pa.array(ids),
+        }
+    )
 
 
 @pytest.mark.parametrize("fmt", ["tar", "arrow"])
-@pytest.mark.parametrize("opts", [
-    dict(length="tokens"),
-    dict(),
-    dict(length="text", shard_size=20_000),
-    dict(length="id", samples_per_shard=7, skip_bad=True),
-    dict(length="tokens", shard_size=9_000, workers=2),
-    dict(length="tokens", key="name", shard_size=30_000),
-    dict(length="tokens", max_length=30),
-])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(length="tokens"),
+        dict(),
+        dict(length="text", shard_size=20_000),
+        dict(length="id", samples_per_shard=7, skip_bad=True),
+        dict(length="tokens", shard_size=9_000, workers=2),
+        dict(length="tokens", key="name", shard_size=30_000),
+        dict(length="tokens", max_length=30),
+    ],
+)
 @pytest.mark.timeout(120)
 def test_fast_path_is_byte_identical(tmp_path, monkeypatch, opts, fmt):
     src = str(tmp_path / "in.parquet")

@@ -6,6 +6,7 @@ rows reach the packer as whole record batches (one per slice), never one batch p
 give the same bytes as ``flatten_indices()`` and as a Parquet file of the same rows. Equal
 bytes also need equal Arrow types: dicts of Python ints are int64, a Parquet file may say int32.
 """
+
 from __future__ import annotations
 
 import glob
@@ -49,8 +50,12 @@ def shuffled():
     docs = stdlib_docs(ROWS + 2_000)
     offsets = np.zeros(len(docs) + 1, np.int32)
     np.cumsum([len(d) for d in docs], out=offsets[1:])
-    table = pa.table({"tokens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(docs))),
-                      "doc": pa.array(np.arange(len(docs), dtype=np.int32))})
+    table = pa.table(
+        {
+            "tokens": pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(docs))),
+            "doc": pa.array(np.arange(len(docs), dtype=np.int32)),
+        }
+    )
     return datasets.Dataset(table).shuffle(seed=1).select(range(ROWS))
 
 
@@ -106,7 +111,9 @@ def test_same_bytes_need_the_same_arrow_types(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), parquet)
     for name, src in (("parquet", parquet), ("dicts", rows), ("typed", pa.Table.from_pylist(rows, schema=schema))):
         shardtool.pack(src, str(tmp_path / name), format="arrow", length="tokens")
-    dtypes = {n: {f.name: f.dtype for f in shardtool.open_dataset(str(tmp_path / n)).manifest.fields}
-              for n in ("parquet", "dicts", "typed")}
+    dtypes = {
+        n: {f.name: f.dtype for f in shardtool.open_dataset(str(tmp_path / n)).manifest.fields}
+        for n in ("parquet", "dicts", "typed")
+    }
     assert dtypes["parquet"]["tokens"] == dtypes["typed"]["tokens"] == "i4" and dtypes["dicts"]["tokens"] == "i8"
     assert _version(tmp_path / "typed") == _version(tmp_path / "parquet") != _version(tmp_path / "dicts")

@@ -1,6 +1,7 @@
 """ImageFolder trees (``--label-from-dir``): real PNG icons in class folders become labelled
 samples (field ``png``, integer ``cls``), classes in torchvision's order in the manifest, keys as
 valid as ``--per-file``'s, and clear errors for trees that are not ImageFolder-shaped."""
+
 from __future__ import annotations
 
 import json
@@ -87,7 +88,9 @@ def test_cli_pack_writes_webdataset_members_png_and_cls(tmp_path):
         assert classes[label] == key.split("__")[0]
         assert members[name][:8] == b"\x89PNG\r\n\x1a\n"
     shown = shardtool_cli("inspect", out, "--no-peek")
-    assert shown.returncode == 0 and "classes (4, the cls field's labels): 0 actions, 1 devices, 2 legacy" in shown.stdout
+    assert (
+        shown.returncode == 0 and "classes (4, the cls field's labels): 0 actions, 1 devices, 2 legacy" in shown.stdout
+    )
 
 
 def test_the_default_and_per_file_modes_still_refuse_or_lose_the_label(tmp_path):
@@ -113,7 +116,8 @@ def test_classes_follow_torchvision_find_classes(tmp_path):
     assert [f["name"] for f in m["fields"]] == ["cls", "jpg"]  # last extension, lower-cased
     got = read_all(out)
     assert {s["jpg"].decode(): m["extra"]["classes"][s["cls"]] for s in got.values()} == {
-        c: c for c in m["extra"]["classes"]}
+        c: c for c in m["extra"]["classes"]
+    }
 
 
 def test_files_at_the_root_are_named_as_bad_input(tmp_path):

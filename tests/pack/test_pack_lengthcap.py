@@ -1,4 +1,5 @@
 """--length-fn from the current directory, and --max-length with drop / truncate."""
+
 from __future__ import annotations
 
 import json
@@ -39,19 +40,59 @@ def test_length_fn_module_in_the_current_directory(tmp_path):
     recs = token_records(20)
     src = write_jsonl(str(tmp_path / "in.jsonl"), recs)
     env = dict(os.environ, PYTHONPATH=REPO)  # this checkout, but not the working directory
-    p = subprocess.run([sys.executable, str(tools / "shardtool_cmd.py"), "pack", src, "-o", str(tmp_path / "cli"),
-                        "--length-fn", "mylen:triple", "--workers", "2", "--samples-per-shard", "4", "-q"],
-                       cwd=work, env=env, capture_output=True, text=True, timeout=100)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(tools / "shardtool_cmd.py"),
+            "pack",
+            src,
+            "-o",
+            str(tmp_path / "cli"),
+            "--length-fn",
+            "mylen:triple",
+            "--workers",
+            "2",
+            "--samples-per-shard",
+            "4",
+            "-q",
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert p.returncode == 0, p.stderr
-    p = subprocess.run([sys.executable, str(tools / "pack_api.py"), src, str(tmp_path / "api")], cwd=work, env=env,
-                       capture_output=True, text=True, timeout=100)
+    p = subprocess.run(
+        [sys.executable, str(tools / "pack_api.py"), src, str(tmp_path / "api")],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert p.returncode == 0 and p.stdout.strip() == "20", p.stderr
     want = [3 * len(r["tokens"]) for r in recs]
     for out in ("cli", "api"):
         assert shardtool.open_dataset(str(tmp_path / out)).lengths.tolist() == want
     # A module that is nowhere: the error says where it looked.
-    p = subprocess.run([sys.executable, str(tools / "shardtool_cmd.py"), "pack", src, "-o", str(tmp_path / "x"),
-                        "--length-fn", "nosuchmod:f"], cwd=work, env=env, capture_output=True, text=True, timeout=100)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(tools / "shardtool_cmd.py"),
+            "pack",
+            src,
+            "-o",
+            str(tmp_path / "x"),
+            "--length-fn",
+            "nosuchmod:f",
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert p.returncode == 1 and "cannot import 'nosuchmod'" in p.stderr and str(work) in p.stderr
 
 
@@ -64,12 +105,16 @@ def _records(n=60, seed=3):
 @pytest.mark.parametrize("source", ["jsonl", "parquet"])  # parquet into tar takes the columnar fast path
 def test_max_length_truncate_cuts_the_length_field(tmp_path, fmt, source):
     recs = _records()
-    src = (write_jsonl(str(tmp_path / "in.jsonl"), recs) if source == "jsonl"
-           else write_parquet(str(tmp_path / "in.parquet"), recs, row_group_size=16, token_dtype=np.int64))
+    src = (
+        write_jsonl(str(tmp_path / "in.jsonl"), recs)
+        if source == "jsonl"
+        else write_parquet(str(tmp_path / "in.parquet"), recs, row_group_size=16, token_dtype=np.int64)
+    )
     out = str(tmp_path / "o")
     cap = 12
-    r = shardtool.pack(src, out, format=fmt, length="tokens", max_length=cap, max_length_policy="truncate",
-                       samples_per_shard=16)
+    r = shardtool.pack(
+        src, out, format=fmt, length="tokens", max_length=cap, max_length_policy="truncate", samples_per_shard=16
+    )
     over = sum(len(x["tokens"]) > cap for x in recs)
     assert 0 < over < len(recs)
     assert r.samples == len(recs) and r.truncated == over and r.dropped == 0
@@ -105,17 +150,30 @@ def test_max_length_drop_skips_and_counts(tmp_path):
     assert m["samples"] == len(keep) and m["dropped"] == len(recs) - len(keep)
     p = shardtool_cli("pack", src, "-o", str(tmp_path / "cli"), "--length", "tokens", "--max-length", str(cap), "-q")
     assert p.returncode == 0 and f"dropped {len(recs) - len(keep)} and truncated 0 over --max-length" in p.stdout
-    p = shardtool_cli("pack", src, "-o", str(tmp_path / "cli2"), "--length", "tokens", "--max-length", str(cap),
-                      "--max-length-policy", "truncate", "--json")
+    p = shardtool_cli(
+        "pack",
+        src,
+        "-o",
+        str(tmp_path / "cli2"),
+        "--length",
+        "tokens",
+        "--max-length",
+        str(cap),
+        "--max-length-policy",
+        "truncate",
+        "--json",
+    )
     assert p.returncode == 0 and json.loads(p.stdout)["truncated"] == len(recs) - len(keep)
 
 
 @pytest.mark.timeout(60)
 def test_truncate_needs_an_array_length_field(tmp_path):
     src = write_jsonl(str(tmp_path / "in.jsonl"), _records(5))
-    for kw, what in [({"length": "text"}, "--length 'text' is stored as text"),
-                     ({}, "the length is not a field"),
-                     ({"length_fn": "tests_length_fn:double_tokens"}, "the length is not a field")]:
+    for kw, what in [
+        ({"length": "text"}, "--length 'text' is stored as text"),
+        ({}, "the length is not a field"),
+        ({"length_fn": "tests_length_fn:double_tokens"}, "the length is not a field"),
+    ]:
         with pytest.raises(ShardtoolError, match="truncate .* needs --length naming a 1-D array field; " + what):
             shardtool.pack(src, str(tmp_path / "o"), max_length=3, max_length_policy="truncate", **kw)
     assert not os.path.exists(tmp_path / "o")

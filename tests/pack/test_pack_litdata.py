@@ -1,6 +1,7 @@
 """`shardtool pack LITDATA_DIR`: LitData optimize() output converted, read back equal to LitData's own
 StreamingDataset row for row (plain, per-batch zstd and whole-chunk zstd), byte for byte as the same
 rows packed from Parquet; unknown or unsafe serializers refused by name."""
+
 from __future__ import annotations
 
 import json
@@ -45,19 +46,22 @@ def test_rows_read_back_equal_to_litdatas_reader(lit, tmp_path):
 @pytest.mark.timeout(300)
 def test_same_rows_as_parquet_give_the_same_dataset_byte_for_byte(lit, tmp_path):
     root, rows = lit
-    table = pa.table({
-        "id": pa.array([r["id"] for r in rows], pa.int64()),
-        "text": pa.array([r["text"] for r in rows], pa.string()),
-        "tokens": pa.array([r["tokens"] for r in rows], pa.list_(pa.uint16())),
-        "score": pa.array([r["score"] for r in rows], pa.float64()),
-        "blob": pa.array([r["blob"] for r in rows], pa.binary()),
-    })
+    table = pa.table(
+        {
+            "id": pa.array([r["id"] for r in rows], pa.int64()),
+            "text": pa.array([r["text"] for r in rows], pa.string()),
+            "tokens": pa.array([r["tokens"] for r in rows], pa.list_(pa.uint16())),
+            "score": pa.array([r["score"] for r in rows], pa.float64()),
+            "blob": pa.array([r["blob"] for r in rows], pa.binary()),
+        }
+    )
     pq.write_table(table, str(tmp_path / "rows.parquet"))
     a = pack(root, str(tmp_path / "a"), shard_size="1MiB", length="tokens")
     b = pack(str(tmp_path / "rows.parquet"), str(tmp_path / "b"), shard_size="1MiB", length="tokens")
     assert a.shards > 2
-    names = ["index.json", "lengths.npy", "summaries.arrow"] + [f"shards/{n}" for n in sorted(os.listdir(
-        os.path.join(a.out, "shards")))]
+    names = ["index.json", "lengths.npy", "summaries.arrow"] + [
+        f"shards/{n}" for n in sorted(os.listdir(os.path.join(a.out, "shards")))
+    ]
     for name in names:
         assert open(os.path.join(a.out, name), "rb").read() == open(os.path.join(b.out, name), "rb").read(), name
 

@@ -1,5 +1,6 @@
 """`shardtool pack MDS_DIR`: a MosaicML Streaming dataset converted, read back equal to Streaming's own
 reader row for row (plain and zstd shards), byte for byte as the same rows packed from Parquet."""
+
 from __future__ import annotations
 
 import json
@@ -49,14 +50,16 @@ def test_rows_read_back_equal_to_streamings_reader(mds, tmp_path):
 @pytest.mark.timeout(300)
 def test_same_rows_as_parquet_give_the_same_dataset_byte_for_byte(mds, tmp_path):
     root, rows = mds
-    table = pa.table({
-        "blob": pa.array([r["blob"] for r in rows], pa.binary()),
-        "id": pa.array([r["id"] for r in rows], pa.int64()),
-        "meta": pa.array([r["meta"] for r in rows]),
-        "score": pa.array([r["score"] for r in rows], pa.float32()),
-        "text": pa.array([r["text"] for r in rows], pa.string()),
-        "tokens": pa.array(list(r["tokens"] for r in rows), pa.list_(pa.uint16())),
-    })
+    table = pa.table(
+        {
+            "blob": pa.array([r["blob"] for r in rows], pa.binary()),
+            "id": pa.array([r["id"] for r in rows], pa.int64()),
+            "meta": pa.array([r["meta"] for r in rows]),
+            "score": pa.array([r["score"] for r in rows], pa.float32()),
+            "text": pa.array([r["text"] for r in rows], pa.string()),
+            "tokens": pa.array(list(r["tokens"] for r in rows), pa.list_(pa.uint16())),
+        }
+    )
     pq.write_table(table, str(tmp_path / "rows.parquet"))
     a = pack(root, str(tmp_path / "a"), shard_size="1MiB", length="tokens")
     b = pack(str(tmp_path / "rows.parquet"), str(tmp_path / "b"), shard_size="1MiB", length="tokens")

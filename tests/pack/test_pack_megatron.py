@@ -1,5 +1,6 @@
 """`shardtool pack PREFIX`: a Megatron/NeMo indexed dataset (.bin + .idx) converted, checked row
 for row against megatron-core's own reader and byte for byte against the same rows from Parquet."""
+
 from __future__ import annotations
 
 import os
@@ -85,8 +86,14 @@ def test_same_rows_as_parquet_give_the_same_dataset_byte_for_byte(tmp_path, fmt)
     pq.write_table(rows, str(tmp_path / "c.parquet"), row_group_size=65536)
     for workers in (1, 3):
         a = pack(prefix + ".idx", str(tmp_path / f"m{workers}"), format=fmt, workers=workers, shard_size="256KiB")
-        b = pack(str(tmp_path / "c.parquet"), str(tmp_path / f"p{workers}"), format=fmt, workers=workers,
-                 shard_size="256KiB", length="tokens")
+        b = pack(
+            str(tmp_path / "c.parquet"),
+            str(tmp_path / f"p{workers}"),
+            format=fmt,
+            workers=workers,
+            shard_size="256KiB",
+            length="tokens",
+        )
         assert a.shards > 3
         _same_files(a.out, b.out)
 
@@ -99,7 +106,9 @@ def small(tmp_path):
 def test_a_truncated_bin_is_named_and_nothing_is_published(small, tmp_path):
     with open(small + ".bin", "r+b") as f:
         f.truncate(os.path.getsize(small + ".bin") - 10)
-    with pytest.raises(BadSampleError, match=r"s\.bin is \d+ bytes, its \.idx says \d+: truncated \(ends inside document 19\)"):
+    with pytest.raises(
+        BadSampleError, match=r"s\.bin is \d+ bytes, its \.idx says \d+: truncated \(ends inside document 19\)"
+    ):
         pack(small, str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out" / "index.json")
 

@@ -1,5 +1,6 @@
 """Real file trees: ``--per-file`` (one file = one sample), safe unique keys from paths, and what
 --skip-bad reports (each skipped file with its reason, a loud warning, --max-skip-fraction)."""
+
 from __future__ import annotations
 
 import json
@@ -150,8 +151,11 @@ def test_most_skipped_warns_and_max_skip_fraction_fails_publishing_nothing(tmp_p
     assert ok.samples == 3 and os.path.exists(tmp_path / "ok" / "index.json")
 
     # A fresh OUT: the failed pack leaves no trace of itself.
-    with pytest.raises(ShardtoolError, match=r"7 of 10 samples were skipped \(70.0%\), more than "
-                                             r"--max-skip-fraction 0.5; nothing was published"):
+    with pytest.raises(
+        ShardtoolError,
+        match=r"7 of 10 samples were skipped \(70.0%\), more than "
+        r"--max-skip-fraction 0.5; nothing was published",
+    ):
         shardtool.pack(src, str(tmp_path / "fresh"), per_file=True, max_skip_fraction=0.5)
     assert not os.path.exists(tmp_path / "fresh")
     # An OUT that holds other things: they stay, nothing of the failed pack does.
@@ -188,10 +192,10 @@ def test_max_skip_fraction_in_a_job_array_touches_no_other_task(tmp_path):
 
 
 # Relative paths of distinct files: 1-4 components of printable text without '/' or NUL.
-_component = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="/\x00"), min_size=1,
-                     max_size=30).filter(lambda c: c not in (".", ".."))
-_rel_paths = st.lists(st.lists(_component, min_size=1, max_size=4).map("/".join), min_size=1, max_size=30,
-                      unique=True)
+_component = st.text(
+    st.characters(blacklist_categories=("Cs",), blacklist_characters="/\x00"), min_size=1, max_size=30
+).filter(lambda c: c not in (".", ".."))
+_rel_paths = st.lists(st.lists(_component, min_size=1, max_size=4).map("/".join), min_size=1, max_size=30, unique=True)
 
 
 @settings(max_examples=300, deadline=None)

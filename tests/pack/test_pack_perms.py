@@ -3,6 +3,7 @@
 Each pack runs in its own process with the umask set there (the umask is process-wide, so it is
 never changed in the test process itself).
 """
+
 from __future__ import annotations
 
 import os
@@ -43,14 +44,20 @@ def _modes(root: str) -> dict[str, int]:
 def test_published_files_follow_the_umask(tmp_path, umask, fmt):
     src = write_jsonl(str(tmp_path / "in.jsonl"), token_records(30))
     out = tmp_path / "out"
-    subprocess.run([sys.executable, "-c", PACK, f"{umask:o}", src, str(out), fmt], env=repo_env(), check=True,
-                   timeout=100)
+    subprocess.run(
+        [sys.executable, "-c", PACK, f"{umask:o}", src, str(out), fmt], env=repo_env(), check=True, timeout=100
+    )
     modes = _modes(str(out))
     files = {p: m for p, m in modes.items() if not os.path.isdir(out / p)}
     dirs = {p: m for p, m in modes.items() if os.path.isdir(out / p)}
     # Everything a reader needs is there: manifests, lengths, shards, sample indexes, fragments.
-    for must in ("single/index.json", "single/lengths.npy", "array/index.json", "array/lengths.npy",
-                 "array/tasks/task-0001-of-0002.json"):
+    for must in (
+        "single/index.json",
+        "single/lengths.npy",
+        "array/index.json",
+        "array/lengths.npy",
+        "array/tasks/task-0001-of-0002.json",
+    ):
         assert must in files
     assert any(p.endswith(".idx.arrow") for p in files) and any(p.endswith("." + fmt) for p in files)
     assert not [p for p in files if os.path.basename(p).startswith(".tmp-")]

@@ -1,5 +1,6 @@
 """What a new user meets first: help(shardtool.pack), iterating a Dataset, errors for a URL that
 is not a dataset, verify naming the damaged sample, and a failed pack leaving nothing behind."""
+
 from __future__ import annotations
 
 import json
@@ -86,8 +87,13 @@ def test_loader_without_cache_gives_the_same_clear_errors(tmp_path):
 @pytest.mark.parametrize("fmt", ["tar", "arrow"])
 def test_verify_names_the_damaged_sample(tmp_path, fmt):
     out = str(tmp_path / "o")
-    shardtool.pack(write_jsonl(str(tmp_path / "in.jsonl"), token_records(40)), out, format=fmt,
-                   samples_per_shard=10, length="tokens")
+    shardtool.pack(
+        write_jsonl(str(tmp_path / "in.jsonl"), token_records(40)),
+        out,
+        format=fmt,
+        samples_per_shard=10,
+        length="tokens",
+    )
     ds = shardtool.open_dataset(out)
     shard = ds.manifest.shards[2]
     idx = ds.shard_index(2)

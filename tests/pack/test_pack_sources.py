@@ -1,5 +1,6 @@
 """pack() from in-memory sources: every kind round-trips and gives the dataset a Parquet file of the
 same rows gives; bad rows are named by index; unsupported objects get a TypeError."""
+
 from __future__ import annotations
 
 import os
@@ -22,13 +23,15 @@ def _rows(n: int = 300, seed: int = 0) -> list[dict]:
     rows = []
     for i in range(n):
         k = int(rng.integers(0, 40))
-        rows.append({
-            "tokens": rng.integers(0, 50_000, k).tolist(),
-            "text": "é" * (i % 5) + f"doc {i}\n",
-            "n": int(rng.integers(-5, 10**12)),
-            "blob": rng.bytes(int(rng.integers(0, 600))) + b"\x00",
-            "meta": {"a": i, "tags": [f"t{j}" for j in range(1 + i % 3)], "deep": {"x": [0.5, i + 0.25]}},
-        })
+        rows.append(
+            {
+                "tokens": rng.integers(0, 50_000, k).tolist(),
+                "text": "é" * (i % 5) + f"doc {i}\n",
+                "n": int(rng.integers(-5, 10**12)),
+                "blob": rng.bytes(int(rng.integers(0, 600))) + b"\x00",
+                "meta": {"a": i, "tags": [f"t{j}" for j in range(1 + i % 3)], "deep": {"x": [0.5, i + 0.25]}},
+            }
+        )
     return rows
 
 
@@ -84,14 +87,23 @@ def test_tables_split_over_workers_and_streams_pack_in_one_process(tmp_path):
     two = shardtool.pack(table, str(tmp_path / "w2"), format="arrow", length="tokens", shard_size=1 << 20, workers=2)
     shardtool.pack(table, str(tmp_path / "w2b"), format="arrow", length="tokens", shard_size=1 << 20, workers=2)
     assert one.samples == two.samples == len(rows)
-    names = {s["path"].split("/")[1][:9] for s in shardtool.open_dataset(str(tmp_path / "w2")).manifest.to_dict()["shards"]}
+    names = {
+        s["path"].split("/")[1][:9] for s in shardtool.open_dataset(str(tmp_path / "w2")).manifest.to_dict()["shards"]
+    }
     assert names == {"t0000-w00", "t0000-w01"}  # both workers packed rows
     assert _version(tmp_path / "w2") == _version(tmp_path / "w2b")
     k1 = [k for s in range(one.shards) for k in shardtool.open_dataset(str(tmp_path / "w1")).shard_index(s).keys]
     ds2 = shardtool.open_dataset(str(tmp_path / "w2"))
     assert k1 == [k for s in range(ds2.num_shards) for k in ds2.shard_index(s).keys]
-    gen = shardtool.pack((r for r in rows), str(tmp_path / "gen"), format="arrow", length="tokens",
-                         shard_size=1 << 20, workers=2, total=len(rows))
+    gen = shardtool.pack(
+        (r for r in rows),
+        str(tmp_path / "gen"),
+        format="arrow",
+        length="tokens",
+        shard_size=1 << 20,
+        workers=2,
+        total=len(rows),
+    )
     assert gen.samples == len(rows) and _version(tmp_path / "gen") == _version(tmp_path / "w1")
 
 
@@ -150,8 +162,9 @@ def test_key_column_is_the_key_not_also_a_field(tmp_path, fmt):
     shardtool.pack(pa.Table.from_pylist(ints), str(tmp_path / "ints"), format=fmt, key="id")
     assert [s["__key__"] for s in shardtool.open_dataset(str(tmp_path / "ints"))] == ["0", "10", "20", "30", "40"]
     with pytest.raises(BadSampleError, match="duplicate key 'a'"):
-        shardtool.pack([{"id": "a", "text": "1"}, {"id": "a", "text": "2"}], str(tmp_path / "dup"), format=fmt,
-                       key="id")
+        shardtool.pack(
+            [{"id": "a", "text": "1"}, {"id": "a", "text": "2"}], str(tmp_path / "dup"), format=fmt, key="id"
+        )
 
 
 def _first_has_tokens(rows):
@@ -161,11 +174,20 @@ def _first_has_tokens(rows):
 
 
 @settings(max_examples=15, deadline=None)
-@given(st.lists(st.fixed_dictionaries({
-    "tokens": st.lists(st.integers(-2**40, 2**40), max_size=12),
-    "text": st.text(max_size=20),
-    "blob": st.binary(max_size=30),
-}), min_size=1, max_size=40).map(_first_has_tokens), st.sampled_from(["tar", "arrow"]))
+@given(
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "tokens": st.lists(st.integers(-(2**40), 2**40), max_size=12),
+                "text": st.text(max_size=20),
+                "blob": st.binary(max_size=30),
+            }
+        ),
+        min_size=1,
+        max_size=40,
+    ).map(_first_has_tokens),
+    st.sampled_from(["tar", "arrow"]),
+)
 def test_dicts_and_parquet_agree(tmp_path_factory, rows, fmt):
     tmp = tmp_path_factory.mktemp("agree")
     pq.write_table(pa.Table.from_pylist(rows), str(tmp / "in.parquet"))

@@ -1,4 +1,5 @@
 """Tokenization at pack time, with tokenizers trained here on the test corpus (nothing downloaded)."""
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,17 @@ def corpus(tmp_path_factory):
 def test_token_ids_are_the_tokenizers_and_lengths_their_counts(corpus, tmp_path, fmt):
     d, rows, tok = corpus
     eos = tok.token_to_id("[EOS]")
-    r = shardtool.pack(str(d / "corpus.jsonl"), str(tmp_path / "ds"), format=fmt, key="id", text_field="text",
-                       tokenizer=str(d / "tokenizer.json"), eos_id=eos, workers=2, samples_per_shard=90)
+    r = shardtool.pack(
+        str(d / "corpus.jsonl"),
+        str(tmp_path / "ds"),
+        format=fmt,
+        key="id",
+        text_field="text",
+        tokenizer=str(d / "tokenizer.json"),
+        eos_id=eos,
+        workers=2,
+        samples_per_shard=90,
+    )
     ds = shardtool.open_dataset(str(tmp_path / "ds"))
     assert r.samples == len(rows) and ds.num_shards > 2
     assert ds.manifest.field_names == ["tokens", "lang"]  # the text is dropped, the key is the key
@@ -125,9 +135,24 @@ def test_bad_text_rows_and_bad_options(corpus, tmp_path):
 def test_cli_tokenizes_a_jsonl_in_one_command(corpus, tmp_path):
     d, rows, tok = corpus
     out = tmp_path / "cli"
-    proc = shardtool_cli("pack", str(d / "corpus.jsonl"), "-o", str(out), "--text-field", "text", "--tokenizer",
-                         str(d / "tokenizer.json"), "--eos-id", "1", "--workers", "2", "--format", "arrow", "--json",
-                         timeout=100)
+    proc = shardtool_cli(
+        "pack",
+        str(d / "corpus.jsonl"),
+        "-o",
+        str(out),
+        "--text-field",
+        "text",
+        "--tokenizer",
+        str(d / "tokenizer.json"),
+        "--eos-id",
+        "1",
+        "--workers",
+        "2",
+        "--format",
+        "arrow",
+        "--json",
+        timeout=100,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["samples"] == len(rows)
     ds = shardtool.open_dataset(str(out))

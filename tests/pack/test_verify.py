@@ -1,4 +1,5 @@
 """verify: catches a flipped byte and a truncated shard, naming each bad shard, exit 1."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,13 @@ from shardtool.pack.verify import verify
 @pytest.mark.parametrize("fmt", ["tar", "arrow"])
 def test_verify_flipped_byte_and_truncation(tmp_path, fmt):
     out = str(tmp_path / "o")
-    shardtool.pack(write_jsonl(str(tmp_path / "in.jsonl"), token_records(200)), out, format=fmt,
-                   samples_per_shard=50, length="tokens")
+    shardtool.pack(
+        write_jsonl(str(tmp_path / "in.jsonl"), token_records(200)),
+        out,
+        format=fmt,
+        samples_per_shard=50,
+        length="tokens",
+    )
     assert verify(out)["ok"]
     assert verify("file://" + out)["ok"]
     p = _cli("verify", out)

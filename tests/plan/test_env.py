@@ -1,4 +1,5 @@
 """The one environment reader: a rank's placement (loader), a node's (warmer), a job-array task's (pack)."""
+
 import pytest
 
 from shardtool.plan import Layout, LayoutError, Placement, array_task, node_placement, rank_placement
@@ -53,13 +54,16 @@ def test_node_placement_from_slurm_and_precedence():
     assert "from default: one node" in alone.describe()
 
 
-@pytest.mark.parametrize("kw, env", [
-    ({"num_nodes": 4}, {}),                       # several nodes, no rank (a prolog has no SLURM_NODEID)
-    ({"num_nodes": 2, "node": 2}, {}),
-    ({"node": 1}, {}),
-    ({}, {"SLURM_JOB_NUM_NODES": "x"}),
-    ({}, {"SLURM_JOB_NUM_NODES": "2(x2)", "SLURM_NODEID": "0"}),
-])
+@pytest.mark.parametrize(
+    "kw, env",
+    [
+        ({"num_nodes": 4}, {}),  # several nodes, no rank (a prolog has no SLURM_NODEID)
+        ({"num_nodes": 2, "node": 2}, {}),
+        ({"node": 1}, {}),
+        ({}, {"SLURM_JOB_NUM_NODES": "x"}),
+        ({}, {"SLURM_JOB_NUM_NODES": "2(x2)", "SLURM_NODEID": "0"}),
+    ],
+)
 def test_node_placement_errors(kw, env):
     with pytest.raises(LayoutError):
         node_placement(env=env, **kw)
@@ -72,22 +76,32 @@ def test_placement_is_consistent():
         Placement(Layout(2, 2), node=2)
 
 
-@pytest.mark.parametrize("args, env, expected", [
-    ((None, None), {}, (1, 0)),
-    ((4, 2), {"SLURM_ARRAY_TASK_COUNT": "8", "SLURM_ARRAY_TASK_ID": "5"}, (4, 2)),
-    ((None, None), {"SLURM_ARRAY_TASK_COUNT": "8", "SLURM_ARRAY_TASK_ID": "5"}, (8, 5)),
-    ((None, None), {"SLURM_ARRAY_TASK_COUNT": "8", "SLURM_ARRAY_TASK_ID": "6", "SLURM_ARRAY_TASK_MIN": "1"}, (8, 5)),
-    ((None, None), {"SLURM_ARRAY_TASK_COUNT": "1", "SLURM_ARRAY_TASK_ID": "3"}, (1, 0)),
-])
+@pytest.mark.parametrize(
+    "args, env, expected",
+    [
+        ((None, None), {}, (1, 0)),
+        ((4, 2), {"SLURM_ARRAY_TASK_COUNT": "8", "SLURM_ARRAY_TASK_ID": "5"}, (4, 2)),
+        ((None, None), {"SLURM_ARRAY_TASK_COUNT": "8", "SLURM_ARRAY_TASK_ID": "5"}, (8, 5)),
+        (
+            (None, None),
+            {"SLURM_ARRAY_TASK_COUNT": "8", "SLURM_ARRAY_TASK_ID": "6", "SLURM_ARRAY_TASK_MIN": "1"},
+            (8, 5),
+        ),
+        ((None, None), {"SLURM_ARRAY_TASK_COUNT": "1", "SLURM_ARRAY_TASK_ID": "3"}, (1, 0)),
+    ],
+)
 def test_array_task(args, env, expected):
     assert array_task(*args, env=env) == expected
 
 
-@pytest.mark.parametrize("args, env, message", [
-    ((0, None), {}, "num-tasks"),
-    ((2, 2), {}, "task-index 2 is outside"),
-    ((None, None), {"SLURM_ARRAY_TASK_COUNT": "two"}, "must be an integer"),
-])
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        ((0, None), {}, "num-tasks"),
+        ((2, 2), {}, "task-index 2 is outside"),
+        ((None, None), {"SLURM_ARRAY_TASK_COUNT": "two"}, "must be an integer"),
+    ],
+)
 def test_array_task_errors(args, env, message):
     with pytest.raises(LayoutError, match=message):
         array_task(*args, env=env)

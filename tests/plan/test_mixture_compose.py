@@ -1,4 +1,5 @@
 """The composition rule: which source every unit of a mixture comes from, as a closed form of the step."""
+
 from __future__ import annotations
 
 from fractions import Fraction

@@ -1,4 +1,5 @@
 """A mixture's configuration: sources, token weights, schedule, max_repeat; the file forms."""
+
 from __future__ import annotations
 
 import json
@@ -13,28 +14,37 @@ from shardtool.plan.packing import Packing
 
 
 def test_weights_are_exact_fractions_and_the_schedule_starts_with_them():
-    m = Mixture({"web": ("s3://b/web", 0.6), "code": ("/lustre/code", "0.3"), "math": ("/m", Fraction(1, 10))},
-                schedule=[(500, {"web": 1, "code": 0, "math": 1})])
+    m = Mixture(
+        {"web": ("s3://b/web", 0.6), "code": ("/lustre/code", "0.3"), "math": ("/m", Fraction(1, 10))},
+        schedule=[(500, {"web": 1, "code": 0, "math": 1})],
+    )
     assert m.names == ("web", "code", "math")
-    assert m.schedule == ((0, (Fraction(3, 5), Fraction(3, 10), Fraction(1, 10))),
-                          (500, (Fraction(1), Fraction(0), Fraction(1))))
-    assert m.schedule_identity() == [[0, {"web": "3/5", "code": "3/10", "math": "1/10"}],
-                                     [500, {"web": "1", "code": "0", "math": "1"}]]
+    assert m.schedule == (
+        (0, (Fraction(3, 5), Fraction(3, 10), Fraction(1, 10))),
+        (500, (Fraction(1), Fraction(0), Fraction(1))),
+    )
+    assert m.schedule_identity() == [
+        [0, {"web": "3/5", "code": "3/10", "math": "1/10"}],
+        [500, {"web": "1", "code": "0", "math": "1"}],
+    ]
 
 
-@pytest.mark.parametrize("sources, schedule, match", [
-    ({"web": ("/w", -1)}, None, "must be >= 0"),
-    ({"web": ("/w", float("nan"))}, None, "finite"),
-    ({"web": ("/w", True)}, None, "must be a number"),
-    ({"web": ("/w", 0)}, None, "at least one weight must be > 0"),
-    ({"we b": ("/w", 1)}, None, "source name"),
-    ({"../x": ("/w", 1)}, None, "source name"),
-    ({"web": ("", 1)}, None, "non-empty"),
-    ({"web": ("/w", 1)}, [(10, {"Web": 1})], r"unknown \['Web'\], missing \['web'\]"),
-    ({"web": ("/w", 1)}, [(0, {"web": 1})], "from_step must be an int >= 1"),
-    ({"web": ("/w", 1)}, [(10, {"web": 1}), (5, {"web": 2})], "increasing"),
-    ({"web": ("/w", 1)}, [(10, {"web": 0})], "step 10: at least one weight"),
-])
+@pytest.mark.parametrize(
+    "sources, schedule, match",
+    [
+        ({"web": ("/w", -1)}, None, "must be >= 0"),
+        ({"web": ("/w", float("nan"))}, None, "finite"),
+        ({"web": ("/w", True)}, None, "must be a number"),
+        ({"web": ("/w", 0)}, None, "at least one weight must be > 0"),
+        ({"we b": ("/w", 1)}, None, "source name"),
+        ({"../x": ("/w", 1)}, None, "source name"),
+        ({"web": ("", 1)}, None, "non-empty"),
+        ({"web": ("/w", 1)}, [(10, {"Web": 1})], r"unknown \['Web'\], missing \['web'\]"),
+        ({"web": ("/w", 1)}, [(0, {"web": 1})], "from_step must be an int >= 1"),
+        ({"web": ("/w", 1)}, [(10, {"web": 1}), (5, {"web": 2})], "increasing"),
+        ({"web": ("/w", 1)}, [(10, {"web": 0})], "step 10: at least one weight"),
+    ],
+)
 def test_bad_mixtures_are_refused_naming_what_is_wrong(sources, schedule, match):
     with pytest.raises(MixtureError, match=match):
         Mixture(sources, schedule)
@@ -48,9 +58,11 @@ def test_duplicate_names_and_bad_max_repeat_are_refused():
 
 
 def test_json_and_yaml_files_with_paths_relative_to_the_file(tmp_path):
-    body = {"sources": {"web": {"url": "web", "weight": 0.7}, "code": ["../code", 0.3]},
-            "schedule": [{"from_step": 100, "weights": {"web": 0.5, "code": 0.5}}, [200, {"web": 1, "code": 0}]],
-            "max_repeat": 3}
+    body = {
+        "sources": {"web": {"url": "web", "weight": 0.7}, "code": ["../code", 0.3]},
+        "schedule": [{"from_step": 100, "weights": {"web": 0.5, "code": 0.5}}, [200, {"web": 1, "code": 0}]],
+        "max_repeat": 3,
+    }
     (tmp_path / "mix.json").write_text(json.dumps(body))
     m = Mixture.from_file(str(tmp_path / "mix.json"))
     assert [s.url for s in m.sources] == [str(tmp_path / "web"), str(tmp_path.parent / "code")]

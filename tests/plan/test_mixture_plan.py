@@ -1,4 +1,5 @@
 """The mixture planner: token shares, source cursors and epochs, and resume across phases (pure)."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,14 @@ def roundtrip(state: MixtureState) -> MixtureState:
 # (a 11k-sample source at rows of 1024). A share then errs by about p (1 - p) times that
 # difference: the span bound below is 0.15%, not the 0.1% the counts alone would give. On tiny
 # corpora with rows not much longer than their documents the estimate can be a few percent off.
-UNEVEN_ESTIMATES = MixtureCase((10943, 26275, 38041, 11413), (0.02, 0.02, 0.02, 0.03), Layout(2, 1),
-                               Batching(batch_size=4, seed=11419, packing=Packing(1024)), 11419, corpus=True)
+UNEVEN_ESTIMATES = MixtureCase(
+    (10943, 26275, 38041, 11413),
+    (0.02, 0.02, 0.02, 0.03),
+    Layout(2, 1),
+    Batching(batch_size=4, seed=11419, packing=Packing(1024)),
+    11419,
+    corpus=True,
+)
 
 
 @settings(max_examples=30, deadline=None)
@@ -59,8 +66,13 @@ def test_bucketed_token_shares_within_5pct_every_100_steps_and_015pct_over_the_s
 
 def test_a_schedule_moves_the_shares_at_its_steps():
     case = MixtureCase((3000, 3000), (0.8, 0.2), Layout(2, 1), Batching(batch_size=4, packing=Packing(128)), 1)
-    planner = planner_of(case.sources(), case.weights, case.batching, case.layout,
-                         schedule=[(500, {"s0": 0.1, "s1": 0.9}), (1000, {"s0": 0, "s1": 1})])
+    planner = planner_of(
+        case.sources(),
+        case.weights,
+        case.batching,
+        case.layout,
+        schedule=[(500, {"s0": 0.1, "s1": 0.9}), (1000, {"s0": 0, "s1": 1})],
+    )
     tokens = Served(planner).step_tokens(planner.start(), range(1500))
     assert shares_error(tokens[:500], (0.8, 0.2), 100)[1] <= 0.01
     assert shares_error(tokens[500:1000], (0.1, 0.9), 100)[1] <= 0.01
@@ -123,7 +135,7 @@ def test_resume_at_any_step_serves_exactly_the_rest(packed, data, cut):
     again = Served(fresh)
     rest = [again.units(resumed, t, d) for t in range(cut, 150) for d in range(case.layout.world_size)]
     key = lambda units: [(n, e, i, ids.tolist()) for n, e, i, ids, _ in units]  # noqa: E731
-    assert [key(u) for u in rest] == [key(u) for u in full[cut * case.layout.world_size:]]
+    assert [key(u) for u in rest] == [key(u) for u in full[cut * case.layout.world_size :]]
 
 
 @settings(max_examples=12, deadline=None)
@@ -136,8 +148,9 @@ def test_weights_changed_at_resume_continue_every_source_from_its_cursor(case, c
     before = planner_of(sources, case.weights, case.batching, case.layout)
     state = before.start()
     order, _ = sequences(before, state, range(cut))
-    after = planner_of(sources, new_weights, case.batching, case.layout, schedule=[(cut + 40, dict(
-        zip(sources, case.weights)))])
+    after = planner_of(
+        sources, new_weights, case.batching, case.layout, schedule=[(cut + 40, dict(zip(sources, case.weights)))]
+    )
     resumed = after.resume(roundtrip(state.at(cut)))
     assert resumed.phase.from_step == cut and resumed.phases_before == 1
     more, _ = sequences(after, resumed, range(cut, cut + 250))
@@ -167,8 +180,9 @@ def test_a_source_added_at_resume_starts_at_its_beginning_and_a_removed_one_stop
 
 
 @settings(max_examples=12, deadline=None)
-@given(mixture_cases(packed=False, min_size=400), st.sampled_from([(4, 1), (1, 3), (3, 1), (2, 2)]),
-       st.integers(1, 120))
+@given(
+    mixture_cases(packed=False, min_size=400), st.sampled_from([(4, 1), (1, 3), (3, 1), (2, 2)]), st.integers(1, 120)
+)
 def test_elastic_resume_repeats_no_sample_within_a_source_epoch(case, new, cut):
     sources = case.sources()
     before = planner_of(sources, case.weights, case.batching, case.layout)
@@ -187,8 +201,12 @@ def test_a_chain_of_phases_repeats_and_skips_nothing():
     case = MixtureCase((900, 700, 600), (0.5, 0.3, 0.2), Layout(2, 1), Batching(max_tokens=1024, seed=8), 8)
     sources = case.sources()
     first = {n: sources[n] for n in ("s0", "s1")}
-    chain = [(first, (0.5, 0.5), Layout(2, 1), 0), (first, (0.9, 0.1), Layout(2, 1), 40),
-             (sources, (0.3, 0.3, 0.4), Layout(3, 1), 90), (sources, (0.4, 0.4, 0.2), Layout(1, 1), 150)]
+    chain = [
+        (first, (0.5, 0.5), Layout(2, 1), 0),
+        (first, (0.9, 0.1), Layout(2, 1), 40),
+        (sources, (0.3, 0.3, 0.4), Layout(3, 1), 90),
+        (sources, (0.4, 0.4, 0.2), Layout(1, 1), 150),
+    ]
     state, ids = None, {}
     for (srcs, weights, layout, start), nxt in zip(chain, [c[3] for c in chain[1:]] + [260]):
         planner = planner_of(srcs, weights, case.batching, layout)
@@ -263,8 +281,11 @@ def test_a_changed_dataset_or_config_is_refused_with_found_and_expected():
     with pytest.raises(StateError, match=r"source 's1' is another dataset.*found version 'v-other'.*expected 'v-s1'"):
         other.resume(saved)
     config = planner_of(sources, case.weights, Batching(max_tokens=1024, seed=5), case.layout)
-    with pytest.raises(StateError, match=r"another batching config: found batching \{max_tokens: 1024, shuffle: true, "
-                                         r"seed: 4, bucketing: true\}, expected \{.*seed: 5.*\} \(differing: seed\)"):
+    with pytest.raises(
+        StateError,
+        match=r"another batching config: found batching \{max_tokens: 1024, shuffle: true, "
+        r"seed: 4, bucketing: true\}, expected \{.*seed: 5.*\} \(differing: seed\)",
+    ):
         config.resume(saved)
     smaller = dict(sources, s1=MixtureCase((400, 400), (1, 1), Layout(1, 1), case.batching, 0).sources()["s1"])
     changed = planner_of(smaller, case.weights, case.batching, case.layout)
@@ -272,17 +293,20 @@ def test_a_changed_dataset_or_config_is_refused_with_found_and_expected():
         changed.resume(saved)  # same version string, other data: the segment counts say so
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda d: d.pop("step"), "mixture state keys"),
-    (lambda d: d.update(kind="epochs"), "single-dataset"),
-    (lambda d: d.update(version=9), "unsupported mixture state version"),
-    (lambda d: d.update(step=-1), "step must be an int >= 0"),
-    (lambda d: d["phase"].update(from_step=50), "before its phase's start"),
-    (lambda d: d["phase"]["sources"][0].update(units=0), "units must be an int >= 1"),
-    (lambda d: d["phase"]["sources"][0]["segments"][0].update(served=10**9), "served"),
-    (lambda d: d["phase"]["schedule"][0][1].pop("s0"), "names"),
-    (lambda d: d["phase"]["sources"].append(dict(d["phase"]["sources"][0])), "twice"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda d: d.pop("step"), "mixture state keys"),
+        (lambda d: d.update(kind="epochs"), "single-dataset"),
+        (lambda d: d.update(version=9), "unsupported mixture state version"),
+        (lambda d: d.update(step=-1), "step must be an int >= 0"),
+        (lambda d: d["phase"].update(from_step=50), "before its phase's start"),
+        (lambda d: d["phase"]["sources"][0].update(units=0), "units must be an int >= 1"),
+        (lambda d: d["phase"]["sources"][0]["segments"][0].update(served=10**9), "served"),
+        (lambda d: d["phase"]["schedule"][0][1].pop("s0"), "names"),
+        (lambda d: d["phase"]["sources"].append(dict(d["phase"]["sources"][0])), "twice"),
+    ],
+)
 def test_malformed_states_are_refused(edit, match):
     case = MixtureCase((800, 600), (0.5, 0.5), Layout(2, 1), Batching(max_tokens=1024), 4)
     planner = planner_of(case.sources(), case.weights, case.batching, case.layout)

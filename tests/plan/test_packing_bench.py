@@ -1,5 +1,6 @@
 """The reference packers of benchmarks/packing.py count what they claim (the comparison is only as
 honest as they are)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,8 +29,9 @@ def test_greedy_concat_split_counts_cut_documents(sizes, seq):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.integers(1, 100), min_size=1, max_size=400), st.integers(8, 80), st.integers(1, 4),
-       st.integers(1, 30))
+@given(
+    st.lists(st.integers(1, 100), min_size=1, max_size=400), st.integers(8, 80), st.integers(1, 4), st.integers(1, 30)
+)
 def test_first_fit_buffer_conserves_tokens(sizes, seq, rows, raw):
     sizes = np.asarray(sizes, dtype=np.int64)
     raw = max(raw, rows)

@@ -1,4 +1,5 @@
 """The packing stage (shardtool.plan.packing): rows of seq_len tokens from one window's lengths."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -81,8 +82,11 @@ def test_concat_is_the_window_cut_into_rows(case):
     rows = pack_rows(lengths, packing)
     sizes = sizes_of(lengths, packing)
     # Read row after row, the spans spell the window's documents in order, each continuing where it stopped.
-    stream = [(p, s + i) for p, s, n in zip(rows.span_pos.tolist(), rows.span_start.tolist(), rows.span_len.tolist())
-              for i in range(n)]
+    stream = [
+        (p, s + i)
+        for p, s, n in zip(rows.span_pos.tolist(), rows.span_start.tolist(), rows.span_len.tolist())
+        for i in range(n)
+    ]
     assert stream == [(p, i) for p in range(len(sizes)) for i in range(int(sizes[p]))]
     tokens = rows.row_tokens()
     per_row = np.diff(rows.row_offsets)
@@ -128,7 +132,9 @@ def test_best_fit_is_best_fit_decreasing(case):
         if sizes[p] <= seq:
             assert pieces == [(0, int(sizes[p]))]  # whole documents are never cut
         else:  # seq-token pieces and a tail
-            assert [n for _, n in pieces] == [seq] * int(sizes[p] // seq) + ([int(sizes[p] % seq)] if sizes[p] % seq else [])
+            assert [n for _, n in pieces] == [seq] * int(sizes[p] // seq) + (
+                [int(sizes[p] % seq)] if sizes[p] % seq else []
+            )
     assert rows.split_docs == (0 if packing.policy == "no-split" else int(np.count_nonzero(sizes > seq)))
 
 
@@ -151,8 +157,11 @@ def test_piece_bound_closes_rows():
 def test_eos_adds_one_token_and_can_split():
     rows = pack_rows(np.array([4, 0]), Packing(4, "best-fit", eos_id=2))
     # 4 tokens + eos does not fit 4: a 4-token piece and a 1-token tail; the empty doc is its eos.
-    assert sorted(zip(rows.span_pos.tolist(), rows.span_start.tolist(), rows.span_len.tolist())) == \
-        [(0, 0, 4), (0, 4, 1), (1, 0, 1)]
+    assert sorted(zip(rows.span_pos.tolist(), rows.span_start.tolist(), rows.span_len.tolist())) == [
+        (0, 0, 4),
+        (0, 4, 1),
+        (1, 0, 1),
+    ]
     assert rows.split_docs == 1
     nosplit = pack_rows(np.array([4, 0]), Packing(4, "no-split", eos_id=2))
     assert nosplit.dropped.tolist() == [0] and nosplit.num_rows == 1
@@ -199,10 +208,16 @@ def test_rows_estimate_for_no_split_subtracts_what_it_drops():
         rows_estimate(10, 2, packing, too_long=(3, 5))
 
 
-@pytest.mark.parametrize("kwargs, msg", [
-    ({"seq_len": 0}, "seq_len"), ({"seq_len": True}, "seq_len"), ({"seq_len": 8, "policy": "greedy"}, "policy"),
-    ({"seq_len": 8, "eos_id": -1}, "eos_id"), ({"seq_len": 8, "max_docs_per_row": 0}, "max_docs_per_row"),
-])
+@pytest.mark.parametrize(
+    "kwargs, msg",
+    [
+        ({"seq_len": 0}, "seq_len"),
+        ({"seq_len": True}, "seq_len"),
+        ({"seq_len": 8, "policy": "greedy"}, "policy"),
+        ({"seq_len": 8, "eos_id": -1}, "eos_id"),
+        ({"seq_len": 8, "max_docs_per_row": 0}, "max_docs_per_row"),
+    ],
+)
 def test_bad_config_is_refused(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         Packing(**kwargs)
@@ -229,8 +244,14 @@ def test_the_packing_stage_does_not_import_torch():
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = "import sys, shardtool.plan.packing, shardtool.plan.packing.bestfit; print('torch' in sys.modules)"
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": root}, cwd=root)
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": root},
+        cwd=root,
+    )
     assert res.returncode == 0 and res.stdout.strip() == "False", res.stdout + res.stderr
 
 

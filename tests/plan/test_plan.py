@@ -152,8 +152,10 @@ def test_a_rank_reads_only_its_groups_lengths_and_equals_the_full_simulation(cas
     source = ArraySource(case.data.lengths, case.data.shard_counts)
     data = DataLayout.pure_dp(case.layout)
     shape = plan_shape(source.summaries, data, case.batching)
-    full = [plan_group(ArraySource(case.data.lengths, case.data.shard_counts), shape, g, case.epoch)
-            for g in range(data.num_groups)]
+    full = [
+        plan_group(ArraySource(case.data.lengths, case.data.shard_counts), shape, g, case.epoch)
+        for g in range(data.num_groups)
+    ]
     for d in range(data.dp_size):
         mine = ArraySource(case.data.lengths, case.data.shard_counts)
         planner = Planner(mine, case.batching)
@@ -237,8 +239,9 @@ def test_shuffle_false_reads_the_dataset_in_order():
             first = data.first_dp_rank(g)
             group = [plans[first + j].batches() for j in range(data.group_sizes[g])]
             # Ranks of a group take turns, batch by batch, like DistributedSampler(shuffle=False).
-            order = np.concatenate([group[j][b] for b in range(plans[first].batches_per_rank)
-                                    for j in range(len(group))])
+            order = np.concatenate(
+                [group[j][b] for b in range(plans[first].batches_per_rank) for j in range(len(group))]
+            )
             assert np.all(np.diff(order) > 0), "plain dataset order"
     bucketed = Batching(batch_size=5, shuffle=False, bucketing=True)
     _, plans, _ = rank_plans(source, Layout(1, 1), bucketed, 0)
@@ -257,13 +260,16 @@ def test_bucketing_padding_efficiency_beats_random_batching():
 def test_oversized_sample_is_refused_naming_its_shard_and_the_budget():
     lengths = np.array([10, 20, 5000, 30])
     with pytest.raises(ValueError, match=r"shard #1 holds a sample of length 5000, more than max_tokens=1000"):
-        Planner(ArraySource(lengths, [2, 2]), Batching(max_tokens=1000)).start(0, DATASET, DataLayout.pure_dp(Layout(1, 1)))
+        Planner(ArraySource(lengths, [2, 2]), Batching(max_tokens=1000)).start(
+            0, DATASET, DataLayout.pure_dp(Layout(1, 1))
+        )
 
 
 def test_too_small_dataset_is_refused_with_numbers():
     with pytest.raises(ValueError, match=r"too small.*5 samples.*8 data-parallel ranks"):
         Planner(ArraySource(np.ones(5, np.int64), [5]), Batching(batch_size=1)).start(
-            0, DATASET, DataLayout.pure_dp(Layout(2, 4)))
+            0, DATASET, DataLayout.pure_dp(Layout(2, 4))
+        )
 
 
 def test_batching_validation_and_fingerprint():
@@ -271,11 +277,20 @@ def test_batching_validation_and_fingerprint():
     assert a.fingerprint() == Batching(batch_size=8, seed=1).fingerprint()
     assert a.fingerprint() != Batching(batch_size=8, seed=2).fingerprint()
     assert Batching(batch_size=8, shuffle=False).bucketing is False and a.bucketing is True
-    assert Batching(batch_size=8, shuffle=False).fingerprint() != Batching(batch_size=8, shuffle=False,
-                                                                           bucketing=True).fingerprint()
-    for bad in [dict(), dict(batch_size=1, max_tokens=2), dict(batch_size=0), dict(max_tokens=True),
-                dict(batch_size=2, window=0), dict(batch_size=2, seed=-1), dict(batch_size=2, shuffle=1),
-                dict(batch_size=2, bucketing="yes")]:
+    assert (
+        Batching(batch_size=8, shuffle=False).fingerprint()
+        != Batching(batch_size=8, shuffle=False, bucketing=True).fingerprint()
+    )
+    for bad in [
+        dict(),
+        dict(batch_size=1, max_tokens=2),
+        dict(batch_size=0),
+        dict(max_tokens=True),
+        dict(batch_size=2, window=0),
+        dict(batch_size=2, seed=-1),
+        dict(batch_size=2, shuffle=1),
+        dict(batch_size=2, bucketing="yes"),
+    ]:
         with pytest.raises(ValueError):
             Batching(**bad)
 
@@ -362,8 +377,9 @@ def test_rank_placement_refuses_inconsistent_input(args, env, message):
 def test_1m_samples_on_512_ranks_leave_under_one_percent():
     # Planning time and memory are benchmark numbers (`shardtool plan`, benchmarks/plan_scale.py), not tests.
     lengths = lognormal_lengths(1_000_000, seed=2, sigma=1.0)
-    sim = simulate_epoch(ArraySource(lengths, np.full(1000, 1000)), DataLayout.pure_dp(Layout(64, 8)),
-                         Batching(max_tokens=65536), 0)
+    sim = simulate_epoch(
+        ArraySource(lengths, np.full(1000, 1000)), DataLayout.pure_dp(Layout(64, 8)), Batching(max_tokens=65536), 0
+    )
     assert sim.remainder_tokens_fraction <= 0.01
     assert len(set(sim.samples_per_rank.tolist())) > 1  # token-balanced, not sample-balanced
 

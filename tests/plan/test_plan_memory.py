@@ -7,6 +7,7 @@ what the loader does at start-up (Planner.start + rank_plan) and after losing a 
 resume onto 1,023 nodes). A per-sample array of the whole dataset would be 800 MB; one group's
 share is about 10^5 samples (0.8 MB as int64).
 """
+
 from __future__ import annotations
 
 import json
@@ -78,18 +79,24 @@ def test_planning_rank_r_of_1e8_samples_on_1024x8_stays_within_its_share(tmp_pat
     source = SyntheticSource(N, samples_per_shard=PER_SHARD, processes=2)
     path = tmp_path / "summaries.arrow"
     path.write_bytes(source.summaries.to_bytes("synthetic"))
-    res = subprocess.run([sys.executable, "-c", CHILD, str(path), str(N), str(PER_SHARD), str(NODES), str(RPN),
-                          str(RANK)], capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
+    res = subprocess.run(
+        [sys.executable, "-c", CHILD, str(path), str(N), str(PER_SHARD), str(NODES), str(RPN), str(RANK)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout)
     share = got["group_samples"] * 8  # the group's share as one int64 per sample
     bound = 40 * share + 3 * got["summaries_bytes"]
-    print(f"\n1e8 samples on {NODES}x{RPN}, rank {RANK}: group share {got['group_samples']:,} samples "
-          f"({share / 1e6:.2f} MB as int64), summaries {got['summaries_bytes'] / 1e6:.2f} MB, bound "
-          f"{bound / 1e6:.1f} MB; peak traced at start-up {got['start_peak'] / 1e6:.1f} MB "
-          f"({got['start_seconds']:.2f} s), at an elastic resume {got['resume_peak'] / 1e6:.1f} MB "
-          f"({got['resume_seconds']:.2f} s); a whole-dataset int64 array: {N * 8 / 1e6:.0f} MB")
+    print(
+        f"\n1e8 samples on {NODES}x{RPN}, rank {RANK}: group share {got['group_samples']:,} samples "
+        f"({share / 1e6:.2f} MB as int64), summaries {got['summaries_bytes'] / 1e6:.2f} MB, bound "
+        f"{bound / 1e6:.1f} MB; peak traced at start-up {got['start_peak'] / 1e6:.1f} MB "
+        f"({got['start_seconds']:.2f} s), at an elastic resume {got['resume_peak'] / 1e6:.1f} MB "
+        f"({got['resume_seconds']:.2f} s); a whole-dataset int64 array: {N * 8 / 1e6:.0f} MB"
+    )
     per_rank = got["group_samples"] / RPN
     assert got["batches"] > 0 and 0.9 * per_rank < got["rank_samples"] <= 1.1 * per_rank
     assert got["resume_samples"] > 0

@@ -1,6 +1,7 @@
 """Packing and equal counts on real text (issue 20, items 1, 2 and the one-rank remainder): Python
 stdlib files and /usr/share/doc as byte ids — most documents longer than a row, a few of
 megabytes — at the seq_len, batch sizes and layouts users pick. Pure planning, no I/O."""
+
 from __future__ import annotations
 
 import functools
@@ -46,10 +47,15 @@ def batch_tokens(sim_source, layout, batching) -> np.ndarray:
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(name=st.sampled_from(sorted(CORPORA)), seq_len=st.sampled_from([128, 256, 512, 1024, 2048, 4096, 8192]),
-       policy=st.sampled_from(["best-fit", "concat"]), rows=st.integers(1, 8),
-       layout=st.sampled_from([Layout(1, 1), Layout(1, 2), Layout(1, 8), Layout(2, 2), Layout(4, 1), Layout(2, 4)]),
-       per_shard=st.sampled_from([None, 64, 500]), seed=st.integers(0, 3))
+@given(
+    name=st.sampled_from(sorted(CORPORA)),
+    seq_len=st.sampled_from([128, 256, 512, 1024, 2048, 4096, 8192]),
+    policy=st.sampled_from(["best-fit", "concat"]),
+    rows=st.integers(1, 8),
+    layout=st.sampled_from([Layout(1, 1), Layout(1, 2), Layout(1, 8), Layout(2, 2), Layout(4, 1), Layout(2, 4)]),
+    per_shard=st.sampled_from([None, 64, 500]),
+    seed=st.integers(0, 3),
+)
 def test_packed_remainder_is_at_most_1pct_and_no_batch_is_empty(name, seq_len, policy, rows, layout, per_shard, seed):
     src = source(name, per_shard)
     data = DataLayout.pure_dp(layout)
@@ -57,7 +63,9 @@ def test_packed_remainder_is_at_most_1pct_and_no_batch_is_empty(name, seq_len, p
     sim = simulate_epoch(src, data, batching)
     assert sim.remainder_tokens_fraction <= 0.01, (sim.remainder_tokens_fraction, sim.shape.batches_per_rank)
     lengths = corpus(name)
-    pieces_bind = np.maximum(lengths / seq_len, 1 / batching.packing.max_docs_per_row).sum() > 1.02 * lengths.sum() / seq_len
+    pieces_bind = (
+        np.maximum(lengths / seq_len, 1 / batching.packing.max_docs_per_row).sum() > 1.02 * lengths.sum() / seq_len
+    )
     if lengths.max() <= 0.02 * lengths.sum() / data.num_groups and not pieces_bind:
         # Groups can be balanced (no document is a large part of a group's share) and rows close on
         # tokens: rows nearly full. (One stdlib package is half the stdlib: the node holding it has
@@ -72,8 +80,9 @@ def test_the_issue_cases_plan_every_token_but_a_fraction_of_a_percent(seq_len):
     """`shardtool plan DS --seq-len S --packing best-fit --batch-size 4` on one rank, and
     /usr/share/doc on 2 ranks: 57% / 60% / 75% of the tokens were left out before."""
     for name, layout in (("stdlib", Layout(1, 1)), ("doc", Layout(1, 2)), ("stdlib", Layout(2, 2))):
-        sim = simulate_epoch(source(name, None), DataLayout.pure_dp(layout),
-                             Batching(batch_size=4, packing=Packing(seq_len, "best-fit")))
+        sim = simulate_epoch(
+            source(name, None), DataLayout.pure_dp(layout), Batching(batch_size=4, packing=Packing(seq_len, "best-fit"))
+        )
         assert sim.remainder_tokens_fraction <= 0.01, (name, layout, sim.remainder_tokens_fraction)
         rows_needed = corpus(name).sum() / seq_len
         assert sim.shape.batches_per_rank * layout.world_size * 4 >= 0.99 * rows_needed
@@ -87,9 +96,14 @@ def test_a_mixture_counts_a_long_document_sources_tokens_as_a_pass_serves_them()
     planner = planner_of({"code": stdlib, "lines": lines}, (0.5, 0.5), batching, Layout(1, 2))
     for rec in planner.start().phase.sources:
         src = {"code": stdlib, "lines": lines}[rec.name]
-        served = sum(g.served_tokens for g in simulate_epoch(src, DataLayout.pure_dp(Layout(1, 2)),
-                                                             Batching(batch_size=1, seed=rec.position.epoch,
-                                                                      packing=Packing(512))).groups)
+        served = sum(
+            g.served_tokens
+            for g in simulate_epoch(
+                src,
+                DataLayout.pure_dp(Layout(1, 2)),
+                Batching(batch_size=1, seed=rec.position.epoch, packing=Packing(512)),
+            ).groups
+        )
         total = int(src.lengths.sum())
         assert 0.99 * total <= rec.tokens <= total, (rec.name, rec.tokens, total)
         assert abs(rec.tokens - served) <= 0.01 * total

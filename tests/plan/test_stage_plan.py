@@ -1,5 +1,6 @@
 """In-job staging's decisions (shardtool.plan.staging): the touch order of a rank's plan and of a
 node, and the window of shards the stager may fetch ahead of its slowest reader."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -34,7 +35,7 @@ def plans(draw):
 def brute(ids, offsets, shard_offsets, start=0) -> dict[int, int]:
     first: dict[int, int] = {}
     for b in range(start, offsets.size - 1):
-        for i in ids[offsets[b]:offsets[b + 1]]:
+        for i in ids[offsets[b] : offsets[b + 1]]:
             s = int(np.searchsorted(shard_offsets, i, side="right") - 1)
             first.setdefault(s, b)
     return first
@@ -84,12 +85,19 @@ def windows(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(windows(), st.integers(0, 12), st.integers(1, 6), st.one_of(st.none(), st.integers(1, 400)),
-       st.integers(0, 5))
+@given(windows(), st.integers(0, 12), st.integers(1, 6), st.one_of(st.none(), st.integers(1, 400)), st.integers(0, 5))
 def test_fetches_are_the_first_missing_shards_of_the_window_and_never_beyond(w, slowest, ahead, ahead_bytes, slots):
     order, sizes, present, busy = w
-    picks = next_fetches(order, sizes, slowest_step=slowest, present=present, busy=busy, ahead_shards=ahead,
-                         ahead_bytes=ahead_bytes, slots=slots)
+    picks = next_fetches(
+        order,
+        sizes,
+        slowest_step=slowest,
+        present=present,
+        busy=busy,
+        ahead_shards=ahead,
+        ahead_bytes=ahead_bytes,
+        slots=slots,
+    )
     end = window_end(order, sizes, slowest_step=slowest, ahead_shards=ahead, ahead_bytes=ahead_bytes)
     late = int(np.count_nonzero(order.steps <= slowest))
     # The window: every due shard, then at most `ahead` more, within the byte bound (one always).
@@ -99,7 +107,7 @@ def test_fetches_are_the_first_missing_shards_of_the_window_and_never_beyond(w, 
     if end < len(order) and end < late + ahead:
         assert ahead_bytes is not None  # cut short only by the byte bound
     missing = [s for s in order.shards[:end].tolist() if s not in present and s not in busy]
-    assert picks == missing[:max(slots, 0)]
+    assert picks == missing[: max(slots, 0)]
 
 
 @settings(max_examples=100, deadline=None)
@@ -121,8 +129,15 @@ def test_a_simulated_stager_keeps_its_bound_and_stages_everything(n, ahead, slot
         if due <= present and reader <= int(steps.max()):
             reader += per_step
         k = int(np.searchsorted(order.steps, reader, side="right"))
-        for s in next_fetches(order, [1] * n, slowest_step=reader, present=present, busy=set(busy),
-                              ahead_shards=ahead, slots=slots - len(busy)):
+        for s in next_fetches(
+            order,
+            [1] * n,
+            slowest_step=reader,
+            present=present,
+            busy=set(busy),
+            ahead_shards=ahead,
+            slots=slots - len(busy),
+        ):
             assert order.shards.tolist().index(s) < k + ahead
             busy[s] = rnd.randrange(1, 4)
         # What is cached or in flight beyond the readers never exceeds the bound.
@@ -157,5 +172,6 @@ def test_a_real_plan_touches_the_shards_of_its_node_in_batch_order(tmp_path):
 
 def test_ahead_must_be_positive():
     with pytest.raises(ValueError, match="ahead_shards"):
-        next_fetches(TouchOrder(np.arange(2), np.arange(2)), [1, 1], slowest_step=0, present=set(), busy=set(),
-                     ahead_shards=0)
+        next_fetches(
+            TouchOrder(np.arange(2), np.arange(2)), [1, 1], slowest_step=0, present=set(), busy=set(), ahead_shards=0
+        )

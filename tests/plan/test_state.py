@@ -53,8 +53,7 @@ def test_same_layout_resume_yields_exactly_the_uninterrupted_tail(case, where):
         assert all(np.array_equal(a, b) for a, b in zip(rank[k:], full[d][k:])) and len(rank) == len(full[d])
 
 
-@given(cases(), st.lists(st.tuples(st.sampled_from(LAYOUTS), st.floats(0, 1)), min_size=1, max_size=3),
-       st.floats(0, 1))
+@given(cases(), st.lists(st.tuples(st.sampled_from(LAYOUTS), st.floats(0, 1)), min_size=1, max_size=3), st.floats(0, 1))
 def test_elastic_chains_equal_the_written_out_rule_never_repeat_and_cover_the_epoch(case, resumes, where):
     source = ArraySource(case.data.lengths, case.data.shard_counts)
     planner = Planner(source, case.batching)
@@ -92,8 +91,11 @@ def test_elastic_chains_equal_the_written_out_rule_never_repeat_and_cover_the_ep
     everything = np.concatenate(served) if served else np.zeros(0, np.int64)
     assert np.unique(everything).size == everything.size, "a sample was served twice"
     first = DataLayout.from_identity(state.segments[0])
-    remainder = np.unique(np.concatenate([planner.rank_plan(planner.start(case.epoch, DATASET, first), d).remainder
-                                          for d in range(first.dp_size)]))
+    remainder = np.unique(
+        np.concatenate(
+            [planner.rank_plan(planner.start(case.epoch, DATASET, first), d).remainder for d in range(first.dp_size)]
+        )
+    )
     left_over = [b for entry in stack for b in entry[3]]
     unserved = np.concatenate([remainder, *left_over])
     assert np.array_equal(np.sort(np.concatenate([everything, unserved])), np.arange(case.data.lengths.size))
@@ -165,11 +167,17 @@ def test_incompatible_states_are_refused_with_found_and_expected():
     planner = Planner(ArraySource(np.ones(100, np.int64), [100]), batching)
     state = planner.start(0, DATASET, DataLayout.pure_dp(Layout(1, 1)))
     # A plan's state names no dataset (the loader adds that): the message says so and quotes the fingerprints.
-    with pytest.raises(ValueError, match=r"found dataset fingerprint 'manifest-sha-1234' \(.*names no URL\), "
-                                         r"expected dataset fingerprint 'other'"):
+    with pytest.raises(
+        ValueError,
+        match=r"found dataset fingerprint 'manifest-sha-1234' \(.*names no URL\), "
+        r"expected dataset fingerprint 'other'",
+    ):
         check_compatible(state, "other", batching)
-    with pytest.raises(ValueError, match=r"another batching config: found batching fingerprint '\w+' \(.*names no "
-                                         r"settings\), expected \{max_tokens: 8192, shuffle: true, seed: 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"another batching config: found batching fingerprint '\w+' \(.*names no "
+        r"settings\), expected \{max_tokens: 8192, shuffle: true, seed: 0",
+    ):
         check_compatible(state, DATASET, Batching(max_tokens=8192))
     bad = {**state.to_dict(), "version": 3}
     with pytest.raises(ValueError, match=r"version: found 3, expected 2"):
@@ -182,8 +190,13 @@ def test_incompatible_states_are_refused_with_found_and_expected():
 
 def test_a_state_of_the_previous_release_loads_at_an_epoch_start_and_is_refused_mid_epoch():
     batching = Batching(batch_size=4, seed=3)
-    v1 = {"version": 1, "epoch": 3, "dataset_fingerprint": DATASET, "batching_fingerprint": _v1_fingerprint(batching),
-          "segments": [{"world_size": 8, "ranks_per_node": 4, "served": 0}]}
+    v1 = {
+        "version": 1,
+        "epoch": 3,
+        "dataset_fingerprint": DATASET,
+        "batching_fingerprint": _v1_fingerprint(batching),
+        "segments": [{"world_size": 8, "ranks_per_node": 4, "served": 0}],
+    }
     state = LoaderState.from_dict(v1, batching=batching)
     assert state.epoch == 3 and state.segments == [] and state.batching_fingerprint == batching.fingerprint()
     planner = Planner(ArraySource(np.ones(400, np.int64), [400]), batching)
@@ -208,7 +221,9 @@ def test_a_state_of_the_previous_release_loads_at_an_epoch_start_and_is_refused_
     ],
 )
 def test_malformed_state_is_refused(change, message):
-    data = {**LoaderState.start(0, DATASET, Batching(batch_size=2), DataLayout.pure_dp(Layout(1, 1)), 5).to_dict(),
-            **change}
+    data = {
+        **LoaderState.start(0, DATASET, Batching(batch_size=2), DataLayout.pure_dp(Layout(1, 1)), 5).to_dict(),
+        **change,
+    }
     with pytest.raises(ValueError, match=message):
         LoaderState.from_dict(data)

@@ -27,12 +27,30 @@ from pathlib import Path
 CLUSTER_SH = Path(__file__).resolve().parent / "cluster.sh"
 
 TERMINAL_STATES = frozenset(
-    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
-     "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"}
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "OUT_OF_MEMORY",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "REVOKED",
+        "SPECIAL_EXIT",
+    }
 )
 _STRIP_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "SQUEUE_", "SINFO_", "SCONTROL_")
-_REQUIRED_BINARIES = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged", "/usr/bin/srun",
-                      "/usr/bin/sbatch", "/usr/bin/scontrol", "/usr/bin/sinfo")
+_REQUIRED_BINARIES = (
+    "/usr/sbin/slurmctld",
+    "/usr/sbin/slurmd",
+    "/usr/sbin/munged",
+    "/usr/bin/srun",
+    "/usr/bin/sbatch",
+    "/usr/bin/scontrol",
+    "/usr/bin/sinfo",
+)
 
 
 class SlurmError(RuntimeError):
@@ -42,11 +60,11 @@ class SlurmError(RuntimeError):
 @dataclasses.dataclass
 class JobResult:
     jobid: int
-    state: str | None          # e.g. COMPLETED/FAILED/PENDING; None if the record is already purged
-    exit_code: int | None      # from ExitCode=code:signal
+    state: str | None  # e.g. COMPLETED/FAILED/PENDING; None if the record is already purged
+    exit_code: int | None  # from ExitCode=code:signal
     signal: int | None
-    output: Path | None        # the job's stdout file (the harness sets -o unless the caller did)
-    info: dict                 # last `scontrol show job -o` fields
+    output: Path | None  # the job's stdout file (the harness sets -o unless the caller did)
+    info: dict  # last `scontrol show job -o` fields
 
     @property
     def ok(self) -> bool:
@@ -96,8 +114,14 @@ def _parse_kv(line: str) -> dict:
 
 
 class LocalSlurm:
-    def __init__(self, state_dir: str | os.PathLike | None = None, *, script: Path = CLUSTER_SH,
-                 up_timeout: float = 300.0, cmd_timeout: float = 30.0):
+    def __init__(
+        self,
+        state_dir: str | os.PathLike | None = None,
+        *,
+        script: Path = CLUSTER_SH,
+        up_timeout: float = 300.0,
+        cmd_timeout: float = 30.0,
+    ):
         self._given_dir = Path(state_dir) if state_dir else None
         self.dir: Path | None = None
         self.script = Path(script)
@@ -202,23 +226,36 @@ class LocalSlurm:
         """Environment for client commands (srun, sbatch, squeue, ...) and anything that calls them."""
         self._need_up()
         env = {k: v for k, v in os.environ.items() if not k.startswith(_STRIP_PREFIXES)}
-        env.update(SLURM_CONF=str(self.dir / "slurm.conf"), SLURM_TEST_DIR=str(self.dir),
-                   SHARDTOOL_SLURM_TEST_DIR=str(self.dir))
+        env.update(
+            SLURM_CONF=str(self.dir / "slurm.conf"),
+            SLURM_TEST_DIR=str(self.dir),
+            SHARDTOOL_SLURM_TEST_DIR=str(self.dir),
+        )
         return env
 
     # ------------------------------------------------------------------ clients
-    def run(self, argv: Sequence[str], *, timeout: float | None = None, check: bool = True,
-            **kw) -> subprocess.CompletedProcess:
+    def run(
+        self, argv: Sequence[str], *, timeout: float | None = None, check: bool = True, **kw
+    ) -> subprocess.CompletedProcess:
         """Run any command against this cluster (env set), killing its whole process group on timeout."""
-        return self._run(list(argv), env=kw.pop("env", self.env), timeout=timeout or self.cmd_timeout,
-                         check=check, **kw)
+        return self._run(
+            list(argv), env=kw.pop("env", self.env), timeout=timeout or self.cmd_timeout, check=check, **kw
+        )
 
     def srun(self, *args: str, timeout: float = 60, check: bool = True, **kw) -> subprocess.CompletedProcess:
         """`srun ARGS...`; e.g. c.srun("-N2", "--ntasks-per-node=1", "hostname"). Returns CompletedProcess."""
         return self.run(["srun", *args], timeout=timeout, check=check, **kw)
 
-    def sbatch(self, script: str | os.PathLike, *options: str, script_args: Iterable[str] = (),
-               wait: bool = True, timeout: float = 120, poll: float = 0.2, **kw) -> JobResult:
+    def sbatch(
+        self,
+        script: str | os.PathLike,
+        *options: str,
+        script_args: Iterable[str] = (),
+        wait: bool = True,
+        timeout: float = 120,
+        poll: float = 0.2,
+        **kw,
+    ) -> JobResult:
         """Submit `sbatch OPTIONS... SCRIPT SCRIPT_ARGS...`. With wait=True block until a terminal state
         (raises TimeoutError with job info and log tails after `timeout`). Unless an -o/--output option is
         given, stdout goes to $SLURM_TEST_DIR/jobs/slurm-<jobid>.out."""
@@ -259,11 +296,11 @@ class LocalSlurm:
             output = Path(info["StdOut"])
         return JobResult(jobid, info.get("JobState"), code, sig, output, info)
 
-    def wait_state(self, jobid: int, states: str | Iterable[str], timeout: float = 60,
-                   poll: float = 0.2) -> str:
+    def wait_state(self, jobid: int, states: str | Iterable[str], timeout: float = 60, poll: float = 0.2) -> str:
         """Poll until JobState is one of `states`; returns it. TimeoutError (with diagnostics) otherwise."""
-        return self._poll_state(f"job {jobid}", lambda: self.job_state(jobid), states, timeout, poll,
-                                lambda: self.job_info(jobid))
+        return self._poll_state(
+            f"job {jobid}", lambda: self.job_state(jobid), states, timeout, poll, lambda: self.job_info(jobid)
+        )
 
     def scancel(self, jobid: int, *options: str) -> None:
         self.run(["scancel", *options, str(jobid)], timeout=15)
@@ -306,10 +343,10 @@ class LocalSlurm:
         cp = self.run(["sinfo", "-h", "-N", "-o", "%N %T"], timeout=15)
         return dict(line.split(None, 1) for line in cp.stdout.splitlines() if line.strip())
 
-    def wait_node_state(self, node: str, states: str | Iterable[str], timeout: float = 60,
-                        poll: float = 0.2) -> str:
-        return self._poll_state(node, lambda: self.node_states().get(node), states, timeout, poll,
-                                lambda: self.node_info(node))
+    def wait_node_state(self, node: str, states: str | Iterable[str], timeout: float = 60, poll: float = 0.2) -> str:
+        return self._poll_state(
+            node, lambda: self.node_states().get(node), states, timeout, poll, lambda: self.node_info(node)
+        )
 
     def _poll_state(self, what: str, get, states: str | Iterable[str], timeout: float, poll: float, info):
         """Poll `get()` until it returns one of `states`; TimeoutError with `info()` and log tails."""
@@ -320,8 +357,9 @@ class LocalSlurm:
             if state in want:
                 return state
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"{what} not in {sorted(want)} after {timeout}s (now {state})\n"
-                                   f"{info()}\n{self.logs_tail()}")
+                raise TimeoutError(
+                    f"{what} not in {sorted(want)} after {timeout}s (now {state})\n{info()}\n{self.logs_tail()}"
+                )
             time.sleep(poll)
 
     def resume_node(self, node: str, timeout: float = 30) -> None:
@@ -368,8 +406,9 @@ class LocalSlurm:
     @staticmethod
     def _run(argv: list[str], *, env: dict, timeout: float, check: bool, **kw) -> subprocess.CompletedProcess:
         # own process group so a timeout kills srun/sbatch and everything they spawned, not just the leader
-        p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True, **kw)
+        p = subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw
+        )
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -378,8 +417,9 @@ class LocalSlurm:
             except ProcessLookupError:
                 pass
             out, err = p.communicate(timeout=10)
-            raise SlurmError(f"timeout after {timeout}s: {argv}\nstdout: {out[-2000:]}\nstderr: {err[-2000:]}") \
-                from None
+            raise SlurmError(
+                f"timeout after {timeout}s: {argv}\nstdout: {out[-2000:]}\nstderr: {err[-2000:]}"
+            ) from None
         cp = subprocess.CompletedProcess(argv, p.returncode, out, err)
         if check and p.returncode != 0:
             raise SlurmError(f"exit {p.returncode}: {argv}\nstdout: {out[-2000:]}\nstderr: {err[-2000:]}")

@@ -5,6 +5,7 @@ cache, as a training job would, and records what it read and what it had to fetc
 
 Writes OUTDIR/<node>.pass1.json; with --wait, waits for FLAG, reads the epoch again, writes pass2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,18 @@ from shardtool.plan import parse_mesh
 def read_epoch(args, node: int, nodes: int, cache_dir: str) -> dict:
     out = {"batches": 0, "samples": 0, "fetched_bytes": 0}
     for local in range(args.ranks_per_node):
-        loader = ShardedLoader(args.url, batch_size=2, shuffle=False, rank=node * args.ranks_per_node + local,
-                               world_size=nodes * args.ranks_per_node, ranks_per_node=args.ranks_per_node,
-                               mesh=parse_mesh(args.mesh) if args.mesh else None, num_workers=0,
-                               cache_dir=cache_dir, metrics=False)
+        loader = ShardedLoader(
+            args.url,
+            batch_size=2,
+            shuffle=False,
+            rank=node * args.ranks_per_node + local,
+            world_size=nodes * args.ranks_per_node,
+            ranks_per_node=args.ranks_per_node,
+            mesh=parse_mesh(args.mesh) if args.mesh else None,
+            num_workers=0,
+            cache_dir=cache_dir,
+            metrics=False,
+        )
         for batch in loader:
             out["batches"] += 1
             out["samples"] += len(batch["__key__"]) if "__key__" in batch else 0

@@ -6,6 +6,7 @@ for as --ntasks-per-node=2 runs the same way; a further job is requeued mid-epoc
 checkpoint and must continue with exactly the batches (and losses) of an uninterrupted run. A
 rerun prolog copies nothing.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,9 @@ def _write_prolog(work: Path, cache_root: Path) -> Path:
     )
     prolog = work / "prolog.sh"
     # The prolog gets no job environment: the wrapper is how a site points it at its config.
-    prolog.write_text(f"#!/bin/bash\nexport SHARDTOOL_WARM_CONF={conf}\nexec /bin/bash {REPO}/examples/slurm/prolog.sh\n")
+    prolog.write_text(
+        f"#!/bin/bash\nexport SHARDTOOL_WARM_CONF={conf}\nexec /bin/bash {REPO}/examples/slurm/prolog.sh\n"
+    )
     prolog.chmod(0o755)
     return prolog
 
@@ -40,11 +43,17 @@ def _write_prolog(work: Path, cache_root: Path) -> Path:
 def _job_env(c, work: Path, dataset: str, cache_root: Path, name: str, extra: str = "") -> dict:
     env = dict(c.env)
     env.update(
-        DATASET_URL=dataset, CACHE_ROOT=str(cache_root), CKPT_DIR=str(work / f"ckpt-{name}"),
-        TRAIN_SCRIPT=str(REPO / "examples" / "train_ddp.py"), RANKS_PER_NODE="2",
+        DATASET_URL=dataset,
+        CACHE_ROOT=str(cache_root),
+        CKPT_DIR=str(work / f"ckpt-{name}"),
+        TRAIN_SCRIPT=str(REPO / "examples" / "train_ddp.py"),
+        RANKS_PER_NODE="2",
         TRAIN_ARGS=f"{TRAIN_ARGS} --log-dir {work / f'log-{name}'} {extra}",
-        SHARDTOOL_PYTHON=sys.executable, MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
-        PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+        SHARDTOOL_PYTHON=sys.executable,
+        MASTER_ADDR="127.0.0.1",
+        GLOO_SOCKET_IFNAME="lo",
+        PYTHONPATH=str(REPO),
+        OMP_NUM_THREADS="1",
     )
     return env
 
@@ -67,8 +76,13 @@ def test_prolog_warm_ddp_training_and_requeue_resume(slurm_cluster_with_prolog, 
     from shardtool.plan.synthetic import lognormal_lengths
 
     work = tmp_path
-    dataset = write_synthetic(str(work / "dataset"), 2400, samples_per_shard=170, vocab=512,
-                              lengths=lognormal_lengths(2400, median=100.0, sigma=0.6, high=1024)).root
+    dataset = write_synthetic(
+        str(work / "dataset"),
+        2400,
+        samples_per_shard=170,
+        vocab=512,
+        lengths=lognormal_lengths(2400, median=100.0, sigma=0.6, high=1024),
+    ).root
     cache_root = work / "nodes"
     cache_root.mkdir()
     c = slurm_cluster_with_prolog(_write_prolog(work, cache_root))
@@ -112,12 +126,18 @@ def test_prolog_warm_ddp_training_and_requeue_resume(slurm_cluster_with_prolog, 
     steps_c = read_step_logs(str(work / "log-c"))
     assert sorted(steps_c) == [0, 1, 2, 3] and all(len(steps_c[r]) == 3 for r in range(4)), out_c[-3000:]
     for rank in range(4):  # the same plan as job A: its first 3 batches on every rank
-        assert [steps_c[rank][s]["keys"] for s in sorted(steps_c[rank])] == \
-            [steps_a[rank][s]["keys"] for s in sorted(steps_a[rank])[:3]]
+        assert [steps_c[rank][s]["keys"] for s in sorted(steps_c[rank])] == [
+            steps_a[rank][s]["keys"] for s in sorted(steps_a[rank])[:3]
+        ]
 
     # --- job B: same training, checkpoints every 5 steps, requeued mid-epoch after a checkpoint
-    b = c.sbatch(sbatch, "-N2", stage, env=_job_env(c, work, dataset, cache_root, "b", "--ckpt-every 5 --step-sleep 0.15"),
-                 wait=False)
+    b = c.sbatch(
+        sbatch,
+        "-N2",
+        stage,
+        env=_job_env(c, work, dataset, cache_root, "b", "--ckpt-every 5 --step-sleep 0.15"),
+        wait=False,
+    )
     ckpt = work / "ckpt-b" / "latest.pt"
     deadline = time.monotonic() + 300
     while True:

@@ -42,8 +42,9 @@ exit 0
 
 @pytest.mark.timeout(120)
 def test_srun_one_task_per_node(slurm_cluster):
-    cp = slurm_cluster.srun("-N2", "--ntasks-per-node=1", "bash", "-c",
-                            'echo "$SLURM_PROCID $SLURMD_NODENAME $SLURM_NNODES"', timeout=60)
+    cp = slurm_cluster.srun(
+        "-N2", "--ntasks-per-node=1", "bash", "-c", 'echo "$SLURM_PROCID $SLURMD_NODENAME $SLURM_NNODES"', timeout=60
+    )
     lines = sorted(cp.stdout.split("\n")[:-1])
     assert len(lines) == 2, cp.stdout
     assert {ln.split()[1] for ln in lines} == {"node1", "node2"}
@@ -55,10 +56,13 @@ def test_srun_one_task_per_node(slurm_cluster):
 def test_sbatch_wait_runs_custom_prolog_once_per_node(slurm_cluster_with_prolog, tmp_path):
     c = slurm_cluster_with_prolog(_script(tmp_path / "prolog.sh", PER_NODE_PROLOG))
     # the job checks, on each node, that the prolog's file is in *that node's* local dir
-    job = _script(tmp_path / "job.sh", r"""#!/bin/bash
+    job = _script(
+        tmp_path / "job.sh",
+        r"""#!/bin/bash
 srun --ntasks-per-node=1 bash -c '. "${SLURM_CONF%/*}/cluster.env";
   cat "$SLURM_TEST_NODE_ROOT/$SLURMD_NODENAME/local/prolog.$SLURM_JOB_ID"'
-""")
+""",
+    )
     out = tmp_path / "job.out"
     # harness wait (0.2 s polling) rather than the CLI's `sbatch --wait`, whose back-off polling adds ~10 s
     r = c.sbatch(job, "-N2", f"--output={out}", wait=True, timeout=90)
@@ -93,11 +97,14 @@ def test_failing_prolog_drains_node_and_resume_brings_it_back(slurm_cluster_with
 def test_requeue_runs_job_again_with_restart_count(slurm_cluster, tmp_path):
     c = slurm_cluster
     log = tmp_path / "runs.log"
-    job = _script(tmp_path / "job.sh", r"""#!/bin/bash
+    job = _script(
+        tmp_path / "job.sh",
+        r"""#!/bin/bash
 echo "job=$SLURM_JOB_ID restart=${SLURM_RESTART_COUNT:-0} node=$SLURMD_NODENAME" >> "$1"
 [ "${SLURM_RESTART_COUNT:-0}" -ge 1 ] && exit 0
 exec sleep 300
-""")
+""",
+    )
     r = c.sbatch(job, "--requeue", "-N1", script_args=[str(log)], wait=False)
     c.wait_state(r.jobid, "RUNNING", timeout=30)
     deadline = time.monotonic() + 30
@@ -146,7 +153,7 @@ def test_second_cluster_coexists_and_survives_stale_pidfiles(slurm_cluster, tmp_
 
 @pytest.mark.timeout(60)
 def test_env_strips_inherited_slurm_variables(slurm_cluster, monkeypatch):
-    monkeypatch.setenv("SLURM_JOB_ID", "999999")   # as if pytest itself ran inside a real allocation
+    monkeypatch.setenv("SLURM_JOB_ID", "999999")  # as if pytest itself ran inside a real allocation
     env = slurm_cluster.env
     assert "SLURM_JOB_ID" not in env
     assert env["SLURM_CONF"] == str(slurm_cluster.dir / "slurm.conf")

@@ -9,6 +9,7 @@ every job, each job naming its data and layout in its comment, two nodes sharing
   a warning) and the job reads from them.
 - A job with a mistyped dataset: no node drains; the job fails with the prolog's finding in its output.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,19 +33,24 @@ def _prolog(work: Path, cache_root: Path, max_bytes: int) -> Path:
     conf.write_text(
         f"SHARDTOOL_PYTHON={sys.executable}\nCACHE_ROOT={cache_root}\nJOBS=4\nMAX_BYTES={max_bytes}\nTIMEOUT=60\n"
         f"SCONTROL={shutil.which('scontrol') or '/usr/bin/scontrol'}\n"
-        f"SQUEUE={shutil.which('squeue') or '/usr/bin/squeue'}\nexport PYTHONPATH={REPO}\n")
+        f"SQUEUE={shutil.which('squeue') or '/usr/bin/squeue'}\nexport PYTHONPATH={REPO}\n"
+    )
     prolog = work / "prolog.sh"
     # The prolog gets no job environment: the wrapper is how a site points it at its config.
-    prolog.write_text(f"#!/bin/bash\nexport SHARDTOOL_WARM_CONF={conf}\nexec /bin/bash {REPO}/examples/slurm/prolog.sh\n")
+    prolog.write_text(
+        f"#!/bin/bash\nexport SHARDTOOL_WARM_CONF={conf}\nexec /bin/bash {REPO}/examples/slurm/prolog.sh\n"
+    )
     prolog.chmod(0o755)
     return prolog
 
 
 def _job(work: Path) -> Path:
     job = work / "job.sh"
-    job.write_text("#!/bin/bash\nset -eu\n"
-                   'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 '
-                   f'{sys.executable} {READER} "$@"\n')
+    job.write_text(
+        "#!/bin/bash\nset -eu\n"
+        'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 '
+        f'{sys.executable} {READER} "$@"\n'
+    )
     job.chmod(0o755)
     return job
 
@@ -60,8 +66,11 @@ def _node_share(url: str, node: int, mesh: str | None = None) -> int:
 
     ds = open_dataset(url)
     placement = Placement(Layout(2, 2), node)
-    data = data_parallel(Placement(Layout(2, 2), 0, 0), mesh=parse_mesh(mesh), dp_dims=("dp",))[0] if mesh else \
-        DataLayout.pure_dp(Layout(2, 2))
+    data = (
+        data_parallel(Placement(Layout(2, 2), 0, 0), mesh=parse_mesh(mesh), dp_dims=("dp",))[0]
+        if mesh
+        else DataLayout.pure_dp(Layout(2, 2))
+    )
     return sum(ds.manifest.shards[i].bytes for i in assigned_shards(ds.summaries, placement, data))
 
 
@@ -105,8 +114,7 @@ def test_shared_cluster_jobs_stage_their_own_data(slurm_cluster_with_prolog, tmp
         o.mkdir()
 
     # --- job A: dataset 0, pure data parallelism, 2 nodes x 2 ranks; it finishes
-    a = c.sbatch(job, "-N2", f"--comment=shardtool:{ds[0]}", script_args=[ds[0], str(outs["a"])], env=env,
-                 timeout=120)
+    a = c.sbatch(job, "-N2", f"--comment=shardtool:{ds[0]}", script_args=[ds[0], str(outs["a"])], env=env, timeout=120)
     assert a.ok, _explain(c, a)
     ra = _results(outs["a"])
     assert sorted(ra) == NODES and all(r["fetched_bytes"] == 0 and r["batches"] > 0 for r in ra.values()), ra
@@ -114,8 +122,14 @@ def test_shared_cluster_jobs_stage_their_own_data(slurm_cluster_with_prolog, tmp
     # --- job B: dataset 1, mesh pp=2,dp=2 (every node stages every shard); still running while C starts
     b_comment = json.dumps({"url": ds[1], "mesh": "pp=2,dp=2", "ranks_per_node": 2})
     flag = work / "b-may-finish"
-    b = c.sbatch(job, "-N2", f"--comment=shardtool:{b_comment}", env=env, wait=False,
-                 script_args=[ds[1], str(outs["b"]), "--mesh", "pp=2,dp=2", "--wait", str(flag)])
+    b = c.sbatch(
+        job,
+        "-N2",
+        f"--comment=shardtool:{b_comment}",
+        env=env,
+        wait=False,
+        script_args=[ds[1], str(outs["b"]), "--mesh", "pp=2,dp=2", "--wait", str(flag)],
+    )
     deadline = time.monotonic() + 120
     while len(_results(outs["b"])) < 2:
         state = c.job_state(b.jobid)
@@ -126,29 +140,28 @@ def test_shared_cluster_jobs_stage_their_own_data(slurm_cluster_with_prolog, tmp
     assert all(r["fetched_bytes"] == 0 for r in rb.values()), rb
 
     # --- job C: dataset 2 under the budget: evicts from A's version (A finished), never B's (B runs)
-    cj = c.sbatch(job, "-N2", f"--comment=shardtool:{ds[2]}", script_args=[ds[2], str(outs["c"])], env=env,
-                  timeout=120)
+    cj = c.sbatch(job, "-N2", f"--comment=shardtool:{ds[2]}", script_args=[ds[2], str(outs["c"])], env=env, timeout=120)
     assert cj.ok, _explain(c, cj)
     assert all(r["fetched_bytes"] == 0 for r in _results(outs["c"]).values()), _results(outs["c"])
     for n, node in enumerate(NODES):
         report = json.loads((cache_root / f"{node}.warm-{cj.jobid}.json").read_text())
         assert report["status"] == "ok" and report["evicted_shards"] >= 1, report
         assert _cached(cache_root / node, ds[1]) == set(range(8)), node  # B's version: untouched
-        assert len(_cached(cache_root / node, ds[0])) < 4, node          # A's node share: partly evicted
+        assert len(_cached(cache_root / node, ds[0])) < 4, node  # A's node share: partly evicted
         # squeue no longer lists A: C's prolog dropped its record; B's stays while B runs
         jobs = cache_root / node / "jobs"
         assert not (jobs / f"{a.jobid}.json").exists() and (jobs / f"{b.jobid}.json").exists()
     assert c.job_state(b.jobid) == "RUNNING"
     flag.touch()
-    assert c.wait_state(b.jobid, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120) == "COMPLETED", \
-        _explain(c, c.job_result(b.jobid))
+    assert c.wait_state(b.jobid, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=120) == "COMPLETED", _explain(
+        c, c.job_result(b.jobid)
+    )
     rb2 = _results(outs["b"], "pass2")
     assert rb2 == rb, (rb, rb2)  # the same epoch again, still from its staged shards
 
     # --- job D: dataset 1 moved away after its warm; pure DP now: the node caches hold it all
     shutil.move(ds[1], ds[1] + ".moved")
-    d = c.sbatch(job, "-N2", f"--comment=shardtool:{ds[1]}", script_args=[ds[1], str(outs["d"])], env=env,
-                 timeout=120)
+    d = c.sbatch(job, "-N2", f"--comment=shardtool:{ds[1]}", script_args=[ds[1], str(outs["d"])], env=env, timeout=120)
     assert d.ok, _explain(c, d)
     rd = _results(outs["d"])
     assert sorted(rd) == NODES and all(r["fetched_bytes"] == 0 for r in rd.values()), rd
@@ -159,8 +172,15 @@ def test_shared_cluster_jobs_stage_their_own_data(slurm_cluster_with_prolog, tmp
 
     # --- job E: a mistyped dataset: no node drains, the job fails with the prolog's finding
     typo = ds[0] + "-final"
-    e = c.sbatch(job, "-N2", "--no-requeue", f"--comment=shardtool:{typo}", script_args=[typo, str(outs["e"])],
-                 env=env, timeout=120)
+    e = c.sbatch(
+        job,
+        "-N2",
+        "--no-requeue",
+        f"--comment=shardtool:{typo}",
+        script_args=[typo, str(outs["e"])],
+        env=env,
+        timeout=120,
+    )
     assert e.state == "FAILED", _explain(c, e)
     out = e.read_output()
     assert "StagingError: the SLURM prolog could not stage this job's data: no dataset at" in out, out[-3000:]

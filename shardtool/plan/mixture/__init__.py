@@ -11,6 +11,7 @@ Files, each importing only those above it in this list (and the plan's own modul
 This package re-exports the configuration (what ``ShardedLoader(Mixture(...), steps=...)``
 takes); the planner and state are imported from their modules.
 """
+
 from __future__ import annotations
 
 from .config import (
@@ -24,5 +25,13 @@ from .config import (
     source_seed,
 )
 
-__all__ = ["DEFAULT_MAX_REPEAT", "Mixture", "MixtureError", "MixtureSource", "as_weight", "is_mixture_file",
-           "source_batching", "source_seed"]
+__all__ = [
+    "DEFAULT_MAX_REPEAT",
+    "Mixture",
+    "MixtureError",
+    "MixtureSource",
+    "as_weight",
+    "is_mixture_file",
+    "source_batching",
+    "source_seed",
+]

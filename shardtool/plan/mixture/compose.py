@@ -16,6 +16,7 @@ any position costs O(K log K), whatever the step.
 A schedule restarts the rule at each entry's first step with the counts carried over, so a
 source's cursor only ever moves forward.
 """
+
 from __future__ import annotations
 
 import functools

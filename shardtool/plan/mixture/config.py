@@ -16,6 +16,7 @@ file's directory::
      "schedule": [{"from_step": 5000, "weights": {"web": 0.5, "code": 0.5}}],
      "max_repeat": 10}
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,8 +33,16 @@ import numpy as np
 
 from ..batching import Batching
 
-__all__ = ["DEFAULT_MAX_REPEAT", "Mixture", "MixtureError", "MixtureSource", "as_weight", "is_mixture_file",
-           "source_batching", "source_seed"]
+__all__ = [
+    "DEFAULT_MAX_REPEAT",
+    "Mixture",
+    "MixtureError",
+    "MixtureSource",
+    "as_weight",
+    "is_mixture_file",
+    "source_batching",
+    "source_seed",
+]
 
 DEFAULT_MAX_REPEAT = 10
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -70,8 +79,9 @@ class MixtureSource:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
-            raise MixtureError(f"source name {self.name!r}: use 1-64 letters, digits, '_', '.' or '-', starting "
-                               "with a letter or digit")
+            raise MixtureError(
+                f"source name {self.name!r}: use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
+            )
         if not isinstance(self.url, (str, os.PathLike)) or not str(self.url):
             raise MixtureError(f"source {self.name!r}: url must be a non-empty string, found {self.url!r}")
         object.__setattr__(self, "url", os.fspath(self.url))
@@ -85,8 +95,12 @@ class Mixture:
     ``sources``: ``{name: (url, weight)}``, or a list of `MixtureSource`. ``schedule``: a list of
     ``(from_step, {name: weight})`` naming every source."""
 
-    def __init__(self, sources: Mapping[str, Sequence[Any]] | Sequence[MixtureSource],
-                 schedule: Sequence[Any] | None = None, max_repeat: int = DEFAULT_MAX_REPEAT):
+    def __init__(
+        self,
+        sources: Mapping[str, Sequence[Any]] | Sequence[MixtureSource],
+        schedule: Sequence[Any] | None = None,
+        max_repeat: int = DEFAULT_MAX_REPEAT,
+    ):
         self.sources: tuple[MixtureSource, ...] = _parse_sources(sources)
         if isinstance(max_repeat, bool) or not isinstance(max_repeat, int) or max_repeat < 1:
             raise MixtureError(f"max_repeat must be an int >= 1, found {max_repeat!r}")
@@ -109,8 +123,10 @@ class Mixture:
         for entry in schedule:
             step, weights = _pair(f"schedule entry {entry!r}", entry, ("from_step", "weights"))
             if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-                raise MixtureError(f"schedule entry {entry!r}: from_step must be an int >= 1 (the sources' "
-                                   "weights are the weights from step 0)")
+                raise MixtureError(
+                    f"schedule entry {entry!r}: from_step must be an int >= 1 (the sources' "
+                    "weights are the weights from step 0)"
+                )
             if step <= last:
                 raise MixtureError(f"schedule entries must have increasing from_step: {step} after {last}")
             out.append((step, self._entry_weights(f"schedule entry at step {step}", weights)))
@@ -123,8 +139,10 @@ class Mixture:
         unknown = sorted(set(weights) - set(self.names))
         missing = [n for n in self.names if n not in weights]
         if unknown or missing:
-            raise MixtureError(f"{where}: weights must name every source ({', '.join(self.names)}); "
-                               f"unknown {unknown}, missing {missing}")
+            raise MixtureError(
+                f"{where}: weights must name every source ({', '.join(self.names)}); "
+                f"unknown {unknown}, missing {missing}"
+            )
         return tuple(as_weight(f"{where}, source {n!r}", weights[n]) for n in self.names)
 
     def with_weights(self, weights: Mapping[str, Any]) -> Mixture:
@@ -140,14 +158,19 @@ class Mixture:
         return [[step, {n: str(w) for n, w in zip(self.names, weights)}] for step, weights in self.schedule]
 
     def fingerprint(self) -> str:
-        data = {"sources": [[s.name, s.url] for s in self.sources], "schedule": self.schedule_identity(),
-                "max_repeat": self.max_repeat}
+        data = {
+            "sources": [[s.name, s.url] for s in self.sources],
+            "schedule": self.schedule_identity(),
+            "max_repeat": self.max_repeat,
+        }
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"sources": {s.name: {"url": s.url, "weight": str(s.weight)} for s in self.sources},
-                "schedule": [{"from_step": step, "weights": w} for step, w in self.schedule_identity()[1:]],
-                "max_repeat": self.max_repeat}
+        return {
+            "sources": {s.name: {"url": s.url, "weight": str(s.weight)} for s in self.sources},
+            "schedule": [{"from_step": step, "weights": w} for step, w in self.schedule_identity()[1:]],
+            "max_repeat": self.max_repeat,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, base_dir: str | None = None) -> Mixture:
@@ -159,7 +182,7 @@ class Mixture:
             raise MixtureError(f"unknown mixture keys {extra}; expected sources, schedule, max_repeat")
         raw = data["sources"]
         if not isinstance(raw, Mapping) or not raw:
-            raise MixtureError("'sources' must map each source name to {\"url\": ..., \"weight\": ...}")
+            raise MixtureError('\'sources\' must map each source name to {"url": ..., "weight": ...}')
         sources = []
         for name, spec in raw.items():
             url, weight = _pair(f"source {name!r}", spec, ("url", "weight"))
@@ -178,8 +201,9 @@ class Mixture:
             try:
                 import yaml
             except ImportError:
-                raise MixtureError(f"{path}: YAML mixture files need PyYAML (pip install pyyaml); "
-                                   "or write the mixture as JSON") from None
+                raise MixtureError(
+                    f"{path}: YAML mixture files need PyYAML (pip install pyyaml); or write the mixture as JSON"
+                ) from None
             try:
                 data = yaml.safe_load(text)
             except yaml.YAMLError as e:

@@ -8,6 +8,7 @@ as a single dataset (`Planner.continue_on`), and the state stays a few numbers p
 (`shardtool.plan.mixture.state`). A rank plans only its own units: its group's plan of each source's
 current epoch (and, after a re-deal, of the groups its units come from).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -45,8 +46,14 @@ def served_tokens(shape: PlanShape, tokens: int) -> int:
 class MixturePlanner:
     """Plans of one mixture, batching config and data layout; cheap to keep for a loader's life."""
 
-    def __init__(self, mixture: Mixture, sources: Mapping[str, PlanSource], versions: Mapping[str, str],
-                 batching: Batching, layout: DataLayout):
+    def __init__(
+        self,
+        mixture: Mixture,
+        sources: Mapping[str, PlanSource],
+        versions: Mapping[str, str],
+        batching: Batching,
+        layout: DataLayout,
+    ):
         self.mixture, self.batching, self.layout = mixture, batching, layout
         self.fingerprint = mixture_fingerprint(batching)
         self.about = describe_mixture({src.name: src.url for src in mixture.sources}, batching)
@@ -59,21 +66,31 @@ class MixturePlanner:
             s = p.source.summaries
             self.tokens[n] = int(s.tokens.sum()) + extra * int(s.samples.sum())
             if self.tokens[n] <= 0:
-                raise MixtureError(f"source {n!r} ({mixture.sources[mixture.names.index(n)].url}) has no tokens: "
-                                   "token weights cannot draw from it")
+                raise MixtureError(
+                    f"source {n!r} ({mixture.sources[mixture.names.index(n)].url}) has no tokens: "
+                    "token weights cannot draw from it"
+                )
         self._compositions: dict[int, tuple[Phase, Composition]] = {}
 
     # ------------------------------------------------------------------ phases
     def _record(self, name: str, position: LoaderState) -> SourceRecord:
         shape = self.planners[name].shape(self.layout)
-        return SourceRecord(name, self.versions[name], served_tokens(shape, self.tokens[name]),
-                            self.layout.dp_size * shape.batches_per_rank, position)
+        return SourceRecord(
+            name,
+            self.versions[name],
+            served_tokens(shape, self.tokens[name]),
+            self.layout.dp_size * shape.batches_per_rank,
+            position,
+        )
 
     def start(self) -> MixtureState:
         """The state before step 0 (ValueError if a source cannot be planned on this layout)."""
-        records = [self._record(n, self.planners[n].start(0, self.versions[n], self.layout)) for n in self.mixture.names]
-        return MixtureState(0, self.fingerprint, Phase(0, self.mixture.schedule_identity(), self.layout, records),
-                            about=self.about)
+        records = [
+            self._record(n, self.planners[n].start(0, self.versions[n], self.layout)) for n in self.mixture.names
+        ]
+        return MixtureState(
+            0, self.fingerprint, Phase(0, self.mixture.schedule_identity(), self.layout, records), about=self.about
+        )
 
     def resume(self, state: MixtureState) -> MixtureState:
         """``state`` continued under this mixture and layout: the same phase if nothing changed,
@@ -86,26 +103,35 @@ class MixturePlanner:
         dp = phase.layout.dp_size
         for rec in phase.sources:
             if rec.units % dp or segment_layout(rec.position.last).identity() != phase.layout.identity():
-                raise StateError(f"mixture state source {rec.name!r}: its position is not on the phase's layout "
-                                 f"{phase.layout.identity()} ({rec.units} units per source-epoch)")
+                raise StateError(
+                    f"mixture state source {rec.name!r}: its position is not on the phase's layout "
+                    f"{phase.layout.identity()} ({rec.units} units per source-epoch)"
+                )
             if rec.name not in self.planners:
                 continue
             if rec.version != self.versions[rec.name]:
-                raise StateError(f"source {rec.name!r} is another dataset than the loader state's: found version "
-                                 f"{self.versions[rec.name]!r} at {self._url(rec.name)!r}, expected {rec.version!r} "
-                                 f"(the state's, saved on {self._saved_url(state, rec.name)}). "
-                                 "A changed dataset cannot continue a position in another's plan; give it a new "
-                                 "name to start it from its beginning")
+                raise StateError(
+                    f"source {rec.name!r} is another dataset than the loader state's: found version "
+                    f"{self.versions[rec.name]!r} at {self._url(rec.name)!r}, expected {rec.version!r} "
+                    f"(the state's, saved on {self._saved_url(state, rec.name)}). "
+                    "A changed dataset cannot continue a position in another's plan; give it a new "
+                    "name to start it from its beginning"
+                )
             self.planners[rec.name].check(rec.position)
-        same = (phase.names == self.mixture.names and phase.schedule == self.mixture.schedule_identity()
-                and phase.layout.identity() == self.layout.identity())
+        same = (
+            phase.names == self.mixture.names
+            and phase.schedule == self.mixture.schedule_identity()
+            and phase.layout.identity() == self.layout.identity()
+        )
         if same:
             for rec in phase.sources:
                 fresh = self._record(rec.name, rec.position)
                 if (rec.tokens, rec.units) != (fresh.tokens, fresh.units):
-                    raise StateError(f"mixture state source {rec.name!r} has {rec.tokens} tokens in {rec.units} units "
-                                     "per source-epoch where this dataset and config give another count: found a "
-                                     "state of another planner or config")
+                    raise StateError(
+                        f"mixture state source {rec.name!r} has {rec.tokens} tokens in {rec.units} units "
+                        "per source-epoch where this dataset and config give another count: found a "
+                        "state of another planner or config"
+                    )
             return replace(state, about=self.about)
         counts = self.composition(phase).counts(state.step)
         old = {rec.name: (rec, c) for rec, c in zip(phase.sources, counts)}
@@ -162,8 +188,9 @@ class MixturePlanner:
         if used < head:
             return rec.position.with_served(first + used)
         epoch, index = self.locate(rec, layout, used)
-        return LoaderState.start(epoch, rec.version, self.planners[rec.name].batching, layout,
-                                 per_epoch).with_served(index)
+        return LoaderState.start(epoch, rec.version, self.planners[rec.name].batching, layout, per_epoch).with_served(
+            index
+        )
 
     def pieces(self, rec: SourceRecord, layout: DataLayout, used: int, count: int) -> list[Piece]:
         """Units ``used .. used + count`` since the phase start, as runs within source-epochs."""
@@ -182,8 +209,11 @@ class MixturePlanner:
         phase = state.phase
         comp = self.composition(phase)
         before, after = comp.counts(step), comp.counts(step + 1)
-        return [(rec.name, self.pieces(rec, phase.layout, b, a - b))
-                for rec, b, a in zip(phase.sources, before, after) if a > b]
+        return [
+            (rec.name, self.pieces(rec, phase.layout, b, a - b))
+            for rec, b, a in zip(phase.sources, before, after)
+            if a > b
+        ]
 
     def rank_plan(self, state: MixtureState, name: str, epoch: int, dp_rank: int) -> RankPlan:
         """DP rank ``dp_rank``'s units of source ``name`` in ``epoch`` (the phase's starting epoch:
@@ -198,5 +228,8 @@ class MixturePlanner:
         """The single-dataset state at ``state.step`` of every source of the phase still in the mixture."""
         phase = state.phase
         counts = self.composition(phase).counts(state.step)
-        return {rec.name: self.position(rec, phase.layout, c) for rec, c in zip(phase.sources, counts)
-                if rec.name in self.planners}
+        return {
+            rec.name: self.position(rec, phase.layout, c)
+            for rec, c in zip(phase.sources, counts)
+            if rec.name in self.planners
+        }

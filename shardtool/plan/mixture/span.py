@@ -4,6 +4,7 @@ All closed form from the state (the composition's counts and each source's expec
 unit), so `shardtool plan` reports a billion steps as cheaply as ten, and a loader refuses a
 span that would pass over a source more than ``max_repeat`` times before reading anything.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -66,8 +67,18 @@ def span(planner: MixturePlanner, state: MixtureState, end_step: int) -> list[So
     out = []
     for i, rec in enumerate(phase.sources):
         passes, touched = _epochs(planner, rec, layout, end[i])
-        out.append(SourceSpan(rec.name, float(target[i] / total_target), float(got[i] / total_got), end[i] - begin[i],
-                              float(got[i]), rec.tokens, passes, touched))
+        out.append(
+            SourceSpan(
+                rec.name,
+                float(target[i] / total_target),
+                float(got[i] / total_got),
+                end[i] - begin[i],
+                float(got[i]),
+                rec.tokens,
+                passes,
+                touched,
+            )
+        )
     return out
 
 
@@ -77,9 +88,11 @@ def check_repeat(planner: MixturePlanner, state: MixtureState, end_step: int) ->
     limit = planner.mixture.max_repeat
     over = [s.name for s in spans if s.epochs_touched > limit]
     if over:
-        raise RepeatError(f"steps {state.step}..{end_step} would pass over {', '.join(map(repr, over))} more than "
-                          f"max_repeat={limit} times:\n{repeat_table(spans, limit)}\nlower the weights of these "
-                          "sources, train for fewer steps, or raise max_repeat if repeating them is intended")
+        raise RepeatError(
+            f"steps {state.step}..{end_step} would pass over {', '.join(map(repr, over))} more than "
+            f"max_repeat={limit} times:\n{repeat_table(spans, limit)}\nlower the weights of these "
+            "sources, train for fewer steps, or raise max_repeat if repeating them is intended"
+        )
     return spans
 
 
@@ -88,8 +101,10 @@ def repeat_table(spans: list[SourceSpan], limit: int) -> str:
     lines = [head]
     for s in spans:
         flag = "  > max_repeat" if s.epochs_touched > limit else ""
-        lines.append(f"  {s.name:<16}{s.weight_share:>13.4f}{s.epochs * s.tokens_per_epoch:>16,.0f}"
-                     f"{s.tokens_per_epoch:>18,}{s.epochs:>15.2f}{flag}")
+        lines.append(
+            f"  {s.name:<16}{s.weight_share:>13.4f}{s.epochs * s.tokens_per_epoch:>16,.0f}"
+            f"{s.tokens_per_epoch:>18,}{s.epochs:>15.2f}{flag}"
+        )
     return "\n".join(lines)
 
 

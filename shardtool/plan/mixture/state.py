@@ -16,6 +16,7 @@ From these, the units a source served since the phase start (closed form,
 later epochs planned afresh on the phase's layout (``units / dp_size`` per DP rank each). Small,
 JSON, identical on every rank.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,7 @@ from ..batching import Batching
 from ..layout import DataLayout
 from ..state import LoaderState, StateError, parse_about
 
-__all__ = ["MIXTURE_STATE_VERSION", "MIXTURE_VERSION", "MixtureState", "Phase", "SourceRecord",
-           "mixture_fingerprint"]
+__all__ = ["MIXTURE_STATE_VERSION", "MIXTURE_VERSION", "MixtureState", "Phase", "SourceRecord", "mixture_fingerprint"]
 
 MIXTURE_STATE_VERSION = 1
 # Bumped whenever the composition rule changes which source a unit comes from.
@@ -65,8 +65,14 @@ class SourceRecord:
         return self.position.epoch
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "version": self.version, "tokens": self.tokens, "units": self.units,
-                "epoch": self.position.epoch, "segments": self.position.to_dict()["segments"]}
+        return {
+            "name": self.name,
+            "version": self.version,
+            "tokens": self.tokens,
+            "units": self.units,
+            "epoch": self.position.epoch,
+            "segments": self.position.to_dict()["segments"],
+        }
 
     @classmethod
     def from_dict(cls, data: Any, fingerprint: str) -> SourceRecord:
@@ -76,10 +82,22 @@ class SourceRecord:
         name, version = data["name"], data["version"]
         if not isinstance(name, str) or not isinstance(version, str):
             raise StateError(f"mixture state source name and version must be strings, found {name!r}, {version!r}")
-        position = LoaderState.from_dict({"version": 2, "epoch": data["epoch"], "dataset_fingerprint": version,
-                                          "batching_fingerprint": fingerprint, "segments": data["segments"]})
-        return cls(name, version, _int(f"source {name!r} tokens", data["tokens"], 1),
-                   _int(f"source {name!r} units", data["units"], 1), position)
+        position = LoaderState.from_dict(
+            {
+                "version": 2,
+                "epoch": data["epoch"],
+                "dataset_fingerprint": version,
+                "batching_fingerprint": fingerprint,
+                "segments": data["segments"],
+            }
+        )
+        return cls(
+            name,
+            version,
+            _int(f"source {name!r} tokens", data["tokens"], 1),
+            _int(f"source {name!r} units", data["units"], 1),
+            position,
+        )
 
 
 @dataclass
@@ -104,15 +122,21 @@ class Phase:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"from_step": self.from_step, "schedule": [[s, dict(w)] for s, w in self.schedule],
-                "layout": self.layout.identity(), "sources": [s.to_dict() for s in self.sources]}
+        return {
+            "from_step": self.from_step,
+            "schedule": [[s, dict(w)] for s, w in self.schedule],
+            "layout": self.layout.identity(),
+            "sources": [s.to_dict() for s in self.sources],
+        }
 
     @classmethod
     def from_dict(cls, data: Any, fingerprint: str) -> Phase:
         keys = {"from_step", "schedule", "layout", "sources"}
         if not isinstance(data, Mapping) or set(data) != keys:
-            raise StateError(f"mixture state phase: found keys {sorted(data) if isinstance(data, Mapping) else data!r}, "
-                             f"expected {sorted(keys)}")
+            raise StateError(
+                f"mixture state phase: found keys {sorted(data) if isinstance(data, Mapping) else data!r}, "
+                f"expected {sorted(keys)}"
+            )
         try:
             layout = DataLayout.from_identity(data["layout"])
         except (KeyError, TypeError, ValueError) as e:
@@ -139,12 +163,15 @@ def _schedule(raw: Any, names: list[str]) -> list[list[Any]]:
         if step <= last or (not out and step != 0):
             raise StateError(f"mixture state schedule must start at step 0 and increase, found {raw!r}")
         if sorted(entry[1]) != sorted(names):
-            raise StateError(f"mixture state schedule entry at step {step} names {sorted(entry[1])}, "
-                             f"its sources are {sorted(names)}")
+            raise StateError(
+                f"mixture state schedule entry at step {step} names {sorted(entry[1])}, its sources are {sorted(names)}"
+            )
         try:
             weights = {n: str(Fraction(entry[1][n])) for n in names}
         except (TypeError, ValueError, ZeroDivisionError):
-            raise StateError(f"mixture state schedule entry at step {step}: weights {entry[1]!r} are malformed") from None
+            raise StateError(
+                f"mixture state schedule entry at step {step}: weights {entry[1]!r} are malformed"
+            ) from None
         out.append([step, weights])
         last = step
     return out
@@ -164,8 +191,14 @@ class MixtureState:
         return MixtureState(step, self.fingerprint, self.phase, self.phases_before, self.version, self.about)
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"version": self.version, "kind": KIND, "batching_fingerprint": self.fingerprint, "step": self.step,
-               "phases_before": self.phases_before, "phase": self.phase.to_dict()}
+        out = {
+            "version": self.version,
+            "kind": KIND,
+            "batching_fingerprint": self.fingerprint,
+            "step": self.step,
+            "phases_before": self.phases_before,
+            "phase": self.phase.to_dict(),
+        }
         if self.about is not None:
             out["about"] = parse_about(self.about)
         return out
@@ -175,20 +208,32 @@ class MixtureState:
         if not isinstance(data, Mapping):
             raise StateError(f"loader state must be a mapping, found {type(data).__name__}")
         if data.get("kind") != KIND:
-            raise StateError("this loader state was saved by a single-dataset ShardedLoader, not a mixture: load "
-                             "it into a loader of that dataset (a mixture cannot continue a single dataset's epoch)")
+            raise StateError(
+                "this loader state was saved by a single-dataset ShardedLoader, not a mixture: load "
+                "it into a loader of that dataset (a mixture cannot continue a single dataset's epoch)"
+            )
         keys = {"version", "kind", "batching_fingerprint", "step", "phases_before", "phase"}
         if set(data) - {"about"} != keys:  # "about": optional, states from before it lack it
-            raise StateError(f"mixture state keys: found {sorted(data)}, expected {sorted(keys)} and optionally "
-                             "'about'")
+            raise StateError(
+                f"mixture state keys: found {sorted(data)}, expected {sorted(keys)} and optionally 'about'"
+            )
         if data["version"] != MIXTURE_STATE_VERSION:
-            raise StateError(f"unsupported mixture state version: found {data['version']!r}, "
-                             f"expected {MIXTURE_STATE_VERSION}")
+            raise StateError(
+                f"unsupported mixture state version: found {data['version']!r}, expected {MIXTURE_STATE_VERSION}"
+            )
         if not isinstance(data["batching_fingerprint"], str):
-            raise StateError(f"mixture state batching_fingerprint must be a string, found {data['batching_fingerprint']!r}")
+            raise StateError(
+                f"mixture state batching_fingerprint must be a string, found {data['batching_fingerprint']!r}"
+            )
         phase = Phase.from_dict(data["phase"], data["batching_fingerprint"])
         step = _int("step", data["step"], 0)
         if step < phase.from_step:
             raise StateError(f"mixture state step {step} is before its phase's start {phase.from_step}")
-        return cls(step, data["batching_fingerprint"], phase, _int("phases_before", data["phases_before"], 0),
-                   MIXTURE_STATE_VERSION, parse_about(data.get("about")))
+        return cls(
+            step,
+            data["batching_fingerprint"],
+            phase,
+            _int("phases_before", data["phases_before"], 0),
+            MIXTURE_STATE_VERSION,
+            parse_about(data.get("about")),
+        )

@@ -6,11 +6,21 @@ Files, each importing only those above it in this list:
 - `bestfit`  — best-fit decreasing of one window's documents (``best-fit``, ``no-split``)
 - `rows`     — `pack_rows`: one window into rows under the config's policy (``concat`` here)
 """
+
 from __future__ import annotations
 
 from .bestfit import best_fit
 from .config import PACKING_VERSION, POLICIES, Packing, Rows, default_max_docs, rows_estimate, with_packed_eos
 from .rows import pack_rows
 
-__all__ = ["PACKING_VERSION", "POLICIES", "Packing", "Rows", "best_fit", "default_max_docs", "pack_rows",
-           "rows_estimate", "with_packed_eos"]
+__all__ = [
+    "PACKING_VERSION",
+    "POLICIES",
+    "Packing",
+    "Rows",
+    "best_fit",
+    "default_max_docs",
+    "pack_rows",
+    "rows_estimate",
+    "with_packed_eos",
+]

@@ -12,6 +12,7 @@ in buckets by remaining room, with the non-empty buckets as bits of one Python i
 
 On text-like lengths that is a few events per hundred pieces (~3M documents/s per core).
 """
+
 from __future__ import annotations
 
 import numpy as np

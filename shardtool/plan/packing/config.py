@@ -19,6 +19,7 @@ Documents of no tokens at all (length 0, no ``eos_id``) get no span and are not 
 Rows come out in the order they were opened (for best-fit: by their largest piece, largest
 first), so the caller shuffles them, as bucketing shuffles its batches.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,8 +31,7 @@ import numpy as np
 
 from ..arrays import gather_runs
 
-__all__ = ["PACKING_VERSION", "POLICIES", "Packing", "Rows", "default_max_docs", "rows_estimate",
-           "with_packed_eos"]
+__all__ = ["PACKING_VERSION", "POLICIES", "Packing", "Rows", "default_max_docs", "rows_estimate", "with_packed_eos"]
 
 # Bumped whenever packing changes the rows it produces, so a saved position is never replayed
 # against different rows.
@@ -85,8 +85,9 @@ class Packing:
 
     def fingerprint(self) -> str:
         """Stable short hex id of this config and of the packing algorithm version."""
-        canonical = json.dumps({"packing_version": PACKING_VERSION, **asdict(self)}, sort_keys=True,
-                               separators=(",", ":"))
+        canonical = json.dumps(
+            {"packing_version": PACKING_VERSION, **asdict(self)}, sort_keys=True, separators=(",", ":")
+        )
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
@@ -135,14 +136,28 @@ class Rows:
         idx = gather_runs(np.arange(len(self.span_pos), dtype=np.int64), begin, sizes)
         offsets = np.zeros(len(rows) + 1, np.int64)
         np.cumsum(sizes, out=offsets[1:])
-        return Rows(self.seq_len, offsets, self.span_pos[idx], self.span_start[idx], self.span_len[idx],
-                    self.dropped, self.split_docs)
+        return Rows(
+            self.seq_len,
+            offsets,
+            self.span_pos[idx],
+            self.span_start[idx],
+            self.span_len[idx],
+            self.dropped,
+            self.split_docs,
+        )
 
     def slice(self, first: int, stop: int) -> Rows:
         """Rows ``first .. stop-1`` as views (no copy): a batch's rows, per batch, on the hot path."""
         lo, hi = int(self.row_offsets[first]), int(self.row_offsets[stop])
-        return Rows(self.seq_len, self.row_offsets[first : stop + 1] - lo, self.span_pos[lo:hi], self.span_start[lo:hi],
-                    self.span_len[lo:hi], self.dropped, self.split_docs)
+        return Rows(
+            self.seq_len,
+            self.row_offsets[first : stop + 1] - lo,
+            self.span_pos[lo:hi],
+            self.span_start[lo:hi],
+            self.span_len[lo:hi],
+            self.dropped,
+            self.split_docs,
+        )
 
     @classmethod
     def concat(cls, parts: list[Rows], seq_len: int) -> Rows:
@@ -152,19 +167,39 @@ class Rows:
             return cls(seq_len, np.zeros(1, np.int64), empty, empty, empty, empty, 0)
         spans = np.cumsum([0, *(len(p.span_pos) for p in parts)])
         offsets = np.concatenate([[0], *(p.row_offsets[1:] + s for p, s in zip(parts, spans[:-1]))])
-        return cls(seq_len, offsets.astype(np.int64), *(np.concatenate([getattr(p, k) for p in parts])  # type: ignore[call-arg, arg-type]  # mypy cannot count a starred generator's fields
-                                                        for k in ("span_pos", "span_start", "span_len", "dropped")),
-                   sum(p.split_docs for p in parts))
+        return cls(
+            seq_len,
+            offsets.astype(np.int64),
+            *(
+                np.concatenate([getattr(p, k) for p in parts])  # type: ignore[call-arg, arg-type]  # mypy cannot count a starred generator's fields
+                for k in ("span_pos", "span_start", "span_len", "dropped")
+            ),
+            sum(p.split_docs for p in parts),
+        )
 
     def with_ids(self, ids: np.ndarray) -> Rows:
         """The same rows with positions mapped through ``ids`` (e.g. window position -> global id)."""
         ids = np.asarray(ids, dtype=np.int64)
-        return Rows(self.seq_len, self.row_offsets, ids[self.span_pos], self.span_start, self.span_len,
-                    ids[self.dropped], self.split_docs)
+        return Rows(
+            self.seq_len,
+            self.row_offsets,
+            ids[self.span_pos],
+            self.span_start,
+            self.span_len,
+            ids[self.dropped],
+            self.split_docs,
+        )
 
 
-def rows_estimate(token_count: int, doc_count: int, packing: Packing, *, windows: int = 1,
-                  too_long: tuple[int, int] | None = None, short: tuple[float, float] | None = None) -> float:
+def rows_estimate(
+    token_count: int,
+    doc_count: int,
+    packing: Packing,
+    *,
+    windows: int = 1,
+    too_long: tuple[int, int] | None = None,
+    short: tuple[float, float] | None = None,
+) -> float:
     """Expected rows for ``doc_count`` documents of ``token_count`` tokens (as stored; the eos is
     added here), packed in ``windows`` windows.
 
@@ -226,12 +261,16 @@ def with_packed_eos(packing: Packing | None, packed_eos: dict[str, int | None]) 
     other = {name: eos for name, eos in carried.items() if eos != packing.eos_id}
     if other:
         name, eos = next(iter(other.items()))
-        raise ValueError(f"{name}: its documents already end with EOS id {eos} (packed with --eos-id {eos}); "
-                         f"eos_id={packing.eos_id} would add a second, different end token. Drop eos_id (the "
-                         f"packed one is used), or repack with --eos-id {packing.eos_id}")
+        raise ValueError(
+            f"{name}: its documents already end with EOS id {eos} (packed with --eos-id {eos}); "
+            f"eos_id={packing.eos_id} would add a second, different end token. Drop eos_id (the "
+            f"packed one is used), or repack with --eos-id {packing.eos_id}"
+        )
     bare = sorted(name for name, eos in packed_eos.items() if eos is None)
     if bare:
-        raise ValueError(f"eos_id={packing.eos_id}: {', '.join(sorted(carried))} already end every document "
-                         f"with it (packed with --eos-id) and {', '.join(bare)} do not, so one eos_id cannot "
-                         "end every document once; repack those with --eos-id, or without it")
+        raise ValueError(
+            f"eos_id={packing.eos_id}: {', '.join(sorted(carried))} already end every document "
+            f"with it (packed with --eos-id) and {', '.join(bare)} do not, so one eos_id cannot "
+            "end every document once; repack those with --eos-id, or without it"
+        )
     return replace(packing, eos_id=None)

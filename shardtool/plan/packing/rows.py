@@ -3,6 +3,7 @@
 ``best-fit`` and ``no-split`` are best-fit decreasing (`bestfit`); ``concat`` lays the documents
 end to end and cuts every ``seq_len`` tokens (here). Both build the `Rows` of `config`.
 """
+
 from __future__ import annotations
 
 import numpy as np
