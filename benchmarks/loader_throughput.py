@@ -175,7 +175,7 @@ def consume(loader, kind: str, began: float, first_only: bool = False, max_s: fl
 
 def run_peer(name: str, root: str, kind: str, workers: int, max_s: float, verify: bool = False) -> dict:
     """A peer's shuffled read of its own copy of the corpus (``<root>-<name>``), as ``run_wds``."""
-    from benchmarks import peers
+    from shardtool.benchmarks import peers
 
     mod = peers.available()[name]
     began = time.perf_counter()
@@ -187,7 +187,7 @@ def run_peer(name: str, root: str, kind: str, workers: int, max_s: float, verify
 
 def verify_read(loader, kind: str) -> dict:
     """One whole epoch: samples, unique keys and the sum of per-sample checksums (benchmarks.peers)."""
-    from benchmarks.peers import batch_fingerprint
+    from shardtool.benchmarks.peers import batch_fingerprint
 
     keys: list[str] = []
     total = 0
@@ -413,7 +413,7 @@ def paired_sides(
 
 def prepare_peers(names: list[str], tok: str, img: str) -> dict[str, dict]:
     """Each peer's copy of both corpora in its own format (``<root>-<peer>``), written once; versions."""
-    from benchmarks import peers
+    from shardtool.benchmarks import peers
 
     mods = peers.available()
     info = {}
@@ -430,7 +430,7 @@ def prepare_peers(names: list[str], tok: str, img: str) -> dict[str, dict]:
 
 def verify_sides(sides: list[str], tok: str, img: str, workers: tuple[int, ...] = (0, 2)) -> dict:
     """Every side's whole epoch of each corpus, checked against the tar shards; raises on a mismatch."""
-    from benchmarks.peers import expected
+    from shardtool.benchmarks.peers import expected
 
     checked = {}
     for root, kind in ((tok, "tokens"), (img, "images")):
@@ -566,7 +566,7 @@ def main() -> None:
         ("tokens", 2, "tokens samples/s ours/wds w2"),
         ("images", 2, "images MB/s ours/wds w2"),
     ]
-    from benchmarks import peers as peer_mods
+    from shardtool.benchmarks import peers as peer_mods
 
     installed = list(peer_mods.available())
     chosen = installed if args.peers is None else [x for x in args.peers.split(",") if x and x != "none"]

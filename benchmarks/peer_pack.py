@@ -55,21 +55,21 @@ class _Dir:
     """optimize's fn: the samples of one directory of the image tree as dicts."""
 
     def __call__(self, d: str):
-        from benchmarks.pack_throughput import _tree_samples
+        from shardtool.benchmarks.pack_throughput import _tree_samples
 
         for key, fields in _tree_samples(d):
             yield {"key": key, "bin": fields["bin"], "json": fields["json"]}
 
 
 def side(name: str, src: str, out: str, kind: str) -> int:
-    from benchmarks import pack_throughput as pt
+    from shardtool.benchmarks import pack_throughput as pt
 
     what, _, workers = name.partition(":")
     w = int(workers or 1)
     if what == "ours":
         return pt.side_shardtool(src, out, "tar", w, None if kind == "images" else "tokens")
     if what == "mds":
-        from benchmarks.peers import streaming
+        from shardtool.benchmarks.peers import streaming
 
         streaming._import()  # its torchvision shim (benchmarks/peers/streaming.py)
         return pt.side_mds(src, out, "images" if kind == "images" else "parquet")
@@ -118,7 +118,7 @@ def _preimport(name: str) -> None:
 
     what = name.partition(":")[0]
     if what == "mds":
-        from benchmarks.peers import streaming
+        from shardtool.benchmarks.peers import streaming
 
         streaming._import()
     elif what == "litdata":
@@ -168,8 +168,8 @@ def main() -> None:
         return
     import tempfile
 
-    from benchmarks import corpus, peers
-    from benchmarks.pack_throughput import payload_bytes
+    from shardtool.benchmarks import corpus, peers
+    from shardtool.benchmarks.pack_throughput import payload_bytes
 
     n_tok, n_img = (2_000, 60) if args.tiny else (20_000, 2_000) if args.small else (200_000, 10_000)
     base = args.dir or tempfile.mkdtemp(prefix="peer-pack-")

@@ -48,7 +48,7 @@ class _Docs:
     def __call__(self, path: str):
         import torch
 
-        from benchmarks.peers import tar_samples
+        from shardtool.benchmarks.peers import tar_samples
 
         for _, tokens in tar_samples(os.path.dirname(path), "tokens", [path]):
             yield torch.from_numpy(np.append(tokens, np.int32(EOS)).astype(np.int32))
@@ -58,7 +58,7 @@ def prepare_litdata(src: str, out: str, workers: int = 1) -> None:
     import litdata
     from litdata.streaming.item_loader import TokensLoader
 
-    from benchmarks.peers import tar_paths
+    from shardtool.benchmarks.peers import tar_paths
 
     litdata.optimize(
         fn=_Docs(),
@@ -77,7 +77,7 @@ def litdata_split_docs(src: str, block: int) -> int:
 
     optimize writes the inputs' documents in order per worker; with one chunk stream per input
     order this is the count for the written order (a good estimate either way: the lengths are iid)."""
-    from benchmarks.peers import tar_samples
+    from shardtool.benchmarks.peers import tar_samples
 
     sizes = np.array([len(t) + 1 for _, t in tar_samples(src, "tokens")], np.int64)
     end = np.cumsum(sizes)
@@ -183,9 +183,9 @@ def main() -> None:
             json.dumps(run_side(args.one, args.src, int(args.seq_lens), args.rows, int(args.workers), args.max_seconds))
         )
         return
-    from benchmarks import peers
-    from benchmarks.loader_throughput import write_tokens
-    from benchmarks.packing import llm_foundry
+    from shardtool.benchmarks import peers
+    from shardtool.benchmarks.loader_throughput import write_tokens
+    from shardtool.benchmarks.packing import llm_foundry
 
     n = 3_000 if args.tiny else 30_000 if args.small else args.docs
     base = args.dir or tempfile.mkdtemp(prefix="peer-packing-")

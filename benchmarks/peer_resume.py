@@ -54,7 +54,7 @@ def make_loader(side: str, root: str, batch: int, rank: int, world: int, state, 
         if state is not None:
             ld.load_state_dict(state)
         return ld
-    from benchmarks import peers
+    from shardtool.benchmarks import peers
 
     mod = peers.available()[side]
     kw = {"canonical_nodes": 12} if side == "streaming" else {"repeat": repeat} if side == "energon" else {}
@@ -76,7 +76,7 @@ def _step(side, root, batch, rank, world, state_in, stop, limit, repeat, port, c
                 saved = pickle.dumps(
                     ld.state_dict()
                     if side == "ours"
-                    else __import__("benchmarks.peers", fromlist=["x"]).available()[side].state_dict(ld, stop)
+                    else __import__("shardtool.benchmarks.peers", fromlist=["x"]).available()[side].state_dict(ld, stop)
                 )
                 break
             if limit is not None and n >= limit:
@@ -95,7 +95,7 @@ def steps(side, root, batch, world=1, states=None, stop=None, limit=None, repeat
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     if side == "streaming":
-        from benchmarks.peers import streaming
+        from shardtool.benchmarks.peers import streaming
 
         streaming.clean()
     ctx = mp.get_context("fork")
@@ -127,7 +127,7 @@ def tally(reads: list[list[str]], n: int) -> dict:
 
 def run_side(side: str, root: str, batch: int, n: int) -> dict:
     if side != "ours":
-        from benchmarks import peers
+        from shardtool.benchmarks import peers
 
         peers.available()[side]  # import before any clock
     out: dict = {}
@@ -191,8 +191,8 @@ def main() -> None:
     p.add_argument("--dir", default=None)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    from benchmarks import peers
-    from benchmarks.loader_throughput import write_tokens
+    from shardtool.benchmarks import peers
+    from shardtool.benchmarks.loader_throughput import write_tokens
 
     n = 2_000 if args.tiny else 20_000 if args.small else args.docs
     base = args.dir or tempfile.mkdtemp(prefix="peer-resume-")
