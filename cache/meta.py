@@ -10,7 +10,6 @@ import os
 import time
 
 from ..format.atomic import fsync_path
-from ..format.hashing import hash_file
 from ..format.manifest import Manifest, ShardInfo
 from ..format.summaries import SUMMARIES_NAME
 from .durability import must_fsync
@@ -87,15 +86,6 @@ def stamp_found_intact(vd: VersionDir, shard: int, info: ShardInfo, plain: dict 
     e.g. after a reboot), so the stamp outlives reboots."""
     fsync_path(vd.path(info.path))
     vd.write_stamp(shard, info, fsynced=True, plain=plain)
-
-
-def local_matches(path: str, info: ShardInfo) -> bool:
-    try:
-        if os.path.getsize(path) != info.bytes:
-            return False
-        return hash_file(path)[0] == info.hash
-    except OSError:
-        return False
 
 
 def ensure_shard(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..format.errors import ShardtoolError
 from ..format.sizes import SizeError, parse_size
 
 
@@ -46,3 +47,10 @@ def add_storage_option_argument(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="fsspec storage option (repeatable; dotted keys nest, values parsed as JSON when possible)",
     )
+
+
+def output_error(out: str, e: OSError) -> ShardtoolError:
+    """Disk full, quota, permissions on a command's output: a one-line error, not a traceback.
+    (Unreadable *inputs* are BadSampleErrors already; this is the output side.)"""
+    where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+    return ShardtoolError(f"writing {out} failed: {e.strerror or e}{where}; no manifest was published")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ._args import size_arg
+from ._args import output_error, size_arg
 
 HELP = "index existing WebDataset tars in place (no copy): manifest, sample indexes and lengths only"
 DESCRIPTION = """\
@@ -54,7 +54,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..format.errors import ShardtoolError
     from ..pack.inplace import index_tars
 
     try:
@@ -71,10 +70,7 @@ def run(args) -> int:
             task_index=args.task_index,
         )
     except OSError as e:
-        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        raise ShardtoolError(
-            f"writing {args.out} failed: {e.strerror or e}{where}; no manifest was published"
-        ) from None
+        raise output_error(args.out, e) from None
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:

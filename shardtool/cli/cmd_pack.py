@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 from ..format.keys import KEY_RULES
-from ._args import size_arg
+from ._args import output_error, size_arg
 
 HELP = "pack files, JSONL, Parquet/Arrow or WebDataset tars into indexed shards (optionally tokenizing text)"
 DESCRIPTION = """\
@@ -173,7 +173,6 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import warnings
 
-    from ..format.errors import ShardtoolError
     from ..pack.api import pack
     from ..pack.skips import PackWarning
 
@@ -208,12 +207,7 @@ def run(args) -> int:
                 label_from_dir=args.label_from_dir,
             )
     except OSError as e:
-        # Disk full, quota, permissions on OUT: a one-line error, not a traceback. (Unreadable
-        # *inputs* are BadSampleErrors already; this is the output side.)
-        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        raise ShardtoolError(
-            f"writing {args.out} failed: {e.strerror or e}{where}; no manifest was published"
-        ) from None
+        raise output_error(args.out, e) from None
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:
