@@ -277,9 +277,14 @@ def packed_pair(base: str, name: str, n: int, codec: str, *, seed: int = 0) -> d
     src = os.path.join(base, f"{name}-src")
     if not os.path.exists(os.path.join(src, "tokens.parquet")):
         corpus.write_tokens(src, n, seed=seed, jsonl=False)
+    from shardtool.format.arrowshard import COMPRESSED_BATCH_BYTES
+
     roots = {}
     for comp in (None, codec):
-        roots[comp] = os.path.join(base, f"{name}-arrow-{comp or 'plain'}")
+        # The compressed twin's name carries its record-batch size: a corpus packed by an older
+        # shardtool (64 KiB batches) is not silently measured in place of today's layout.
+        tail = f"{comp}-b{COMPRESSED_BATCH_BYTES >> 10}k" if comp else "plain"
+        roots[comp] = os.path.join(base, f"{name}-arrow-{tail}")
         if not os.path.exists(os.path.join(roots[comp], "index.json")):
             shardtool.pack(
                 os.path.join(src, "tokens.parquet"),

@@ -204,7 +204,11 @@ class _CompressedBatches:
         return [(rows, self._first[li], self._count[li], which.reshape(-1), bufs)]
 
     def field_bytes(self, i: int, j: int) -> bytes:
-        view, starts, sizes = self._decoded(int(self.batch[i]))[j]
+        b = int(self.batch[i])
+        # A training batch's record batches were just touched by `token_pieces` (or by this
+        # batch's earlier samples): a bare lookup, not `_decoded`'s LRU bookkeeping per sample.
+        hit = _CompressedBatches._cache.get((self.uid, b))
+        view, starts, sizes = (hit[0] if hit is not None else self._decoded(b))[j]
         r = int(self.row[i])
         a = int(starts[r])
         return bytes(view[a : a + int(sizes[r])])

@@ -60,8 +60,8 @@ pip install 'shardtool[tokenize]'; a local file only, never downloaded), stored 
 the vocabulary has at most 65,536 ids, else uint32, with --eos-id N appended to each; the length
 is the token count. The text itself is dropped unless --keep-text.
 
-Compression: --format arrow --compression zstd|lz4 compresses each small record batch (Arrow
-IPC buffer compression); the loader, cache, verify and inspect read such shards; tar shards are
+Compression: --format arrow --compression zstd|lz4 compresses each record batch (Arrow IPC
+buffer compression; batches of 1 MiB, --record-batch-size to change it); the loader, cache, verify and inspect read such shards; tar shards are
 never compressed (they stay WebDataset tars).
 
 Bad input is an error naming the file and line/row/member. --skip-bad skips it instead:
@@ -98,6 +98,12 @@ def add_arguments(p) -> None:
         "--compression",
         choices=["zstd", "lz4", "none"],
         help="--format arrow only: compress each record batch (default none)",
+    )
+    p.add_argument(
+        "--record-batch-size",
+        metavar="SIZE",
+        help="--format arrow only: cut record batches at SIZE payload bytes (default 1MiB); a "
+        "reader of a compressed shard decompresses whole batches",
     )
     t = p.add_argument_group("tokenizing (see above)")
     t.add_argument("--tokenizer", metavar="PATH", help="a Hugging Face tokenizer.json (or a directory holding one)")
@@ -204,6 +210,7 @@ def run(args) -> int:
                 eos_id=args.eos_id,
                 keep_text=args.keep_text,
                 compression=args.compression,
+                record_batch_size=args.record_batch_size,
                 label_from_dir=args.label_from_dir,
             )
     except OSError as e:

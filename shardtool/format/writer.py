@@ -82,7 +82,14 @@ class ShardFileWriter:
     """
 
     def __init__(
-        self, root: str, rel_path: str, shard_format: str, fields: list[FieldSpec], *, compression: str | None = None
+        self,
+        root: str,
+        rel_path: str,
+        shard_format: str,
+        fields: list[FieldSpec],
+        *,
+        compression: str | None = None,
+        batch_bytes: int | None = None,
     ):
         self.root = root
         self.rel_path = rel_path
@@ -102,7 +109,7 @@ class ShardFileWriter:
         if shard_format == "tar":
             self._tar = TarShardWriter(self._hf, [f.ext for f in fields])  # type: ignore[arg-type]  # write/tell of a file
         else:
-            self._arrow = ArrowShardWriter(self._hf, fields, compression=compression)  # type: ignore[arg-type]  # as above
+            self._arrow = ArrowShardWriter(self._hf, fields, compression=compression, batch_bytes=batch_bytes)  # type: ignore[arg-type]  # as above
 
     def _add_row(self, key: str, length: int, *rest) -> None:
         self.count += 1

@@ -232,6 +232,7 @@ def pack(
     keep_text: bool = False,
     compression: str | None = None,
     label_from_dir: bool = False,
+    record_batch_size: int | str | None = None,
 ) -> PackResult:
     """Pack ``sources`` into ``out``.
 
@@ -254,7 +255,11 @@ def pack(
     fast tokenizer) with ``text_field``: the text becomes field ``tokens`` (token ids, uint16 when
     the vocabulary has at most 65,536 ids, else uint32; ``eos_id`` appended when given), which is
     the length field; ``keep_text`` keeps the text too. ``compression`` (``"zstd"`` or ``"lz4"``,
-    Arrow shards only) compresses each small record batch.
+    Arrow shards only) compresses each record batch. ``record_batch_size`` (bytes or a size
+    like ``"256KiB"``; Arrow shards only) is the payload at which a record batch is cut: by
+    default 1 MiB, at most 256 rows for plain shards and 8,192 for compressed ones. A reader
+    decompresses whole batches, each about once per pass; smaller batches cost less memory per
+    process reading a compressed dataset in place and decompress slower.
     ``per_file=True`` packs every file of a directory source as one sample with fields ``bin``
     (its bytes) and ``path`` (its path relative to the directory), keyed by that path made safe.
     ``label_from_dir=True`` reads each directory as torchvision's ImageFolder does (``ROOT/CLASS/
@@ -276,6 +281,9 @@ def pack(
     if not sources:
         raise ShardtoolError("no sources given")
     shard_size = parse_size(shard_size, what="--shard-size", positive=True)
+    record_batch_size = parse_size(record_batch_size, what="--record-batch-size", positive=True)
+    if record_batch_size is not None and format != "arrow":
+        raise ShardtoolError("--record-batch-size applies to Arrow shards (--format arrow)")
     if samples_per_shard is not None and samples_per_shard < 1:
         raise ShardtoolError("--samples-per-shard must be ≥ 1")
     if shard_size is None and samples_per_shard is None:
@@ -358,6 +366,7 @@ def pack(
                 source_fields=source_fields,
                 tokenize=tok,
                 compression=compression,
+                record_batch_size=record_batch_size,
                 running_positions=streaming,
             )
         )

@@ -34,6 +34,7 @@ class Roller:
             job.fmt,
             job.fields,
             compression=job.compression,
+            batch_bytes=job.record_batch_size,
         )
         self.seq += 1
         self.cur_bytes = 0

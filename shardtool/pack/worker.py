@@ -55,6 +55,7 @@ class Job:
     source_fields: list[FieldSpec] | None = None  # the sources' fields, before tokenizing (default: fields)
     tokenize: Any = None  # a tokenize.Tokenize, or None
     compression: str | None = None  # arrow shards: zstd | lz4
+    record_batch_size: int | None = None  # arrow shards: payload bytes a record batch is cut at
     running_positions: bool = False  # a stream is among the units: positions are counted as read
 
 

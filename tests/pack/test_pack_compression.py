@@ -40,7 +40,16 @@ def packed(tmp_path_factory):
     out = {}
     for comp in (None, "zstd", "lz4"):
         out[comp] = str(d / (comp or "plain"))
-        shardtool.pack(rows, out[comp], format="arrow", length="tokens", shard_size=200_000, compression=comp)
+        # 64 KiB record batches (the default before 1 MiB): several a shard, as packed before.
+        shardtool.pack(
+            rows,
+            out[comp],
+            format="arrow",
+            length="tokens",
+            shard_size=200_000,
+            compression=comp,
+            record_batch_size="64KiB" if comp else None,
+        )
     return rows, out
 
 
@@ -136,3 +145,42 @@ def test_job_array_fragments_merge_into_a_compressed_dataset(tmp_path):
     ds = shardtool.open_dataset(out)
     assert ds.manifest.compression == "zstd" and len(ds) == 400
     assert [s["n"] for s in ds] == list(range(400))
+
+
+def _batch_rows(url: str) -> list[list[int]]:
+    import pyarrow as pa
+
+    ds = shardtool.open_dataset(url)
+    out = []
+    for s in range(ds.num_shards):
+        r = pa.ipc.open_file(pa.memory_map(ds.shard_path(s)))
+        out.append([r.get_batch(k).num_rows for k in range(r.num_record_batches)])
+    return out
+
+
+def test_compressed_record_batches_are_cut_at_1_mib_and_at_the_size_asked(tmp_path):
+    """1 MiB compressed batches (Arrow decompresses each buffer with a fresh context: small
+    batches decompress 4x slower), no 256-row cap below that; --record-batch-size sets it."""
+    rows = [{"tokens": np.full(100, i, np.int32)} for i in range(12_000)]  # 400 payload bytes each
+    out = {}
+    for name, comp, size in (("plain", None, None), ("zstd", "zstd", None), ("small", "zstd", "64KiB")):
+        out[name] = str(tmp_path / name)
+        shardtool.pack(
+            rows,
+            out[name],
+            format="arrow",
+            length="tokens",
+            shard_size="8MiB",
+            compression=comp,
+            record_batch_size=size,
+        )
+    per_batch = {name: [n for shard in _batch_rows(url) for n in shard] for name, url in out.items()}
+    assert max(per_batch["plain"]) == 256
+    # Cut by bytes (each sample counts its payload, here an npy file): 16x the rows of 64 KiB.
+    assert max(per_batch["zstd"]) > 256 and abs(max(per_batch["zstd"]) / max(per_batch["small"]) - 16) < 0.2
+    want = _samples(out["plain"])
+    for name in ("zstd", "small"):
+        assert _samples(out[name]) == want
+        assert _batches(out[name], 0) == _batches(out["plain"], 0)
+    with pytest.raises(ShardtoolError, match="record-batch-size applies to Arrow"):
+        shardtool.pack(rows[:5], str(tmp_path / "tar"), record_batch_size="1MiB")
