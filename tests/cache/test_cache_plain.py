@@ -404,3 +404,19 @@ def test_compressed_in_place_batches_equal_plain_whatever_the_seed_and_the_batch
     finally:
         batchcache._CompressedBatches._cap = old
         batchcache._CompressedBatches.CACHE_BYTES = old_min
+
+
+def test_a_share_larger_than_the_decompressed_batches_kept_is_warned_about(packed):
+    """Shuffled reads of a share the batch cache cannot hold decompress most batches again and
+    again: the loader says so once, and names the way out (a node cache)."""
+    from shardtool.loader import batchcache
+
+    cls = batchcache._CompressedBatches
+    saved = cls._cap, cls.CACHE_BYTES, cls._warned
+    cls._cap = cls.CACHE_BYTES = 1 << 16
+    cls._warned = False
+    try:
+        with pytest.warns(RuntimeWarning, match="exceeds the decompressed record batches.*cache_dir"):
+            assert _epoch(packed["zstd"], 0, batch_size=64) == _epoch(packed[None], 0, batch_size=64)
+    finally:
+        cls._cap, cls.CACHE_BYTES, cls._warned = saved
