@@ -15,6 +15,13 @@ re-verification and ``cache verify`` check the plain file against that record. A
 under the shard's exclusive lock, and the plain file is published by rename after its record is
 written, so two warmers, or a warmer and a loader's fetch-on-miss, never see a half-written file
 and never decompress the same shard at once (the race of Streaming #863 and LitData #463).
+
+Passes over a shard's bytes (measured on a 40 MB zstd / 64 MB plain shard, page cache): the
+fetch into the stored copy (a kernel copy from a local source, 20 ms; a remote one is hashed as
+it streams in), the hash of that copy (7 ms; none for a remote one), the decompression by Arrow
+writing the plain file (110-160 ms, of which 77 ms decompressing), and the plain file's hash (10
+ms). Decompression is most of it; which is why the pack writes 1 MiB compressed record batches
+(`format.arrowshard.COMPRESSED_BATCH_BYTES`: Arrow makes a zstd context per buffer).
 """
 
 from __future__ import annotations
