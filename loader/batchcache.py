@@ -228,6 +228,21 @@ class _CompressedBatches:
         a = starts.item(r)
         return bytes(view[a : a + sizes.item(r)])
 
+    def fields_bytes(self, li: np.ndarray, j: int) -> list[bytes]:
+        """`field_bytes` of samples ``li`` (a shard's samples of one training batch, in (shard,
+        sample) order: those of one record batch come together), one cache lookup per run."""
+        cache, uid = _CompressedBatches._cache, self.uid
+        out = []
+        last = -1
+        for b, r in zip(self.batch[li].tolist(), self.row[li].tolist()):
+            if b != last:
+                hit = cache.get((uid, b))
+                view, starts, sizes = (hit[0] if hit is not None else self._decoded(b))[j]
+                last = b
+            a = starts.item(r)
+            out.append(bytes(view[a : a + sizes.item(r)]))
+        return out
+
     @classmethod
     def _warn_if_thrashing(cls) -> None:
         """Once a process: its share does not fit the decompressed batches it may keep. Shuffled

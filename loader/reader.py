@@ -335,8 +335,8 @@ class BatchReader:
                 return PackedBytes.from_slices(bufs, starts.tolist(), sizes.tolist(), alloc)
         values: list[Any] = [None] * b
         for v, rows, li in groups:
-            for r, i in zip(rows.tolist(), li.tolist()):
-                values[r] = v.value(j, i)
+            for r, x in zip(rows.tolist(), v.values(j, li)):
+                values[r] = x
         return stack_column(values, alloc)
 
 
