@@ -184,3 +184,17 @@ def test_compressed_record_batches_are_cut_at_1_mib_and_at_the_size_asked(tmp_pa
         assert _batches(out[name], 0) == _batches(out["plain"], 0)
     with pytest.raises(ShardtoolError, match="record-batch-size applies to Arrow"):
         shardtool.pack(rows[:5], str(tmp_path / "tar"), record_batch_size="1MiB")
+
+
+def test_pack_cli_record_batch_size(tmp_path):
+    from data_gen import write_jsonl
+    from runcli import shardtool_cli
+
+    src = write_jsonl(str(tmp_path / "in.jsonl"), [{"tokens": list(range(i % 50 + 1))} for i in range(3000)])
+    out = str(tmp_path / "ds")
+    r = shardtool_cli(
+        "pack", src, "-o", out, "--format", "arrow", "--compression", "zstd", "--length", "tokens",
+        "--record-batch-size", "16KiB", "-q", timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert len(_batch_rows(out)[0]) > 1 and _samples(out)[5]["tokens"] == list(range(6))
