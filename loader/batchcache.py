@@ -229,8 +229,8 @@ class _CompressedBatches:
         return bytes(view[a : a + sizes.item(r)])
 
     def fields_bytes(self, li: np.ndarray, j: int) -> list[bytes]:
-        """`field_bytes` of samples ``li`` (a shard's samples of one training batch, in (shard,
-        sample) order: those of one record batch come together), one cache lookup per run."""
+        """`field_bytes` of samples ``li`` (a shard's samples of one training batch), one cache
+        lookup per run of samples of one record batch."""
         cache, uid = _CompressedBatches._cache, self.uid
         out = []
         last = -1
