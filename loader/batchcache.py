@@ -5,6 +5,10 @@ decompressed when a read needs it and kept in a per-process cache sized to the o
 plain bytes (the rank's share), so a shuffled pass decompresses each batch about once per process.
 A training batch's record batches that are not cached are decompressed on a few threads at once
 (Arrow releases the GIL while it decompresses), each with its own reader of the shard.
+A remote shard read without a node cache is the same, its batches fetched instead of sliced
+from a map: each record batch's byte range is fetched (and checked against its index checksum) when
+a read needs it, then kept decompressed here, so a shuffled pass fetches about the share's stored
+bytes once per process, not a whole batch per sample.
 (The node cache holds such shards plain, `cache.plain`: none of this runs for them.)
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -83,7 +88,10 @@ class _CompressedBatches:
     where each of its samples' tokens start in the batch's buffer and how many there are, per
     sample of the shard: those positions do not change when the batch is evicted and decompressed
     again, so `token_pieces` gathers a training batch with a few vectorised lookups and one cache
-    lookup per distinct record batch, not numpy work per record batch."""
+    lookup per distinct record batch, not numpy work per record batch.
+
+    ``fetch(i)``, where given, returns the (verified) record batch holding sample ``i``: a remote
+    shard's, read by range (``buf`` is then unused); else batches are decoded from ``buf``."""
 
     CACHE_BYTES = 256 << 20  # the least a process keeps
     _cap: int | None = None  # the most (decompressed_cache_cap), read once per process
@@ -95,16 +103,30 @@ class _CompressedBatches:
     _next_id = 0
 
     def __init__(
-        self, buf, index, fields: list[FieldSpec], name: str, tok_col: int | None = None, plain_bytes: int = 0
+        self,
+        buf,
+        index,
+        fields: list[FieldSpec],
+        name: str,
+        tok_col: int | None = None,
+        plain_bytes: int = 0,
+        fetch: Callable[[int], pa.RecordBatch] | None = None,
     ):
-        try:
-            # One thread: a record batch is small, and Arrow's pool spent more on handing its
-            # columns out than on decompressing them (131 against 196 us a 64 KiB zstd batch).
-            self._buf = pa.py_buffer(buf)
-            self.reader = pa.ipc.open_file(self._buf, options=pa.ipc.IpcReadOptions(use_threads=False))
-        except (pa.ArrowInvalid, OSError) as e:
-            raise FormatError(f"{name}: not a readable Arrow IPC file ({e})") from None
-        check_schema(self.reader.schema, fields, name)
+        self.fetch = fetch
+        if fetch is not None:
+            # A sample of each record batch (its first): every sample's range is its batch's.
+            batches, first = np.unique(index.batch, return_index=True)
+            self._sample_of = np.zeros(int(batches.max(initial=-1)) + 1, np.int64)
+            self._sample_of[batches] = first
+        else:
+            try:
+                # One thread: a record batch is small, and Arrow's pool spent more on handing its
+                # columns out than on decompressing them (131 against 196 us a 64 KiB zstd batch).
+                self._buf = pa.py_buffer(buf)
+                self.reader = pa.ipc.open_file(self._buf, options=pa.ipc.IpcReadOptions(use_threads=False))
+            except (pa.ArrowInvalid, OSError) as e:
+                raise FormatError(f"{name}: not a readable Arrow IPC file ({e})") from None
+            check_schema(self.reader.schema, fields, name)
         self.fields, self.name = fields, name
         self.batch, self.row = index.batch, index.row
         cls = _CompressedBatches
@@ -136,7 +158,7 @@ class _CompressedBatches:
             return hit[0]
         if rb is None:
             try:
-                rb = self.reader.get_batch(b)
+                rb = self.reader.get_batch(b) if self.fetch is None else self.fetch(int(self._sample_of[b]))
             except (pa.ArrowInvalid, OSError, IndexError) as e:
                 raise FormatError(f"{self.name}: record batch {b} cannot be decompressed ({e})") from None
         got = []
@@ -175,6 +197,10 @@ class _CompressedBatches:
     def _decompress_part(self, batches: list[int]) -> list[tuple[int, pa.RecordBatch]]:
         out = []
         try:
+            if self.fetch is not None:  # remote: the fetches overlap too, not only decompression
+                for k in batches:
+                    out.append((k, self.fetch(int(self._sample_of[k]))))
+                return out
             reader = pa.ipc.open_file(self._buf, options=pa.ipc.IpcReadOptions(use_threads=False))
             for k in batches:
                 out.append((k, reader.get_batch(k)))

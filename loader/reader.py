@@ -3,13 +3,16 @@
 One `BatchReader` per process, opened lazily after fork. Local shards (a local dataset or the
 node cache) are memory-mapped once per process and kept in a small LRU; a batch of the
 default shape is assembled with vectorised numpy gathers straight from the maps. Remote
-shards (no cache) are read sample by sample through `Dataset.read`, one ranged request each.
+shards (no cache) are read sample by sample through `Dataset.read`, one ranged request each,
+except compressed Arrow ones: those are read through views too, whose record batches are fetched
+by range and kept decompressed (loader/batchcache.py), each fetched about once per pass.
 Every error names the shard and the sample.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -21,7 +24,7 @@ from ..plan.ranges import locate_ids
 from .collate import KEY, PACK_MIN_BYTES, Alloc, PackedBytes, collate_samples, stack_column
 from .observability.probe import REMOTE, Probe
 from .shardview import ShardView
-from .source import Source, SourceSpec
+from .source import RemoteShard, Source, SourceSpec
 
 MAX_OPEN_SHARDS = 64
 
@@ -38,6 +41,7 @@ class BatchReader:
         self.probe: Probe | None = None  # counters and what is being read (loader/probe.py)
         self._remote_seen: set[int] = set()
         self._last_remote_batch: tuple | None = None
+        self._fetch_lock = threading.Lock()  # record batches of remote views are fetched on threads
 
     # ------------------------------------------------------------------ per-process state
     @property
@@ -53,6 +57,9 @@ class BatchReader:
             self.pad_field = m.length.get("field")
             self.tar = m.shard_format == "tar"
             self.tier = self._source.tier
+            # Compressed Arrow shards are read through views wherever they are: remote ones too,
+            # or every training batch would fetch whole each record batch it touches.
+            self.by_view = self._source.local or (not self.tar and m.compression is not None)
         return self._source
 
     def _view(self, shard: int) -> ShardView:
@@ -64,7 +71,7 @@ class BatchReader:
         ds = src.dataset
         token = self.probe.opening(shard, src) if self.probe is not None else None
         index = ds.shard_index(shard)
-        mapped = src.map_shard(shard)
+        mapped = src.map_shard(shard) if src.local else RemoteShard(ds.manifest.shards[shard].path)
         try:
             v = ShardView(
                 mapped,
@@ -75,6 +82,7 @@ class BatchReader:
                 allow_pickle=ds.allow_pickle,
                 compressed=ds.shard_compressed(shard),
                 plain_bytes=ds.manifest.shards[shard].raw_bytes or 0,
+                fetch=None if src.local else self._fetcher(ds, shard, index),
             )
         except BaseException:
             mapped.close()
@@ -86,6 +94,26 @@ class BatchReader:
             _, old = self._views.popitem(last=False)
             old.close()
         return v
+
+    def _fetcher(self, ds, shard: int, index):
+        """``fetch(i)``: the verified record batch of a remote shard holding sample ``i``, one
+        ranged request, announced and counted as remote bytes (on the threads that fetch at once:
+        the counter is added to under a lock)."""
+
+        def fetch(i: int):
+            probe = self.probe
+            if probe is None:
+                return ds.record_batch(shard, i)
+            off, size = int(index.offsets[i]), int(index.sizes[i])
+            with self._fetch_lock:
+                probe.at(shard, off, size, REMOTE)
+            rb = ds.record_batch(shard, i)
+            with self._fetch_lock:
+                probe.read(REMOTE, size)
+                probe.done_reading()
+            return rb
+
+        return fetch
 
     def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         self.source
@@ -105,7 +133,7 @@ class BatchReader:
     def read_samples(self, ids: np.ndarray) -> list[dict[str, Any]]:
         """Decoded sample dicts (``__key__`` + every field), in the order of ``ids``."""
         shard, local = self.locate(ids)
-        if not self.source.local:
+        if not self.by_view:
             ds = self.source.dataset
             # Read in (shard, sample) order, handed back in the batch's order: the samples of one
             # Arrow record batch are then read in a run, so it is fetched (and, compressed,
@@ -141,8 +169,9 @@ class BatchReader:
         return out
 
     def _count(self, groups) -> None:
-        """Payload bytes of a batch's samples (every field), from the views."""
-        if groups:
+        """Payload bytes of a batch's samples (every field), from the views (remote views count
+        what they fetch instead)."""
+        if groups and self.tier != REMOTE:
             parts = [v.sample_bytes[li] for v, _, li in groups]
             self.probe.read(self.tier, int((parts[0] if len(parts) == 1 else np.concatenate(parts)).sum()))
 
@@ -171,7 +200,8 @@ class BatchReader:
         as one `PackedBytes` (one copy into the slot instead of one pickle per sample)."""
         ids = np.asarray(ids, dtype=np.int64)
         alloc = alloc or np.empty
-        if not self.source.local:
+        self.source
+        if not self.by_view:
             return self.collate(self.read_samples(ids), ids, pad_id=self.pad_id, alloc=alloc)
         shard, local = self.locate(ids)
         groups = self._groups(shard, local)
@@ -220,10 +250,11 @@ class BatchReader:
         """Where the tokens of ``ids`` lie in the mapped shards, for callers that copy them
         themselves (packed batches): (keys, buffers, which, first, count, dtype) — sample k's
         tokens are elements ``first[k] : first[k] + count[k]`` (of ``dtype``) of the raw bytes
-        ``buffers[which[k]]``. None for remote shards, or when the length field is not a plain
+        ``buffers[which[k]]``. None for remote shards read sample by sample, or when the length field is not a plain
         integer array (then `read_samples` decodes them)."""
         ids = np.asarray(ids, dtype=np.int64)
-        if not self.source.local:
+        self.source
+        if not self.by_view:
             return None
         groups = self._groups(*self.locate(ids))
         if not groups or groups[0][0].pad_col is None or any(v.tok_dtype is None for v, _, _ in groups):
@@ -263,7 +294,7 @@ class BatchReader:
         first = np.concatenate(first_l) if first_l else np.zeros(0, np.int64)
         n = np.concatenate(n_l) if n_l else np.zeros(0, np.int64)
         probe = self.probe
-        if probe is not None:
+        if probe is not None and self.tier != REMOTE:  # remote views count what they fetch
             if other is None:
                 self._count(groups)
             else:  # queued, added up by the probe: no Python call per batch (Probe.flush)

@@ -14,7 +14,8 @@ from decompressed record batches instead (`loader.batchcache`: one batch decompr
 sample needs it, recently used ones kept); `token_pieces` groups a training batch's samples by
 record batch, so each is decompressed at most once per training batch and its tokens are gathered
 with the same one-memcpy-per-row path as a plain shard's. (The node cache holds such shards
-plain, `cache.plain`: this path serves datasets read in place or ranged, without a cache.)
+plain, `cache.plain`: this path serves datasets read in place or ranged, without a cache; a
+remote shard's view has no map, ``fetch`` reading its record batches by range.)
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class ShardView:
         allow_pickle: bool = False,
         compressed: bool = False,
         plain_bytes: int = 0,
+        fetch: Callable[[int], pa.RecordBatch] | None = None,
     ):
         self.mapped = mapped
         self.name = mapped.shard_name
@@ -89,7 +91,7 @@ class ShardView:
         if compressed and not tar:
             fast = self.pad_col is not None and is_int_array(fields[self.pad_col])
             self._batches = _CompressedBatches(
-                buf, index, fields, self.name, self.pad_col if fast else None, plain_bytes
+                buf, index, fields, self.name, self.pad_col if fast else None, plain_bytes, fetch
             )
             self.bytes_fields = [False] * nf  # no slices of the map to hand out
             # A read touches its record batch: each sample's share of its batch's stored bytes.

@@ -69,6 +69,22 @@ class MappedFile:
             release()
 
 
+class RemoteShard:
+    """A remote shard read by ranges, in place of a `MappedFile` (no map: its record batches are
+    fetched one by one, `ShardView`'s ``fetch``)."""
+
+    size = 0
+
+    def __init__(self, shard_name: str):
+        self.shard_name = shard_name
+
+    def buffer(self):
+        return b""
+
+    def close(self) -> None:
+        pass
+
+
 class Source:
     """Dataset metadata plus access to shard bytes, for one process."""
 

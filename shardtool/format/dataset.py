@@ -305,15 +305,23 @@ class Dataset:
             )
         return data
 
-    def _read_arrow(self, shard: int, idx: ShardIndex, i: int) -> dict[str, Any]:
+    def record_batch(self, shard: int, i: int) -> pa.RecordBatch:
+        """The record batch of an Arrow shard that holds sample ``i``: one ranged read of its
+        bytes as stored, checked against the index checksum before it is decoded (decompressed).
+        Safe to call from several threads at once (readers that fetch batches in parallel)."""
+        idx = self.shard_index(shard)
         reader = self._arrow_reader(shard)  # footer and schema, checked once per shard
-        b = int(idx.batch[i])  # type: ignore[index]  # an Arrow index has batch and row columns
         if idx.checksums is None:
-            batch = reader.get_batch(b)
-        elif self._last_batch[:2] == (shard, b):
+            with self._lock:  # an older dataset: read through the shard's one open file
+                return reader.get_batch(int(idx.batch[i]))  # type: ignore[index]  # an Arrow index has batch
+        return record_batch_from_range(self._verified_range(shard, idx, i), reader.schema)
+
+    def _read_arrow(self, shard: int, idx: ShardIndex, i: int) -> dict[str, Any]:
+        b = int(idx.batch[i])  # type: ignore[index]  # an Arrow index has batch and row columns
+        if self._last_batch[:2] == (shard, b):
             batch = self._last_batch[2]
         else:
-            batch = record_batch_from_range(self._verified_range(shard, idx, i), reader.schema)
+            batch = self.record_batch(shard, i)
             self._last_batch = (shard, b, batch)
         return row_values(batch, int(idx.row[i]), self.manifest.fields)  # type: ignore[index]  # as above
 
