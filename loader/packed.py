@@ -178,7 +178,8 @@ def packed_batch(
         block = _block(lay, alloc, into)
         ids, rest = block[0], block[1:]
     flat = ids.reshape(-1)
-    for dst, d, a, k in zip(lay.flat_start.tolist(), lay.doc_of_span.tolist(), rows.span_start.tolist(), n.tolist()):
+    doc = lay.of_span(np.arange(len(arrays))).tolist()
+    for dst, d, a, k in zip(lay.flat_start.tolist(), doc, rows.span_start.tolist(), n.tolist()):
         flat[dst : dst + k] = arrays[d][a : a + k]
     keys = None if lean else list(keys_of(lay.docs)) if keys_of is not None else lay.docs.tolist()
     return _finish(ids, rest, lay, keys, name=name, pad_id=pad_id, alloc=alloc)
@@ -216,7 +217,7 @@ class PackedReader:
         alloc = alloc or np.empty
         if into is not None and self.outputs == "lean":
             raise ValueError("into= is a full batch's [3, B, S] block; a lean batch has none")
-        lay = _Layout(rows, self.packing, rows_per_batch or self.rows_per_batch)
+        lay = _Layout(rows, self.packing, rows_per_batch or self.rows_per_batch, per_span=True)
         src = self.reader.token_sources(lay.docs, keys=self.outputs == "full")
         if src is None:
             return self._decoded(rows, lay, alloc, into)
@@ -239,11 +240,10 @@ class PackedReader:
         # scratch and one vectorised widening, cheaper than a cast per piece.
         narrow = ids if ids.dtype == dtype else self._scratch((lay.b, lay.seq), dtype)
         dst = memoryview(narrow.reshape(-1).view(np.uint8))
-        d = lay.doc_of_span
         for at, w, a, k in zip(
             (lay.flat_start * item).tolist(),
-            which[d].tolist(),
-            ((first[d] + lay.rows.span_start) * item).tolist(),
+            lay.of_span(which).tolist(),
+            ((lay.of_span(first) + lay.rows.span_start) * item).tolist(),
             (n * item).tolist(),
         ):
             dst[at : at + k] = bufs[w][a : a + k]
@@ -257,7 +257,7 @@ class PackedReader:
     def _decoded(self, rows: Rows, lay: _Layout, alloc: Alloc, into: np.ndarray | None) -> dict[str, Any]:
         """Remote shards, or payloads that are not plain arrays: decode sample by sample."""
         field = self.reader.pad_field
-        samples = self.reader.read_samples(lay.docs)
+        samples = self.reader.read_samples(np.unique(lay.docs))  # packed_batch's tokens_of: sorted, distinct
         if samples and not (field and isinstance(samples[0].get(field), np.ndarray)):
             raise FormatError(
                 f"packing needs the length field to be a 1-D integer token array; "
