@@ -21,6 +21,7 @@ from shardtool.loader.reader import BatchReader
 from shardtool.loader.shmring import InSlot, Slot, decode, encode
 from shardtool.loader.source import SourceSpec
 from shardtool.pack.synthetic import write_synthetic
+from shardtool.plan.mixture import Mixture
 from shardtool.plan.packing import Packing, pack_rows
 from shardtool.plan.synthetic import lognormal_lengths
 from test_loader_data import write_dataset
@@ -164,6 +165,10 @@ def test_lean_is_refused_where_it_does_not_apply(corpus):
         ShardedLoader(corpus, batch_size=2, packed_outputs="lean")
     with pytest.raises(ValueError, match="outputs must be one of"):
         PackedReader(BatchReader(SourceSpec(corpus)), Packing(64, "concat"), outputs="thin")
+    with pytest.raises(ValueError, match="for one dataset"):
+        ShardedLoader(
+            Mixture({"a": (corpus, 0.5), "b": (corpus, 0.5)}), seq_len=64, batch_size=2, steps=4, packed_outputs="lean"
+        )
 
 
 def test_a_view_inside_a_slot_allocation_is_handed_over_without_a_copy():
