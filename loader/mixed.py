@@ -47,6 +47,11 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
         steps: int | None,
         tokens: int | None,
     ) -> None:
+        if self.packed_outputs == "lean":
+            raise ValueError(
+                "packed_outputs='lean' is for one dataset; a mixture's packed steps are full batches "
+                "(input_ids, labels, position_ids, cu_seqlens)"
+            )
         if (steps is None) == (tokens is None):
             raise ValueError(
                 "a mixture has no epoch: give its length as exactly one of steps= (global batches) "

@@ -23,6 +23,12 @@ For a batch of B rows of S = ``seq_len`` tokens:
 ``input_ids``, ``labels`` and ``position_ids`` are views of one [3, B, S] allocation (one slot
 allocation in a worker, fewer fresh pages in the trainer).
 
+``outputs="lean"`` builds only what a trainer cannot derive on its device: ``input_ids`` in the
+stored dtype's int32 where it fits (`lean_dtype`; else int64), ``cu_seqlens``, ``max_seqlen`` and
+``lengths``, no keys. `lean_to_full` derives ``labels`` (int64, as cross_entropy needs) and
+``position_ids`` from them on any device, equal to the full batch's. A quarter of the bytes per
+batch (one int32 [B, S] for three int64) to build, to copy out of a worker's slot and to move to the GPU.
+
 `block_causal_mask` turns a batch into the boolean mask for ``scaled_dot_product_attention``.
 `packed_batch` takes the tokens from any callable; `PackedReader` copies them straight from a
 `BatchReader`'s mapped shards (one memcpy per piece), falling back to decoding samples.
@@ -31,7 +37,6 @@ allocation in a worker, fewer fresh pages in the trainer).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,96 +47,68 @@ from ..format import FormatError
 from ..plan.arrays import gather_runs
 from ..plan.packing import Packing, Rows
 from .collate import KEY, Alloc
+from .packlayout import _counting, _Layout
 from .reader import BatchReader
 
-__all__ = ["IGNORE_INDEX", "PackedReader", "block_causal_mask", "packed_batch", "read_together"]
+__all__ = [
+    "IGNORE_INDEX",
+    "OUTPUTS",
+    "PackedReader",
+    "block_causal_mask",
+    "lean_dtype",
+    "lean_to_full",
+    "packed_batch",
+    "read_together",
+]
 
 IGNORE_INDEX = -100  # what torch.nn.functional.cross_entropy ignores by default
+OUTPUTS = ("full", "lean")
 
 
-class _Layout:
-    """Where every span of the batch goes in the flattened [B * S] batch."""
-
-    def __init__(self, rows: Rows, packing: Packing, rows_per_batch: int | None):
-        if rows.seq_len != packing.seq_len:
-            raise ValueError(f"rows were packed for seq_len {rows.seq_len}, the batch is for {packing.seq_len}")
-        b = rows.num_rows if rows_per_batch is None else int(rows_per_batch)
-        if b < rows.num_rows:
-            raise ValueError(f"{rows.num_rows} rows do not fit a batch of {b} rows")
-        per_row = np.diff(rows.row_offsets)
-        if rows.span_len.size and int(rows.span_len.min()) < 1:
-            raise ValueError("a span of no tokens: every span must hold at least one token")
-        if per_row.size and int(per_row.max()) > packing.max_docs_per_row:
-            raise ValueError(
-                f"a row has {int(per_row.max())} pieces, more than max_docs_per_row {packing.max_docs_per_row}"
-            )
-        seq = packing.seq_len
-        if b * seq >= 2**31:
-            raise ValueError(f"{b} rows of {seq} tokens overflow int32 cu_seqlens")
-        self.b, self.seq, self.packing, self.rows = b, seq, packing, rows
-        row_of = np.repeat(np.arange(rows.num_rows, dtype=np.int64), per_row)
-        before = np.cumsum(rows.span_len) - rows.span_len  # tokens of the batch before each span
-        self.flat_start = row_of * seq + before - before[rows.row_offsets[row_of]] if row_of.size else before
-        self.row_tokens = np.zeros(b, np.int64)
-        self.row_tokens[: rows.num_rows] = rows.row_tokens()
-        if (self.row_tokens > seq).any():
-            raise ValueError(f"a row holds {int(self.row_tokens.max())} tokens, more than seq_len {seq}")
-        self.docs, self.doc_of_span = np.unique(rows.span_pos, return_inverse=True)
-        self.doc_of_span = self.doc_of_span.reshape(-1)
-        self.eos_at: np.ndarray | None = None  # flat positions of eos tokens, set by copy_counts
-
-    def copy_counts(self, counts: np.ndarray, where: Callable[[int], str]) -> np.ndarray:
-        """Tokens to copy per span (the eos is written, not copied), checked against each
-        document's stored token count ``counts`` (per distinct document)."""
-        rows, extra = self.rows, self.packing.extra_tokens
-        n = counts[self.doc_of_span]
-        end = rows.span_start + rows.span_len
-        bad = np.flatnonzero(end > n + extra)
-        if bad.size:
-            k = int(bad[0])
-            raise FormatError(
-                f"{where(int(self.docs[self.doc_of_span[k]]))} has {int(n[k])} tokens, but the plan "
-                f"packs its tokens up to {int(end[k])}{' (eos included)' if extra else ''}: "
-                "lengths and data disagree"
-            )
-        self.eos_at = self.flat_start[end == n + 1] + rows.span_len[end == n + 1] - 1 if extra else None
-        return np.minimum(rows.span_len, np.maximum(n - rows.span_start, 0))
-
-    def keys_per_row(self, keys: Sequence[Any]) -> list[list[Any]]:
-        per_span = [keys[d] for d in self.doc_of_span.tolist()]
-        bounds = self.rows.row_offsets.tolist()
-        return [per_span[a:z] for a, z in zip(bounds[:-1], bounds[1:])] + [
-            [] for _ in range(self.b - self.rows.num_rows)
-        ]
+def lean_dtype(stored: np.dtype, *ids: int | None) -> np.dtype:
+    """``input_ids``' dtype in a lean batch: int32 when every stored token fits (signed up to 32
+    bits, unsigned up to 16) and so do the pad and eos ids ``ids``; else int64. Embedding layers
+    take int32 indices; labels stay int64 (`lean_to_full`: cross_entropy refuses int32 targets)."""
+    stored = np.dtype(stored)
+    fits = (
+        stored.kind == "b"
+        or (stored.kind == "i" and stored.itemsize <= 4)
+        or (stored.kind == "u" and stored.itemsize <= 2)
+    )
+    small = np.iinfo(np.int32)
+    if fits and all(v is None or small.min <= int(v) <= small.max for v in ids):
+        return np.dtype(np.int32)
+    return np.dtype(np.int64)
 
 
-@functools.lru_cache(maxsize=4)
-def _counting(n: int) -> np.ndarray:
-    """0 .. n-1, read-only, kept: a fresh [B * S] arange per batch costs as much as the positions."""
-    out = np.arange(n, dtype=np.int64)
-    out.flags.writeable = False
-    return out
+def _check_outputs(outputs: str) -> str:
+    if outputs not in OUTPUTS:
+        raise ValueError(f"outputs must be one of {OUTPUTS}, found {outputs!r}")
+    return outputs
 
 
 def _finish(
-    block: np.ndarray, lay: _Layout, keys: Sequence[Any], *, name: str, pad_id: int, alloc: Alloc
+    ids: np.ndarray,
+    rest: np.ndarray | None,
+    lay: _Layout,
+    keys: Sequence[Any] | None,
+    *,
+    name: str,
+    pad_id: int,
+    alloc: Alloc,
 ) -> dict[str, Any]:
-    """Everything but the token copy: eos, padding, labels, positions, cu_seqlens. ``block`` is
-    [3, B, S] int64 with the tokens in ``block[0]``; labels and positions go to the others (one
-    allocation: fresh pages cost more than the arithmetic here)."""
+    """Everything but the token copy: eos, padding, cu_seqlens, and for a full batch labels and
+    positions. ``ids``: [B, S] with the tokens; ``rest``: the [2, B, S] int64 for labels and
+    positions (a full batch: one allocation with ``ids``, fresh pages cost more than the
+    arithmetic here), None for a lean one; ``keys`` None: no ``__key__``."""
     b, seq, packing = lay.b, lay.seq, lay.packing
-    ids, labels, positions = block
-    flat, lab, pos = ids.reshape(-1), labels.reshape(-1), positions.reshape(-1)
+    flat = ids.reshape(-1)
     if lay.eos_at is not None:
         flat[lay.eos_at] = packing.eos_id
-    lab[:-1] = flat[1:]
-    lab[-1:] = IGNORE_INDEX
-    lab[lay.flat_start + lay.rows.span_len - 1] = IGNORE_INDEX
     # Padding is each row's tail, usually a few tokens (best-fit fills rows to ~0.999).
     row_start = np.arange(b, dtype=np.int64) * seq
     pad = gather_runs(_counting(b * seq), row_start + lay.row_tokens, seq - lay.row_tokens)
     flat[pad] = pad_id
-    lab[pad] = IGNORE_INDEX
     # Pieces start the segments; a row without pieces is one segment of padding.
     empty = row_start[lay.row_tokens == 0]
     starts = np.union1d(lay.flat_start, empty) if empty.size else lay.flat_start
@@ -139,18 +116,24 @@ def _finish(
     cu = alloc(b * packing.max_docs_per_row + 1, np.int32)
     cu[: len(starts)] = starts
     cu[len(starts) :] = b * seq
-    np.subtract(_counting(b * seq), np.repeat(starts, seg_len), out=pos)
     lengths = alloc(b, np.int64)
     lengths[:] = lay.row_tokens
-    return {
-        KEY: lay.keys_per_row(keys),
-        name: torch.from_numpy(ids),
-        "labels": torch.from_numpy(labels),
-        "position_ids": torch.from_numpy(positions),
-        "cu_seqlens": torch.from_numpy(cu),
-        "max_seqlen": int(seg_len.max(initial=0)),
-        "lengths": torch.from_numpy(lengths),
-    }
+    out: dict[str, Any] = {} if keys is None else {KEY: lay.keys_per_row(keys)}
+    out[name] = torch.from_numpy(ids)
+    if rest is not None:
+        labels, positions = rest
+        lab, pos = labels.reshape(-1), positions.reshape(-1)
+        lab[:-1] = flat[1:]
+        lab[-1:] = IGNORE_INDEX
+        lab[lay.flat_start + lay.rows.span_len - 1] = IGNORE_INDEX
+        lab[pad] = IGNORE_INDEX
+        np.subtract(_counting(b * seq), np.repeat(starts, seg_len), out=pos)
+        out["labels"] = torch.from_numpy(labels)
+        out["position_ids"] = torch.from_numpy(positions)
+    out["cu_seqlens"] = torch.from_numpy(cu)
+    out["max_seqlen"] = int(seg_len.max(initial=0))
+    out["lengths"] = torch.from_numpy(lengths)
+    return out
 
 
 def _block(lay: _Layout, alloc: Alloc, into: np.ndarray | None) -> np.ndarray:
@@ -172,28 +155,39 @@ def packed_batch(
     rows_per_batch: int | None = None,
     alloc: Alloc = np.empty,
     into: np.ndarray | None = None,
+    outputs: str = "full",
 ) -> dict[str, Any]:
     """The packed batch of ``rows`` (span_pos = sample ids). ``tokens_of(ids)`` gives the 1-D
     integer token arrays of the sorted distinct ``ids``, ``keys_of(ids)`` their keys (default:
     the ids). ``rows_per_batch`` pads a short batch with rows of padding to a fixed shape.
     ``into``: an int64 [3, B, S] block (rows of a larger batch) to write tokens, labels and
-    positions into, instead of a new one."""
+    positions into, instead of a new one (full batches only). ``outputs``: "full" or "lean"."""
+    lean = _check_outputs(outputs) == "lean"
+    if lean and into is not None:
+        raise ValueError("into= is a full batch's [3, B, S] block; a lean batch has none")
     lay = _Layout(rows, packing, rows_per_batch)
     arrays = list(tokens_of(lay.docs))
     if len(arrays) != len(lay.docs):
         raise ValueError(f"tokens_of returned {len(arrays)} arrays for {len(lay.docs)} samples")
     counts = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
     n = lay.copy_counts(counts, lambda g: f"sample {g}")
-    block = _block(lay, alloc, into)
-    flat = block[0].reshape(-1)
-    for dst, d, a, k in zip(lay.flat_start.tolist(), lay.doc_of_span.tolist(), rows.span_start.tolist(), n.tolist()):
+    if lean:
+        stored = np.result_type(*[np.asarray(a).dtype for a in arrays]) if arrays else np.dtype(np.int32)
+        ids, rest = alloc((lay.b, lay.seq), lean_dtype(stored, pad_id, packing.eos_id)), None
+    else:
+        block = _block(lay, alloc, into)
+        ids, rest = block[0], block[1:]
+    flat = ids.reshape(-1)
+    doc = lay.of_span(np.arange(len(arrays))).tolist()
+    for dst, d, a, k in zip(lay.flat_start.tolist(), doc, rows.span_start.tolist(), n.tolist()):
         flat[dst : dst + k] = arrays[d][a : a + k]
-    keys = list(keys_of(lay.docs)) if keys_of is not None else lay.docs.tolist()
-    return _finish(block, lay, keys, name=name, pad_id=pad_id, alloc=alloc)
+    keys = None if lean else list(keys_of(lay.docs)) if keys_of is not None else lay.docs.tolist()
+    return _finish(ids, rest, lay, keys, name=name, pad_id=pad_id, alloc=alloc)
 
 
 class PackedReader:
-    """Packed batches read from a `BatchReader`: tokens copied straight from its mapped shards."""
+    """Packed batches read from a `BatchReader`: tokens copied straight from its mapped shards.
+    ``outputs``: "full" (the default) or "lean" (see the module's docstring)."""
 
     def __init__(
         self,
@@ -203,9 +197,11 @@ class PackedReader:
         name: str = "input_ids",
         pad_id: int = 0,
         rows_per_batch: int | None = None,
+        outputs: str = "full",
     ):
         self.reader, self.packing = reader, packing
         self.name, self.pad_id, self.rows_per_batch = name, int(pad_id), rows_per_batch
+        self.outputs = _check_outputs(outputs)
         self._scratch_buf: np.ndarray | None = None
 
     def read(
@@ -219,8 +215,10 @@ class PackedReader:
         """The packed batch of ``rows`` (span_pos = global sample ids), of ``rows_per_batch`` rows
         (default: the reader's); ``into``: see `packed_batch`."""
         alloc = alloc or np.empty
-        lay = _Layout(rows, self.packing, rows_per_batch or self.rows_per_batch)
-        src = self.reader.token_sources(lay.docs)
+        if into is not None and self.outputs == "lean":
+            raise ValueError("into= is a full batch's [3, B, S] block; a lean batch has none")
+        lay = _Layout(rows, self.packing, rows_per_batch or self.rows_per_batch, per_span=True)
+        src = self.reader.token_sources(lay.docs, keys=self.outputs == "full")
         if src is None:
             return self._decoded(rows, lay, alloc, into)
         return self._copied(lay, src, alloc, into, self.reader.where)
@@ -232,27 +230,34 @@ class PackedReader:
         keys, bufs, which, first, counts, dtype = src
         n = lay.copy_counts(counts, where)
         item = dtype.itemsize
+        if self.outputs == "lean":
+            ids, rest = alloc((lay.b, lay.seq), lean_dtype(dtype, self.pad_id, self.packing.eos_id)), None
+        else:
+            block = _block(lay, alloc, into)
+            ids, rest = block[0], block[1:]
         # Raw-byte copies in the stored dtype (a memoryview slice assignment is a bare memcpy,
-        # as in BatchReader), then one vectorised widening: cheaper than a cast per piece.
-        narrow = self._scratch((lay.b, lay.seq), dtype)
+        # as in BatchReader): straight into the batch where it has that dtype, else into a
+        # scratch and one vectorised widening, cheaper than a cast per piece.
+        narrow = ids if ids.dtype == dtype else self._scratch((lay.b, lay.seq), dtype)
         dst = memoryview(narrow.reshape(-1).view(np.uint8))
-        d = lay.doc_of_span
         for at, w, a, k in zip(
             (lay.flat_start * item).tolist(),
-            which[d].tolist(),
-            ((first[d] + lay.rows.span_start) * item).tolist(),
+            lay.of_span(which).tolist(),
+            ((lay.of_span(first) + lay.rows.span_start) * item).tolist(),
             (n * item).tolist(),
         ):
             dst[at : at + k] = bufs[w][a : a + k]
         dst.release()
-        block = _block(lay, alloc, into)
-        np.copyto(block[0], narrow)
-        return _finish(block, lay, keys, name=self.name, pad_id=self.pad_id, alloc=alloc)
+        if narrow is not ids:
+            np.copyto(ids, narrow)
+        return _finish(
+            ids, rest, lay, keys if rest is not None else None, name=self.name, pad_id=self.pad_id, alloc=alloc
+        )
 
     def _decoded(self, rows: Rows, lay: _Layout, alloc: Alloc, into: np.ndarray | None) -> dict[str, Any]:
         """Remote shards, or payloads that are not plain arrays: decode sample by sample."""
         field = self.reader.pad_field
-        samples = self.reader.read_samples(lay.docs)
+        samples = self.reader.read_samples(np.unique(lay.docs))  # packed_batch's tokens_of: sorted, distinct
         if samples and not (field and isinstance(samples[0].get(field), np.ndarray)):
             raise FormatError(
                 f"packing needs the length field to be a 1-D integer token array; "
@@ -268,6 +273,7 @@ class PackedReader:
             rows_per_batch=lay.b,
             alloc=alloc,
             into=into,
+            outputs=self.outputs,
         )
 
     def _scratch(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
@@ -337,3 +343,31 @@ def block_causal_mask(batch: dict[str, Any]) -> torch.Tensor:
     pos = torch.arange(seq, device=cu.device)
     causal = pos[None, :] <= pos[:, None]
     return ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
+
+
+def lean_to_full(batch: dict[str, Any], *, name: str = "input_ids") -> dict[str, Any]:
+    """The full batch of a lean one, computed where its tensors are (on the GPU after the copy):
+    ``name`` widened to int64, ``labels`` and ``position_ids`` (int64) added, equal to what
+    ``outputs="full"`` builds (less ``__key__``). Labels: the next token where it is in the same
+    piece (a segment of ``cu_seqlens``) and the row's real tokens (``lengths``), else -100."""
+    ids = batch[name]
+    b, seq = ids.shape
+    n = b * seq
+    dev = ids.device
+    flat = ids.reshape(-1).to(torch.int64)
+    cu = batch["cu_seqlens"].to(device=dev, dtype=torch.int64)
+    at = torch.arange(n, device=dev)
+    positions = at - cu[torch.searchsorted(cu, at, right=True) - 1]
+    labels = torch.full_like(flat, IGNORE_INDEX)
+    labels[:-1] = flat[1:]
+    # A piece's last token (its segment's end; repeated entries B * S name the last token, whose
+    # label is -100 anyway), and from a row's last real token on: padding is no next token.
+    labels[(cu[1:] - 1).clamp(min=0)] = IGNORE_INDEX
+    real = batch["lengths"].to(device=dev, dtype=torch.int64)
+    labels.view(b, seq)[torch.arange(seq, device=dev)[None, :] >= real[:, None] - 1] = IGNORE_INDEX
+    return {
+        **batch,
+        name: flat.view(b, seq),
+        "labels": labels.view(b, seq),
+        "position_ids": positions.view(b, seq),
+    }

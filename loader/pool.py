@@ -119,7 +119,9 @@ class WorkerPool:
         deadline = time.monotonic() + self.timeout
         while True:
             left = deadline - time.monotonic()
-            ready = wait([conn, proc.sentinel], timeout=max(left, 0))
+            # A worker that keeps ahead has the batch waiting: one poll of its pipe, without the
+            # selector that wait() builds, registers and closes on every call.
+            ready = [conn] if conn.poll(0) else wait([conn, proc.sentinel], timeout=max(left, 0))
             if conn in ready:
                 try:
                     msg = pickle.loads(conn.recv_bytes())

@@ -246,14 +246,17 @@ class BatchReader:
                 out.append((self._view(int(s_sorted[a])), rows, local[rows]))
         return out
 
-    def token_sources(self, ids: np.ndarray) -> tuple[list, list, np.ndarray, np.ndarray, np.ndarray, np.dtype] | None:
+    def token_sources(
+        self, ids: np.ndarray, *, keys: bool = True
+    ) -> tuple[list, list, np.ndarray, np.ndarray, np.ndarray, np.dtype] | None:
         """Where the tokens of ``ids`` lie in the mapped shards, for callers that copy them
         themselves (packed batches): (keys, buffers, which, first, count, dtype) — sample k's
         tokens are elements ``first[k] : first[k] + count[k]`` (of ``dtype``) of the raw bytes
-        ``buffers[which[k]]``. None for remote shards read sample by sample, or when the length field is not a plain
-        integer array (then `read_samples` decodes them)."""
+        ``buffers[which[k]]``. None for remote shards read sample by sample, or when the length field
+        is not a plain integer array (then `read_samples` decodes them). ``keys=False``: an empty
+        keys list (a lean packed batch carries none)."""
         ids = np.asarray(ids, dtype=np.int64)
-        self.source
+        self.source  # (re)opens in a forked worker; sets by_view
         if not self.by_view:
             return None
         groups = self._groups(*self.locate(ids))
@@ -263,13 +266,15 @@ class BatchReader:
         if pieces is None:
             return None
         rows, which, first, n, bufs = pieces
-        keys = np.empty(len(ids), dtype=object)
         by_id = [np.empty(len(ids), np.int64) for _ in range(3)]
-        for v, r, li in groups:
-            keys[r] = v.keys[li]
         for out, values in zip(by_id, (which, first, n)):
             out[rows] = values
-        return keys.tolist(), bufs, *by_id, groups[0][0].tok_dtype
+        if not keys:
+            return [], bufs, *by_id, groups[0][0].tok_dtype
+        names = np.empty(len(ids), dtype=object)
+        for v, r, li in groups:
+            names[r] = v.keys[li]
+        return names.tolist(), bufs, *by_id, groups[0][0].tok_dtype
 
     def _token_pieces(self, groups) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list] | None:
         """(rows of the batch, buffer index, first element, element count, buffers) of every

@@ -64,7 +64,10 @@ class ShardedLoader:
     "concat" or "no-split"), ``eos_id`` appended to each document if given; the batch carries
     ``input_ids`` (the dataset's token field, packed), ``labels``, ``position_ids``,
     ``cu_seqlens``, ``max_seqlen`` (see `shardtool.loader.packed`), and the rows are planned like
-    batches: equal counts, exact and elastic resume.
+    batches: equal counts, exact and elastic resume. ``packed_outputs="lean"`` delivers only
+    ``input_ids`` (int32 where the tokens fit), ``cu_seqlens``, ``max_seqlen`` and ``lengths``:
+    `shardtool.loader.packed.lean_to_full` derives labels and positions on the GPU. Same rows, same
+    state: a state saved with either output resumes with the other.
 
     A `shardtool.plan.mixture.Mixture` instead of ``url`` reads several datasets by token
     weights (loader/mixed.py): give its length as ``steps`` (or ``tokens``); a mixture has no
@@ -157,6 +160,7 @@ class ShardedLoader:
         tokens: int | None = None,
         drop_last: bool | None = None,
         stage: bool | str | None = None,
+        packed_outputs: str = "full",
     ):
         import torch
 
@@ -172,6 +176,11 @@ class ShardedLoader:
                     "seq_len (pack the transformed tokens instead)"
                 )
             self.packing = Packing(seq_len, packing, eos_id=eos_id, max_docs_per_row=max_docs_per_row)
+        if packed_outputs not in ("full", "lean"):
+            raise ValueError(f"packed_outputs must be 'full' or 'lean', found {packed_outputs!r}")
+        if packed_outputs == "lean" and seq_len is None:
+            raise ValueError("packed_outputs='lean' is for packed rows: give seq_len (and batch_size rows)")
+        self.packed_outputs = packed_outputs
         self.batching = Batching(
             batch_size=batch_size,
             max_tokens=max_tokens,
@@ -406,7 +415,12 @@ class ShardedLoader:
             from .packed import PackedReader
 
             packed = PackedReader(
-                self.reader, self.packing, name="input_ids", pad_id=self.pad_id, rows_per_batch=self.batching.batch_size
+                self.reader,
+                self.packing,
+                name="input_ids",
+                pad_id=self.pad_id,
+                rows_per_batch=self.batching.batch_size,
+                outputs=self.packed_outputs,
             )
         batches = PlanBatches(
             self.reader,

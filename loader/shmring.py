@@ -62,6 +62,7 @@ class Slot:
         self._pid = None
         self.used = 0
         self._allocs: dict[int, int] = {}  # address -> offset of every array allocated this batch
+        self._spans: list[tuple[int, int, int]] = []  # (address, end address, offset) of the same
 
     def _map(self, need: int = 0) -> mmap.mmap:
         if self._pid != os.getpid():  # a forked child must not use the parent's mapping object
@@ -86,6 +87,7 @@ class Slot:
     def reset(self) -> None:
         self.used = 0
         self._allocs.clear()
+        self._spans.clear()
 
     def empty(self, shape, dtype) -> np.ndarray:
         """An uninitialised array inside the slot (the allocator the reader writes a batch with)."""
@@ -100,10 +102,19 @@ class Slot:
         self.used = end
         if nbytes:
             self._allocs[arr.ctypes.data] = off
+            self._spans.append((arr.ctypes.data, arr.ctypes.data + nbytes, off))
         return arr
 
-    def offset_of(self, address: int) -> int | None:
-        return self._allocs.get(address)
+    def offset_of(self, address: int, nbytes: int = 0) -> int | None:
+        """Where the ``nbytes`` at ``address`` lie in the slot: an allocation's start, or inside one
+        (a view: a packed batch's labels are the second plane of its [3, B, S] block), else None."""
+        off = self._allocs.get(address)
+        if off is not None or not nbytes:
+            return off
+        for lo, hi, at in self._spans:  # a handful of allocations per batch
+            if lo <= address and address + nbytes <= hi:
+                return at + (address - lo)
+        return None
 
     # ------------------------------------------------------------------ reader (trainer) side
     def array(self, offset: int, shape: tuple, dtype: str) -> np.ndarray:
@@ -166,8 +177,8 @@ def _encode_tensor(t: torch.Tensor, slot: Slot, always: bool = False) -> Any:
 
 def _encode_array(arr: np.ndarray, slot: Slot, kind: str, always: bool = False) -> Any:
     if arr.flags.c_contiguous:
-        off = slot.offset_of(arr.ctypes.data) if arr.nbytes else None
-        if off is not None:  # born in the slot: nothing to copy
+        off = slot.offset_of(arr.ctypes.data, arr.nbytes) if arr.nbytes else None
+        if off is not None:  # born in the slot (or a contiguous view of what was): nothing to copy
             return InSlot(kind, off, arr.shape, arr.dtype.str)
     if arr.nbytes < MIN_SLOT_BYTES and not always:
         return arr

@@ -98,7 +98,9 @@ def test_every_peer_benchmark_runs_with_every_peer(tmp_path):
         300,
         env,
     )
-    assert "ours best-fit / LitData TokensLoader" in out and "BinPackCollator (reimpl." in out, out[-3000:]
+    for ours in ("best-fit (full outputs)", "best-fit (lean, like for like", "concat (full outputs)", "concat (lean"):
+        assert f"ours {ours}" in out, out[-3000:]
+    assert "/ LitData TokensLoader" in out and "BinPackCollator (reimpl." in out, out[-3000:]
 
     out = _run([py, "-m", "benchmarks.peer_resume", "--tiny", "--dir", str(tmp_path / "resume")], 600, env)
     lines = [ln for ln in out.splitlines() if not ln.startswith(" ")]

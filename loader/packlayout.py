@@ -1,0 +1,87 @@
+"""Where every span of a packed batch goes: the layout `shardtool.loader.packed` writes a batch by."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..format import FormatError
+from ..plan.packing import Packing, Rows
+
+
+class _Layout:
+    """Where every span of the batch goes in the flattened [B * S] batch. Its documents ``docs``:
+    the sorted distinct ones, span k's being ``docs[doc_of_span[k]]``; or, ``per_span``, one per
+    span (``docs`` is ``span_pos``, ``doc_of_span`` None): no sort per batch, and where the tokens
+    lie comes per span with no gather (a document split across two rows is located twice)."""
+
+    def __init__(self, rows: Rows, packing: Packing, rows_per_batch: int | None, *, per_span: bool = False):
+        if rows.seq_len != packing.seq_len:
+            raise ValueError(f"rows were packed for seq_len {rows.seq_len}, the batch is for {packing.seq_len}")
+        b = rows.num_rows if rows_per_batch is None else int(rows_per_batch)
+        if b < rows.num_rows:
+            raise ValueError(f"{rows.num_rows} rows do not fit a batch of {b} rows")
+        per_row = np.diff(rows.row_offsets)
+        if rows.span_len.size and int(rows.span_len.min()) < 1:
+            raise ValueError("a span of no tokens: every span must hold at least one token")
+        if per_row.size and int(per_row.max()) > packing.max_docs_per_row:
+            raise ValueError(
+                f"a row has {int(per_row.max())} pieces, more than max_docs_per_row {packing.max_docs_per_row}"
+            )
+        seq = packing.seq_len
+        if b * seq >= 2**31:
+            raise ValueError(f"{b} rows of {seq} tokens overflow int32 cu_seqlens")
+        self.b, self.seq, self.packing, self.rows = b, seq, packing, rows
+        row_of = np.repeat(np.arange(rows.num_rows, dtype=np.int64), per_row)
+        before = np.cumsum(rows.span_len) - rows.span_len  # tokens of the batch before each span
+        self.flat_start = row_of * seq + before - before[rows.row_offsets[row_of]] if row_of.size else before
+        self.row_tokens = np.zeros(b, np.int64)
+        self.row_tokens[: rows.num_rows] = rows.row_tokens()
+        if (self.row_tokens > seq).any():
+            raise ValueError(f"a row holds {int(self.row_tokens.max())} tokens, more than seq_len {seq}")
+        self.docs: np.ndarray = rows.span_pos
+        self.doc_of_span: np.ndarray | None = None
+        if not per_span:
+            self.docs, inverse = np.unique(rows.span_pos, return_inverse=True)
+            self.doc_of_span = inverse.reshape(-1)
+        self.eos_at: np.ndarray | None = None  # flat positions of eos tokens, set by copy_counts
+
+    def copy_counts(self, counts: np.ndarray, where: Callable[[int], str]) -> np.ndarray:
+        """Tokens to copy per span (the eos is written, not copied), checked against each
+        document's stored token count ``counts`` (per document of ``docs``)."""
+        rows, extra = self.rows, self.packing.extra_tokens
+        n = self.of_span(counts)
+        end = rows.span_start + rows.span_len
+        bad = np.flatnonzero(end > n + extra)
+        if bad.size:
+            k = int(bad[0])
+            raise FormatError(
+                f"{where(int(self.of_span(self.docs)[k]))} has {int(n[k])} tokens, but the plan "
+                f"packs its tokens up to {int(end[k])}{' (eos included)' if extra else ''}: "
+                "lengths and data disagree"
+            )
+        self.eos_at = self.flat_start[end == n + 1] + rows.span_len[end == n + 1] - 1 if extra else None
+        return np.minimum(rows.span_len, np.maximum(n - rows.span_start, 0))
+
+    def of_span(self, per_doc: np.ndarray) -> np.ndarray:
+        """A value per document of ``docs`` as a value per span."""
+        return per_doc if self.doc_of_span is None else per_doc[self.doc_of_span]
+
+    def keys_per_row(self, keys: Sequence[Any]) -> list[list[Any]]:
+        d = self.doc_of_span
+        per_span = list(keys) if d is None else [keys[i] for i in d.tolist()]
+        bounds = self.rows.row_offsets.tolist()
+        return [per_span[a:z] for a, z in zip(bounds[:-1], bounds[1:])] + [
+            [] for _ in range(self.b - self.rows.num_rows)
+        ]
+
+
+@functools.lru_cache(maxsize=4)
+def _counting(n: int) -> np.ndarray:
+    """0 .. n-1, read-only, kept: a fresh [B * S] arange per batch costs as much as the positions."""
+    out = np.arange(n, dtype=np.int64)
+    out.flags.writeable = False
+    return out
