@@ -4,14 +4,16 @@ MosaicML Streaming, LitData and Megatron-Energon cannot share the main environme
 (mosaicml-streaming pins numpy<2.2 and transformers<5), so this builds their venv the way a
 user would (`bash benchmarks/setup_peers.sh`, from the package index) and runs there:
 `benchmarks.loader_throughput` (every side's read verified: count, unique keys, payload crc32),
-`benchmarks.peer_packing`, `benchmarks.peer_resume` and `benchmarks.peer_pack`, checking each
-prints every peer's column. Numbers on a tiny corpus are not results; that they come out is.
+`benchmarks.peer_packing`, `benchmarks.peer_resume`, `benchmarks.peer_pack` and `shardtool bench`'s
+data-wait measurement, checking each prints every peer's column. Numbers on a tiny corpus are not
+results; that they come out is.
 Minutes of installs and runs, so it is marked ``peers``: left out of the default run, run by
 `.ci/run` as its own step. ``SHARDTOOL_PEERS_VENV=DIR`` reuses a venv setup_peers.sh built.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -100,7 +102,9 @@ def test_every_peer_benchmark_runs_with_every_peer(tmp_path):
     )
     assert "ours best-fit / LitData TokensLoader" in out and "BinPackCollator (reimpl." in out, out[-3000:]
 
-    out = _run([py, "-m", "benchmarks.peer_resume", "--tiny", "--dir", str(tmp_path / "resume")], 600, env)
+    out = _run(
+        [py, "-m", "benchmarks.peer_resume", "--tiny", "--repeats", "2", "--dir", str(tmp_path / "resume")], 600, env
+    )
     lines = [ln for ln in out.splitlines() if not ln.startswith(" ")]
     for side in ("ours",) + PEERS:
         assert any(ln.startswith(side) and "epoch" in ln for ln in lines), out[-3000:]
@@ -112,3 +116,36 @@ def test_every_peer_benchmark_runs_with_every_peer(tmp_path):
     for side in ("mds:1", "litdata:2", "energon:2"):
         assert side in out, out[-3000:]
     assert out.count("/ best peer") == 2, out[-3000:]
+
+    # The data-wait fraction at a simulated step (`shardtool bench`), every peer on its own copy.
+    report = tmp_path / "bench.json"
+    out = _run(
+        [
+            py,
+            "-m",
+            "shardtool",
+            "bench",
+            "--generate",
+            "2000",
+            "--ranks",
+            "2",
+            "--workers",
+            "0",
+            "--max-tokens",
+            "65536",
+            "--step-ms",
+            "5",
+            "--max-batches",
+            "4",
+            "--compare",
+            "webdataset," + ",".join(PEERS),
+            "--json",
+            str(report),
+        ],
+        600,
+        env,
+    )
+    rows = {r["reader"]: r for r in json.loads(report.read_text())["rows"]}
+    assert set(rows) == {"shardtool", "webdataset", *PEERS}, out[-3000:]
+    for name, r in rows.items():
+        assert not r["errors"] and r["batches_per_rank"] == [4, 4] and 0 <= r["wait_fraction"] <= 1, (name, r)
