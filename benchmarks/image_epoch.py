@@ -25,7 +25,12 @@ per-batch transfer of a collated batch through a worker's shared-memory slot (wr
 worker, copied out in the trainer); a worker's start (fork, reopening the dataset and its shard,
 the first batch's own reads) from an epoch with a trivial transform.
 
-    python -m benchmarks.image_epoch [--repeats 5] [--workers 0,2] [--dir DIR] [--json]
+Peers (``benchmarks.peer_images``), each installed one: MosaicML Streaming, LitData and
+Megatron-Energon, each with the tree written by its own writer (untimed), read shuffled by its own
+loader with the same transform into the same batches; every side's whole epoch is checked first
+(count, unique keys, crc32 of png + label) and each peer's time / ours is printed per round's median.
+
+    python -m benchmarks.image_epoch [--repeats 5] [--workers 0,2] [--peers a,b|none] [--dir DIR] [--json]
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ ICONS = "/usr/share/icons/Adwaita"
 BATCH = 32
 SIZE = (64, 64)
 TARGET = 1.2  # ours at least this much faster than the peer at 2 workers
+PEERS = ("streaming", "litdata", "energon")  # each on its own copy: benchmarks.peer_images
 
 
 # ---------------------------------------------------------------------- corpus
@@ -156,11 +162,22 @@ def run_one(which: str, tree: str, ds: str, workers: int) -> dict:
 
     from shardtool.loader import ShardedLoader
 
+    if which in PEERS:
+        from shardtool.benchmarks.peers import available
+
+        available()[which]  # the peer's package imported before the clock, like ours
+
     c0, began = _cpu(), time.perf_counter()
     first = None
     samples = 0
     peer_name = None
-    if which == "peer":
+    if which in PEERS:  # a peer on its own copy (benchmarks.peer_images), beside the dataset
+        from shardtool.benchmarks import peer_images
+
+        for images, labels, _ in peer_images.loader(which, peer_images.peer_root(ds, which), workers, BATCH):
+            first = first if first is not None else time.perf_counter() - began
+            samples += len(labels)
+    elif which == "peer":
         dataset, peer_name = peer_dataset(tree)
         sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
         loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler, num_workers=workers)
@@ -261,16 +278,21 @@ def breakdown(tree: str, ds: str) -> dict:
 
 
 # ---------------------------------------------------------------------- report
-def paired(tree: str, ds: str, workers: int, repeats: int) -> dict:
-    for which in ("ours", "peer"):
-        measure(which, tree, ds, workers)  # warm-up: page cache, first-run effects, for both alike
-    runs: dict[str, list[dict]] = {"ours": [], "peer": []}
-    ratios = []
+def paired(tree: str, ds: str, workers: int, repeats: int, peers: tuple[str, ...] = ()) -> dict:
+    """Ours, ImageFolder and ``peers``: a warm-up each, then ``repeats`` rounds, the order rotating;
+    medians, spreads, and per side the median of the per-round ratios (its time / ours)."""
+    sides = ["ours", "peer", *peers]
+    for which in sides:
+        measure(which, tree, ds, workers)  # warm-up: page cache, first-run effects, for all alike
+    runs: dict[str, list[dict]] = {s: [] for s in sides}
+    ratios: dict[str, list[float]] = {s: [] for s in sides[1:]}
     for r in range(repeats):
-        for which in ("ours", "peer") if r % 2 == 0 else ("peer", "ours"):
+        k = r % len(sides)
+        for which in sides[k:] + sides[:k]:
             runs[which].append(measure(which, tree, ds, workers))
-        ratios.append(runs["peer"][-1]["seconds"] / runs["ours"][-1]["seconds"])
-    out = {}
+        for which in ratios:
+            ratios[which].append(runs[which][-1]["seconds"] / runs["ours"][-1]["seconds"])
+    out: dict = {}
     for which, rs in runs.items():
         out[which] = {
             k: statistics.median(r[k] for r in rs)
@@ -278,9 +300,11 @@ def paired(tree: str, ds: str, workers: int, repeats: int) -> dict:
         }
         out[which]["spread"] = (min(r["seconds"] for r in rs), max(r["seconds"] for r in rs))
         out[which]["samples"] = rs[0]["samples"]
+        if which != "ours":
+            out[which]["ratio"] = statistics.median(ratios[which])
+            out[which]["ratio_spread"] = (min(ratios[which]), max(ratios[which]))
     out["peer_name"] = runs["peer"][0]["peer"]
-    out["ratio"] = statistics.median(ratios)
-    out["ratio_spread"] = (min(ratios), max(ratios))
+    out["ratio"], out["ratio_spread"] = out["peer"]["ratio"], out["peer"]["ratio_spread"]
     return out
 
 
@@ -297,6 +321,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--workers", default="0,2", help="worker counts to compare (default 0,2)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--peers",
+        default=None,
+        help="comma-separated peers besides ImageFolder: streaming, litdata, energon (default: every one "
+        "installed; 'none' for none)",
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--tree", help=argparse.SUPPRESS)
     ap.add_argument("--ds", help=argparse.SUPPRESS)
@@ -308,9 +338,13 @@ def main() -> None:
         os.makedirs(args.dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         tree, ds, n = prepare(args.dir or tmp)  # --dir: kept for the next run
-        report = {"images": n, "batch": BATCH, "load_before": load_average(), "runs": {}}
+        from shardtool.benchmarks import peer_images
+
+        peers = peer_images.chosen(args.peers)
+        report = {"images": n, "batch": BATCH, "load_before": load_average(), "runs": {}, "peers": list(peers)}
+        report["verified"] = peer_images.prepare_and_verify(tree, ds, peers, BATCH)
         for w in [int(x) for x in args.workers.split(",")]:
-            report["runs"][f"w{w}"] = paired(tree, ds, w, args.repeats)
+            report["runs"][f"w{w}"] = paired(tree, ds, w, args.repeats, peers)
             if w:
                 trivial = [measure("ours-trivial", tree, ds, w) for _ in range(3)]
                 base = [measure("ours-trivial", tree, ds, 0) for _ in range(3)]
@@ -349,6 +383,10 @@ def print_report(rep: dict) -> None:
             f"{o['trainer_cpu_s'] + o['workers_cpu_s']:.2f} / {p['trainer_cpu_s'] + p['workers_cpu_s']:.2f}{'':<9}"
             f"{o['first_batch_s']:.2f} / {p['first_batch_s']:.2f}"
         )
+    if rep.get("peers"):
+        from shardtool.benchmarks import peer_images
+
+        peer_images.print_peers(rep)
     w2 = rep["runs"].get("w2")
     if w2 is not None:
         verdict = "met" if w2["ratio"] >= TARGET else "MISSED"
