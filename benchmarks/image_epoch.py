@@ -57,13 +57,15 @@ PEERS = ("streaming", "litdata", "energon")  # each on its own copy: benchmarks.
 
 
 # ---------------------------------------------------------------------- corpus
-def build_tree(dst: str) -> int:
-    """``dst/<category>/<size>-<icon>.png`` as links to every PNG of the icon theme; returns the count."""
+def build_tree(dst: str, limit: int | None = None) -> int:
+    """``dst/<category>/<size>-<icon>.png`` as links to every PNG of the icon theme (every
+    ``len // limit``-th one with ``limit``, so every size and category stays); returns the count."""
     if not os.path.isdir(ICONS):
         raise SystemExit(
             f"{ICONS} is absent: this benchmark reads the real Adwaita PNG icons (apt-get install adwaita-icon-theme)"
         )
-    n = 0
+    n = seen = 0
+    step = max(1, _count_pngs() // limit) if limit else 1
     for size in sorted(os.listdir(ICONS)):
         size_dir = os.path.join(ICONS, size)
         if not os.path.isdir(size_dir) or "x" not in size:  # 16x16 … 512x512, not cursors/ or scalable/
@@ -71,20 +73,26 @@ def build_tree(dst: str) -> int:
         for category in sorted(os.listdir(size_dir)):
             cat_dir = os.path.join(size_dir, category)
             for name in sorted(os.listdir(cat_dir)) if os.path.isdir(cat_dir) else []:
-                if name.endswith(".png"):
+                seen += name.endswith(".png")
+                if name.endswith(".png") and (seen - 1) % step == 0 and (limit is None or n < limit):
                     os.makedirs(os.path.join(dst, category), exist_ok=True)
                     os.symlink(os.path.join(cat_dir, name), os.path.join(dst, category, f"{size}-{name}"))
                     n += 1
     return n
 
 
-def prepare(base: str) -> tuple[str, str, int]:
+def _count_pngs() -> int:
+    return sum(n.endswith(".png") for d, _, names in os.walk(ICONS) for n in names if "x" in d.split("/")[-2])
+
+
+def prepare(base: str, limit: int | None = None) -> tuple[str, str, int]:
     """(tree, packed dataset, images), made once under ``base``."""
     import shardtool
 
-    tree, ds = os.path.join(base, "tree"), os.path.join(base, "ds")
+    tag = f"-{limit}" if limit else ""
+    tree, ds = os.path.join(base, "tree" + tag), os.path.join(base, "ds" + tag)
     if not os.path.isdir(tree):
-        build_tree(tree + ".tmp")
+        build_tree(tree + ".tmp", limit)
         os.rename(tree + ".tmp", tree)
     if not os.path.exists(os.path.join(ds, "index.json")):
         shardtool.pack(tree, ds, label_from_dir=True, overwrite=True)
@@ -319,6 +327,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", help="where the tree and dataset are made (default: a temporary directory)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-images", type=int, default=None, help="a spread subset of the icons (the smoke test)")
+    ap.add_argument("--verify-only", action="store_true", help="write and check every side's epoch; no timing")
     ap.add_argument("--workers", default="0,2", help="worker counts to compare (default 0,2)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
@@ -337,12 +347,19 @@ def main() -> None:
     if args.dir:
         os.makedirs(args.dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        tree, ds, n = prepare(args.dir or tmp)  # --dir: kept for the next run
+        tree, ds, n = prepare(args.dir or tmp, args.max_images)  # --dir: kept for the next run
         from shardtool.benchmarks import peer_images
 
         peers = peer_images.chosen(args.peers)
         report = {"images": n, "batch": BATCH, "load_before": load_average(), "runs": {}, "peers": list(peers)}
-        report["verified"] = peer_images.prepare_and_verify(tree, ds, peers, BATCH)
+        report["verified"] = peer_images.prepare_and_verify(
+            tree, ds, peers, BATCH, tuple(int(x) for x in args.workers.split(","))
+        )
+        if args.verify_only:
+            print(
+                f"verified: {n} images, every side's epoch (count, unique keys, crc32 of png + label): {report['verified']}"
+            )
+            return
         for w in [int(x) for x in args.workers.split(",")]:
             report["runs"][f"w{w}"] = paired(tree, ds, w, args.repeats, peers)
             if w:

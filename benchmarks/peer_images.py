@@ -273,7 +273,9 @@ def peer_root(ds: str, name: str) -> str:
     return os.path.join(os.path.dirname(ds), f"peer-{name}")
 
 
-def prepare_and_verify(tree: str, ds: str, peers: tuple[str, ...], batch: int) -> dict:
+def prepare_and_verify(
+    tree: str, ds: str, peers: tuple[str, ...], batch: int, workers: tuple[int, ...] = (0, 2)
+) -> dict:
     """Each peer's copy of the tree by its own writer (made once, untimed), then every side's
     whole epoch checked: samples, unique keys, sum of crc32(png, label) against the tree."""
     for name in peers:
@@ -284,7 +286,7 @@ def prepare_and_verify(tree: str, ds: str, peers: tuple[str, ...], batch: int) -
     n, total = expected(tree)
     checked = {}
     for name in ("ours", *peers):
-        for w in (0, 2):
+        for w in workers:
             got = verify_ours(ds, w, batch) if name == "ours" else verify(name, peer_root(ds, name), w, batch)
             if (got["samples"], got["unique"], got["checksum"]) != (n, n, total):
                 raise SystemExit(
@@ -308,7 +310,7 @@ def chosen(arg: str | None) -> tuple[str, ...]:
 
 def print_peers(rep: dict) -> None:
     print(
-        f"verified before timing: every side read the whole tree at 0 and 2 workers (count, unique keys, "
+        f"verified before timing: every side read the whole tree at each worker count (count, unique keys, "
         f"crc32 of png + label): {', '.join(['ours', *rep['peers']])}"
     )
     print(f"{'workers':<8} {'side':<10} {'s (range)':<20} {'its time / ours (range)':<26} first batch s")

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from skips import require
+
 REPO = Path(__file__).resolve().parents[2]
 PEERS = ("streaming", "litdata", "energon")
 
@@ -117,6 +119,28 @@ def test_every_peer_benchmark_runs_with_every_peer(tmp_path):
         assert side in out, out[-3000:]
     assert out.count("/ best peer") == 2, out[-3000:]
 
+    # An ImageFolder tree (real PNG icons) through every peer's own writer and loader, verified
+    # (the timed rounds take minutes of process starts: not here).
+    require(os.path.isdir("/usr/share/icons/Adwaita"), "no Adwaita icons (tests/run.sh installs adwaita-icon-theme)")
+    out = _run(
+        [
+            py,
+            "-m",
+            "benchmarks.image_epoch",
+            "--max-images",
+            "100",
+            "--verify-only",
+            "--workers",
+            "0",
+            "--dir",
+            str(tmp_path / "img"),
+        ],
+        600,
+        env,
+    )
+    for side in ("ours",) + PEERS:
+        assert f"'{side}/w0': 100" in out, out[-3000:]
+
     # The data-wait fraction at a simulated step (`shardtool bench`), every peer on its own copy.
     report = tmp_path / "bench.json"
     out = _run(
@@ -126,7 +150,7 @@ def test_every_peer_benchmark_runs_with_every_peer(tmp_path):
             "shardtool",
             "bench",
             "--generate",
-            "2000",
+            "4000",
             "--ranks",
             "2",
             "--workers",
