@@ -46,12 +46,11 @@ import sys
 import tempfile
 import time
 
-import numpy as np
+from shardtool.benchmarks.peer_images import SIZE, to_tensor  # the one transform, shared with the peers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ICONS = "/usr/share/icons/Adwaita"
 BATCH = 32
-SIZE = (64, 64)
 TARGET = 1.2  # ours at least this much faster than the peer at 2 workers
 PEERS = ("streaming", "litdata", "energon")  # each on its own copy: benchmarks.peer_images
 
@@ -100,14 +99,6 @@ def prepare(base: str, limit: int | None = None) -> tuple[str, str, int]:
 
 
 # ---------------------------------------------------------------------- the one transform
-def to_tensor(img):
-    """An RGB image resized, as torchvision's Resize + ToTensor make it: float C×H×W in [0, 1]."""
-    import torch
-
-    arr = np.array(img.resize(SIZE))  # a copy: writable, C-contiguous
-    return torch.from_numpy(arr).permute(2, 0, 1).float().div_(255)
-
-
 def ours_transform(sample: dict) -> dict:
     from PIL import Image
 

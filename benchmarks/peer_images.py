@@ -30,6 +30,16 @@ import sys
 import zlib
 
 PEERS = ("streaming", "litdata", "energon")
+SIZE = (64, 64)
+
+
+def to_tensor(img):
+    """An RGB image resized, as torchvision's Resize + ToTensor make it: float C×H×W in [0, 1]."""
+    import numpy as np
+    import torch
+
+    arr = np.array(img.resize(SIZE))  # a copy: writable, C-contiguous
+    return torch.from_numpy(arr).permute(2, 0, 1).float().div_(255)
 
 
 def tree_samples(tree: str, only: str | None = None):
@@ -129,8 +139,6 @@ class _Transform:
         if self.raw:
             return bytes(d["png"]), label, d["key"]
         from PIL import Image
-
-        from shardtool.benchmarks.image_epoch import to_tensor
 
         with Image.open(io.BytesIO(d["png"])) as img:
             return to_tensor(img.convert("RGB")), label, d["key"]
