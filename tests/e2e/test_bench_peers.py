@@ -105,7 +105,7 @@ def test_every_peer_benchmark_runs_with_every_peer(tmp_path):
     assert "ours best-fit / LitData TokensLoader" in out and "BinPackCollator (reimpl." in out, out[-3000:]
 
     out = _run(
-        [py, "-m", "benchmarks.peer_resume", "--tiny", "--repeats", "2", "--dir", str(tmp_path / "resume")], 600, env
+        [py, "-m", "benchmarks.peer_resume", "--tiny", "--repeats", "1", "--dir", str(tmp_path / "resume")], 600, env
     )
     lines = [ln for ln in out.splitlines() if not ln.startswith(" ")]
     for side in ("ours",) + PEERS:
@@ -113,7 +113,20 @@ def test_every_peer_benchmark_runs_with_every_peer(tmp_path):
     assert "mid-epoch resume: exact" in out and "4 ranks: batches [4, 4, 4, 4] (equal), 0 repeated, 0 skipped" in out
 
     out = _run(
-        [py, "-m", "benchmarks.peer_pack", "--tiny", "--repeats", "1", "--dir", str(tmp_path / "pack")], 600, env
+        [
+            py,
+            "-m",
+            "benchmarks.peer_pack",
+            "--tiny",
+            "--repeats",
+            "1",
+            "--sides",
+            "mds:1,litdata:2,energon:2",  # the peers' 1-process sides: the same code, timed by the lead's runs
+            "--dir",
+            str(tmp_path / "pack"),
+        ],
+        600,
+        env,
     )
     for side in ("mds:1", "litdata:2", "energon:2"):
         assert side in out, out[-3000:]
@@ -162,7 +175,7 @@ def test_every_peer_benchmark_runs_with_every_peer(tmp_path):
             "--max-batches",
             "4",
             "--compare",
-            "webdataset," + ",".join(PEERS),
+            ",".join(PEERS),  # webdataset's side: tests/cli/test_bench_cli.py
             "--json",
             str(report),
         ],
@@ -170,6 +183,6 @@ def test_every_peer_benchmark_runs_with_every_peer(tmp_path):
         env,
     )
     rows = {r["reader"]: r for r in json.loads(report.read_text())["rows"]}
-    assert set(rows) == {"shardtool", "webdataset", *PEERS}, out[-3000:]
+    assert set(rows) == {"shardtool", *PEERS}, out[-3000:]
     for name, r in rows.items():
         assert not r["errors"] and r["batches_per_rank"] == [4, 4] and 0 <= r["wait_fraction"] <= 1, (name, r)
