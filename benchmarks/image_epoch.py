@@ -25,7 +25,12 @@ per-batch transfer of a collated batch through a worker's shared-memory slot (wr
 worker, copied out in the trainer); a worker's start (fork, reopening the dataset and its shard,
 the first batch's own reads) from an epoch with a trivial transform.
 
-    python -m benchmarks.image_epoch [--repeats 5] [--workers 0,2] [--dir DIR] [--json]
+Peers (``benchmarks.peer_images``), each installed one: MosaicML Streaming, LitData and
+Megatron-Energon, each with the tree written by its own writer (untimed), read shuffled by its own
+loader with the same transform into the same batches; every side's whole epoch is checked first
+(count, unique keys, crc32 of png + label) and each peer's time / ours is printed per round's median.
+
+    python -m benchmarks.image_epoch [--repeats 5] [--workers 0,2] [--peers a,b|none] [--dir DIR] [--json]
 """
 
 from __future__ import annotations
@@ -41,23 +46,25 @@ import sys
 import tempfile
 import time
 
-import numpy as np
+from shardtool.benchmarks.peer_images import SIZE, to_tensor  # the one transform, shared with the peers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ICONS = "/usr/share/icons/Adwaita"
 BATCH = 32
-SIZE = (64, 64)
 TARGET = 1.2  # ours at least this much faster than the peer at 2 workers
+PEERS = ("streaming", "litdata", "energon")  # each on its own copy: benchmarks.peer_images
 
 
 # ---------------------------------------------------------------------- corpus
-def build_tree(dst: str) -> int:
-    """``dst/<category>/<size>-<icon>.png`` as links to every PNG of the icon theme; returns the count."""
+def build_tree(dst: str, limit: int | None = None) -> int:
+    """``dst/<category>/<size>-<icon>.png`` as links to every PNG of the icon theme (every
+    ``len // limit``-th one with ``limit``, so every size and category stays); returns the count."""
     if not os.path.isdir(ICONS):
         raise SystemExit(
             f"{ICONS} is absent: this benchmark reads the real Adwaita PNG icons (apt-get install adwaita-icon-theme)"
         )
-    n = 0
+    n = seen = 0
+    step = max(1, _count_pngs() // limit) if limit else 1
     for size in sorted(os.listdir(ICONS)):
         size_dir = os.path.join(ICONS, size)
         if not os.path.isdir(size_dir) or "x" not in size:  # 16x16 … 512x512, not cursors/ or scalable/
@@ -65,20 +72,26 @@ def build_tree(dst: str) -> int:
         for category in sorted(os.listdir(size_dir)):
             cat_dir = os.path.join(size_dir, category)
             for name in sorted(os.listdir(cat_dir)) if os.path.isdir(cat_dir) else []:
-                if name.endswith(".png"):
+                seen += name.endswith(".png")
+                if name.endswith(".png") and (seen - 1) % step == 0 and (limit is None or n < limit):
                     os.makedirs(os.path.join(dst, category), exist_ok=True)
                     os.symlink(os.path.join(cat_dir, name), os.path.join(dst, category, f"{size}-{name}"))
                     n += 1
     return n
 
 
-def prepare(base: str) -> tuple[str, str, int]:
+def _count_pngs() -> int:
+    return sum(n.endswith(".png") for d, _, names in os.walk(ICONS) for n in names if "x" in d.split("/")[-2])
+
+
+def prepare(base: str, limit: int | None = None) -> tuple[str, str, int]:
     """(tree, packed dataset, images), made once under ``base``."""
     import shardtool
 
-    tree, ds = os.path.join(base, "tree"), os.path.join(base, "ds")
+    tag = f"-{limit}" if limit else ""
+    tree, ds = os.path.join(base, "tree" + tag), os.path.join(base, "ds" + tag)
     if not os.path.isdir(tree):
-        build_tree(tree + ".tmp")
+        build_tree(tree + ".tmp", limit)
         os.rename(tree + ".tmp", tree)
     if not os.path.exists(os.path.join(ds, "index.json")):
         shardtool.pack(tree, ds, label_from_dir=True, overwrite=True)
@@ -86,14 +99,6 @@ def prepare(base: str) -> tuple[str, str, int]:
 
 
 # ---------------------------------------------------------------------- the one transform
-def to_tensor(img):
-    """An RGB image resized, as torchvision's Resize + ToTensor make it: float C×H×W in [0, 1]."""
-    import torch
-
-    arr = np.array(img.resize(SIZE))  # a copy: writable, C-contiguous
-    return torch.from_numpy(arr).permute(2, 0, 1).float().div_(255)
-
-
 def ours_transform(sample: dict) -> dict:
     from PIL import Image
 
@@ -156,11 +161,22 @@ def run_one(which: str, tree: str, ds: str, workers: int) -> dict:
 
     from shardtool.loader import ShardedLoader
 
+    if which in PEERS:
+        from shardtool.benchmarks.peers import available
+
+        available()[which]  # the peer's package imported before the clock, like ours
+
     c0, began = _cpu(), time.perf_counter()
     first = None
     samples = 0
     peer_name = None
-    if which == "peer":
+    if which in PEERS:  # a peer on its own copy (benchmarks.peer_images), beside the dataset
+        from shardtool.benchmarks import peer_images
+
+        for images, labels, _ in peer_images.loader(which, peer_images.peer_root(ds, which), workers, BATCH):
+            first = first if first is not None else time.perf_counter() - began
+            samples += len(labels)
+    elif which == "peer":
         dataset, peer_name = peer_dataset(tree)
         sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
         loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler, num_workers=workers)
@@ -261,16 +277,21 @@ def breakdown(tree: str, ds: str) -> dict:
 
 
 # ---------------------------------------------------------------------- report
-def paired(tree: str, ds: str, workers: int, repeats: int) -> dict:
-    for which in ("ours", "peer"):
-        measure(which, tree, ds, workers)  # warm-up: page cache, first-run effects, for both alike
-    runs: dict[str, list[dict]] = {"ours": [], "peer": []}
-    ratios = []
+def paired(tree: str, ds: str, workers: int, repeats: int, peers: tuple[str, ...] = ()) -> dict:
+    """Ours, ImageFolder and ``peers``: a warm-up each, then ``repeats`` rounds, the order rotating;
+    medians, spreads, and per side the median of the per-round ratios (its time / ours)."""
+    sides = ["ours", "peer", *peers]
+    for which in sides:
+        measure(which, tree, ds, workers)  # warm-up: page cache, first-run effects, for all alike
+    runs: dict[str, list[dict]] = {s: [] for s in sides}
+    ratios: dict[str, list[float]] = {s: [] for s in sides[1:]}
     for r in range(repeats):
-        for which in ("ours", "peer") if r % 2 == 0 else ("peer", "ours"):
+        k = r % len(sides)
+        for which in sides[k:] + sides[:k]:
             runs[which].append(measure(which, tree, ds, workers))
-        ratios.append(runs["peer"][-1]["seconds"] / runs["ours"][-1]["seconds"])
-    out = {}
+        for which in ratios:
+            ratios[which].append(runs[which][-1]["seconds"] / runs["ours"][-1]["seconds"])
+    out: dict = {}
     for which, rs in runs.items():
         out[which] = {
             k: statistics.median(r[k] for r in rs)
@@ -278,9 +299,11 @@ def paired(tree: str, ds: str, workers: int, repeats: int) -> dict:
         }
         out[which]["spread"] = (min(r["seconds"] for r in rs), max(r["seconds"] for r in rs))
         out[which]["samples"] = rs[0]["samples"]
+        if which != "ours":
+            out[which]["ratio"] = statistics.median(ratios[which])
+            out[which]["ratio_spread"] = (min(ratios[which]), max(ratios[which]))
     out["peer_name"] = runs["peer"][0]["peer"]
-    out["ratio"] = statistics.median(ratios)
-    out["ratio_spread"] = (min(ratios), max(ratios))
+    out["ratio"], out["ratio_spread"] = out["peer"]["ratio"], out["peer"]["ratio_spread"]
     return out
 
 
@@ -295,8 +318,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", help="where the tree and dataset are made (default: a temporary directory)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-images", type=int, default=None, help="a spread subset of the icons (the smoke test)")
+    ap.add_argument("--verify-only", action="store_true", help="write and check every side's epoch; no timing")
     ap.add_argument("--workers", default="0,2", help="worker counts to compare (default 0,2)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--peers",
+        default=None,
+        help="comma-separated peers besides ImageFolder: streaming, litdata, energon (default: every one "
+        "installed; 'none' for none)",
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--tree", help=argparse.SUPPRESS)
     ap.add_argument("--ds", help=argparse.SUPPRESS)
@@ -307,10 +338,21 @@ def main() -> None:
     if args.dir:
         os.makedirs(args.dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        tree, ds, n = prepare(args.dir or tmp)  # --dir: kept for the next run
-        report = {"images": n, "batch": BATCH, "load_before": load_average(), "runs": {}}
+        tree, ds, n = prepare(args.dir or tmp, args.max_images)  # --dir: kept for the next run
+        from shardtool.benchmarks import peer_images
+
+        peers = peer_images.chosen(args.peers)
+        report = {"images": n, "batch": BATCH, "load_before": load_average(), "runs": {}, "peers": list(peers)}
+        report["verified"] = peer_images.prepare_and_verify(
+            tree, ds, peers, BATCH, tuple(int(x) for x in args.workers.split(","))
+        )
+        if args.verify_only:
+            print(
+                f"verified: {n} images, every side's epoch (count, unique keys, crc32 of png + label): {report['verified']}"
+            )
+            return
         for w in [int(x) for x in args.workers.split(",")]:
-            report["runs"][f"w{w}"] = paired(tree, ds, w, args.repeats)
+            report["runs"][f"w{w}"] = paired(tree, ds, w, args.repeats, peers)
             if w:
                 trivial = [measure("ours-trivial", tree, ds, w) for _ in range(3)]
                 base = [measure("ours-trivial", tree, ds, 0) for _ in range(3)]
@@ -349,6 +391,10 @@ def print_report(rep: dict) -> None:
             f"{o['trainer_cpu_s'] + o['workers_cpu_s']:.2f} / {p['trainer_cpu_s'] + p['workers_cpu_s']:.2f}{'':<9}"
             f"{o['first_batch_s']:.2f} / {p['first_batch_s']:.2f}"
         )
+    if rep.get("peers"):
+        from shardtool.benchmarks import peer_images
+
+        peer_images.print_peers(rep)
     w2 = rep["runs"].get("w2")
     if w2 is not None:
         verdict = "met" if w2["ratio"] >= TARGET else "MISSED"

@@ -70,6 +70,8 @@ class BenchConfig:
     webdataset_urls: list[str] = field(default_factory=list)
     length_field: str | None = None
     length_ext: str | None = None  # the length field's tar member extension, e.g. "tokens.npy"
+    peer_roots: dict[str, str] = field(default_factory=dict)  # peer -> its own copy (benchmarks.peers)
+    dist_port: int | None = None  # MASTER_PORT for a peer whose ranks join torch.distributed (Streaming)
 
 
 def _batch_stats(batch: dict) -> tuple[int, int, int, int]:
@@ -202,13 +204,45 @@ def _webdataset_iter(cfg: BenchConfig, rank: int):
     return iter(loader)
 
 
+def _peer_reader(name: str):
+    """A peer of ``benchmarks.peers`` (Streaming, LitData, Energon) on its own copy of the shards,
+    written by its own writer, read as its docs recommend, shuffled: the same batches as the
+    webdataset side (a fixed batch size holding the same tokens on average, padded tokens and
+    lengths); ranks as its docs set them (``peers.<name>.loader``)."""
+
+    def make(cfg: BenchConfig, rank: int):
+        from shardtool.benchmarks import peers
+
+        if cfg.dist_port is not None:  # Streaming's ranks meet through torch.distributed's env
+            import os
+
+            os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(cfg.dist_port)})
+        bs = cfg.batch_size or max(1, (cfg.max_tokens or 16384) // 512)
+        mod = peers.available()[name]
+        return iter(
+            mod.loader(cfg.peer_roots[name], "tokens", cfg.num_workers, bs, cfg.seed, rank=rank, world_size=cfg.ranks)
+        )
+
+    return make
+
+
+PEERS = ("streaming", "litdata", "energon")
+for _name in PEERS:
+    reader(_name)(_peer_reader(_name))
+
+
 def rank_result(rank: int, name: str, cfg: BenchConfig) -> dict:
     """One rank of reader ``name``, in its own (spawned) process: its `RankResult` as a dict."""
-    # Both sides' imports before the clock starts: a rank's start-up is not what we measure.
+    # Every side's imports before the clock starts: a rank's start-up is not what we measure.
     import torch  # noqa: F401
     import webdataset  # noqa: F401
 
     import shardtool.loader.sharded  # noqa: F401
+
+    if name in PEERS:
+        from shardtool.benchmarks import peers
+
+        peers.available()[name]  # the peer's package imported, like the others
 
     result = RankResult(name, rank, cfg.num_workers)
     try:
@@ -268,6 +302,39 @@ def summarize(results: list[RankResult]) -> dict:
         "loader": loader,
         "loader_per_rank": [r.loader for r in results if r.loader] or None,
     }
+
+
+# The numbers of a `summarize` row that vary from round to round (the rest is configuration).
+MEASURED = (
+    "samples_per_s",
+    "tokens_per_s",
+    "mb_per_s",
+    "first_batch_s",
+    "padding_efficiency",
+    "wait_fraction",
+    "wall_s",
+    "peak_rss_mb",
+    "read_mb_per_s",
+    "cache_hit_rate",
+    "shard_open_p99_ms",
+)
+
+
+def median_row(rows: list[dict]) -> dict:
+    """One reader's rounds (``summarize`` rows) as one: the median of every number, the data-wait
+    fraction's and samples/s' min-max, every round's errors. One round: that row as it is."""
+    if len(rows) == 1:
+        return rows[0]
+    out = dict(rows[len(rows) // 2])
+    for k in MEASURED:
+        vals = [r[k] for r in rows]
+        if all(isinstance(x, (int, float)) for x in vals):
+            out[k] = float(np.median(vals))
+    out["wait_fraction_range"] = [min(r["wait_fraction"] for r in rows), max(r["wait_fraction"] for r in rows)]
+    out["samples_per_s_range"] = [min(r["samples_per_s"] for r in rows), max(r["samples_per_s"] for r in rows)]
+    out["errors"] = [e for r in rows for e in r["errors"]]
+    out["rounds"] = [{k: r[k] for k in ("samples_per_s", "wait_fraction", "first_batch_s")} for r in rows]
+    return out
 
 
 def merge_loader_metrics(windows: list[dict], steady: float) -> dict | None:
@@ -361,12 +428,15 @@ def format_table(rows: list[dict]) -> str:
         ("mb_per_s", "{:,.1f}"),
         ("first_batch_s", "{:.2f}"),
         ("wait_fraction", "{:.1%}"),
+        ("wait_fraction_range", "{0[0]:.1%}-{0[1]:.1%}"),
         ("padding_efficiency", "{:.3f}"),
         ("peak_rss_mb", "{:,.0f}"),
         ("read_mb_per_s", "{:,.1f}"),
         ("cache_hit_rate", "{:.1%}"),
         ("shard_open_p99_ms", "{:.1f}"),
     ]
+    if not any(r.get("wait_fraction_range") for r in rows):  # one round each: no range to show
+        cols = [c for c in cols if c[0] != "wait_fraction_range"]
     header = " | ".join(c for c, _ in cols)
     lines = [header, " | ".join("---" for _ in cols)]
     for r in rows:

@@ -3,7 +3,8 @@
 Same inputs as ``benchmarks.pack_throughput`` (``benchmarks.corpus``: the lognormal token corpus
 as Parquet; ~100 KB ``.bin`` + ``.json`` samples in 1,000-file directories), same run, each
 measurement a fresh process (timed from after its imports: interpreter and library start-up are
-not charged, to any side), sides alternating, medians of ``--repeats``:
+not charged, to any side), sides alternating (the order reversed every other round), medians of ``--repeats``
+with their [min–max] over the rounds:
 
 - ours: ``shardtool.pack(src, out, workers=W)`` (tar shards + index), W = 1 and 2;
 - MosaicML Streaming: ``MDSWriter`` fed the rows (one process: its writer has no workers; its
@@ -16,7 +17,8 @@ not charged, to any side), sides alternating, medians of ``--repeats``:
 Printed: samples/s and MB/s (input bytes) per side, and ours (best of 1 and 2 workers, and at 1
 process) over the best peer; target: at least 1x the best peer on each input.
 
-    python -m benchmarks.peer_pack [--tiny|--small] [--repeats 3] [--dir DIR] [--json]
+    python -m benchmarks.peer_pack [--tiny|--small] [--token-docs N] [--images N] [--inputs tokens,images]
+        [--sides mds:1,litdata:2] [--repeats 3] [--dir DIR] [--json]
 """
 
 from __future__ import annotations
@@ -152,6 +154,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="2,000 token samples, 60 images (the smoke test)")
     p.add_argument("--small", action="store_true", help="20,000 token samples, 2,000 images")
+    p.add_argument(
+        "--token-docs",
+        type=int,
+        default=None,
+        help="token documents (default 100,000, ~120 MB of Parquet; --small 20,000; --tiny 2,000)",
+    )
+    p.add_argument("--images", type=int, default=None, help="image samples (default 4,000; --small 2,000; --tiny 60)")
+    p.add_argument("--inputs", default="tokens,images", help="which inputs: tokens, images or both")
+    p.add_argument(
+        "--sides",
+        default=None,
+        help="comma-separated sides (default: ours:1,ours:2 and every installed peer's: mds:1, litdata:1, "
+        "litdata:2, energon:1, energon:2); ours:1 and ours:2 are always run",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None)
     p.add_argument("--json", action="store_true")
@@ -171,12 +187,14 @@ def main() -> None:
     from shardtool.benchmarks import corpus, peers
     from shardtool.benchmarks.pack_throughput import payload_bytes
 
-    n_tok, n_img = (2_000, 60) if args.tiny else (20_000, 2_000) if args.small else (200_000, 10_000)
+    n_tok, n_img = (2_000, 60) if args.tiny else (20_000, 2_000) if args.small else (100_000, 4_000)
+    n_tok, n_img = args.token_docs or n_tok, args.images or n_img
     base = args.dir or tempfile.mkdtemp(prefix="peer-pack-")
     tok_dir, img = os.path.join(base, f"tokens-{n_tok}"), os.path.join(base, f"images-{n_img}")
-    if not os.path.exists(os.path.join(tok_dir, "tokens.parquet")):
+    if "tokens" in args.inputs.split(",") and not os.path.exists(os.path.join(tok_dir, "tokens.parquet")):
         corpus.write_tokens(tok_dir, n_tok, jsonl=False)
-    if not os.path.isdir(img):
+    inputs = args.inputs.split(",")
+    if "images" in inputs and not os.path.isdir(img):
         corpus.write_images(img + ".tmp", n_img, per_dir=30 if args.tiny else 1000)
         os.rename(img + ".tmp", img)
     have = peers.available()
@@ -186,10 +204,17 @@ def main() -> None:
         + (["litdata:1", "litdata:2"] if "litdata" in have else [])
         + (["energon:1", "energon:2"] if "energon" in have else [])
     )
+    if args.sides:
+        wanted = ["ours:1", "ours:2"] + [x for x in args.sides.split(",") if x and not x.startswith("ours")]
+        if set(wanted) - set(sides):
+            raise SystemExit(f"sides not available here: {sorted(set(wanted) - set(sides))} (have {sides})")
+        sides = wanted
     report = {"versions": {k: m.version() for k, m in have.items()}, "missing": peers.missing(), "cases": {}}
     work = os.path.join(base, "work")
     os.makedirs(work, exist_ok=True)
     for kind, src, n in (("tokens", os.path.join(tok_dir, "tokens.parquet"), n_tok), ("images", img, n_img)):
+        if kind not in inputs:
+            continue
         runs: dict[str, list[float]] = {s: [] for s in sides}
         for r in range(args.repeats):
             for s in sides if r % 2 == 0 else sides[::-1]:
@@ -200,6 +225,8 @@ def main() -> None:
                 "wall_s": statistics.median(v),
                 "samples_per_s": n / statistics.median(v),
                 "MB_per_s": nbytes / statistics.median(v) / 1e6,
+                "samples_per_s_spread": (n / max(v), n / min(v)),
+                "runs_s": v,
             }
             for s, v in runs.items()
         }
@@ -207,16 +234,30 @@ def main() -> None:
             max((v["samples_per_s"], s) for s, v in res.items() if not s.startswith("ours")) if len(sides) > 2 else None
         )
         ours_best = max(res["ours:1"]["samples_per_s"], res["ours:2"]["samples_per_s"])
+        peers_1 = [s for s in sides if s.endswith(":1") and not s.startswith("ours")]
+        # Per round: ours (best of its two) over the best peer of that round, and 1 process each.
+        best_rounds = (
+            [
+                min(runs[s][r] for s in sides if not s.startswith("ours")) / min(runs["ours:1"][r], runs["ours:2"][r])
+                for r in range(args.repeats)
+            ]
+            if peer_best
+            else []
+        )
+        one_rounds = (
+            [min(runs[s][r] for s in peers_1) / runs["ours:1"][r] for r in range(args.repeats)] if peers_1 else []
+        )
         report["cases"][kind] = {
             "samples": n,
             "MB": nbytes / 1e6,
             "sides": res,
             "best_peer": peer_best,
             "ours_best_over_best_peer": ours_best / peer_best[0] if peer_best else None,
-            "ours_1_over_best_peer_1": res["ours:1"]["samples_per_s"]
-            / max(v["samples_per_s"] for s, v in res.items() if s.endswith(":1") and not s.startswith("ours"))
-            if peer_best
+            "ours_1_over_best_peer_1": res["ours:1"]["samples_per_s"] / max(res[s]["samples_per_s"] for s in peers_1)
+            if peers_1
             else None,
+            "rounds_best_over_best_peer": best_rounds,
+            "rounds_1_over_best_peer_1": one_rounds,
         }
     if args.json:
         print(json.dumps(report, indent=1))
@@ -225,12 +266,17 @@ def main() -> None:
     for kind, c in report["cases"].items():
         print(f"\n== {kind}: {c['samples']:,} samples, {c['MB']:,.1f} MB input (median of {args.repeats})")
         for s, v in c["sides"].items():
-            print(f"  {s:<12}{v['samples_per_s']:>12,.0f} samples/s{v['MB_per_s']:>10,.1f} MB/s{v['wall_s']:>9.2f} s")
+            lo, hi = v["samples_per_s_spread"]
+            print(
+                f"  {s:<12}{v['samples_per_s']:>12,.0f} samples/s {f'[{lo:,.0f}–{hi:,.0f}]':>19}"
+                f"{v['MB_per_s']:>10,.1f} MB/s{v['wall_s']:>9.2f} s"
+            )
         if c["best_peer"]:
-            x = c["ours_best_over_best_peer"]
+            x, rb, r1 = c["ours_best_over_best_peer"], c["rounds_best_over_best_peer"], c["rounds_1_over_best_peer_1"]
             print(
                 f"  ours (best of 1, 2 workers) / best peer ({c['best_peer'][1]}): {x:.2f}x "
-                f"(target >= 1x: {'met' if x >= 1 else 'MISSED'}); 1 process each: {c['ours_1_over_best_peer_1']:.2f}x"
+                f"[{min(rb):.2f}–{max(rb):.2f} per round] (target >= 1x: {'met' if x >= 1 else 'MISSED'})"
+                + (f"; 1 process each: {c['ours_1_over_best_peer_1']:.2f}x [{min(r1):.2f}–{max(r1):.2f}]" if r1 else "")
             )
 
 

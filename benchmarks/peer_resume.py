@@ -9,7 +9,8 @@ library imported once, before any clock), ranks simulated as the peer's docs set
 ``WORLD_SIZE``/``GLOBAL_RANK`` env; Energon: ``WorkerConfig(rank, world_size)``):
 
 - resume first batch: time to the first batch of a loader built with the state saved at 90% of
-  the epoch, against a fresh loader's first batch (target: at most 1.5x);
+  the epoch, against a fresh loader's first batch (target: at most 1.5x); ``--repeats`` pairs, the
+  order alternating, each a fresh process: the median per-pair ratio with its [min–max];
 - exact mid-epoch resume: one rank reads half the epoch, saves its state; a new loader resumes;
   the two halves against one uninterrupted epoch (same keys in the same order?), and samples
   repeated/skipped against the corpus;
@@ -18,7 +19,7 @@ library imported once, before any clock), ranks simulated as the peer's docs set
   rank r's state; ours and Streaming keep one global state) and finish the epoch: samples
   repeated/skipped over all 7 reads, or the error the peer raises.
 
-    python -m benchmarks.peer_resume [--tiny|--small] [--dir DIR] [--json]
+    python -m benchmarks.peer_resume [--tiny|--small] [--repeats 3] [--dir DIR] [--json]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import multiprocessing as mp
 import os
 import pickle
+import statistics
 import sys
 import tempfile
 import time
@@ -125,7 +127,7 @@ def tally(reads: list[list[str]], n: int) -> dict:
     return {"repeated": sum(v - 1 for v in c.values() if v > 1), "skipped": n - len(c)}
 
 
-def run_side(side: str, root: str, batch: int, n: int) -> dict:
+def run_side(side: str, root: str, batch: int, n: int, repeats: int = 1) -> dict:
     if side != "ours":
         from shardtool.benchmarks import peers
 
@@ -141,13 +143,27 @@ def run_side(side: str, root: str, batch: int, n: int) -> dict:
     rep = side == "energon"
     if rep:
         full = step(side, root, batch, limit=total, repeat=True)
-    fresh = step(side, root, batch, limit=1, repeat=rep)
     at90 = step(side, root, batch, stop=max(1, int(total * 0.9)), repeat=rep)
-    resumed = step(side, root, batch, state=at90.get("state"), limit=1, repeat=rep) if "error" not in at90 else at90
+    fresh_s: list[float] = []
+    resumed_s: list[float] = []
+    err = at90.get("error")
+    for r in range(repeats if err is None else 0):  # fresh and resumed alternate who goes first
+        for which in ("fresh", "resumed") if r % 2 == 0 else ("resumed", "fresh"):
+            got = step(side, root, batch, state=at90["state"] if which == "resumed" else None, limit=1, repeat=rep)
+            if "error" in got:
+                err = got["error"]
+                break
+            (fresh_s if which == "fresh" else resumed_s).append(got["first_batch_s"])
+        if err is not None:
+            break
+    ok = err is None and fresh_s and len(fresh_s) == len(resumed_s)
     out["first_batch"] = {
-        "fresh_s": fresh.get("first_batch_s"),
-        "resume90_s": resumed.get("first_batch_s"),
-        "error": resumed.get("error") or fresh.get("error"),
+        "fresh_s": statistics.median(fresh_s) if ok else None,
+        "resume90_s": statistics.median(resumed_s) if ok else None,
+        "fresh_runs_s": fresh_s,
+        "resume90_runs_s": resumed_s,
+        "ratio_runs": [b / a for a, b in zip(fresh_s, resumed_s)] if ok else [],
+        "error": err,
     }
     half = step(side, root, batch, stop=max(1, total // 2), repeat=rep)
     rest = (
@@ -188,6 +204,12 @@ def main() -> None:
     p.add_argument("--docs", type=int, default=100_000)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--peers", default=None, help="comma-separated peers (default: every one installed)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="first-batch timings per side, fresh and resumed alternating who goes first (median, [min–max])",
+    )
     p.add_argument("--dir", default=None)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -213,7 +235,7 @@ def main() -> None:
         "sides": {},
     }
     for side in ["ours"] + chosen:
-        report["sides"][side] = run_side(side, root, args.batch, n)
+        report["sides"][side] = run_side(side, root, args.batch, n, args.repeats)
     if args.json:
         print(json.dumps(report, indent=1))
         return
@@ -228,10 +250,16 @@ def main() -> None:
         if fb["error"]:
             fbs = f"resume at 90%: {fb['error']}"
         else:
-            x = fb["resume90_s"] / fb["fresh_s"]
+            x, fr, rr, xr = (
+                statistics.median(fb["ratio_runs"]),
+                fb["fresh_runs_s"],
+                fb["resume90_runs_s"],
+                fb["ratio_runs"],
+            )
             fbs = (
-                f"first batch fresh {fb['fresh_s']:.3f} s, resumed at 90% {fb['resume90_s']:.3f} s = {x:.2f}x "
-                f"(target <= 1.5x: {'met' if x <= 1.5 else 'MISSED'})"
+                f"first batch fresh {fb['fresh_s']:.3f} s [{min(fr):.3f}–{max(fr):.3f}], resumed at 90% "
+                f"{fb['resume90_s']:.3f} s [{min(rr):.3f}–{max(rr):.3f}] = {x:.2f}x [{min(xr):.2f}–{max(xr):.2f}] "
+                f"(median of {len(xr)}; target <= 1.5x: {'met' if x <= 1.5 else 'MISSED'})"
             )
         ep = r["epoch"]
         print(f"{side:<10} epoch {ep['batches']} batches ({ep['repeated']} repeated, {ep['skipped']} skipped); {fbs}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 
@@ -24,7 +25,13 @@ default after about 20 s of simulated steps (--seconds), and the bench prints an
 whole duration before the first run.
 
 --compare reads the same tar shards through each peer's recommended set-up in the same run
-and prints the ratio shardtool / peer.
+and prints the ratio shardtool / peer. webdataset reads them as they are; streaming (MosaicML
+Streaming), litdata and energon (Megatron-Energon), when their packages import (their own venv:
+benchmarks/setup_peers.sh), each read a copy of the shards their own writer made before the runs,
+untimed (MDSWriter, litdata.optimize, energon prepare), kept in --peer-dir and reused.
+
+  shardtool bench DATASET --ranks 2 --workers 0,2 --max-tokens 65536 --step-ms 50 \
+      --compare webdataset,streaming,litdata,energon --peer-dir /tmp/peer-copies
 """
 
 
@@ -63,7 +70,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="without --max-batches, each run stops after about S seconds of simulated steps "
         "(default 20); the bench prints how long it will take before starting",
     )
-    p.add_argument("--compare", default="", help="comma-separated peers: webdataset")
+    p.add_argument("--compare", default="", help="comma-separated peers: webdataset, streaming, litdata, energon")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds per --workers value, the readers' order rotating each round; medians, with the "
+        "data-wait fraction's min-max (default 1)",
+    )
+    p.add_argument(
+        "--peer-dir",
+        default=None,
+        help="where streaming, litdata and energon keep their copies of the dataset, made once and "
+        "reused (default: a temp dir, removed at the end)",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write all results as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG plot (throughput and wait vs workers)")
     p.add_argument(
@@ -113,6 +133,18 @@ def run(args) -> int:
     if peers and not length_field:
         print("shardtool bench: --compare needs a dataset with a length (token) field", file=sys.stderr)
         return 2
+    if set(peers) & set(bench.PEERS) and length_ext != "tokens.npy":
+        print(
+            f"shardtool bench: --compare {','.join(sorted(set(peers) & set(bench.PEERS)))} copies a token "
+            f"field stored as tokens.npy; this dataset's length field is {length_field!r} ({length_ext})",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        peer_roots, peer_tmp = _peer_copies(bench, ds, peers, args.peer_dir)
+    except (ImportError, KeyError) as e:
+        print(f"shardtool bench: {e}", file=sys.stderr)
+        return 2
     max_batches = args.max_batches
     if max_batches is None:
         max_batches = bench.default_max_batches(
@@ -122,24 +154,34 @@ def run(args) -> int:
     print(_estimate(bench, ds, args, worker_counts, peers, max_tokens, step_ms, max_batches), file=sys.stderr)
     rows = []
     for workers in worker_counts:
-        for name in ["shardtool", *peers]:
-            cfg = bench.BenchConfig(
-                url=url,
-                ranks=args.ranks,
-                num_workers=workers,
-                batch_size=args.batch_size,
-                max_tokens=max_tokens,
-                step_ms=step_ms,
-                max_batches=max_batches,
-                webdataset_urls=wds_urls,
-                length_field=length_field,
-                length_ext=length_ext,
-            )
-            row = bench.summarize(bench.run_node(name, cfg, timeout=args.timeout))
-            row["step_ms"], row["max_batches"] = step_ms, max_batches
-            rows.append(row)
-            for error in row["errors"]:
-                print(f"shardtool bench: {name} (workers={workers}) failed: {error}", file=sys.stderr)
+        readers = ["shardtool", *peers]
+        runs: dict[str, list[dict]] = {name: [] for name in readers}
+        for r in range(args.repeats):  # the readers' order rotates each round
+            for name in readers[r % len(readers) :] + readers[: r % len(readers)]:
+                cfg = bench.BenchConfig(
+                    url=url,
+                    ranks=args.ranks,
+                    num_workers=workers,
+                    batch_size=args.batch_size,
+                    max_tokens=max_tokens,
+                    step_ms=step_ms,
+                    max_batches=max_batches,
+                    webdataset_urls=wds_urls,
+                    length_field=length_field,
+                    length_ext=length_ext,
+                    peer_roots=peer_roots,
+                    dist_port=_free_port() if name == "streaming" else None,
+                )
+                if name == "streaming":
+                    from ..benchmarks.peers import streaming
+
+                    streaming.clean()  # its docs: shared memory an earlier run left behind, removed first
+                row = bench.summarize(bench.run_node(name, cfg, timeout=args.timeout))
+                row["step_ms"], row["max_batches"] = step_ms, max_batches
+                runs[name].append(row)
+                for error in row["errors"]:
+                    print(f"shardtool bench: {name} (workers={workers}) failed: {error}", file=sys.stderr)
+        rows += [bench.median_row(runs[name]) for name in readers]
     print(bench.format_table(rows))
     ratios = []
     for peer in peers:
@@ -149,13 +191,65 @@ def run(args) -> int:
                 ratio = mine["samples_per_s"] / theirs["samples_per_s"]
                 ratios.append({"peer": peer, "num_workers": mine["num_workers"], "samples_per_s_ratio": ratio})
                 print(f"shardtool / {peer} samples/s at num_workers={mine['num_workers']}: {ratio:.1f}x")
+    if args.repeats > 1:
+        print(f"(medians of {args.repeats} rounds, the readers' order rotating; wait range: min-max over them)")
     if args.json_path:
         bench.write_json(args.json_path, {"url": url, "ranks": args.ranks, "rows": rows, "ratios": ratios})
     if args.plot:
         bench.plot(rows, args.plot)
-    if tmp:
-        tmp.cleanup()
+    for t in (tmp, peer_tmp):
+        if t:
+            t.cleanup()
     return 1 if any(r["errors"] for r in rows) else 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _peer_copies(bench, ds, peers: list[str], peer_dir: str | None):
+    """({peer: its copy}, temp dir or None): each of streaming, litdata, energon gets the dataset's
+    tar shards written in its own format by its own writer, once per dataset version (untimed)."""
+    import os
+
+    wanted = [p for p in peers if p in bench.PEERS]
+    if not wanted:
+        return {}, None
+    from ..benchmarks import peers as peer_mods
+
+    have = peer_mods.available()
+    for p in wanted:
+        if p not in have:
+            raise ImportError(
+                f"peer {p} is not importable here ({peer_mods.missing().get(p)}); run the bench with the "
+                "peers' venv python (bash benchmarks/setup_peers.sh DIR; DIR/bin/python -m shardtool bench ...)"
+            )
+    tmp = None
+    if peer_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="shardtool-bench-peers-")
+        peer_dir = tmp.name
+    base = os.path.join(peer_dir, ds.version.replace(":", "-")[:40])
+    src = os.path.join(base, "tars")  # the shards as one flat directory of links, what the writers read
+    if not os.path.isdir(src):
+        os.makedirs(src + ".tmp", exist_ok=True)
+        for i in range(ds.num_shards):
+            path = ds.shard_path(i)
+            os.symlink(os.path.abspath(path), os.path.join(src + ".tmp", f"{i:06d}-{os.path.basename(path)}"))
+        os.rename(src + ".tmp", src)
+    roots = {}
+    for p in wanted:
+        out = os.path.join(base, p)
+        if not os.path.isdir(out):
+            print(f"preparing {p}'s copy of the dataset in {out} (its own writer; untimed)", file=sys.stderr)
+            shutil.rmtree(out + ".tmp", ignore_errors=True)
+            have[p].prepare(src, out + ".tmp", "tokens", 2)
+            os.rename(out + ".tmp", out)
+        roots[p] = out
+    return roots, tmp
 
 
 def _estimate(
@@ -171,7 +265,7 @@ def _estimate(
     """One line saying how long the bench will take, printed before the first run."""
     epoch = bench.batches_per_rank_estimate(ds, args.ranks, args.batch_size, max_tokens)
     batches = min(epoch, max_batches) if max_batches else epoch
-    runs = len(worker_counts) * (1 + len(peers))
+    runs = len(worker_counts) * (1 + len(peers)) * args.repeats
     total = runs * bench.estimate_run_s(batches, step_ms)
     how = (
         f"{batches} batches per rank at a {step_ms:.1f} ms step"

@@ -214,8 +214,48 @@ class _Packer:
             self.pending_n = self.pending_b = 0
 
     # ------------------------------------------------------------------ the job
+    def _read_ahead(self):
+        """(unit number, item) over all the job's Parquet/Arrow units in order, an unreadable unit's
+        error in place of its remaining items: one read-ahead thread for the whole job, so the next
+        unit decodes while this one is written (a unit is often one row group, one batch: read
+        ahead within a unit alone would never overlap anything)."""
+        for i, unit in enumerate(self.job.units):
+            try:
+                for item in read_unit(
+                    unit, max_sample_bytes=self.job.max_sample_bytes, on_bad=self.skip, whole_batches=True
+                ):
+                    yield i, item
+            except BadSampleError as e:
+                yield i, e
+
+    def _run_ahead(self) -> None:
+        job = self.job
+        items = prefetch(self._read_ahead())
+        try:
+            for i, item in items:
+                if isinstance(item, BadSampleError):  # the unit itself is unreadable past this point
+                    self.skip(item)
+                elif item.__class__ is ColumnBatch:
+                    self.batch(job.units[i], job.positions[i], item)
+                else:
+                    self.row(job.units[i], job.positions[i], item)
+            self.roller.finish()
+        except BaseException:
+            items.close()  # stop the read-ahead thread now, not when the traceback is freed
+            self.roller.abort()
+            raise
+
     def run(self) -> None:
         job = self.job
+        if (
+            self.columns is not None
+            and not job.running_positions
+            and all(u.kind in ("parquet", "arrow") for u in job.units)
+        ):
+            self._run_ahead()
+            if self.progress is not None and self.pending_n:
+                self.progress(self.pending_n, self.pending_b)
+            return
         reading: list = []
         running = 0
         try:
