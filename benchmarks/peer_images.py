@@ -203,19 +203,9 @@ def loader(name: str, out: str, workers: int, batch: int, raw: bool = False, see
         ds = litdata.StreamingDataset(out, shuffle=True, seed=seed, transform=tf)
         return litdata.StreamingDataLoader(ds, batch_size=batch, num_workers=workers, collate_fn=collate)
     if name == "energon":
-        from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
+        from shardtool.benchmarks.peers import energon
 
-        wc = WorkerConfig(rank=0, world_size=1, num_workers=workers, seed_offset=seed)
-        ds = get_train_dataset(
-            out,
-            worker_config=wc,
-            batch_size=batch,
-            shuffle_buffer_size=1000,
-            max_samples_per_sequence=100,
-            repeat=False,
-            task_encoder=_energon_encoder()(tf, collate),
-        )
-        return get_savable_loader(ds)
+        return energon.loader(out, "images", workers, batch, seed, task_encoder=_energon_encoder()(tf, collate))
     raise SystemExit(f"unknown peer {name}")
 
 

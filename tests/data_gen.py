@@ -118,3 +118,25 @@ def read_all(url: str, *, decode: bool = True) -> dict[str, dict]:
             out[key] = smp
     ds.close()
     return out
+
+
+def pack_compressed_pairs(rows, root, codecs, shard_size: int) -> dict:
+    """``rows`` packed as Arrow shards once per codec in ``codecs`` (None: plain) under ``root``;
+    {codec: dataset path}. Compressed ones in 64 KiB record batches (the default before 1 MiB):
+    several a shard, the layout of compressed datasets packed before, which every reader keeps
+    reading."""
+    import shardtool
+
+    out = {}
+    for comp in codecs:
+        out[comp] = str(root / (comp or "plain"))
+        shardtool.pack(
+            rows,
+            out[comp],
+            format="arrow",
+            length="tokens",
+            shard_size=shard_size,
+            compression=comp,
+            record_batch_size="64KiB" if comp else None,
+        )
+    return out

@@ -119,7 +119,10 @@ def loader(
     world_size: int = 1,
     state=None,
     repeat: bool = False,
+    task_encoder=None,
 ):
+    """Energon's savable loader over ``out`` as its docs set it up; ``task_encoder`` replaces the
+    default one for ``kind`` (benchmarks.peer_images decodes images in its own)."""
     from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
     wc = WorkerConfig(rank=rank, world_size=world_size, num_workers=workers, seed_offset=seed)
@@ -130,7 +133,7 @@ def loader(
         shuffle_buffer_size=1000,
         max_samples_per_sequence=100,
         repeat=repeat,
-        task_encoder=_types()(kind),
+        task_encoder=task_encoder if task_encoder is not None else _types()(kind),
     )
     ld = get_savable_loader(ds)
     if state is not None:

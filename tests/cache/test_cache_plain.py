@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardtool
+from data_gen import pack_compressed_pairs
 from fsutil import flip_byte, temps
 from realtext import byte_ids, stdlib_files
 from runcli import repo_env, shardtool_cli
@@ -46,21 +47,7 @@ def _rows(n: int = 3000, seed: int = 5) -> list[dict]:
 def packed(tmp_path_factory):
     d = tmp_path_factory.mktemp("plain")
     rows = _rows()
-    out = {}
-    for comp in (None, "zstd"):
-        out[comp] = str(d / (comp or "plain"))
-        # 64 KiB record batches (the default before 1 MiB): several a shard, the layout of
-        # compressed datasets packed before, which every reader keeps reading.
-        shardtool.pack(
-            rows,
-            out[comp],
-            format="arrow",
-            length="tokens",
-            shard_size=150_000,
-            compression=comp,
-            record_batch_size="64KiB" if comp else None,
-        )
-    return out
+    return pack_compressed_pairs(rows, d, (None, "zstd"), 150_000)
 
 
 def _copy(url: str, to) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-import shardtool
+from data_gen import pack_compressed_pairs
 from realtext import stdlib_files
 from s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.format import FormatError, open_dataset
@@ -53,19 +53,7 @@ def packed(tmp_path_factory):
         {"tokens": np.frombuffer(c, np.uint8).astype(np.uint16), "src": f"piece {i}", "n": i}
         for i, c in enumerate(_chunks())
     ]
-    urls = {}
-    for comp in (None, "zstd"):
-        urls[comp] = str(d / (comp or "plain"))
-        shardtool.pack(
-            rows,
-            urls[comp],
-            format="arrow",
-            length="tokens",
-            shard_size=300_000,
-            compression=comp,
-            record_batch_size="64KiB" if comp else None,
-        )
-    return urls
+    return pack_compressed_pairs(rows, d, (None, "zstd"), 300_000)
 
 
 def _stored_bytes(root: str) -> int:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import shardtool
+from data_gen import pack_compressed_pairs
 from shardtool import cache
 from shardtool.format.errors import FormatError, ShardtoolError
 from shardtool.loader import ShardedLoader
@@ -37,20 +38,7 @@ def _rows(n: int = 3000) -> list[dict]:
 def packed(tmp_path_factory):
     d = tmp_path_factory.mktemp("comp")
     rows = _rows()
-    out = {}
-    for comp in (None, "zstd", "lz4"):
-        out[comp] = str(d / (comp or "plain"))
-        # 64 KiB record batches (the default before 1 MiB): several a shard, as packed before.
-        shardtool.pack(
-            rows,
-            out[comp],
-            format="arrow",
-            length="tokens",
-            shard_size=200_000,
-            compression=comp,
-            record_batch_size="64KiB" if comp else None,
-        )
-    return rows, out
+    return rows, pack_compressed_pairs(rows, d, (None, "zstd", "lz4"), 200_000)
 
 
 def _samples(url):
