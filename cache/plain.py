@@ -32,6 +32,7 @@ import os
 
 import pyarrow as pa
 
+from ..format.arrowshard import write_plain
 from ..format.atomic import fsync_dir
 from ..format.hashing import hash_file
 from ..format.manifest import Manifest, ShardInfo
@@ -161,17 +162,9 @@ def decompress(vd, shard: int, info: ShardInfo, stored_path: str, final_path: st
 
 def _rewrite(stored_path: str, tmp: str, info: ShardInfo) -> int:
     """Same record batches, same rows, buffers uncompressed; returns the number of batches."""
-    # One thread per shard: the warmer's -j runs that many shards' decompressions at once.
-    opts = pa.ipc.IpcReadOptions(use_threads=False)
     try:
-        reader = pa.ipc.open_file(pa.memory_map(stored_path), options=opts)
-        rows = []
         with pa.OSFile(tmp, "wb") as sink:
-            with pa.ipc.new_file(sink, reader.schema) as writer:
-                for k in range(reader.num_record_batches):
-                    rb = reader.get_batch(k)
-                    rows.append(rb.num_rows)
-                    writer.write_batch(rb)
+            rows = write_plain(pa.memory_map(stored_path), sink)
         check = pa.ipc.open_file(pa.memory_map(tmp))
         if check.num_record_batches != len(rows) or any(check.get_batch(k).num_rows != n for k, n in enumerate(rows)):
             raise SourceCorrupt(f"shard {info.path}: its plain copy does not keep the stored record batches")

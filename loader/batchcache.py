@@ -283,7 +283,8 @@ class _CompressedBatches:
             f"({cls._share / 1e9:.2f} GB decompressed) exceeds the decompressed record batches it keeps "
             f"({cls.budget() / 1e9:.2f} GB; SHARDTOOL_DECOMPRESSED_CACHE), so most batches will be "
             "decompressed many times a pass; give the loader a cache_dir (shards are decompressed "
-            "into it once) or raise SHARDTOOL_DECOMPRESSED_CACHE",
+            "into it once), or raise SHARDTOOL_DECOMPRESSED_SHARE (the shards a rank holds "
+            "decompressed in memory) or SHARDTOOL_DECOMPRESSED_CACHE",
             RuntimeWarning,
             stacklevel=2,
         )

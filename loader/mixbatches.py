@@ -92,6 +92,15 @@ class MixtureBatches:
         for name, position in positions.items():
             self.plan(name, position.epoch)
 
+    def inflate(self, step: int) -> None:
+        """Each source's compressed local shards its planned epochs read, decompressed into
+        memory before workers fork (`BatchReader.inflate`)."""
+        self.prepare(step)
+        for name, reader in self.readers.items():
+            ids = [plan.ids for (n, _), plan in self._plans.items() if n == name]
+            if ids:
+                reader.inflate(np.concatenate(ids))
+
     def units(self, b: int) -> list[tuple[str, list[Piece]]]:
         return self.planner.step_pieces(self.state, b)
 

@@ -21,10 +21,12 @@ import torch
 
 from ..format import FormatError
 from ..plan.ranges import locate_ids
+from .batchcache import decompress_pool
 from .collate import KEY, PACK_MIN_BYTES, Alloc, PackedBytes, collate_samples, stack_column
+from .inflate import Inflated, InflatedShard, inflate_budget
 from .observability.probe import REMOTE, Probe
 from .shardview import ShardView
-from .source import RemoteShard, Source, SourceSpec
+from .source import MappedFile, RemoteShard, Source, SourceSpec
 
 MAX_OPEN_SHARDS = 64
 
@@ -42,6 +44,9 @@ class BatchReader:
         self._remote_seen: set[int] = set()
         self._last_remote_batch: tuple | None = None
         self._fetch_lock = threading.Lock()  # record batches of remote views are fetched on threads
+        # Compressed local shards decompressed by this rank's process before its workers fork
+        # (loader/inflate.py): workers inherit them, so the per-pid reset in `source` keeps them.
+        self._inflated: Inflated | None = None
 
     # ------------------------------------------------------------------ per-process state
     @property
@@ -71,7 +76,13 @@ class BatchReader:
         ds = src.dataset
         token = self.probe.opening(shard, src) if self.probe is not None else None
         index = ds.shard_index(shard)
-        mapped = src.map_shard(shard) if src.local else RemoteShard(ds.manifest.shards[shard].path)
+        name = ds.manifest.shards[shard].path
+        plain = self._inflated.get(shard) if self._inflated is not None else None
+        compressed = plain is None and ds.shard_compressed(shard)
+        if plain is not None:
+            mapped: MappedFile | InflatedShard | RemoteShard = InflatedShard(plain, name)
+        else:
+            mapped = src.map_shard(shard) if src.local else RemoteShard(name)
         try:
             v = ShardView(
                 mapped,
@@ -80,7 +91,7 @@ class BatchReader:
                 tar=self.tar,
                 pad_field=self.pad_field,
                 allow_pickle=ds.allow_pickle,
-                compressed=ds.shard_compressed(shard),
+                compressed=compressed,
                 plain_bytes=ds.manifest.shards[shard].raw_bytes or 0,
                 fetch=None if src.local else self._fetcher(ds, shard, index),
             )
@@ -94,6 +105,31 @@ class BatchReader:
             _, old = self._views.popitem(last=False)
             old.close()
         return v
+
+    def inflate(self, ids: np.ndarray) -> list[int]:
+        """Decompress into memory the compressed local shards that ``ids`` (a pass's samples)
+        read, as far as the budget allows (loader/inflate.py); call it in the rank's process
+        before workers fork. Returns the shards it decompressed now."""
+        src = self.source
+        ds = src.dataset
+        if not src.local or self.tar or ds.manifest.compression is None or not len(ids):
+            return []
+        want = [s for s in np.unique(self.locate(ids)[0]).tolist() if ds.shard_compressed(s)]
+        if not want and self._inflated is None:
+            return []
+        if self._inflated is None:
+            self._inflated = Inflated(inflate_budget(os.environ))
+        infos = ds.manifest.shards
+        # A manifest without the plain size (older packs) is guessed at 4x: zstd on token ids
+        # is ~1.6x, on text 3-5x; a short guess only costs a growing buffer (`inflate.decompress`).
+        sizes = {s: int(infos[s].raw_bytes or 4 * infos[s].bytes) for s in want}
+
+        def drop(s: int) -> None:
+            v = self._views.pop(s, None)
+            if v is not None:
+                v.close()
+
+        return self._inflated.fill(want, sizes, src.map_shard, pool=decompress_pool(), drop=drop)
 
     def _fetcher(self, ds, shard: int, index):
         """``fetch(i)``: the verified record batch of a remote shard holding sample ``i``, one

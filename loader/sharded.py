@@ -457,6 +457,7 @@ class ShardedLoader:
         entered = time.perf_counter()
         watch = self._obs.begin_pass(batches, start, n, where, self._epoch, entered)  # before the workers fork
         try:
+            batches.inflate(start)  # compressed shards read in place: once per rank, before the fork
             dl = make_dataloader(
                 batches,
                 start,

@@ -67,6 +67,11 @@ class PlanBatches:
             longest[full] = np.maximum.reduceat(np.maximum(lens, 1), rel[:-1][full])
         return samples, cum[rel[1:]] - cum[rel[:-1]], samples * longest
 
+    def inflate(self, start: int) -> None:
+        """Decompress into memory the compressed local shards batches ``start`` on read
+        (`BatchReader.inflate`); the workers forked after it share them."""
+        self.reader.inflate(self.ids[int(self.offsets[start]) : int(self.offsets[-1])])
+
     def batch_ids(self, b: int) -> np.ndarray:
         return self.ids[self.offsets[b] : self.offsets[b + 1]]
 

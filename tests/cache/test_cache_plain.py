@@ -328,8 +328,10 @@ def test_compressed_read_in_place_gathers_batches_like_plain(packed, workers, sh
     assert _epoch(packed["zstd"], workers, **shape) == _epoch(packed[None], workers, **shape)
 
 
-def test_a_pass_in_place_decompresses_each_record_batch_once(packed):
+def test_a_pass_in_place_decompresses_each_record_batch_once(packed, monkeypatch):
     from shardtool.loader.shardview import _CompressedBatches
+
+    monkeypatch.setenv("SHARDTOOL_DECOMPRESSED_SHARE", "0")  # no shard held whole: batch by batch
 
     ds = shardtool.open_dataset(packed["zstd"])
     batches = sum(len(np.unique(ds.shard_index(s).batch)) for s in range(ds.num_shards))
@@ -377,9 +379,13 @@ def test_warm_cli_keep_compressed_and_the_json_report(packed, tmp_path):
     size=st.sampled_from([("batch_size", 1), ("batch_size", 7), ("max_tokens", 700)]),
     cache_bytes=st.sampled_from([1 << 16, 1 << 20, 256 << 20]),
 )
-def test_compressed_in_place_batches_equal_plain_whatever_the_seed_and_the_batch_cache(packed, seed, size, cache_bytes):
+def test_compressed_in_place_batches_equal_plain_whatever_the_seed_and_the_batch_cache(
+    packed, monkeypatch, seed, size, cache_bytes
+):
     """The delivered batches never depend on how many decompressed batches a process keeps."""
     from shardtool.loader import batchcache
+
+    monkeypatch.setenv("SHARDTOOL_DECOMPRESSED_SHARE", "0")
 
     old = batchcache._CompressedBatches._cap
     batchcache._CompressedBatches._cap = cache_bytes  # the budget is at least CACHE_BYTES: set it too
@@ -393,10 +399,12 @@ def test_compressed_in_place_batches_equal_plain_whatever_the_seed_and_the_batch
         batchcache._CompressedBatches.CACHE_BYTES = old_min
 
 
-def test_a_share_larger_than_the_decompressed_batches_kept_is_warned_about(packed):
+def test_a_share_larger_than_the_decompressed_batches_kept_is_warned_about(packed, monkeypatch):
     """Shuffled reads of a share the batch cache cannot hold decompress most batches again and
     again: the loader says so once, and names the way out (a node cache)."""
     from shardtool.loader import batchcache
+
+    monkeypatch.setenv("SHARDTOOL_DECOMPRESSED_SHARE", "0")
 
     cls = batchcache._CompressedBatches
     saved = cls._cap, cls.CACHE_BYTES, cls._warned

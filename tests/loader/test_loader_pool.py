@@ -38,10 +38,16 @@ def _resources() -> tuple:
 
 
 def _settled(before: tuple, seconds: float = 10.0) -> tuple:
+    """The resources of ``before`` once what the test made is gone. /dev/shm is the machine's:
+    entries other processes removed meanwhile are not ours to count, only new ones left."""
     deadline = time.monotonic() + seconds
-    while (now := _resources()) != before and time.monotonic() < deadline:
+    while True:
+        now = _resources()
+        if not set(now[0]) - set(before[0]) and now[1:] == before[1:]:
+            return before
+        if time.monotonic() >= deadline:
+            return now
         time.sleep(0.1)
-    return now
 
 
 def _as_lists(batches):

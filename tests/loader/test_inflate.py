@@ -1,0 +1,132 @@
+"""Compressed shards read in place are decompressed once per rank into memory its workers share
+(loader/inflate.py): batches equal the plain dataset's, a second pass decompresses nothing, and a
+budget smaller than the share holds what fits and reads the rest record batch by record batch."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shardtool
+from data_gen import pack_compressed_pairs
+from realtext import byte_ids, stdlib_files
+from shardtool.loader import ShardedLoader
+from shardtool.loader.inflate import choose, inflate_budget
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _rows(n: int = 2500, seed: int = 11) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [
+        {"tokens": rng.integers(0, 500, int(rng.integers(1, 200))).astype(np.int32), "text": f"doc {i} " * (i % 5)}
+        for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    return pack_compressed_pairs(_rows(), tmp_path_factory.mktemp("inflate"), (None, "zstd"), 120_000)
+
+
+def _listed(batch) -> dict:
+    return {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def _share_shards(ld) -> set[int]:
+    shard, _ = ld.reader.locate(ld.plan.ids)
+    return set(np.unique(shard).tolist())
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_each_shard_of_the_share_is_decompressed_once_per_run(packed, workers, ranks):
+    kw = dict(max_tokens=1500, seed=5, rank=ranks - 1, world_size=ranks, ranks_per_node=1, num_workers=workers)
+    ld = ShardedLoader(packed["zstd"], **kw)
+    plain = ShardedLoader(packed[None], **kw)
+    for epoch in range(2):
+        ld.set_epoch(epoch)
+        plain.set_epoch(epoch)
+        assert [_listed(b) for b in ld] == [_listed(b) for b in plain]
+        held = ld.reader._inflated
+        # Only this rank's shards, every one of them, each decompressed once: the second pass none.
+        assert set(held.copies) == _share_shards(ld)
+        assert held.loaded == len(held.copies)
+    if ranks > 1:
+        assert len(held.copies) < shardtool.open_dataset(packed["zstd"]).num_shards
+
+
+def test_a_budget_smaller_than_the_share_holds_what_fits_and_reads_the_rest_by_record_batch(packed, monkeypatch):
+    ds = shardtool.open_dataset(packed["zstd"])
+    sizes = sorted(s.raw_bytes for s in ds.manifest.shards)
+    monkeypatch.setenv("SHARDTOOL_DECOMPRESSED_SHARE", str(sizes[0] + sizes[1]))
+    for workers in (0, 2):
+        kw = dict(batch_size=7, seed=1, rank=0, world_size=1, num_workers=workers)
+        ld = ShardedLoader(packed["zstd"], **kw)
+        assert [_listed(b) for b in ld] == [_listed(b) for b in ShardedLoader(packed[None], **kw)]
+        held = ld.reader._inflated
+        assert 1 <= len(held.copies) <= 2 < ds.num_shards and held.nbytes <= sizes[0] + sizes[1]
+
+
+def test_zero_turns_it_off_and_a_bad_size_is_named():
+    assert inflate_budget({"SHARDTOOL_DECOMPRESSED_SHARE": "0"}) == 0
+    assert inflate_budget({"SHARDTOOL_DECOMPRESSED_SHARE": "2GiB"}) == 2 << 30
+    assert inflate_budget({"LOCAL_WORLD_SIZE": "8"}) * 8 <= inflate_budget({}) + 8
+    with pytest.raises(ValueError, match="SHARDTOOL_DECOMPRESSED_SHARE"):
+        inflate_budget({"SHARDTOOL_DECOMPRESSED_SHARE": "lots"})
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    want=st.lists(st.integers(0, 30), unique=True, max_size=20),
+    held=st.lists(st.integers(0, 30), unique=True, max_size=10),
+    budget=st.integers(0, 4000),
+    seed=st.integers(0, 2**16),
+)
+def test_choose_keeps_what_is_held_and_wanted_and_never_exceeds_the_budget(want, held, budget, seed):
+    rng = np.random.default_rng(seed)
+    sizes = {s: int(rng.integers(1, 600)) for s in range(31)}
+    # What is held was chosen under the same budget before.
+    held_sizes = {s: sizes[s] for s in choose(held, {}, sizes, budget)}
+    out = choose(want, held_sizes, sizes, budget)
+    assert out == [s for s in want if s in set(out)]  # the pass's order, nothing it does not read
+    assert {s for s in want if s in held_sizes} <= set(out)  # a held shard still read stays
+    assert sum(sizes[s] for s in out) <= budget
+    # Greedy: a wanted shard left out did not fit beside those chosen.
+    rest = budget - sum(sizes[s] for s in out)
+    assert all(sizes[s] > rest for s in want if s not in set(out))
+
+
+def test_real_text_in_place_packed_rows_at_seq_len_256_equal_plain(tmp_path):
+    """Stdlib files as byte ids (long documents), packed rows at a short seq_len, two workers."""
+    rows = [{"tokens": byte_ids(p), "path": os.path.relpath(p)} for p in stdlib_files(300)]
+    roots = {}
+    for comp in (None, "zstd"):
+        roots[comp] = str(tmp_path / (comp or "plain"))
+        shardtool.pack(rows, roots[comp], format="arrow", length="tokens", shard_size=2_000_000, compression=comp)
+    kw = dict(seq_len=256, batch_size=4, packing="best-fit", eos_id=256, seed=2, world_size=2, rank=1)
+    for workers in (0, 2):
+        ld = ShardedLoader(roots["zstd"], num_workers=workers, **kw)
+        got = [_listed(b) for b in ld]
+        assert got and got == [_listed(b) for b in ShardedLoader(roots[None], num_workers=workers, **kw)]
+        assert ld.reader._inflated.copies
+
+
+def test_a_mixture_with_a_compressed_source_holds_it_decompressed_and_reads_it_like_plain(packed):
+    from shardtool.loader import Mixture
+
+    other = str(os.path.join(os.path.dirname(packed[None]), "other"))
+    if not os.path.exists(other):
+        shardtool.pack(_rows(600, seed=3), other, format="arrow", length="tokens", shard_size=60_000)
+    kw = dict(steps=40, batch_size=6, seed=9, rank=0, world_size=1)
+    for workers in (0, 2):
+        ld = ShardedLoader(Mixture({"z": (packed["zstd"], 0.7), "o": (other, 0.3)}), num_workers=workers, **kw)
+        want = ShardedLoader(Mixture({"z": (packed[None], 0.7), "o": (other, 0.3)}), num_workers=workers, **kw)
+        got = [_listed(b) for b in ld]
+        assert got == [_listed(b) for b in want] and len(got) == 40
+        assert ld.readers["z"]._inflated.copies and ld.readers["o"]._inflated is None
