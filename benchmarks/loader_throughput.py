@@ -14,10 +14,11 @@ state measurement stops after ``--max-seconds`` (both sides alike: same corpus, 
     python -m benchmarks.loader_throughput [--small] [--dir DIR] [--repeats 3] [--max-seconds 30] [--json]
 
 ``--compression zstd|lz4`` measures instead the token corpus (random ids) packed as Arrow shards
-plain and compressed, plus a corpus 3x larger (its decompressed batches exceed the 256 MiB a
-process once kept): ShardedLoader samples/s of each, through a warmed node cache (the compressed
-shards decompressed there) and read in place, num_workers 0 and 2, alternating, medians, and the
-compressed/plain ratio against its target (cache >= 0.95x, in place >= 0.5x).
+plain and compressed, plus a corpus 3x larger: ShardedLoader samples/s of each, through a warmed
+node cache (the compressed shards decompressed there) and read in place (the rank decompresses
+its share into memory once), num_workers 0 and 2, ``--passes`` passes a run, alternating, medians,
+the first batch's time, and the compressed/plain ratio against its target (cache >= 0.95x, in
+place >= 0.5x); benchmarks/compressed_reads.py.
 
     python -m benchmarks.loader_throughput --compression zstd [--modes cache,inplace] [--corpora tokens,big]
 
@@ -50,6 +51,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # the checkout, also via shardtool/benchmarks
 sys.path.insert(0, ROOT)
+
+from shardtool.benchmarks.compressed_reads import compression_runs, print_compression  # noqa: E402
 
 MAX_TOKENS = 65536
 WDS_BATCH = 128  # about the samples per 65,536-token batch of our loader on this corpus
@@ -116,7 +119,14 @@ def run_wds(root: str, kind: str, workers: int, max_s: float) -> dict:
 
 
 def run_ours(
-    root: str, kind: str, workers: int, resume: bool, max_s: float, metrics: bool = True, cache_dir: str | None = None
+    root: str,
+    kind: str,
+    workers: int,
+    resume: bool,
+    max_s: float,
+    metrics: bool = True,
+    cache_dir: str | None = None,
+    passes: int = 1,
 ) -> dict:
     from shardtool.loader import ShardedLoader
 
@@ -134,9 +144,16 @@ def run_ours(
     if resume:
         served = int(len(ld) * 0.9)
         ld.load_state_dict(ld.planner.start(0, ld.fingerprint, ld.data_layout).with_served(served).to_dict())
-    out = consume(ld, kind, began, first_only=resume, max_s=max_s)
+    out = consume(ld if passes == 1 else _passes(ld, passes), kind, began, first_only=resume, max_s=max_s)
     out["padding_efficiency"] = ld.padding_efficiency if kind == "tokens" else None
     return out
+
+
+def _passes(ld, n: int):
+    """``n`` passes of ``ld`` (epochs 0 .. n - 1), one batch stream."""
+    for epoch in range(n):
+        ld.set_epoch(epoch)
+        yield from ld
 
 
 def consume(loader, kind: str, began: float, first_only: bool = False, max_s: float = float("inf")) -> dict:
@@ -223,7 +240,14 @@ def one(args) -> None:
         out = run_wds(args.root, args.kind, args.workers, args.max_seconds)
     else:
         out = run_ours(
-            args.root, args.kind, args.workers, args.resume, args.max_seconds, args.one == "ours", args.cache_dir
+            args.root,
+            args.kind,
+            args.workers,
+            args.resume,
+            args.max_seconds,
+            args.one == "ours",
+            args.cache_dir,
+            args.passes,
         )
     print(json.dumps(out))
 
@@ -237,6 +261,7 @@ def measure(
     max_s: float = 30.0,
     cache_dir: str | None = None,
     verify: bool = False,
+    passes: int = 1,
 ) -> dict:
     """One run in its own process; ``which``: "ours", "ours-nometrics" (metrics=False), "wds" or a peer."""
     cmd = (
@@ -256,6 +281,7 @@ def measure(
         ]
         + (["--resume"] if resume else [])
         + (["--cache-dir", cache_dir] if cache_dir else [])
+        + (["--passes", str(passes)] if passes != 1 else [])
     )
     cmd += ["--verify"] if verify else []
     env = {**os.environ, "PYTHONPATH": ROOT}
@@ -265,107 +291,6 @@ def measure(
             f"{which} {kind} w={workers} failed (exit {res.returncode}; {' '.join(cmd)}):\n{res.stderr[-3000:]}"
         )
     return json.loads(res.stdout.strip().splitlines()[-1])
-
-
-def packed_pair(base: str, name: str, n: int, codec: str, *, seed: int = 0) -> dict:
-    """The token corpus ``name`` (``n`` samples) packed as Arrow shards plain and ``codec``-compressed,
-    under ``base`` (reused when present): {None: plain root, codec: compressed root}."""
-    import shardtool
-
-    from . import corpus
-
-    src = os.path.join(base, f"{name}-src")
-    if not os.path.exists(os.path.join(src, "tokens.parquet")):
-        corpus.write_tokens(src, n, seed=seed, jsonl=False)
-    from shardtool.format.arrowshard import COMPRESSED_BATCH_BYTES
-
-    roots = {}
-    for comp in (None, codec):
-        # The compressed twin's name carries its record-batch size: a corpus packed by an older
-        # shardtool (64 KiB batches) is not silently measured in place of today's layout.
-        tail = f"{comp}-b{COMPRESSED_BATCH_BYTES >> 10}k" if comp else "plain"
-        roots[comp] = os.path.join(base, f"{name}-arrow-{tail}")
-        if not os.path.exists(os.path.join(roots[comp], "index.json")):
-            shardtool.pack(
-                os.path.join(src, "tokens.parquet"),
-                roots[comp],
-                format="arrow",
-                length="tokens",
-                shard_size="64MiB",
-                compression=comp,
-            )
-    return roots
-
-
-def compression_runs(
-    base: str, corpora: dict[str, int], codec: str, repeats: int, max_s: float, modes: tuple[str, ...]
-) -> dict:
-    """samples/s of the same Arrow dataset plain and ``codec``-compressed, per corpus, mode and
-    worker count, alternating, medians. Modes: ``cache`` (both warmed into a node cache first: the
-    compressed one is decompressed there) and ``inplace`` (no cache: read where they lie)."""
-    import shardtool
-    from shardtool.cache import warm
-
-    out: dict = {}
-    for name, n in corpora.items():
-        roots = packed_pair(base, name, n, codec)
-        info = shardtool.open_dataset(roots[codec]).manifest
-        plain_bytes = sum(s.raw_bytes or s.bytes for s in info.shards)
-        res: dict = {
-            "samples": n,
-            "stored_bytes": info.num_bytes,
-            "plain_bytes": plain_bytes,
-            "size_ratio": plain_bytes / info.num_bytes,
-        }
-        caches = {}
-        if "cache" in modes:
-            for comp, root in roots.items():
-                caches[comp] = os.path.join(base, f"{name}-cache-{comp or 'plain'}")
-                r = warm(root, caches[comp], all_shards=True, jobs=2, progress=False)
-                if r.status != "ok":
-                    raise SystemExit(f"warm of {root} failed: {r.error}")
-        for mode in modes:
-            for w in (0, 2):
-                kw = {c: (caches[c] if mode == "cache" else None) for c in roots}
-                for comp, root in roots.items():
-                    measure("ours", root, "tokens", w, max_s=max_s, cache_dir=kw[comp])  # warm-up
-                runs: dict = {None: [], codec: []}
-                for r in range(repeats):
-                    for comp in (None, codec) if r % 2 == 0 else (codec, None):
-                        runs[comp].append(
-                            measure("ours", roots[comp], "tokens", w, max_s=max_s, cache_dir=kw[comp])["samples_per_s"]
-                        )
-                plain, comp = statistics.median(runs[None]), statistics.median(runs[codec])
-                res[f"{mode}/w{w}"] = {
-                    "plain_samples_per_s": plain,
-                    "compressed_samples_per_s": comp,
-                    "ratio": comp / plain,
-                    "ratio_runs": [c / p for p, c in zip(runs[None], runs[codec])],
-                }
-        out[name] = res
-    return out
-
-
-COMPRESSION_TARGETS = {"cache": 0.95, "inplace": 0.5}
-
-
-def print_compression(compressed: dict, codec: str) -> None:
-    for name, res in compressed.items():
-        print(
-            f"\n{name}: {res['samples']:,} token samples, Arrow shards {res['stored_bytes'] / 1e6:,.0f} MB {codec} "
-            f"/ {res['plain_bytes'] / 1e6:,.0f} MB plain ({res['size_ratio']:.2f}x)"
-        )
-        print(f"  {'mode':<10}{'workers':>8}{'plain/s':>12}{codec + '/s':>12}{'ratio':>8}{'range':>13}  target")
-        for key, r in res.items():
-            if not isinstance(r, dict):
-                continue
-            mode, w = key.split("/")
-            goal = COMPRESSION_TARGETS[mode]
-            lo, hi = min(r["ratio_runs"]), max(r["ratio_runs"])
-            print(
-                f"  {mode:<10}{w[1:]:>8}{r['plain_samples_per_s']:>12,.0f}{r['compressed_samples_per_s']:>12,.0f}"
-                f"{r['ratio']:>7.2f}x{f'{lo:.2f}-{hi:.2f}':>13}  >= {goal}x: {'met' if r['ratio'] >= goal else 'MISSED'}"
-            )
 
 
 # ---------------------------------------------------------------------- report
@@ -526,6 +451,12 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--passes",
+        type=int,
+        default=3,
+        help="with --compression: passes a run reads (the rate is over all of them; default 3)",
+    )
     args = p.parse_args()
     if args.one:
         return one(args)
@@ -540,7 +471,16 @@ def main() -> None:
             file=sys.stderr,
         )
         compressed = compression_runs(
-            base, corpora, args.compression, args.repeats, args.max_seconds, tuple(args.modes.split(","))
+            lambda root, w, cache_dir, passes: measure(
+                "ours", root, "tokens", w, max_s=args.max_seconds, cache_dir=cache_dir, passes=passes
+            ),
+            base,
+            corpora,
+            args.compression,
+            args.repeats,
+            args.max_seconds,
+            tuple(args.modes.split(",")),
+            args.passes,
         )
         if args.json:
             print(json.dumps(compressed, indent=1))

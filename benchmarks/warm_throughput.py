@@ -79,7 +79,7 @@ def compressed_warm(a) -> None:
     adds, and the plain warm is a kernel copy), and the same files behind a per-node bandwidth
     cap (tests/faultfs.py: one pipe shared by every job, as a node's link to Lustre or S3 is),
     where the compressed warm moves 1.6x fewer bytes and decompresses while other shards move."""
-    from .loader_throughput import packed_pair
+    from .compressed_reads import packed_pair
 
     a.work = a.dir or tempfile.mkdtemp(prefix="warm-bench-")
     roots = packed_pair(a.work, "tokens", a.samples, a.compression)
