@@ -11,8 +11,10 @@ Every error names the shard and the sample.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -29,6 +31,7 @@ from .shardview import ShardView
 from .source import MappedFile, RemoteShard, Source, SourceSpec
 
 MAX_OPEN_SHARDS = 64
+log = logging.getLogger(__name__)
 
 
 class BatchReader:
@@ -129,7 +132,22 @@ class BatchReader:
             if v is not None:
                 v.close()
 
-        return self._inflated.fill(want, sizes, src.map_shard, pool=decompress_pool(), drop=drop)
+        began = time.perf_counter()
+        done = self._inflated.fill(want, sizes, src.map_shard, pool=decompress_pool(), drop=drop)
+        if done:
+            held = self._inflated
+            log.info(
+                "decompressed %d compressed shards of this rank's pass into memory in %.2f s "
+                "(%.2f GB held of %.2f GB allowed, %s; %d of %d shards held)",
+                len(done),
+                time.perf_counter() - began,
+                held.nbytes / 1e9,
+                held.budget / 1e9,
+                "SHARDTOOL_DECOMPRESSED_SHARE",
+                len(held.copies),
+                len(want),
+            )
+        return done
 
     def _fetcher(self, ds, shard: int, index):
         """``fetch(i)``: the verified record batch of a remote shard holding sample ``i``, one
