@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -19,19 +17,17 @@ from ..plan.env import rank_placement
 from ..plan.mesh import as_mesh
 from ..plan.packing import Packing, with_packed_eos
 from ..plan.state import LoaderState, check_compatible
-from .agree import disagreement, in_process_group
-from .collate import unpack_batch
-from .errors import LoaderError, LoaderStateError
+from .errors import LoaderStateError
 from .observability.observe import Observer
-from .pool import WorkerFailed
+from .passrun import PassRunner
 from .reader import BatchReader
 from .source import SourceSpec
-from .workers import PlanBatches, make_dataloader
+from .workers import PlanBatches
 
 log = logging.getLogger(__name__)
 
 
-class ShardedLoader:
+class ShardedLoader(PassRunner):
     """Batches of a packed dataset for one rank of a (possibly multi-node) training job.
 
     Exactly one of ``batch_size`` (samples per batch) and ``max_tokens`` (batch size x longest
@@ -436,96 +432,6 @@ class ShardedLoader:
             packed_stats=plan.packed_stats(self.batching.batch_size) if packed is not None else None,
         )
         return self._track(self._run(batches, start, n, where))
-
-    def _track(self, run: Iterator[Any]) -> Iterator[Any]:
-        # A weak reference: the pass must still end (its workers exit) as soon as the consumer
-        # drops it, as a loop that breaks out does; a strong one would be a cycle through self.
-        self._pass = weakref.ref(run)
-        return run
-
-    def _close_pass(self) -> None:
-        """End the previous pass's generator (its worker pool) before another begins: a consumer
-        that stops at len(loader), or breaks out early and keeps it, leaves it suspended."""
-        ref, self._pass = getattr(self, "_pass", None), None
-        previous = ref() if ref is not None else None
-        if previous is not None:
-            previous.close()
-
-    def _run(self, batches: PlanBatches, start: int, n: int, where: str) -> Iterator[Any]:
-        # The body runs inside the user's next() calls: each is timed from its entry (here, and
-        # after each yield) to its return, so wait_s is what the user measures around next().
-        entered = time.perf_counter()
-        watch = self._obs.begin_pass(batches, start, n, where, self._epoch, entered)  # before the workers fork
-        try:
-            batches.inflate(start)  # compressed shards read in place: once per rank, before the fork
-            dl = make_dataloader(
-                batches,
-                start,
-                num_workers=self.num_workers,
-                prefetch_factor=self.prefetch_factor,
-                pin_memory=self.pin_memory,
-                timeout=self.timeout,
-                worker_init=self._obs.worker_init,
-                probe=self._obs.probe,
-            )
-        except BaseException:
-            self._obs.end_pass(complete=False)
-            raise
-        it = iter(dl)
-        ended = None  # an error, or the loop left early: the pass ends outside any next()
-        try:
-            for b in range(start, n):
-                try:
-                    batch = watch.next(it, b, entered, unpack_batch)
-                except StopIteration:
-                    raise LoaderError(f"{where}: the reader stopped after {b} of {n} batches") from None
-                except WorkerFailed as e:
-                    # The worker pool's own failures: a worker killed, exited or timed out. Anything
-                    # else (our reader's errors, the user's transform or collate_fn) is raised as
-                    # itself, with notes naming the batch and its shards.
-                    raise LoaderError(
-                        f"{where}: batch {b} could not be loaded ({batches.describe(b)}): "
-                        f"a worker process failed, exited or was killed ({type(e).__name__}: {e})"
-                    ) from e
-                self._served = b + 1
-                if self._staging is not None:
-                    self._staging.served(self._epoch, self._served)
-                yield batch
-                entered = time.perf_counter()
-            ended = entered  # this next() ends the pass: closing the workers is part of it
-        finally:
-            it.close()  # the worker pool, or the in-process generator
-            self._obs.end_pass(complete=self._served >= n, entered=ended)
-        self._pass_done()
-
-    def _pass_done(self) -> None:
-        self._start_epoch(self._epoch + 1)
-
-    def _check_ranks_agree(self, plan: RankPlan) -> None:
-        """One all-reduce per epoch: every rank has the same dataset, config and batch count.
-
-        Without it, a rank on another dataset version would wait forever in the first
-        all-reduce of training after the others ran out of batches.
-        """
-        if self._checked_epoch == self._epoch or not self._in_process_group():
-            return
-        self._checked_epoch = self._epoch
-        ident = f"{self.fingerprint}/{self.batching.fingerprint()}/{self._epoch}"
-        self._agree(
-            [plan.batches_per_rank, self._served],
-            ident,
-            "(batches per rank, dataset/config, position)",
-            "Every rank must open the same dataset version with the same batching and state.",
-        )
-
-    def _in_process_group(self) -> bool:
-        return in_process_group(self.layout.world_size, self.rank)
-
-    def _agree(self, numbers: list[int], ident: str, what: str, fix: str) -> None:
-        """LoaderError naming the ranges if any rank differs on ``numbers`` or ``ident``."""
-        message = disagreement(self.rank, numbers, ident, what, fix)
-        if message is not None:
-            raise LoaderError(message)
 
     # ------------------------------------------------------------------ observability
     def metrics(self) -> dict[str, Any]:
