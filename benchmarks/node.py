@@ -8,7 +8,6 @@ the same run through their recommended set-up, so the ratios are measured, not q
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -25,6 +24,7 @@ from shardtool.benchmarks.node_report import (  # noqa: F401 - re-exported: cmd_
     summarize,
     write_json,
 )
+from shardtool.cli._plan import peak_rss_mb
 
 READERS: dict[str, Callable] = {}
 
@@ -231,7 +231,9 @@ def rank_result(rank: int, name: str, cfg: BenchConfig) -> dict:
         consume(it, result, cfg, t_start)
     except Exception as e:  # reported to the parent, which prints it
         result.error = f"{type(e).__name__}: {e}"
-    result.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # This rank's own peak (VmHWM): ru_maxrss would be at least the bench process's peak when it
+    # spawned the rank (Linux carries it across exec), the same figure for every reader.
+    result.peak_rss_mb = peak_rss_mb()
     return asdict(result)
 
 
