@@ -39,7 +39,8 @@ from ..format.atomic import atomic_write_bytes
 from ..plan.staging import TouchOrder, merge_orders, next_fetches, window_end
 from .errors import CacheError, LocalFault
 from .meta import COPIED, ensure_shard
-from .plain import keeps_compressed, wants_plain
+from .plain import cached_size, keeps_compressed, wants_plain
+from .stagebudget import StageBudget
 
 _PROGRESS = struct.Struct("<qq")  # epoch, batches served
 STAGE_DIR = "stage"
@@ -185,6 +186,7 @@ class StageReport:
     bytes_copied: int = 0
     shards_present: int = 0  # found in the cache (a warm or a reader got there first)
     failures: list = field(default_factory=list)
+    not_fitted: list = field(default_factory=list)  # over the cache's budget: left to the readers
     # per fetch started: (seconds since start, shard, its index in the order, window end, slowest step)
     fetches: list = field(default_factory=list)
     seconds: float = 0.0
@@ -192,7 +194,9 @@ class StageReport:
     def summary(self) -> str:
         return (
             f"staged {self.shards_copied} shard(s), {self.bytes_copied / 1e9:.3f} GB, {self.shards_present} "
-            f"already in the cache, {len(self.failures)} failed, in {self.seconds:.1f}s ({self.status})"
+            f"already in the cache, {len(self.failures)} failed, "
+            + (f"{len(self.not_fitted)} left over the cache budget, " if self.not_fitted else "")
+            + f"in {self.seconds:.1f}s ({self.status})"
         )
 
 
@@ -212,7 +216,9 @@ def follow(
 ) -> StageReport:
     """Stage the shards ``ranks`` local ranks read from ``cache`` (a `DatasetCache`), following
     their board; returns when done (see the module docstring) or when ``stop`` is set.
-    ``jobs``: concurrent fetches; ``bandwidth``: bytes per second over all of them."""
+    ``jobs``: concurrent fetches; ``bandwidth``: bytes per second over all of them. The cache's
+    budget (``cache.max_bytes``/``min_free``, as `open_cache` took them) bounds what is staged:
+    a shard over it is left to the readers, said once (`shardtool.cache.stagebudget`)."""
     if ahead_shards < 1 or jobs < 1 or ranks < 1:
         raise ValueError(f"ahead_shards, jobs and ranks must be >= 1, found {ahead_shards}, {jobs}, {ranks}")
     log = log or (lambda msg: print(f"shardtool stage: {msg}", file=sys.stderr))
@@ -227,6 +233,7 @@ def follow(
     policy = cache.retry
     present: set[int] = set()
     failed: set[int] = set()
+    over: set[int] = set()  # over the budget: left to the readers' fetch-on-miss
     busy: dict[int, Future] = {}
     parsed: dict = {}
     next_scan = 0.0
@@ -236,6 +243,12 @@ def follow(
     # As the loader's fetch-on-miss does: a compressed Arrow shard enters the cache plain unless this
     # version was warmed with --keep-compressed.
     plain = wants_plain(cache.manifest, keeps_compressed(vd))
+    budget = StageBudget(
+        cache.cache_dir,
+        [cached_size(cache.manifest, s, keeps_compressed(vd)) for s in shards],
+        max_bytes=cache.max_bytes,
+        min_free=cache.min_free,
+    )
 
     def fetch(i: int) -> str:
         return ensure_shard(vd, i, shards[i], src, policy=policy, on_bytes=throttle, plain=plain)
@@ -260,6 +273,7 @@ def follow(
                     if outcome == COPIED:
                         report.shards_copied += 1
                         report.bytes_copied += sizes[i]
+                        budget.copied(i)
                     else:
                         report.shards_present += 1
             if report.status == "local_fault":
@@ -279,7 +293,9 @@ def follow(
                 order, slowest = current
                 if order is not last:  # a new pass: nothing of it is known to be resolved
                     last, listed, resolved = order, order.shards.tolist(), 0
-                while resolved < len(order) and (listed[resolved] in present or listed[resolved] in failed):
+                while resolved < len(order) and (
+                    listed[resolved] in present or listed[resolved] in failed or listed[resolved] in over
+                ):
                     resolved += 1
                 # What a warm or a reader put there: the window's shards at every poll, all of them
                 # once a second (a stat each: 10,000s of shards must not be stat-ed 50 times a second).
@@ -291,7 +307,9 @@ def follow(
                     if i not in present and i not in busy and vd.trusted(i, shards[i]):
                         present.add(i)
                         report.shards_present += 1
-                while resolved < len(order) and (listed[resolved] in present or listed[resolved] in failed):
+                while resolved < len(order) and (
+                    listed[resolved] in present or listed[resolved] in failed or listed[resolved] in over
+                ):
                     resolved += 1
                 if len(seen.orders) >= ranks and not busy and resolved == len(order):
                     report.status = "done"
@@ -300,17 +318,24 @@ def follow(
                     order,
                     sizes,
                     slowest_step=slowest,
-                    present=present | failed,
+                    present=present | failed | over,
                     busy=set(busy),
                     ahead_shards=ahead_shards,
                     ahead_bytes=ahead_bytes,
                     slots=jobs - len(busy),
                 )
+                picks, left = budget.fit(picks, list(busy))
+                for i in left:
+                    if not over:
+                        log(budget.describe(i, shards[i].path))
+                    over.add(i)
+                    report.not_fitted.append(i)
                 if picks:
                     where = {s: k for k, s in enumerate(order.shards[:end].tolist())}
                     for i in picks:
                         report.fetches.append((time.monotonic() - began, i, where[i], end, slowest))
                         busy[i] = pool.submit(fetch, i)
+                if picks or left:
                     continue
             time.sleep(poll)
         for fut in busy.values():

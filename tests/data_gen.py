@@ -140,3 +140,17 @@ def pack_compressed_pairs(rows, root, codecs, shard_size: int) -> dict:
             record_batch_size="64KiB" if comp else None,
         )
     return out
+
+
+def packed_rows_dataset(root: str, fmt: str, dtype: str):
+    """300 token documents (0-89 tokens, seed 3) in three shards of ``fmt``/``dtype`` ids under
+    1000, and their rows of 64 tokens (best-fit, eos 999) planned over the documents in reverse,
+    so that a batch's window order is not id order; (dataset, lengths, packing, rows)."""
+    from shardtool.pack.synthetic import write_synthetic
+    from shardtool.plan.packing import Packing, pack_rows
+
+    lengths = np.random.default_rng(3).integers(0, 90, 300)
+    ds = write_synthetic(root, lengths=lengths, shard_sizes=[100, 120, 80], fmt=fmt, dtype=dtype, vocab=1000)
+    packing = Packing(64, "best-fit", eos_id=999)
+    rows = pack_rows(lengths[::-1], packing).with_ids(np.arange(len(lengths))[::-1])
+    return ds, lengths, packing, rows

@@ -11,7 +11,8 @@ HELP = "benchmark loader throughput per node (G ranks × workers) and data-wait 
 DESCRIPTION = """\
 Runs G loader ranks on this node as real processes (as torchrun would), each with its own
 workers, consuming batches like a training loop with a simulated step time, and reports per
-node: samples/s, tokens/s, MB/s, time to first batch, padding efficiency, peak RSS, and the
+node: samples/s, tokens/s, MB/s, time to first batch, padding efficiency, peak RSS (the largest
+rank process's own peak, its workers not counted; every side's imports are loaded in each rank), and the
 data-wait fraction (share of steady-state time spent waiting for the next batch). For shardtool
 these come from the loader's own metrics (loader.metrics(), the window after the first batch),
 with bytes read from storage (read_mb_per_s), cache hit rate and shard-open p99; the JSON

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 
 from ..format.sizes import format_size
 from ._layout import LAYOUT_HELP, add_layout_arguments, data_layout_of, describe_layout
 from ._plan import _batching, _layout, node_shards, peak_rss_mb
+from ._plan_rank import evaluate_rank, for_dataset
 
 HELP = "show the loading plan of a layout: batches per rank, padding, remainder, bytes per node, planning cost"
 DESCRIPTION = """\
@@ -125,89 +125,6 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def for_dataset(batching, source):
-    """The batching a ShardedLoader would use on ``source``: bucketing resolved from its manifest
-    (off where lengths are bytes, see ``default_bucketing``); a synthetic source has token lengths."""
-    import dataclasses
-
-    from ..plan.batching import default_bucketing
-
-    manifest = getattr(source, "manifest", None)
-    if manifest is None:
-        return batching
-    return dataclasses.replace(batching, bucketing=default_bucketing(manifest.length, batching.shuffle))
-
-
-def _rank_job(args, summaries_path: str | None, result) -> None:
-    """What training rank ``args.rank`` computes at start-up, timed in this (fresh) process."""
-    from ..plan import Placement, Planner
-    from ..plan.synthetic import SyntheticSource
-
-    began = time.perf_counter()
-    if summaries_path is not None:
-        from ..format.summaries import ShardSummaries
-
-        source = SyntheticSource(args.synthetic, samples_per_shard=args.samples_per_shard, seed=0)
-        with open(summaries_path, "rb") as f:
-            data = f.read()
-        source._summaries = ShardSummaries.from_bytes(
-            data, lengths_hash=None, counts=source.shard_counts, total_tokens=None, source=summaries_path
-        )
-    else:
-        from ..format import open_dataset
-
-        source = open_dataset(args.url)
-        source.summaries  # noqa: B018 - read, as a rank does at start-up
-    layout = _layout(args)
-    data, dp_rank = data_layout_of(args, Placement(layout, layout.node_of(args.rank), args.rank))
-    batching = for_dataset(_batching(args, source), source)
-    planner = Planner(source, batching)
-    state = planner.start(args.epoch, "plan", data)
-    plan = planner.rank_plan(state, dp_rank)
-    seconds = time.perf_counter() - began
-    group, _ = data.group_of(dp_rank)
-    group_plan = planner.group(data, group, args.epoch)
-    tokens = int(group_plan.lengths.sum())
-    left = int(group_plan.batch_lengths(group_plan.remainder).sum()) if group_plan.remainder.size else 0
-    if group_plan.rows is not None:
-        left = group_plan.left_out.tokens
-        tokens = group_plan.rows.tokens + left
-    result.put(
-        {
-            "rank": args.rank,
-            "dp_rank": dp_rank,
-            "group": group,
-            "plan_seconds": seconds,
-            "peak_rss_mb": peak_rss_mb(),
-            "batches_per_rank": plan.batches_per_rank,
-            "rank_samples": int(plan.ids.size),
-            "padding_efficiency": plan.fill_rate if plan.rows is not None else plan.padding_efficiency,
-            "group_samples": int(group_plan.lengths.size),
-            "remainder_tokens_fraction": left / tokens if tokens else 0.0,
-        }
-    )
-
-
-def _evaluate_rank(args, source) -> dict:
-    import multiprocessing as mp
-
-    summaries_path = None
-    with tempfile.TemporaryDirectory(prefix="shardtool-plan-") as tmp:
-        if args.synthetic is not None:
-            summaries_path = os.path.join(tmp, "summaries.arrow")
-            with open(summaries_path, "wb") as f:
-                f.write(source.summaries.to_bytes("synthetic"))
-        ctx = mp.get_context("spawn")  # a fresh interpreter: its peak memory is a rank's own
-        result = ctx.Queue()
-        proc = ctx.Process(target=_rank_job, args=(args, summaries_path, result))
-        proc.start()
-        try:
-            out = result.get(timeout=3600)
-        finally:
-            proc.join(60)
-    return out
-
-
 def run(args) -> int:
     import numpy as np
 
@@ -304,7 +221,7 @@ def run(args) -> int:
     try:
         if args.rank is not None:
             report["scope"] = "rank"
-            report.update(_evaluate_rank(args, source))
+            report.update(evaluate_rank(args, source))
         else:
             began = time.perf_counter()
             sim = simulate_epoch(source, data, batching, args.epoch, processes=args.processes)

@@ -59,8 +59,10 @@ exit codes:
 in-job staging (no prolog): with --follow the warm runs beside the training job, on each node, and
 fetches the node's shards in the order its ranks will first read them (published by ShardedLoader(...,
 stage="external") in CACHE_DIR/stage/), at most --ahead shards ahead of the slowest rank. Give it the
-job's --ranks-per-node. It exits once every rank published its order and those shards are in, or
-once every rank closed its loader.
+job's --ranks-per-node. With --max-bytes/--min-free it stages only what fits in that budget and
+evicts nothing (the ranks are reading); a shard over it is named once and left to the readers'
+fetch-on-miss. It exits once every rank published its order and those shards are in (or over the
+budget), or once every rank closed its loader.
 
 examples:
   shardtool warm s3://bucket/ds --cache-dir /local/cache --nodes 4 --node-rank 1 --ranks-per-node 8
@@ -298,7 +300,14 @@ def follow(args) -> int:
         return EXIT_USAGE
     policy = RetryPolicy(attempts=args.retries, attempt_timeout=args.attempt_timeout, stall_timeout=args.stall_timeout)
     try:
-        cache = open_cache(args.url, args.cache_dir, storage_options=storage_options_from(args), retry=policy)
+        cache = open_cache(
+            args.url,
+            args.cache_dir,
+            storage_options=storage_options_from(args),
+            retry=policy,
+            max_bytes=args.max_bytes,  # the stager stages what fits in them, evicting nothing
+            min_free=args.min_free,
+        )
     except NotCached as e:  # the loaders will say the same, naming their rank: not this node's fault
         print(f"shardtool warm: error: {e}", file=sys.stderr)
         return 0

@@ -206,7 +206,7 @@ def index_tars(
 
 
 def _length_def(fields: list[FieldSpec], length: str | None, length_fn: str | None) -> dict:
-    from .api import length_definition
+    from .publish import length_definition
 
     if length is not None and ":" in length:
         return {"field": None, "unit": "value", "fn": None, "json": length}

@@ -1,4 +1,4 @@
-"""Parsing of pack options that come as strings (length functions, paths).
+"""Parsing and checking of pack options (length functions, paths, which options go together).
 
 Sizes follow the one size grammar (`shardtool.format.sizes`); job-array slices come from the one
 environment reader (`shardtool.plan.env.array_task`).
@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable
 
 from ..format.errors import ShardtoolError
+from ..format.manifest import COMPRESSIONS
+from .tokenize import TOKENS_FIELD
 
 
 def strip_file_scheme(path: str) -> str:
@@ -55,3 +57,39 @@ def _import_here_too(mod_name: str, directory: str):
     sys.path.append(directory)
     importlib.invalidate_caches()
     return importlib.import_module(mod_name)
+
+
+def check_options(
+    format: str,
+    length: str | None,
+    length_fn: str | None,
+    workers: int,
+    compression: str | None,
+    tokenizer,
+    text_field: str | None,
+) -> str | None:
+    """Refuse inconsistent options before anything is read; returns the compression (or None)."""
+    if format not in ("tar", "arrow"):
+        raise ShardtoolError(f"--format must be tar or arrow, got {format!r}")
+    if length is not None and length_fn is not None:
+        raise ShardtoolError("give --length or --length-fn, not both")
+    if length_fn is not None:
+        load_function(length_fn)  # fail early, in the parent, with a clear message
+    if workers < 1:
+        raise ShardtoolError(f"--workers must be ≥ 1, got {workers}")
+    if compression in (None, "none"):
+        compression = None
+    elif compression not in COMPRESSIONS:
+        raise ShardtoolError(f"--compression must be one of {', '.join(COMPRESSIONS)} or none, got {compression!r}")
+    elif format != "arrow":
+        raise ShardtoolError(
+            "--compression applies to Arrow shards (--format arrow): tar shards stay plain "
+            "WebDataset tars, which webdataset and tar read unmodified"
+        )
+    if (tokenizer is None) != (text_field is None):
+        raise ShardtoolError("--tokenizer and --text-field go together (the text field is what gets tokenized)")
+    if tokenizer is not None and (length_fn is not None or length not in (None, TOKENS_FIELD)):
+        raise ShardtoolError(
+            f"with --tokenizer the length is the token count (field {TOKENS_FIELD!r}); drop --length/--length-fn"
+        )
+    return compression

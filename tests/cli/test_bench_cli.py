@@ -200,3 +200,24 @@ def test_bench_as_documented_is_bounded_and_says_first_how_long_it_takes(tmp_pat
     bound = rows[0]["max_batches"]
     assert bound >= 20 and all(r["batches_per_rank"] == [bound, bound] for r in rows), rows
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(200)
+def test_peak_rss_is_each_rank_s_own_not_the_bench_process_s(tmp_path):
+    # The bench process measures the step with a real model (and a peer's copy is written there)
+    # before it spawns the ranks: with rusage's ru_maxrss, which Linux carries across exec, every
+    # rank of every reader reported that process's peak, one figure for the whole table.
+    import numpy as np
+
+    from shardtool.benchmarks.node import BenchConfig, generate_token_dataset, run_node
+    from shardtool.cli._plan import peak_rss_mb
+
+    url = generate_token_dataset(str(tmp_path / "ds"), 2000, samples_per_shard=500)
+    ballast = np.ones(1 << 30, np.uint8)  # 1 GiB, every page touched: this process's peak, not a rank's
+    here = peak_rss_mb()
+    try:
+        (result,) = run_node("shardtool", BenchConfig(url, ranks=1, num_workers=0, max_batches=3), timeout=150)
+    finally:
+        del ballast
+    assert result.error is None and result.batches == 3, result
+    assert 0 < result.peak_rss_mb < here - 512, (result.peak_rss_mb, here)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from data_gen import packed_rows_dataset
 from s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.format import FormatError
 from shardtool.loader.packed import IGNORE_INDEX, PackedReader, block_causal_mask, packed_batch
@@ -189,12 +190,7 @@ def test_cu_seqlens_drive_varlen_attention_like_the_mask():
 
 @pytest.mark.parametrize("fmt, dtype", [("tar", "i4"), ("arrow", "i2"), ("tar", "u2")])
 def test_reader_fast_path_equals_generic_path(tmp_path, fmt, dtype):
-    lengths = np.random.default_rng(3).integers(0, 90, 300)
-    ds = write_synthetic(
-        str(tmp_path / "ds"), lengths=lengths, shard_sizes=[100, 120, 80], fmt=fmt, dtype=dtype, vocab=1000
-    )
-    packing = Packing(64, "best-fit", eos_id=999)
-    rows = pack_rows(lengths[::-1], packing).with_ids(np.arange(len(lengths))[::-1])  # window order != id order
+    ds, lengths, packing, rows = packed_rows_dataset(str(tmp_path / "ds"), fmt, dtype)  # window order != id order
     reader = BatchReader(SourceSpec(ds.root), pad_id=7)
     fast = PackedReader(reader, packing, name="tokens", pad_id=7, rows_per_batch=None)
     want_tokens = lambda ids: [stored_tokens(int(g), int(lengths[g]), 1000, dtype) for g in ids]

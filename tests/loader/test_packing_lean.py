@@ -14,13 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardtool
+from data_gen import packed_rows_dataset
 from realtext import byte_ids, stdlib_files
 from shardtool.loader import ShardedLoader
 from shardtool.loader.packed import PackedReader, lean_dtype, lean_to_full, packed_batch
 from shardtool.loader.reader import BatchReader
 from shardtool.loader.shmring import InSlot, Slot, decode, encode
 from shardtool.loader.source import SourceSpec
-from shardtool.pack.synthetic import write_synthetic
 from shardtool.plan.mixture import Mixture
 from shardtool.plan.packing import Packing, pack_rows
 from shardtool.plan.synthetic import lognormal_lengths
@@ -81,12 +81,7 @@ def test_lean_dtype():
 
 @pytest.mark.parametrize("fmt, dtype", [("tar", "i4"), ("arrow", "u2"), ("arrow", "i8")])
 def test_reader_lean_equals_full_on_mapped_shards(tmp_path, fmt, dtype):
-    lengths = np.random.default_rng(3).integers(0, 90, 300)
-    ds = write_synthetic(
-        str(tmp_path / "ds"), lengths=lengths, shard_sizes=[100, 120, 80], fmt=fmt, dtype=dtype, vocab=1000
-    )
-    packing = Packing(64, "best-fit", eos_id=999)
-    rows = pack_rows(lengths[::-1], packing).with_ids(np.arange(len(lengths))[::-1])
+    ds, _, packing, rows = packed_rows_dataset(str(tmp_path / "ds"), fmt, dtype)
     reader = BatchReader(SourceSpec(ds.root), pad_id=7)
     full = PackedReader(reader, packing, name="tokens", pad_id=7)
     lean = PackedReader(reader, packing, name="tokens", pad_id=7, outputs="lean")

@@ -1,0 +1,94 @@
+"""The cache budget as the stager applies it: the limit `warm` computes (``--max-bytes``,
+``--min-free``: `evict.effective_limit` over the whole cache), checked before each fetch.
+
+Apart from `stager` because it is the one place in-job staging can decline a shard. Unlike a warm,
+the stager evicts nothing: it runs while ranks read, and a shard staged ahead of them is not
+locked yet, so any eviction could drop a shard a rank is about to read. What does not fit is left
+to the readers' fetch-on-miss. Scanning the cache stats every cached shard, so it is redone at most
+once a second; in between, the stager adds what it copied itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from .budget import disk_free, scan
+from .evict import effective_limit
+
+
+class StageBudget:
+    """``sizes``: bytes each shard takes in the cache. With neither ``max_bytes`` nor ``min_free``
+    every shard fits (no scan at all)."""
+
+    def __init__(
+        self,
+        cache_dir: str,
+        sizes: Sequence[int],
+        *,
+        max_bytes: int | None,
+        min_free: int | None,
+        rescan_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.cache_dir, self.sizes = cache_dir, sizes
+        self.max_bytes, self.min_free = max_bytes, min_free
+        self.active = max_bytes is not None or min_free is not None
+        self.rescan_s, self.clock = rescan_s, clock
+        self.used = 0  # shard bytes in the cache at the last scan, plus what this stager copied since
+        self.limit: int | None = None
+        self._next_scan = 0.0
+
+    def _scan(self, force: bool = False) -> None:
+        if force or self.clock() >= self._next_scan:
+            _, _, used = scan(self.cache_dir)
+            self.used = used
+            self.limit = effective_limit(
+                used, disk_free(self.cache_dir), max_bytes=self.max_bytes, min_free=self.min_free
+            )
+            self._next_scan = self.clock() + self.rescan_s
+
+    def copied(self, shard: int) -> None:
+        self.used += self.sizes[shard]
+
+    def fit(self, picks: Sequence[int], in_flight: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(take, over) of ``picks`` (most urgent first), with ``in_flight`` shards being fetched.
+        Take in order while each fits; a shard that does not fit while others are in flight waits
+        (they may be what fills the room); one that does not fit with nothing in flight, after a
+        fresh scan, is over the budget. Picks after the first that waits are left for later."""
+        if not self.active:
+            return list(picks), []
+        self._scan()
+        pending = sum(self.sizes[i] for i in in_flight)
+        take: list[int] = []
+        over: list[int] = []
+        for i in picks:
+            if self._fits(i, pending):
+                take.append(i)
+                pending += self.sizes[i]
+            elif pending:
+                break
+            else:
+                self._scan(force=True)  # others may have evicted, or this stager's count be stale
+                if self._fits(i, 0):
+                    take.append(i)
+                    pending += self.sizes[i]
+                else:
+                    over.append(i)
+        return take, over
+
+    def _fits(self, shard: int, pending: int) -> bool:
+        return self.limit is None or self.used + pending + self.sizes[shard] <= self.limit
+
+    def describe(self, shard: int, path: str) -> str:
+        """One line: why ``shard`` is not staged."""
+        limit = max(self.limit or 0, 0)
+        return (
+            f"cache budget reached: shard #{shard} {path} ({self.sizes[shard]} bytes) does not fit beside the "
+            f"{self.used} bytes cached under the {limit} bytes the cache may hold (--max-bytes={self.max_bytes}, "
+            f"--min-free={self.min_free}); it and any other shard over the budget are left to the readers' "
+            "fetch-on-miss (the stager evicts nothing)"
+        )
+
+
+__all__ = ["StageBudget"]
