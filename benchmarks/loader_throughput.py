@@ -53,6 +53,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # the check
 sys.path.insert(0, ROOT)
 
 from shardtool.benchmarks.compressed_reads import compression_runs, print_compression  # noqa: E402
+from shardtool.cli._plan import peak_rss_mb  # noqa: E402
 
 MAX_TOKENS = 65536
 WDS_BATCH = 128  # about the samples per 65,536-token batch of our loader on this corpus
@@ -185,7 +186,7 @@ def consume(loader, kind: str, began: float, first_only: bool = False, max_s: fl
         "tokens_per_s": tokens / el if el else None,
         "mb_per_s": nbytes / el / 1e6 if el else None,
         "padding_efficiency": real / padded if padded else None,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_rss_mb(),  # VmHWM: ru_maxrss would carry the benchmark parent's peak
         "workers_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
     }
 
