@@ -31,6 +31,7 @@ from .shardview import ShardView
 from .source import MappedFile, RemoteShard, Source, SourceSpec
 
 MAX_OPEN_SHARDS = 64
+LOG_INFLATE_BYTES = 1 << 30  # a pass's decompression into memory is announced from this size
 log = logging.getLogger(__name__)
 
 
@@ -133,7 +134,20 @@ class BatchReader:
                 v.close()
 
         began = time.perf_counter()
-        done = self._inflated.fill(want, sizes, src.map_shard, pool=decompress_pool(), drop=drop)
+
+        def opening(s: int):
+            if not opened:  # said before a wait of seconds, not only after it
+                todo = sum(sizes[k] for k in want if self._inflated.get(k) is None)
+                if todo >= LOG_INFLATE_BYTES:
+                    log.info(
+                        "decompressing up to %.1f GB of compressed shards into memory before the first batch",
+                        todo / 1e9,
+                    )
+            opened.append(s)
+            return src.map_shard(s)
+
+        opened: list[int] = []
+        done = self._inflated.fill(want, sizes, opening, pool=decompress_pool(), drop=drop)
         if done:
             held = self._inflated
             log.info(
