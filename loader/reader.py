@@ -105,7 +105,10 @@ class BatchReader:
         if token is not None:
             self.probe.opened(token, src)
         self._views[shard] = v
-        while len(self._views) > self.max_open:
+        # The bound is on maps (address space, descriptors). A remote view holds none, only its
+        # index, and closing it would drop its decompressed record batches: a share of more
+        # shards than the bound would then fetch its batches again and again within a pass.
+        while src.local and len(self._views) > self.max_open:
             _, old = self._views.popitem(last=False)
             old.close()
         return v

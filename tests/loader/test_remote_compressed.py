@@ -133,6 +133,29 @@ def test_a_shuffled_remote_pass_fetches_each_record_batch_about_once(packed, s3_
     assert ld.metrics()["cumulative"]["bytes_read"]["remote"] == shard_bytes - _headers(ds)
 
 
+def test_a_remote_share_of_more_shards_than_maps_kept_fetches_each_record_batch_once(packed, s3_server):  # noqa: F811
+    """Local views are closed beyond MAX_OPEN_SHARDS (maps); remote ones hold no map and keep
+    their decompressed batches, so a share of many shards is still fetched about once a pass."""
+    url = s3_server.upload(packed["zstd"], "remotezstd/views")
+    ds = open_dataset(packed["zstd"])
+    batches_in_dataset = sum(int(ds.shard_index(s).batch.max()) + 1 for s in range(ds.num_shards))
+    want, _ = _batches(packed[None])
+    ld = ShardedLoader(
+        url,
+        max_tokens=8192,
+        seed=3,
+        rank=0,
+        world_size=1,
+        num_workers=0,
+        storage_options=s3_server.storage_options,
+    )
+    ld.reader.max_open = 1  # fewer than the dataset's shards, which every shuffled batch touches
+    before = _CompressedBatches.decompressed
+    got = [{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in ld]
+    assert got == want
+    assert _CompressedBatches.decompressed - before == batches_in_dataset
+
+
 def _headers(ds) -> int:
     """Bytes of the shards that are no record batch (each file's footer; the first batch's range
     starts at the file's beginning): what the loader never fetches by range."""
