@@ -121,7 +121,13 @@ class BatchReader:
         ds = src.dataset
         if not src.local or self.tar or ds.manifest.compression is None or not len(ids):
             return []
-        want = [s for s in np.unique(self.locate(ids)[0]).tolist() if ds.shard_compressed(s)]
+        # In a node cache (``warm --keep-compressed``), only shards already there: the others are
+        # fetched on a miss as reads reach them (or by the in-job stager), not all before batch 0.
+        want = [
+            s
+            for s in np.unique(self.locate(ids)[0]).tolist()
+            if ds.shard_compressed(s) and src.is_cached(s) is not False
+        ]
         if not want and self._inflated is None:
             return []
         if self._inflated is None:

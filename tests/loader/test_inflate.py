@@ -130,3 +130,23 @@ def test_a_mixture_with_a_compressed_source_holds_it_decompressed_and_reads_it_l
         got = [_listed(b) for b in ld]
         assert got == [_listed(b) for b in want] and len(got) == 40
         assert ld.readers["z"]._inflated.copies and ld.readers["o"]._inflated is None
+
+
+def test_a_keep_compressed_cache_holds_what_is_cached_and_fetches_the_rest_on_a_miss(packed, tmp_path):
+    from shardtool.cache import VersionDir, warm
+
+    src, cdir = packed["zstd"], str(tmp_path / "cache")
+    r = warm(src, cdir, all_shards=True, keep_compressed=True, progress=False)
+    assert r.status == "ok" and not r.decompressed
+    m = shardtool.open_dataset(src).manifest
+    os.unlink(VersionDir(cdir, r.version).path(m.shards[1].path))  # not cached when the pass starts
+    kw = dict(batch_size=9, seed=4, rank=0, world_size=1, num_workers=2)
+    ld = ShardedLoader(src, cache_dir=cdir, **kw)
+    plain = ShardedLoader(packed[None], **kw)
+    assert [_listed(b) for b in ld] == [_listed(b) for b in plain]
+    # Shard 1 was fetched on a miss during the pass, not decompressed whole before its first batch.
+    assert set(ld.reader._inflated.copies) == set(range(len(m.shards))) - {1}
+    ld.set_epoch(1)
+    plain.set_epoch(1)
+    assert [_listed(b) for b in ld] == [_listed(b) for b in plain]
+    assert set(ld.reader._inflated.copies) == set(range(len(m.shards)))  # cached now: held from epoch 1
