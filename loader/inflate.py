@@ -84,7 +84,10 @@ def decompress(data, name: str, plain_bytes: int) -> mmap.mmap:
     what was written; a shard larger than recorded (an older manifest) is written again, growing."""
     try:
         if plain_bytes > 0:
-            mm = mmap.mmap(-1, plain_bytes + (64 << 10), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            # Populated at once (zeroed pages in one call, not a fault a page as Arrow writes:
+            # 16% of a shard's time in memory here). Private: a fork shares the pages, copying none.
+            populate = getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(-1, plain_bytes + (64 << 10), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
             sink = pa.FixedSizeBufferWriter(pa.py_buffer(mm))
             try:
                 write_plain(pa.py_buffer(data), sink)
