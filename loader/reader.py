@@ -11,10 +11,8 @@ Every error names the shard and the sample.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
-import time
 from collections import OrderedDict
 from typing import Any
 
@@ -23,7 +21,6 @@ import torch
 
 from ..format import FormatError
 from ..plan.ranges import locate_ids
-from .batchcache import decompress_pool
 from .collate import KEY, PACK_MIN_BYTES, Alloc, PackedBytes, collate_samples, stack_column
 from .inflate import Inflated, InflatedShard, inflate_budget
 from .observability.probe import REMOTE, Probe
@@ -31,8 +28,6 @@ from .shardview import ShardView
 from .source import MappedFile, RemoteShard, Source, SourceSpec
 
 MAX_OPEN_SHARDS = 64
-LOG_INFLATE_BYTES = 1 << 30  # a pass's decompression into memory is announced from this size
-log = logging.getLogger(__name__)
 
 
 class BatchReader:
@@ -66,10 +61,14 @@ class BatchReader:
             self.pad_field = m.length.get("field")
             self.tar = m.shard_format == "tar"
             self.tier = self._source.tier
-            # Compressed Arrow shards are read through views wherever they are: remote ones too,
-            # or every training batch would fetch whole each record batch it touches.
-            self.by_view = self._source.local or (not self.tar and m.compression is not None)
         return self._source
+
+    @property
+    def by_view(self) -> bool:
+        """Shards are read through views: local ones, and compressed Arrow ones wherever they are
+        (remote too, or every training batch would fetch whole each record batch it touches)."""
+        src = self.source
+        return src.local or (not self.tar and src.dataset.manifest.compression is not None)
 
     def _view(self, shard: int) -> ShardView:
         v = self._views.get(shard)
@@ -118,59 +117,16 @@ class BatchReader:
         read, as far as the budget allows (loader/inflate.py); call it in the rank's process
         before workers fork. Returns the shards it decompressed now."""
         src = self.source
-        ds = src.dataset
-        if not src.local or self.tar or ds.manifest.compression is None or not len(ids):
-            return []
-        # In a node cache (``warm --keep-compressed``), only shards already there: the others are
-        # fetched on a miss as reads reach them (or by the in-job stager), not all before batch 0.
-        want = [
-            s
-            for s in np.unique(self.locate(ids)[0]).tolist()
-            if ds.shard_compressed(s) and src.is_cached(s) is not False
-        ]
-        if not want and self._inflated is None:
+        if not src.local or self.tar or src.dataset.manifest.compression is None or not len(ids):
             return []
         if self._inflated is None:
             self._inflated = Inflated(inflate_budget(os.environ))
-        infos = ds.manifest.shards
-        # A manifest without the plain size (older packs) is guessed at 4x: zstd on token ids
-        # is ~1.6x, on text 3-5x; a short guess only costs a growing buffer (`inflate.decompress`).
-        sizes = {s: int(infos[s].raw_bytes or 4 * infos[s].bytes) for s in want}
+        return self._inflated.for_pass(src, np.unique(self.locate(ids)[0]).tolist(), drop=self._drop_view)
 
-        def drop(s: int) -> None:
-            v = self._views.pop(s, None)
-            if v is not None:
-                v.close()
-
-        began = time.perf_counter()
-
-        def opening(s: int):
-            if not opened:  # said before a wait of seconds, not only after it
-                todo = sum(sizes[k] for k in want if self._inflated.get(k) is None)
-                if todo >= LOG_INFLATE_BYTES:
-                    log.info(
-                        "decompressing up to %.1f GB of compressed shards into memory before the first batch",
-                        todo / 1e9,
-                    )
-            opened.append(s)
-            return src.map_shard(s)
-
-        opened: list[int] = []
-        done = self._inflated.fill(want, sizes, opening, pool=decompress_pool(), drop=drop)
-        if done:
-            held = self._inflated
-            log.info(
-                "decompressed %d compressed shards of this rank's pass into memory in %.2f s "
-                "(%.2f GB held of %.2f GB allowed, %s; %d of %d shards held)",
-                len(done),
-                time.perf_counter() - began,
-                held.nbytes / 1e9,
-                held.budget / 1e9,
-                "SHARDTOOL_DECOMPRESSED_SHARE",
-                len(held.copies),
-                len(want),
-            )
-        return done
+    def _drop_view(self, shard: int) -> None:
+        v = self._views.pop(shard, None)
+        if v is not None:
+            v.close()
 
     def _fetcher(self, ds, shard: int, index):
         """``fetch(i)``: the verified record batch of a remote shard holding sample ``i``, one
@@ -193,7 +149,7 @@ class BatchReader:
         return fetch
 
     def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        self.source
+        self.source  # (re)opened in a forked worker: its offsets
         return locate_ids(self.offsets, np.asarray(ids, dtype=np.int64))
 
     def where(self, gid: int) -> str:
@@ -277,7 +233,6 @@ class BatchReader:
         as one `PackedBytes` (one copy into the slot instead of one pickle per sample)."""
         ids = np.asarray(ids, dtype=np.int64)
         alloc = alloc or np.empty
-        self.source
         if not self.by_view:
             return self.collate(self.read_samples(ids), ids, pad_id=self.pad_id, alloc=alloc)
         shard, local = self.locate(ids)
@@ -333,7 +288,6 @@ class BatchReader:
         is not a plain integer array (then `read_samples` decodes them). ``keys=False``: an empty
         keys list (a lean packed batch carries none)."""
         ids = np.asarray(ids, dtype=np.int64)
-        self.source  # (re)opens in a forked worker; sets by_view
         if not self.by_view:
             return None
         groups = self._groups(*self.locate(ids))
