@@ -171,6 +171,12 @@ class Inflated:
             )
         return done
 
+    def clear(self) -> None:
+        """Frees every shard held (their views closed first)."""
+        for mm in self.copies.values():
+            _close(mm)
+        self.copies.clear()
+
     def _held(self) -> dict[int, int]:
         return {s: len(b) for s, b in self.copies.items()}
 

@@ -161,6 +161,8 @@ class BatchReader:
         for v in self._views.values():
             v.close()
         self._views.clear()
+        if self._inflated is not None:
+            self._inflated.clear()
 
     # ------------------------------------------------------------------ reading
     def read_samples(self, ids: np.ndarray) -> list[dict[str, Any]]:

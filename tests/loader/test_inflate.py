@@ -150,3 +150,16 @@ def test_a_keep_compressed_cache_holds_what_is_cached_and_fetches_the_rest_on_a_
     plain.set_epoch(1)
     assert [_listed(b) for b in ld] == [_listed(b) for b in plain]
     assert set(ld.reader._inflated.copies) == set(range(len(m.shards)))  # cached now: held from epoch 1
+
+
+def test_closing_the_loader_frees_what_it_held_and_a_later_pass_decompresses_again(packed):
+    ld = ShardedLoader(packed["zstd"], batch_size=11, seed=0, rank=0, world_size=1, num_workers=0)
+    first = [_listed(b) for b in ld]
+    held = ld.reader._inflated
+    maps = list(held.copies.values())
+    assert maps and held.loaded == len(maps)
+    ld.close()
+    assert not held.copies and all(m.closed for m in maps)
+    ld.set_epoch(0)
+    assert [_listed(b) for b in ld] == first  # the same epoch again, read after closing: decompressed anew
+    assert held.loaded == 2 * len(maps)
