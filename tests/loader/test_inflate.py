@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardtool
@@ -102,14 +102,15 @@ def test_choose_keeps_what_is_held_and_wanted_and_never_exceeds_the_budget(want,
     assert all(sizes[s] > rest for s in want if s not in set(out))
 
 
-def test_real_text_in_place_packed_rows_at_seq_len_256_equal_plain(tmp_path):
-    """Stdlib files as byte ids (long documents), packed rows at a short seq_len, two workers."""
+@pytest.mark.parametrize("seq_len", [256, 8192])
+def test_real_text_in_place_packed_rows_equal_plain(tmp_path, seq_len):
+    """Stdlib files as byte ids (long documents), packed rows at a short and a long seq_len."""
     rows = [{"tokens": byte_ids(p), "path": os.path.relpath(p)} for p in stdlib_files(300)]
     roots = {}
     for comp in (None, "zstd"):
         roots[comp] = str(tmp_path / (comp or "plain"))
         shardtool.pack(rows, roots[comp], format="arrow", length="tokens", shard_size=2_000_000, compression=comp)
-    kw = dict(seq_len=256, batch_size=4, packing="best-fit", eos_id=256, seed=2, world_size=2, rank=1)
+    kw = dict(seq_len=seq_len, batch_size=4, packing="best-fit", eos_id=256, seed=2, world_size=2, rank=1)
     for workers in (0, 2):
         ld = ShardedLoader(roots["zstd"], num_workers=workers, **kw)
         got = [_listed(b) for b in ld]
@@ -163,3 +164,27 @@ def test_closing_the_loader_frees_what_it_held_and_a_later_pass_decompresses_aga
     ld.set_epoch(0)
     assert [_listed(b) for b in ld] == first  # the same epoch again, read after closing: decompressed anew
     assert held.loaded == 2 * len(maps)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    world=st.sampled_from([1, 2, 3]),
+    workers=st.sampled_from([0, 0, 2]),
+    at=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_a_resumed_pass_in_place_equals_the_plain_datasets_on_any_layout(packed, world, workers, at, seed):
+    """Exact resume holds where shards are held decompressed: a state saved part-way through an
+    epoch of the compressed dataset continues with the batches the plain dataset has there."""
+    kw = dict(max_tokens=1200, seed=seed, rank=world - 1, world_size=world, ranks_per_node=1)
+    want = [_listed(b) for b in ShardedLoader(packed[None], num_workers=0, **kw)]
+    ld = ShardedLoader(packed["zstd"], num_workers=workers, **kw)
+    k = int(at * len(ld))
+    it = iter(ld)
+    for _ in range(k):
+        next(it)
+    state = ld.state_dict()
+    ld.close()
+    again = ShardedLoader(packed["zstd"], num_workers=workers, **kw)
+    again.load_state_dict(state)
+    assert [_listed(b) for b in again] == want[k:]
