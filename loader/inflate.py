@@ -93,15 +93,10 @@ def decompress(data, name: str, plain_bytes: int) -> mmap.mmap:
             # 16% of a shard's time in memory here). Private: a fork shares the pages, copying none.
             populate = getattr(mmap, "MAP_POPULATE", 0)
             mm = mmap.mmap(-1, plain_bytes + (64 << 10), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
-            sink = pa.FixedSizeBufferWriter(pa.py_buffer(mm))
-            try:
-                write_plain(pa.py_buffer(data), sink)
-                n = sink.tell()
-                del sink  # releases the export of ``mm``, which resize needs
+            n = _write_into(mm, data)
+            if n is not None:
                 return _cut(mm, n)
-            except (pa.ArrowInvalid, OSError):
-                del sink
-                mm.close()
+            _close(mm)
         stream = pa.BufferOutputStream()
         write_plain(pa.py_buffer(data), stream)
         out = stream.getvalue()
@@ -110,6 +105,17 @@ def decompress(data, name: str, plain_bytes: int) -> mmap.mmap:
         return _cut(mm, out.size)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
         raise FormatError(f"shard {name}: verified but cannot be decompressed ({e})") from None
+
+
+def _write_into(mm: mmap.mmap, data) -> int | None:
+    """Bytes written of ``data``'s plain form into ``mm``; None where it does not fit. Returns
+    only once the writer is gone, so that ``mm`` has no exports left (resize and close need that)."""
+    sink = pa.FixedSizeBufferWriter(pa.py_buffer(mm))
+    try:
+        write_plain(pa.py_buffer(data), sink)
+    except OSError:  # "Write out of bounds": larger than the manifest says
+        return None
+    return sink.tell()
 
 
 def _cut(mm: mmap.mmap, n: int) -> mmap.mmap:

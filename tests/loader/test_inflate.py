@@ -188,3 +188,23 @@ def test_a_resumed_pass_in_place_equals_the_plain_datasets_on_any_layout(packed,
     again = ShardedLoader(packed["zstd"], num_workers=workers, **kw)
     again.load_state_dict(state)
     assert [_listed(b) for b in again] == want[k:]
+
+
+def test_a_shard_larger_than_its_recorded_plain_size_is_decompressed_whole(packed):
+    """An older manifest's size, a wrong one or none: the same plain file, written again growing."""
+    import mmap
+
+    import pyarrow as pa
+
+    from shardtool.loader.inflate import decompress
+
+    ds = shardtool.open_dataset(packed["zstd"])
+    info = ds.manifest.shards[0]
+    with open(ds.shard_path(0), "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    outs = [decompress(data, info.path, size) for size in (info.raw_bytes, 1000, 0)]
+    assert outs[0][:] == outs[1][:] == outs[2][:]
+    plain = pa.ipc.open_file(pa.py_buffer(outs[0]))
+    stored = pa.ipc.open_file(pa.py_buffer(data))
+    assert plain.num_record_batches == stored.num_record_batches
+    assert plain.read_all().equals(stored.read_all())
