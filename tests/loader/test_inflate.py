@@ -170,7 +170,7 @@ def test_closing_the_loader_frees_what_it_held_and_a_later_pass_decompresses_aga
 @given(
     world=st.sampled_from([1, 2, 3]),
     workers=st.sampled_from([0, 0, 2]),
-    at=st.floats(0.0, 1.0),
+    at=st.floats(0.0, 1.0, exclude_max=True),  # 1.0: a state at the end of an epoch is the next one's start
     seed=st.integers(0, 2**16),
 )
 def test_a_resumed_pass_in_place_equals_the_plain_datasets_on_any_layout(packed, world, workers, at, seed):
