@@ -54,7 +54,6 @@ def compression_runs(
     corpora: dict[str, int],
     codec: str,
     repeats: int,
-    max_s: float,
     modes: tuple[str, ...],
     passes: int = 3,
 ) -> dict:

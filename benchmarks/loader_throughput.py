@@ -479,7 +479,6 @@ def main() -> None:
             corpora,
             args.compression,
             args.repeats,
-            args.max_seconds,
             tuple(args.modes.split(",")),
             args.passes,
         )

@@ -151,16 +151,13 @@ class Inflated:
         """`fill` for a pass of local ``src`` reading ``shards``: its compressed ones, and in a node
         cache (``warm --keep-compressed``) only those already there: the others are fetched on a
         miss as reads reach them (or by the in-job stager), not all before the first batch.
-        Says what it does (before, where it takes seconds, and after)."""
+        Says what it did."""
         ds = src.dataset
         want = [s for s in shards if ds.shard_compressed(s) and src.is_cached(s) is not False]
         infos = ds.manifest.shards
         # A manifest without the plain size (older packs) is guessed at 4x: zstd on token ids
         # is ~1.6x, on text 3-5x; a short guess only costs a growing buffer (`decompress`).
         sizes = {s: int(infos[s].raw_bytes or 4 * infos[s].bytes) for s in want}
-        todo = sum(sizes[s] for s in choose(want, self._held(), sizes, self.budget) if s not in self.copies)
-        if todo >= LOG_BYTES:
-            log.info("decompressing %.1f GB of compressed shards into memory before the first batch", todo / 1e9)
         began = time.perf_counter()
         done = self.fill(want, sizes, src.map_shard, pool=decompress_pool(), drop=drop)
         if done:
@@ -197,13 +194,17 @@ class Inflated:
         """Hold what `choose` picks for ``want``: drops the others (``drop(shard)`` first, for
         the caller's views over them), then opens the missing ones (``open_shard``: a verified
         map, in this thread) and decompresses them, on ``pool``'s threads where given (Arrow
-        decompresses without the GIL). Returns the shards decompressed."""
+        decompresses without the GIL), announced first where that takes seconds. Returns the
+        shards decompressed."""
         chosen = choose(want, self._held(), sizes, self.budget)
         for s in [s for s in self.copies if s not in set(chosen)]:
             if drop is not None:
                 drop(s)
             _close(self.copies.pop(s))
         missing = [s for s in chosen if s not in self.copies]
+        todo = sum(sizes[s] for s in missing)
+        if todo >= LOG_BYTES:  # said before a wait of seconds, not only after it
+            log.info("decompressing %.1f GB of compressed shards into memory before the first batch", todo / 1e9)
         opened: list[MappedFile] = []
         try:
             for s in missing:

@@ -93,9 +93,9 @@ class MixtureBatches:
             self.plan(name, position.epoch)
 
     def inflate(self, step: int) -> None:
-        """Each source's compressed local shards its planned epochs read, decompressed into
-        memory before workers fork (`BatchReader.inflate`)."""
-        self.prepare(step)
+        """Each source's compressed local shards that its epochs planned by `prepare` (which the
+        loader calls first, for ``step``) read, decompressed into memory before workers fork
+        (`BatchReader.inflate`)."""
         for name, reader in self.readers.items():
             ids = [plan.ids for (n, _), plan in self._plans.items() if n == name]
             if ids:
