@@ -25,6 +25,9 @@ README = REPO / "README.md"
 # One quick test, so the suite's run stays short; tests/run.sh's install part runs as written, and
 # pytest still collects (imports) every test module, so a test dependency it failed to install is an error.
 QUICK_TEST = "test_every_option_has_help_text"
+# What pip prints in red when an install breaks another installed package's requirement: a clean
+# set-up prints none (tests/keep_pins.py, benchmarks/setup_peers.sh).
+RESOLVER_ERROR = "ERROR: pip's dependency resolver"
 
 
 def readme_setup_commands() -> list[str]:
@@ -93,6 +96,7 @@ def test_readme_setup_commands_pass_in_a_fresh_venv(tmp_path):
     cp = _in_venv(venv, quickstart, repo, 1500)
     assert cp.returncode == 0, f"{quickstart} exited {cp.returncode}\n{cp.stdout[-6000:]}"
     assert "checks: equal steps, exactly once, remainder as planned: OK" in cp.stdout, cp.stdout[-4000:]
+    assert RESOLVER_ERROR not in cp.stdout, cp.stdout[-4000:]
     work = repo / "_work" / "quickstart"
     assert (work / "loader-stats.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     where = _in_venv(venv, 'python3 -c "import shardtool; print(shardtool.__file__)"', venv, 60)
@@ -101,3 +105,4 @@ def test_readme_setup_commands_pass_in_a_fresh_venv(tmp_path):
     cp = _in_venv(venv, f"{tests} -k {QUICK_TEST}", repo, 1200)
     assert cp.returncode == 0, f"{tests} -k {QUICK_TEST} exited {cp.returncode}\n{cp.stdout[-6000:]}"
     assert re.search(r"\b1 passed\b", cp.stdout), cp.stdout[-4000:]
+    assert RESOLVER_ERROR not in cp.stdout, cp.stdout[-4000:]
