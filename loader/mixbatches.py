@@ -207,13 +207,15 @@ class MixtureBatches:
         block = alloc((3, b, seq), np.int64)
         first = 0
         keys: list[Any] = []
-        starts, lengths = [], []
+        starts, lengths, offsets = [], [], []
         longest = 0
         for name, part in rows:
             count = part.num_rows
             out = self.packed[name].read(part, np.empty, rows_per_batch=count, into=block[:, first : first + count])
             cu = out["cu_seqlens"].numpy()  # its real entries, then count * seq
-            starts.append(cu[cu < count * seq].astype(np.int64) + first * seq)
+            real = cu < count * seq
+            starts.append(cu[real].astype(np.int64) + first * seq)
+            offsets.append(out["doc_offsets"].numpy()[real[:-1]])
             lengths.append(out["lengths"].numpy())
             keys += out[KEY]
             longest = max(longest, out["max_seqlen"])
@@ -226,6 +228,9 @@ class MixtureBatches:
         cu[flat.size :] = b * seq
         row_tokens = alloc(b, np.int64)
         row_tokens[:] = np.concatenate(lengths)
+        doc_offsets = alloc(b * maxd, np.int64)
+        doc_offsets[:] = -1
+        doc_offsets[: flat.size] = np.concatenate(offsets)
         return {
             KEY: keys,
             "input_ids": torch.from_numpy(block[0]),
@@ -234,6 +239,7 @@ class MixtureBatches:
             "cu_seqlens": torch.from_numpy(cu),
             "max_seqlen": int(longest),
             "lengths": torch.from_numpy(row_tokens),
+            "doc_offsets": torch.from_numpy(doc_offsets),
         }
 
 

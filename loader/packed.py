@@ -18,14 +18,19 @@ For a batch of B rows of S = ``seq_len`` tokens:
   attend to. Unused entries repeat B * S (empty sequences), so the shape is static.
 - ``max_seqlen``: int, the longest piece (padding included).
 - ``lengths``: LongTensor [B], real tokens per row (eos included).
+- ``doc_offsets``: LongTensor [B * max_docs_per_row], the offset in its document of the first
+  token of each piece of ``cu_seqlens`` (piece i is ``cu_seqlens[i] : cu_seqlens[i + 1]``): 0 for
+  a document's start, > 0 for a continuation of a split document; -1 for a row of padding and the
+  unused entries. Within a pass a split document's pieces come head first: by step, then DP
+  rank, then row (`shardtool.plan.group.in_serving_order`).
 - ``__key__``: per row, the list of its pieces' document keys.
 
 ``input_ids``, ``labels`` and ``position_ids`` are views of one [3, B, S] allocation (one slot
 allocation in a worker, fewer fresh pages in the trainer).
 
 ``outputs="lean"`` builds only what a trainer cannot derive on its device: ``input_ids`` in the
-stored dtype's int32 where it fits (`lean_dtype`; else int64), ``cu_seqlens``, ``max_seqlen`` and
-``lengths``, no keys. `lean_to_full` derives ``labels`` (int64, as cross_entropy needs) and
+stored dtype's int32 where it fits (`lean_dtype`; else int64), ``cu_seqlens``, ``max_seqlen``,
+``lengths`` and ``doc_offsets``, no keys. `lean_to_full` derives ``labels`` (int64, as cross_entropy needs) and
 ``position_ids`` from them on any device, equal to the full batch's. A quarter of the bytes per
 batch (one int32 [B, S] for three int64) to build, to copy out of a worker's slot and to move to the GPU.
 
@@ -118,6 +123,9 @@ def _finish(
     cu[len(starts) :] = b * seq
     lengths = alloc(b, np.int64)
     lengths[:] = lay.row_tokens
+    doc_offsets = alloc(b * packing.max_docs_per_row, np.int64)
+    doc_offsets[:] = -1
+    doc_offsets[np.searchsorted(starts, lay.flat_start) if empty.size else slice(0, len(starts))] = lay.rows.span_start
     out: dict[str, Any] = {} if keys is None else {KEY: lay.keys_per_row(keys)}
     out[name] = torch.from_numpy(ids)
     if rest is not None:
@@ -133,6 +141,7 @@ def _finish(
     out["cu_seqlens"] = torch.from_numpy(cu)
     out["max_seqlen"] = int(seg_len.max(initial=0))
     out["lengths"] = torch.from_numpy(lengths)
+    out["doc_offsets"] = torch.from_numpy(doc_offsets)
     return out
 
 

@@ -318,7 +318,7 @@ class ShardedLoader(PassRunner):
     def _log_plan(self) -> None:
         p = self._plan
         left = (
-            f"remainder {p.remainder.size} samples of its group"
+            f"remainder {p.remainder.size} samples, {p.remainder_pieces} pieces, {p.remainder_tokens} tokens of its group"
             if p.remainder is not None
             else f"{p.leftover_batches} batches left over by the resume's re-deal"
         )
@@ -346,6 +346,20 @@ class ShardedLoader(PassRunner):
         nothing more is left out but ``plan.leftover_batches``, and this is empty."""
         rem = self.plan.remainder
         return rem if rem is not None else np.zeros(0, np.int64)
+
+    @property
+    def remainder_tokens(self) -> int:
+        """Tokens of this rank's data group that no rank serves this epoch: with packing, of the
+        pieces left out for equal counts (eos counted), which `remainder` (documents no token of
+        which is served) does not show. 0 with drop_last=False, and after an elastic resume."""
+        got = self.plan.remainder_tokens
+        return int(got) if got is not None else 0
+
+    @property
+    def remainder_pieces(self) -> int:
+        """Pieces of documents (packed) or samples that make up `remainder_tokens`."""
+        got = self.plan.remainder_pieces
+        return int(got) if got is not None else 0
 
     @property
     def padding_efficiency(self) -> float:

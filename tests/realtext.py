@@ -50,6 +50,21 @@ def doc_lengths() -> np.ndarray:
     return np.array(out, dtype=np.int64)
 
 
+def issue32_lengths() -> np.ndarray:
+    """Issue 32's shape of packed rows at seq_len 1,024: 1,003 documents, 617 of them longer than
+    1,024 tokens (stdlib files as byte ids), the rest short files of /usr/share/doc, in a fixed
+    shuffled order."""
+    from skips import require
+
+    long = stdlib_lengths()
+    long = long[long > 1024][:617]
+    short = doc_lengths()
+    short = short[(short > 0) & (short <= 1024)][:386]
+    require(long.size == 617 and short.size == 386, "too few stdlib files or /usr/share/doc files here")
+    both = np.concatenate([long, short])
+    return both[np.random.default_rng(32).permutation(both.size)]
+
+
 def train_tokenizer(texts: list[str], vocab: int = 2000):
     """A BPE tokenizer trained here on ``texts`` (nothing downloaded), with [UNK] and [EOS]."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers

@@ -73,6 +73,8 @@ def rank_job(args, summaries_path: str | None, result) -> None:
             "padding_efficiency": plan.fill_rate if plan.rows is not None else plan.padding_efficiency,
             "group_samples": int(group_plan.lengths.size),
             "remainder_tokens_fraction": left / tokens if tokens else 0.0,
+            "remainder_tokens": int(group_plan.remainder_tokens),
+            "remainder_pieces": int(group_plan.remainder_pieces),
         }
     )
 

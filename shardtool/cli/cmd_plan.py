@@ -236,6 +236,7 @@ def run(args) -> int:
                     "padding_efficiency": sim.padding_efficiency,
                     "remainder_samples": sim.remainder_samples,
                     "remainder_tokens_fraction": sim.remainder_tokens_fraction,
+                    "remainder_tokens": sim.remainder_tokens,
                 }
             )
             if batching.packing is not None:
@@ -244,6 +245,7 @@ def run(args) -> int:
                         "fill_rate": sim.fill_rate,
                         "documents_split": sim.split_docs,
                         "documents_dropped": sim.dropped_docs,
+                        "remainder_pieces": sim.remainder_pieces,
                         "rows_per_rank": report.pop("samples_per_rank"),
                     }
                 )
@@ -276,7 +278,11 @@ def _print(report: dict, data) -> None:
             f"{'fill rate' if report['batching']['seq_len'] else 'padding eff.':<14}"
             f"{report['padding_efficiency']:.4f}\n"
         )
-        out(f"remainder     {report['remainder_tokens_fraction']:.3%} of its group's tokens this epoch\n")
+        pieces = f"{report['remainder_pieces']:,} pieces, " if report["batching"]["seq_len"] else ""
+        out(
+            f"remainder     {pieces}{report['remainder_tokens']:,} tokens, {report['remainder_tokens_fraction']:.3%} "
+            "of its group's tokens this epoch\n"
+        )
         out(
             f"planning      {report['plan_seconds']:.3f} s, peak RSS {report['peak_rss_mb']:.0f} MB "
             "(a fresh process, as a training rank at start-up)\n"
@@ -297,9 +303,16 @@ def _print(report: dict, data) -> None:
             spr = report["samples_per_rank"]
             out(f"samples/rank  {spr['min']:,}..{spr['max']:,}\n")
             out(f"padding eff.  {report['padding_efficiency']:.4f}\n")
+        # Packed rows leave out pieces (a document may lose some and keep others): pieces and
+        # tokens are the unit of the loss; samples count only documents no token of which is served.
+        unit = (
+            f"{report['remainder_pieces']:,} pieces of documents ({report['remainder_samples']:,} documents wholly)"
+            if "remainder_pieces" in report
+            else f"{report['remainder_samples']:,} samples"
+        )
         out(
-            f"remainder     {report['remainder_samples']:,} samples, {report['remainder_tokens_fraction']:.3%} of the "
-            "tokens, not served this epoch (rotates across epochs)\n"
+            f"remainder     {unit}, {report['remainder_tokens']:,} tokens, {report['remainder_tokens_fraction']:.3%} "
+            "of the tokens, not served this epoch (rotates across epochs)\n"
         )
         out(
             f"planning      {report['plan_seconds']:.2f} s to simulate every group, peak RSS "

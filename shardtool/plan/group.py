@@ -4,6 +4,7 @@ O(the group's share): it reads only its range's lengths."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,7 +12,7 @@ import numpy as np
 from .arrays import gather_runs
 from .balance import deal_order, fit_group
 from .batching import bucket, group_rng
-from .packing import Rows, pack_rows
+from .packing import Rows, merge_rows, pack_rows
 from .rowsplit import split_rows
 from .shape import PlanShape
 from .source import PlanSource, as_lengths
@@ -39,6 +40,29 @@ class GroupPlan:
     rows: Rows | None = None
     row_offsets: np.ndarray | None = None
     left_out: Rows | None = None  # packed: the rows dropped to reach equal counts (pieces included)
+
+    @property
+    def remainder_tokens(self) -> int:
+        """Tokens no rank serves this epoch: of the rows left out (packed; the eos counted, as
+        packing counts it), or of the remainder's samples. Documents no-split drops for being
+        longer than a row are not a remainder (``rows.dropped``)."""
+        if self.left_out is not None:
+            return self.left_out.tokens
+        return int(self.lengths[self.remainder - self.first].sum())
+
+    @property
+    def remainder_pieces(self) -> int:
+        """Pieces of documents no rank serves this epoch (packed: spans of the rows left out; a
+        sample each, unpacked)."""
+        return len(self.left_out.span_pos) if self.left_out is not None else int(self.remainder.size)
+
+    @property
+    def split_docs(self) -> int:
+        """Packed: documents served (or left out) in more than one piece, counted from the spans."""
+        if self.rows is None:
+            return 0
+        pos = np.concatenate([self.rows.span_pos, self.left_out.span_pos])
+        return int(np.count_nonzero(np.bincount(pos - self.first, minlength=self.lengths.size) > 1))
 
     def batch(self, local_rank: int, index: int) -> np.ndarray:
         b = local_rank * self.batches_per_rank + index
@@ -113,16 +137,18 @@ def _packed(
     )
     order = rng.permutation(rows.num_rows) if rng is not None else np.arange(rows.num_rows)
     target = k * n
+    rows = rows.take(order)
+    if rows.num_rows > target * per_batch and not shape.batching.drops(shape.data_layout.dp_size):
+        rows = _absorb_surplus(rows, target * per_batch, packing)
     have = rows.num_rows
     if have > target * per_batch:
         surplus = have - target * per_batch
         drop = np.zeros(have, dtype=bool)
-        drop[order[(epoch * surplus + np.arange(surplus)) % have]] = True
+        drop[(epoch * surplus + np.arange(surplus)) % have] = True
         left_out = rows.take(np.flatnonzero(drop))
-        order = order[~drop[order]]
+        rows = rows.take(np.flatnonzero(~drop))
     else:
         left_out = rows.take(np.zeros(0, np.int64))
-    rows = rows.take(order)
     if rows.num_rows < target:  # fewer rows than batches: cut the fullest, as bucketing splits batches
         rows = split_rows(rows, target)
     # Rows per batch: full batches, or (short of rows) shared out evenly over all target batches.
@@ -136,10 +162,73 @@ def _packed(
     row_begin, row_count = starts[:-1][dealt], sizes[dealt]
     rows = rows.take(gather_runs(np.arange(rows.num_rows, dtype=np.int64), row_begin, row_count))
     row_offsets = np.concatenate([[0], np.cumsum(row_count)]).astype(np.int64)
+    rows, left_out = in_serving_order(rows, row_offsets, left_out, k, n)
     span_offsets = rows.row_offsets[row_offsets]
     served = np.zeros(count, dtype=bool)
     served[rows.span_pos - lo] = True
     all_ids = np.arange(lo, lo + count, dtype=np.int64)
     return GroupPlan(
         group, k, n, lo, lengths, rows.span_pos, span_offsets, all_ids[~served], rows, row_offsets, left_out
+    )
+
+
+def _absorb_surplus(rows: Rows, capacity: int, packing) -> Rows:
+    """``rows`` (in served order) in at most ``capacity`` rows, every token kept: the least full
+    rows, as few as it takes, merged (`merge_rows`: laid end to end and cut every seq_len
+    tokens), the merged rows taking the first of their places. Unchanged where even merging every
+    row cannot fit (more tokens than the capacity: a shape estimated from pro-rata shard cuts);
+    the rows of equal counts then drop the rest as a reported remainder."""
+    have, seq = rows.num_rows, rows.seq_len
+    by_fill = np.argsort(rows.row_tokens(), kind="stable")
+    filled = np.cumsum(rows.row_tokens()[by_fill])
+    # Merging the m least full rows saves m - ceil(tokens / seq) rows, non-decreasing in m.
+    saved = np.arange(1, have + 1) - (-(-filled // seq))
+    m = int(np.searchsorted(saved, have - capacity, side="left")) + 1
+    while m <= have:
+        chosen = np.sort(by_fill[:m])
+        merged = merge_rows(rows.take(chosen), packing)
+        if have - m + merged.num_rows <= capacity:
+            keep = np.ones(have, dtype=bool)
+            keep[chosen] = False
+            slot = np.full(have, -1, np.int64)  # served position -> merged row, or -1: an old row
+            slot[chosen[: merged.num_rows]] = np.arange(merged.num_rows)
+            keep[chosen[: merged.num_rows]] = True
+            places = np.flatnonzero(keep)
+            # Rows of [rows, merged]: an old row where it was, else the merged row of its place.
+            return Rows.concat([rows, merged], seq).take(np.where(slot[places] >= 0, have + slot[places], places))
+        if m == have:
+            break
+        m = min(have, 2 * m)  # the piece bound closed merged rows early: merge more
+    return rows
+
+
+def in_serving_order(rows: Rows, row_offsets: np.ndarray, left_out: Rows, k: int, n: int) -> tuple[Rows, Rows]:
+    """The pieces of every split document re-cut so that they are served head first.
+
+    Rows are served at (step b, local DP rank j, row r of the batch): rank j's batch b in the
+    same step b on every rank. A document's spans keep their lengths and their places (so every
+    row keeps its tokens), but their offsets are reassigned in that order: the first-served span
+    holds the document's first tokens, the next the tokens after them, and so on; spans left out
+    (drop_last) come last, so what is not served is the document's end. ``rows`` are dealt (rank
+    j's batches j*n .. j*n + n - 1 of ``row_offsets``)."""
+    batch = np.repeat(np.arange(k * n, dtype=np.int64), np.diff(row_offsets))
+    rank, step = batch // max(n, 1), batch % max(n, 1)
+    within = np.arange(rows.num_rows, dtype=np.int64) - row_offsets[batch]
+    row_key = (step * k + rank) * (int(np.diff(row_offsets).max(initial=0)) + 1) + within
+    span_key = np.repeat(row_key, np.diff(rows.row_offsets))
+    late = int(row_key.max(initial=0)) + 1
+    pos = np.concatenate([rows.span_pos, left_out.span_pos])
+    size = np.concatenate([rows.span_len, left_out.span_len])
+    key = np.concatenate([span_key, late + np.arange(len(left_out.span_pos), dtype=np.int64)])
+    order = np.lexsort((key, pos))
+    before = np.cumsum(size[order]) - size[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = pos[order][1:] != pos[order][:-1]
+    base = np.maximum.accumulate(np.where(first, before, 0))
+    start = np.empty(len(order), np.int64)
+    start[order] = before - base
+    cut = len(rows.span_pos)
+    return (
+        dataclasses.replace(rows, span_start=start[:cut]),
+        dataclasses.replace(left_out, span_start=start[cut:]),
     )

@@ -40,6 +40,10 @@ class RankPlan:
     leftover_batches: int  # batches no rank serves because a re-deal did not divide evenly
     rows: Rows | None = None  # packed: every batch's rows; batch i is rows row_offsets[i]:row_offsets[i+1]
     row_offsets: np.ndarray | None = None
+    # With ``remainder`` (segment 0): the tokens and pieces of documents of the rank's group no rank
+    # serves (packed rows leave out pieces, a document can lose some and keep the rest).
+    remainder_tokens: int | None = None
+    remainder_pieces: int | None = None
 
     def batch_rows(self, i: int) -> Rows:
         return self.rows.slice(int(self.row_offsets[i]), int(self.row_offsets[i + 1]))
@@ -258,11 +262,25 @@ class Planner:
             _redeal(segments[i - 1], segment_layout(segments[i - 1]), segment_layout(segments[i]))[1]
             for i in range(1, j + 1)
         )
-        remainder = None
+        remainder = remainder_tokens = remainder_pieces = None
         if j == 0:
             g, _ = layout0.group_of(dp_rank)
-            remainder = self.group(layout0, g, state.epoch).remainder
+            own = self.group(layout0, g, state.epoch)
+            remainder, remainder_tokens, remainder_pieces = own.remainder, own.remainder_tokens, own.remainder_pieces
         rows = row_offsets = None
         if self.batching.packing is not None:
             rows, row_offsets = _in_rank_order(row_parts, row_counts, row_where, n, self.batching.packing.seq_len)
-        return RankPlan(state.epoch, dp_rank, n, ids, offsets, lengths, remainder, leftover, rows, row_offsets)
+        return RankPlan(
+            state.epoch,
+            dp_rank,
+            n,
+            ids,
+            offsets,
+            lengths,
+            remainder,
+            leftover,
+            rows,
+            row_offsets,
+            remainder_tokens,
+            remainder_pieces,
+        )

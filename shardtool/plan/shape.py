@@ -215,6 +215,54 @@ def _estimate_packed(
     return out
 
 
+def _rows_to_serve_all(
+    summaries: ShardSummaries, cuts: np.ndarray, count: np.ndarray, tokens: np.ndarray, batching: Batching
+) -> np.ndarray:
+    """Per group, rows enough for every token however its documents pack (drop_last=False): the
+    plan merges its least full rows (`merge_rows`, concat's cut) until they fit, and concat's cut
+    of T tokens gives at most floor(T / seq) rows closed full, one last row, and P rows closed by
+    ``max_docs_per_row`` = maxd pieces. Each of those holds maxd - 1 whole documents of fewer than
+    seq tokens together, so the P (maxd - 1) shortest documents hold fewer than P seq tokens: P
+    is at most the largest count for which the histogram's lower bounds (each bin's shortest
+    length; its count is the group's share plus the whole of the shards its range cuts, an
+    upper bound) allow that."""
+    packing = batching.packing
+    seq, maxd, extra = packing.seq_len, packing.max_docs_per_row, packing.extra_tokens
+    samples = np.diff(cuts)
+    total = np.floor(tokens.sum(axis=1) + samples * extra)
+    piece_rows = np.zeros(samples.size)
+    if maxd < seq and samples.size:
+        counts = count.copy()
+        if summaries.num_shards:
+            offsets = np.concatenate([[0], np.cumsum(summaries.samples)])
+            for end in (cuts[:-1], np.maximum(cuts[1:] - 1, 0)):
+                counts += summaries.hist_count[
+                    np.clip(np.searchsorted(offsets, end, side="right") - 1, 0, summaries.num_shards - 1)
+                ]
+        counts = np.minimum(np.ceil(counts), samples[:, None])
+        low = np.array([0] + [1 << (b - 1) for b in range(1, BINS)], dtype=np.float64) + extra
+        if not extra:
+            counts[:, 0] = 0  # documents of no tokens get no piece
+        piece_rows = _piece_closed_rows(counts, low, maxd - 1, seq, samples).astype(np.float64)
+    return np.where(samples > 0, np.floor(total / seq) + 1 + piece_rows, 0.0)
+
+
+def _piece_closed_rows(counts: np.ndarray, low: np.ndarray, whole: int, seq: int, docs: np.ndarray) -> np.ndarray:
+    """Per group (a row of ``counts``), the largest P whose P * ``whole`` shortest documents
+    (lengths at least ``low`` per bin, at most ``counts`` per bin) could hold fewer than P * seq
+    tokens. A bisection of all groups at once: that holds for a prefix of P (the average of the
+    shortest grows with P)."""
+    before = np.cumsum(counts, axis=1) - counts
+    lo = np.zeros(counts.shape[0], np.int64)
+    hi = np.minimum(counts.sum(axis=1), docs).astype(np.int64) // max(whole, 1)
+    while (lo < hi).any():
+        mid = (lo + hi + 1) // 2
+        take = np.clip(mid[:, None] * whole - before, 0, counts)
+        fits = (take * low).sum(axis=1) < mid * seq
+        lo, hi = np.where(fits, mid, lo), np.where(fits, hi, mid - 1)
+    return lo
+
+
 def _capacity(tokens: np.ndarray, samples: np.ndarray, batching: Batching) -> np.ndarray:
     """The most batches each group's range can be split into: one sample each when bucketing; one
     token each when packing (rows are cut at any token, so documents longer than a row never limit
@@ -240,6 +288,11 @@ def plan_shape(summaries: ShardSummaries, data_layout: DataLayout, batching: Bat
     mean_weight = float(summaries.weight.sum()) / total if total else 1.0
     window = resolve_window(batching, mean_weight)
     batches = _estimate_batches(count, tokens, squares, samples, batching, window)
+    if batching.packing is not None and not batching.drops(data_layout.dp_size):
+        # Serving every token: the count must hold the rows that the worst packing can need.
+        batches = np.maximum(
+            batches, _rows_to_serve_all(summaries, cuts, count, tokens, batching) / batching.batch_size
+        )
     sizes = np.asarray(data_layout.group_sizes, dtype=np.int64)
     max_drop = MAX_DROP if batching.drops(data_layout.dp_size) else 0.0
     n = (

@@ -30,6 +30,7 @@ class GroupStats:
     samples_per_rank: tuple[int, ...]
     split_docs: int = 0  # packed: documents cut into pieces
     dropped_docs: int = 0  # packed, no-split: documents longer than a row, left out
+    remainder_pieces: int = 0  # packed: pieces of documents in the rows left out for equal counts
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,6 +45,10 @@ class Simulation:
     @property
     def remainder_tokens(self) -> int:
         return sum(g.tokens - g.served_tokens for g in self.groups)
+
+    @property
+    def remainder_pieces(self) -> int:
+        return sum(g.remainder_pieces for g in self.groups)
 
     @property
     def total_tokens(self) -> int:
@@ -114,7 +119,8 @@ def _packed_stats(plan, shape: PlanShape) -> GroupStats:
         served,
         k * n * per_batch * packing.seq_len,
         per_rank,
-        split_docs=rows.split_docs + left.split_docs,
+        split_docs=plan.split_docs,
+        remainder_pieces=plan.remainder_pieces,
         dropped_docs=int(rows.dropped.size + left.dropped.size),
     )
 

@@ -105,3 +105,41 @@ def test_plan_errors_are_clean(tmp_path):
     root, _ = write_dataset(str(tmp_path / "d"), [5])
     out = shardtool("plan", root, "--nodes", "8", "--ranks-per-node", "8", "--batch-size", "4")
     assert out.returncode == 1 and "too small" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(300)
+def test_packed_plan_reports_the_remainder_in_pieces_and_tokens_and_counts_split_documents(tmp_path):
+    """Issue 32's corpus at seq_len 1,024: one rank with drop_last no serves every token; the
+    split count is of documents in more than one piece (it was doubled); a drop_last remainder is
+    reported in the pieces and tokens it loses, as the loader's plan reports it."""
+    import numpy as np
+
+    from realtext import issue32_lengths
+    from shardtool.pack.synthetic import write_synthetic
+    from shardtool.plan import ArraySource, Batching, DataLayout, Layout, Planner
+    from shardtool.plan.packing import Packing
+
+    lengths = issue32_lengths()
+    root = str(tmp_path / "d")
+    write_synthetic(root, lengths.size, lengths=lengths, samples_per_shard=100)
+    source = ArraySource(lengths, np.diff(np.append(np.arange(0, lengths.size, 100), lengths.size)))
+    for ranks, drop in ((1, "no"), (3, "yes")):
+        args = ["plan", root, "--ranks-per-node", str(ranks), "--batch-size", "4", "--seq-len", "1024"]
+        out = shardtool(*args, "--drop-last", drop, "--json")
+        assert out.returncode == 0, out.stderr
+        rep = json.loads(out.stdout)
+        dl = DataLayout.pure_dp(Layout(1, ranks))
+        planner = Planner(source, Batching(batch_size=4, packing=Packing(1024), drop_last=drop == "yes"))
+        plan = planner.group(dl, 0, 0)
+        pos = np.concatenate([plan.rows.span_pos, plan.left_out.span_pos])
+        assert rep["documents_split"] == int(np.count_nonzero(np.bincount(pos) > 1))
+        assert rep["documents_split"] < lengths.size
+        assert rep["remainder_tokens"] == plan.remainder_tokens == int(lengths.sum()) - plan.rows.tokens
+        assert rep["remainder_pieces"] == plan.remainder_pieces == len(plan.left_out.span_pos)
+        if drop == "no":
+            assert rep["remainder_tokens"] == 0
+        text = shardtool(*args, "--drop-last", drop)
+        assert text.returncode == 0, text.stderr
+        assert f"remainder     {rep['remainder_pieces']:,} pieces of documents" in text.stdout
+        assert f"{rep['remainder_tokens']:,} tokens" in text.stdout
+        assert f"documents     {rep['documents_split']:,} split into pieces" in text.stdout

@@ -45,9 +45,10 @@ def packed_cases(draw):
 
 
 def expected_rows(lengths, packing: Packing, batch: Rows, b: int):
-    """The batch spelled out token by token: ids, labels, positions, segment starts, keys."""
+    """The batch spelled out token by token: ids, labels, positions, segment starts, keys, and
+    each segment's offset in its document (-1: a row of padding)."""
     seq, pad = packing.seq_len, 0
-    ids, labels, positions, starts, keys = [], [], [], [], []
+    ids, labels, positions, starts, keys, offsets = [], [], [], [], [], []
     for r in range(b):
         row_ids, row_lab, row_pos, row_keys = [], [], [], []
         lo, hi = (batch.row_offsets[r], batch.row_offsets[r + 1]) if r < batch.num_rows else (0, 0)
@@ -56,19 +57,21 @@ def expected_rows(lengths, packing: Packing, batch: Rows, b: int):
             doc = list(doc_tokens(g, int(lengths[g - 1000]))) + ([packing.eos_id] if packing.eos_id is not None else [])
             piece = doc[s : s + n]
             starts.append(r * seq + len(row_ids))
+            offsets.append(s)
             row_ids += piece
             row_lab += piece[1:] + [IGNORE_INDEX]
             row_pos += list(range(n))
             row_keys.append(g)
         if not row_ids:
             starts.append(r * seq)
+            offsets.append(-1)
         fill = seq - len(row_ids)
         last = row_pos[-1] + 1 if row_pos else 0
         ids.append(row_ids + [pad] * fill)
         labels.append(row_lab + [IGNORE_INDEX] * fill)
         positions.append(row_pos + list(range(last, last + fill)))
         keys.append(row_keys)
-    return ids, labels, positions, starts, keys
+    return ids, labels, positions, starts, keys, offsets
 
 
 @settings(max_examples=200, deadline=None)
@@ -77,7 +80,7 @@ def test_batch_tensors_match_the_spans(case):
     lengths, packing, batch, extra = case
     b = batch.num_rows + extra
     out = packed_batch(batch, tokens_for(lengths, 1000), packing, rows_per_batch=b)
-    ids, labels, positions, starts, keys = expected_rows(lengths, packing, batch, b)
+    ids, labels, positions, starts, keys, offsets = expected_rows(lengths, packing, batch, b)
     seq = packing.seq_len
     assert out["input_ids"].dtype == torch.int64 and out["input_ids"].shape == (b, seq)
     assert out["input_ids"].tolist() == ids
@@ -88,6 +91,9 @@ def test_batch_tensors_match_the_spans(case):
     assert cu.tolist() == starts + [b * seq] * (len(cu) - len(starts))
     assert out["max_seqlen"] == max(np.diff(starts + [b * seq]).tolist(), default=0)
     assert out["__key__"] == keys
+    doc_offsets = out["doc_offsets"]
+    assert doc_offsets.dtype == torch.int64 and doc_offsets.shape == (b * packing.max_docs_per_row,)
+    assert doc_offsets.tolist() == offsets + [-1] * (len(doc_offsets) - len(offsets))
     assert out["lengths"].tolist() == [
         int(batch.span_len[batch.row_offsets[r] : batch.row_offsets[r + 1]].sum()) if r < batch.num_rows else 0
         for r in range(b)

@@ -36,7 +36,7 @@ def assert_lean_matches_full(lean: dict, full: dict, name: str = "input_ids") ->
     assert torch.equal(lean[name].to(torch.int64), full[name])
     assert lean["max_seqlen"] == full["max_seqlen"]
     derived = lean_to_full(lean, name=name)
-    for key in (name, "labels", "position_ids", "cu_seqlens", "lengths"):
+    for key in (name, "labels", "position_ids", "cu_seqlens", "lengths", "doc_offsets"):
         assert derived[key].dtype == full[key].dtype, key
         assert torch.equal(derived[key], full[key]), key
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .bestfit import best_fit
 from .config import PACKING_VERSION, POLICIES, Packing, Rows, default_max_docs, rows_estimate, with_packed_eos
-from .rows import pack_rows
+from .rows import merge_rows, pack_rows
 
 __all__ = [
     "PACKING_VERSION",
@@ -20,6 +20,7 @@ __all__ = [
     "Rows",
     "best_fit",
     "default_max_docs",
+    "merge_rows",
     "pack_rows",
     "rows_estimate",
     "with_packed_eos",

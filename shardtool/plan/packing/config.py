@@ -35,7 +35,7 @@ __all__ = ["PACKING_VERSION", "POLICIES", "Packing", "Rows", "default_max_docs",
 
 # Bumped whenever packing changes the rows it produces, so a saved position is never replayed
 # against different rows.
-PACKING_VERSION = 1
+PACKING_VERSION = 2
 POLICIES = ("concat", "best-fit", "no-split")
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from .bestfit import best_fit
 from .config import Packing, Rows
 
-__all__ = ["pack_rows"]
+__all__ = ["merge_rows", "pack_rows"]
 
 
 def pack_rows(lengths: np.ndarray, packing: Packing) -> Rows:
@@ -28,6 +28,29 @@ def pack_rows(lengths: np.ndarray, packing: Packing) -> Rows:
     if packing.policy == "concat":
         return _concat(sizes, packing)
     return best_fit(sizes, packing, drop_long=packing.policy == "no-split")
+
+
+def merge_rows(rows: Rows, packing: Packing) -> Rows:
+    """The tokens of ``rows`` in as few rows as ``concat`` cuts them into: the spans sorted by
+    document and offset, a document's adjacent pieces joined, laid end to end and cut every
+    ``seq_len`` tokens (or at ``max_docs_per_row`` pieces). The rows of equal counts use it to
+    absorb a surplus of rows when every token must be served. ``split_docs`` is recounted."""
+    order = np.lexsort((rows.span_start, rows.span_pos))
+    pos, start, size = rows.span_pos[order], rows.span_start[order], rows.span_len[order]
+    joins = np.ones(len(pos), dtype=bool)  # a piece that does not continue the one before it
+    joins[1:] = (pos[1:] != pos[:-1]) | (start[1:] != start[:-1] + size[:-1])
+    first = np.flatnonzero(joins)
+    sizes = np.add.reduceat(size, first) if first.size else np.zeros(0, np.int64)
+    cut = _concat(sizes.astype(np.int64), packing)
+    return Rows(
+        rows.seq_len,
+        cut.row_offsets,
+        pos[first][cut.span_pos],
+        start[first][cut.span_pos] + cut.span_start,
+        cut.span_len,
+        rows.dropped,
+        cut.split_docs,
+    )
 
 
 def _concat(sizes: np.ndarray, packing: Packing) -> Rows:

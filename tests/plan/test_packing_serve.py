@@ -1,0 +1,152 @@
+"""Packed rows on real text (the stdlib's files as byte ids): drop_last=False serves every token
+once an epoch, drop_last=True reports exactly the tokens it leaves out (in tokens and pieces), a
+split document's pieces come head first, and the plan's split count counts documents."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from realtext import issue32_lengths, stdlib_lengths, stdlib_line_lengths
+from shardtool.plan import ArraySource, Batching, DataLayout, Layout, Planner
+from shardtool.plan.packing import Packing
+from shardtool.plan.simulate import simulate_epoch
+from strategies import LAYOUTS
+
+DATASET = "manifest-sha-packed"
+
+
+# Read once: hypothesis draws a corpus per example.
+_issue = functools.lru_cache(maxsize=1)(issue32_lengths)
+_stdlib = functools.lru_cache(maxsize=1)(stdlib_lengths)
+_lines = functools.lru_cache(maxsize=1)(lambda: stdlib_line_lengths(6000))
+
+
+def _shards(size: int, per: int) -> np.ndarray:
+    counts = np.full(size // per, per, np.int64)
+    return np.append(counts, size - counts.sum()) if size % per else counts
+
+
+@st.composite
+def corpora(draw) -> np.ndarray:
+    kind = draw(st.sampled_from(["issue", "stdlib", "lines"]))
+    if kind == "issue":
+        return _issue()
+    pool = _stdlib() if kind == "stdlib" else _lines()
+    size = draw(st.integers(20, 1200 if kind == "stdlib" else 6000))
+    first = draw(st.integers(0, pool.size - size))
+    return pool[first : first + size]
+
+
+def _spans(plans) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every served span (document, start, length) and its serving key (step, DP rank, row)."""
+    pos, start, size, key = [], [], [], []
+    for p in plans:
+        rows = p.rows
+        batch = np.repeat(np.arange(p.batches_per_rank), np.diff(p.row_offsets))
+        row = np.arange(rows.num_rows) - p.row_offsets[batch]
+        per_row = np.diff(rows.row_offsets)
+        k = (batch * 64 + p.dp_rank) * 4096 + row  # step, then DP rank (< 64), then row (< 4096)
+        pos.append(rows.span_pos)
+        start.append(rows.span_start)
+        size.append(rows.span_len)
+        key.append(np.repeat(k, per_row))
+    return tuple(np.concatenate(a) for a in (pos, start, size, key))  # type: ignore[return-value]
+
+
+def _assert_covers(pos, start, size, full: np.ndarray) -> None:
+    """The spans tile every document [0, full) exactly once: no token twice, none missing."""
+    order = np.lexsort((start, pos))
+    pos, start, size = pos[order], start[order], size[order]
+    new = np.ones(pos.size, bool)
+    new[1:] = pos[1:] != pos[:-1]
+    assert (start[new] == 0).all(), "every document from its first token"
+    assert (start[~new] == (start + size)[np.flatnonzero(~new) - 1]).all(), "no gap, no overlap"
+    assert np.array_equal(np.bincount(pos, weights=size, minlength=full.size).astype(np.int64), full)
+
+
+def _assert_head_first(pos, start, key) -> None:
+    """Served in (step, DP rank, row) order, a document's pieces come in the order of its tokens."""
+    order = np.lexsort((key, pos))
+    pos, start = pos[order], start[order]
+    same = pos[1:] == pos[:-1]
+    assert (start[1:][same] > start[:-1][same]).all(), "a later piece of a document was served first"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    corpora(),
+    st.sampled_from(LAYOUTS),
+    st.integers(256, 8192),
+    st.integers(1, 8),
+    st.sampled_from(["best-fit", "concat"]),
+    st.sampled_from([None, 0]),
+    st.integers(0, 5),
+    st.sampled_from([7, 100, 333]),
+)
+def test_drop_last_false_serves_every_token_once_and_true_reports_what_it_leaves(
+    lengths, layout, seq, per_batch, policy, eos, epoch, shard
+):
+    source = ArraySource(lengths, _shards(lengths.size, shard))
+    packing = Packing(seq, policy, eos_id=eos)
+    full = lengths + packing.extra_tokens
+    dl = DataLayout.pure_dp(layout)
+    for drop_last in (False, True):
+        planner = Planner(source, Batching(batch_size=per_batch, packing=packing, seed=epoch, drop_last=drop_last))
+        try:
+            state = planner.start(epoch, DATASET, dl)
+        except ValueError as e:
+            assert "too small" in str(e)
+            return
+        plans = [planner.rank_plan(state, d) for d in range(dl.dp_size)]
+        assert len({p.batches_per_rank for p in plans}) == 1, "equal batch counts"
+        assert all(int(np.diff(p.row_offsets).max()) <= per_batch for p in plans)
+        pos, start, size, key = _spans(plans)
+        _assert_head_first(pos, start, key)
+        firsts = [dl.first_dp_rank(g) for g in range(dl.num_groups)]  # one rank per group reports it
+        reported = sum(plans[d].remainder_tokens for d in firsts)
+        if not drop_last:
+            _assert_covers(pos, start, size, full)
+            assert reported == 0 and all(p.remainder_pieces == 0 and p.remainder.size == 0 for p in plans)
+            continue
+        assert reported == int(full.sum() - size.sum()), "the remainder is exactly the tokens not served"
+        left = [planner.group(dl, g, epoch).left_out for g in range(dl.num_groups)]
+        assert sum(plans[d].remainder_pieces for d in firsts) == sum(len(x.span_pos) for x in left)
+        every = [np.concatenate([a, *(getattr(x, f) for x in left)]) for a, f in zip((pos, start, size), FIELDS)]
+        _assert_covers(*every, full)
+
+
+FIELDS = ("span_pos", "span_start", "span_len")
+
+
+def test_the_issue_corpus_on_one_rank_serves_every_token():
+    """1,003 documents at seq_len 1,024 on one rank: 3,072 tokens went unserved, remainder []."""
+    lengths = _issue()
+    source = ArraySource(lengths, _shards(lengths.size, 100))
+    dl = DataLayout.pure_dp(Layout(1, 1))
+    for per_batch in (1, 4, 8):
+        planner = Planner(source, Batching(batch_size=per_batch, packing=Packing(1024), drop_last=False))
+        plan = planner.rank_plan(planner.start(0, DATASET, dl), 0)
+        pos, start, size, key = _spans([plan])
+        _assert_covers(pos, start, size, lengths)
+        _assert_head_first(pos, start, key)
+        assert plan.remainder_tokens == 0
+
+
+def test_split_count_is_documents_in_more_than_one_piece():
+    lengths = _issue()
+    source = ArraySource(lengths, _shards(lengths.size, 100))
+    for layout, drop_last in ((Layout(1, 1), False), (Layout(2, 3), True)):
+        dl = DataLayout.pure_dp(layout)
+        batching = Batching(batch_size=4, packing=Packing(1024), drop_last=drop_last)
+        sim = simulate_epoch(source, dl, batching)
+        planner = Planner(source, batching)
+        groups = [planner.group(dl, g, 0) for g in range(dl.num_groups)]
+        pos = np.concatenate([x for g in groups for x in (g.rows.span_pos, g.left_out.span_pos)])
+        direct = int(np.count_nonzero(np.bincount(pos) > 1))
+        assert sim.split_docs == direct
+        # best-fit cuts only the documents longer than a row (and, rarely, one the fit-up merges)
+        assert int((lengths > 1024).sum()) <= sim.split_docs <= int((lengths > 1024).sum()) + 4
