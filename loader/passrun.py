@@ -3,7 +3,7 @@
 The generator a pass returns runs inside the user's ``next()`` calls (so the wait the metrics
 report is what the user measures around ``next()``), ends its worker pool however the consumer
 leaves it, and agrees with the other ranks once per epoch that they read the same plan.
-A mixin of `ShardedLoader` (and through it `MixedLoader`): the state it reads and writes is the
+A mixin of `ShardedLoader` (and through it `MixtureLoader`): the state it reads and writes is the
 loader's (``_served``, ``_epoch``, ``_obs``, ``_staging``, the worker options).
 """
 

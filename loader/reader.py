@@ -39,7 +39,7 @@ class BatchReader:
         self._source: Source | None = None
         self._views: OrderedDict[int, ShardView] = OrderedDict()
         self._scratch_buf: np.ndarray | None = None
-        self.probe: Probe | None = None  # counters and what is being read (loader/probe.py)
+        self.probe: Probe | None = None  # counters and what is being read (loader/observability/probe.py)
         self._remote_seen: set[int] = set()
         self._last_remote_batch: tuple | None = None
         self._fetch_lock = threading.Lock()  # record batches of remote views are fetched on threads

@@ -134,7 +134,7 @@ def make_dataloader(
     probe=None,
 ) -> Iterator[Any]:
     """Batches ``start .. len(dataset)-1`` in order (the name predates our own worker pool);
-    ``probe``: the workers' metrics (loader/probe.py), None for none. ``dataset``: `PlanBatches`,
+    ``probe``: the workers' metrics (loader/observability/probe.py), None for none. ``dataset``: `PlanBatches`,
     or anything with its ``load`` and ``len`` (a mixture's steps)."""
     pin = bool(pin_memory) and torch.cuda.is_available()
     if num_workers == 0:

@@ -98,7 +98,7 @@ class LoaderState:
 
     def resumed_on(self, layout: DataLayout, batches: int) -> LoaderState:
         """This state continued on ``layout``: a new segment of ``batches`` per DP rank if the
-        layout changed (`shardtool.plan.rank.next_segment_batches` gives the count). A state with
+        layout changed (`shardtool.plan.rank.Planner.continue_on` counts them). A state with
         no segment (the start of an epoch) starts its first one."""
         new = self.copy()
         if not self.same_layout(layout):
