@@ -11,11 +11,22 @@ import numpy as np
 from .arrays import gather_runs
 from .packing import Packing
 
-__all__ = ["Batching", "PLAN_VERSION", "group_rng", "resolve_window", "bucket", "gather_runs", "default_bucketing"]
+__all__ = [
+    "Batching",
+    "PLAN_VERSION",
+    "group_rng",
+    "resolve_window",
+    "bucket",
+    "gather_runs",
+    "default_bucketing",
+    "in_order_starts",
+]
 
 # Bumped whenever the planning algorithm changes the batches it produces, so a
 # saved position is never replayed against a different plan.
 PLAN_VERSION = 2
+# Bumped when the count of batches cut in order under a token budget (no bucketing) changes.
+IN_ORDER_VERSION = 2
 
 # A window of this many batches' worth of samples sorts enough neighbours
 # together to keep padding efficiency above 0.95 on lognormal text lengths,
@@ -70,7 +81,8 @@ class Batching:
     smallest whose surplus carries at most 0.2% of the tokens (`balance.MAX_DROP`; it rotates
     across epochs), groups short of it split batches. ``False``: nothing is left out — the count
     is the largest group's, every other group splits batches to reach it (exact in ``batch_size``
-    mode; with a token budget or packing the counts are estimated, so a rare surplus can remain).
+    mode, for packed rows, and for one group cut in order; a bucketed token budget's counts are
+    estimated, so a rare surplus can remain).
     Default (None): ``True`` with several DP ranks, ``False`` with one (nothing to equalise).
     """
 
@@ -122,6 +134,10 @@ class Batching:
         fields["packing"] = self.packing.fingerprint() if self.packing is not None else None
         if self.drop_last is None:
             del fields["drop_last"]  # the default: fingerprints (and saved states) from before it still match
+        if self.max_tokens is not None and not self.bucketing:
+            # In-order token budgets count their batches anew (issue 32): states from before are
+            # refused; every other config keeps its fingerprint (and its shuffle streams).
+            fields["in_order_version"] = IN_ORDER_VERSION
         canonical = json.dumps({"plan_version": PLAN_VERSION, **fields}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -174,7 +190,7 @@ def bucket(
         perm = rng.permutation(n)
         ids, lens = ids[perm], lens[perm]
     if not batching.bucketing:
-        starts = _in_order_starts(lens, batching)
+        starts = in_order_starts(lens, batching)
         return _shuffle_batches(ids, np.append(starts, n), rng)
     positions = np.arange(n, dtype=np.int64)
     if batching.batch_size is not None:
@@ -215,7 +231,7 @@ def _shuffle_batches(ids: np.ndarray, starts: np.ndarray, rng) -> tuple[np.ndarr
     return ids, np.concatenate([[0], np.cumsum(sizes[perm])]).astype(np.int64)
 
 
-def _in_order_starts(lens: np.ndarray, batching: Batching) -> np.ndarray:
+def in_order_starts(lens: np.ndarray, batching: Batching) -> np.ndarray:
     """Batch starts over samples in the given order: fixed sizes, or the longest-so-far times the
     count within the budget (padding counted), never reordering."""
     n = lens.size

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -127,6 +128,24 @@ def _redeal(prev: dict, prev_layout: DataLayout, layout: DataLayout) -> tuple[in
     return n, remaining - n * layout.dp_size
 
 
+class _KeepsLastLengths:
+    """The plan source, keeping its last ``lengths_range`` answer: a one-group shape cut in order
+    counts its batches from the same lengths the group's plan then reads (one read, not two; the
+    plan keeps that array anyway)."""
+
+    def __init__(self, source: PlanSource):
+        self._inner = source
+        self._last: tuple[int, int, np.ndarray] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def lengths_range(self, lo: int, hi: int) -> np.ndarray:
+        if self._last is None or self._last[:2] != (lo, hi):
+            self._last = (lo, hi, self._inner.lengths_range(lo, hi))
+        return self._last[2]
+
+
 class Planner:
     """Plans of one dataset and batching config; cheap to keep for the life of a loader."""
 
@@ -134,6 +153,7 @@ class Planner:
 
     def __init__(self, source: PlanSource, batching: Batching):
         self.source = source
+        self._source = _KeepsLastLengths(source)
         self.batching = batching
         self._shapes: dict[str, PlanShape] = {}
         self._groups: OrderedDict[tuple, GroupPlan] = OrderedDict()
@@ -142,14 +162,16 @@ class Planner:
         key = repr(layout.identity())
         shape = self._shapes.get(key)
         if shape is None:
-            shape = self._shapes[key] = plan_shape(self.source.summaries, layout, self.batching)
+            shape = self._shapes[key] = plan_shape(
+                self.source.summaries, layout, self.batching, self._source.lengths_range
+            )
         return shape
 
     def group(self, layout: DataLayout, group: int, epoch: int) -> GroupPlan:
         key = (repr(layout.identity()), group, epoch)
         plan = self._groups.get(key)
         if plan is None:
-            plan = plan_group(self.source, self.shape(layout), group, epoch)
+            plan = plan_group(self._source, self.shape(layout), group, epoch)
             self._groups[key] = plan
             while len(self._groups) > self.MAX_GROUPS:
                 self._groups.popitem(last=False)

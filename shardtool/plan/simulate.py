@@ -134,7 +134,7 @@ def simulate_epoch(
     source: PlanSource, layout: DataLayout, batching: Batching, epoch: int = 0, *, processes: int = 1
 ) -> Simulation:
     global _FORKED
-    shape = plan_shape(source.summaries, layout, batching)
+    shape = plan_shape(source.summaries, layout, batching, source.lengths_range)
     groups = list(range(layout.num_groups))
     if processes > 1 and len(groups) > 1:
         import multiprocessing as mp
@@ -152,6 +152,6 @@ def simulate_epoch(
 
 def epoch_remainder(source: PlanSource, layout: DataLayout, batching: Batching, epoch: int = 0) -> np.ndarray:
     """Global ids of the samples no rank serves in ``epoch`` (every group's remainder, sorted)."""
-    shape = plan_shape(source.summaries, layout, batching)
+    shape = plan_shape(source.summaries, layout, batching, source.lengths_range)
     parts = [plan_group(source, shape, g, epoch).remainder for g in range(layout.num_groups)]
     return np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)

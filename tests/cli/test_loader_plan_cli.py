@@ -143,3 +143,40 @@ def test_packed_plan_reports_the_remainder_in_pieces_and_tokens_and_counts_split
         assert f"remainder     {rep['remainder_pieces']:,} pieces of documents" in text.stdout
         assert f"{rep['remainder_tokens']:,} tokens" in text.stdout
         assert f"documents     {rep['documents_split']:,} split into pieces" in text.stdout
+
+
+@pytest.mark.timeout(300)
+def test_plan_no_shuffle_with_a_token_budget_is_the_greedy_cut(tmp_path):
+    """`shardtool plan --no-shuffle --max-tokens` on the quickstart's corpus planned 1,668
+    batches where a greedy cut in order gives 600 (issue 32, item 5)."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from runcli import repo_env
+    from shardtool.format import Dataset
+    from shardtool.plan import Batching
+    from shardtool.plan.batching import in_order_starts
+
+    corpus = [sys.executable, "-m", "shardtool.benchmarks.corpus", "tokens", str(tmp_path / "raw"), "--n", "4000"]
+    raw = subprocess.run(corpus, env=repo_env(), capture_output=True, text=True, timeout=120)
+    assert raw.returncode == 0, raw.stderr
+    packed = shardtool(
+        "pack", str(tmp_path / "raw" / "tokens.parquet"), "-o", str(tmp_path / "d"), "--length", "tokens",
+        "--samples-per-shard", "1500",
+    )  # fmt: skip
+    assert packed.returncode == 0, packed.stderr
+    ds = Dataset(str(tmp_path / "d"))
+    lengths = np.asarray(ds.lengths_range(0, len(ds)))
+    for budget, ranks in ((65536, 1), (8192, 2)):
+        greedy = in_order_starts(lengths, Batching(max_tokens=budget, shuffle=False)).size
+        out = shardtool(
+            "plan", str(tmp_path / "d"), "--no-shuffle", "--max-tokens", str(budget), "--ranks-per-node", str(ranks),
+            "--drop-last", "no", "--json",
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        rep = json.loads(out.stdout)
+        # The greedy cut, split up to a multiple of the ranks; nothing left out.
+        assert greedy <= rep["batches_per_rank"] * ranks <= greedy + ranks - 1, (rep["batches_per_rank"], greedy)
+        assert rep["remainder_samples"] == 0

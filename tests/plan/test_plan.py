@@ -116,7 +116,7 @@ def test_plan_invariants(case):
     lengths, layout, batching = case.data.lengths, case.layout, case.batching
     source = ArraySource(lengths, case.data.shard_counts)
     data, plans, _ = rank_plans(source, layout, batching, case.epoch)
-    shape = plan_shape(source.summaries, data, batching)
+    shape = plan_shape(source.summaries, data, batching, source.lengths_range)
     n = plans[0].batches_per_rank
     assert n >= 1 and n == shape.batches_per_rank
     served, remainder = [], []
@@ -151,7 +151,7 @@ def test_plan_invariants(case):
 def test_a_rank_reads_only_its_groups_lengths_and_equals_the_full_simulation(case):
     source = ArraySource(case.data.lengths, case.data.shard_counts)
     data = DataLayout.pure_dp(case.layout)
-    shape = plan_shape(source.summaries, data, case.batching)
+    shape = plan_shape(source.summaries, data, case.batching, source.lengths_range)
     full = [
         plan_group(ArraySource(case.data.lengths, case.data.shard_counts), shape, g, case.epoch)
         for g in range(data.num_groups)
