@@ -3,13 +3,21 @@
 A shuffled pass touches every record batch of a rank's share in every stretch of the pass, so a
 reader that decompresses record batches as samples need them (`loader.batchcache`) does it once
 per pass per process at best, and gathers each training batch from a hundred separate batch
-buffers. Before a pass's workers fork, the rank's process therefore decompresses the compressed
-shards the pass reads into plain Arrow IPC files in memory, as the node cache does on disk
-(`cache.plain`), up to a budget. The workers inherit them by fork: pages nobody writes stay
-shared, so a rank holds one copy, not one a worker, and reads them exactly as it reads a plain
-shard's map. Later passes reuse them: a rank decompresses its share once per run (ranges are
-sticky, DESIGN §2), not once per pass and worker. Shards past the budget are read through
-`loader.batchcache`. Which shards to hold is `choose`, a pure function of the pass's shards.
+buffers. The rank's process therefore decompresses the compressed shards the pass reads into
+plain Arrow IPC files in memory, as the node cache does on disk (`cache.plain`), up to a budget,
+and readers read them exactly as a plain shard's map. Later passes reuse them: a rank
+decompresses its share once per run (ranges are sticky, DESIGN §2), not once per pass and worker.
+Shards past the budget are read through `loader.batchcache`. Which shards to hold is `choose`, a
+pure function of the pass's shards in the order it first reads them.
+
+The pass does not wait for the whole share: before its workers fork, the rank's process maps the
+memory of every shard it will decompress, shared (`loader.inflatefill`), and a background thread
+fills it, shard after shard in the order the pass first reads them, each on the decompression
+pool's threads. A reader (the trainer with ``num_workers=0``, or a forked worker) that opens a
+shard waits for that shard only, on a board in shared memory; one the thread could not hold
+(damaged, larger than its manifest says, the loader closing) is read the ordinary way, which
+verifies it and names it in any error. A shard held from an earlier pass is inherited by fork as
+before: one copy a rank, whatever the workers.
 
 Only local shards are decompressed here (read in place, or a ``warm --keep-compressed`` cache):
 a remote share would be a whole download before the first batch (batchcache fetches by range).
@@ -20,19 +28,32 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-import pyarrow as pa
-
-from ..format import FormatError
-from ..format.arrowshard import write_plain
 from ..format.sizes import parse_size
 from .batchcache import decompress_pool
+from .inflatefill import (
+    ABSENT,
+    PENDING,
+    SLACK,
+    Arena,
+    ForkGate,
+    Stopped,
+    close_map,
+    decompress,
+    free,
+    populate,
+    write_shared,
+)
 from .source import MappedFile, Source
 
+__all__ = ["ENV", "Inflated", "InflatedShard", "choose", "decompress", "inflate_budget"]
+
 ENV = "SHARDTOOL_DECOMPRESSED_SHARE"
-LOG_BYTES = 1 << 30  # a pass's decompression is announced before it starts from this size
+LOG_BYTES = 1 << 30  # a pass's decompression is announced when it starts from this size
+POLL_S = (1e-4, 2e-3)  # a reader waiting for its shard looks at the board this often (first, at most)
 log = logging.getLogger(__name__)
 
 
@@ -82,149 +103,205 @@ class InflatedShard:
         self._mm = None
 
 
-def decompress(data, name: str, plain_bytes: int) -> mmap.mmap:
-    """The plain Arrow IPC file of the compressed shard ``data`` (a verified map) in anonymous
-    memory: an mmap, so that it reads (slices to bytes, buffer addresses) exactly as a shard's
-    map does. Written straight into memory of the size the manifest records for it, then cut to
-    what was written; a shard larger than recorded (an older manifest) is written again, growing."""
-    try:
-        if plain_bytes > 0:
-            # Populated at once (zeroed pages in one call, not a fault a page as Arrow writes:
-            # 16% of a shard's time in memory here). Private: a fork shares the pages, copying none.
-            populate = getattr(mmap, "MAP_POPULATE", 0)
-            mm = mmap.mmap(-1, plain_bytes + (64 << 10), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
-            n = _write_into(mm, data)
-            if n is not None:
-                return _cut(mm, n)
-            _close(mm)
-        stream = pa.BufferOutputStream()
-        write_plain(pa.py_buffer(data), stream)
-        out = stream.getvalue()
-        mm = mmap.mmap(-1, max(out.size, 1))
-        mm[: out.size] = memoryview(out)
-        return _cut(mm, out.size)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-        raise FormatError(f"shard {name}: verified but cannot be decompressed ({e})") from None
-
-
-def _write_into(mm: mmap.mmap, data) -> int | None:
-    """Bytes written of ``data``'s plain form into ``mm``; None where it does not fit. Returns
-    only once the writer is gone, so that ``mm`` has no exports left (resize and close need that)."""
-    sink = pa.FixedSizeBufferWriter(pa.py_buffer(mm))
-    try:
-        write_plain(pa.py_buffer(data), sink)
-    except OSError:  # "Write out of bounds": larger than the manifest says
-        return None
-    return sink.tell()
-
-
-def _cut(mm: mmap.mmap, n: int) -> mmap.mmap:
-    """``mm`` cut to its first ``n`` bytes: an Arrow file is read from its end (its footer)."""
-    if n == len(mm):
-        return mm
-    try:
-        mm.resize(n)  # mremap where the platform has it
-        return mm
-    except (OSError, SystemError, ValueError):
-        exact = mmap.mmap(-1, n)
-        exact[:n] = mm[:n]
-        mm.close()
-        return exact
-
-
 class Inflated:
-    """The shards one rank holds decompressed: {shard: plain IPC file bytes}."""
+    """The shards one rank holds decompressed, {shard: plain IPC file in memory}, and the fill of
+    those a pass still needs. `for_pass` runs in the rank's process before its workers fork;
+    `get` in whichever process reads."""
 
     def __init__(self, budget: int):
         self.budget = budget
-        self.copies: dict[int, mmap.mmap] = {}
+        self.copies: dict[int, mmap.mmap] = {}  # ready (in a forked worker: those it mapped)
         self.loaded = 0  # shards decompressed so far (each once a run while the share fits)
-
-    def get(self, shard: int) -> mmap.mmap | None:
-        return self.copies.get(shard)
+        self.waited = 0  # shards this process's readers waited for (their fill had not reached them)
+        # Tests hold the fill back with it: ``pace(k, stop)`` runs before the fill's k-th shard.
+        self.pace: Callable[[int, threading.Event], None] | None = None
+        self._owner = os.getpid()
+        self._arena: Arena | None = None  # the shards being filled: shared memory, made before the fork
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._regrown: set[int] = set()  # held privately after the fork (larger than recorded)
+        self._gate = ForkGate()
 
     @property
     def nbytes(self) -> int:
         return sum(len(b) for b in self.copies.values())
 
+    @property
+    def filling(self) -> bool:
+        """The background fill is still running (in the rank's process)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def get(self, shard: int) -> mmap.mmap | None:
+        """The plain file of ``shard``, waiting while the fill has yet to write it; None where it is
+        not held (read it record batch by record batch, or the ordinary way)."""
+        mm = self.copies.get(shard)
+        if mm is not None:
+            return mm
+        arena = self._arena
+        if arena is None or shard not in arena.slot:
+            return None
+        n = arena.get(shard)
+        if n == PENDING:
+            self.waited += 1
+            n = self._wait(arena, shard)
+        mm = self.copies.get(shard)  # the rank's process maps it before it flags it
+        if mm is None and n >= 0:
+            mm = self.copies[shard] = arena.view(shard, n)  # a forked worker maps it now
+        return mm
+
+    def _wait(self, arena: Arena, shard: int) -> int:
+        delay = POLL_S[0]
+        while True:
+            n = arena.get(shard)
+            if n != PENDING:
+                return n
+            if os.getpid() == self._owner:
+                if not self.filling:
+                    n = arena.get(shard)
+                    return ABSENT if n == PENDING else n
+            elif os.getppid() != self._owner:
+                return ABSENT  # the rank's process is gone: read it the ordinary way
+            time.sleep(delay)
+            delay = min(2 * delay, POLL_S[1])
+
     def for_pass(self, src: Source, shards: Sequence[int], drop: Callable[[int], None]) -> list[int]:
-        """`fill` for a pass of local ``src`` reading ``shards``: its compressed ones, and in a node
-        cache (``warm --keep-compressed``) only those already there: the others are fetched on a
-        miss as reads reach them (or by the in-job stager), not all before the first batch.
-        Says what it did."""
+        """Before a pass of local ``src`` reading ``shards`` (in the order it first reads them)
+        forks its workers: what `choose` holds of its compressed ones, and in a node cache
+        (``warm --keep-compressed``) only those already there (the others are fetched on a miss
+        as reads reach them, or by the in-job stager, not all before the first batch). Frees what
+        is no longer chosen (``drop(shard)`` first, for the caller's views over it), maps shared
+        memory for the chosen shards not yet held and starts their fill. Returns those shards."""
+        self._halt()
         ds = src.dataset
         want = [s for s in shards if ds.shard_compressed(s) and src.is_cached(s) is not False]
         infos = ds.manifest.shards
         # A manifest without the plain size (older packs) is guessed at 4x: zstd on token ids
-        # is ~1.6x, on text 3-5x; a short guess only costs a growing buffer (`decompress`).
+        # is ~1.6x, on text 3-5x; a short guess only costs a private copy (`decompress`).
         sizes = {s: int(infos[s].raw_bytes or 4 * infos[s].bytes) for s in want}
-        began = time.perf_counter()
-        done = self.fill(want, sizes, src.map_shard, pool=decompress_pool(), drop=drop)
-        if done:
-            log.info(
-                "decompressed %d compressed shards of this rank's pass into memory in %.2f s (%.2f GB held "
-                "of %.2f GB allowed, %s; %d of %d shards held)",
-                len(done),
-                time.perf_counter() - began,
-                self.nbytes / 1e9,
-                self.budget / 1e9,
-                ENV,
-                len(self.copies),
-                len(want),
-            )
-        return done
-
-    def clear(self) -> None:
-        """Frees every shard held (their views closed first)."""
-        for mm in self.copies.values():
-            _close(mm)
-        self.copies.clear()
-
-    def _held(self) -> dict[int, int]:
-        return {s: len(b) for s, b in self.copies.items()}
-
-    def fill(
-        self,
-        want: Sequence[int],
-        sizes: Mapping[int, int],
-        open_shard: Callable[[int], MappedFile],
-        pool=None,
-        drop: Callable[[int], None] | None = None,
-    ) -> list[int]:
-        """Hold what `choose` picks for ``want``: drops the others (``drop(shard)`` first, for
-        the caller's views over them), then opens the missing ones (``open_shard``: a verified
-        map, in this thread) and decompresses them, on ``pool``'s threads where given (Arrow
-        decompresses without the GIL), announced first where that takes seconds. Returns the
-        shards decompressed."""
-        chosen = choose(want, self._held(), sizes, self.budget)
-        for s in [s for s in self.copies if s not in set(chosen)]:
-            if drop is not None:
-                drop(s)
-            _close(self.copies.pop(s))
+        chosen = choose(want, {s: len(b) for s, b in self.copies.items()}, sizes, self.budget)
+        keep = set(chosen)
+        for s in [s for s in self.copies if s not in keep]:
+            drop(s)
+            free(self.copies.pop(s))  # the previous pass's workers are gone
+        for s in self._regrown:
+            drop(s)  # read record batch by record batch last pass: the plain copy from now on
+        self._regrown = set()
         missing = [s for s in chosen if s not in self.copies]
+        if not missing:
+            return []
+        for s in missing:
+            drop(s)
         todo = sum(sizes[s] for s in missing)
-        if todo >= LOG_BYTES:  # said before a wait of seconds, not only after it
-            log.info("decompressing %.1f GB of compressed shards into memory before the first batch", todo / 1e9)
-        opened: list[MappedFile] = []
-        try:
-            for s in missing:
-                opened.append(open_shard(s))
-
-            def one(k: int) -> mmap.mmap:
-                return decompress(opened[k].buffer(), opened[k].shard_name, sizes[missing[k]])
-
-            ks = range(len(missing))
-            for s, buf in zip(missing, pool.map(one, ks) if pool is not None and len(missing) > 1 else map(one, ks)):
-                self.copies[s] = buf
-                self.loaded += 1
-        finally:
-            for m in opened:
-                m.close()
+        if todo >= LOG_BYTES:
+            log.info("decompressing %.1f GB of compressed shards into memory while the pass reads", todo / 1e9)
+        self._arena = Arena({s: sizes[s] + SLACK for s in missing})
+        self._stop = threading.Event()
+        known = {s: bool(infos[s].raw_bytes) for s in missing}
+        self._thread = threading.Thread(
+            target=self._fill,
+            args=(missing, known, src.map_shard, self._arena, self._stop),
+            name="shardtool-inflate",
+            daemon=True,  # an interpreter that exits mid-pass does not wait for it
+        )
+        self._thread.start()
         return missing
 
+    def _fill(
+        self,
+        order: list[int],
+        known: dict[int, bool],
+        open_shard: Callable[[int], MappedFile],
+        arena: Arena,
+        stop: threading.Event,
+    ) -> None:
+        """The background fill: each shard of ``order`` opened (a verified map) and written plain
+        into its region of ``arena``, then flagged ready. A shard it cannot hold is flagged
+        `ABSENT`, and so is every one left when it ends, however it ends."""
+        began = time.perf_counter()
+        pool = decompress_pool()
+        done = 0
+        try:
+            for k, s in enumerate(order):
+                if self.pace is not None:
+                    self.pace(k, stop)
+                if stop.is_set():
+                    break
+                done += self._one(s, known[s], open_shard, arena, pool, stop)
+        except Stopped:
+            pass
+        except Exception:  # never the pass's end: its readers read the rest the ordinary way
+            log.exception("the background decompression of compressed shards failed")
+        finally:
+            for s in order:
+                if arena.get(s) == PENDING:
+                    arena.set(s, ABSENT)
+            if done:
+                log.info(
+                    "decompressed %d compressed shards of this rank's pass into memory in %.2f s, while it "
+                    "read (%.2f GB held of %.2f GB allowed, %s; %d shards held)",
+                    done,
+                    time.perf_counter() - began,
+                    self.nbytes / 1e9,
+                    self.budget / 1e9,
+                    ENV,
+                    len(self.copies),
+                )
 
-def _close(mm: mmap.mmap) -> None:
-    try:
-        mm.close()
-    except BufferError:
-        pass  # a view handed out still points into it: freed when that view is collected
+    def _one(self, s: int, known: bool, open_shard, arena: Arena, pool, stop: threading.Event) -> bool:
+        """Shard ``s`` filled and flagged; False where it is flagged `ABSENT` instead."""
+        try:
+            mapped = open_shard(s)
+        except Exception as e:  # damaged, unreadable: the reader's own open says so, naming it
+            log.warning("shard %d is read record batch by record batch: %s", s, e)
+            arena.set(s, ABSENT)
+            return False
+        region = arena.region(s)
+        kept = False
+        try:
+            if known:
+                populate(region)
+            with self._gate:
+                n = write_shared(region, mapped.buffer(), mapped.shard_name, pool, stop, self._gate)
+                if n is None:  # larger than its manifest says: the workers of this pass cannot see more
+                    arena.set(s, ABSENT)
+                    self.copies[s] = decompress(mapped.buffer(), mapped.shard_name, 0)
+                    self._regrown.add(s)
+                else:
+                    self.copies[s] = arena.view(s, n)
+                    kept = True
+                    arena.set(s, n)
+            self.loaded += 1
+            return True
+        except Stopped:
+            raise
+        except Exception as e:
+            log.warning("shard %d is read record batch by record batch: %s", s, e)
+            arena.set(s, ABSENT)
+            return False
+        finally:
+            mapped.close()
+            if kept:
+                close_map(region)
+            else:
+                free(region)  # what was written of it: no reader has seen its flag
+
+    def _halt(self) -> None:
+        """Stops a fill still running (the thread ends within a record batch) and closes its arena
+        (the views of the shards it filled keep their memory; the readers that watched its board
+        are gone with their pass)."""
+        if os.getpid() != self._owner:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    def clear(self) -> None:
+        """Stops the fill and frees every shard held (their views closed first)."""
+        self._halt()
+        for mm in self.copies.values():
+            close_map(mm)
+        self.copies.clear()

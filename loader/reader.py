@@ -43,8 +43,8 @@ class BatchReader:
         self._remote_seen: set[int] = set()
         self._last_remote_batch: tuple | None = None
         self._fetch_lock = threading.Lock()  # record batches of remote views are fetched on threads
-        # Compressed local shards decompressed by this rank's process before its workers fork
-        # (loader/inflate.py): workers inherit them, so the per-pid reset in `source` keeps them.
+        # Compressed local shards decompressed by this rank's process into memory its workers
+        # share (loader/inflate.py): the per-pid reset in `source` keeps it.
         self._inflated: Inflated | None = None
 
     # ------------------------------------------------------------------ per-process state
@@ -113,15 +113,18 @@ class BatchReader:
         return v
 
     def inflate(self, ids: np.ndarray) -> list[int]:
-        """Decompress into memory the compressed local shards that ``ids`` (a pass's samples)
-        read, as far as the budget allows (loader/inflate.py); call it in the rank's process
-        before workers fork. Returns the shards it decompressed now."""
+        """Decompress into memory the compressed local shards that ``ids`` (a pass's samples, in
+        its order) read, as far as the budget allows, in a background thread while the pass
+        reads (loader/inflate.py); call it in the rank's process before workers fork. Returns
+        the shards it decompresses now."""
         src = self.source
         if not src.local or self.tar or src.dataset.manifest.compression is None or not len(ids):
             return []
         if self._inflated is None:
             self._inflated = Inflated(inflate_budget(os.environ))
-        return self._inflated.for_pass(src, np.unique(self.locate(ids)[0]).tolist(), drop=self._drop_view)
+        shards, first = np.unique(self.locate(ids)[0], return_index=True)
+        # In the order the pass first reads them: the fill reaches the shards of batch b first.
+        return self._inflated.for_pass(src, shards[np.argsort(first, kind="stable")].tolist(), drop=self._drop_view)
 
     def _drop_view(self, shard: int) -> None:
         v = self._views.pop(shard, None)

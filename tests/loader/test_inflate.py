@@ -208,3 +208,107 @@ def test_a_shard_larger_than_its_recorded_plain_size_is_decompressed_whole(packe
     stored = pa.ipc.open_file(pa.py_buffer(data))
     assert plain.num_record_batches == stored.num_record_batches
     assert plain.read_all().equals(stored.read_all())
+
+
+def _held_back(ld, free_shards: int):
+    """``ld``'s fill lets ``free_shards`` shards through, then waits until the event returned is set
+    (or the loader stops it): the pass's progress against the fill observed, not timed."""
+    import threading
+
+    from shardtool.loader.inflate import Inflated, inflate_budget
+
+    go = threading.Event()
+    held = ld.reader._inflated = Inflated(inflate_budget(os.environ))
+
+    def pace(k, stop):
+        while k >= free_shards and not (go.is_set() or stop.is_set()):
+            go.wait(0.01)
+
+    held.pace = pace
+    return held, go
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_first_batch_arrives_before_the_share_is_decompressed(packed, workers):
+    kw = dict(batch_size=7, shuffle=False, rank=0, world_size=1, num_workers=workers)
+    ld = ShardedLoader(packed["zstd"], **kw)
+    held, go = _held_back(ld, 1)
+    it = iter(ld)
+    first = _listed(next(it))
+    # Shard 0 only: the fill waits before the next one, and the batch did not wait for it.
+    assert held.loaded == 1 and held.filling and set(held.copies) == {0}
+    go.set()
+    got = [first] + [_listed(b) for b in it]
+    assert got == [_listed(b) for b in ShardedLoader(packed[None], **kw)]
+    assert not held.filling and held.loaded == len(held.copies) == shardtool.open_dataset(packed["zstd"]).num_shards
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shard_failing_verification_mid_fill_is_named_and_the_batches_before_it_arrive(packed, tmp_path, workers):
+    import shutil
+
+    root = str(tmp_path / "z")
+    shutil.copytree(packed["zstd"], root)
+    ds = shardtool.open_dataset(root)
+    bad = ds.manifest.shards[2].path
+    with open(ds.shard_path(2), "r+b") as f:  # one byte of its middle flipped: same size, other hash
+        f.seek(ds.manifest.shards[2].bytes // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    kw = dict(batch_size=7, shuffle=False, rank=0, world_size=1, num_workers=workers)
+    want = [_listed(b) for b in ShardedLoader(packed[None], **kw)]
+    ld = ShardedLoader(root, **kw)
+    got = []
+    with pytest.raises(shardtool.FormatError, match=bad):
+        for b in ld:
+            got.append(_listed(b))
+    shard, _ = ld.reader.locate(ld.plan.ids)
+    before = int(np.flatnonzero(shard == 2)[0])  # samples before shard 2's first, in dataset order
+    assert got and sum(len(b["__key__"]) for b in got) <= before and got == want[: len(got)]
+    held = ld.reader._inflated
+    assert 2 not in held.copies and {0, 1} <= set(held.copies)
+    ld.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_closing_mid_fill_stops_it_and_frees_its_memory(packed, workers):
+    import threading
+
+    kw = dict(batch_size=7, shuffle=False, rank=0, world_size=1, num_workers=workers)
+    ld = ShardedLoader(packed["zstd"], **kw)
+    held, _ = _held_back(ld, 1)
+    it = iter(ld)
+    next(it)
+    assert held.filling
+    maps = list(held.copies.values())
+    arena = held._arena
+    ld.close()
+    assert not held.filling and not any(t.name == "shardtool-inflate" for t in threading.enumerate())
+    assert held.loaded == 1 and not held.copies and all(m.closed for m in maps)
+    assert held._arena is None and arena._fd is None  # the memory file closed: its pages go with it
+
+
+def test_a_shard_written_into_shared_memory_is_the_plain_file_write_plain_writes(packed):
+    import mmap
+
+    import pyarrow as pa
+
+    from shardtool.format.arrowshard import write_plain
+    from shardtool.loader.batchcache import decompress_pool
+    from shardtool.loader.inflatefill import Arena, write_shared
+
+    ds = shardtool.open_dataset(packed["zstd"])
+    with open(ds.shard_path(0), "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    want = pa.BufferOutputStream()
+    write_plain(pa.py_buffer(data), want)
+    want = want.getvalue().to_pybytes()
+    arena = Arena({0: len(want) + 100, 1: 10})
+    for pool in (None, decompress_pool()):
+        region = arena.region(0)
+        n = write_shared(region, data, "s0", pool)
+        assert n == len(want) and arena.view(0, n)[:] == want
+        region.close()
+        assert write_shared(arena.region(1), data, "s0", pool) is None  # does not fit: None, not an error
+    arena.close()

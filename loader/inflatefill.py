@@ -1,0 +1,302 @@
+"""Compressed Arrow shards rewritten plain into memory, and the board forked readers watch.
+
+`write_shared` writes a shard's plain Arrow IPC file into memory mapped shared (an `Arena`, made
+before the workers fork, so they see what the rank's process writes there after), its record batches
+decompressed on the decompression pool's threads (Arrow does it without the GIL) and written in
+order by the calling thread: a shard takes the pool's cores, not one, so the shard a pass needs
+first is ready soonest. The arena's board says per shard whether it is ready, still being written, or to be
+read record batch by record batch instead (`loader.inflate`). `decompress` is the one-thread
+form into private memory, for a shard larger than its manifest says.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import pyarrow as pa
+
+from ..format import FormatError
+from ..format.arrowshard import write_plain
+
+PENDING, ABSENT = -1, -2  # on the board: not written yet; not held (read it record batch by record batch)
+SLACK = 64 << 10  # beyond the plain size the manifest records: the footer of a batch-heavy file
+WINDOW = 2  # record batches decompressed ahead per pool thread: bounds the memory in flight
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault the pages in at once (Python 3.11 lacks the name)
+
+
+class ForkGate:
+    """Forks wait for a fill to stand between two record batches. Arrow allocates as it decompresses
+    (on the pool's threads too), and a worker forked while another thread is inside the allocator
+    may inherit its lock held. The fill holds ``lock`` while Arrow works for it and lets go at a
+    record batch's end when a fork is due; `os.register_at_fork` hooks take it around each fork."""
+
+    WAIT_S = 10.0  # the most a fork waits (a record batch takes milliseconds); then it goes ahead
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.due = False
+        _gates.add(self)
+
+    def __enter__(self) -> ForkGate:
+        self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
+
+    def let_fork(self) -> None:
+        """At a record batch's end, with nothing in flight: a fork that is due goes now."""
+        if self.due:
+            self.lock.release()
+            while self.due:
+                time.sleep(1e-4)
+            self.lock.acquire()
+
+    def _before(self) -> None:
+        self.due = True
+        self._held = self.lock.acquire(timeout=self.WAIT_S)
+
+    def _after_parent(self) -> None:
+        self.due = False
+        if self._held:
+            self.lock.release()
+
+    def _after_child(self) -> None:
+        self.lock, self.due = threading.Lock(), False  # the child runs no fill
+
+
+_gates: weakref.WeakSet = weakref.WeakSet()
+
+
+def _each(method: str):
+    return lambda: [getattr(g, method)() for g in list(_gates)]
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_each("_before"), after_in_parent=_each("_after_parent"), after_in_child=_each("_after_child")
+    )
+
+
+class Stopped(Exception):
+    """The fill was told to stop (the loader closed) part-way through a shard."""
+
+
+class Arena:
+    """A pass's shards being filled, in one memory file (a memfd) the workers inherit by fork: a
+    board of one int64 a shard (`PENDING`, `ABSENT`, or the plain length of its file, ready),
+    then each shard's reserved region. Nothing is allocated until written; any process maps a
+    ready shard's exact length from the file (an Arrow file is read from its end). Only the
+    rank's process writes. Ordering: the writer maps the shard's exact view (a syscall that takes
+    the address-space lock) before it sets the flag, a reader maps it after reading the flag."""
+
+    def __init__(self, sizes: dict[int, int]):
+        g = mmap.ALLOCATIONGRANULARITY
+        self.slot = {s: k for k, s in enumerate(sizes)}
+        self.offset: dict[int, int] = {}
+        self.size = dict(sizes)
+        head = at = -(-8 * max(len(sizes), 1) // g) * g
+        for s, n in sizes.items():
+            self.offset[s] = at
+            at += -(-max(n, 1) // g) * g
+        self._fd: int | None = _memory_file(at)
+        self._board: mmap.mmap | None = mmap.mmap(self._fd, head)
+        for s in sizes:
+            self.set(s, PENDING)
+
+    def get(self, shard: int) -> int:
+        b = self._board
+        return ABSENT if b is None or b.closed else struct.unpack_from("<q", b, 8 * self.slot[shard])[0]
+
+    def set(self, shard: int, value: int) -> None:
+        if self._board is not None and not self._board.closed:
+            struct.pack_into("<q", self._board, 8 * self.slot[shard], value)
+
+    def region(self, shard: int) -> mmap.mmap:
+        """Shard ``shard``'s whole reserved region, to write."""
+        return mmap.mmap(self._fd, self.size[shard], offset=self.offset[shard])
+
+    def view(self, shard: int, n: int) -> mmap.mmap:
+        """Its first ``n`` bytes (the file written there), mapped shared, in this process."""
+        return mmap.mmap(self._fd, max(n, 1), offset=self.offset[shard])
+
+    def close(self) -> None:
+        """The board and the file go; views mapped keep their memory until they are closed."""
+        b, self._board = self._board, None
+        if b is not None:
+            b.close()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def _memory_file(size: int) -> int:
+    """A descriptor of ``size`` bytes of memory, sparse (a memfd; elsewhere an unlinked temp file)."""
+    try:
+        fd = os.memfd_create("shardtool-inflate", getattr(os, "MFD_CLOEXEC", 0))
+    except (AttributeError, OSError):
+        import tempfile
+
+        with tempfile.TemporaryFile() as f:
+            fd = os.dup(f.fileno())
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def free(mm: mmap.mmap) -> None:
+    """Closes ``mm``, giving its memory back now where it is an `Arena` view or region (other
+    shards of its arena keep the file alive): only where no process reads it any more."""
+    try:
+        mm.madvise(mmap.MADV_REMOVE)
+    except (AttributeError, OSError, ValueError):
+        pass  # a private copy: its pages go with its last map
+    close_map(mm)
+
+
+def populate(mm: mmap.mmap) -> None:
+    """Fault ``mm``'s pages in with one call, zeroed, rather than one fault a page as Arrow writes
+    (16% of a shard's time in memory); where the kernel cannot, the writes fault them."""
+    if sys.platform.startswith("linux"):
+        try:
+            mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", _MADV_POPULATE_WRITE))
+        except (OSError, ValueError):
+            pass
+
+
+def write_shared(
+    mm: mmap.mmap,
+    data,
+    name: str,
+    pool: ThreadPoolExecutor | None,
+    stop: threading.Event | None = None,
+    gate: ForkGate | None = None,
+) -> int | None:
+    """Bytes of the compressed shard ``data``'s (a verified map) plain Arrow IPC file written into
+    ``mm``, the same bytes `write_plain` writes; None where they do not fit ``mm``. Record batches
+    are decompressed on ``pool``'s threads, each with its own reader of the shard (one reader is
+    not documented safe to share), at most `WINDOW` a thread ahead of the writer. `Stopped` where
+    ``stop`` is set between two record batches; ``gate`` (held by the caller) lets a fork go
+    between two, with none in flight. Returns only once no thread reads ``data`` and the
+    writer is gone, so that ``mm`` has no exports left (resize and close need that)."""
+    src = pa.py_buffer(data)
+    opts = pa.ipc.IpcReadOptions(use_threads=False)
+    try:
+        reader = pa.ipc.open_file(src, options=opts)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise FormatError(f"shard {name}: verified but cannot be decompressed ({e})") from None
+    count = reader.num_record_batches
+
+    def one(k: int) -> pa.RecordBatch:
+        return pa.ipc.open_file(src, options=opts).get_batch(k)
+
+    ahead = WINDOW * getattr(pool, "_max_workers", 1)
+    inflight: deque = deque()
+    sink = pa.FixedSizeBufferWriter(pa.py_buffer(mm))
+    try:
+        with pa.ipc.new_file(sink, reader.schema) as writer:
+            nxt = written = 0
+            while written < count:
+                if stop is not None and stop.is_set():
+                    raise Stopped(name)
+                if gate is not None and gate.due:
+                    for f in inflight:
+                        writer.write_batch(f.result())
+                    written += len(inflight)
+                    inflight.clear()
+                    gate.let_fork()
+                    continue
+                if pool is None:
+                    writer.write_batch(one(written))
+                else:
+                    while nxt < count and nxt < written + ahead:
+                        inflight.append(pool.submit(one, nxt))
+                        nxt += 1
+                    writer.write_batch(inflight.popleft().result())
+                written += 1
+        return sink.tell()
+    except OSError:  # "Write out of bounds": larger than the manifest says
+        if stop is not None and stop.is_set():
+            raise Stopped(name) from None
+        return None
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise FormatError(f"shard {name}: verified but cannot be decompressed ({e})") from None
+    finally:
+        for f in inflight:
+            f.cancel()
+        for f in inflight:
+            if not f.cancelled():
+                f.exception()  # waits: its thread no longer reads ``data``
+
+
+def decompress(data, name: str, plain_bytes: int) -> mmap.mmap:
+    """The plain Arrow IPC file of the compressed shard ``data`` (a verified map) in anonymous
+    private memory: an mmap, so that it reads (slices to bytes, buffer addresses) exactly as a
+    shard's map does. Written straight into memory of the size the manifest records for it, then
+    cut to what was written; a shard larger than recorded (an older manifest) is written again,
+    growing."""
+    try:
+        if plain_bytes > 0:
+            # Populated at once (zeroed pages in one call, not a fault a page as Arrow writes:
+            # 16% of a shard's time in memory here). Private: a fork shares the pages, copying none.
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(-1, plain_bytes + SLACK, flags=flags)
+            n = _write_into(mm, data)
+            if n is not None:
+                return cut(mm, n)
+            close_map(mm)
+        stream = pa.BufferOutputStream()
+        write_plain(pa.py_buffer(data), stream)
+        out = stream.getvalue()
+        mm = mmap.mmap(-1, max(out.size, 1))
+        mm[: out.size] = memoryview(out)
+        return cut(mm, out.size)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise FormatError(f"shard {name}: verified but cannot be decompressed ({e})") from None
+
+
+def _write_into(mm: mmap.mmap, data) -> int | None:
+    """Bytes written of ``data``'s plain form into ``mm``; None where it does not fit. Returns
+    only once the writer is gone, so that ``mm`` has no exports left (resize and close need that)."""
+    sink = pa.FixedSizeBufferWriter(pa.py_buffer(mm))
+    try:
+        write_plain(pa.py_buffer(data), sink)
+    except OSError:  # "Write out of bounds": larger than the manifest says
+        return None
+    return sink.tell()
+
+
+def cut(mm: mmap.mmap, n: int, *, copy: bool = True) -> mmap.mmap | None:
+    """``mm`` cut to its first ``n`` bytes (an Arrow file is read from its end: its footer), in
+    this process (a forked one's map of the same memory keeps its length). Where the platform
+    cannot (no mremap): a copy, or None where ``copy`` is false."""
+    if n == len(mm):
+        return mm
+    try:
+        mm.resize(n)
+        return mm
+    except (OSError, SystemError, ValueError):
+        if not copy:
+            return None
+        exact = mmap.mmap(-1, n)
+        exact[:n] = mm[:n]
+        mm.close()
+        return exact
+
+
+def close_map(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:
+        pass  # a view handed out still points into it: freed when that view is collected
