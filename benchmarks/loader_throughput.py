@@ -145,16 +145,36 @@ def run_ours(
     if resume:
         served = int(len(ld) * 0.9)
         ld.load_state_dict(ld.planner.start(0, ld.fingerprint, ld.data_layout).with_served(served).to_dict())
-    out = consume(ld if passes == 1 else _passes(ld, passes), kind, began, first_only=resume, max_s=max_s)
+    ends: list[tuple[float, int]] = []
+    out = consume(_passes(ld, passes, ends), kind, began, first_only=resume, max_s=max_s)
     out["padding_efficiency"] = ld.padding_efficiency if kind == "tokens" else None
+    if not resume:
+        out.update(pass_rates(began, ends))
     return out
 
 
-def _passes(ld, n: int):
-    """``n`` passes of ``ld`` (epochs 0 .. n - 1), one batch stream."""
+def _passes(ld, n: int, ends: list[tuple[float, int]]):
+    """``n`` passes of ``ld`` (epochs 0 .. n - 1), one batch stream; each pass's end (time, samples)
+    appended to ``ends``."""
     for epoch in range(n):
         ld.set_epoch(epoch)
-        yield from ld
+        samples = 0
+        for batch in ld:
+            samples += len(batch["__key__"])
+            yield batch
+        ends.append((time.perf_counter(), samples))
+
+
+def pass_rates(began: float, ends: list[tuple[float, int]]) -> dict:
+    """samples/s of the first pass, from the loader's construction (its start-up, and for a
+    compressed share read in place the decompression, included), and of the later ones."""
+    if not ends:
+        return {}
+    out = {"first_pass_samples_per_s": ends[0][1] / (ends[0][0] - began)}
+    if len(ends) > 1:
+        later = sum(n for _, n in ends[1:])
+        out["later_passes_samples_per_s"] = later / (ends[-1][0] - ends[0][0])
+    return out
 
 
 def consume(loader, kind: str, began: float, first_only: bool = False, max_s: float = float("inf")) -> dict:
@@ -458,11 +478,17 @@ def main() -> None:
         default=3,
         help="with --compression: passes a run reads (the rate is over all of them; default 3)",
     )
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="with --compression: samples of the tokens corpus (default 200,000; 20,000 with --small)",
+    )
     args = p.parse_args()
     if args.one:
         return one(args)
     if args.compression:
-        n_tok = 20_000 if args.small else 200_000
+        n_tok = args.samples or (20_000 if args.small else 200_000)
         sizes = {"tokens": n_tok, "big": 3 * n_tok}
         corpora = {c: sizes[c] for c in args.corpora.split(",")}
         base = args.dir or tempfile.mkdtemp(prefix="loader-bench-")
