@@ -210,6 +210,10 @@ def test_a_shard_larger_than_its_recorded_plain_size_is_decompressed_whole(packe
     assert plain.read_all().equals(stored.read_all())
 
 
+def _in_order(workers: int) -> dict:
+    return dict(batch_size=7, shuffle=False, rank=0, world_size=1, num_workers=workers)
+
+
 def _held_back(ld, free_shards: int):
     """``ld``'s fill lets ``free_shards`` shards through, then waits until the event returned is set
     (or the loader stops it): the pass's progress against the fill observed, not timed."""
@@ -230,7 +234,7 @@ def _held_back(ld, free_shards: int):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_first_batch_arrives_before_the_share_is_decompressed(packed, workers):
-    kw = dict(batch_size=7, shuffle=False, rank=0, world_size=1, num_workers=workers)
+    kw = _in_order(workers)
     ld = ShardedLoader(packed["zstd"], **kw)
     held, go = _held_back(ld, 1)
     it = iter(ld)
@@ -256,7 +260,7 @@ def test_a_shard_failing_verification_mid_fill_is_named_and_the_batches_before_i
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
-    kw = dict(batch_size=7, shuffle=False, rank=0, world_size=1, num_workers=workers)
+    kw = _in_order(workers)
     want = [_listed(b) for b in ShardedLoader(packed[None], **kw)]
     ld = ShardedLoader(root, **kw)
     got = []
@@ -275,7 +279,7 @@ def test_a_shard_failing_verification_mid_fill_is_named_and_the_batches_before_i
 def test_closing_mid_fill_stops_it_and_frees_its_memory(packed, workers):
     import threading
 
-    kw = dict(batch_size=7, shuffle=False, rank=0, world_size=1, num_workers=workers)
+    kw = _in_order(workers)
     ld = ShardedLoader(packed["zstd"], **kw)
     held, _ = _held_back(ld, 1)
     it = iter(ld)
