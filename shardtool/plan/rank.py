@@ -138,6 +138,8 @@ class _KeepsLastLengths:
         self._last: tuple[int, int, np.ndarray] | None = None
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_inner", "_last"):
+            raise AttributeError(name)  # pickling looks these up before __init__ has run
         return getattr(self._inner, name)
 
     def lengths_range(self, lo: int, hi: int) -> np.ndarray:

@@ -107,3 +107,18 @@ def test_one_group_is_the_greedy_cut_for_any_lengths_and_ranks(data, ranks, budg
             assert greedy <= total <= greedy + ranks - 1
             assert sum(b.size for r in batches for b in r) == data.lengths.size
         _check_budget(batches, data.lengths, budget)
+
+
+def test_a_planner_pickles_and_plans_the_same_after():
+    """A planner travels to spawned processes (a loader under ``multiprocessing`` spawn); the source
+    wrapper that keeps its last lengths read must survive the round trip."""
+    import pickle
+
+    lengths = _issue_shape()
+    batching = Batching(max_tokens=BUDGET, shuffle=False)
+    planner = Planner(ArraySource(lengths, _shards(lengths.size, 100)), batching)
+    layout = DataLayout.pure_dp(Layout(1, 2))
+    before = planner.rank_plan(planner.start(0, "v", layout), 1).batches()
+    copy = pickle.loads(pickle.dumps(planner))
+    after = copy.rank_plan(copy.start(0, "v", layout), 1).batches()
+    assert len(after) == len(before) and all(np.array_equal(a, b) for a, b in zip(after, before))
