@@ -53,7 +53,9 @@ class ShardedData(L.LightningDataModule):
                 self.val = LightningLoader(ShardedLoader(a.val_data, shuffle=False, drop_last=False, **common))
 
     def train_dataloader(self):
-        return self.train
+        # --bare: the ShardedLoader itself, as Lightning's docs would have it (resumes as exactly;
+        # LightningLoader also follows Lightning's set_epoch and restarts a pass it cut short).
+        return self.train.loader if self.args.bare else self.train
 
     def val_dataloader(self):
         return self.val
@@ -155,6 +157,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--no-schedule", action="store_true", help="a constant LR (no estimated_stepping_batches)")
     p.add_argument("--no-callback", action="store_true", help="leave out ShardedLoaderCallback (tests show why not)")
+    p.add_argument("--bare", action="store_true", help="train_dataloader() returns the ShardedLoader itself")
     p.add_argument("--val-every", type=float, default=1.0, help="Trainer(val_check_interval=...)")
     p.add_argument("--ckpt-dir", default=None, help="save checkpoints here (step-N.ckpt and last.ckpt)")
     p.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints")

@@ -10,14 +10,13 @@ shuffle each time, up to ``max_repeat`` passes (refused before the first batch o
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 from ..format import ShardtoolError
 from ..plan.mixture import Mixture, MixtureError
 from ..plan.mixture.planner import MixturePlanner
 from ..plan.mixture.span import check_repeat, span, steps_for_tokens
-from ..plan.mixture.state import MixtureState
+from ..plan.mixture.state import MixtureState, source_changes
 from ..plan.state import StateError
 from .errors import LoaderStateError
 from .mixbatches import MixtureBatches
@@ -33,8 +32,8 @@ __all__ = ["MixtureLoader"]
 class MixtureLoader(ShardedLoader, serves=Mixture):
     """The loader of a mixture (see the module docstring and `ShardedLoader`).
 
-    ``len(loader)`` is the steps left; one pass yields them all, after which the loader is done
-    (``len(loader) == 0``). ``state_dict()`` is the step and the current phase (JSON, identical
+    ``len(loader)`` is ``steps``, the whole run, also after a resume (a trainer counts the steps
+    done); ``batches_left`` is the steps the next pass yields, after which the loader is done. ``state_dict()`` is the step and the current phase (JSON, identical
     on every rank); ``load_state_dict`` continues there — also under other weights or schedule,
     with sources added or removed, or on another data layout, each source from its own cursor."""
 
@@ -83,7 +82,8 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
         except BaseException:
             self.close()
             raise
-        self._served = self._pass_start = 0
+        self._served = 0
+        self._loaded = False  # a state was loaded and no pass has begun since
         self._epoch = 0  # for the metrics' pass bookkeeping only: the whole run is one pass
         self._checked = False
 
@@ -108,7 +108,15 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
         return self._served
 
     def __len__(self) -> int:
-        return self.steps - self._pass_start
+        return self.steps
+
+    @property
+    def batches_left(self) -> int:
+        return self.steps - self._served
+
+    @property
+    def resuming(self) -> bool:
+        return self._loaded
 
     @property
     def source_epochs(self) -> dict[str, int]:
@@ -192,26 +200,34 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
         except ValueError as e:  # StateError, and a plan that cannot be made for it
             raise LoaderStateError(f"cannot load this loader state: {e}") from None
         if resumed.phase is not st.phase:
-            log.info("mixture resumed at step %d in a new phase (%s)", resumed.step, self._phase_change(st, resumed))
+            self._log_phase_change(st, resumed)
         self._state = resumed
-        self._served = self._pass_start = resumed.step
+        self._served = resumed.step
         self._checked = False
+        self._loaded = True
 
     @staticmethod
-    def _phase_change(old: MixtureState, new: MixtureState) -> str:
-        what = []
-        if old.phase.names != new.phase.names:
-            what.append(f"sources {list(old.phase.names)} -> {list(new.phase.names)}")
-        if old.phase.schedule != new.phase.schedule:
-            what.append("weights or schedule changed")
+    def _log_phase_change(old: MixtureState, new: MixtureState) -> None:
+        # What the run trains on changed: a warning, as it shows in the loss curve and nowhere
+        # else. A new layout alone (an elastic resume) changes nobody's data.
+        changes = source_changes(old.phase, new.phase)
+        if changes:
+            log.warning("mixture resumed at step %d with what it trains on changed: %s", new.step, "; ".join(changes))
         if old.phase.layout.identity() != new.phase.layout.identity():
-            what.append(f"layout {old.phase.layout.identity()} -> {new.phase.layout.identity()}")
-        return "; ".join(what)
+            log.info(
+                "mixture resumed at step %d on another layout: %s -> %s",
+                new.step,
+                old.phase.layout.identity(),
+                new.phase.layout.identity(),
+            )
 
     # ------------------------------------------------------------------ iteration
-    def __iter__(self) -> Iterator[Any]:
-        self._close_pass()
-        self._pass_start = start = self._served
+    def _at_epoch_end(self) -> bool:
+        return False  # no epochs: the run ends at steps, and the state says step == steps
+
+    def _begin_pass(self) -> tuple[Any, int, int, str]:
+        start = self._served
+        self._loaded = False
         self._check_mixture_ranks_agree()
         where = f"rank {self.rank}/{self.layout.world_size}"
         batches = MixtureBatches(
@@ -228,10 +244,10 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
         )
         if start < self.steps:
             batches.prepare(start)  # before the workers fork: they inherit these plans
-        return self._track(self._run(batches, start, self.steps, where))
+        return batches, start, self.steps, where
 
     def _pass_done(self) -> None:
-        self._pass_start = self._served  # the run is over: len(loader) is 0, the state says step == steps
+        pass  # the run is over: batches_left is 0, the state says step == steps
 
     def _check_mixture_ranks_agree(self) -> None:
         """Once per loaded position: every rank has the same sources, config, phase and step."""
@@ -249,10 +265,4 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
         )
 
     def _readers(self) -> dict[str, BatchReader]:
-        return self.readers
-
-    def close(self) -> None:
-        if hasattr(self, "_obs"):
-            self._obs.close()
-        for reader in getattr(self, "readers", {}).values():
-            reader.close()
+        return getattr(self, "readers", {})  # close() after a source failed to open: the ones opened

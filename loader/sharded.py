@@ -70,6 +70,8 @@ class ShardedLoader(PassRunner):
     epoch, ``len(loader)`` is the steps left and ``set_epoch`` is refused; each batch names its
     source(s) in ``__source__``; state and resume work across weight, source and layout changes.
 
+    ``len(loader)`` is the epoch's batches from its first, also after a resume (a trainer
+    counts the batches done, as Lightning does); ``batches_left`` is what the next pass yields.
     ``set_epoch(e)`` selects epoch ``e``; for the epoch the loader is already in (say, after
     ``load_state_dict``) it keeps the position. After the last batch of an epoch the loader
     moves to the next epoch by itself, and its state says so: resume with
@@ -250,7 +252,6 @@ class ShardedLoader(PassRunner):
         self._state = self.planner.start(0, self.fingerprint, self.data_layout)  # ValueError: cannot plan
         self._plan: RankPlan | None = None
         self._served = 0  # batches of the current plan handed to the training loop
-        self._pass_start = 0
         self._checked_epoch: int | None = None
         self._loaded_epoch: int | None = None  # a loaded state's epoch, until the loader is iterated
 
@@ -279,9 +280,12 @@ class ShardedLoader(PassRunner):
         """Once every batch of the epoch was handed over, the loader is in the next epoch, whether
         or not the consumer asked for one more batch and saw StopIteration: a trainer that stops
         after len(loader) batches (Lightning does) gets the next epoch from its next iter()."""
-        if self._plan is not None and self._served and self._served >= self._plan.batches_per_rank:
+        if self._at_epoch_end():
             self._close_pass()
             self._pass_done()
+
+    def _at_epoch_end(self) -> bool:
+        return self._plan is not None and bool(self._served) and self._served >= self._plan.batches_per_rank
 
     def set_epoch(self, epoch: int) -> None:
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
@@ -305,7 +309,7 @@ class ShardedLoader(PassRunner):
         self._epoch = epoch
         self._state = self.planner.start(epoch, self.fingerprint, self.data_layout)
         self._plan = None
-        self._served = self._pass_start = 0
+        self._served = 0
 
     @property
     def plan(self) -> RankPlan:
@@ -367,8 +371,25 @@ class ShardedLoader(PassRunner):
         return self.plan.fill_rate if self.packing is not None else self.plan.padding_efficiency
 
     def __len__(self) -> int:
-        """Batches the current pass yields: the whole epoch, or what remains of it after a resume."""
-        return self.plan.batches_per_rank - self._pass_start
+        """This rank's batches in the current epoch, counted from its first batch, after a resume
+        too (as torchdata's StatefulDataLoader counts): a trainer restores its own count of the
+        batches done and ends the epoch when it reaches ``len()`` (Lightning does). After an
+        elastic resume: the batches served on the earlier layout(s) plus this layout's share of
+        the rest. `batches_left` is what the next pass yields. Once every batch of an epoch was
+        handed over, the next epoch's (a trainer reads it there to size that epoch)."""
+        self._settle()
+        return sum(s["served"] for s in self._state.segments[:-1]) + self.plan.batches_per_rank
+
+    @property
+    def batches_left(self) -> int:
+        """Batches the next pass yields: ``len(loader)`` from an epoch's start, less after a resume."""
+        self._settle()
+        return self.plan.batches_per_rank - self._served
+
+    @property
+    def resuming(self) -> bool:
+        """A state was loaded and no batch has been asked for since (adapters check who restored it)."""
+        return self._loaded_epoch is not None
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -405,17 +426,30 @@ class ShardedLoader(PassRunner):
         self._epoch = self._loaded_epoch = st.epoch
         self._state = resumed
         self._plan = plan
-        self._served = self._pass_start = start
+        self._served = start
         self._log_plan()
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
         self._settle()
         self._close_pass()
+        return self._track(self._from_first_batch())
+
+    def _from_first_batch(self) -> Iterator[Any]:
+        # A generator: the pass is decided at the first next(), not at iter(). Trainers call
+        # iter() before they restore the state (Lightning tests that the object is iterable, and
+        # builds its fetcher, before loading the checkpoint's loader state): the pass continues
+        # the position loaded in between.
+        if self._at_epoch_end():  # a loaded state at the end of an epoch is the next one's start
+            self._pass_done()
+        yield from self._run(*self._begin_pass())
+
+    def _begin_pass(self) -> tuple[Any, int, int, str]:
+        """The pass from the current position: (its batches, first batch, batches, where)."""
         plan = self.plan
         n = plan.batches_per_rank
         self._loaded_epoch = None  # the resume took effect: going back from here on is deliberate
-        self._pass_start = start = self._served
+        start = self._served
         self._check_ranks_agree(plan)
         if getattr(self, "_staging", None) is not None:
             self._staging.begin_pass(self._epoch, plan, start)
@@ -445,7 +479,7 @@ class ShardedLoader(PassRunner):
             packed_rows=plan.batch_rows if packed is not None else None,
             packed_stats=plan.packed_stats(self.batching.batch_size) if packed is not None else None,
         )
-        return self._track(self._run(batches, start, n, where))
+        return batches, start, n, where
 
     # ------------------------------------------------------------------ observability
     def metrics(self) -> dict[str, Any]:
@@ -482,7 +516,8 @@ class ShardedLoader(PassRunner):
             self._obs.close()
         if getattr(self, "_staging", None) is not None:
             self._staging.close()
-        self.reader.close()
+        for reader in self._readers().values():  # a mixture's every source
+            reader.close()
 
 
 def _dp_dims(dp_dim: str | tuple[str, ...]) -> tuple[str, ...]:

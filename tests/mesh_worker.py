@@ -10,8 +10,8 @@ mesh_dim_names=names)`` from --mesh (e.g. dp=2,tp=2) and hands it to the loader 
 with ``dp_dim``; without --mesh it is pure data parallelism. It iterates one epoch with one
 all-reduce per step (what DDP does: a rank short of batches would hang there until the
 collective timeout), and writes OUT/rank<r>.json: per batch its keys and a digest of every byte
-of the collated batch, len(loader), the remainder, its DP rank, and state_dict() after the first
-batch and at the end. With --stop-at K it also writes OUT/state-rank<r>.json after K batches and
+of the collated batch, the batches it yields (batches_left), the remainder, its DP rank, and
+state_dict() after the first batch and at the end. With --stop-at K it also writes OUT/state-rank<r>.json after K batches and
 stops, as a job killed at step K after its checkpoint; --resume STATE continues from such a file.
 """
 
@@ -101,7 +101,7 @@ def rank_main(argv: list[str]) -> int:
         "dp_rank": loader.dp_rank,
         "dp_size": loader.data_layout.dp_size,
         "epoch": loader.epoch,
-        "len": len(loader),
+        "len": loader.batches_left,  # this run's batches: the epoch's rest after a resume
         "remainder": loader.remainder.tolist(),
         "keys": [],
         "digests": [],

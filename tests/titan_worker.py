@@ -88,7 +88,7 @@ def rank_main(argv: list[str]) -> int:
             f.write(str(e))
         return 3
     # the re-deal's leftover of the epoch resumed (the plan of the segment about to be served)
-    leftover = {"leftover_batches": loader.plan.leftover_batches, "batches": len(loader)}
+    leftover = {"leftover_batches": loader.plan.leftover_batches, "batches": loader.batches_left}
     with open(os.path.join(a.out, f"steps.rank{rank}.jsonl"), "w") as f:
         for input_dict, labels in titan:
             state.step += 1

@@ -79,8 +79,9 @@ class Meter:
         self.samples += samples
         self.tokens += tokens
         self.padded += padded
-        for i, name in enumerate(self.source_names):
-            self.source_tokens[i] += by_source.get(name, 0)
+        if self.source_tokens:  # one source keeps no counter of its own: its tokens are the total
+            for i, name in enumerate(self.source_names):
+                self.source_tokens[i] += by_source.get(name, 0)
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self) -> Snapshot:

@@ -6,8 +6,8 @@ What the Trainer's protocol needs, and nothing more (the position lives in the l
   ``DataLoader`` with a sampler and ``accelerator.prepare`` it into a ``DataLoaderShard`` that
   splits it again over the ranks; each rank's ShardedLoader already serves only its own batches.
 * ``len()`` is the whole epoch: the Trainer derives steps per epoch from it, and on resume the
-  epoch and the batches done in it from ``global_step``. `ShardedLoader`'s own ``len()`` after a
-  resume counts only what is left.
+  epoch and the batches done in it from ``global_step`` (as `ShardedLoader`'s own ``len()``
+  counts, after a resume too).
 * The state goes into every ``checkpoint-N`` folder as ``shardtool_loader.json`` (written where
   the Trainer writes ``trainer_state.json``: once, the state being the same on every rank) and is
   loaded on ``train(resume_from_checkpoint=...)`` before the Trainer reads ``len()``.
@@ -39,7 +39,7 @@ import transformers.trainer as _trainer_module
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..loader import LoaderError, LoaderStateError, ShardedLoader
-from .position import epoch_length, one_dataset, position
+from .position import one_dataset, position
 
 __all__ = ["STATE_FILE", "ShardedTrainer", "TrainerLoader"]
 
@@ -66,7 +66,7 @@ class TrainerLoader:
         return position(self.loader)
 
     def __len__(self) -> int:
-        return epoch_length(self.loader)
+        return len(self.loader)
 
     def set_epoch(self, epoch: int) -> None:
         # The Trainer calls it at every epoch start; for the epoch the loader is in, it keeps the position.

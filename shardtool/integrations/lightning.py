@@ -3,9 +3,9 @@
 What Lightning's protocol needs, and nothing more (the position lives in the loader only):
 
 * ``len()``: Lightning restores its batch counter (``batch_progress``) from the checkpoint, to the
-  batches already done this epoch, and ends the epoch when that counter reaches ``len()``. So the
-  view reports the *whole* epoch (batches of earlier layout segments of this epoch + this
-  segment's), where ``len(ShardedLoader)`` after a resume counts only what is left.
+  batches already done this epoch, and ends the epoch when that counter reaches ``len()``: the
+  *whole* epoch (batches of earlier layout segments of this epoch + this segment's), which is
+  what ``len(ShardedLoader)`` reports, after a resume too.
 * ``state_dict`` / ``load_state_dict`` (Lightning's ``_Stateful``): Lightning saves them in
   ``loops.fit_loop.state_dict.combined_loader`` and loads them before the first batch.
 * ``iter()`` is lazy: Lightning calls ``iter()`` to test that the object is iterable, and again
@@ -15,6 +15,10 @@ What Lightning's protocol needs, and nothing more (the position lives in the loa
 * A pass this view left unfinished (Lightning's sanity check, ``limit_*_batches``) is not
   continued by the next one: that starts its epoch afresh, as a ``DataLoader`` would. A position
   loaded with ``load_state_dict`` (or the loader's own when wrapped) is continued.
+
+A bare ShardedLoader returned from ``train_dataloader()`` resumes exactly too (its ``len()`` and
+lazy ``iter()`` are the same), but follows its own epochs: a pass Lightning cuts short is
+continued by the next epoch, and Lightning's ``set_epoch`` is not seen.
 
 `ShardedLoaderCallback` guards what Lightning can get wrong: reading
 ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` (an LR schedule) makes
@@ -36,7 +40,8 @@ except ImportError:  # pragma: no cover - depends on what is installed
     import pytorch_lightning as pl  # type: ignore[no-redef]
 
 from ..loader import LoaderError, ShardedLoader
-from .position import epoch_length, one_dataset, position
+from ..loader.mixed import MixtureLoader
+from .position import one_dataset, position
 
 __all__ = ["LightningLoader", "ShardedLoaderCallback"]
 
@@ -89,13 +94,13 @@ class LightningLoader:
         return position(self.loader)
 
     def __len__(self) -> int:
-        return epoch_length(self.loader)
+        return len(self.loader)
 
     @property
     def epoch_batches(self) -> int:
         """Batches of a whole epoch on this layout. ``len()`` differs only in an epoch resumed on
         another DP size (its earlier segments had other counts)."""
-        return self.loader.planner.shape(self.loader.data_layout).batches_per_rank
+        return _whole_epoch(self.loader)
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Any]:
@@ -137,7 +142,7 @@ class LightningLoader:
         self.loader.close()
 
 
-def _views(loaders: Any) -> list[LightningLoader]:
+def _views(loaders: Any) -> list[Any]:
     """Lightning's stateful train loaders, in the order its checkpoint lists their states."""
     flat = pl.utilities.CombinedLoader(loaders).flattened if loaders is not None else []
     # Lightning's test (its _Stateful protocol): both methods present
@@ -148,13 +153,35 @@ def _views(loaders: Any) -> list[LightningLoader]:
     ]
 
 
+def _ours(view: Any) -> bool:
+    return isinstance(view, (LightningLoader, ShardedLoader))
+
+
+def _restored(view: LightningLoader | ShardedLoader) -> bool:
+    """A state was loaded into it and its next pass will continue from there."""
+    return view.restored if isinstance(view, LightningLoader) else view.resuming
+
+
+def _epoch_loader(view: Any) -> ShardedLoader | None:
+    """The one-dataset loader behind a train loader (a LightningLoader's, or a bare one), whose
+    epochs follow Lightning's; None for anything else (a mixture has no epochs)."""
+    loader = view.loader if isinstance(view, LightningLoader) else view
+    return loader if isinstance(loader, ShardedLoader) and not isinstance(loader, MixtureLoader) else None
+
+
+def _whole_epoch(loader: ShardedLoader) -> int:
+    """Batches of a whole epoch on the loader's layout: ``len()`` differs only in an epoch resumed
+    on another DP size (its earlier segments had other counts)."""
+    return loader.planner.shape(loader.data_layout).batches_per_rank
+
+
 class ShardedLoaderCallback(pl.Callback):
     """Restores the train loader's position where Lightning skipped it (#20550), and checks it.
 
-    ``Trainer(callbacks=[ShardedLoaderCallback()])``. At the first batch of a fit it raises a
-    `LoaderError` if the loader is not at Lightning's step in Lightning's epoch, whatever the
-    cause, rather than train on batches the resumed run should not see. It refuses a bare
-    ShardedLoader resumed mid-epoch (wrap it in `LightningLoader`).
+    ``Trainer(callbacks=[ShardedLoaderCallback()])``, with a `LightningLoader` or a bare
+    `ShardedLoader` as the train loader. At the first batch of a fit it raises a `LoaderError` if
+    the loader is not at Lightning's step in Lightning's epoch, whatever the cause, rather than
+    train on batches the resumed run should not see.
     """
 
     def __init__(self) -> None:
@@ -171,7 +198,8 @@ class ShardedLoaderCallback(pl.Callback):
         self._check_next_batch = True
         views = _views(trainer.train_dataloader)
         self._restore(views)
-        if any(isinstance(v, LightningLoader) and len(v) != v.epoch_batches for v in views):
+        loaders = [ld for ld in map(_epoch_loader, views) if ld is not None]
+        if any(len(ld) != _whole_epoch(ld) for ld in loaders):
             # Resumed on another number of ranks: this epoch is (batches before) + (its rest re-dealt),
             # later ones are whole epochs on the new layout. Lightning reads len() once per fit and
             # would end every later epoch at this one's length; re-reading it each epoch costs a
@@ -188,25 +216,17 @@ class ShardedLoaderCallback(pl.Callback):
         if not saved or len(views) != len(saved):
             return  # Lightning itself refuses a checkpoint whose loaders do not match, with a message
         for view, state in zip(views, saved):
-            if isinstance(view, ShardedLoader) and any(s.get("served") for s in state.get("segments", [])):
-                # Its len() after a resume is what is left of the epoch, while Lightning counts
-                # from the batches already done: the resumed epoch would end early.
-                raise LoaderError(
-                    "train_dataloader() returns a ShardedLoader itself; resumed mid-epoch, Lightning "
-                    "would end the epoch early and mis-count the next ones. Return "
-                    "shardtool.integrations.lightning.LightningLoader(loader) instead"
+            if not _ours(view) or _restored(view):
+                continue
+            view.load_state_dict(state)
+            if state.get("kind") == "mixture" or any(s.get("served") for s in state.get("segments", [])):
+                log.warning(
+                    "Lightning did not restore the train loader's position from the checkpoint (it "
+                    "built the loader before reading the checkpoint, as when configure_optimizers reads "
+                    "trainer.estimated_stepping_batches: Lightning issue #20550); ShardedLoaderCallback "
+                    "restored it: %s",
+                    _where(state),
                 )
-            if isinstance(view, LightningLoader) and not view.restored:
-                view.load_state_dict(state)
-                if any(s.get("served") for s in state.get("segments", [])):
-                    log.warning(
-                        "Lightning did not restore the train loader's position from the checkpoint (it "
-                        "built the loader before reading the checkpoint, as when configure_optimizers reads "
-                        "trainer.estimated_stepping_batches: Lightning issue #20550); ShardedLoaderCallback "
-                        "restored it: epoch %s, batch %s",
-                        state.get("epoch"),
-                        sum(s.get("served", 0) for s in state.get("segments", [])),
-                    )
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -215,20 +235,26 @@ class ShardedLoaderCallback(pl.Callback):
             return
         self._check_next_batch = False
         for view in _views(trainer.train_dataloader):
-            if isinstance(view, LightningLoader):
-                self._check(view, trainer.current_epoch, batch_idx)
+            loader = _epoch_loader(view)
+            if loader is not None:
+                self._check(loader, trainer.current_epoch, batch_idx, trainer.num_training_batches)
 
     @staticmethod
-    def _check(view: LightningLoader, epoch: int, batch_idx: int) -> None:
-        # The batch at hand is served: the loader is after it, which at the end of an epoch is
-        # the start of the next one.
+    def _check(loader: ShardedLoader, epoch: int, batch_idx: int, epoch_end: float) -> None:
+        # The batch at hand is served: the loader is after it, which at the end of an epoch (the
+        # loader's, and Lightning's) is the start of the next one.
         done = batch_idx + 1
-        expected = (epoch, done) if done < len(view) else (epoch + 1, 0)
-        found = view.position()
-        if found != expected:
+        found = position(loader)
+        if found != (epoch, done) and not (found == (epoch + 1, 0) and done >= epoch_end):
             raise LoaderError(
                 f"the train loader is at epoch {found[0]}, batch {found[1]}, but Lightning is at epoch {epoch}, "
                 f"batch {done}: the resumed run would train on other batches than the interrupted one. Return the "
-                f"same LightningLoader from train_dataloader() (built once, in setup()), and let Lightning's "
+                f"same loader from train_dataloader() (built once, in setup()), and let Lightning's "
                 f"checkpoint (trainer.fit(ckpt_path=...)) restore it rather than load_state_dict by hand"
             )
+
+
+def _where(state: dict) -> str:
+    if state.get("kind") == "mixture":
+        return f"step {state.get('step')}"
+    return f"epoch {state.get('epoch')}, batch {sum(s.get('served', 0) for s in state.get('segments', []))}"

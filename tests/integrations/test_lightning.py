@@ -37,11 +37,11 @@ def _by_step(records: list[dict]) -> dict[int, tuple]:
     return {r["step"]: (r["epoch"], r["batch_idx"], r["keys"], r["hash"]) for r in records}
 
 
-def _plain_epochs(root: str, epochs: int, **layout) -> list[list[list[str]]]:
+def _plain_epochs(root: str, epochs: int, batch: int = BATCH, **layout) -> list[list[list[str]]]:
     """The batches a plain ShardedLoader of that layout yields per epoch: what Lightning must train on."""
     out = []
     for e in range(epochs):
-        ld = ShardedLoader(root, batch_size=BATCH, num_workers=0, **layout)
+        ld = ShardedLoader(root, batch_size=batch, num_workers=0, **layout)
         ld.set_epoch(e)
         out.append([list(b["__key__"]) for b in ld])
         ld.close()
@@ -49,7 +49,7 @@ def _plain_epochs(root: str, epochs: int, **layout) -> list[list[list[str]]]:
 
 
 # ---------------------------------------------------------------------------------------- DDP
-def _run_example(args: list[str], *, expect: int = 0, devices: int = 2) -> str:
+def _run_example(args: list[str], *, expect: int = 0, devices: int = 2, batch: int = BATCH) -> str:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     cp = subprocess.run(
         [
@@ -60,7 +60,7 @@ def _run_example(args: list[str], *, expect: int = 0, devices: int = 2) -> str:
             "--accelerator",
             "cpu",
             "--batch-size",
-            str(BATCH),
+            str(batch),
             "--num-workers",
             "0",
             *args,
@@ -75,6 +75,16 @@ def _run_example(args: list[str], *, expect: int = 0, devices: int = 2) -> str:
     return cp.stdout + cp.stderr
 
 
+def _preempted(data: list[str], tmp_path: Path, *, every: int, step: int, batch: int = BATCH) -> None:
+    """Run B: logs to B/, checkpoints every ``every`` steps into ck/, every rank exits after ``step``."""
+    _run_example(
+        [*data, "--log-dir", str(tmp_path / "B"), "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", str(every)]
+        + ["--preempt-at-step", str(step)],
+        expect=3,
+        batch=batch,
+    )
+
+
 @pytest.mark.timeout(240)
 def test_ddp_resume_from_lightning_checkpoint_mid_epoch_trains_the_same_batches(tmp_path):
     root, keys = write_dataset(str(tmp_path / "train"), [40, 40, 40])
@@ -84,20 +94,7 @@ def test_ddp_resume_from_lightning_checkpoint_mid_epoch_trains_the_same_batches(
     # A: uninterrupted, 2 epochs. B: checkpoints every 5 steps, preempted (every rank exits) after
     # step 7, inside epoch 0. C: resumes from B's step-5 checkpoint with trainer.fit(ckpt_path=...).
     _run_example([*data, "--log-dir", str(tmp_path / "A")])
-    _run_example(
-        [
-            *data,
-            "--log-dir",
-            str(tmp_path / "B"),
-            "--ckpt-dir",
-            str(tmp_path / "ck"),
-            "--ckpt-every",
-            "5",
-            "--preempt-at-step",
-            "7",
-        ],
-        expect=3,
-    )
+    _preempted(data, tmp_path, every=5, step=7)
     out = _run_example([*data, "--log-dir", str(tmp_path / "C"), "--resume", str(tmp_path / "ck" / "step-step=5.ckpt")])
     assert "#20550" in out  # Lightning skipped the restore here; the callback did it
 
@@ -156,6 +153,29 @@ def test_ddp_resume_from_lightning_checkpoint_mid_epoch_trains_the_same_batches(
     assert [x["step"] for x in d] == list(range(5, 55)) and [x["batch_idx"] for x in d][:21] == [*range(5, 25), 0]
 
 
+@pytest.mark.timeout(420)
+def test_ddp_a_bare_sharded_loader_resumed_mid_epoch_trains_every_epoch_exactly(tmp_path):
+    """Issue 32's case: train_dataloader() returns the ShardedLoader itself; 2 ranks, batch 8, 110
+    batches an epoch, a checkpoint every 25 steps, killed after step 60, resumed from step 50.
+    Before, len() was the epoch's rest while Lightning counted from batch 50: epoch 0 ended after
+    10 batches and "epoch 1" was epoch 0's batches 60-109; with a schedule (#20550) epoch 0 was
+    replayed from batch 0. Now both resume at batch 50 and train epoch 1 whole."""
+    root, keys = write_dataset(str(tmp_path / "train"), [440] * 4)
+    batch, n = 8, 110
+    data = ["--data", root, "--epochs", "2", "--bare"]
+    _preempted(data, tmp_path, every=25, step=60, batch=batch)
+    ckpt = str(tmp_path / "ck" / "step-step=50.ckpt")
+    want = {r: _plain_epochs(root, 2, batch, rank=r, world_size=2, ranks_per_node=2) for r in (0, 1)}
+    assert [len(w) for w in want[0]] == [n, n]
+    for run, flags in (("plain", ["--no-schedule", "--no-callback"]), ("schedule", [])):
+        _run_example([*data, *flags, "--log-dir", str(tmp_path / run), "--resume", ckpt], batch=batch)
+        for r in (0, 1):
+            got = _by_step(_records(tmp_path / run, r))
+            assert sorted(got) == list(range(50, 2 * n)), run  # the run ends at step 220, not 110 or 160
+            for s, (epoch, idx, k, _) in got.items():
+                assert (epoch, idx) == divmod(s, n) and k == want[r][epoch][idx], (run, r, s)
+
+
 # ------------------------------------------------------------------------------ one process
 def _example():
     spec = importlib.util.spec_from_file_location("train_lightning_example", EXAMPLE)
@@ -191,6 +211,7 @@ def _fit(
     resume: Path | None = None,
     epochs: int = 2,
     val: str | None = None,
+    bare: bool = False,
 ):
     """One fit of the example's module and data; ``val``: validate every ``every`` steps and
     checkpoint at each validation's end (monitor="val_loss") instead of every ``every`` steps."""
@@ -200,7 +221,9 @@ def _fit(
     from shardtool.integrations.lightning import ShardedLoaderCallback
 
     args = ex.parse_args(
-        ["--data", root, "--batch-size", str(BATCH), "--num-workers", "0"] + (["--val-data", val] if val else [])
+        ["--data", root, "--batch-size", str(BATCH), "--num-workers", "0"]
+        + (["--val-data", val] if val else [])
+        + (["--bare"] if bare else [])
     )
     callbacks = [ShardedLoaderCallback()] if callback else []
     if stop is not None:
@@ -329,35 +352,19 @@ def test_the_callback_refuses_a_loader_that_is_not_at_lightnings_step(one_proces
 
 
 @pytest.mark.timeout(120)
-def test_a_bare_sharded_loader_resumed_mid_epoch_is_refused_with_the_fix(one_process):
-    """Without LightningLoader, len() after a resume is the epoch's rest while Lightning counts the
-    batches done too: the callback refuses rather than end the epoch early."""
-    import lightning as L
-
-    from shardtool.integrations.lightning import ShardedLoaderCallback
-    from shardtool.loader import LoaderError
-
-    ex, root, _, tmp = one_process
-
-    class Bare(ex.ShardedData):
-        def train_dataloader(self):
-            return self.train.loader
-
-    data = Bare(ex.parse_args(["--data", root, "--batch-size", str(BATCH), "--num-workers", "0"]))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        callbacks=[ShardedLoaderCallback()],
-        logger=False,
-        limit_val_batches=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp / "bare"),
-    )
-    with pytest.raises(LoaderError, match="LightningLoader"):
-        trainer.fit(ex.TinyLM(schedule=False), datamodule=data, ckpt_path=str(tmp / "ck" / "step-step=5.ckpt"))
+@pytest.mark.parametrize("schedule", [False, True], ids=["constant-lr", "schedule"])
+def test_a_bare_sharded_loader_resumed_mid_epoch_trains_the_same_batches(one_process, schedule, caplog):
+    """train_dataloader() returns the ShardedLoader itself: len() is the whole epoch, as Lightning
+    counts, and iter() decides the pass at the first batch, after Lightning restored the state.
+    With a schedule (#20550) the callback restores it, as it does a LightningLoader."""
+    ex, root, whole, tmp = one_process
+    ckpt = tmp / "ck" / "step-step=5.ckpt"
+    with caplog.at_level(logging.WARNING, logger="shardtool.integrations.lightning"):
+        got, trainer = _fit(
+            ex, root, tmp / f"bare-{schedule}", schedule=schedule, callback=schedule, resume=ckpt, bare=True
+        )
+    assert got == {s: whole[s] for s in range(5, 30)} and trainer.global_step == 30
+    assert ("#20550" in caplog.text) == schedule
 
 
 @pytest.mark.timeout(60)

@@ -13,41 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from leaks import resources, settled
 from shardtool.loader import LoaderError, ShardedLoader
 from test_loader_data import write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _children() -> set[int]:
-    me, out = os.getpid(), set()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
-                        out.add(int(pid))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
-
-
-def _resources() -> tuple:
-    shm = sorted(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else []
-    return shm, len(os.listdir("/proc/self/fd")), _children()
-
-
-def _settled(before: tuple, seconds: float = 10.0) -> tuple:
-    """The resources of ``before`` once what the test made is gone. /dev/shm is the machine's:
-    entries other processes removed meanwhile are not ours to count, only new ones left."""
-    deadline = time.monotonic() + seconds
-    while True:
-        now = _resources()
-        if not set(now[0]) - set(before[0]) and now[1:] == before[1:]:
-            return before
-        if time.monotonic() >= deadline:
-            return now
-        time.sleep(0.1)
 
 
 def _as_lists(batches):
@@ -132,9 +102,9 @@ def _die_on_21(sample):
 @pytest.mark.parametrize("case", ["end", "break", "raise", "killed"])
 def test_nothing_is_left_behind(tmp_path, case):
     root, _ = write_dataset(str(tmp_path / "d"), [20, 20])
-    before = _resources()
+    before = resources()
     _leak_case(root, case)
-    assert _settled(before) == before  # /dev/shm entries, open descriptors, child processes
+    assert settled(before) == before  # /dev/shm entries, open descriptors, child processes
 
 
 def _hang_on_21(sample):
@@ -146,13 +116,13 @@ def _hang_on_21(sample):
 @pytest.mark.timeout(60)
 def test_a_hung_worker_times_out_naming_the_shards(tmp_path):
     root, _ = write_dataset(str(tmp_path / "d"), [20, 20])
-    before = _resources()
+    before = resources()
     began = time.monotonic()
     with pytest.raises(LoaderError) as info:
         list(ShardedLoader(root, batch_size=4, num_workers=2, transform=_hang_on_21, timeout=2, shuffle=False))
     assert time.monotonic() - began < 15
     assert "timed out" in str(info.value) and "shard-00001.tar" in str(info.value)
-    assert _settled(before) == before
+    assert settled(before) == before
 
 
 @pytest.mark.timeout(60)

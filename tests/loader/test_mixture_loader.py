@@ -70,7 +70,7 @@ def test_a_bucketed_batch_is_one_sources_batch_and_says_which(data):
     (ld,) = loaders(mixture(data, WEIGHTS), world=1, **BUCKETED)
     assert len(ld) == 120
     batches = list(ld)
-    assert len(batches) == 120 and len(ld) == 0  # the run is over
+    assert len(batches) == 120 and ld.batches_left == 0  # the run is over
     seen = {n: 0 for n in WEIGHTS}
     for b in batches:
         name = b["__source__"]
@@ -147,7 +147,7 @@ def test_kill_and_resume_at_any_step_gives_the_same_batches(data, kind, cut, wor
     assert all(s == states[0] for s in states) and states[0]["step"] == cut
     for r, ld in enumerate(loaders(mix, steps=90, num_workers=workers[1], **batching)):
         ld.load_state_dict(states[r])
-        assert len(ld) == 90 - cut
+        assert len(ld) == 90 and ld.batches_left == 90 - cut
         rest, _ = run(ld)
         assert halves[r][0][:cut] + rest == full[r]
 
@@ -262,8 +262,8 @@ def test_length_is_steps_and_a_mixture_has_no_epoch(data):
     for _ in range(10):
         next(it)
     it.close()
-    assert ld.step == 10 and len(ld) == 30  # this pass's length, as for one dataset
-    assert len(list(ld)) == 20 and len(ld) == 0 and list(ld) == []
+    assert ld.step == 10 and len(ld) == 30 and ld.batches_left == 20  # len: the whole run, as a trainer counts
+    assert len(list(ld)) == 20 and len(ld) == 30 and ld.batches_left == 0 and list(ld) == []
     with pytest.raises(LoaderStateError, match="a mixture has no epoch"):
         ld.set_epoch(1)
     with pytest.raises(AttributeError, match="no epoch"):

@@ -30,7 +30,15 @@ from ..batching import Batching
 from ..layout import DataLayout
 from ..state import LoaderState, StateError, parse_about
 
-__all__ = ["MIXTURE_STATE_VERSION", "MIXTURE_VERSION", "MixtureState", "Phase", "SourceRecord", "mixture_fingerprint"]
+__all__ = [
+    "MIXTURE_STATE_VERSION",
+    "MIXTURE_VERSION",
+    "MixtureState",
+    "Phase",
+    "SourceRecord",
+    "mixture_fingerprint",
+    "source_changes",
+]
 
 MIXTURE_STATE_VERSION = 1
 # Bumped whenever the composition rule changes which source a unit comes from.
@@ -237,3 +245,26 @@ class MixtureState:
             MIXTURE_STATE_VERSION,
             parse_about(data.get("about")),
         )
+
+
+def source_changes(old: Phase, new: Phase) -> list[str]:
+    """What a resume from phase ``old`` into ``new`` changed in what the run trains on, in words:
+    sources added or removed, weights or schedule. Empty when only the layout changed."""
+    added = [n for n in new.names if n not in old.names]
+    removed = [n for n in old.names if n not in new.names]
+    out = []
+    if added:
+        out.append(f"sources added {added} (each from its beginning)")
+    if removed:
+        out.append(f"sources removed {removed} (no more of their data is served)")
+    if old.schedule != new.schedule:
+        out.append(f"weights {_weights(old)} -> {_weights(new)}")
+    return out
+
+
+def _weights(phase: Phase) -> str:
+    """The schedule's weights as people read them: one {name: weight} or [[from_step, {...}], ...]."""
+    as_float = [
+        [step, {n: round(float(Fraction(w)), 4) for n, w in weights.items()}] for step, weights in phase.schedule
+    ]
+    return str(as_float[0][1]) if len(as_float) == 1 else str(as_float)
