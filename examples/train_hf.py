@@ -148,6 +148,11 @@ def main(argv=None) -> int:
     if trainer.args.process_index == 0:
         print(json.dumps({"global_step": trainer.state.global_step, "epoch": trainer.state.epoch}), flush=True)
     trainer.train_loader.close()
+    # The Trainer started the process group and leaves it to the interpreter's exit, where a
+    # ProcessGroupGloo torn down while its threads run can abort the rank ("terminate called
+    # without an active exception", seen under load); torchrun then reports a failure.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0
 
 
