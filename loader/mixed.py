@@ -51,6 +51,11 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
                 "packed_outputs='lean' is for one dataset; a mixture's packed steps are full batches "
                 "(input_ids, labels, position_ids, cu_seqlens)"
             )
+        if self.batching.balance is not None:
+            raise ValueError(
+                "cost_model balances the steps of one dataset; a mixture's steps are not balanced yet "
+                "(its sources are planned apart): drop cost_model for a Mixture"
+            )
         if (steps is None) == (tokens is None):
             raise ValueError(
                 "a mixture has no epoch: give its length as exactly one of steps= (global batches) "

@@ -13,6 +13,7 @@ import numpy as np
 from ..plan import Batching, Planner, RankPlan, data_parallel
 from ..plan.about import describe
 from ..plan.batching import default_bucketing
+from ..plan.cost import CostModel
 from ..plan.env import rank_placement
 from ..plan.mesh import as_mesh
 from ..plan.packing import Packing, with_packed_eos
@@ -88,6 +89,14 @@ class ShardedLoader(PassRunner):
     read, after dumping the stacks of the trainer and every worker next to the metric lines.
     ``metrics=False`` keeps no counters at all (the watchdog still fires, without read details).
 
+    Compute balance: ``cost_model`` (a model shape ``{"params": 7e9, "layers": 32, "hidden":
+    4096}``, measured ``{"a": ..., "b": ...}``, a preset name such as ``"llama-7b"``, or a
+    `shardtool.plan.cost.CostModel`) deals each step's batches so that their compute — ``a x
+    tokens + b x sum of squared document-piece lengths`` — is about equal on every DP rank, from
+    the plan alone (`shardtool.plan.costorder`; ``balance_window`` steps per block, default the
+    epoch; with ``shuffle=False`` the same order every epoch, not the dataset's). Without it,
+    plans and states are what they were.
+
     In-job staging (needs ``cache_dir``; default: SHARDTOOL_STAGE, else off): ``stage=True`` makes
     local rank 0 fetch the node's shards into the cache in the order the node's ranks first read
     them, a bounded distance ahead of the slowest (`shardtool.cache.stager`); ``stage="external"``
@@ -159,6 +168,8 @@ class ShardedLoader(PassRunner):
         drop_last: bool | None = None,
         stage: bool | str | None = None,
         packed_outputs: str = "full",
+        cost_model: Any = None,
+        balance_window: int | None = None,
     ):
         import torch
 
@@ -188,6 +199,8 @@ class ShardedLoader(PassRunner):
             bucketing=bucketing,
             packing=self.packing,
             drop_last=drop_last,
+            balance=CostModel.parse(cost_model) if cost_model is not None else None,
+            balance_window=balance_window,
         )
         self._bucketing = bucketing
         dist = torch.distributed if torch.distributed.is_available() else None

@@ -13,6 +13,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from shardtool.plan import Batching, Layout
+from shardtool.plan.cost import CostModel
 from shardtool.plan.synthetic import lognormal_lengths
 
 # Every (nodes, ranks per node) with a world of 1..8 ranks.
@@ -61,6 +62,10 @@ def datasets(draw, min_size: int = 1, max_size: int = 3000) -> Dataset:
 layouts = st.sampled_from(LAYOUTS)
 
 
+# Cost models the strategies draw: attention-heavy (squares dominate) and linear only.
+COST_MODELS = [CostModel(1.0, 0.05), CostModel(0.0, 1.0), CostModel(1.0, 0.0)]
+
+
 @st.composite
 def batchings(draw, lengths: np.ndarray, mode: str | None = None, any_window: bool = True) -> Batching:
     """A config valid for `lengths`; any_window=False keeps the default window."""
@@ -68,11 +73,17 @@ def batchings(draw, lengths: np.ndarray, mode: str | None = None, any_window: bo
     shuffle = draw(st.booleans())
     seed = draw(st.integers(0, 2**31))
     window = draw(st.one_of(st.none(), st.integers(1, 400))) if any_window else None
+    # Compute-balanced steps (issue 33) reorder the deal: every plan invariant must still hold.
+    balance = draw(st.one_of(st.none(), st.sampled_from(COST_MODELS)))
+    balanced = {
+        "balance": balance,
+        "balance_window": draw(st.one_of(st.none(), st.integers(1, 40))) if balance else None,
+    }
     if mode == "batch_size":
-        return Batching(batch_size=draw(st.integers(1, 16)), shuffle=shuffle, seed=seed, window=window)
+        return Batching(batch_size=draw(st.integers(1, 16)), shuffle=shuffle, seed=seed, window=window, **balanced)
     longest = max(int(lengths.max(initial=0)), 1)
     budget = draw(st.integers(longest, 8 * longest))
-    return Batching(max_tokens=budget, shuffle=shuffle, seed=seed, window=window)
+    return Batching(max_tokens=budget, shuffle=shuffle, seed=seed, window=window, **balanced)
 
 
 @dataclass(frozen=True)

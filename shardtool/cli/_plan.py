@@ -30,6 +30,9 @@ def _batching(args, source=None):
     manifest = getattr(source, "manifest", None)
     if manifest is not None:  # documents packed with --eos-id end with it already: as the loader plans them
         packing = with_packed_eos(packing, {args.url: manifest.length.get("eos_id")})
+    from ..plan.cost import CostModel
+
+    spec = getattr(args, "cost_model", None)
     return Batching(
         batch_size=args.batch_size,
         max_tokens=args.max_tokens,
@@ -37,6 +40,8 @@ def _batching(args, source=None):
         seed=args.seed,
         packing=packing,
         drop_last={"auto": None, "yes": True, "no": False}[args.drop_last],
+        balance=CostModel.parse(spec) if spec else None,
+        balance_window=getattr(args, "balance_window", None) if spec else None,
     )
 
 

@@ -8,6 +8,7 @@ import sys
 import time
 
 from ..format.sizes import format_size
+from ..plan.cost import PRESETS, CostModel
 from ._layout import LAYOUT_HELP, add_layout_arguments, data_layout_of, describe_layout
 from ._plan import _batching, _layout, node_shards, peak_rss_mb
 from ._plan_rank import evaluate_rank, for_dataset
@@ -122,6 +123,22 @@ def add_arguments(p) -> None:
         metavar="T",
         help="expected tokens to plan (all ranks), converted into steps",
     )
+    p.add_argument(
+        "--cost-model",
+        default=None,
+        metavar="SPEC",
+        help="also report how evenly each step's compute falls on the DP ranks (the step waits for the "
+        "slowest): a model shape params=7e9,layers=32,hidden=4096, measured a=...,b=... (cost = a x tokens "
+        "+ b x sum of squared document-piece lengths), or a preset: " + ", ".join(sorted(PRESETS)),
+    )
+    p.add_argument(
+        "--balance-window",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="with --cost-model: balance within blocks of this many steps (default: the whole epoch; "
+        "fewer keep each block's mix of documents closer to the plain shuffle)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -145,6 +162,12 @@ def run(args) -> int:
         )
     if args.url is None and args.synthetic is None:
         raise ShardtoolError("give a dataset URL or --synthetic N")
+    try:
+        cost = CostModel.parse(args.cost_model) if args.cost_model else None
+    except ValueError as e:
+        raise ShardtoolError(f"--cost-model: {e}") from None
+    if args.balance_window is not None and cost is None:
+        raise ShardtoolError("--balance-window balances steps by a cost model: give --cost-model too")
     try:
         layout = _layout(args)
         data, _ = data_layout_of(args, Placement(layout, 0))
@@ -224,7 +247,12 @@ def run(args) -> int:
             report.update(evaluate_rank(args, source))
         else:
             began = time.perf_counter()
-            sim = simulate_epoch(source, data, batching, args.epoch, processes=args.processes)
+            sim = simulate_epoch(source, data, batching, args.epoch, processes=args.processes, cost_model=cost)
+            plain = None
+            if cost is not None:  # what the same plan would cost without balancing
+                plain = simulate_epoch(
+                    source, data, batching.with_balance(None), args.epoch, processes=args.processes, cost_model=cost
+                )
             per_rank = sim.samples_per_rank
             report.update(
                 {
@@ -239,6 +267,13 @@ def run(args) -> int:
                     "remainder_tokens": sim.remainder_tokens,
                 }
             )
+            if plain is not None:
+                report["compute_balance"] = {
+                    "cost_model": {"a": cost.a, "b": cost.b},
+                    "balance_window": args.balance_window,
+                    "unbalanced": plain.balance(),
+                    "balanced": sim.balance(),
+                }
             if batching.packing is not None:
                 report.update(
                     {
@@ -314,6 +349,8 @@ def _print(report: dict, data) -> None:
             f"remainder     {unit}, {report['remainder_tokens']:,} tokens, {report['remainder_tokens_fraction']:.3%} "
             "of the tokens, not served this epoch (rotates across epochs)\n"
         )
+        if "compute_balance" in report:
+            _print_balance(report["compute_balance"], out)
         out(
             f"planning      {report['plan_seconds']:.2f} s to simulate every group, peak RSS "
             f"{report['peak_rss_mb']:.0f} MB (a training rank plans only its own: --rank R)\n"
@@ -330,4 +367,17 @@ def _print(report: dict, data) -> None:
             f"plain/node    min {format_size(p['min'])}  mean {format_size(p['mean'])}  max {format_size(p['max'])} "
             f"(the node cache decompresses {report['compression']} shards; bytes/node above is stored, "
             "what warm moves and what warm --keep-compressed keeps)\n"
+        )
+
+
+def _print_balance(report: dict, out) -> None:
+    for name in ("unbalanced", "balanced"):
+        bal = report[name]
+        if bal is None:
+            out(f"compute       {name}: no steps to compare\n")
+            continue
+        out(
+            f"compute       {name + ':':<12} per-step max/mean cost over {bal['dp_ranks']:,} DP ranks: median "
+            f"{bal['max_over_mean_median']:.3f}, p90 {bal['max_over_mean_p90']:.3f}, max "
+            f"{bal['max_over_mean_max']:.3f}; {bal['time_lost']:.2%} of step time lost waiting for the slowest\n"
         )

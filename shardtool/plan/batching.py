@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .arrays import gather_runs
+from .cost import BALANCE_VERSION, CostModel
 from .packing import Packing
 
 __all__ = [
@@ -94,6 +95,8 @@ class Batching:
     bucketing: bool | None = None
     packing: Packing | None = None
     drop_last: bool | None = None
+    balance: CostModel | None = None
+    balance_window: int | None = None
 
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.max_tokens is None):
@@ -114,11 +117,22 @@ class Batching:
             raise ValueError(f"seed must be an int >= 0, found {self.seed!r}")
         if self.drop_last is not None and not isinstance(self.drop_last, bool):
             raise ValueError(f"drop_last must be a bool or None, found {self.drop_last!r}")
+        if self.balance is not None and not isinstance(self.balance, CostModel):
+            raise ValueError(f"balance must be a shardtool.plan.cost.CostModel, found {self.balance!r}")
+        _optional_positive("balance_window", self.balance_window)
+        if self.balance_window is not None and self.balance is None:
+            raise ValueError("balance_window is the window of compute balancing: give a cost model too")
         if self.packing is not None:
             if not isinstance(self.packing, Packing):
                 raise ValueError(f"packing must be a shardtool.plan.packing.Packing, found {self.packing!r}")
             if self.batch_size is None:
                 raise ValueError("packing takes batch_size (rows of seq_len tokens per batch), not max_tokens")
+
+    def with_balance(self, model: CostModel | None, window: int | None = None) -> Batching:
+        """This config with steps balanced by ``model`` (None: not balanced)."""
+        from dataclasses import replace
+
+        return replace(self, balance=model, balance_window=window if model is not None else None)
 
     def describe(self) -> dict:
         """The settings a person reads in a state-mismatch message: the fields that are set
@@ -134,6 +148,11 @@ class Batching:
         fields["packing"] = self.packing.fingerprint() if self.packing is not None else None
         if self.drop_last is None:
             del fields["drop_last"]  # the default: fingerprints (and saved states) from before it still match
+        for name in ("balance", "balance_window"):  # likewise: without a cost model, nothing changes
+            if fields[name] is None:
+                del fields[name]
+        if self.balance is not None:
+            fields["balance_version"] = BALANCE_VERSION
         if self.max_tokens is not None and not self.bucketing:
             # In-order token budgets count their batches anew (issue 32): states from before are
             # refused; every other config keeps its fingerprint (and its shuffle streams).

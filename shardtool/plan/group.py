@@ -12,6 +12,8 @@ import numpy as np
 from .arrays import gather_runs
 from .balance import deal_order, fit_group
 from .batching import bucket, group_rng
+from .cost import row_costs, run_costs
+from .costorder import balanced_order
 from .packing import Rows, merge_rows, pack_rows
 from .rowsplit import split_rows
 from .shape import PlanShape
@@ -103,7 +105,12 @@ def plan_group(source: PlanSource, shape: PlanShape, group: int, epoch: int) -> 
     if n == 0:
         return GroupPlan(group, k, 0, lo, lengths, np.zeros(0, np.int64), np.zeros(1, np.int64), ids)
     begin, end = fit_group(starts, k * n, int(epoch))
-    order = deal_order(n, k)
+    if batching.balance is not None:
+        runs = np.concatenate([[0], np.cumsum(end - begin)]).astype(np.int64)
+        cost = run_costs(lengths[gather_runs(ordered, begin, end - begin) - lo], runs, batching.balance)
+        order, _ = balanced_order(cost, k, n, 1, batching.seed, _order_epoch(batching, epoch), batching.balance_window)
+    else:
+        order = deal_order(n, k)
     begin, end = begin[order], end[order]
     kept = gather_runs(ordered, begin, end - begin)
     offsets = np.concatenate([[0], np.cumsum(end - begin)]).astype(np.int64)
@@ -158,9 +165,24 @@ def _packed(
         else np.diff((np.arange(target + 1, dtype=np.int64) * rows.num_rows) // max(target, 1))
     )
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    dealt = deal_order(n, k)
-    row_begin, row_count = starts[:-1][dealt], sizes[dealt]
-    rows = rows.take(gather_runs(np.arange(rows.num_rows, dtype=np.int64), row_begin, row_count))
+    model = shape.batching.balance
+    if model is not None and n:
+        # Rows of like cost make each step (`costorder`); a group short of rows leaves the gaps
+        # spread over the steps, at most per_batch - 1 a batch, as the plain deal does.
+        order, row_count = balanced_order(
+            row_costs(rows, model),
+            k,
+            n,
+            per_batch,
+            shape.batching.seed,
+            _order_epoch(shape.batching, epoch),
+            shape.batching.balance_window,
+        )
+        rows = rows.take(order)
+    else:
+        dealt = deal_order(n, k)
+        row_begin, row_count = starts[:-1][dealt], sizes[dealt]
+        rows = rows.take(gather_runs(np.arange(rows.num_rows, dtype=np.int64), row_begin, row_count))
     row_offsets = np.concatenate([[0], np.cumsum(row_count)]).astype(np.int64)
     rows, left_out = in_serving_order(rows, row_offsets, left_out, k, n)
     span_offsets = rows.row_offsets[row_offsets]
@@ -232,3 +254,9 @@ def in_serving_order(rows: Rows, row_offsets: np.ndarray, left_out: Rows, k: int
         dataclasses.replace(rows, span_start=start[:cut]),
         dataclasses.replace(left_out, span_start=start[cut:]),
     )
+
+
+def _order_epoch(batching, epoch: int) -> int:
+    """The epoch a balanced deal draws its step order from: unshuffled, every epoch is served in
+    the same (balanced, so not the dataset's) order."""
+    return int(epoch) if batching.shuffle else 0

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .batching import Batching
+from .cost import CostModel, batch_costs, step_balance
 from .group import plan_group
 from .layout import DataLayout
 from .shape import PlanShape, plan_shape
@@ -31,6 +32,7 @@ class GroupStats:
     split_docs: int = 0  # packed: documents cut into pieces
     dropped_docs: int = 0  # packed, no-split: documents longer than a row, left out
     remainder_pieces: int = 0  # packed: pieces of documents in the rows left out for equal counts
+    costs: np.ndarray | None = None  # with a cost model: [DP ranks of the group, steps], each batch's cost
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,11 +82,23 @@ class Simulation:
     def samples_per_rank(self) -> np.ndarray:
         return np.array([s for g in self.groups for s in g.samples_per_rank], dtype=np.int64)
 
+    @property
+    def step_costs(self) -> np.ndarray | None:
+        """With a cost model: every DP rank's batch costs, [DP ranks, steps] (group after group)."""
+        parts = [g.costs for g in self.groups]
+        return np.concatenate(parts) if parts and all(p is not None for p in parts) else None
 
-def _stats(source: PlanSource, shape: PlanShape, group: int, epoch: int) -> GroupStats:
+    def balance(self) -> dict | None:
+        """With a cost model: `shardtool.plan.cost.step_balance` of the epoch's steps."""
+        costs = self.step_costs
+        return step_balance(costs) if costs is not None else None
+
+
+def _stats(source: PlanSource, shape: PlanShape, group: int, epoch: int, cost: CostModel | None = None) -> GroupStats:
     plan = plan_group(source, shape, group, epoch)
+    costs = batch_costs(plan, cost, shape.batching.batch_size if plan.rows is not None else None) if cost else None
     if plan.rows is not None:
-        return _packed_stats(plan, shape)
+        return _packed_stats(plan, shape, costs)
     lengths = plan.batch_lengths(plan.ids)
     sizes = np.diff(plan.offsets)
     padded = 0
@@ -94,7 +108,14 @@ def _stats(source: PlanSource, shape: PlanShape, group: int, epoch: int) -> Grou
     n = plan.batches_per_rank
     per_rank = tuple(int(plan.offsets[(j + 1) * n] - plan.offsets[j * n]) for j in range(plan.size))
     return GroupStats(
-        group, int(plan.lengths.size), int(plan.lengths.sum()), int(plan.ids.size), int(lengths.sum()), padded, per_rank
+        group,
+        int(plan.lengths.size),
+        int(plan.lengths.sum()),
+        int(plan.ids.size),
+        int(lengths.sum()),
+        padded,
+        per_rank,
+        costs=costs,
     )
 
 
@@ -103,7 +124,7 @@ def _stats(source: PlanSource, shape: PlanShape, group: int, epoch: int) -> Grou
 _FORKED: tuple | None = None
 
 
-def _packed_stats(plan, shape: PlanShape) -> GroupStats:
+def _packed_stats(plan, shape: PlanShape, costs: np.ndarray | None) -> GroupStats:
     """Tokens count the eos packing adds; the remainder is the rows dropped for equal counts (no-split's
     over-long documents are counted apart, as dropped)."""
     packing, per_batch = shape.batching.packing, shape.batching.batch_size
@@ -122,31 +143,39 @@ def _packed_stats(plan, shape: PlanShape) -> GroupStats:
         split_docs=plan.split_docs,
         remainder_pieces=plan.remainder_pieces,
         dropped_docs=int(rows.dropped.size + left.dropped.size),
+        costs=costs,
     )
 
 
 def _forked_stats(group: int) -> GroupStats:
-    source, shape, epoch = _FORKED
-    return _stats(source, shape, group, epoch)
+    source, shape, epoch, cost = _FORKED
+    return _stats(source, shape, group, epoch, cost)
 
 
 def simulate_epoch(
-    source: PlanSource, layout: DataLayout, batching: Batching, epoch: int = 0, *, processes: int = 1
+    source: PlanSource,
+    layout: DataLayout,
+    batching: Batching,
+    epoch: int = 0,
+    *,
+    processes: int = 1,
+    cost_model: CostModel | None = None,
 ) -> Simulation:
+    """Every group's plan of ``epoch``; with ``cost_model``, each batch's cost too (`Simulation.balance`)."""
     global _FORKED
     shape = plan_shape(source.summaries, layout, batching, source.lengths_range)
     groups = list(range(layout.num_groups))
     if processes > 1 and len(groups) > 1:
         import multiprocessing as mp
 
-        _FORKED = (source, shape, epoch)
+        _FORKED = (source, shape, epoch, cost_model)
         try:
             with mp.get_context("fork").Pool(processes) as pool:
                 stats = pool.map(_forked_stats, groups, chunksize=max(1, len(groups) // (8 * processes)))
         finally:
             _FORKED = None
     else:
-        stats = [_stats(source, shape, g, epoch) for g in groups]
+        stats = [_stats(source, shape, g, epoch, cost_model) for g in groups]
     return Simulation(shape, stats)
 
 

@@ -180,3 +180,36 @@ def test_plan_no_shuffle_with_a_token_budget_is_the_greedy_cut(tmp_path):
         # The greedy cut, split up to a multiple of the ranks; nothing left out.
         assert greedy <= rep["batches_per_rank"] * ranks <= greedy + ranks - 1, (rep["batches_per_rank"], greedy)
         assert rep["remainder_samples"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_plan_with_a_cost_model_reports_the_time_steps_lose_to_the_slowest_rank(tmp_path):
+    """Issue 33: on real long documents (issue 32's corpus of stdlib files and /usr/share/doc
+    text) at seq_len 8,192 x 1 row on 8 ranks, the plan prints each step's max/mean cost across
+    the DP ranks and the time lost waiting, without balancing and with it, as the loader would
+    plan with that cost model."""
+    from realtext import issue32_lengths
+    from shardtool.pack.synthetic import write_synthetic
+
+    lengths = issue32_lengths()
+    root = str(tmp_path / "d")
+    write_synthetic(root, lengths.size, lengths=lengths, samples_per_shard=100)
+    args = ["plan", root, "--ranks-per-node", "8", "--batch-size", "1", "--seq-len", "8192", "--cost-model"]
+    out = shardtool(*args, "params=7e9,layers=32,hidden=4096", "--json")
+    assert out.returncode == 0, out.stderr
+    bal = json.loads(out.stdout)["compute_balance"]
+    assert bal["cost_model"] == {"a": 6 * 7e9, "b": 6 * 32 * 4096}
+    plain, even = bal["unbalanced"], bal["balanced"]
+    assert plain["dp_ranks"] == even["dp_ranks"] == 8 and plain["steps"] == even["steps"] > 0
+    assert even["time_lost"] < plain["time_lost"] / 2 and even["max_over_mean_median"] < plain["max_over_mean_median"]
+    text = shardtool(*args, "llama-7b")
+    assert text.returncode == 0, text.stderr
+    assert (
+        f"unbalanced:  per-step max/mean cost over 8 DP ranks: median {plain['max_over_mean_median']:.3f}"
+        in text.stdout
+    )
+    assert f"{even['time_lost']:.2%} of step time lost waiting for the slowest" in text.stdout
+    bad = shardtool(*args, "gpt-17")
+    assert bad.returncode == 1 and "--cost-model" in bad.stderr and "llama-7b" in bad.stderr
+    alone = shardtool(*args[:-1], "--balance-window", "8")
+    assert alone.returncode == 1 and "give --cost-model too" in alone.stderr

@@ -1,0 +1,162 @@
+"""What a batch costs to train on, from its lengths: the compute model of the plan (issue 33).
+
+A step's all-reduce waits for the slowest DP rank, so what has to be equal across ranks is the
+compute of their batches, not their tokens. With document masking (``cu_seqlens``, varlen
+attention) a packed row's attention grows with the sum of its pieces' squared lengths, while
+the linear layers grow with its tokens; a batch costs ``a * tokens + b * sum(piece_len ** 2)``.
+An unpacked (bucketed) batch of ``m`` samples padded to ``L`` computes on the padding too:
+``a * m * L + b * m * L ** 2``.
+
+From a model shape (``params`` N, ``layers``, ``hidden``): a training step takes about 6 N
+FLOPs a token in the linear layers and 6 * layers * hidden * L ** 2 in causal attention over a
+piece of L tokens (forward and backward), so ``a = 6 N`` and ``b = 6 * layers * hidden``. Pure:
+costs are computed from a plan's lengths, never from data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BALANCE_VERSION", "PRESETS", "CostModel", "batch_costs", "row_costs", "run_costs", "step_balance"]
+
+# Bumped whenever balancing (`shardtool.plan.costorder`) changes which batch goes where: it is in
+# the fingerprint of a balanced config, so a state saved under another rule is refused.
+BALANCE_VERSION = 1
+
+# Model shapes by name: params, layers, hidden (Llama's published sizes).
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-7b": {"params": 7e9, "layers": 32, "hidden": 4096},
+    "llama-13b": {"params": 13e9, "layers": 40, "hidden": 5120},
+    "llama-70b": {"params": 70e9, "layers": 80, "hidden": 8192},
+    "llama3-8b": {"params": 8e9, "layers": 32, "hidden": 4096},
+}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """``a * tokens + b * sum(piece_len ** 2)`` (see the module docstring), in FLOPs or any unit."""
+
+    a: float
+    b: float
+
+    def __post_init__(self) -> None:
+        for name in ("a", "b"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not np.isfinite(v) or v < 0:
+                raise ValueError(f"cost model {name} must be a finite number >= 0, found {v!r}")
+        if self.a == 0 and self.b == 0:
+            raise ValueError("cost model: a and b are both 0, so every batch would cost nothing")
+
+    @classmethod
+    def from_shape(cls, params: float, layers: float, hidden: float) -> CostModel:
+        """6 N a token for the linear layers, 6 * layers * hidden * L ** 2 for a piece's attention."""
+        for name, v in (("params", params), ("layers", layers), ("hidden", hidden)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"cost model {name} must be a number > 0, found {v!r}")
+        return cls(6.0 * float(params), 6.0 * float(layers) * float(hidden))
+
+    @classmethod
+    def parse(cls, spec: Any) -> CostModel:
+        """A CostModel from what users write: a preset name (``"llama-7b"``), a model shape
+        (``"params=7e9,layers=32,hidden=4096"`` or that dict), measured coefficients
+        (``"a=...,b=..."`` or that dict), or a CostModel."""
+        if isinstance(spec, CostModel):
+            return spec
+        if isinstance(spec, str):
+            if spec.strip().lower() in PRESETS:
+                return cls.from_shape(**PRESETS[spec.strip().lower()])
+            spec = _pairs(spec)
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"a cost model is a preset name, a model shape or a and b; found {spec!r}")
+        keys = set(spec)
+        try:
+            if keys == {"a", "b"}:
+                return cls(float(spec["a"]), float(spec["b"]))
+            if keys == {"params", "layers", "hidden"}:
+                return cls.from_shape(float(spec["params"]), int(spec["layers"]), int(spec["hidden"]))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"cost model {dict(spec)!r}: {e}") from None
+        raise ValueError(
+            f"cost model {dict(spec)!r}: give params, layers and hidden (a model shape), or a and b "
+            f"(measured), or one of the presets {sorted(PRESETS)}"
+        )
+
+    def describe(self) -> str:
+        return f"{self.a:.4g} x tokens + {self.b:.4g} x sum(piece length^2)"
+
+
+def _pairs(text: str) -> dict[str, str]:
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise ValueError(
+                f"cost model {text!r}: expected name=value pairs (params=7e9,layers=32,hidden=4096 or a=...,b=...) "
+                f"or one of the presets {sorted(PRESETS)}"
+            )
+        out[key.strip().lower()] = value.strip()
+    return out
+
+
+def _sums(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Per-segment sums of ``values`` cut at ``offsets`` (empty segments sum to 0)."""
+    total = np.zeros(len(values) + 1, np.float64)
+    np.cumsum(values, out=total[1:])
+    return total[offsets[1:]] - total[offsets[:-1]]
+
+
+def row_costs(rows: Any, model: CostModel) -> np.ndarray:
+    """The cost of each packed row (a `shardtool.plan.packing.Rows`): ``seq_len`` tokens (the
+    linear layers run on a row's padding too) and its pieces' squares."""
+    sq = rows.span_len.astype(np.float64) ** 2
+    return model.a * rows.seq_len + model.b * _sums(sq, rows.row_offsets)
+
+
+def run_costs(lengths: np.ndarray, offsets: np.ndarray, model: CostModel) -> np.ndarray:
+    """The cost of each unpacked batch ``lengths[offsets[q] : offsets[q + 1]]``, padded to its
+    longest sample (attention runs over the padding too)."""
+    sizes = np.diff(offsets)
+    longest = np.zeros(len(sizes), np.float64)
+    full = sizes > 0
+    if lengths.size:
+        longest[full] = np.maximum.reduceat(np.maximum(lengths, 1), offsets[:-1][full])
+    return sizes * (model.a * longest + model.b * longest**2)
+
+
+def batch_costs(plan: Any, model: CostModel, rows_per_batch: int | None = None) -> np.ndarray:
+    """The cost of each batch of a group's plan (`shardtool.plan.group.GroupPlan`), as a
+    ``[DP ranks of the group, batches per rank]`` array: row j is local DP rank j's batches in
+    the order it serves them. Packed plans count every row of ``seq_len`` tokens a batch holds
+    (``rows_per_batch`` rows: padding rows run the linear layers too) and each piece's square."""
+    k, n = plan.size, plan.batches_per_rank
+    if plan.rows is not None:
+        per_row = row_costs(plan.rows, model) - model.a * plan.rows.seq_len
+        width = plan.rows.seq_len * (rows_per_batch or np.diff(plan.row_offsets))
+        cost = model.a * width + _sums(per_row, plan.row_offsets)
+    else:
+        cost = run_costs(plan.batch_lengths(plan.ids), plan.offsets, model)
+    return np.asarray(cost, np.float64)[: k * n].reshape(k, n)
+
+
+def step_balance(costs: np.ndarray) -> dict[str, float] | None:
+    """How evenly the steps load the DP ranks, from ``costs`` [DP ranks, steps]: the per-step
+    max/mean across ranks (median, p90, max) and the share of step time lost waiting for the
+    slowest rank, ``1 - sum(mean) / sum(max)`` (a step lasts as long as its slowest rank). None
+    without a step."""
+    costs = np.asarray(costs, np.float64)
+    if costs.ndim != 2 or costs.shape[1] == 0 or costs.shape[0] == 0:
+        return None
+    top, mean = costs.max(axis=0), costs.mean(axis=0)
+    ratio = np.divide(top, mean, out=np.ones_like(top), where=mean > 0)
+    return {
+        "max_over_mean_median": float(np.median(ratio)),
+        "max_over_mean_p90": float(np.quantile(ratio, 0.9)),
+        "max_over_mean_max": float(ratio.max()),
+        "time_lost": float(1.0 - mean.sum() / top.sum()) if top.sum() > 0 else 0.0,
+        "dp_ranks": int(costs.shape[0]),
+        "steps": int(costs.shape[1]),
+    }

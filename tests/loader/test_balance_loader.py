@@ -1,0 +1,138 @@
+"""ShardedLoader(cost_model=...) on real text (stdlib files as byte ids, seq_len 1,024): each
+rank serves its plan's balanced batches, so the steps the ranks train on cost what the plan says
+(and less unevenly than without a cost model); resume continues them exactly, on another number
+of ranks too; a state of one configuration is refused by the other."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import shardtool
+from realtext import byte_ids, stdlib_files
+from shardtool.loader import LoaderStateError, ShardedLoader
+from shardtool.plan import DataLayout, Layout
+from shardtool.plan.cost import CostModel, step_balance
+from shardtool.plan.simulate import simulate_epoch
+
+EOS = 256
+SEQ = 1024
+MODEL = CostModel.parse("llama-7b")
+
+
+@pytest.fixture(scope="module")
+def stdlib_root(tmp_path_factory):
+    rows = [{"tokens": byte_ids(p), "path": os.path.relpath(p)} for p in stdlib_files(300)]
+    root = str(tmp_path_factory.mktemp("balanced") / "d")
+    shardtool.pack(rows, root, format="arrow", length="tokens", shard_size=2_000_000)
+    return root
+
+
+def _loaders(root: str, world: int, cost_model=MODEL, **kw) -> list[ShardedLoader]:
+    kw = {"seq_len": SEQ, "batch_size": 2, "eos_id": EOS, "seed": 4, "num_workers": 0, "cost_model": cost_model, **kw}
+    return [ShardedLoader(root, rank=r, world_size=world, ranks_per_node=world, **kw) for r in range(world)]
+
+
+def _pieces(batch) -> list[tuple[str, int, int]]:
+    """(key, offset in its document, length) of every document piece of a full packed batch."""
+    cu, offsets = batch["cu_seqlens"].tolist(), batch["doc_offsets"].tolist()
+    seq = batch["input_ids"].shape[1]
+    ends = [r * seq + int(n) for r, n in enumerate(batch["lengths"].tolist())]
+    keys = [k for row in batch["__key__"] for k in row]
+    out = []
+    for i, off in enumerate(o for o in offsets if o >= 0):
+        out.append((keys[i], off, min(cu[i + 1], ends[cu[i] // seq]) - cu[i]))
+    return out
+
+
+def _epoch(loaders) -> list[list[list[tuple]]]:
+    """Per rank, per step: the pieces of the batch it served."""
+    return [[_pieces(b) for b in ld] for ld in loaders]
+
+
+def _served_tokens(served) -> dict[str, int]:
+    """Per document: the tokens served, checked to tile it from its start (pieces head first)."""
+    by_key: dict[str, list[tuple[int, int]]] = {}
+    for rank in served:
+        for b in rank:
+            for key, off, n in b:
+                by_key.setdefault(key, []).append((off, n))
+    out = {}
+    for key, parts in by_key.items():
+        at = 0
+        for off, n in sorted(parts):
+            assert off == at, f"{key}: a piece at {off} where {at} was expected"
+            at += n
+        out[key] = at
+    return out
+
+
+def _costs(served) -> np.ndarray:
+    """[ranks, steps]: each served batch's cost, from the pieces it carried (2 rows of SEQ tokens)."""
+    return np.array(
+        [[MODEL.a * 2 * SEQ + MODEL.b * sum(n * n for _, _, n in b) for b in rank] for rank in served], np.float64
+    )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 4])
+def test_the_steps_served_cost_what_the_plan_says_and_are_more_even(stdlib_root, world):
+    loaders = _loaders(stdlib_root, world)
+    served = _epoch(loaders)
+    sim = simulate_epoch(
+        shardtool.open_dataset(stdlib_root),
+        DataLayout.pure_dp(Layout(1, world)),
+        loaders[0].batching,
+        cost_model=MODEL,
+    )
+    assert np.allclose(_costs(served), sim.step_costs, rtol=1e-12)
+    plain = _epoch(_loaders(stdlib_root, world, cost_model=None))
+    assert _served_tokens(served) == _served_tokens(plain), "the same tokens of every document, dealt otherwise"
+    if world > 1:
+        assert step_balance(_costs(served))["time_lost"] < step_balance(_costs(plain))["time_lost"] / 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cut", [0, 5, 17])
+@pytest.mark.parametrize("new_world", [2, 3])
+def test_a_balanced_run_resumes_exactly_and_elastically(stdlib_root, cut, new_world):
+    every = {"drop_last": False}  # every token served: an epoch's tokens are comparable across layouts
+    whole = _epoch(_loaders(stdlib_root, 2, **every))
+    first = _loaders(stdlib_root, 2, num_workers=2, **every)
+    done, states = [], []
+    for ld in first:
+        it = iter(ld)
+        done.append([_pieces(next(it)) for _ in range(cut)])
+        states.append(ld.state_dict())
+        it.close()
+        ld.close()
+    assert done == [w[:cut] for w in whole] and all(s == states[0] for s in states)
+    resumed = _loaders(stdlib_root, new_world, **every)
+    for ld in resumed:
+        ld.load_state_dict(states[0])
+    leftover = resumed[0].plan.leftover_batches  # whole batches the re-deal over 3 ranks leaves out
+    rest = _epoch(resumed)
+    if new_world == 2:
+        assert rest == [w[cut:] for w in whole]  # the uninterrupted run's batches, rank by rank
+        return
+    got, want = _served_tokens(done + rest), _served_tokens(whole)  # no token twice, no gap
+    short = {k: want[k] - got.get(k, 0) for k in want if got.get(k, 0) != want[k]}
+    assert all(v > 0 for v in short.values()) and sum(short.values()) <= leftover * 2 * SEQ
+
+
+def test_a_state_of_a_balanced_loader_is_refused_by_a_plain_one_and_back(stdlib_root):
+    (balanced,) = _loaders(stdlib_root, 1)
+    (plain,) = _loaders(stdlib_root, 1, cost_model=None)
+    with pytest.raises(LoaderStateError, match="balance"):
+        plain.load_state_dict(balanced.state_dict())
+    with pytest.raises(LoaderStateError, match="batching"):
+        balanced.load_state_dict(plain.state_dict())
+
+
+def test_a_mixture_with_a_cost_model_is_refused_before_the_first_batch(stdlib_root):
+    from shardtool.plan.mixture import Mixture
+
+    with pytest.raises(ValueError, match="a mixture's steps are not balanced yet"):
+        ShardedLoader(Mixture({"a": (stdlib_root, 1.0)}), steps=4, seq_len=SEQ, batch_size=2, cost_model=MODEL)
