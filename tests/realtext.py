@@ -7,47 +7,29 @@ row, a few are over 100k bytes, and /usr/share/doc has single files of several M
 from __future__ import annotations
 
 import os
-import sysconfig
 
 import numpy as np
 
-STDLIB = sysconfig.get_paths()["stdlib"]
+from shardtool.benchmarks.realdocs import STDLIB, doc_lengths, stdlib_files, stdlib_lengths
 
-
-def stdlib_files(limit: int | None = None, *, subdirs: tuple[str, ...] = ()) -> list[str]:
-    """Sorted paths of the stdlib's non-empty .py files (not site-packages), or of ``subdirs`` of it."""
-    roots = [os.path.join(STDLIB, d) for d in subdirs] or [STDLIB]
-    paths = []
-    for root in roots:
-        for d, dirs, files in os.walk(root):
-            dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "__pycache__"))
-            paths += [os.path.join(d, f) for f in sorted(files) if f.endswith(".py")]
-    paths = [p for p in sorted(paths) if os.path.getsize(p) > 0]
-    return paths[:limit] if limit is not None else paths
+__all__ = [
+    "STDLIB",
+    "byte_ids",
+    "doc_lengths",
+    "issue32_lengths",
+    "stdlib_files",
+    "stdlib_lengths",
+    "stdlib_line_lengths",
+    "stdlib_package_lengths",
+    "train_tokenizer",
+    "write_stdlib_jsonl",
+]
 
 
 def byte_ids(path: str) -> np.ndarray:
     """A file as token ids: its bytes (a byte-level vocabulary of 256)."""
     with open(path, "rb") as f:
         return np.frombuffer(f.read(), dtype=np.uint8).astype(np.int32)
-
-
-def stdlib_lengths() -> np.ndarray:
-    """Lengths of the stdlib files as byte ids: ~1,800 documents, median ~7k, a few over 100k."""
-    return np.array([os.path.getsize(p) for p in stdlib_files()], dtype=np.int64)
-
-
-def doc_lengths() -> np.ndarray:
-    """Lengths (bytes) of the regular files under /usr/share/doc: thousands of small files and a
-    few of megabytes. Empty when the machine has none."""
-    out = []
-    for d, dirs, files in os.walk("/usr/share/doc"):
-        dirs.sort()
-        for f in sorted(files):
-            p = os.path.join(d, f)
-            if os.path.isfile(p) and not os.path.islink(p):
-                out.append(os.path.getsize(p))
-    return np.array(out, dtype=np.int64)
 
 
 def issue32_lengths() -> np.ndarray:

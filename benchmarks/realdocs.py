@@ -1,0 +1,48 @@
+"""Real documents made on this machine, with real shapes: the Python standard library's source
+files and the text files of /usr/share/doc (long, heavy-tailed; a few files of megabytes).
+Used by the benchmarks and the test suite alike, read as byte ids (a length is a file's size)."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+
+import numpy as np
+
+STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def stdlib_files(limit: int | None = None, *, subdirs: tuple[str, ...] = ()) -> list[str]:
+    """Sorted paths of the stdlib's non-empty .py files (not site-packages), or of ``subdirs`` of it."""
+    roots = [os.path.join(STDLIB, d) for d in subdirs] or [STDLIB]
+    paths = []
+    for root in roots:
+        for d, dirs, files in os.walk(root):
+            dirs[:] = sorted(x for x in dirs if x not in ("site-packages", "__pycache__"))
+            paths += [os.path.join(d, f) for f in sorted(files) if f.endswith(".py")]
+    paths = [p for p in sorted(paths) if os.path.getsize(p) > 0]
+    return paths[:limit] if limit is not None else paths
+
+
+def stdlib_lengths() -> np.ndarray:
+    """Lengths of the stdlib files as byte ids: ~1,800 documents, median ~7k, a few over 100k."""
+    return np.array([os.path.getsize(p) for p in stdlib_files()], dtype=np.int64)
+
+
+def doc_lengths() -> np.ndarray:
+    """Lengths (bytes) of the regular files under /usr/share/doc: thousands of small files and a
+    few of megabytes. Empty when the machine has none."""
+    out = []
+    for d, dirs, files in os.walk("/usr/share/doc"):
+        dirs.sort()
+        for f in sorted(files):
+            p = os.path.join(d, f)
+            if os.path.isfile(p) and not os.path.islink(p):
+                out.append(os.path.getsize(p))
+    return np.array(out, dtype=np.int64)
+
+
+def long_document_lengths() -> np.ndarray:
+    """Every stdlib file and /usr/share/doc text, untruncated, as byte-id lengths (empty ones out)."""
+    both = np.concatenate([stdlib_lengths(), doc_lengths()])
+    return both[both > 0]
