@@ -12,7 +12,15 @@ rows <= 0.5%.
 
     python -m shardtool.benchmarks.compute_balance [--cost-model llama-7b] [--json]
 
-Not yet here: the cost model's prediction checked against measured step times of a model.
+``--measure`` checks the cost model against time instead: a small transformer (byte vocabulary,
+dim 128, 2 layers, 4 heads) trains forward and backward on rows of ``--seq-len`` tokens
+packed from the same documents, attention document-masked (each piece attends causally within
+itself, one `scaled_dot_product_attention` a piece, as varlen attention does), on rows chosen
+across the range of their sums of squared piece lengths. Printed: the correlation of measured
+step times with the cost predicted from the model's shape, and `fit_cost_model`'s ``(a, b)``
+(a calibration) with its own correlation. Target: correlation >= 0.9.
+
+    python -m shardtool.benchmarks.compute_balance --measure [--seq-len 2048] [--rows 40]
 """
 
 from __future__ import annotations
@@ -53,11 +61,117 @@ def run(cost_spec: str = "llama-7b") -> list[dict]:
     return out
 
 
+def _tiny_model(dim: int, layers: int, heads: int):
+    import torch
+    import torch.nn.functional as F
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+            self.up, self.down = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+            self.n1, self.n2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+
+        def forward(self, x, pieces):
+            q, k, v = self.qkv(self.n1(x)).split(dim, dim=-1)
+            parts, at = [], 0
+            for n in pieces:  # document masking: each piece attends within itself only
+                sl = [t[:, at : at + n].unflatten(-1, (heads, dim // heads)).transpose(1, 2) for t in (q, k, v)]
+                parts.append(F.scaled_dot_product_attention(*sl, is_causal=True).transpose(1, 2).flatten(-2))
+                at += n
+            x = x + self.out(torch.cat(parts, dim=1))
+            return x + self.down(F.gelu(self.up(self.n2(x))))
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = torch.nn.Embedding(256, dim), torch.nn.Linear(dim, 256)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(layers))
+
+        def forward(self, ids, pieces):
+            x = self.embed(ids)
+            for b in self.blocks:
+                x = b(x, pieces)
+            return F.cross_entropy(self.head(x).flatten(0, 1), ids.flatten())
+
+    return Tiny()
+
+
+def measure(seq: int = 2048, count: int = 40, dim: int = 128, layers: int = 2, heads: int = 4, seed: int = 0) -> dict:
+    """Measured forward+backward seconds of rows against their predicted cost (see the module docstring)."""
+    import torch
+
+    from shardtool.plan.cost import CostModel, fit_cost_model, row_costs
+    from shardtool.plan.packing import Packing, pack_rows
+
+    from .realdocs import long_document_lengths
+
+    torch.manual_seed(seed)
+    lengths = long_document_lengths()
+    lengths = lengths[np.random.default_rng(seed).permutation(lengths.size)][:3000]
+    rows = pack_rows(lengths, Packing(seq, "best-fit"))
+    squares = row_costs(rows, CostModel(0.0, 1.0))
+    full = np.flatnonzero(rows.row_tokens() == seq)  # full rows: the same tokens, other pieces
+    # Rows spread over the range of their squares' sums (most full rows are one long document's
+    # piece, all of the same cost): for each of ``count`` evenly spaced values, the nearest row.
+    ranked = full[np.argsort(squares[full], kind="stable")]
+    targets = np.linspace(squares[ranked[0]], squares[ranked[-1]], count)
+    pick = np.unique(ranked[np.clip(np.searchsorted(squares[ranked], targets), 0, ranked.size - 1)])
+    model = _tiny_model(dim, layers, heads)
+    params = sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, 256, (1, seq))
+
+    def step(r: int) -> float:
+        pieces = rows.span_len[rows.row_offsets[r] : rows.row_offsets[r + 1]].tolist()
+        times = []
+        for _ in range(5):
+            began = time.perf_counter()
+            model(ids, pieces).backward()
+            times.append(time.perf_counter() - began)
+        return float(np.median(times))
+
+    for r in pick[:3]:
+        step(int(r))  # warm-up
+    seconds = np.empty(pick.size)
+    for i in np.random.default_rng(seed).permutation(pick.size):  # shuffled: drift is not mistaken for cost
+        seconds[i] = step(int(pick[i]))
+    tokens = np.full(pick.size, seq, np.float64)
+    shape = CostModel.from_shape(params, layers, dim)
+    predicted = shape.a * tokens + shape.b * squares[pick]
+    fitted, corr = fit_cost_model(tokens, squares[pick], seconds)
+    return {
+        "seq_len": seq,
+        "rows": int(pick.size),
+        "params": params,
+        "seconds_min_max": [float(seconds.min()), float(seconds.max())],
+        "shape_model": {"a": shape.a, "b": shape.b},
+        "shape_correlation": float(np.corrcoef(predicted, seconds)[0, 1]),
+        "fitted": {"a": fitted.a, "b": fitted.b},
+        "fitted_correlation": corr,
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cost-model", default="llama-7b", help="a preset, params=..,layers=..,hidden=.. or a=..,b=..")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--measure", action="store_true", help="time a small transformer's steps against the cost model")
+    p.add_argument("--seq-len", type=int, default=2048, help="with --measure: the row length")
+    p.add_argument("--rows", type=int, default=40, help="with --measure: rows timed")
     args = p.parse_args(argv)
+    if args.measure:
+        got = measure(args.seq_len, args.rows)
+        if args.json:
+            print(json.dumps(got))
+            return 0
+        print(
+            f"{got['rows']} rows of {got['seq_len']:,} tokens, a {got['params']:,}-parameter transformer on the CPU, "
+            f"forward+backward {got['seconds_min_max'][0]:.3f}-{got['seconds_min_max'][1]:.3f} s"
+        )
+        print(f"correlation with the cost from the model's shape: {got['shape_correlation']:.3f} (target >= 0.9)")
+        f = got["fitted"]
+        print(f"fitted a={f['a']:.3g} s/token, b={f['b']:.3g} s/token^2: correlation {got['fitted_correlation']:.3f}")
+        return 0
     from .realdocs import long_document_lengths
 
     lengths = long_document_lengths()

@@ -21,7 +21,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BALANCE_VERSION", "PRESETS", "CostModel", "batch_costs", "row_costs", "run_costs", "step_balance"]
+__all__ = [
+    "BALANCE_VERSION",
+    "PRESETS",
+    "CostModel",
+    "batch_costs",
+    "fit_cost_model",
+    "row_costs",
+    "run_costs",
+    "step_balance",
+]
 
 # Bumped whenever balancing (`shardtool.plan.costorder`) changes which batch goes where: it is in
 # the fingerprint of a balanced config, so a state saved under another rule is refused.
@@ -160,3 +169,33 @@ def step_balance(costs: np.ndarray) -> dict[str, float] | None:
         "dp_ranks": int(costs.shape[0]),
         "steps": int(costs.shape[1]),
     }
+
+
+def fit_cost_model(tokens, squares, seconds) -> tuple[CostModel, float]:
+    """(a, b) fitted to measured step times — ``seconds[i] ~ a * tokens[i] + b * squares[i]``,
+    least squares with a, b >= 0 — and the correlation of the fit's predictions with the times.
+    ``tokens`` and ``squares`` are each timed batch's tokens and sum of squared piece lengths:
+    time a few batches of the real model (forward and backward, after a warm-up) to calibrate."""
+    x = np.column_stack([np.asarray(tokens, np.float64), np.asarray(squares, np.float64)])
+    y = np.asarray(seconds, np.float64)
+    if x.shape[0] < 2 or y.shape != (x.shape[0],) or not np.isfinite(x).all() or not np.isfinite(y).all():
+        raise ValueError("fit_cost_model needs at least two timed batches: tokens, squares and seconds of each")
+    best = None
+    # Non-negative least squares over two coefficients: the unconstrained fit, or either one alone.
+    candidates: list[np.ndarray] = [np.asarray(np.linalg.lstsq(x, y, rcond=None)[0], np.float64)]
+    for j in (0, 1):
+        col = x[:, j]
+        one = np.zeros(2)
+        one[j] = float(col @ y / (col @ col)) if col @ col > 0 else 0.0
+        candidates.append(one)
+    for coef in candidates:
+        if (coef >= 0).all() and coef.any():
+            err = float(((x @ coef - y) ** 2).sum())
+            if best is None or err < best[0]:
+                best = (err, coef)
+    if best is None:
+        raise ValueError("fit_cost_model: the times do not grow with tokens or squared lengths")
+    coef = best[1]
+    pred = x @ coef
+    corr = float(np.corrcoef(pred, y)[0, 1]) if pred.std() > 0 and y.std() > 0 else 0.0
+    return CostModel(float(coef[0]), float(coef[1])), corr

@@ -160,3 +160,28 @@ def test_without_a_cost_model_the_fingerprint_is_todays():
     assert plain.with_balance(LLAMA_7B, 16).fingerprint() != plain.with_balance(LLAMA_7B).fingerprint()
     with pytest.raises(ValueError, match="cost model"):
         Batching(batch_size=4, balance_window=8)
+
+
+def test_a_cost_model_is_calibrated_from_timed_steps():
+    from shardtool.plan.cost import fit_cost_model
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1000, 9000, 40).astype(float)
+    squares = rng.integers(10**5, 10**8, 40).astype(float)
+    seconds = 3e-5 * tokens + 2e-9 * squares
+    model, corr = fit_cost_model(tokens, squares, seconds * (1 + 0.01 * rng.standard_normal(40)))
+    assert model.a == pytest.approx(3e-5, rel=0.05) and model.b == pytest.approx(2e-9, rel=0.05) and corr > 0.99
+    # Times that fall with the squares: no negative coefficient, the tokens alone explain them.
+    model, _ = fit_cost_model(tokens, squares, np.maximum(3e-5 * tokens - 1e-13 * squares, 1e-6))
+    assert model.b == 0 and model.a > 0
+    with pytest.raises(ValueError, match="at least two"):
+        fit_cost_model([1.0], [1.0], [1.0])
+
+
+@pytest.mark.timeout(120)
+def test_the_benchmark_times_a_document_masked_transformer_against_the_cost_model():
+    from shardtool.benchmarks.compute_balance import measure
+
+    got = measure(seq=256, count=4, dim=32)
+    assert got["rows"] >= 2 and 0 < got["seconds_min_max"][0] <= got["seconds_min_max"][1]
+    assert got["fitted"]["a"] >= 0 and got["fitted"]["b"] >= 0 and -1 <= got["shape_correlation"] <= 1
