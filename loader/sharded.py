@@ -94,8 +94,9 @@ class ShardedLoader(PassRunner):
     `shardtool.plan.cost.CostModel`) deals each step's batches so that their compute — ``a x
     tokens + b x sum of squared document-piece lengths`` — is about equal on every DP rank, from
     the plan alone (`shardtool.plan.costorder`; ``balance_window`` steps per block, default the
-    epoch; with ``shuffle=False`` the same order every epoch, not the dataset's). Without it,
-    plans and states are what they were.
+    epoch; with ``shuffle=False`` the same order every epoch, not the dataset's). With gradient
+    accumulation, ``micro_batches=m``: a step is m consecutive batches of each rank, and what is
+    evened is each rank's total. Without a cost model, plans and states are what they were.
 
     In-job staging (needs ``cache_dir``; default: SHARDTOOL_STAGE, else off): ``stage=True`` makes
     local rank 0 fetch the node's shards into the cache in the order the node's ranks first read
@@ -170,6 +171,7 @@ class ShardedLoader(PassRunner):
         packed_outputs: str = "full",
         cost_model: Any = None,
         balance_window: int | None = None,
+        micro_batches: int | None = None,
     ):
         import torch
 
@@ -201,6 +203,7 @@ class ShardedLoader(PassRunner):
             drop_last=drop_last,
             balance=CostModel.parse(cost_model) if cost_model is not None else None,
             balance_window=balance_window,
+            micro_batches=micro_batches,
         )
         self._bucketing = bucketing
         dist = torch.distributed if torch.distributed.is_available() else None

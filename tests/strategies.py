@@ -78,6 +78,7 @@ def batchings(draw, lengths: np.ndarray, mode: str | None = None, any_window: bo
     balanced = {
         "balance": balance,
         "balance_window": draw(st.one_of(st.none(), st.integers(1, 40))) if balance else None,
+        "micro_batches": draw(st.one_of(st.none(), st.integers(1, 4))) if balance else None,
     }
     if mode == "batch_size":
         return Batching(batch_size=draw(st.integers(1, 16)), shuffle=shuffle, seed=seed, window=window, **balanced)

@@ -42,6 +42,7 @@ def _batching(args, source=None):
         drop_last={"auto": None, "yes": True, "no": False}[args.drop_last],
         balance=CostModel.parse(spec) if spec else None,
         balance_window=getattr(args, "balance_window", None) if spec else None,
+        micro_batches=getattr(args, "micro_batches", None) if spec else None,
     )
 
 

@@ -139,6 +139,13 @@ def add_arguments(p) -> None:
         help="with --cost-model: balance within blocks of this many steps (default: the whole epoch; "
         "fewer keep each block's mix of documents closer to the plain shuffle)",
     )
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --cost-model: gradient accumulation, a step is M batches of each rank (their total counts)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -166,8 +173,9 @@ def run(args) -> int:
         cost = CostModel.parse(args.cost_model) if args.cost_model else None
     except ValueError as e:
         raise ShardtoolError(f"--cost-model: {e}") from None
-    if args.balance_window is not None and cost is None:
-        raise ShardtoolError("--balance-window balances steps by a cost model: give --cost-model too")
+    for flag, value in (("--balance-window", args.balance_window), ("--micro-batches", args.micro_batches)):
+        if value is not None and cost is None:
+            raise ShardtoolError(f"{flag} balances steps by a cost model: give --cost-model too")
     try:
         layout = _layout(args)
         data, _ = data_layout_of(args, Placement(layout, 0))
@@ -271,7 +279,8 @@ def run(args) -> int:
                 report["compute_balance"] = {
                     "cost_model": {"a": cost.a, "b": cost.b},
                     "balance_window": args.balance_window,
-                    "unbalanced": plain.balance(),
+                    "micro_batches": args.micro_batches,
+                    "unbalanced": plain.balance(args.micro_batches or 1),
                     "balanced": sim.balance(),
                 }
             if batching.packing is not None:

@@ -97,6 +97,7 @@ class Batching:
     drop_last: bool | None = None
     balance: CostModel | None = None
     balance_window: int | None = None
+    micro_batches: int | None = None
 
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.max_tokens is None):
@@ -120,19 +121,22 @@ class Batching:
         if self.balance is not None and not isinstance(self.balance, CostModel):
             raise ValueError(f"balance must be a shardtool.plan.cost.CostModel, found {self.balance!r}")
         _optional_positive("balance_window", self.balance_window)
-        if self.balance_window is not None and self.balance is None:
-            raise ValueError("balance_window is the window of compute balancing: give a cost model too")
+        _optional_positive("micro_batches", self.micro_batches)
+        for name in ("balance_window", "micro_batches"):
+            if getattr(self, name) is not None and self.balance is None:
+                raise ValueError(f"{name} is a setting of compute balancing: give a cost model too")
         if self.packing is not None:
             if not isinstance(self.packing, Packing):
                 raise ValueError(f"packing must be a shardtool.plan.packing.Packing, found {self.packing!r}")
             if self.batch_size is None:
                 raise ValueError("packing takes batch_size (rows of seq_len tokens per batch), not max_tokens")
 
-    def with_balance(self, model: CostModel | None, window: int | None = None) -> Batching:
-        """This config with steps balanced by ``model`` (None: not balanced)."""
+    def with_balance(self, model: CostModel | None, window: int | None = None, micro: int | None = None) -> Batching:
+        """This config with steps (of ``micro`` batches a rank) balanced by ``model`` (None: not balanced)."""
         from dataclasses import replace
 
-        return replace(self, balance=model, balance_window=window if model is not None else None)
+        on = model is not None
+        return replace(self, balance=model, balance_window=window if on else None, micro_batches=micro if on else None)
 
     def describe(self) -> dict:
         """The settings a person reads in a state-mismatch message: the fields that are set
@@ -148,7 +152,7 @@ class Batching:
         fields["packing"] = self.packing.fingerprint() if self.packing is not None else None
         if self.drop_last is None:
             del fields["drop_last"]  # the default: fingerprints (and saved states) from before it still match
-        for name in ("balance", "balance_window"):  # likewise: without a cost model, nothing changes
+        for name in ("balance", "balance_window", "micro_batches"):  # likewise: without a cost model, nothing changes
             if fields[name] is None:
                 del fields[name]
         if self.balance is not None:

@@ -151,12 +151,14 @@ def batch_costs(plan: Any, model: CostModel, rows_per_batch: int | None = None) 
     return np.asarray(cost, np.float64)[: k * n].reshape(k, n)
 
 
-def step_balance(costs: np.ndarray) -> dict[str, float] | None:
-    """How evenly the steps load the DP ranks, from ``costs`` [DP ranks, steps]: the per-step
+def step_balance(costs: np.ndarray, micro: int = 1) -> dict[str, float] | None:
+    """How evenly the steps load the DP ranks, from ``costs`` [DP ranks, batches]: the per-step
     max/mean across ranks (median, p90, max) and the share of step time lost waiting for the
-    slowest rank, ``1 - sum(mean) / sum(max)`` (a step lasts as long as its slowest rank). None
-    without a step."""
+    slowest rank, ``1 - sum(mean) / sum(max)`` (a step lasts as long as its slowest rank). A step
+    is ``micro`` consecutive batches of a rank (gradient accumulation). None without a step."""
     costs = np.asarray(costs, np.float64)
+    if micro > 1 and costs.ndim == 2 and costs.shape[1]:
+        costs = np.add.reduceat(costs, np.arange(0, costs.shape[1], micro), axis=1)
     if costs.ndim != 2 or costs.shape[1] == 0 or costs.shape[0] == 0:
         return None
     top, mean = costs.max(axis=0), costs.mean(axis=0)

@@ -30,35 +30,52 @@ __all__ = ["balanced_order"]
 
 
 def balanced_order(
-    cost: np.ndarray, k: int, n: int, per_batch: int, seed: int, epoch: int, window: int | None = None
+    cost: np.ndarray,
+    k: int,
+    n: int,
+    per_batch: int,
+    seed: int,
+    epoch: int,
+    window: int | None = None,
+    micro: int = 1,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(unit indices in dealt order, units per dealt batch) for the units of ``cost`` (in the
     group's shuffled order) dealt into ``k * n`` batches of at most ``per_batch`` units — local
     rank j's batches j*n .. j*n + n - 1 — each step's batches of like cost (see the module
-    docstring). Fewer units than ``k * n * per_batch`` (a group short of rows): the missing ones
-    are spread evenly over the steps, at most ``per_batch - 1`` a batch, so none is empty."""
+    docstring). A step is ``micro`` consecutive batches of every rank (gradient accumulation: the
+    rank's total counts; its micro-batches are dealt its units in snake order too); ``window``
+    counts steps. Fewer units than ``k * n * per_batch`` (a group short of rows): the missing ones
+    are spread over the steps by their batches, at most ``per_batch - 1`` a batch, none empty."""
     cost = np.asarray(cost, np.float64)
     units, slots = cost.size, k * n * per_batch
     if not k * n <= units <= slots:
         raise ValueError(f"balanced_order: {units} units for {k} x {n} batches of 1 to {per_batch}")
-    window = n if window is None else max(1, min(int(window), n))
-    # Real units per step chunk: the shortfall shared out evenly, the cheapest chunks taking the rest.
-    short, extra = divmod(slots - units, n)
-    per_chunk = np.full(n, k * per_batch - short, np.int64)
-    per_chunk[n - extra :] -= 1
-    chunk_at = np.concatenate([[0], np.cumsum(per_chunk)])
+    m = max(1, min(int(micro), n))
+    steps = -(-n // m)
+    batches = np.full(steps, m, np.int64)  # batches of each step (the last may have fewer)
+    batches[-1] = n - m * (steps - 1)
+    first = np.concatenate([[0], np.cumsum(batches)[:-1]])  # its first batch index
+    # Real units of each step: the shortfall shared out in proportion to the step's batches.
+    shortfall = np.diff(np.concatenate([[0], ((slots - units) * np.cumsum(batches)) // n]))
+    real = k * per_batch * batches - shortfall
+    window = steps if window is None else max(1, min(int(window), steps))
     slot = np.empty(units, np.int64)  # dealt position of each unit in the k x n x per_batch grid
-    for b, s0 in enumerate(range(0, n, window)):
-        s1 = min(s0 + window, n)
-        a, z = int(chunk_at[s0]), int(chunk_at[s1])
-        ranked = a + np.argsort(-cost[a:z], kind="stable")  # costliest first; ties in shuffled order
-        steps = s0 + _step_order(seed, epoch, b, s1 - s0)  # the c-th costliest step is served at steps[c]
-        sizes = per_chunk[s0:s1]
+    at = 0
+    for b, s0 in enumerate(range(0, steps, window)):
+        s1 = min(s0 + window, steps)
+        size = int(real[s0:s1].sum())
+        ranked = at + np.argsort(-cost[at : at + size], kind="stable")  # costliest first; ties in shuffled order
+        at += size
+        served = s0 + _step_order(seed, epoch, b, s1 - s0)  # the c-th costliest chunk is served as step served[c]
+        sizes = real[served]
         chunk = np.repeat(np.arange(s1 - s0), sizes)
-        i = np.arange(z - a) - np.repeat(chunk_at[s0:s1] - a, sizes)  # place within its chunk
+        i = np.arange(size) - np.repeat(np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)  # place in its chunk
         rnd, pos = i // k, i % k
-        lane = np.where(rnd % 2 == 0, pos, k - 1 - pos)  # snake: 0..k-1, k-1..0, ...
-        slot[ranked] = (lane * n + steps[chunk]) * per_batch + rnd
+        lane = np.where(rnd % 2 == 0, pos, k - 1 - pos)  # snake over the ranks: 0..k-1, k-1..0, ...
+        bs = batches[served][chunk]
+        turn, at_mb = rnd // bs, rnd % bs
+        mb = np.where(turn % 2 == 0, at_mb, bs - 1 - at_mb)  # and over the rank's micro-batches
+        slot[ranked] = (lane * n + first[served][chunk] + mb) * per_batch + turn
     order = np.argsort(slot, kind="stable")
     return order.astype(np.int64), np.bincount(slot // per_batch, minlength=k * n).astype(np.int64)
 

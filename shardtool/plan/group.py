@@ -108,7 +108,16 @@ def plan_group(source: PlanSource, shape: PlanShape, group: int, epoch: int) -> 
     if batching.balance is not None:
         runs = np.concatenate([[0], np.cumsum(end - begin)]).astype(np.int64)
         cost = run_costs(lengths[gather_runs(ordered, begin, end - begin) - lo], runs, batching.balance)
-        order, _ = balanced_order(cost, k, n, 1, batching.seed, _order_epoch(batching, epoch), batching.balance_window)
+        order, _ = balanced_order(
+            cost,
+            k,
+            n,
+            1,
+            batching.seed,
+            _order_epoch(batching, epoch),
+            batching.balance_window,
+            batching.micro_batches or 1,
+        )
     else:
         order = deal_order(n, k)
     begin, end = begin[order], end[order]
@@ -177,6 +186,7 @@ def _packed(
             shape.batching.seed,
             _order_epoch(shape.batching, epoch),
             shape.batching.balance_window,
+            shape.batching.micro_batches or 1,
         )
         rows = rows.take(order)
     else:

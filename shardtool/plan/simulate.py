@@ -88,10 +88,12 @@ class Simulation:
         parts = [g.costs for g in self.groups]
         return np.concatenate(parts) if parts and all(p is not None for p in parts) else None
 
-    def balance(self) -> dict | None:
-        """With a cost model: `shardtool.plan.cost.step_balance` of the epoch's steps."""
+    def balance(self, micro: int = 1) -> dict | None:
+        """With a cost model: `shardtool.plan.cost.step_balance` of the epoch's steps (of ``micro``
+        batches a rank; default the config's ``micro_batches``)."""
         costs = self.step_costs
-        return step_balance(costs) if costs is not None else None
+        micro = self.shape.batching.micro_batches or micro
+        return step_balance(costs, micro) if costs is not None else None
 
 
 def _stats(source: PlanSource, shape: PlanShape, group: int, epoch: int, cost: CostModel | None = None) -> GroupStats:
