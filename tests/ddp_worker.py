@@ -28,6 +28,7 @@ def main() -> int:
     p.add_argument("--stop-at", type=int, default=None)
     p.add_argument("--resume", default=None)
     p.add_argument("--fail-key", default=None)
+    p.add_argument("--cost-model", default=None, help="balance each step's compute (issue 33)")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -47,6 +48,7 @@ def main() -> int:
         seed=1,
         transform=transform,
         pin_memory=False,
+        cost_model=args.cost_model,
     )
     start_epoch = 0
     if args.resume:

@@ -86,6 +86,29 @@ def test_kill_at_step_k_then_resume_matches_the_uninterrupted_run(dataset, full_
         assert got == expected
 
 
+@pytest.mark.timeout(500)
+def test_a_compute_balanced_run_killed_and_resumed_matches_the_uninterrupted_one(dataset, full_run, tmp_path):
+    """Issue 33: with a cost model each rank serves its plan's balanced batches (others than the
+    plain run's), and a run killed at step 5 and resumed with other workers continues exactly."""
+    balanced = ("--cost-model", "a=1,b=0.05")
+    whole = torchrun(dataset[0], str(tmp_path / "whole"), *balanced)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = torchrun(dataset[0], str(tmp_path / "a"), *balanced, "--stop-at", "5", "--num-workers", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    state = str(tmp_path / "a" / "state-rank0.json")
+    second = torchrun(dataset[0], str(tmp_path / "b"), *balanced, "--resume", state, "--num-workers", "2")
+    assert second.returncode == 0, second.stderr[-3000:]
+    w, a, b = (records(str(tmp_path / d)) for d in ("whole", "a", "b"))
+    for r in range(NPROC):
+        expected = w[r]["epochs"]["0"]["batches"] + w[r]["epochs"]["1"]["batches"]
+        got = a[r]["epochs"]["0"]["batches"] + b[r]["epochs"]["0"]["batches"] + b[r]["epochs"]["1"]["batches"]
+        assert got == expected
+    assert [rec["epochs"]["0"]["batches"] for rec in w] != [rec["epochs"]["0"]["batches"] for rec in full_run]
+    for epoch in ("0", "1"):  # the same samples as the plain run's epoch, dealt otherwise
+        served = sorted(k for rec in w for batch in rec["epochs"][epoch]["batches"] for k in batch)
+        assert served == sorted(k for rec in full_run for batch in rec["epochs"][epoch]["batches"] for k in batch)
+
+
 @pytest.mark.timeout(200)
 def test_a_failing_sample_stops_the_job_with_its_name(dataset, tmp_path):
     bad = dataset[1][60]
