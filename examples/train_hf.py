@@ -18,6 +18,7 @@ of ``input_ids``): the test suite compares runs with it.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -148,9 +149,13 @@ def main(argv=None) -> int:
     if trainer.args.process_index == 0:
         print(json.dumps({"global_step": trainer.state.global_step, "epoch": trainer.state.epoch}), flush=True)
     trainer.train_loader.close()
-    # The Trainer started the process group and leaves it to the interpreter's exit, where a
-    # ProcessGroupGloo torn down while its threads run can abort the rank ("terminate called
-    # without an active exception", seen under load); torchrun then reports a failure.
+    # The Trainer leaves the process group to the interpreter's exit. There, or after
+    # destroy_process_group, the last reference to the ProcessGroupGloo is the DDP model's
+    # Reducer, freed with the GIL held while the group's threads wait for it: the rank hangs in
+    # ~ProcessGroupGloo (seen in gdb) or aborts ("terminate called without an active exception").
+    # Free the model first, while the group is still registered, then destroy the group.
+    del trainer
+    gc.collect()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0
