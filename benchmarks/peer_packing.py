@@ -11,6 +11,10 @@ tokens per document, tar shards). Each side delivers shuffled batches of ``--row
   ``input_ids`` int32 [B, S] (the stored dtype), ``cu_seqlens``, ``max_seqlen``, ``lengths``; labels
   and positions follow on the GPU (``shardtool.loader.packed.lean_to_full``), as LitData's labels
   are a shifted view of its ids;
+- ours, ``stream`` (``packing="stream"``): the stored token stream cut into rows, only rows
+  shuffled, as LitData's blocks are; ``@arrow``: read from Arrow shards of the same documents,
+  each ending in its eos as stored (``shardtool.pack(..., format="arrow")``, as LitData's optimize
+  stores them; no ``eos_id`` at load), where a row's tokens lie side by side and are one copy;
 - LitData, its documented pretraining path: ``optimize(fn, inputs, output_dir,
   item_loader=TokensLoader(), chunk_bytes=…)`` with ``fn`` yielding each document's tokens +
   eos as a tensor, then ``StreamingDataset(dir, item_loader=TokensLoader(block_size=S + 1),
@@ -80,6 +84,16 @@ def prepare_litdata(src: str, out: str, workers: int = 1) -> None:
     )
 
 
+def prepare_arrow(src: str, out: str) -> None:
+    """The corpus's documents, each + eos, in Arrow shards (the eos stored, as LitData's optimize
+    input above has it)."""
+    import shardtool
+    from shardtool.benchmarks.peers import tar_samples
+
+    docs = ({"tokens": np.append(t, np.int32(EOS)).astype(np.int32)} for _, t in tar_samples(src, "tokens"))
+    shardtool.pack(docs, out, format="arrow", length="tokens", overwrite=True)
+
+
 def litdata_dropped_tokens(out: str, block: int) -> int:
     """Tokens TokensLoader never serves: each chunk's tail past its last whole block."""
     with open(os.path.join(out, "index.json")) as f:
@@ -113,13 +127,14 @@ def run_side(side: str, src: str, seq: int, rows: int, workers: int, max_s: floa
     else:
         from shardtool.loader import ShardedLoader
 
-        policy, _, outputs = side.partition("/")
+        name, _, fmt = side.partition("@")
+        policy, _, outputs = name.partition("/")
         loader = ShardedLoader(
-            src,
+            f"{src}-arrow-eos" if fmt else src,
             seq_len=seq,
             batch_size=rows,
             packing=policy,
-            eos_id=EOS,
+            eos_id=None if fmt else EOS,  # @arrow: stored
             num_workers=workers,
             pin_memory=False,
             metrics=False,
@@ -192,6 +207,7 @@ def main() -> None:
     p.add_argument("--workers", default="0,2")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-seconds", type=float, default=20.0)
+    p.add_argument("--sides", default=None, help="ours to run, comma-separated (default: all)")
     p.add_argument("--dir", default=None)
     p.add_argument("--json", action="store_true")
     p.add_argument("--one", help=argparse.SUPPRESS)
@@ -212,8 +228,14 @@ def main() -> None:
     if not os.path.exists(os.path.join(src, "index.json")):
         os.makedirs(src, exist_ok=True)
         write_tokens(src, n, 500 if args.tiny else 10_000)
-    ours = ["best-fit", "concat", "best-fit/lean", "concat/lean"]
+    ours = ["best-fit", "concat", "best-fit/lean", "concat/lean", "stream/lean", "stream@arrow", "stream/lean@arrow"]
+    ours += ["best-fit/lean@arrow"]
+    if args.sides:
+        ours = [x for x in args.sides.split(",") if x]
     sides = list(ours)
+    if any(x.endswith("@arrow") for x in ours) and not os.path.isdir(f"{src}-arrow-eos"):
+        prepare_arrow(src, f"{src}-arrow-eos.tmp")
+        os.rename(f"{src}-arrow-eos.tmp", f"{src}-arrow-eos")
     have = "litdata" in peers.available()
     if have:
         sides.append("litdata")
@@ -278,9 +300,10 @@ def main() -> None:
             if f"{side}/litdata" in out:
                 v = out[f"{side}/litdata"]
                 fill_ok = out["sides"][side]["fill"] >= out["sides"]["litdata"]["fill"]
-                what = "lean, like for like: ids int32 + cu_seqlens" if side.endswith("/lean") else "full outputs"
+                what = "lean, like for like: ids int32 + cu_seqlens" if "/lean" in side else "full outputs"
+                where = ", Arrow shards, eos stored" if side.endswith("@arrow") else ""
                 print(
-                    f"  ours {side.split('/')[0]} ({what}) / LitData TokensLoader, real tokens/s vs its row "
+                    f"  ours {side.split('/')[0].split('@')[0]} ({what}{where}) / LitData TokensLoader, real tokens/s vs its row "
                     f"tokens/s: {v:.2f}x (target >= 2x: {'met' if v >= 2 else 'MISSED'}; fill at least as "
                     f"high: {'met' if fill_ok else 'MISSED'})"
                 )

@@ -29,17 +29,22 @@ def stdlib_lengths() -> np.ndarray:
     return np.array([os.path.getsize(p) for p in stdlib_files()], dtype=np.int64)
 
 
-def doc_lengths() -> np.ndarray:
-    """Lengths (bytes) of the regular files under /usr/share/doc: thousands of small files and a
-    few of megabytes. Empty when the machine has none."""
+def doc_files() -> list[str]:
+    """The regular files under /usr/share/doc, in a fixed order: thousands of small files and a few
+    of megabytes. Empty when the machine has none."""
     out = []
     for d, dirs, files in os.walk("/usr/share/doc"):
         dirs.sort()
         for f in sorted(files):
             p = os.path.join(d, f)
             if os.path.isfile(p) and not os.path.islink(p):
-                out.append(os.path.getsize(p))
-    return np.array(out, dtype=np.int64)
+                out.append(p)
+    return out
+
+
+def doc_lengths() -> np.ndarray:
+    """Lengths (bytes) of `doc_files`."""
+    return np.array([os.path.getsize(p) for p in doc_files()], dtype=np.int64)
 
 
 def long_document_lengths() -> np.ndarray:

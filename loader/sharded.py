@@ -58,7 +58,8 @@ class ShardedLoader(PassRunner):
 
     Sequence packing: ``seq_len`` with ``batch_size`` (rows per batch) yields batches of exactly
     ``batch_size`` rows of ``seq_len`` tokens, documents packed by ``packing`` ("best-fit",
-    "concat" or "no-split"), ``eos_id`` appended to each document if given; the batch carries
+    "concat", "no-split" or "stream": the stored token stream cut into rows, only rows shuffled,
+    each row one copy out of the shard), ``eos_id`` appended to each document if given; the batch carries
     ``input_ids`` (the dataset's token field, packed), ``labels``, ``position_ids``,
     ``cu_seqlens``, ``max_seqlen`` (see `shardtool.loader.packed`), and the rows are planned like
     batches: equal counts, exact and elastic resume. ``packed_outputs="lean"`` delivers only

@@ -10,11 +10,12 @@ import os
 
 import numpy as np
 
-from shardtool.benchmarks.realdocs import STDLIB, doc_lengths, stdlib_files, stdlib_lengths
+from shardtool.benchmarks.realdocs import STDLIB, doc_files, doc_lengths, stdlib_files, stdlib_lengths
 
 __all__ = [
     "STDLIB",
     "byte_ids",
+    "doc_files",
     "doc_lengths",
     "issue32_lengths",
     "stdlib_files",

@@ -151,7 +151,7 @@ def mixture_cases(
         rows = draw(st.integers(4, 8)) if corpus else draw(st.integers(2, 8))
         seq = draw(st.sampled_from([1024, 2048, 4096] if corpus else [128, 256, 512]))
         batching = Batching(
-            batch_size=rows, seed=seed, packing=Packing(seq, draw(st.sampled_from(["best-fit", "concat"])))
+            batch_size=rows, seed=seed, packing=Packing(seq, draw(st.sampled_from(["best-fit", "concat", "stream"])))
         )
     else:
         budget = draw(st.sampled_from([8192, 16384, 32768] if corpus else [1024, 2048, 4096]))

@@ -68,9 +68,10 @@ def add_arguments(p) -> None:
     pk.add_argument("--seq-len", type=int, default=None, metavar="S", help="pack documents into rows of S tokens")
     pk.add_argument(
         "--packing",
-        choices=["best-fit", "concat", "no-split"],
+        choices=["best-fit", "concat", "no-split", "stream"],
         default="best-fit",
-        help="how documents fill rows (default best-fit)",
+        help="how documents fill rows (default best-fit; stream: the stored token stream cut into rows, "
+        "rows shuffled, as LitData's TokensLoader)",
     )
     pk.add_argument(
         "--eos-id", type=int, default=None, metavar="ID", help="an end-of-sequence token after each document"

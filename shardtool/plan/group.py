@@ -137,12 +137,15 @@ def _packed(
     the fullest rows cut in parts where there are fewer rows than batches."""
     packing, per_batch = shape.batching.packing, shape.batching.batch_size
     count = ids.size
-    if rng is not None:
+    stream = packing.policy == "stream"
+    if rng is not None and not stream:
         perm = rng.permutation(count)
         ids, window_lengths = ids[perm], lengths[perm]
     else:
         window_lengths = lengths
-    windows = -(-count // shape.window) if count else 0
+    # stream: the group's stored token stream is cut as one window, so a row is a run of
+    # neighbouring documents the reader copies in one piece; only rows are shuffled.
+    windows = (1 if stream else -(-count // shape.window)) if count else 0
     cuts = (np.arange(windows + 1, dtype=np.int64) * count) // max(windows, 1)
     rows = Rows.concat(
         [

@@ -102,7 +102,13 @@ def test_every_peer_benchmark_runs_with_every_peer(tmp_path):
         300,
         env,
     )
-    for ours in ("best-fit (full outputs)", "best-fit (lean, like for like", "concat (full outputs)", "concat (lean"):
+    for ours in (
+        "best-fit (full outputs)",
+        "best-fit (lean, like for like",
+        "concat (full outputs)",
+        "concat (lean",
+        "stream (lean, like for like: ids int32 + cu_seqlens, Arrow shards, eos stored)",
+    ):
         assert f"ours {ours}" in out, out[-3000:]
     assert "/ LitData TokensLoader" in out and "BinPackCollator (reimpl." in out, out[-3000:]
 

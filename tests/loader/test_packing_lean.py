@@ -47,7 +47,7 @@ def cases(draw):
     lengths = np.asarray(draw(st.lists(st.integers(0, 2 * seq + 3), min_size=1, max_size=40)), dtype=np.int64)
     packing = Packing(
         seq,
-        draw(st.sampled_from(["concat", "best-fit", "no-split"])),
+        draw(st.sampled_from(["concat", "best-fit", "no-split", "stream"])),
         eos_id=draw(st.sampled_from([None, 1])),
         max_docs_per_row=draw(st.sampled_from([None, 2, 5])),
     )

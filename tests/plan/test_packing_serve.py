@@ -82,7 +82,7 @@ def _assert_head_first(pos, start, key) -> None:
     st.sampled_from(LAYOUTS),
     st.integers(256, 8192),
     st.integers(1, 8),
-    st.sampled_from(["best-fit", "concat"]),
+    st.sampled_from(["best-fit", "concat", "stream"]),
     st.sampled_from([None, 0]),
     st.integers(0, 5),
     st.sampled_from([7, 100, 333]),

@@ -50,7 +50,7 @@ def batch_tokens(sim_source, layout, batching) -> np.ndarray:
 @given(
     name=st.sampled_from(sorted(CORPORA)),
     seq_len=st.sampled_from([128, 256, 512, 1024, 2048, 4096, 8192]),
-    policy=st.sampled_from(["best-fit", "concat"]),
+    policy=st.sampled_from(["best-fit", "concat", "stream"]),
     rows=st.integers(1, 8),
     layout=st.sampled_from([Layout(1, 1), Layout(1, 2), Layout(1, 8), Layout(2, 2), Layout(4, 1), Layout(2, 4)]),
     per_shard=st.sampled_from([None, 64, 500]),

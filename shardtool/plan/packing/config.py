@@ -8,6 +8,11 @@ Policies:
 - ``concat``: the window's documents back to back, cut every ``seq_len`` tokens; a document
   continues in the next row. Padding only in the window's last row (and in a row closed early by
   ``max_docs_per_row``).
+- ``stream``: ``concat`` over the group's documents in storage order, not shuffled (one window:
+  the stored token stream cut every ``seq_len`` tokens); only the rows are shuffled, as LitData's
+  ``TokensLoader`` and Megatron's GPT datasets cut theirs. A row's tokens then lie side by side in
+  the shard (one copy per row, not one per document, where the documents end with their eos as
+  stored), at the price of rows whose documents were neighbours in storage.
 - ``best-fit``: best-fit decreasing of whole documents into rows; only documents longer than
   ``seq_len`` are cut, into ``seq_len``-token pieces (a row each) and a tail packed like a document.
 - ``no-split``: like ``best-fit``, but documents longer than ``seq_len`` are dropped (``Rows.dropped``).
@@ -36,7 +41,7 @@ __all__ = ["PACKING_VERSION", "POLICIES", "Packing", "Rows", "default_max_docs",
 # Bumped whenever packing changes the rows it produces, so a saved position is never replayed
 # against different rows.
 PACKING_VERSION = 2
-POLICIES = ("concat", "best-fit", "no-split")
+POLICIES = ("concat", "best-fit", "no-split", "stream")
 
 
 def default_max_docs(seq_len: int) -> int:
@@ -204,7 +209,8 @@ def rows_estimate(
     added here), packed in ``windows`` windows.
 
     ``concat``: exact for one window, ceil(tokens / seq_len), unless ``max_docs_per_row`` binds;
-    over several windows each window's last row is on average half empty. ``best-fit``: rows are
+    over several windows each window's last row is on average half empty. ``stream`` is packed
+    as one window whatever ``windows`` says. ``best-fit``: rows are
     close to full (fill ~0.999 on text-like lengths), so the same count plus the last, partly
     filled rows of each window. ``no-split`` drops the documents longer than a row: give
     ``too_long`` = (documents, tokens) of those (length + eos > seq_len, e.g. from a length
@@ -231,8 +237,8 @@ def rows_estimate(
     # Rows the piece bound alone needs (it cannot bind when a row holds seq_len pieces of >= 1 token).
     maxd = packing.max_docs_per_row
     pieces_bound = doc_count / maxd if maxd < seq else 0.0
-    if packing.policy == "concat":
-        if windows == 1:
+    if packing.policy in ("concat", "stream"):
+        if windows == 1 or packing.policy == "stream":
             return float(max(math.ceil(tokens / seq), math.ceil(pieces_bound)))
         return max(tokens / seq + 0.5 * (windows - 1), pieces_bound)
     # Best-fit: all rows but a window's last few are (nearly) full; one extra row per window. A

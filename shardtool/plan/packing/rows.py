@@ -1,7 +1,8 @@
 """One window's documents into rows of ``seq_len`` tokens: the policy's dispatch and ``concat``.
 
-``best-fit`` and ``no-split`` are best-fit decreasing (`bestfit`); ``concat`` lays the documents
-end to end and cuts every ``seq_len`` tokens (here). Both build the `Rows` of `config`.
+``best-fit`` and ``no-split`` are best-fit decreasing (`bestfit`); ``concat`` (and ``stream``,
+the same cut of documents in storage order) lays the documents end to end and cuts every
+``seq_len`` tokens (here). Both build the `Rows` of `config`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def pack_rows(lengths: np.ndarray, packing: Packing) -> Rows:
         bad = int(np.flatnonzero(lengths < 0)[0])
         raise ValueError(f"lengths must be >= 0: document at window position {bad} has length {int(lengths[bad])}")
     sizes = lengths + packing.extra_tokens
-    if packing.policy == "concat":
+    if packing.policy in ("concat", "stream"):  # stream: the caller gives the documents as stored
         return _concat(sizes, packing)
     return best_fit(sizes, packing, drop_long=packing.policy == "no-split")
 
