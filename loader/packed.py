@@ -36,7 +36,9 @@ batch (one int32 [B, S] for three int64) to build, to copy out of a worker's slo
 
 `block_causal_mask` turns a batch into the boolean mask for ``scaled_dot_product_attention``.
 `packed_batch` takes the tokens from any callable; `PackedReader` copies them straight from a
-`BatchReader`'s mapped shards (one memcpy per piece), falling back to decoding samples.
+`BatchReader`'s mapped shards (one memcpy per piece, or per run of pieces lying side by side in the
+shard), falling back to decoding samples; its `read_planned` lays a pass's lean batches out a chunk
+of batches at a time (`packchunk`).
 """
 
 from __future__ import annotations
@@ -228,6 +230,7 @@ class PackedReader:
         self.name, self.pad_id, self.rows_per_batch = name, int(pad_id), rows_per_batch
         self.outputs = _check_outputs(outputs)
         self._scratch_buf: np.ndarray | None = None
+        self._chunk: tuple | None = None  # (the pass's rows, its LeanChunk being read)
 
     def read(
         self,
@@ -247,6 +250,25 @@ class PackedReader:
         if src is None:
             return self._decoded(rows, lay, alloc, into)
         return self._copied(lay, src, alloc, into, self.reader.where)
+
+    def read_planned(self, rows: Rows, row_offsets: np.ndarray, b: int, alloc: Alloc | None = None) -> dict[str, Any]:
+        """Batch ``b`` of a pass whose rows are ``rows`` (batch b's: ``row_offsets[b] :
+        row_offsets[b + 1]``), equal to ``read`` of its rows: lean batches are laid out a chunk
+        of batches at a time (`packchunk`), for a fraction of the per-batch numpy calls."""
+        alloc = alloc or np.empty
+        if self.outputs != "lean":
+            return self.read(rows.slice(int(row_offsets[b]), int(row_offsets[b + 1])), alloc)
+        from .packchunk import CHUNK, LeanChunk
+
+        first = b - b % CHUNK
+        chunk = self._chunk
+        if chunk is None or chunk[0] is not rows or chunk[1].first != first:
+            count = min(CHUNK, len(row_offsets) - 1 - first)
+            chunk = self._chunk = (rows, LeanChunk(self, rows, row_offsets, first, count))
+        lay = chunk[1]
+        if not lay.ok or b in lay.bad:
+            return self.read(rows.slice(int(row_offsets[b]), int(row_offsets[b + 1])), alloc)
+        return lay.read(self, b - first, alloc)
 
     def _copied(
         self, lay: _Layout, src: tuple, alloc: Alloc, into: np.ndarray | None, where: Callable[[int], str]
@@ -306,7 +328,7 @@ class PackedReader:
         return np.ndarray(shape, dtype, buffer=self._scratch_buf)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_scratch_buf": None}  # a worker makes its own
+        return {**self.__dict__, "_scratch_buf": None, "_chunk": None}  # a worker makes its own
 
 
 SOURCE_SHIFT = 40  # read_together's document ids: part i's sample g is (i << 40) + g

@@ -495,6 +495,7 @@ class ShardedLoader(PassRunner):
             packed=packed,
             packed_rows=plan.batch_rows if packed is not None else None,
             packed_stats=plan.packed_stats(self.batching.batch_size) if packed is not None else None,
+            packed_pass=(plan.rows, plan.row_offsets) if packed is not None else None,
         )
         return batches, start, n, where
 

@@ -39,6 +39,7 @@ class PlanBatches:
         packed: Any = None,
         packed_rows: Callable | None = None,
         packed_stats: tuple | None = None,
+        packed_pass: tuple | None = None,
     ):
         self.reader = reader
         self.ids = ids
@@ -49,6 +50,7 @@ class PlanBatches:
         self.pad_id = pad_id
         self.lengths = lengths  # of ``ids``, from the plan (never the dataset's whole lengths array)
         self.packed, self.packed_rows, self.packed_stats = packed, packed_rows, packed_stats
+        self.packed_pass = packed_pass  # (rows, row_offsets) of the whole pass: read_planned lays out chunks
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -84,6 +86,8 @@ class PlanBatches:
         ids = self.batch_ids(b)
         try:
             if self.packed is not None:
+                if self.packed_pass is not None:
+                    return self.packed.read_planned(*self.packed_pass, b, alloc)
                 return self.packed.read(self.packed_rows(b), alloc)
             if self.transform is None and self.collate_fn is None:
                 # Only a worker's output crosses a process boundary: pack bytes there only.
