@@ -14,27 +14,23 @@ data disagrees with the plan (so its error names the batch it is in).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..plan.packing import Rows
 from .collate import Alloc
-
-if TYPE_CHECKING:
-    from .packed import PackedReader
+from .packlayout import _runs, lean_dtype
 
 CHUNK = 64  # batches laid out together: ~1 MB of layout at 8 x 8192
 
 
 class LeanChunk:
     """Batches ``first .. first + count - 1`` of a pass (rows ``rows``, batch b's rows
-    ``row_offsets[b] : row_offsets[b + 1]``) laid out for `PackedReader`'s lean output."""
+    ``row_offsets[b] : row_offsets[b + 1]``) laid out for `shardtool.loader.packed.PackedReader`'s lean output."""
 
-    def __init__(self, packed: PackedReader, rows: Rows, row_offsets: np.ndarray, first: int, count: int):
-        from .packed import _runs, lean_dtype
-
+    def __init__(self, packed: Any, rows: Rows, row_offsets: np.ndarray, first: int, count: int):
         self.first, self.count = first, count
         self.ok = False  # False: read each batch with PackedReader.read
         self.bad: set[int] = set()  # batches (of the pass) whose data disagrees with the plan
@@ -116,7 +112,7 @@ class LeanChunk:
             self.pads[j].append((p * seq + t, (p + 1) * seq))
         self.ok = True
 
-    def read(self, packed: PackedReader, j: int, alloc: Alloc) -> dict[str, Any]:
+    def read(self, packed: Any, j: int, alloc: Alloc) -> dict[str, Any]:
         """Batch ``first + j`` of the chunk, equal to `PackedReader.read`'s lean batch."""
         b, seq = self.lengths.shape[1], packed.packing.seq_len
         ids = alloc((b, seq), self.dtype)

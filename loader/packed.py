@@ -54,7 +54,8 @@ from ..format import FormatError
 from ..plan.arrays import gather_runs
 from ..plan.packing import Packing, Rows
 from .collate import KEY, Alloc
-from .packlayout import _counting, _Layout
+from .packchunk import CHUNK, LeanChunk
+from .packlayout import _counting, _Layout, _runs, lean_dtype
 from .reader import BatchReader
 
 __all__ = [
@@ -70,22 +71,6 @@ __all__ = [
 
 IGNORE_INDEX = -100  # what torch.nn.functional.cross_entropy ignores by default
 OUTPUTS = ("full", "lean")
-
-
-def lean_dtype(stored: np.dtype, *ids: int | None) -> np.dtype:
-    """``input_ids``' dtype in a lean batch: int32 when every stored token fits (signed up to 32
-    bits, unsigned up to 16) and so do the pad and eos ids ``ids``; else int64. Embedding layers
-    take int32 indices; labels stay int64 (`lean_to_full`: cross_entropy refuses int32 targets)."""
-    stored = np.dtype(stored)
-    fits = (
-        stored.kind == "b"
-        or (stored.kind == "i" and stored.itemsize <= 4)
-        or (stored.kind == "u" and stored.itemsize <= 2)
-    )
-    small = np.iinfo(np.int32)
-    if fits and all(v is None or small.min <= int(v) <= small.max for v in ids):
-        return np.dtype(np.int32)
-    return np.dtype(np.int64)
 
 
 def _check_outputs(outputs: str) -> str:
@@ -196,22 +181,6 @@ def packed_batch(
     return _finish(ids, rest, lay, keys, name=name, pad_id=pad_id, alloc=alloc)
 
 
-def _runs(
-    at: np.ndarray, which: np.ndarray, src: np.ndarray, size: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The copies (destination, buffer, source, bytes) of consecutive spans joined where one
-    continues the other in both the batch and the same buffer: neighbouring documents whose
-    tokens lie side by side in the shard (``stream`` rows, eos stored) are one copy, not one per
-    document. The Python loop over copies is what a packed batch's CPU time grows with."""
-    if len(at) < 2:
-        return at, which, src, size
-    joined = (which[1:] == which[:-1]) & (src[1:] == src[:-1] + size[:-1]) & (at[1:] == at[:-1] + size[:-1])
-    if not joined.any():
-        return at, which, src, size
-    head = np.flatnonzero(np.concatenate([[True], ~joined]))
-    return at[head], which[head], src[head], np.add.reduceat(size, head)
-
-
 class PackedReader:
     """Packed batches read from a `BatchReader`: tokens copied straight from its mapped shards.
     ``outputs``: "full" (the default) or "lean" (see the module's docstring)."""
@@ -258,8 +227,6 @@ class PackedReader:
         alloc = alloc or np.empty
         if self.outputs != "lean":
             return self.read(rows.slice(int(row_offsets[b]), int(row_offsets[b + 1])), alloc)
-        from .packchunk import CHUNK, LeanChunk
-
         first = b - b % CHUNK
         chunk = self._chunk
         if chunk is None or chunk[0] is not rows or chunk[1].first != first:

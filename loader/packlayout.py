@@ -79,6 +79,38 @@ class _Layout:
         ]
 
 
+def lean_dtype(stored: np.dtype, *ids: int | None) -> np.dtype:
+    """``input_ids``' dtype in a lean batch: int32 when every stored token fits (signed up to 32
+    bits, unsigned up to 16) and so do the pad and eos ids ``ids``; else int64. Embedding layers
+    take int32 indices; labels stay int64 (`lean_to_full`: cross_entropy refuses int32 targets)."""
+    stored = np.dtype(stored)
+    fits = (
+        stored.kind == "b"
+        or (stored.kind == "i" and stored.itemsize <= 4)
+        or (stored.kind == "u" and stored.itemsize <= 2)
+    )
+    small = np.iinfo(np.int32)
+    if fits and all(v is None or small.min <= int(v) <= small.max for v in ids):
+        return np.dtype(np.int32)
+    return np.dtype(np.int64)
+
+
+def _runs(
+    at: np.ndarray, which: np.ndarray, src: np.ndarray, size: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The copies (destination, buffer, source, bytes) of consecutive spans joined where one
+    continues the other in both the batch and the same buffer: neighbouring documents whose
+    tokens lie side by side in the shard (``stream`` rows, eos stored) are one copy, not one per
+    document. The Python loop over copies is what a packed batch's CPU time grows with."""
+    if len(at) < 2:
+        return at, which, src, size
+    joined = (which[1:] == which[:-1]) & (src[1:] == src[:-1] + size[:-1]) & (at[1:] == at[:-1] + size[:-1])
+    if not joined.any():
+        return at, which, src, size
+    head = np.flatnonzero(np.concatenate([[True], ~joined]))
+    return at[head], which[head], src[head], np.add.reduceat(size, head)
+
+
 @functools.lru_cache(maxsize=4)
 def _counting(n: int) -> np.ndarray:
     """0 .. n-1, read-only, kept: a fresh [B * S] arange per batch costs as much as the positions."""

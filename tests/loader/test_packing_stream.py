@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 import shardtool
 from realtext import byte_ids, doc_files, stdlib_files, stdlib_lengths
 from shardtool.loader import ShardedLoader
-from shardtool.loader.packed import PackedReader, _runs
-from shardtool.loader.packlayout import _Layout
+from shardtool.loader.packed import PackedReader
+from shardtool.loader.packlayout import _Layout, _runs
 from shardtool.loader.reader import BatchReader
 from shardtool.loader.source import SourceSpec
 from shardtool.plan import ArraySource, Batching, DataLayout, Layout, Planner
