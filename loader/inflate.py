@@ -53,6 +53,8 @@ __all__ = ["ENV", "Inflated", "InflatedShard", "choose", "decompress", "inflate_
 
 ENV = "SHARDTOOL_DECOMPRESSED_SHARE"
 LOG_BYTES = 1 << 30  # a pass's decompression is announced when it starts from this size
+MAGIC = b"ARROW1"  # an Arrow IPC file ends with it (after its footer)
+MAGIC_BYTES = 2 * 8 + 4  # no Arrow IPC file is shorter: magic, padding, footer length, magic
 POLL_S = (1e-4, 2e-3)  # a reader waiting for its shard looks at the board this often (first, at most)
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,8 @@ class Inflated:
         self.copies: dict[int, mmap.mmap] = {}  # ready (in a forked worker: those it mapped)
         self.loaded = 0  # shards decompressed so far (each once a run while the share fits)
         self.waited = 0  # shards this process's readers waited for (their fill had not reached them)
+        self._refused = 0  # ready flags not believed on the boards of passes ended (`refused`)
+        self._last_refused: tuple[int, int] | None = None
         # Tests hold the fill back with it: ``pace(k, stop)`` runs before the fill's k-th shard.
         self.pace: Callable[[int, threading.Event], None] | None = None
         self._owner = os.getpid()
@@ -125,6 +129,21 @@ class Inflated:
     @property
     def nbytes(self) -> int:
         return sum(len(b) for b in self.copies.values())
+
+    @property
+    def refused(self) -> int:
+        """Ready flags some reader of this rank did not believe (`_refuse`), workers included:
+        a defect, never expected (`last_refused` says which)."""
+        arena = self._arena
+        return self._refused + (arena.refused[0] if arena is not None else 0)
+
+    @property
+    def last_refused(self) -> tuple[int, int] | None:
+        """(shard, the value its flag read) of the last ready flag not believed, where known."""
+        arena = self._arena
+        if arena is not None and arena.refused[0]:
+            return arena.refused[1:]
+        return self._last_refused
 
     @property
     def filling(self) -> bool:
@@ -146,8 +165,34 @@ class Inflated:
             n = self._wait(arena, shard)
         mm = self.copies.get(shard)  # the rank's process maps it before it flags it
         if mm is None and n >= 0:
-            mm = self.copies[shard] = arena.view(shard, n)  # a forked worker maps it now
+            if not MAGIC_BYTES <= n <= arena.size[shard]:
+                self._refuse(arena, shard, n, "a length no Arrow file of its region has")
+                return None
+            mm = arena.view(shard, n)  # a forked worker maps it now
+            if mm[-len(MAGIC) :] != MAGIC:
+                close_map(mm)
+                self._refuse(arena, shard, n, "no Arrow footer at the end of what it flags ready")
+                return None
+            self.copies[shard] = mm
         return mm
+
+    def _refuse(self, arena: Arena, shard: int, n: int, why: str) -> None:
+        """A ready flag this process cannot believe: the shard is read the ordinary way (which
+        verifies it); counted on the board, where the rank's process sees it (`refused`), and
+        logged with the state, to find how it came about."""
+        arena.refuse(shard, n)
+        log.warning(
+            "shard %d: the background decompression flags it ready at %d bytes, %s (pid %d, rank's "
+            "process %d, alive %s; held here %s): reading it the ordinary way",
+            shard,
+            n,
+            why,
+            os.getpid(),
+            self._owner,
+            os.getppid() == self._owner or os.getpid() == self._owner,
+            sorted(self.copies),
+        )
+        return None
 
     def _wait(self, arena: Arena, shard: int) -> int:
         delay = POLL_S[0]
@@ -296,6 +341,10 @@ class Inflated:
             self._thread.join()
             self._thread = None
         if self._arena is not None:
+            count, shard, value = self._arena.refused
+            if count:
+                self._refused += count
+                self._last_refused = (shard, value)
             self._arena.close()
             self._arena = None
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import struct
 import sys
 import threading
 import time
@@ -21,6 +20,7 @@ import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pyarrow as pa
 
 from ..format import FormatError
@@ -103,22 +103,41 @@ class Arena:
         self.slot = {s: k for k, s in enumerate(sizes)}
         self.offset: dict[int, int] = {}
         self.size = dict(sizes)
-        head = at = -(-8 * max(len(sizes), 1) // g) * g
+        head = at = -(-8 * (len(sizes) + 3) // g) * g
         for s, n in sizes.items():
             self.offset[s] = at
             at += -(-max(n, 1) // g) * g
         self._fd: int | None = _memory_file(at)
         self._board: mmap.mmap | None = mmap.mmap(self._fd, head)
-        for s in sizes:
-            self.set(s, PENDING)
+        # One aligned int64 load or store a flag: never a value half written (struct packs and
+        # unpacks byte by byte, which nothing promises a reader in another process sees whole).
+        # Three flags past the shards' count the ready flags a reader did not believe
+        # (`Inflated.get`), in any process, and the last one's shard and value: to find the cause.
+        self._flags: np.ndarray | None = np.frombuffer(self._board, dtype=np.int64, count=len(sizes) + 3)
+        self._flags[: len(sizes)] = PENDING
+        self._flags[len(sizes) :] = 0
 
     def get(self, shard: int) -> int:
-        b = self._board
-        return ABSENT if b is None or b.closed else struct.unpack_from("<q", b, 8 * self.slot[shard])[0]
+        flags = self._flags
+        return ABSENT if flags is None else int(flags[self.slot[shard]])
 
     def set(self, shard: int, value: int) -> None:
-        if self._board is not None and not self._board.closed:
-            struct.pack_into("<q", self._board, 8 * self.slot[shard], value)
+        flags = self._flags
+        if flags is not None:
+            flags[self.slot[shard]] = value
+
+    @property
+    def refused(self) -> tuple[int, int, int]:
+        """(ready flags not believed, the last one's shard, its value)."""
+        flags = self._flags
+        return (0, -1, 0) if flags is None else (int(flags[-3]), int(flags[-2]), int(flags[-1]))
+
+    def refuse(self, shard: int, value: int) -> None:
+        """Counts a ready flag not believed (not atomic: any count above 0 says it happened)."""
+        flags = self._flags
+        if flags is not None:
+            flags[-2:] = shard, value
+            flags[-3] += 1
 
     def region(self, shard: int) -> mmap.mmap:
         """Shard ``shard``'s whole reserved region, to write."""
@@ -130,6 +149,7 @@ class Arena:
 
     def close(self) -> None:
         """The board and the file go; views mapped keep their memory until they are closed."""
+        self._flags = None  # its export of the board first: a map with exports cannot close
         b, self._board = self._board, None
         if b is not None:
             b.close()

@@ -16,7 +16,7 @@ import shardtool
 from data_gen import pack_compressed_pairs
 from realtext import byte_ids, stdlib_files
 from shardtool.loader import ShardedLoader
-from shardtool.loader.inflate import choose, inflate_budget
+from shardtool.loader.inflate import Inflated, choose, inflate_budget
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -57,6 +57,8 @@ def test_each_shard_of_the_share_is_decompressed_once_per_run(packed, workers, r
         # Only this rank's shards, every one of them, each decompressed once: the second pass none.
         assert set(held.copies) == _share_shards(ld)
         assert held.loaded == len(held.copies)
+        # No reader, worker or trainer, saw a ready flag it could not believe.
+        assert held.refused == 0, f"(shard, flag) {held.last_refused}"
     if ranks > 1:
         assert len(held.copies) < shardtool.open_dataset(packed["zstd"]).num_shards
 
@@ -219,8 +221,6 @@ def _held_back(ld, free_shards: int):
     (or the loader stops it): the pass's progress against the fill observed, not timed."""
     import threading
 
-    from shardtool.loader.inflate import Inflated, inflate_budget
-
     go = threading.Event()
     held = ld.reader._inflated = Inflated(inflate_budget(os.environ))
 
@@ -245,6 +245,25 @@ def test_the_first_batch_arrives_before_the_share_is_decompressed(packed, worker
     got = [first] + [_listed(b) for b in it]
     assert got == [_listed(b) for b in ShardedLoader(packed[None], **kw)]
     assert not held.filling and held.loaded == len(held.copies) == shardtool.open_dataset(packed["zstd"]).num_shards
+
+
+def test_a_ready_flag_that_is_not_a_file_is_counted_and_the_shard_read_the_ordinary_way(packed):
+    # A worker once read a 1-byte copy of a shard off the board (cause not yet found): such a flag
+    # must cost a slower read of that shard, not the pass, and be counted where the rank sees it.
+    kw = _in_order(2)
+    ld = ShardedLoader(packed["zstd"], **kw)
+    held = ld.reader._inflated = Inflated(inflate_budget(os.environ))
+
+    def pace(k, stop):  # the fill writes nothing; every flag reads as a 1-byte file
+        for s in held._arena.slot:
+            held._arena.set(s, 1)
+        stop.wait()
+
+    held.pace = pace
+    got = [_listed(b) for b in ld]
+    assert held.refused >= 1 and not held.copies and held.last_refused[1] == 1
+    ld.close()  # the fill, held back, stops
+    assert got == [_listed(b) for b in ShardedLoader(packed[None], **kw)]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
