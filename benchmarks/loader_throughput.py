@@ -128,11 +128,14 @@ def run_ours(
     metrics: bool = True,
     cache_dir: str | None = None,
     passes: int = 1,
+    shuffle_block: str | None = None,
 ) -> dict:
     from shardtool.loader import ShardedLoader
 
     began = time.perf_counter()
     size = {"max_tokens": MAX_TOKENS} if kind == "tokens" else {"batch_size": IMAGE_BATCH}
+    if shuffle_block:
+        size["shuffle_block"] = block_samples(root, shuffle_block)
     ld = ShardedLoader(
         root,
         num_workers=workers,
@@ -151,6 +154,16 @@ def run_ours(
     if not resume:
         out.update(pass_rates(began, ends))
     return out
+
+
+def block_samples(root: str, spec: str) -> int:
+    """``--shuffle-block``: a count of samples, or ``shard`` (the dataset's samples per shard)."""
+    if spec != "shard":
+        return int(spec)
+    import shardtool
+
+    m = shardtool.open_dataset(root).manifest
+    return max(1, m.num_samples // max(len(m.shards), 1))
 
 
 def _passes(ld, n: int, ends: list[tuple[float, int]]):
@@ -269,6 +282,7 @@ def one(args) -> None:
             args.one == "ours",
             args.cache_dir,
             args.passes,
+            args.shuffle_block,
         )
     print(json.dumps(out))
 
@@ -283,6 +297,7 @@ def measure(
     cache_dir: str | None = None,
     verify: bool = False,
     passes: int = 1,
+    shuffle_block: str | None = None,
 ) -> dict:
     """One run in its own process; ``which``: "ours", "ours-nometrics" (metrics=False), "wds" or a peer."""
     cmd = (
@@ -303,6 +318,7 @@ def measure(
         + (["--resume"] if resume else [])
         + (["--cache-dir", cache_dir] if cache_dir else [])
         + (["--passes", str(passes)] if passes != 1 else [])
+        + (["--shuffle-block", shuffle_block] if shuffle_block else [])
     )
     cmd += ["--verify"] if verify else []
     env = {**os.environ, "PYTHONPATH": ROOT}
@@ -484,6 +500,12 @@ def main() -> None:
         default=None,
         help="with --compression: samples of the tokens corpus (default 200,000; 20,000 with --small)",
     )
+    p.add_argument(
+        "--shuffle-block",
+        default=None,
+        help="with --compression: our loader's shuffle_block, in samples or 'shard' (the dataset's "
+        "samples per shard): a pass reads a shard or two at a time (default: the full shuffle)",
+    )
     args = p.parse_args()
     if args.one:
         return one(args)
@@ -499,7 +521,14 @@ def main() -> None:
         )
         compressed = compression_runs(
             lambda root, w, cache_dir, passes: measure(
-                "ours", root, "tokens", w, max_s=args.max_seconds, cache_dir=cache_dir, passes=passes
+                "ours",
+                root,
+                "tokens",
+                w,
+                max_s=args.max_seconds,
+                cache_dir=cache_dir,
+                passes=passes,
+                shuffle_block=args.shuffle_block,
             ),
             base,
             corpora,

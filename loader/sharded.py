@@ -99,6 +99,11 @@ class ShardedLoader(PassRunner):
     accumulation, ``micro_batches=m``: a step is m consecutive batches of each rank, and what is
     evened is each rank's total. Without a cost model, plans and states are what they were.
 
+    ``shuffle_block`` (samples): shuffle a block of that many neighbouring samples at a time, the
+    blocks in a random order (`shardtool.plan.Batching`): with about a shard's samples a pass reads
+    a shard or two at once, and the first batch of compressed shards read in place waits for one
+    shard's decompression, not the share's. A weaker shuffle than the default, chosen.
+
     In-job staging (needs ``cache_dir``; default: SHARDTOOL_STAGE, else off): ``stage=True`` makes
     local rank 0 fetch the node's shards into the cache in the order the node's ranks first read
     them, a bounded distance ahead of the slowest (`shardtool.cache.stager`); ``stage="external"``
@@ -173,6 +178,7 @@ class ShardedLoader(PassRunner):
         cost_model: Any = None,
         balance_window: int | None = None,
         micro_batches: int | None = None,
+        shuffle_block: int | None = None,
     ):
         import torch
 
@@ -205,6 +211,7 @@ class ShardedLoader(PassRunner):
             balance=CostModel.parse(cost_model) if cost_model is not None else None,
             balance_window=balance_window,
             micro_batches=micro_batches,
+            shuffle_block=shuffle_block,
         )
         self._bucketing = bucketing
         dist = torch.distributed if torch.distributed.is_available() else None

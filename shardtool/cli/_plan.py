@@ -43,6 +43,7 @@ def _batching(args, source=None):
         balance=CostModel.parse(spec) if spec else None,
         balance_window=getattr(args, "balance_window", None) if spec else None,
         micro_batches=getattr(args, "micro_batches", None) if spec else None,
+        shuffle_block=getattr(args, "shuffle_block", None),
     )
 
 

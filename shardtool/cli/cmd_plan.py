@@ -85,6 +85,13 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--no-shuffle", action="store_true", help="plan without shuffling (dataset order)")
     p.add_argument(
+        "--shuffle-block",
+        type=int,
+        metavar="SAMPLES",
+        help="shuffle a block of this many neighbouring samples at a time, the blocks in a random order "
+        "(about a shard's samples: a pass reads a shard or two at once; as ShardedLoader(shuffle_block=))",
+    )
+    p.add_argument(
         "--drop-last",
         choices=["auto", "yes", "no"],
         default="auto",

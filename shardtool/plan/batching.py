@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -85,6 +85,15 @@ class Batching:
     mode, for packed rows, and for one group cut in order; a bucketed token budget's counts are
     estimated, so a rare surplus can remain).
     Default (None): ``True`` with several DP ranks, ``False`` with one (nothing to equalise).
+
+    `shuffle_block` (samples, with ``shuffle``; bucketed or in-order batches, not packed rows): a
+    group's samples are cut in storage order into blocks of this many (rounded up to a multiple of
+    ``batch_size``), the blocks read in a random order, samples shuffled, bucketed and batched
+    within each block. A pass then reads its shards a block at a time (with blocks about a shard's
+    samples, a shard or two at once), as WebDataset's and LitData's shard-wise shuffles do: the
+    first batch of a compressed share read in place waits for one shard's decompression, not the
+    share's (`loader.inflate`), and reads stay within a shard or two (page cache, fetch on a miss).
+    What a batch mixes is one block's samples, not the group's: a weaker shuffle, chosen.
     """
 
     batch_size: int | None = None
@@ -98,6 +107,7 @@ class Batching:
     balance: CostModel | None = None
     balance_window: int | None = None
     micro_batches: int | None = None
+    shuffle_block: int | None = None
 
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.max_tokens is None):
@@ -125,6 +135,13 @@ class Batching:
         for name in ("balance_window", "micro_batches"):
             if getattr(self, name) is not None and self.balance is None:
                 raise ValueError(f"{name} is a setting of compute balancing: give a cost model too")
+        _optional_positive("shuffle_block", self.shuffle_block)
+        if self.shuffle_block is not None and not self.shuffle:
+            raise ValueError("shuffle_block is a way of shuffling: it needs shuffle=True")
+        if self.shuffle_block is not None and self.packing is not None:
+            raise ValueError(
+                "shuffle_block cuts bucketed batches, not packed rows (for rows read in storage order: packing='stream')"
+            )
         if self.packing is not None:
             if not isinstance(self.packing, Packing):
                 raise ValueError(f"packing must be a shardtool.plan.packing.Packing, found {self.packing!r}")
@@ -152,7 +169,7 @@ class Batching:
         fields["packing"] = self.packing.fingerprint() if self.packing is not None else None
         if self.drop_last is None:
             del fields["drop_last"]  # the default: fingerprints (and saved states) from before it still match
-        for name in ("balance", "balance_window", "micro_batches"):  # likewise: without a cost model, nothing changes
+        for name in ("balance", "balance_window", "micro_batches", "shuffle_block"):  # likewise, unset
             if fields[name] is None:
                 del fields[name]
         if self.balance is not None:
@@ -208,6 +225,8 @@ def bucket(
     n = ids.size
     if n == 0:
         return ids, np.zeros(1, dtype=np.int64)
+    if rng is not None and batching.shuffle_block is not None:
+        return _blocks(ids, lengths, batching, window, rng)
     lens = lengths
     if rng is not None:
         perm = rng.permutation(n)
@@ -233,6 +252,33 @@ def bucket(
     else:
         starts = _budget_starts(window_starts, window_stops, lens, batching.max_tokens)
     return _shuffle_batches(ids, np.append(starts, n), rng)
+
+
+def block_samples(batching: Batching) -> int:
+    """`Batching.shuffle_block` rounded up to whole batches: every block's batches are full but
+    the group's last, so a ``batch_size`` count stays ceil(samples / batch_size)."""
+    block = int(batching.shuffle_block or 0)
+    size = batching.batch_size
+    return -(-block // size) * size if size is not None else block
+
+
+def _blocks(
+    ids: np.ndarray, lengths: np.ndarray, batching: Batching, window: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """`bucket` of each block of ``block_samples`` neighbouring samples, the blocks in a random
+    order (drawn first, then each block's own shuffle, in that order, from the one ``rng``)."""
+    block = block_samples(batching)
+    inner = replace(batching, shuffle_block=None)
+    n = ids.size
+    cuts = np.append(np.arange(0, n, block, dtype=np.int64), n)
+    out_ids, out_starts, at = [], [], 0
+    for b in rng.permutation(cuts.size - 1).tolist():
+        lo, hi = int(cuts[b]), int(cuts[b + 1])
+        got, starts = bucket(ids[lo:hi], lengths[lo:hi], inner, window, rng)
+        out_ids.append(got)
+        out_starts.append(starts[:-1] + at)
+        at += got.size
+    return np.concatenate(out_ids), np.append(np.concatenate(out_starts), at).astype(np.int64)
 
 
 def _window_order(lens: np.ndarray, window_id: np.ndarray) -> np.ndarray:

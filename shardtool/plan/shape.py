@@ -25,7 +25,7 @@ import numpy as np
 
 from ..format.summaries import BINS, ShardSummaries
 from .balance import MAX_DROP, batches_per_rank
-from .batching import Batching, in_order_starts, resolve_window
+from .batching import Batching, block_samples, in_order_starts, resolve_window
 from .inorder import inorder_batches, rate_from_histogram
 from .layout import DataLayout
 from .ranges import group_cuts
@@ -166,6 +166,11 @@ def _estimate_batches(
 ) -> np.ndarray:
     """Bucketed or packed batches per group (in-order cuts are `_in_order_batches`')."""
     windows = -(-samples // window)
+    if batching.shuffle_block is not None and batching.shuffle:
+        # Windows are cut in each block: whole blocks' windows, then the last block's.
+        block = block_samples(batching)
+        whole, rest = samples // block, samples % block
+        windows = whole * -(-block // window) + -(-rest // window)
     if batching.packing is not None:
         return _estimate_packed(count, tokens, samples, windows, batching)
     if batching.batch_size is not None:

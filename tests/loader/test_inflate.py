@@ -267,6 +267,26 @@ def test_a_ready_flag_that_is_not_a_file_is_counted_and_the_shard_read_the_ordin
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+def test_a_block_shuffle_has_its_first_batch_from_the_first_shards_the_fill_writes(packed, workers):
+    # Issue 32 item 10: a shuffled pass draws its first batch from the whole share, so it waits for
+    # the share's decompression; a block-wise shuffle of about a shard's samples reads a shard or
+    # two at a time, and its first batch needs only what the fill writes first.
+    m = shardtool.open_dataset(packed["zstd"]).manifest
+    per_shard = m.num_samples // len(m.shards)
+    assert len(m.shards) >= 4
+    kw = dict(batch_size=7, seed=2, rank=0, world_size=1, num_workers=workers, shuffle_block=per_shard)
+    ld = ShardedLoader(packed["zstd"], **kw)
+    held, go = _held_back(ld, 2)
+    it = iter(ld)
+    first = _listed(next(it))
+    assert held.filling and held.loaded <= 2  # the fill is held after two shards: it did not wait for more
+    go.set()
+    got = [first] + [_listed(b) for b in it]
+    assert got == [_listed(b) for b in ShardedLoader(packed[None], **kw)]
+    assert held.refused == 0 and held.loaded == len(m.shards)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
 def test_a_shard_failing_verification_mid_fill_is_named_and_the_batches_before_it_arrive(packed, tmp_path, workers):
     import shutil
 
