@@ -21,7 +21,7 @@ import torch
 
 from ..plan.packing import Rows
 from .collate import Alloc
-from .packlayout import _runs, lean_dtype
+from .packlayout import _runs, copy_runs, lean_dtype
 
 CHUNK = 64  # batches laid out together: ~1 MB of layout at 8 x 8192
 
@@ -31,7 +31,7 @@ class LeanChunk:
     ``row_offsets[b] : row_offsets[b + 1]``) laid out for `shardtool.loader.packed.PackedReader`'s lean output."""
 
     def __init__(self, packed: Any, rows: Rows, row_offsets: np.ndarray, first: int, count: int):
-        self.first, self.count = first, count
+        self.first = first  # (the reader is not kept: it keeps this chunk; `read` is given it)
         self.ok = False  # False: read each batch with PackedReader.read
         self.bad: set[int] = set()  # batches (of the pass) whose data disagrees with the plan
         packing, b, seq = packed.packing, int(packed.rows_per_batch or 0), packed.packing.seq_len
@@ -113,19 +113,13 @@ class LeanChunk:
         self.ok = True
 
     def read(self, packed: Any, j: int, alloc: Alloc) -> dict[str, Any]:
-        """Batch ``first + j`` of the chunk, equal to `PackedReader.read`'s lean batch."""
+        """Batch ``first + j`` of the chunk, read by ``packed`` (the reader it was laid out for),
+        equal to `PackedReader.read`'s lean batch."""
         b, seq = self.lengths.shape[1], packed.packing.seq_len
         ids = alloc((b, seq), self.dtype)
         narrow = ids if ids.dtype == self.stored else packed._scratch((b, seq), self.stored)
-        dst = memoryview(narrow.reshape(-1).view(np.uint8))
-        at, w, a, k = self.runs
-        bufs = self.bufs
         lo, hi = self.run_cuts[j], self.run_cuts[j + 1]
-        for t, s, f, m in zip(at[lo:hi], w[lo:hi], a[lo:hi], k[lo:hi]):
-            dst[t : t + m] = bufs[s][f : f + m]
-        dst.release()
-        if narrow is not ids:
-            np.copyto(ids, narrow)
+        copy_runs(ids, narrow, self.bufs, *(r[lo:hi] for r in self.runs))
         flat = ids.reshape(-1)
         if self.eos_cuts[j + 1] > self.eos_cuts[j]:
             flat[self.eos_at[self.eos_cuts[j] : self.eos_cuts[j + 1]]] = packed.packing.eos_id

@@ -55,7 +55,7 @@ from ..plan.arrays import gather_runs
 from ..plan.packing import Packing, Rows
 from .collate import KEY, Alloc
 from .packchunk import CHUNK, LeanChunk
-from .packlayout import _counting, _Layout, _runs, lean_dtype
+from .packlayout import _counting, _Layout, _runs, copy_runs, lean_dtype
 from .reader import BatchReader
 
 __all__ = [
@@ -249,19 +249,11 @@ class PackedReader:
         else:
             block = _block(lay, alloc, into)
             ids, rest = block[0], block[1:]
-        # Raw-byte copies in the stored dtype (a memoryview slice assignment is a bare memcpy,
-        # as in BatchReader): straight into the batch where it has that dtype, else into a
-        # scratch and one vectorised widening, cheaper than a cast per piece.
         narrow = ids if ids.dtype == dtype else self._scratch((lay.b, lay.seq), dtype)
-        dst = memoryview(narrow.reshape(-1).view(np.uint8))
         runs = _runs(
             lay.flat_start * item, lay.of_span(which), (lay.of_span(first) + lay.rows.span_start) * item, n * item
         )
-        for at, w, a, k in zip(*(r.tolist() for r in runs)):
-            dst[at : at + k] = bufs[w][a : a + k]
-        dst.release()
-        if narrow is not ids:
-            np.copyto(ids, narrow)
+        copy_runs(ids, narrow, bufs, *(r.tolist() for r in runs))
         return _finish(
             ids, rest, lay, keys if rest is not None else None, name=self.name, pad_id=self.pad_id, alloc=alloc
         )

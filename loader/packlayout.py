@@ -111,6 +111,22 @@ def _runs(
     return at[head], which[head], src[head], np.add.reduceat(size, head)
 
 
+def copy_runs(ids: np.ndarray, narrow: np.ndarray, bufs: Sequence[Any], at, which, src, size) -> None:
+    """The copies `_runs` gives (lists: run i is ``bufs[which[i]][src[i] : src[i] + size[i]]`` to
+    byte ``at[i]`` of the batch) made into ``narrow``: ``ids`` itself where it has the stored
+    dtype, else a scratch of it, widened into ``ids`` after. Raw-byte copies in the stored dtype
+    (a memoryview slice assignment is a bare memcpy): one vectorised widening at the end is
+    cheaper than a cast per piece. The one copy loop of every packed batch."""
+    dst = memoryview(narrow.reshape(-1).view(np.uint8))
+    try:
+        for t, w, f, k in zip(at, which, src, size):
+            dst[t : t + k] = bufs[w][f : f + k]
+    finally:
+        dst.release()
+    if narrow is not ids:
+        np.copyto(ids, narrow)
+
+
 @functools.lru_cache(maxsize=4)
 def _counting(n: int) -> np.ndarray:
     """0 .. n-1, read-only, kept: a fresh [B * S] arange per batch costs as much as the positions."""
