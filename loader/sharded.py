@@ -241,6 +241,7 @@ class ShardedLoader(PassRunner):
                 cache_dir=cache_dir,
                 stall_timeout=stall_timeout,
             )
+            self._obs.micro = self.batching.micro_batches or 1
             from .staging import staging_for  # lazy: imports the cache, as a loader with a cache_dir does
 
             self._staging = staging_for(self, stage, cache_dir, one_dataset=type(self) is ShardedLoader)
@@ -503,8 +504,19 @@ class ShardedLoader(PassRunner):
             packed_rows=plan.batch_rows if packed is not None else None,
             packed_stats=plan.packed_stats(self.batching.batch_size) if packed is not None else None,
             packed_pass=(plan.rows, plan.row_offsets) if packed is not None else None,
+            costs=self._costs(plan),
         )
         return batches, start, n, where
+
+    def _costs(self, plan):
+        """Each batch's cost under the cost model, for the metric lines (`shardtool stats`)."""
+        model = self.batching.balance
+        if model is None:
+            return None
+        from ..plan.cost import served_costs
+
+        rows_per_batch = self.batching.batch_size if plan.rows is not None else None
+        return served_costs(plan.rows, plan.row_offsets, plan.lengths, plan.offsets, model, rows_per_batch)
 
     # ------------------------------------------------------------------ observability
     def metrics(self) -> dict[str, Any]:
@@ -524,6 +536,17 @@ class ShardedLoader(PassRunner):
         by a few; at the end of a pass they are exact.
         """
         return self._obs.metrics(self._epoch, self._served)
+
+    def report_step_time(self, seconds: float) -> None:
+        """The time the trainer spent on the batch handed over last, for `shardtool stats` to say
+        how much of each step the ranks wait for the slowest (with ``micro_batches``, report each
+        micro-batch; a step's add up). Time the rank's own work (forward and backward, e.g. under
+        DDP's ``no_sync()``, or until the backward's all-reduce is launched): a time that
+        includes the all-reduce is the slowest rank's on every rank. Recorded in a later metric
+        line (``metrics_every``); needs ``metrics=True``."""
+        if self._served < 1:
+            raise ValueError("report_step_time: no batch has been handed over yet")
+        self._obs.step_time(self._epoch, self._served - 1, seconds)
 
     @property
     def metrics_path(self) -> str:

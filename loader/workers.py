@@ -40,6 +40,7 @@ class PlanBatches:
         packed_rows: Callable | None = None,
         packed_stats: tuple | None = None,
         packed_pass: tuple | None = None,
+        costs: np.ndarray | None = None,
     ):
         self.reader = reader
         self.ids = ids
@@ -49,6 +50,7 @@ class PlanBatches:
         self.collate_fn = collate_fn
         self.pad_id = pad_id
         self.lengths = lengths  # of ``ids``, from the plan (never the dataset's whole lengths array)
+        self.costs = costs  # each batch's cost under the loader's cost model (None: none given)
         self.packed, self.packed_rows, self.packed_stats = packed, packed_rows, packed_stats
         self.packed_pass = packed_pass  # (rows, row_offsets) of the whole pass: read_planned lays out chunks
 

@@ -86,6 +86,13 @@ class Observer:
         self._line_since: Snapshot | None = None
         self._pass_complete = True
         self._pass_epoch: int | None = None
+        # Under a cost model: the pass's batch costs and the first not yet in a metric line, and
+        # the step times the trainer reported since the last line (`shardtool stats` lines them
+        # up across ranks: how long steps wait for the slowest rank).
+        self._costs: list[float] | None = None
+        self.micro = 1  # batches a step (gradient accumulation), as the loader's cost model counts them
+        self._cost_from = 0
+        self._times: list[list[float]] = []
 
     # ------------------------------------------------------------------ hooks
     def worker_init(self, w: int) -> None:
@@ -110,6 +117,8 @@ class Observer:
             else:
                 self.meter.start_pass(*stats, self.workers, restart, entered)
         self._current["batches"] = batches
+        costs = getattr(batches, "costs", None)
+        self._costs, self._cost_from = (costs.tolist() if costs is not None else None), start
         p = Pass(self, batches, start, n, epoch)
         p.check_cache()  # at once: the first batches are the ones a cold cache stalls
         if self.watchdog is not None:
@@ -131,6 +140,11 @@ class Observer:
         """This process's uncounted batch bytes (with num_workers=0, the trainer reads them)."""
         if self.probe is not None:
             self.probe.flush()
+
+    def step_time(self, epoch: int, batch: int, seconds: float) -> None:
+        """The trainer's time for batch ``batch`` (its compute, before the all-reduce that waits
+        for every rank), kept for the next metric line."""
+        self._times.append([int(epoch), int(batch), float(seconds)])
 
     def close(self) -> None:
         if self.watchdog is not None:
@@ -169,6 +183,13 @@ class Observer:
         out = self._report(now, self._line_since, epoch, batch)
         self._line_since = now
         out.update(v=metricslog.LINE_VERSION, run=self.run, pid=os.getpid(), start=self.started)
+        if self._costs is not None and batch > self._cost_from:
+            out["batch_costs"] = {"from": self._cost_from, "cost": self._costs[self._cost_from : batch]}
+            self._cost_from = batch
+        if self._times:
+            out["step_times"], self._times = self._times, []
+        if "batch_costs" in out or "step_times" in out:
+            out["micro_batches"] = self.micro
         if self.reduce:
             s = metricslog.reduce_ranks(
                 out["window"], rank=self.rank, world_size=self.layout.world_size, node=self.node

@@ -151,6 +151,47 @@ def summarize(lines: list[dict], top: int = 3) -> dict:
     }
 
 
+def step_balance_of(lines: list[dict]) -> dict:
+    """How long one run's steps waited for the slowest DP rank, from its lines: the batch costs
+    of a loader with a cost model (``batch_costs``) and the step times the trainer reported
+    (``step_times``, `ShardedLoader.report_step_time`), lined up by (epoch, step) across ranks.
+    Only steps every rank of the run recorded count; a step is ``micro_batches`` batches (what
+    a step's micro-batches cost or took adds up; a line's step times are the batches before it,
+    so the last step before a line is in the next).
+    {"plan_cost": ..., "step_time": ...}, each `shardtool.plan.cost.step_balance` or None."""
+    import numpy as np
+
+    from ...plan.cost import step_balance
+
+    world = max((int(x.get("world_size", 1)) for x in lines), default=1)
+    micro = max((int(x.get("micro_batches", 1)) for x in lines), default=1)
+    # (epoch, step) -> rank -> [sum, micro-batches seen]
+    cost: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    times: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    for line in lines:
+        r, epoch = int(line["rank"]), int(line.get("epoch", 0))
+        bc = line.get("batch_costs")
+        if bc:
+            for i, c in enumerate(bc.get("cost", [])):
+                cell = cost[(epoch, (int(bc["from"]) + i) // micro)][r]
+                cell[0] += float(c)
+                cell[1] += 1
+        for e, b, t in line.get("step_times", []):
+            cell = times[(int(e), int(b) // micro)][r]
+            cell[0] += float(t)
+            cell[1] += 1
+
+    def table(per_step: dict) -> dict | None:
+        # A step counts once every rank recorded all its micro-batches (an epoch's short last
+        # step never does: a plan's figure counts it).
+        steps = sorted(k for k, v in per_step.items() if len(v) == world and all(n == micro for _, n in v.values()))
+        if not steps:
+            return None
+        return step_balance(np.array([[per_step[k][r][0] for k in steps] for r in range(world)]))
+
+    return {"plan_cost": table(cost), "step_time": table(times)}
+
+
 def series(lines: list[dict]) -> dict[int, dict[str, list]]:
     """Per rank: step, wait fraction and tokens/s of every line's window (for plots); the steps
     of a later process of the same rank continue after the earlier one's."""

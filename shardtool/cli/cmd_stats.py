@@ -115,6 +115,15 @@ def format_summary(run: str, s: dict) -> str:
             for n in nodes
         ],
     )
+    for key, what in (("plan_cost", "batch costs (cost model)"), ("step_time", "step times the trainer reported")):
+        b = s.get("balance", {}).get(key)
+        if b:
+            lines += [
+                "",
+                f"steps waiting for the slowest DP rank, from {what}: {b['steps']:,} steps of {b['dp_ranks']} ranks, "
+                f"max/mean median {b['max_over_mean_median']:.3f}, p90 {b['max_over_mean_p90']:.3f}, "
+                f"max {b['max_over_mean_max']:.3f}; step time lost {b['time_lost']:.2%}",
+            ]
     lines += ["", "slowest ranks (largest share of time waiting for data)"]
     lines += [
         f"  rank {r['rank']} (node {r['node']}, {r['host']}): wait {_pct(r['wait_fraction'])}, "
@@ -137,6 +146,7 @@ def run(args) -> int:
         if run_id not in by_run:
             raise stats.StatsError(f"run {run_id!r} is not in these files; runs found: {', '.join(by_run)}")
         summary = stats.summarize(by_run[run_id], top=args.top)
+        summary["balance"] = stats.step_balance_of(by_run[run_id])
         if args.plot:
             stats.plot(run_id, by_run[run_id], args.plot, highlight=[r["rank"] for r in summary["slowest"]])
     except stats.StatsError as e:

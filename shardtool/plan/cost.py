@@ -29,6 +29,7 @@ __all__ = [
     "fit_cost_model",
     "row_costs",
     "run_costs",
+    "served_costs",
     "step_balance",
 ]
 
@@ -142,13 +143,31 @@ def batch_costs(plan: Any, model: CostModel, rows_per_batch: int | None = None) 
     the order it serves them. Packed plans count every row of ``seq_len`` tokens a batch holds
     (``rows_per_batch`` rows: padding rows run the linear layers too) and each piece's square."""
     k, n = plan.size, plan.batches_per_rank
-    if plan.rows is not None:
-        per_row = row_costs(plan.rows, model) - model.a * plan.rows.seq_len
-        width = plan.rows.seq_len * (rows_per_batch or np.diff(plan.row_offsets))
-        cost = model.a * width + _sums(per_row, plan.row_offsets)
+    lengths = plan.batch_lengths(plan.ids) if plan.rows is None else None
+    return served_costs(plan.rows, plan.row_offsets, lengths, plan.offsets, model, rows_per_batch)[: k * n].reshape(
+        k, n
+    )
+
+
+def served_costs(
+    rows: Any,
+    row_offsets: np.ndarray | None,
+    lengths: np.ndarray | None,
+    offsets: np.ndarray,
+    model: CostModel,
+    rows_per_batch: int | None = None,
+) -> np.ndarray:
+    """The cost of each batch a plan serves: packed, batch q's rows ``row_offsets[q] :
+    row_offsets[q + 1]`` of ``rows`` (every one of ``rows_per_batch`` rows counted, padding
+    rows run the linear layers too); else batch q's samples, ``lengths[offsets[q] :
+    offsets[q + 1]]``. A group's plan (`batch_costs`) and a rank's (``RankPlan``) alike."""
+    if rows is not None:
+        per_row = row_costs(rows, model) - model.a * rows.seq_len
+        width = rows.seq_len * (rows_per_batch or np.diff(row_offsets))
+        cost = model.a * width + _sums(per_row, row_offsets)
     else:
-        cost = run_costs(plan.batch_lengths(plan.ids), plan.offsets, model)
-    return np.asarray(cost, np.float64)[: k * n].reshape(k, n)
+        cost = run_costs(lengths, offsets, model)
+    return np.asarray(cost, np.float64)
 
 
 def step_balance(costs: np.ndarray, micro: int = 1) -> dict[str, float] | None:

@@ -5,6 +5,7 @@ of ranks too; a state of one configuration is refused by the other."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -136,3 +137,42 @@ def test_a_mixture_with_a_cost_model_is_refused_before_the_first_batch(stdlib_ro
 
     with pytest.raises(ValueError, match="a mixture's steps are not balanced yet"):
         ShardedLoader(Mixture({"a": (stdlib_root, 1.0)}), steps=4, seq_len=SEQ, batch_size=2, cost_model=MODEL)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("micro", [1, 2])
+def test_shardtool_stats_reads_the_step_balance_of_a_run_from_its_metric_files(stdlib_root, tmp_path, micro, capsys):
+    # Issue 33: what `shardtool plan --cost-model` predicts, `shardtool stats` reads back from a
+    # real run's per-rank metric files: the batches' costs, and the step times the trainer reports.
+    from shardtool.cli import main
+
+    world, every = 4, 3
+    kw = dict(metrics_dir=str(tmp_path / "m"), metrics_every=every, micro_batches=micro)
+    loaders = _loaders(stdlib_root, world, **kw)
+    served = []
+    for ld in loaders:
+        mine = []
+        for b in ld:
+            mine.append(_pieces(b))
+            # A trainer whose step takes a nanosecond per unit of cost, plus its own rank's constant.
+            ld.report_step_time(1e-9 * _costs([[mine[-1]]])[0, 0] + 1e-3 * ld.rank)
+        served.append(mine)
+        ld.close()
+    costs = _costs(served)
+    lined = (costs.shape[1] // every) * every  # batches up to each rank's last metric line
+    assert main(["stats", str(tmp_path / "m"), "--json", "-"]) == 0
+    got = json.loads(capsys.readouterr().out)["balance"]
+    want = step_balance(costs[:, : lined - lined % micro], micro)
+    assert got["plan_cost"] == pytest.approx(want)
+    # A line's step times are of the batches before it: the last lined batch's time is in no line.
+    timed = lined - 1 - (lined - 1) % micro
+    times = 1e-9 * costs[:, :timed] + 1e-3 * np.arange(world)[:, None]
+    assert got["step_time"] == pytest.approx(step_balance(times, micro))
+    assert main(["stats", str(tmp_path / "m")]) == 0
+    assert f"step time lost {want['time_lost']:.2%}" in capsys.readouterr().out
+
+
+def test_report_step_time_before_any_batch_is_refused(stdlib_root):
+    (ld,) = _loaders(stdlib_root, 1, metrics=False)
+    with pytest.raises(ValueError, match="no batch"):
+        ld.report_step_time(0.1)
