@@ -93,7 +93,9 @@ class Batching:
     samples, a shard or two at once), as WebDataset's and LitData's shard-wise shuffles do: the
     first batch of a compressed share read in place waits for one shard's decompression, not the
     share's (`loader.inflate`), and reads stay within a shard or two (page cache, fetch on a miss).
-    What a batch mixes is one block's samples, not the group's: a weaker shuffle, chosen.
+    What a batch mixes is one block's samples, not the group's: a weaker shuffle, chosen. (With a
+    cost model, the balanced deal orders the steps across the epoch: blocks then decide only
+    which samples share a batch, not the order shards are read in.)
     """
 
     batch_size: int | None = None
