@@ -403,7 +403,7 @@ class ShardedLoader(PassRunner):
         the rest. `batches_left` is what the next pass yields. Once every batch of an epoch was
         handed over, the next epoch's (a trainer reads it there to size that epoch)."""
         self._settle()
-        return sum(s["served"] for s in self._state.segments[:-1]) + self.plan.batches_per_rank
+        return sum(s.served for s in self._state.segments[:-1]) + self.plan.batches_per_rank
 
     @property
     def batches_left(self) -> int:
@@ -447,7 +447,7 @@ class ShardedLoader(PassRunner):
             plan = self.planner.rank_plan(resumed, self.dp_rank)
         except ValueError as e:  # StateError, and a plan that cannot be made for it
             raise LoaderStateError(f"cannot load this loader state: {e}") from None
-        start = resumed.last["served"]
+        start = resumed.last.served
         self._epoch = self._loaded_epoch = st.epoch
         self._state = resumed
         self._plan = plan

@@ -39,6 +39,7 @@ import transformers.trainer as _trainer_module
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..loader import LoaderError, LoaderStateError, ShardedLoader
+from ..plan.state import LoaderState, StateError
 from .position import one_dataset, position
 
 __all__ = ["STATE_FILE", "ShardedTrainer", "TrainerLoader"]
@@ -150,12 +151,15 @@ class ShardedTrainer(transformers.Trainer):
     def _refuse_another_layout(self, view: TrainerLoader, state: dict[str, Any]) -> None:
         # The loader itself would continue on another number of DP ranks (the epoch's rest re-dealt),
         # but the Trainer derives epoch and step from global_step and one epoch length, which then differ.
-        here = view.state_dict()["segments"][-1]
-        saved = (state.get("segments") or [{}])[-1]
-        if (saved.get("dp_size"), saved.get("groups")) != (here["dp_size"], here["groups"]):
+        here = LoaderState.from_dict(view.state_dict()).last.layout.identity()
+        try:
+            saved = LoaderState.from_dict(state).last.layout.identity()
+        except StateError:
+            return  # load_state_dict refuses it, saying what is wrong with it
+        if saved != here:
             raise LoaderStateError(
-                f"the checkpoint {self._resume_dir} was saved on {saved.get('dp_size')} data-parallel ranks "
-                f"(groups {saved.get('groups')}), this run has {here['dp_size']} (groups {here['groups']}): the Trainer "
+                f"the checkpoint {self._resume_dir} was saved on {saved['dp_size']} data-parallel ranks "
+                f"(groups {saved['groups']}), this run has {here['dp_size']} (groups {here['groups']}): the Trainer "
                 f"counts epochs and steps from one epoch length and cannot resume on another layout. Resume on the "
                 f"same number of ranks and nodes, or drive the loader with accelerate in your own loop"
             )

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..plan.state import LoaderState
+
 __all__ = ["one_dataset", "position"]
 
 
 def position(loader: Any) -> tuple[int, int]:
-    """(epoch, batches this rank has had in it): where the next batch comes from."""
-    state = loader.state_dict()
-    return state["epoch"], sum(s["served"] for s in state["segments"])
+    """(epoch, batches this rank has had in it): where the next batch comes from. Read through
+    the state's own parser: the saved JSON is the loader's edge, not a format adapters know."""
+    state = LoaderState.from_dict(loader.state_dict())
+    return state.epoch, state.served
 
 
 def one_dataset(loader: Any, adapter: str, why: str) -> Any:

@@ -36,7 +36,7 @@ from .ranges import group_cuts, group_shard_pieces, sample_locations, shards_of_
 from .rank import Planner, RankPlan
 from .shape import PlanShape, plan_shape
 from .source import ArraySource, PlanSource
-from .state import LoaderState, StateError
+from .state import LoaderState, Segment, StateError
 
 __all__ = [
     "PLAN_VERSION",
@@ -56,6 +56,7 @@ __all__ = [
     "Placement",
     "Planner",
     "RankPlan",
+    "Segment",
     "StateError",
     "array_task",
     "data_layout",

@@ -21,7 +21,7 @@ from .layout import DataLayout
 from .packing import Rows
 from .shape import PlanShape, plan_shape
 from .source import PlanSource
-from .state import LoaderState, StateError, segment_layout
+from .state import LoaderState, Segment, StateError
 
 __all__ = ["Planner", "RankPlan", "first_segment_batches"]
 
@@ -100,30 +100,30 @@ def _in_rank_order(
     return rows, np.concatenate([[0], np.cumsum(sizes[order])]).astype(np.int64)
 
 
-def _in_previous(segments: list[dict], i: int, position: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _in_previous(segments: list[Segment], i: int, position: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(DP rank, batch) in segment i-1 of positions in segment i's sequence: segment i-1's
     unserved batches, DP rank by DP rank."""
     prev = segments[i - 1]
-    left = max(int(prev["batches"]) - int(prev["served"]), 1)
-    return position // left, int(prev["served"]) + position % left
+    left = max(prev.left, 1)
+    return position // left, prev.served + position % left
 
 
-def to_first_segment(segments: list[dict], i: int, d: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def to_first_segment(segments: list[Segment], i: int, d: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Where DP rank d's batch b of segment ``i`` comes from: (DP rank, batch) in segment 0."""
     for j in range(i, 0, -1):
-        d, b = _in_previous(segments, j, d * int(segments[j]["batches"]) + b)
+        d, b = _in_previous(segments, j, d * segments[j].batches + b)
     return d, b
 
 
-def first_segment_batches(segments: list[dict], j: int, dp_rank: int) -> tuple[np.ndarray, np.ndarray]:
+def first_segment_batches(segments: list[Segment], j: int, dp_rank: int) -> tuple[np.ndarray, np.ndarray]:
     """Where DP rank ``dp_rank``'s batches of segment ``j`` come from, in segment 0."""
-    n = int(segments[j]["batches"])
+    n = segments[j].batches
     return to_first_segment(segments, j, np.full(n, dp_rank, dtype=np.int64), np.arange(n, dtype=np.int64))
 
 
-def _redeal(prev: dict, prev_layout: DataLayout, layout: DataLayout) -> tuple[int, int]:
+def _redeal(prev: Segment, layout: DataLayout) -> tuple[int, int]:
     """(batches per DP rank, batches left over) when ``prev``'s unserved batches go to ``layout``."""
-    remaining = prev_layout.dp_size * (int(prev["batches"]) - int(prev["served"]))
+    remaining = prev.layout.dp_size * prev.left
     n = remaining // layout.dp_size
     return n, remaining - n * layout.dp_size
 
@@ -197,7 +197,7 @@ class Planner:
         trimmed = state.copy()
         # A segment in which nothing was served changed nothing: deal from the one before it, or
         # plan the epoch afresh on the new layout (node-sticky ranges, no batch left over).
-        while trimmed.segments and trimmed.last["served"] == 0:
+        while trimmed.segments and trimmed.last.served == 0:
             trimmed.segments.pop()
         if not trimmed.segments:
             return LoaderState.start(
@@ -205,21 +205,20 @@ class Planner:
             )
         if trimmed.same_layout(layout):
             return trimmed
-        n, _ = _redeal(trimmed.last, segment_layout(trimmed.last), layout)
+        n, _ = _redeal(trimmed.last, layout)
         return trimmed.resumed_on(layout, n)
 
     def check(self, state: LoaderState) -> None:
         """Every segment's batch count is what this dataset and config give: else the state was
         saved for something else (another dataset version, config or planner)."""
         for i, seg in enumerate(state.segments):
-            layout = segment_layout(seg)
             if i == 0:
-                want = self.shape(layout).batches_per_rank
+                want = self.shape(seg.layout).batches_per_rank
             else:
-                want, _ = _redeal(state.segments[i - 1], segment_layout(state.segments[i - 1]), layout)
-            if seg["batches"] != want:
+                want, _ = _redeal(state.segments[i - 1], seg.layout)
+            if seg.batches != want:
                 raise StateError(
-                    f"segment {i} of the loader state has {seg['batches']} batches per rank where "
+                    f"segment {i} of the loader state has {seg.batches} batches per rank where "
                     f"this dataset and config give {want}: found a state from another dataset or config"
                 )
 
@@ -237,11 +236,11 @@ class Planner:
         segments = state.segments
         if not segments:
             return []
-        layout0 = segment_layout(segments[0])
+        layout0 = segments[0].layout
         out: list[np.ndarray] = []
         for i in range(1, len(segments)):
-            layout = segment_layout(segments[i])
-            n, extra = _redeal(segments[i - 1], segment_layout(segments[i - 1]), layout)
+            layout = segments[i].layout
+            n, extra = _redeal(segments[i - 1], layout)
             position = np.arange(n * layout.dp_size, n * layout.dp_size + extra, dtype=np.int64)
             d, b = _in_previous(segments, i, position)
             d0, b0 = to_first_segment(segments, i - 1, d, b)
@@ -253,12 +252,12 @@ class Planner:
         """DP rank ``dp_rank``'s batches in ``state``'s current (last) segment, from batch 0."""
         segments = state.segments
         j = len(segments) - 1
-        segment_layout(segments[j]).group_of(dp_rank)  # a DP rank of the current layout
-        layout0 = segment_layout(segments[0])
+        segments[j].layout.group_of(dp_rank)  # a DP rank of the current layout
+        layout0 = segments[0].layout
         d0, b0 = first_segment_batches(segments, j, dp_rank)
         firsts = np.cumsum([0, *layout0.group_sizes])
         group = np.searchsorted(firsts, d0, side="right") - 1
-        n = int(segments[j]["batches"])
+        n = segments[j].batches
         pieces = []  # per source group: (positions in this rank's order, their ids, sizes, lengths)
         row_parts, row_counts, row_where = [], [], []  # packed: the same batches' rows
         for g in np.unique(group).tolist():
@@ -282,10 +281,7 @@ class Planner:
         for where, got, counts, got_lengths in pieces:
             dest = gather_runs(np.arange(ids.size, dtype=np.int64), offsets[where], counts)
             ids[dest], lengths[dest] = got, got_lengths
-        leftover = sum(
-            _redeal(segments[i - 1], segment_layout(segments[i - 1]), segment_layout(segments[i]))[1]
-            for i in range(1, j + 1)
-        )
+        leftover = sum(_redeal(segments[i - 1], segments[i].layout)[1] for i in range(1, j + 1))
         remainder = remainder_tokens = remainder_pieces = None
         if j == 0:
             g, _ = layout0.group_of(dp_rank)

@@ -24,7 +24,7 @@ from . import about as _about
 from .batching import Batching
 from .layout import DataLayout
 
-__all__ = ["STATE_VERSION", "LoaderState", "StateError", "check_compatible"]
+__all__ = ["STATE_VERSION", "LoaderState", "Segment", "StateError", "check_compatible"]
 
 STATE_VERSION = 2
 _SEGMENT_KEYS = {"dp_size", "groups", "batches", "served"}
@@ -40,19 +40,47 @@ def _int(name: str, value: Any, low: int) -> int:
     return value
 
 
-def _segment(identity: Mapping[str, Any], batches: Any, served: Any) -> dict[str, Any]:
-    try:
-        layout = DataLayout.from_identity(identity)
-    except (KeyError, TypeError, ValueError) as e:
-        raise StateError(f"segment layout {dict(identity)!r} is malformed ({e})") from None
-    batches, served = _int("batches", batches, 0), _int("served", served, 0)
-    if served > batches:
-        raise StateError(f"segment served {served} of only {batches} batches")
-    return {**layout.identity(), "batches": batches, "served": served}
+@dataclass(frozen=True)
+class Segment:
+    """One data layout an epoch ran on: the batches every DP rank had in it, and those served.
 
+    Its layout is kept as the state records it (`DataLayout.identity`: DP size and group sizes;
+    the nodes never change which samples a DP rank reads), so two segments of one layout compare
+    equal wherever their nodes were. The saved form is `to_dict`; only `LoaderState` reads and
+    writes it."""
 
-def segment_layout(segment: Mapping[str, Any]) -> DataLayout:
-    return DataLayout.from_identity(segment)
+    layout: DataLayout
+    batches: int
+    served: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", DataLayout.from_identity(self.layout.identity()))
+        _int("batches", self.batches, 0)
+        _int("served", self.served, 0)
+        if self.served > self.batches:
+            raise StateError(f"segment served {self.served} of only {self.batches} batches")
+
+    @property
+    def left(self) -> int:
+        """Batches every DP rank has yet to serve in this segment."""
+        return self.batches - self.served
+
+    def with_served(self, served: int) -> Segment:
+        return Segment(self.layout, self.batches, served)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.layout.identity(), "batches": self.batches, "served": self.served}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Segment:
+        """A saved segment (``{"dp_size", "groups", "batches", "served"}``), checked."""
+        if not isinstance(data, Mapping) or set(data) != _SEGMENT_KEYS:
+            raise StateError(f"loader state segment: found {data!r}, expected keys {sorted(_SEGMENT_KEYS)}")
+        try:
+            layout = DataLayout.from_identity(data)
+        except (KeyError, TypeError, ValueError) as e:
+            raise StateError(f"segment layout {dict(data)!r} is malformed ({e})") from None
+        return cls(layout, data["batches"], data["served"])
 
 
 def _v1_fingerprint(batching: Batching) -> str:
@@ -75,7 +103,7 @@ class LoaderState:
     epoch: int
     dataset_fingerprint: str
     batching_fingerprint: str
-    segments: list[dict[str, Any]] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
     version: int = STATE_VERSION
     # What it was saved for, in words (`shardtool.plan.about`): None in states from before it.
     about: dict[str, Any] | None = None
@@ -85,16 +113,21 @@ class LoaderState:
         cls, epoch: int, dataset_fingerprint: str, batching: Batching, layout: DataLayout, batches: int
     ) -> LoaderState:
         """The state before the first batch of ``epoch`` on ``layout`` (``batches`` per DP rank)."""
-        return cls(epoch, dataset_fingerprint, batching.fingerprint(), [_segment(layout.identity(), batches, 0)])
+        return cls(epoch, dataset_fingerprint, batching.fingerprint(), [Segment(layout, batches, 0)])
 
     @property
-    def last(self) -> dict[str, Any]:
+    def last(self) -> Segment:
         if not self.segments:
             raise StateError("loader state has no segments")
         return self.segments[-1]
 
+    @property
+    def served(self) -> int:
+        """Batches every DP rank has had in this epoch, over all its segments (layouts)."""
+        return sum(s.served for s in self.segments)
+
     def same_layout(self, layout: DataLayout) -> bool:
-        return bool(self.segments) and segment_layout(self.last).identity() == layout.identity()
+        return bool(self.segments) and self.last.layout.identity() == layout.identity()
 
     def resumed_on(self, layout: DataLayout, batches: int) -> LoaderState:
         """This state continued on ``layout``: a new segment of ``batches`` per DP rank if the
@@ -102,14 +135,13 @@ class LoaderState:
         no segment (the start of an epoch) starts its first one."""
         new = self.copy()
         if not self.same_layout(layout):
-            new.segments.append(_segment(layout.identity(), batches, 0))
+            new.segments.append(Segment(layout, batches, 0))
         return new
 
     def with_served(self, served: int) -> LoaderState:
         """This state after every DP rank has served ``served`` batches of the current segment."""
         new = self.copy()
-        last = new.last
-        new.segments[-1] = _segment(last, last["batches"], served)
+        new.segments[-1] = new.last.with_served(served)
         return new
 
     def copy(self) -> LoaderState:
@@ -117,7 +149,7 @@ class LoaderState:
             self.epoch,
             self.dataset_fingerprint,
             self.batching_fingerprint,
-            [dict(s, groups=[list(g) for g in s["groups"]]) for s in self.segments],
+            list(self.segments),  # frozen: shared, never changed in place
             self.version,
             self.about,
         )
@@ -134,7 +166,7 @@ class LoaderState:
             "epoch": self.epoch,
             "dataset_fingerprint": self.dataset_fingerprint,
             "batching_fingerprint": self.batching_fingerprint,
-            "segments": [dict(s, groups=[list(g) for g in s["groups"]]) for s in self.segments],
+            "segments": [s.to_dict() for s in self.segments],
         }
         if self.about is not None:
             out["about"] = parse_about(self.about)
@@ -163,11 +195,7 @@ class LoaderState:
         segments = data["segments"]
         if not isinstance(segments, Sequence) or isinstance(segments, str) or not segments:
             raise StateError(f"loader state segments must be a non-empty list, found {segments!r}")
-        parsed = []
-        for seg in segments:
-            if not isinstance(seg, Mapping) or set(seg) != _SEGMENT_KEYS:
-                raise StateError(f"loader state segment: found {seg!r}, expected keys {sorted(_SEGMENT_KEYS)}")
-            parsed.append(_segment(seg, seg["batches"], seg["served"]))
+        parsed = [Segment.from_dict(seg) for seg in segments]
         return cls(
             epoch,
             data["dataset_fingerprint"],

@@ -88,12 +88,12 @@ def test_elastic_resume_of_packed_rows_repeats_no_token(case, new, where):
         state = planner.start(epoch, DATASET, dl)
     except ValueError:
         return
-    k = int(where * state.last["batches"])
+    k = int(where * state.last.batches)
     before = _ranks(planner, state, dl)
     served = sum(token_counts(p.rows.take(np.arange(p.row_offsets[k])), data.lengths.size) for p in before)
     resumed = planner.continue_on(state.with_served(k), new_dl)
     after = _ranks(planner, resumed, new_dl)
-    start = resumed.last["served"]
+    start = resumed.last.served
     assert len({p.batches_per_rank for p in after}) == 1
     for p in after:
         served = served + token_counts(p.rows.take(np.arange(p.row_offsets[start], p.rows.num_rows)), data.lengths.size)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardtool.plan import ArraySource, Batching, DataLayout, Layout, Planner
-from shardtool.plan.state import LoaderState, StateError, _v1_fingerprint, check_compatible
+from shardtool.plan.state import LoaderState, Segment, StateError, _v1_fingerprint, check_compatible
 from strategies import LAYOUTS, cases, make_lengths
 
 settings.register_profile("state", max_examples=40, deadline=None)
@@ -43,12 +43,12 @@ def test_same_layout_resume_yields_exactly_the_uninterrupted_tail(case, where):
     layout = DataLayout.pure_dp(case.layout)
     start = planner.start(case.epoch, DATASET, layout)
     full = batches_of(planner, start, layout)
-    k = int(where * start.last["batches"])
+    k = int(where * start.last.batches)
     state = roundtrip(start.with_served(k))
     check_compatible(state, DATASET, case.batching)
     planner.check(state)
     resumed = planner.continue_on(state, layout)
-    assert resumed.last["served"] == k and len(resumed.segments) == 1
+    assert resumed.last.served == k and len(resumed.segments) == 1
     for d, rank in enumerate(batches_of(planner, resumed, layout)):
         assert all(np.array_equal(a, b) for a, b in zip(rank[k:], full[d][k:])) and len(rank) == len(full[d])
 
@@ -63,7 +63,7 @@ def test_elastic_chains_equal_the_written_out_rule_never_repeat_and_cover_the_ep
     # a resume on another layout drops trailing segments that served nothing, then continues the
     # last one if it ran on that layout, else deals what it did not serve; a state left with no
     # segment plans the epoch afresh.
-    stack = [[layout, batches_of(planner, state, layout), int(where * state.last["batches"]), []]]
+    stack = [[layout, batches_of(planner, state, layout), int(where * state.last.batches), []]]
     for new, fraction in resumes:
         new_layout = DataLayout.pure_dp(new)
         state = roundtrip(state.with_served(stack[-1][2]))
@@ -83,14 +83,14 @@ def test_elastic_chains_equal_the_written_out_rule_never_repeat_and_cover_the_ep
         assert [[b.tolist() for b in r] for r in current] == [[b.tolist() for b in r] for r in stack[-1][1]]
         assert len({len(r) for r in current}) == 1, "equal counts on every new rank"
         start = stack[-1][2]
-        stack[-1][2] = start + int(fraction * (state.last["batches"] - start))
+        stack[-1][2] = start + int(fraction * (state.last.batches - start))
     state = state.with_served(stack[-1][2])
     # What each segment served, then the last one finished.
     served = [b for _, rank, count, _ in stack[:-1] for r in rank for b in r[:count]]
     served += [b for r in stack[-1][1] for b in r]
     everything = np.concatenate(served) if served else np.zeros(0, np.int64)
     assert np.unique(everything).size == everything.size, "a sample was served twice"
-    first = DataLayout.from_identity(state.segments[0])
+    first = state.segments[0].layout
     remainder = np.unique(
         np.concatenate(
             [planner.rank_plan(planner.start(case.epoch, DATASET, first), d).remainder for d in range(first.dp_size)]
@@ -111,11 +111,11 @@ def test_elastic_resume_costs_about_a_ranks_share(before, after):
     old, new = DataLayout.pure_dp(Layout(*before)), DataLayout.pure_dp(Layout(*after))
     planner = Planner(ArraySource(lengths, counts), batching)
     state = planner.start(4, DATASET, old)
-    state = planner.continue_on(state.with_served(state.last["batches"] // 3), new)
+    state = planner.continue_on(state.with_served(state.last.batches // 3), new)
     for d in range(new.dp_size):
         mine = ArraySource(lengths, counts)
         plan = Planner(mine, batching).rank_plan(roundtrip(state), d)
-        assert plan.batches_per_rank == state.last["batches"]
+        assert plan.batches_per_rank == state.last.batches
         # Its batches are a contiguous run of old ranks' batches: it plans only the few old groups
         # they come from, about old.dp_size / new.dp_size of them, not the whole dataset.
         groups_read = len(set(mine.ranges_read))
@@ -127,8 +127,8 @@ def test_resume_at_the_end_of_an_epoch_on_a_bigger_world_serves_nothing():
     planner = Planner(ArraySource(lengths, [500]), Batching(batch_size=8))
     one = DataLayout.pure_dp(Layout(1, 1))
     state = planner.start(0, DATASET, one)
-    state = planner.continue_on(state.with_served(state.last["batches"]), DataLayout.pure_dp(Layout(4, 2)))
-    assert state.last["batches"] == 0
+    state = planner.continue_on(state.with_served(state.last.batches), DataLayout.pure_dp(Layout(4, 2)))
+    assert state.last.batches == 0
     assert all(planner.rank_plan(state, d).batches() == [] for d in range(8))
 
 
@@ -183,7 +183,8 @@ def test_incompatible_states_are_refused_with_found_and_expected():
     with pytest.raises(ValueError, match=r"version: found 3, expected 2"):
         LoaderState.from_dict(bad)
     wrong = state.copy()
-    wrong.segments[0]["batches"] += 1
+    seg = wrong.segments[0]
+    wrong.segments[0] = Segment(seg.layout, seg.batches + 1, seg.served)
     with pytest.raises(StateError, match="from another dataset or config"):
         planner.check(wrong)
 
@@ -227,3 +228,20 @@ def test_malformed_state_is_refused(change, message):
     }
     with pytest.raises(ValueError, match=message):
         LoaderState.from_dict(data)
+
+
+def test_a_segment_is_typed_its_saved_form_unchanged_and_its_nodes_never_part_of_it():
+    on_nodes = DataLayout.pure_dp(Layout(2, 4))
+    seg = Segment(on_nodes, 10, 3)
+    assert seg.left == 7 and seg.with_served(10).left == 0
+    # The saved JSON keeps its form: layout identity, batches, served.
+    assert seg.to_dict() == {"dp_size": 8, "groups": [[4, 2]], "batches": 10, "served": 3}
+    assert Segment.from_dict(json.loads(json.dumps(seg.to_dict()))) == seg
+    # The nodes do not change what a DP rank reads: a segment parsed back equals the one planned.
+    assert seg.layout == DataLayout.from_identity(on_nodes.identity())
+    state = LoaderState.start(0, DATASET, Batching(batch_size=2), on_nodes, 10).with_served(3)
+    assert state.last == seg and LoaderState.from_dict(state.to_dict()).segments == [seg]
+    with pytest.raises(StateError, match="served 11 of only 10"):
+        seg.with_served(11)
+    with pytest.raises(StateError, match="batches must be an int"):
+        Segment(on_nodes, True, 0)

@@ -22,7 +22,7 @@ from ..layout import DataLayout
 from ..rank import Planner, RankPlan
 from ..shape import PlanShape
 from ..source import PlanSource
-from ..state import LoaderState, StateError, segment_layout
+from ..state import LoaderState, StateError
 from .compose import Composition, integer_shares
 from .config import Mixture, MixtureError, source_batching
 from .state import MixtureState, Phase, SourceRecord, mixture_fingerprint
@@ -102,7 +102,7 @@ class MixturePlanner:
         phase = state.phase
         dp = phase.layout.dp_size
         for rec in phase.sources:
-            if rec.units % dp or segment_layout(rec.position.last).identity() != phase.layout.identity():
+            if rec.units % dp or rec.position.last.layout.identity() != phase.layout.identity():
                 raise StateError(
                     f"mixture state source {rec.name!r}: its position is not on the phase's layout "
                     f"{phase.layout.identity()} ({rec.units} units per source-epoch)"
@@ -172,7 +172,7 @@ class MixturePlanner:
     def cursor(rec: SourceRecord, layout: DataLayout) -> tuple[int, int, int]:
         """(units left in the starting epoch, their first index, units per later epoch) per DP rank."""
         last = rec.position.last
-        return int(last["batches"]) - int(last["served"]), int(last["served"]), rec.units // layout.dp_size
+        return last.left, last.served, rec.units // layout.dp_size
 
     def locate(self, rec: SourceRecord, layout: DataLayout, used: int) -> tuple[int, int]:
         """(source-epoch, unit index in the rank's plan of it) of the unit after ``used`` since the phase start."""

@@ -42,7 +42,7 @@ def _epochs(planner: MixturePlanner, rec: SourceRecord, layout, used: int) -> tu
     if used > 0:
         touched = planner.locate(rec, layout, used - 1)[0] + 1
     else:
-        touched = rec.epoch + (1 if any(s["served"] for s in rec.position.segments) else 0)
+        touched = rec.epoch + (1 if any(s.served for s in rec.position.segments) else 0)
     return passes, touched
 
 
