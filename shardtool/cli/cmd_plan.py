@@ -398,3 +398,10 @@ def _print_balance(report: dict, out) -> None:
             f"{bal['max_over_mean_median']:.3f}, p90 {bal['max_over_mean_p90']:.3f}, max "
             f"{bal['max_over_mean_max']:.3f}; {bal['time_lost']:.2%} of step time lost waiting for the slowest\n"
         )
+    bal = report["balanced"]
+    if bal is not None and "time_lost_floor" in bal:
+        # What no step order can win back: the ranks' shares differ in total cost.
+        out(
+            f"compute       the least any order of these batches can lose: {bal['time_lost_floor']:.2%} (the DP "
+            "ranks' shares differ in total cost; across nodes, in which documents each node's range holds)\n"
+        )

@@ -122,7 +122,8 @@ def format_summary(run: str, s: dict) -> str:
                 "",
                 f"steps waiting for the slowest DP rank, from {what}: {b['steps']:,} steps of {b['dp_ranks']} ranks, "
                 f"max/mean median {b['max_over_mean_median']:.3f}, p90 {b['max_over_mean_p90']:.3f}, "
-                f"max {b['max_over_mean_max']:.3f}; step time lost {b['time_lost']:.2%}",
+                f"max {b['max_over_mean_max']:.3f}; step time lost {b['time_lost']:.2%} "
+                f"(the least any order of these steps could lose: {b.get('time_lost_floor', 0.0):.2%})",
             ]
     lines += ["", "slowest ranks (largest share of time waiting for data)"]
     lines += [

@@ -174,19 +174,25 @@ def step_balance(costs: np.ndarray, micro: int = 1) -> dict[str, float] | None:
     """How evenly the steps load the DP ranks, from ``costs`` [DP ranks, batches]: the per-step
     max/mean across ranks (median, p90, max) and the share of step time lost waiting for the
     slowest rank, ``1 - sum(mean) / sum(max)`` (a step lasts as long as its slowest rank). A step
-    is ``micro`` consecutive batches of a rank (gradient accumulation). None without a step."""
+    is ``micro`` consecutive batches of a rank (gradient accumulation). None without a step.
+
+    ``time_lost_floor`` is the least any order of the same batches can lose: the epoch lasts at
+    least as long as the costliest rank's total, ``1 - mean(totals) / max(totals)``. Where the
+    loss is at its floor, no step order does better; what is left is what each rank's share
+    holds (across nodes: which documents each node's range has)."""
     costs = np.asarray(costs, np.float64)
     if micro > 1 and costs.ndim == 2 and costs.shape[1]:
         costs = np.add.reduceat(costs, np.arange(0, costs.shape[1], micro), axis=1)
     if costs.ndim != 2 or costs.shape[1] == 0 or costs.shape[0] == 0:
         return None
-    top, mean = costs.max(axis=0), costs.mean(axis=0)
+    top, mean, totals = costs.max(axis=0), costs.mean(axis=0), costs.sum(axis=1)
     ratio = np.divide(top, mean, out=np.ones_like(top), where=mean > 0)
     return {
         "max_over_mean_median": float(np.median(ratio)),
         "max_over_mean_p90": float(np.quantile(ratio, 0.9)),
         "max_over_mean_max": float(ratio.max()),
         "time_lost": float(1.0 - mean.sum() / top.sum()) if top.sum() > 0 else 0.0,
+        "time_lost_floor": float(1.0 - totals.mean() / totals.max()) if totals.max() > 0 else 0.0,
         "dp_ranks": int(costs.shape[0]),
         "steps": int(costs.shape[1]),
     }

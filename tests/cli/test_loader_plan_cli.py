@@ -209,6 +209,9 @@ def test_plan_with_a_cost_model_reports_the_time_steps_lose_to_the_slowest_rank(
         in text.stdout
     )
     assert f"{even['time_lost']:.2%} of step time lost waiting for the slowest" in text.stdout
+    # And what no order of the same batches could win back, which the balanced order is near.
+    assert 0 <= even["time_lost_floor"] <= even["time_lost"] + 1e-12
+    assert f"the least any order of these batches can lose: {even['time_lost_floor']:.2%}" in text.stdout
     bad = shardtool(*args, "gpt-17")
     assert bad.returncode == 1 and "--cost-model" in bad.stderr and "llama-7b" in bad.stderr
     alone = shardtool(*args[:-1], "--balance-window", "8")
