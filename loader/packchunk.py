@@ -21,7 +21,7 @@ import torch
 
 from ..plan.packing import Rows
 from .collate import Alloc
-from .packlayout import _runs, copy_runs, lean_dtype
+from .packlayout import copy_runs, joined_runs, lean_dtype
 
 CHUNK = 64  # batches laid out together: ~1 MB of layout at 8 x 8192
 
@@ -68,7 +68,7 @@ class LeanChunk:
         n = np.minimum(rows.span_len, np.maximum(counts - rows.span_start, 0))
         item = dtype.itemsize
         # The batch in the buffer index's high bits keeps runs from joining across batches.
-        at, wb, a, k = _runs(
+        at, wb, a, k = joined_runs(
             flat_start * item, which + (span_batch << 32), (first_el + rows.span_start) * item, n * item
         )
         w = wb & 0xFFFFFFFF
@@ -117,7 +117,7 @@ class LeanChunk:
         equal to `PackedReader.read`'s lean batch."""
         b, seq = self.lengths.shape[1], packed.packing.seq_len
         ids = alloc((b, seq), self.dtype)
-        narrow = ids if ids.dtype == self.stored else packed._scratch((b, seq), self.stored)
+        narrow = ids if ids.dtype == self.stored else packed.scratch.array((b, seq), self.stored)
         lo, hi = self.run_cuts[j], self.run_cuts[j + 1]
         copy_runs(ids, narrow, self.bufs, *(r[lo:hi] for r in self.runs))
         flat = ids.reshape(-1)

@@ -55,8 +55,9 @@ from ..plan.arrays import gather_runs
 from ..plan.packing import Packing, Rows
 from .collate import KEY, Alloc
 from .packchunk import CHUNK, LeanChunk
-from .packlayout import _counting, _Layout, _runs, copy_runs, lean_dtype
+from .packlayout import BatchLayout, copy_runs, counting, joined_runs, lean_dtype
 from .reader import BatchReader
+from .scratch import Scratch
 
 __all__ = [
     "IGNORE_INDEX",
@@ -82,7 +83,7 @@ def _check_outputs(outputs: str) -> str:
 def _finish(
     ids: np.ndarray,
     rest: np.ndarray | None,
-    lay: _Layout,
+    lay: BatchLayout,
     keys: Sequence[Any] | None,
     *,
     name: str,
@@ -99,7 +100,7 @@ def _finish(
         flat[lay.eos_at] = packing.eos_id
     # Padding is each row's tail, usually a few tokens (best-fit fills rows to ~0.999).
     row_start = np.arange(b, dtype=np.int64) * seq
-    pad = gather_runs(_counting(b * seq), row_start + lay.row_tokens, seq - lay.row_tokens)
+    pad = gather_runs(counting(b * seq), row_start + lay.row_tokens, seq - lay.row_tokens)
     flat[pad] = pad_id
     # Pieces start the segments; a row without pieces is one segment of padding.
     empty = row_start[lay.row_tokens == 0]
@@ -122,7 +123,7 @@ def _finish(
         lab[-1:] = IGNORE_INDEX
         lab[lay.flat_start + lay.rows.span_len - 1] = IGNORE_INDEX
         lab[pad] = IGNORE_INDEX
-        np.subtract(_counting(b * seq), np.repeat(starts, seg_len), out=pos)
+        np.subtract(counting(b * seq), np.repeat(starts, seg_len), out=pos)
         out["labels"] = torch.from_numpy(labels)
         out["position_ids"] = torch.from_numpy(positions)
     out["cu_seqlens"] = torch.from_numpy(cu)
@@ -132,7 +133,7 @@ def _finish(
     return out
 
 
-def _block(lay: _Layout, alloc: Alloc, into: np.ndarray | None) -> np.ndarray:
+def _block(lay: BatchLayout, alloc: Alloc, into: np.ndarray | None) -> np.ndarray:
     if into is None:
         return alloc((3, lay.b, lay.seq), np.int64)
     if into.shape != (3, lay.b, lay.seq) or into.dtype != np.int64:
@@ -161,7 +162,7 @@ def packed_batch(
     lean = _check_outputs(outputs) == "lean"
     if lean and into is not None:
         raise ValueError("into= is a full batch's [3, B, S] block; a lean batch has none")
-    lay = _Layout(rows, packing, rows_per_batch)
+    lay = BatchLayout(rows, packing, rows_per_batch)
     arrays = list(tokens_of(lay.docs))
     if len(arrays) != len(lay.docs):
         raise ValueError(f"tokens_of returned {len(arrays)} arrays for {len(lay.docs)} samples")
@@ -198,7 +199,7 @@ class PackedReader:
         self.reader, self.packing = reader, packing
         self.name, self.pad_id, self.rows_per_batch = name, int(pad_id), rows_per_batch
         self.outputs = _check_outputs(outputs)
-        self._scratch_buf: np.ndarray | None = None
+        self.scratch = Scratch()
         self._chunk: tuple | None = None  # (the pass's rows, its LeanChunk being read)
 
     def read(
@@ -214,7 +215,7 @@ class PackedReader:
         alloc = alloc or np.empty
         if into is not None and self.outputs == "lean":
             raise ValueError("into= is a full batch's [3, B, S] block; a lean batch has none")
-        lay = _Layout(rows, self.packing, rows_per_batch or self.rows_per_batch, per_span=True)
+        lay = BatchLayout(rows, self.packing, rows_per_batch or self.rows_per_batch, per_span=True)
         src = self.reader.token_sources(lay.docs, keys=self.outputs == "full")
         if src is None:
             return self._decoded(rows, lay, alloc, into)
@@ -238,7 +239,7 @@ class PackedReader:
         return lay.read(self, b - first, alloc)
 
     def _copied(
-        self, lay: _Layout, src: tuple, alloc: Alloc, into: np.ndarray | None, where: Callable[[int], str]
+        self, lay: BatchLayout, src: tuple, alloc: Alloc, into: np.ndarray | None, where: Callable[[int], str]
     ) -> dict[str, Any]:
         """The batch of ``lay`` from ``src`` (`BatchReader.token_sources` of ``lay.docs``)."""
         keys, bufs, which, first, counts, dtype = src
@@ -249,8 +250,8 @@ class PackedReader:
         else:
             block = _block(lay, alloc, into)
             ids, rest = block[0], block[1:]
-        narrow = ids if ids.dtype == dtype else self._scratch((lay.b, lay.seq), dtype)
-        runs = _runs(
+        narrow = ids if ids.dtype == dtype else self.scratch.array((lay.b, lay.seq), dtype)
+        runs = joined_runs(
             lay.flat_start * item, lay.of_span(which), (lay.of_span(first) + lay.rows.span_start) * item, n * item
         )
         copy_runs(ids, narrow, bufs, *(r.tolist() for r in runs))
@@ -258,7 +259,7 @@ class PackedReader:
             ids, rest, lay, keys if rest is not None else None, name=self.name, pad_id=self.pad_id, alloc=alloc
         )
 
-    def _decoded(self, rows: Rows, lay: _Layout, alloc: Alloc, into: np.ndarray | None) -> dict[str, Any]:
+    def _decoded(self, rows: Rows, lay: BatchLayout, alloc: Alloc, into: np.ndarray | None) -> dict[str, Any]:
         """Remote shards, or payloads that are not plain arrays: decode sample by sample."""
         field = self.reader.pad_field
         samples = self.reader.read_samples(np.unique(lay.docs))  # packed_batch's tokens_of: sorted, distinct
@@ -280,14 +281,8 @@ class PackedReader:
             outputs=self.outputs,
         )
 
-    def _scratch(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
-        need = int(np.prod(shape)) * dtype.itemsize
-        if self._scratch_buf is None or self._scratch_buf.size < need:
-            self._scratch_buf = np.empty(max(need, 1 << 20), np.uint8)
-        return np.ndarray(shape, dtype, buffer=self._scratch_buf)
-
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_scratch_buf": None, "_chunk": None}  # a worker makes its own
+        return {**self.__dict__, "_chunk": None}  # a worker makes its own (and its scratch)
 
 
 SOURCE_SHIFT = 40  # read_together's document ids: part i's sample g is (i << 40) + g
@@ -304,7 +299,7 @@ def read_together(
     shifted = [
         dataclasses.replace(rows, span_pos=rows.span_pos + (i << SOURCE_SHIFT)) for i, (_, rows) in enumerate(parts)
     ]
-    lay = _Layout(Rows.concat(shifted, first_reader.packing.seq_len), first_reader.packing, rows_per_batch)
+    lay = BatchLayout(Rows.concat(shifted, first_reader.packing.seq_len), first_reader.packing, rows_per_batch)
     # The layout's sorted distinct documents are each part's, part after part (the shift): no
     # np.unique of its own per part.
     cuts = np.searchsorted(lay.docs, np.arange(1, len(parts), dtype=np.int64) << SOURCE_SHIFT).tolist()

@@ -24,6 +24,7 @@ from ..plan.ranges import locate_ids
 from .collate import KEY, PACK_MIN_BYTES, Alloc, PackedBytes, collate_samples, stack_column
 from .inflate import Inflated, InflatedShard, inflate_budget
 from .observability.probe import REMOTE, Probe
+from .scratch import Scratch
 from .shardview import ShardView
 from .source import MappedFile, RemoteShard, Source, SourceSpec
 
@@ -38,7 +39,7 @@ class BatchReader:
         self._pid = None
         self._source: Source | None = None
         self._views: OrderedDict[int, ShardView] = OrderedDict()
-        self._scratch_buf: np.ndarray | None = None
+        self._scratch = Scratch()
         self.probe: Probe | None = None  # counters and what is being read (loader/observability/probe.py)
         self._remote_seen: set[int] = set()
         self._last_remote_batch: tuple | None = None
@@ -372,7 +373,7 @@ class BatchReader:
         # times cheaper per sample than a numpy slice assignment with a cast), in the stored
         # dtype; one vectorised cast then widens the whole batch. An index-array gather would
         # cost more than the tokens themselves.
-        narrow = padded if dtype == padded.dtype else self._scratch((b, width), dtype)
+        narrow = padded if dtype == padded.dtype else self._scratch.array((b, width), dtype)
         narrow.fill(self.pad_id)
         dst = memoryview(narrow.reshape(-1).view(np.uint8))
         item = dtype.itemsize
@@ -384,13 +385,6 @@ class BatchReader:
         if narrow is not padded:
             np.copyto(padded, narrow)
         return torch.from_numpy(padded), torch.from_numpy(counts)
-
-    def _scratch(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
-        """A reused buffer: a fresh one per batch would page-fault on every batch."""
-        need = int(np.prod(shape)) * dtype.itemsize
-        if self._scratch_buf is None or self._scratch_buf.size < need:
-            self._scratch_buf = np.empty(max(need, 1 << 20), np.uint8)
-        return np.ndarray(shape, dtype, buffer=self._scratch_buf)
 
     def _field(self, groups, j: int, b: int, pack: bool, alloc: Alloc) -> Any:
         if pack and groups[0][0].bytes_fields[j]:
