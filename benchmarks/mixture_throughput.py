@@ -174,8 +174,10 @@ def plan_one(args) -> dict:
     for i, (name, share) in enumerate(SHARES.items()):
         source = SyntheticSource(int(args.plan_n * share), samples_per_shard=PER_SHARD, seed=i)
         with open(paths[name], "rb") as f:
-            source._summaries = ShardSummaries.from_bytes(
-                f.read(), lengths_hash=None, counts=source.shard_counts, total_tokens=None, source=paths[name]
+            source.use_summaries(
+                ShardSummaries.from_bytes(
+                    f.read(), lengths_hash=None, counts=source.shard_counts, total_tokens=None, source=paths[name]
+                )
             )
         sources[name] = source
     nodes, per_node = (int(x) for x in args.layout.split("x"))

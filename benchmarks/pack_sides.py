@@ -30,7 +30,7 @@ def side_arrow_reference(src: str, out: str) -> int:
     return n
 
 
-def _parquet_rows(src: str):
+def parquet_rows(src: str):
     import pyarrow.parquet as pq
 
     pos = 0
@@ -44,7 +44,7 @@ def _parquet_rows(src: str):
 
 
 def _dicts(src: str) -> list[dict]:
-    return [{"tokens": tokens, "source": source} for _, tokens, source in _parquet_rows(src)]
+    return [{"tokens": tokens, "source": source} for _, tokens, source in parquet_rows(src)]
 
 
 def side_dicts(src: str, out: str, how: str) -> tuple[int, float]:
@@ -111,7 +111,7 @@ def side_tokenize(src: str, out: str, how: str, workers: int) -> tuple[int, floa
     return n, time.perf_counter() - t0
 
 
-def _keyed_parquet(tok_dir: str) -> str:
+def keyed_parquet(tok_dir: str) -> str:
     """The token corpus with an ``id`` column (``doc-<n>``), for --key; same row groups."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -128,7 +128,7 @@ def _keyed_parquet(tok_dir: str) -> str:
     return path
 
 
-def _text_corpus(work: str, n: int) -> str:
+def text_corpus(work: str, n: int) -> str:
     """``n`` JSONL documents of seeded random words (lognormal lengths) and a BPE tokenizer
     trained on them, beside it as tokenizer.json."""
     import numpy as np

@@ -69,7 +69,7 @@ def _jsonl_rows(src: str):
             yield pos, np.asarray(d["tokens"], dtype=np.int64), d["source"]
 
 
-def _tree_samples(src: str):
+def tree_samples(src: str):
     for dirpath, dirnames, files in os.walk(src):
         dirnames.sort()
         groups: dict[str, dict] = {}
@@ -88,11 +88,11 @@ def side_shardwriter(src: str, out: str, kind: str) -> int:
     n = 0
     with wds.ShardWriter(os.path.join(out, "shard-%06d.tar"), maxsize=SHARD_BYTES, maxcount=10**9, verbose=0) as w:
         if kind == "images":
-            for key, fields in _tree_samples(src):
+            for key, fields in tree_samples(src):
                 w.write({"__key__": key, **fields})
                 n += 1
         else:
-            rows = _parquet_rows(src) if kind == "parquet" else _jsonl_rows(src)
+            rows = parquet_rows(src) if kind == "parquet" else _jsonl_rows(src)
             for pos, tokens, source in rows:
                 w.write({"__key__": f"{pos:09d}", "tokens.npy": tokens, "source.txt": source})
                 n += 1
@@ -105,11 +105,11 @@ def side_mds(src: str, out: str, kind: str) -> int:
     n = 0
     if kind == "images":
         with MDSWriter(out=out, columns={"bin": "bytes", "json": "bytes"}, size_limit=SHARD_BYTES) as w:
-            for key, fields in _tree_samples(src):
+            for key, fields in tree_samples(src):
                 w.write(fields)
                 n += 1
     else:
-        rows = _parquet_rows(src) if kind == "parquet" else _jsonl_rows(src)
+        rows = parquet_rows(src) if kind == "parquet" else _jsonl_rows(src)
         with MDSWriter(out=out, columns={"tokens": "ndarray", "source": "str"}, size_limit=SHARD_BYTES) as w:
             for pos, tokens, source in rows:
                 w.write({"tokens": tokens, "source": source})
@@ -117,7 +117,7 @@ def side_mds(src: str, out: str, kind: str) -> int:
     return n
 
 
-from .pack_sides import _keyed_parquet, _parquet_rows, _text_corpus, side_arrow_reference, side_dicts, side_tokenize  # noqa: E402
+from .pack_sides import keyed_parquet, parquet_rows, side_arrow_reference, side_dicts, side_tokenize, text_corpus  # noqa: E402
 
 
 def _child(argv: list[str]) -> int:
@@ -282,7 +282,7 @@ def main(argv=None) -> int:
             a.repeats,
         )
     if "columnar" in cases:
-        keyed = _keyed_parquet(tok_dir)
+        keyed = keyed_parquet(tok_dir)
         results["columnar"] = run_case(
             "Parquet with an id column, --key id (columnar reference: Parquet → one Arrow IPC file + fsync)",
             keyed,
@@ -309,7 +309,7 @@ def main(argv=None) -> int:
             a.repeats,
         )
     if "tokenize" in cases:
-        text = _text_corpus(a.work, n_tok // 4)
+        text = text_corpus(a.work, n_tok // 4)
         results["tokenize"] = run_case(
             "JSONL text → tokenized Arrow vs tokenizers alone (in-process times)",
             text,

@@ -91,7 +91,7 @@ def prepare(name: str, tree: str, out: str) -> None:
     if name == "streaming":
         from shardtool.benchmarks.peers import streaming
 
-        mod = streaming._import()
+        mod = streaming.load()
         with mod.MDSWriter(out=out, columns={"key": "str", "png": "bytes", "cls": "int"}, size_limit="64mb") as w:
             for key, png, c in tree_samples(tree):
                 w.write({"key": key, "png": png, "cls": c})
@@ -166,7 +166,7 @@ def _streaming_dataset_class():
     if _STREAMING is None:
         from shardtool.benchmarks.peers import streaming
 
-        class StreamingTransformed(streaming._import().StreamingDataset):
+        class StreamingTransformed(streaming.load().StreamingDataset):
             def __init__(self, *a, transform=None, **kw):
                 super().__init__(*a, **kw)
                 self.transform = transform
@@ -194,7 +194,7 @@ def loader(name: str, out: str, workers: int, batch: int, raw: bool = False, see
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
         streaming.clean()
         ds = _streaming_dataset_class()(local=out, shuffle=True, shuffle_seed=seed, batch_size=batch, transform=tf)
-        return streaming._import().StreamingDataLoader(
+        return streaming.load().StreamingDataLoader(
             ds, batch_size=batch, num_workers=workers, collate_fn=collate, persistent_workers=False
         )
     if name == "litdata":

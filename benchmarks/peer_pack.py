@@ -57,9 +57,9 @@ class _Dir:
     """optimize's fn: the samples of one directory of the image tree as dicts."""
 
     def __call__(self, d: str):
-        from shardtool.benchmarks.pack_throughput import _tree_samples
+        from shardtool.benchmarks.pack_throughput import tree_samples
 
-        for key, fields in _tree_samples(d):
+        for key, fields in tree_samples(d):
             yield {"key": key, "bin": fields["bin"], "json": fields["json"]}
 
 
@@ -73,7 +73,7 @@ def side(name: str, src: str, out: str, kind: str) -> int:
     if what == "mds":
         from shardtool.benchmarks.peers import streaming
 
-        streaming._import()  # its torchvision shim (benchmarks/peers/streaming.py)
+        streaming.load()  # its torchvision shim (benchmarks/peers/streaming.py)
         return pt.side_mds(src, out, "images" if kind == "images" else "parquet")
     if what == "litdata":
         import litdata
@@ -122,7 +122,7 @@ def _preimport(name: str) -> None:
     if what == "mds":
         from shardtool.benchmarks.peers import streaming
 
-        streaming._import()
+        streaming.load()
     elif what == "litdata":
         import litdata  # noqa: F401
     elif what == "energon":

@@ -43,8 +43,8 @@ def complete_cached_version(
         m = ds.manifest
         summaries_bytes = ensure_summaries(vd, None, **_OFFLINE)
         if summaries_bytes is None:
-            ds._lengths = lengths_from_bytes(
-                ensure_lengths(vd, m, None, **_OFFLINE), expected=m.num_samples, source=vd.root
+            ds.use_lengths(
+                lengths_from_bytes(ensure_lengths(vd, m, None, **_OFFLINE), expected=m.num_samples, source=vd.root)
             )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", SummariesMissing)

@@ -37,7 +37,7 @@ from ..format.atomic import fsync_dir
 from ..format.hashing import hash_file
 from ..format.manifest import Manifest, ShardInfo
 from .errors import SourceCorrupt
-from .store import _new_temp, hash_fd, local_fault, remove_temps_for, write_small
+from .store import hash_fd, local_fault, new_temp, remove_temps_for, write_small
 
 PLAIN, STORED = "plain", "stored"
 KEEP_COMPRESSED = "keep-compressed"  # marker in .shardtool/: this node keeps shards compressed
@@ -125,7 +125,7 @@ def decompress(vd, shard: int, info: ShardInfo, stored_path: str, final_path: st
     """Rewrite the verified stored shard at ``stored_path`` as a plain Arrow IPC file at
     ``final_path`` (temp, record, rename); returns the record. Caller holds the shard's lock."""
     what = f"shard {info.path}"
-    fd, tmp = _new_temp(final_path, what, vd.perms)
+    fd, tmp = new_temp(final_path, what, vd.perms)
     os.close(fd)
     try:
         batches = _rewrite(stored_path, tmp, info)

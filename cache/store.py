@@ -119,7 +119,7 @@ def remove_temps_for(final_path: str) -> None:
         os.unlink(temp_path_for(final_path))
 
 
-def _new_temp(final_path: str, what: str, perms: Perms) -> tuple[int, str]:
+def new_temp(final_path: str, what: str, perms: Perms) -> tuple[int, str]:
     tmp = temp_path_for(final_path)
     try:
         perms.makedirs(os.path.dirname(tmp))
@@ -231,7 +231,7 @@ def _copy_once(
     perms: Perms,
 ) -> None:
     what = f"shard {info.path}"
-    fd, tmp = _new_temp(final_path, what, perms)
+    fd, tmp = new_temp(final_path, what, perms)
     counted = 0
     began = time.monotonic()
 

@@ -237,7 +237,7 @@ def _warm(
     summaries_bytes = ensure_summaries(vd, src, **kw)
     # The lengths file too: the version directory stays a complete dataset root, and a dataset
     # packed before per-shard summaries needs it to compute them.
-    ds._lengths = lengths_from_bytes(ensure_lengths(vd, m, src, **kw), expected=m.num_samples, source=url)
+    ds.use_lengths(lengths_from_bytes(ensure_lengths(vd, m, src, **kw), expected=m.num_samples, source=url))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SummariesMissing)  # said once, below, not once per rank
         summaries = ds.load_summaries(summaries_bytes)

@@ -43,7 +43,7 @@ def decompress_pool() -> ThreadPoolExecutor | None:
     return _pool[1]
 
 
-def _column_ranges(col, spec: FieldSpec, base: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+def column_ranges(col, spec: FieldSpec, base: int, m: int) -> tuple[np.ndarray, np.ndarray]:
     bufs = col.buffers()
     if spec.storage == "array":
         offs = as_numpy(col.offsets).astype(np.int64)  # not to_numpy: its first call imports pandas
@@ -69,17 +69,17 @@ def decompressed_cache_cap(env) -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 64
     except (ValueError, OSError):
-        return _CompressedBatches.CACHE_BYTES
+        return CompressedBatches.CACHE_BYTES
 
 
 def _data_buffer(col, spec: FieldSpec):
-    """The buffer holding a column's values, which `_column_ranges` addresses are relative to."""
+    """The buffer holding a column's values, which `column_ranges` addresses are relative to."""
     if spec.storage == "array":
         return col.values.buffers()[1]
     return col.buffers()[1] if spec.storage == "int" else col.buffers()[2]
 
 
-class _CompressedBatches:
+class CompressedBatches:
     """Samples of a compressed Arrow shard: each record batch decompressed when first needed and
     kept in a per-process cache of decompressed batches (`CACHE_BYTES` over every shard, least
     recently used evicted), so a shard read again and again is decompressed about once.
@@ -129,7 +129,7 @@ class _CompressedBatches:
             check_schema(self.reader.schema, fields, name)
         self.fields, self.name = fields, name
         self.batch, self.row = index.batch, index.row
-        cls = _CompressedBatches
+        cls = CompressedBatches
         self.uid = cls._next_id
         cls._next_id += 1
         self._mine: set[int] = set()
@@ -150,7 +150,7 @@ class _CompressedBatches:
 
     def _decoded(self, b: int, rb: pa.RecordBatch | None = None) -> list:
         """Batch ``b``'s fields as (bytes view, starts, sizes); ``rb``: already decompressed."""
-        cls = _CompressedBatches
+        cls = CompressedBatches
         key = (self.uid, b)
         hit = cls._cache.get(key)
         if hit is not None:
@@ -166,7 +166,7 @@ class _CompressedBatches:
             col = rb.column(j + 1)
             data = _data_buffer(col, spec)
             base = data.address if data is not None else 0
-            starts, sizes = _column_ranges(col, spec, base, rb.num_rows)
+            starts, sizes = column_ranges(col, spec, base, rb.num_rows)
             view = memoryview(np.frombuffer(data, np.uint8)) if data is not None else memoryview(b"")
             got.append((view, starts, sizes))
             if j == self.tok_col:
@@ -185,7 +185,7 @@ class _CompressedBatches:
         """Decompress the uncached ones of ``batches`` on the pool's threads, each with a reader of
         its own (one reader is not documented safe to share), and cache them; a batch that fails
         is left for `_decoded` to raise about."""
-        missing = [k for k in batches if (self.uid, k) not in _CompressedBatches._cache]
+        missing = [k for k in batches if (self.uid, k) not in CompressedBatches._cache]
         pool = decompress_pool() if len(missing) >= PREFETCH_MIN else None
         if pool is None:
             return
@@ -225,7 +225,7 @@ class _CompressedBatches:
         """`ShardView.token_pieces`: (rows, first, count, which, buffers), ``which`` indexing
         ``buffers`` (the length field's values of each distinct record batch of ``li``)."""
         ub, which = np.unique(self.batch[li], return_inverse=True)
-        j, uid, cache = self.tok_col, self.uid, _CompressedBatches._cache
+        j, uid, cache = self.tok_col, self.uid, CompressedBatches._cache
         # One lookup per record batch, inline (this runs for every shard of every training
         # batch); hits become the most recent first, so decompressing the misses evicts others.
         keys = ub.tolist()
@@ -248,7 +248,7 @@ class _CompressedBatches:
         # training batch's record batches were just touched by `token_pieces` or by its earlier
         # samples), not `_decoded`'s LRU bookkeeping.
         b = self.batch.item(i)
-        hit = _CompressedBatches._cache.get((self.uid, b))
+        hit = CompressedBatches._cache.get((self.uid, b))
         view, starts, sizes = (hit[0] if hit is not None else self._decoded(b))[j]
         r = self.row.item(i)
         a = starts.item(r)
@@ -257,7 +257,7 @@ class _CompressedBatches:
     def fields_bytes(self, li: np.ndarray, j: int) -> list[bytes]:
         """`field_bytes` of samples ``li`` (a shard's samples of one training batch), one cache
         lookup per run of samples of one record batch."""
-        cache, uid = _CompressedBatches._cache, self.uid
+        cache, uid = CompressedBatches._cache, self.uid
         out = []
         last = -1
         for b, r in zip(self.batch[li].tolist(), self.row[li].tolist()):
@@ -298,7 +298,7 @@ class _CompressedBatches:
         return max(cls.CACHE_BYTES, min(cls._share + (cls._share >> 4), cls._cap))
 
     def close(self) -> None:
-        cls = _CompressedBatches
+        cls = CompressedBatches
         cls._share -= self.plain_bytes
         self.plain_bytes = 0
         for b in self._mine:

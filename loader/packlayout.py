@@ -12,7 +12,7 @@ from ..format import FormatError
 from ..plan.packing import Packing, Rows
 
 
-class _Layout:
+class BatchLayout:
     """Where every span of the batch goes in the flattened [B * S] batch. Its documents ``docs``:
     the sorted distinct ones, span k's being ``docs[doc_of_span[k]]``; or, ``per_span``, one per
     span (``docs`` is ``span_pos``, ``doc_of_span`` None): no sort per batch, and where the tokens
@@ -95,7 +95,7 @@ def lean_dtype(stored: np.dtype, *ids: int | None) -> np.dtype:
     return np.dtype(np.int64)
 
 
-def _runs(
+def joined_runs(
     at: np.ndarray, which: np.ndarray, src: np.ndarray, size: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The copies (destination, buffer, source, bytes) of consecutive spans joined where one
@@ -112,7 +112,7 @@ def _runs(
 
 
 def copy_runs(ids: np.ndarray, narrow: np.ndarray, bufs: Sequence[Any], at, which, src, size) -> None:
-    """The copies `_runs` gives (lists: run i is ``bufs[which[i]][src[i] : src[i] + size[i]]`` to
+    """The copies `joined_runs` gives (lists: run i is ``bufs[which[i]][src[i] : src[i] + size[i]]`` to
     byte ``at[i]`` of the batch) made into ``narrow``: ``ids`` itself where it has the stored
     dtype, else a scratch of it, widened into ``ids`` after. Raw-byte copies in the stored dtype
     (a memoryview slice assignment is a bare memcpy): one vectorised widening at the end is
@@ -128,7 +128,7 @@ def copy_runs(ids: np.ndarray, narrow: np.ndarray, bufs: Sequence[Any], at, whic
 
 
 @functools.lru_cache(maxsize=4)
-def _counting(n: int) -> np.ndarray:
+def counting(n: int) -> np.ndarray:
     """0 .. n-1, read-only, kept: a fresh [B * S] arange per batch costs as much as the positions."""
     out = np.arange(n, dtype=np.int64)
     out.flags.writeable = False

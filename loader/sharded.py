@@ -244,7 +244,11 @@ class ShardedLoader(PassRunner):
             self._obs.micro = self.batching.micro_batches or 1
             from .staging import staging_for  # lazy: imports the cache, as a loader with a cache_dir does
 
-            self._staging = staging_for(self, stage, cache_dir, one_dataset=type(self) is ShardedLoader)
+            one = type(self) is ShardedLoader
+            source = self.reader.source if one else None
+            self._staging = staging_for(source, self.placement, stage, cache_dir, one_dataset=one)
+            # No "cache behind the plan" warning while staging: the stager keeps it a bounded distance ahead.
+            self._obs.staged = self._staging is not None
         except BaseException:
             self.close()
             raise

@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from ..format import FieldSpec, FormatError, decode_bytes
 from ..format.arrowshard import check_schema
-from .batchcache import _column_ranges, _CompressedBatches
+from .batchcache import CompressedBatches, column_ranges
 from .source import MappedFile
 
 
@@ -90,7 +90,7 @@ class ShardView:
         self._batches = None
         if compressed and not tar:
             fast = self.pad_col is not None and is_int_array(fields[self.pad_col])
-            self._batches = _CompressedBatches(
+            self._batches = CompressedBatches(
                 buf, index, fields, self.name, self.pad_col if fast else None, plain_bytes, fetch
             )
             self.bytes_fields = [False] * nf  # no slices of the map to hand out
@@ -224,7 +224,7 @@ def _arrow_ranges(buf, file_size: int, index, fields: list[FieldSpec], name: str
         st = np.empty((m, len(fields)), dtype=np.int64)
         sz = np.empty((m, len(fields)), dtype=np.int64)
         for j, spec in enumerate(fields):
-            st[:, j], sz[:, j] = _column_ranges(rb.column(j + 1), spec, base, m)
+            st[:, j], sz[:, j] = column_ranges(rb.column(j + 1), spec, base, m)
         per_batch_starts.append(st)
         per_batch_sizes.append(sz)
         rows_before.append(rows_before[-1] + m)

@@ -30,7 +30,7 @@ INITIAL_SLOT_BYTES = 1 << 20
 MIN_SLOT_BYTES = 4096
 
 
-def _anonymous_fd(size: int) -> int:
+def anonymous_fd(size: int) -> int:
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create("shardtool-loader-slot", os.MFD_CLOEXEC)
     else:  # no memfd (not Linux): an unlinked temporary file serves the same purpose
@@ -56,7 +56,7 @@ class Slot:
     """One growable shared buffer, mapped lazily by each process that uses it."""
 
     def __init__(self, size: int = INITIAL_SLOT_BYTES):
-        self.fd = _anonymous_fd(size)
+        self.fd = anonymous_fd(size)
         self._mm: mmap.mmap | None = None
         self._mapped = 0
         self._pid = None

@@ -88,6 +88,11 @@ class RemoteShard:
 class Source:
     """Dataset metadata plus access to shard bytes, for one process."""
 
+    @property
+    def cache(self):
+        """The node cache it reads through (`shardtool.cache.DatasetCache`), or None."""
+        return self._cache
+
     def __init__(self, spec: SourceSpec):
         self.spec = spec
         self._cache = None

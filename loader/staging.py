@@ -108,8 +108,11 @@ class Staging:
         # The stager stays while other ranks still read; it exits when they close or this process ends.
 
 
-def staging_for(loader, stage: bool | str | None, cache_dir: str | None, *, one_dataset: bool) -> Staging | None:
-    """The staging of a `ShardedLoader` (None: off), from ``stage=`` or SHARDTOOL_STAGE.
+def staging_for(
+    source, placement, stage: bool | str | None, cache_dir: str | None, *, one_dataset: bool
+) -> Staging | None:
+    """The staging of a `ShardedLoader` reading ``source`` (`loader.source.Source`) on ``placement``
+    (None: off), from ``stage=`` or SHARDTOOL_STAGE.
 
     ``one_dataset``: the loader reads one dataset (not a Mixture's loader, which is not staged); the
     caller says so, so that this module need not import the loader class (imports go one way)."""
@@ -120,9 +123,8 @@ def staging_for(loader, stage: bool | str | None, cache_dir: str | None, *, one_
         return None
     if not cache_dir or not one_dataset:
         raise ValueError("stage= stages one dataset into a node cache: give cache_dir= (a Mixture is not staged)")
-    cache = loader.reader.source._cache
+    cache = source.cache
     if cache.read_only:  # root's prolog cache: what it lacks goes to the user's own cache, on a miss
         log.warning("stage=%r: the node cache %s is not writable by this user; not staging", mode, cache.cache_dir)
         return None
-    loader._obs.staged = True  # no "cache behind the plan" warning: the stager keeps it a bounded distance ahead
-    return Staging(mode, cache, loader.placement, env=os.environ)
+    return Staging(mode, cache, placement, env=os.environ)

@@ -23,7 +23,7 @@ import types
 NAME = "Streaming"
 
 
-def _import():
+def load():
     if "streaming" not in sys.modules:
         try:
             import torchvision  # noqa: F401
@@ -35,14 +35,14 @@ def _import():
 
 
 def version() -> str:
-    return "mosaicml-streaming " + _import().__version__
+    return "mosaicml-streaming " + load().__version__
 
 
 def prepare(src: str, out: str, kind: str, workers: int = 0) -> int:
     """MDS shards of the corpus in ``out`` (MDSWriter writes in one process; ``workers`` unused)."""
     from . import tar_samples
 
-    streaming = _import()
+    streaming = load()
     columns = {"key": "str", "tokens": "ndarray:int32"} if kind == "tokens" else {"key": "str", "jpg": "bytes"}
     field = "tokens" if kind == "tokens" else "jpg"
     n = 0
@@ -88,7 +88,7 @@ def loader(
     os.environ.update(
         {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
     )
-    streaming = _import()
+    streaming = load()
     if world_size == 1:  # several ranks: the caller cleans once, before they start (they share it)
         clean()
     # num_canonical_nodes: its default, except where ranks change (its docs: a value that every
@@ -106,7 +106,7 @@ def loader(
 
 def clean() -> None:
     """Its docs' advice before a run: remove shared memory a killed earlier run left behind."""
-    _import().base.util.clean_stale_shared_memory()
+    load().base.util.clean_stale_shared_memory()
 
 
 def state_dict(ld, batches_seen: int) -> dict:

@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 
-from ..shmring import _anonymous_fd
+from ..shmring import anonymous_fd
 from .probe import Table
 
 log = logging.getLogger("shardtool.loader.watchdog")
@@ -86,7 +86,7 @@ class Watchdog:
     # ------------------------------------------------------------------ trainer side
     def start_pass(self, where: str) -> None:
         """Before the pass's workers fork: they inherit their dump files."""
-        self.dump_fds = [_anonymous_fd(0) for _ in range(self.workers)]
+        self.dump_fds = [anonymous_fd(0) for _ in range(self.workers)]
         self._finalizer = weakref.finalize(self, _close_fds, self.dump_fds)
         self.where = where
         self.fired = self.error = self.waiting_for = None

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        p.set_defaults(command_run=mod.run)
     return parser
 
 
@@ -96,11 +96,11 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not getattr(args, "_run", None):
+    if not getattr(args, "command_run", None):
         parser.print_help()
         return 2
     try:
-        return int(args._run(args) or 0)
+        return int(args.command_run(args) or 0)
     except ShardtoolError as e:
         print(f"shardtool {args.command}: error: {e}", file=sys.stderr)
         return 1

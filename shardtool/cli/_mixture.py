@@ -17,15 +17,15 @@ def plan_mixture(args) -> int:
     from ..plan.mixture.planner import MixturePlanner
     from ..plan.mixture.span import check_repeat, span, steps_for_tokens
     from ._layout import data_layout_of, describe_layout
-    from ._plan import _batching, _layout, node_shards, peak_rss_mb
+    from ._plan import batching_of, layout_of, node_shards, peak_rss_mb
 
     if args.rank is not None or args.synthetic is not None:
         raise ShardtoolError("--rank and --synthetic plan one dataset; a mixture is planned from its sources' metadata")
     try:
         mixture = Mixture.from_file(args.url)
-        layout = _layout(args)
+        layout = layout_of(args)
         data, _ = data_layout_of(args, Placement(layout, 0))
-        batching = _batching(args)
+        batching = batching_of(args)
     except ValueError as e:
         raise ShardtoolError(str(e)) from None
     if args.steps is None and args.tokens is None:

@@ -16,13 +16,13 @@ def peak_rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _layout(args):
+def layout_of(args):
     from ..plan import Layout
 
     return Layout(args.simulate_nodes or args.nodes or 1, args.ranks_per_node)
 
 
-def _batching(args, source=None):
+def batching_of(args, source=None):
     from ..plan import Batching
     from ..plan.packing import Packing, with_packed_eos
 

@@ -11,7 +11,7 @@ import tempfile
 import time
 
 from ._layout import data_layout_of
-from ._plan import _batching, _layout, peak_rss_mb
+from ._plan import batching_of, layout_of, peak_rss_mb
 
 
 def for_dataset(batching, source):
@@ -39,17 +39,19 @@ def rank_job(args, summaries_path: str | None, result) -> None:
         source = SyntheticSource(args.synthetic, samples_per_shard=args.samples_per_shard, seed=0)
         with open(summaries_path, "rb") as f:
             data = f.read()
-        source._summaries = ShardSummaries.from_bytes(
-            data, lengths_hash=None, counts=source.shard_counts, total_tokens=None, source=summaries_path
+        source.use_summaries(
+            ShardSummaries.from_bytes(
+                data, lengths_hash=None, counts=source.shard_counts, total_tokens=None, source=summaries_path
+            )
         )
     else:
         from ..format import open_dataset
 
         source = open_dataset(args.url)
         source.summaries  # noqa: B018 - read, as a rank does at start-up
-    layout = _layout(args)
+    layout = layout_of(args)
     data, dp_rank = data_layout_of(args, Placement(layout, layout.node_of(args.rank), args.rank))
-    batching = for_dataset(_batching(args, source), source)
+    batching = for_dataset(batching_of(args, source), source)
     planner = Planner(source, batching)
     state = planner.start(args.epoch, "plan", data)
     plan = planner.rank_plan(state, dp_rank)

@@ -10,7 +10,7 @@ import time
 from ..format.sizes import format_size
 from ..plan.cost import PRESETS, CostModel
 from ._layout import LAYOUT_HELP, add_layout_arguments, data_layout_of, describe_layout
-from ._plan import _batching, _layout, node_shards, peak_rss_mb
+from ._plan import batching_of, layout_of, node_shards, peak_rss_mb
 from ._plan_rank import evaluate_rank, for_dataset
 
 HELP = "show the loading plan of a layout: batches per rank, padding, remainder, bytes per node, planning cost"
@@ -185,10 +185,10 @@ def run(args) -> int:
         if value is not None and cost is None:
             raise ShardtoolError(f"{flag} balances steps by a cost model: give --cost-model too")
     try:
-        layout = _layout(args)
+        layout = layout_of(args)
         data, _ = data_layout_of(args, Placement(layout, 0))
         described = describe_layout(args)
-        batching = _batching(args)
+        batching = batching_of(args)
         if args.rank is not None:
             layout.check_rank(args.rank)
     except ValueError as e:
@@ -206,7 +206,7 @@ def run(args) -> int:
         name = args.url
         shard_bytes = np.array([s.bytes for s in source.manifest.shards], dtype=np.int64)
         try:
-            batching = for_dataset(_batching(args, source), source)
+            batching = for_dataset(batching_of(args, source), source)
         except ValueError as e:
             raise ShardtoolError(str(e)) from None
     summaries = source.summaries

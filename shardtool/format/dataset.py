@@ -116,6 +116,13 @@ class Dataset:
             self._lengths = lengths
         return self._lengths
 
+    def use_lengths(self, lengths: np.ndarray) -> None:
+        """Every sample's length, read already (the node cache reads the lengths file as it copies
+        it, checked against the manifest's sample count): `lengths` then reads no file."""
+        if len(lengths) != self.manifest.num_samples:
+            raise FormatError(f"{self.url}: {len(lengths)} lengths for {self.manifest.num_samples} samples")
+        self._lengths = lengths
+
     def lengths_range(self, lo: int, hi: int) -> np.ndarray:
         """Lengths of samples ``[lo, hi)`` without reading the others: a memory map of the local
         lengths file, or one ranged read of a remote one (a planner reads only its own range)."""

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..format.errors import BadSampleError, FormatError
 from ..format.manifest import safe_relpath
-from .mds import _gather
+from .mds import gather_ranges
 from .unit import Unit
 
 # litdata.constants: _NUMPY_SCTYPES (index = the code in "no_header_numpy:N") and _TORCH_DTYPES_MAPPING
@@ -207,7 +207,7 @@ def litdata_batches(unit: Unit) -> Iterator:
     formats, names = unit.obj["formats"], unit.obj["names"]
     k = len(formats)
     starts = offsets[:-1]
-    head, _ = _gather(buf, np.repeat(starts, 1), np.full(n, 4 * k, np.int64))
+    head, _ = gather_ranges(buf, np.repeat(starts, 1), np.full(n, 4 * k, np.int64))
     sizes = head.view(np.uint32).reshape(n, k).astype(np.int64)
     col_starts = (
         starts[:, None] + 4 * k + np.concatenate([np.zeros((n, 1), np.int64), np.cumsum(sizes, axis=1)[:, :-1]], axis=1)
@@ -218,7 +218,7 @@ def litdata_batches(unit: Unit) -> Iterator:
         raise BadSampleError(f"item {bad}: its leaf sizes do not add up to its byte range", source=path)
     arrays = []
     for j, (name, fmt) in enumerate(zip(names, formats)):
-        values, voff = _gather(buf, col_starts[:, j], sizes[:, j])
+        values, voff = gather_ranges(buf, col_starts[:, j], sizes[:, j])
         arrays.append(_leaves(name, fmt, values, voff, f"{path} leaf {name!r}"))
     yield pa.RecordBatch.from_arrays(arrays, names)
 

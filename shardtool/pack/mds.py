@@ -152,7 +152,7 @@ def read_shard(unit: Unit) -> bytes:
     return data
 
 
-def _gather(buf: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def gather_ranges(buf: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The byte ranges [starts, starts + sizes) of ``buf``, concatenated, and their offsets (one
     copy of the bytes; no per-byte index array, which would cost 8 bytes per byte)."""
     offsets = np.zeros(len(sizes) + 1, np.int64)
@@ -183,7 +183,7 @@ def mds_batches(unit: Unit) -> Iterator:
     starts = offsets[:-1]
     col_sizes = np.empty((n, len(names)), np.int64)
     for k, j in enumerate(var):
-        col_sizes[:, j] = _gather(buf, starts + 4 * k, np.full(n, 4, np.int64))[0].view(np.uint32)
+        col_sizes[:, j] = gather_ranges(buf, starts + 4 * k, np.full(n, 4, np.int64))[0].view(np.uint32)
     for j, s in enumerate(sizes):
         if s:
             col_sizes[:, j] = s
@@ -197,7 +197,7 @@ def mds_batches(unit: Unit) -> Iterator:
         raise BadSampleError(f"sample {bad}: its column sizes do not add up to its byte range", source=path)
     arrays = []
     for j, (name, enc) in enumerate(zip(names, encodings)):
-        values, voff = _gather(buf, col_starts[:, j], col_sizes[:, j])
+        values, voff = gather_ranges(buf, col_starts[:, j], col_sizes[:, j])
         arrays.append(_column(name, enc, values, voff, path))
     yield pa.RecordBatch.from_arrays(arrays, names)
 
@@ -266,10 +266,10 @@ def _ndarrays_1d(enc: str, values: np.ndarray, voff: np.ndarray):
     sizes = voff[1:] - pos
     if np.any(sizes < 0) or np.any(sizes % dtype.itemsize):
         return None
-    shape = _gather(values, shape_at, np.full(len(pos), width, np.int64))[0].view(_SHAPE_DTYPES[int(head[0]) & 3])
+    shape = gather_ranges(values, shape_at, np.full(len(pos), width, np.int64))[0].view(_SHAPE_DTYPES[int(head[0]) & 3])
     if not np.array_equal(shape.astype(np.int64), sizes // dtype.itemsize):
         return None
-    data, offsets = _gather(values, pos, sizes)
+    data, offsets = gather_ranges(values, pos, sizes)
     if offsets[-1] // dtype.itemsize >= 1 << 31:
         return None
     return pa.ListArray.from_arrays(pa.array((offsets // dtype.itemsize).astype(np.int32)), pa.array(data.view(dtype)))

@@ -89,6 +89,11 @@ class SyntheticSource:
         lengths = np.concatenate([self.shard_lengths(s) for s in range(first, last)])
         return ShardSummaries.from_lengths(lengths, self.shard_counts[first:last], sketch_cells(len(self.shard_counts)))
 
+    def use_summaries(self, summaries: ShardSummaries) -> None:
+        """Take ``summaries`` computed earlier (as a training rank reads them from the dataset)
+        instead of computing them: a fresh process that times planning alone."""
+        self._summaries = summaries
+
     @property
     def summaries(self) -> ShardSummaries:
         """What a dataset would store; computed once (the only pass over all ``n`` lengths)."""

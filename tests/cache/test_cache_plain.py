@@ -329,16 +329,16 @@ def test_compressed_read_in_place_gathers_batches_like_plain(packed, workers, sh
 
 
 def test_a_pass_in_place_decompresses_each_record_batch_once(packed, monkeypatch):
-    from shardtool.loader.shardview import _CompressedBatches
+    from shardtool.loader.shardview import CompressedBatches
 
     monkeypatch.setenv("SHARDTOOL_DECOMPRESSED_SHARE", "0")  # no shard held whole: batch by batch
 
     ds = shardtool.open_dataset(packed["zstd"])
     batches = sum(len(np.unique(ds.shard_index(s).batch)) for s in range(ds.num_shards))
     ld = ShardedLoader(packed["zstd"], max_tokens=1024, seed=2, rank=0, world_size=1, num_workers=0)
-    before = _CompressedBatches.decompressed
+    before = CompressedBatches.decompressed
     assert len(list(ld)) > 50  # shuffled batches: each touches many record batches, each record batch many batches
-    assert _CompressedBatches.decompressed - before == batches
+    assert CompressedBatches.decompressed - before == batches
 
 
 def test_compressed_ranged_reads_without_a_cache_fetch_each_record_batch_once_per_batch(packed):
@@ -387,16 +387,16 @@ def test_compressed_in_place_batches_equal_plain_whatever_the_seed_and_the_batch
 
     monkeypatch.setenv("SHARDTOOL_DECOMPRESSED_SHARE", "0")
 
-    old = batchcache._CompressedBatches._cap
-    batchcache._CompressedBatches._cap = cache_bytes  # the budget is at least CACHE_BYTES: set it too
-    old_min = batchcache._CompressedBatches.CACHE_BYTES
-    batchcache._CompressedBatches.CACHE_BYTES = cache_bytes
+    old = batchcache.CompressedBatches._cap
+    batchcache.CompressedBatches._cap = cache_bytes  # the budget is at least CACHE_BYTES: set it too
+    old_min = batchcache.CompressedBatches.CACHE_BYTES
+    batchcache.CompressedBatches.CACHE_BYTES = cache_bytes
     try:
         kw = {size[0]: size[1], "seed": seed}
         assert _epoch(packed["zstd"], 0, **kw) == _epoch(packed[None], 0, **kw)
     finally:
-        batchcache._CompressedBatches._cap = old
-        batchcache._CompressedBatches.CACHE_BYTES = old_min
+        batchcache.CompressedBatches._cap = old
+        batchcache.CompressedBatches.CACHE_BYTES = old_min
 
 
 def test_a_share_larger_than_the_decompressed_batches_kept_is_warned_about(packed, monkeypatch):
@@ -406,7 +406,7 @@ def test_a_share_larger_than_the_decompressed_batches_kept_is_warned_about(packe
 
     monkeypatch.setenv("SHARDTOOL_DECOMPRESSED_SHARE", "0")
 
-    cls = batchcache._CompressedBatches
+    cls = batchcache.CompressedBatches
     saved = cls._cap, cls.CACHE_BYTES, cls._warned
     cls._cap = cls.CACHE_BYTES = 1 << 16
     cls._warned = False

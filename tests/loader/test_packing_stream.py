@@ -18,7 +18,7 @@ import shardtool
 from realtext import byte_ids, doc_files, doc_lengths, stdlib_files, stdlib_lengths
 from shardtool.loader import ShardedLoader
 from shardtool.loader.packed import PackedReader
-from shardtool.loader.packlayout import _Layout, _runs
+from shardtool.loader.packlayout import BatchLayout, joined_runs
 from shardtool.loader.reader import BatchReader
 from shardtool.loader.source import SourceSpec
 from shardtool.plan import ArraySource, Batching, DataLayout, Layout, Planner
@@ -93,11 +93,11 @@ def test_a_stream_row_is_one_copy_where_its_tokens_lie_together(stdlib_ds):
     loader = ShardedLoader(root, seq_len=8192, batch_size=4, packing="stream", seed=1)
     rows = loader.plan.rows
     reader = BatchReader(SourceSpec(root))
-    lay = _Layout(rows, packing, None, per_span=True)
+    lay = BatchLayout(rows, packing, None, per_span=True)
     _, _, which, first, counts, dtype = reader.token_sources(lay.docs, keys=False)
     n = lay.copy_counts(counts, str)
     item = dtype.itemsize
-    copies = _runs(lay.flat_start * item, which, (first + rows.span_start) * item, n * item)
+    copies = joined_runs(lay.flat_start * item, which, (first + rows.span_start) * item, n * item)
     pieces, got = len(rows.span_pos), len(copies[0])
     assert pieces > 3 * rows.num_rows, "the rows hold several documents, or this shows nothing"
     # A split document's pieces re-cut head first cost a second copy in each of its two rows.

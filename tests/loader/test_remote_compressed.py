@@ -23,7 +23,7 @@ from realtext import stdlib_files
 from s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.format import FormatError, open_dataset
 from shardtool.loader import ShardedLoader
-from shardtool.loader.batchcache import _CompressedBatches
+from shardtool.loader.batchcache import CompressedBatches
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -120,13 +120,13 @@ def test_a_shuffled_remote_pass_fetches_each_record_batch_about_once(packed, s3_
     try:
         opts = {**s3_server.storage_options}
         opts["client_kwargs"] = {**opts["client_kwargs"], "endpoint_url": f"http://127.0.0.1:{proxy.port}"}
-        before = _CompressedBatches.decompressed
+        before = CompressedBatches.decompressed
         got, ld = _batches(url, storage_options=opts)
         fetched = proxy.down
     finally:
         proxy.close()
     assert got == want  # the same samples, batches and order as the plain dataset read locally
-    assert _CompressedBatches.decompressed - before == batches_in_dataset  # each decompressed once
+    assert CompressedBatches.decompressed - before == batches_in_dataset  # each decompressed once
     # Everything the store sent (shards, indexes, manifest, lengths, HTTP headers) against the
     # dataset's stored size: about once, where one fetch per training batch was ~len(want) times.
     assert fetched <= 1.2 * stored, (fetched, stored)
@@ -150,10 +150,10 @@ def test_a_remote_share_of_more_shards_than_maps_kept_fetches_each_record_batch_
         storage_options=s3_server.storage_options,
     )
     ld.reader.max_open = 1  # fewer than the dataset's shards, which every shuffled batch touches
-    before = _CompressedBatches.decompressed
+    before = CompressedBatches.decompressed
     got = [{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in ld]
     assert got == want
-    assert _CompressedBatches.decompressed - before == batches_in_dataset
+    assert CompressedBatches.decompressed - before == batches_in_dataset
 
 
 def _headers(ds) -> int:
@@ -194,7 +194,7 @@ def test_a_flipped_byte_in_a_remote_record_batch_is_refused_naming_it(packed, tm
 def test_a_remote_share_larger_than_the_batches_kept_is_warned_about_and_still_read(packed, s3_server):  # noqa: F811
     """The same budget and warning as reads in place: a share that does not fit is refetched, not misread."""
     url = s3_server.upload(packed["zstd"], "remotezstd/small")
-    cls = _CompressedBatches
+    cls = CompressedBatches
     saved = cls._cap, cls.CACHE_BYTES, cls._warned
     cls._cap = cls.CACHE_BYTES = 1 << 16
     cls._warned = False

@@ -35,8 +35,8 @@ path, n, per_shard, nodes, rpn, rank = sys.argv[1], *map(int, sys.argv[2:])
 source = SyntheticSource(n, samples_per_shard=per_shard, seed=0)
 with open(path, "rb") as f:
     data = f.read()
-source._summaries = ShardSummaries.from_bytes(data, lengths_hash=None, counts=source.shard_counts,
-                                              total_tokens=None, source=path)
+source.use_summaries(ShardSummaries.from_bytes(data, lengths_hash=None, counts=source.shard_counts,
+                                               total_tokens=None, source=path))
 source.shard_lengths(0)  # the quantile table of the lengths generator: made once per process
 layout = DataLayout.pure_dp(Layout(nodes, rpn))
 batching = Batching(max_tokens=65536, seed=1)
