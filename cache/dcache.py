@@ -30,7 +30,7 @@ from .meta import COPIED, ensure_index, ensure_lengths, ensure_shard, ensure_sum
 from .perms import DEFAULT_PERMS, Perms
 from .plain import PLAIN, cached_size, keeps_compressed, wants_plain
 from .retry import RetryPolicy
-from .store import Source
+from .store import Origin
 from .usercache import can_write, own_cache_dir, user_cache_dir
 
 
@@ -133,7 +133,7 @@ class DatasetCache:
         manifest_bytes: bytes,
         *,
         storage_options: dict | None = None,
-        source: Source | None = None,
+        source: Origin | None = None,
         retry: RetryPolicy = RetryPolicy(),
         max_bytes: int | None = None,
         min_free: int | None = None,
@@ -162,11 +162,11 @@ class DatasetCache:
         self.manifest = self.dataset.manifest
         self.fetched_bytes = 0  # shard bytes this object copied from the source (fetch-on-miss)
 
-    def source(self) -> Source | None:
+    def source(self) -> Origin | None:
         """The source filesystem, opened lazily (None if it cannot even be opened)."""
         if self._source is None and not self._source_failed:
             try:
-                self._source = Source(self.url, self.storage_options)
+                self._source = Origin(self.url, self.storage_options)
             except Exception:  # noqa: BLE001 - an unusable source means "cache only"
                 self._source_failed = True
         return self._source
@@ -226,7 +226,7 @@ class DatasetCache:
         """Fetch-on-miss follows the node's warm: plain unless it ran with --keep-compressed."""
         return keeps_compressed(store)
 
-    def metadata(self, fetch: Callable[[VersionDir, Source | None], bytes]) -> bytes:
+    def metadata(self, fetch: Callable[[VersionDir, Origin | None], bytes]) -> bytes:
         """A small metadata file, ``fetch(vdir, source)``: from this cache, or where misses go."""
         if self.read_only:
             for vd in (self.vdir, self._user_vdir(create=False)):
@@ -309,9 +309,9 @@ class DatasetCache:
         return self.dataset.shard_index(shard)
 
 
-def _read_source_manifest(url: str, storage_options: dict | None, retry: RetryPolicy) -> tuple[Source, bytes] | None:
+def _read_source_manifest(url: str, storage_options: dict | None, retry: RetryPolicy) -> tuple[Origin, bytes] | None:
     try:
-        src = Source(url, storage_options)
+        src = Origin(url, storage_options)
         # One quick try: an unreachable source must not stall the loader's start; the cache has it.
         quick = RetryPolicy(attempts=1, attempt_timeout=retry.stall_timeout, stall_timeout=retry.stall_timeout)
         return src, src.read_bytes(MANIFEST_NAME, policy=quick)

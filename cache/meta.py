@@ -18,7 +18,7 @@ from .layout import VersionDir, lengths_rel
 from .locks import DONE, TIMED_OUT, exclusive_unless
 from .plain import decompress, found_intact, remove_leftovers, stored_copy_path
 from .retry import RetryPolicy
-from .store import Source, copy_shard, local_fault, read_verified_local, store_verified
+from .store import Origin, copy_shard, local_fault, read_verified_local, store_verified
 
 HIT, VERIFIED, COPIED = "hit", "verified", "copied"
 
@@ -36,7 +36,7 @@ def ensure_small(
     rel: str,
     size: int | None,
     digest: str | None,
-    src: Source | None,
+    src: Origin | None,
     *,
     policy: RetryPolicy,
     deadline: float | None,
@@ -54,7 +54,7 @@ def ensure_small(
     return data
 
 
-def ensure_lengths(vd: VersionDir, manifest: Manifest, src: Source | None, **kw) -> bytes:
+def ensure_lengths(vd: VersionDir, manifest: Manifest, src: Origin | None, **kw) -> bytes:
     lf = manifest.lengths_file
     return ensure_small(
         vd,
@@ -67,7 +67,7 @@ def ensure_lengths(vd: VersionDir, manifest: Manifest, src: Source | None, **kw)
     )
 
 
-def ensure_summaries(vd: VersionDir, src: Source | None, **kw) -> bytes | None:
+def ensure_summaries(vd: VersionDir, src: Origin | None, **kw) -> bytes | None:
     """The per-shard summaries file, or None where the source has none (a dataset packed before
     they existed). Not in the manifest: it is checked against it when loaded (format.summaries)."""
     try:
@@ -76,7 +76,7 @@ def ensure_summaries(vd: VersionDir, src: Source | None, **kw) -> bytes | None:
         return None
 
 
-def ensure_index(vd: VersionDir, info: ShardInfo, src: Source | None, **kw) -> bytes:
+def ensure_index(vd: VersionDir, info: ShardInfo, src: Origin | None, **kw) -> bytes:
     return ensure_small(vd, info.index, info.index_bytes, info.index_hash, src, what=f"sample index {info.index}", **kw)
 
 
@@ -92,7 +92,7 @@ def ensure_shard(
     vd: VersionDir,
     shard: int,
     info: ShardInfo,
-    src: Source | None,
+    src: Origin | None,
     *,
     policy: RetryPolicy,
     deadline: float | None = None,

@@ -46,8 +46,8 @@ def local_fault(e: OSError, what: str) -> LocalFault:
     return fault
 
 
-class Source:
-    """A dataset root on any fsspec filesystem."""
+class Origin:
+    """A dataset root on any fsspec filesystem: where the node cache copies from."""
 
     def __init__(self, url: str, storage_options: dict | None = None, *, fs=None, root: str | None = None):
         self.url = url
@@ -71,7 +71,7 @@ class Source:
             deadline=deadline,
         )
 
-    def holding(self, info: ShardInfo) -> Source:
+    def holding(self, info: ShardInfo) -> Origin:
         """The source of shard ``info``'s bytes: this one, or, for a tar indexed in place, the
         place its manifest entry names (format.storage.shard_location)."""
         if info.source is None:
@@ -88,7 +88,7 @@ class Source:
         return self.fs.open(path, "rb", block_size=CHUNK, cache_type="none")
 
 
-class _OneFile(Source):
+class _OneFile(Origin):
     """A shard held outside its dataset: every ``path`` is its one path."""
 
     def __init__(self, fs, path: str):
@@ -165,7 +165,7 @@ def _write_all(fd: int, data) -> None:
         mv = mv[os.write(fd, mv) :]
 
 
-def _copy_local(src: Source, info: ShardInfo, fd: int, what: str, progress: Callable[[int], None]) -> str:
+def _copy_local(src: Origin, info: ShardInfo, fd: int, what: str, progress: Callable[[int], None]) -> str:
     """Local source: copy in the kernel (as cp does), then hash the copy. Returns its digest."""
     sfd = os.open(src.path(info.path), os.O_RDONLY)  # missing: FileNotFoundError, a 404 to the retry layer
     try:
@@ -183,7 +183,7 @@ def _copy_local(src: Source, info: ShardInfo, fd: int, what: str, progress: Call
 
 
 def _copy_stream(
-    src: Source,
+    src: Origin,
     info: ShardInfo,
     fd: int,
     what: str,
@@ -221,7 +221,7 @@ def _copy_stream(
 
 
 def _copy_once(
-    src: Source,
+    src: Origin,
     info: ShardInfo,
     final_path: str,
     timeout: float | None,
@@ -273,7 +273,7 @@ def _copy_once(
 
 
 def copy_shard(
-    src: Source,
+    src: Origin,
     info: ShardInfo,
     final_path: str,
     *,

@@ -31,7 +31,7 @@ from .perms import DEFAULT_PERMS, Perms
 from .plain import cached_size, mark_keep_compressed, wants_plain
 from .report import WarmReport, data_layout_dict
 from .retry import RetryPolicy
-from .store import Source, local_fault
+from .store import Origin, local_fault
 from .warmfit import cap_to_stage, fit_budget
 
 
@@ -210,7 +210,7 @@ def _warm(
 ) -> None:
     check_cache_dir(cache_dir, perms)
     try:
-        src = Source(url, storage_options)
+        src = Origin(url, storage_options)
     except ValueError as e:  # fsspec: "Protocol not known: fiel"
         raise UsageError(f"no dataset at {url}: {e}") from None
     except ImportError as e:

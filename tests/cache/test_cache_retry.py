@@ -13,7 +13,7 @@ from cachedata import make_dataset
 from shardtool.cache import RetryPolicy
 from shardtool.cache.errors import LocalFault, SourceCorrupt, SourceMissing, SourceRefused, SourceUnavailable
 from shardtool.cache.retry import is_transient, with_retries
-from shardtool.cache.store import Source
+from shardtool.cache.store import Origin
 from shardtool.format.manifest import MANIFEST_NAME
 
 FAST = RetryPolicy(attempts=5, base_delay=0.001, max_delay=0.002, attempt_timeout=10, stall_timeout=10)
@@ -94,11 +94,11 @@ def test_permanent_errors_are_not_retried(exc, raised):
 def test_through_a_real_filesystem_a_bug_is_one_request_and_a_reset_is_retried(tmp_path):
     src = make_dataset(str(tmp_path / "ds"), shards=1, samples=2)
     # a bad option type makes every request raise TypeError inside the storage layer
-    bad = Source("faulty://" + src, {"latency": "10ms"})
+    bad = Origin("faulty://" + src, {"latency": "10ms"})
     with pytest.raises(TypeError):
         bad.read_bytes(MANIFEST_NAME, policy=FAST)
     assert sum(bad.fs.requests.values()) == 1
 
-    flaky = Source("faulty://" + src, {"transient": {MANIFEST_NAME: 2}})  # two connection resets, then fine
+    flaky = Origin("faulty://" + src, {"transient": {MANIFEST_NAME: 2}})  # two connection resets, then fine
     assert flaky.read_bytes(MANIFEST_NAME, policy=FAST).startswith(b"{")
     assert flaky.fs.requests[flaky.path(MANIFEST_NAME)] == 3

@@ -179,11 +179,11 @@ def test_missing_shard_gets_exactly_one_request(src, tmp_path):
 
     from shardtool.cache.errors import SourceMissing
     from shardtool.cache.meta import ensure_shard
-    from shardtool.cache.store import Source
+    from shardtool.cache.store import Origin
 
     ds = open_dataset(src)
     fs = fsspec.filesystem("faulty", missing=[ds.manifest.shards[4].path])
-    source = Source("faulty://" + src, fs=fs, root=src)
+    source = Origin("faulty://" + src, fs=fs, root=src)
     vd = VersionDir(str(tmp_path), ds.version)
     with pytest.raises(SourceMissing, match=ds.manifest.shards[4].path):
         ensure_shard(vd, 4, ds.manifest.shards[4], source, policy=FAST)

@@ -235,7 +235,7 @@ def test_s3_transient_faults_then_success(src, tmp_path, s3_server):  # noqa: F8
 @pytest.mark.timeout(60)
 def test_backoff_grows_with_full_jitter(src, tmp_path):
     from shardtool.cache.meta import ensure_shard
-    from shardtool.cache.store import Source
+    from shardtool.cache.store import Origin
 
     ds = open_dataset(src)
     policy = RetryPolicy(attempts=6, base_delay=0.02, max_delay=0.08, attempt_timeout=10, stall_timeout=5)
@@ -247,7 +247,7 @@ def test_backoff_grows_with_full_jitter(src, tmp_path):
             vd,
             0,
             ds.manifest.shards[0],
-            Source("edgefaulty://" + src, fs=fs, root=src),
+            Origin("edgefaulty://" + src, fs=fs, root=src),
             policy=policy,
             on_retry=lambda n, e, d: delays.append((n, d)),
         )
