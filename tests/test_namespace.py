@@ -118,6 +118,8 @@ def test_wheel_installs_one_namespace(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     installed = sorted(os.listdir(target))
     assert "loader" not in installed and "cache" not in installed and "benchmarks" not in installed, installed
+    # PEP 561: the annotations ship, so a user's type checker reads them (issue 34).
+    assert (target / "shardtool" / "py.typed").is_file()
     code = textwrap.dedent("""
         import shardtool, shardtool.plan, shardtool.cache, shardtool.loader, shardtool.benchmarks.node
         from shardtool.loader import ShardedLoader
