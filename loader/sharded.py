@@ -10,16 +10,16 @@ from typing import Any
 
 import numpy as np
 
-from ..plan import Batching, Planner, RankPlan, data_parallel
+from ..plan import Planner, RankPlan, data_parallel
 from ..plan.about import describe
 from ..plan.batching import default_bucketing
-from ..plan.cost import CostModel
 from ..plan.env import rank_placement
 from ..plan.mesh import as_mesh
-from ..plan.packing import Packing, with_packed_eos
+from ..plan.packing import with_packed_eos
 from ..plan.state import LoaderState, check_compatible
 from .errors import LoaderStateError
 from .observability.observe import Observer
+from .options import batch_options, worker_options
 from .passrun import PassRunner
 from .reader import BatchReader
 from .source import SourceSpec
@@ -182,37 +182,30 @@ class ShardedLoader(PassRunner):
     ):
         import torch
 
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be an int >= 0, found {num_workers!r}")
-        if num_workers and (not isinstance(prefetch_factor, int) or prefetch_factor < 1):
-            raise ValueError(f"prefetch_factor must be an int >= 1, found {prefetch_factor!r}")
-        self.packing = None
-        if seq_len is not None:
-            if transform is not None or collate_fn is not None:
-                raise ValueError(
-                    "packing builds its own batches: transform and collate_fn are not supported with "
-                    "seq_len (pack the transformed tokens instead)"
-                )
-            self.packing = Packing(seq_len, packing, eos_id=eos_id, max_docs_per_row=max_docs_per_row)
-        if packed_outputs not in ("full", "lean"):
-            raise ValueError(f"packed_outputs must be 'full' or 'lean', found {packed_outputs!r}")
-        if packed_outputs == "lean" and seq_len is None:
-            raise ValueError("packed_outputs='lean' is for packed rows: give seq_len (and batch_size rows)")
-        self.packed_outputs = packed_outputs
-        self.batching = Batching(
+        work = worker_options(num_workers, prefetch_factor, pin_memory, timeout)
+        opts = batch_options(
             batch_size=batch_size,
             max_tokens=max_tokens,
             shuffle=shuffle,
             seed=seed,
             window=window,
             bucketing=bucketing,
-            packing=self.packing,
+            seq_len=seq_len,
+            packing=packing,
+            eos_id=eos_id,
+            max_docs_per_row=max_docs_per_row,
+            packed_outputs=packed_outputs,
             drop_last=drop_last,
-            balance=CostModel.parse(cost_model) if cost_model is not None else None,
+            cost_model=cost_model,
             balance_window=balance_window,
             micro_batches=micro_batches,
             shuffle_block=shuffle_block,
+            transform=transform,
+            collate_fn=collate_fn,
+            pad_id=pad_id,
         )
+        self.batching, self.packing, self.packed_outputs = opts.batching, opts.packing, opts.packed_outputs
+        self.transform, self.collate_fn, self.pad_id = opts.transform, opts.collate_fn, opts.pad_id
         self._bucketing = bucketing
         dist = torch.distributed if torch.distributed.is_available() else None
         self.placement = rank_placement(rank, world_size, ranks_per_node, env=os.environ, dist=dist)
@@ -220,13 +213,8 @@ class ShardedLoader(PassRunner):
         self.data_layout, self.dp_rank = data_parallel(
             self.placement, dp_rank=dp_rank, dp_size=dp_size, mesh=as_mesh(mesh), dp_dims=_dp_dims(dp_dim)
         )
-        self.num_workers = num_workers
-        self.prefetch_factor = prefetch_factor
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-        self.timeout = float(timeout)
-        self.transform = transform
-        self.collate_fn = collate_fn
-        self.pad_id = int(pad_id)
+        self.num_workers, self.prefetch_factor = work.num_workers, work.prefetch_factor
+        self.pin_memory, self.timeout = work.pin_memory, work.timeout
         self._open(url, cache_dir=cache_dir, storage_options=storage_options, steps=steps, tokens=tokens)
         try:
             self._obs = Observer(

@@ -1,0 +1,113 @@
+"""The loader's keywords checked and turned into what it runs with, in one place.
+
+`ShardedLoader` keeps its explicit keywords (the public API); every check of them, and the
+`Batching` they make, live here, as pure functions of the keywords, so a wrong combination is
+refused before any file is opened and each rule is stated once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..plan import Batching
+from ..plan.cost import CostModel
+from ..plan.packing import Packing
+
+__all__ = ["BatchOptions", "WorkerOptions", "batch_options", "worker_options"]
+
+PACKED_OUTPUTS = ("full", "lean")
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How batches are read: worker processes, their prefetch, pinning and timeout."""
+
+    num_workers: int
+    prefetch_factor: int
+    pin_memory: bool
+    timeout: float
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """What a batch is: the plan's batching config (its packing included), the packed outputs,
+    and the per-sample transform, collate function and padding id of unpacked batches."""
+
+    batching: Batching
+    packed_outputs: str
+    transform: Callable | None
+    collate_fn: Callable | None
+    pad_id: int
+
+    @property
+    def packing(self) -> Packing | None:
+        return self.batching.packing
+
+
+def worker_options(num_workers: Any, prefetch_factor: Any, pin_memory: bool | None, timeout: float) -> WorkerOptions:
+    """``pin_memory=None``: pin where CUDA is available."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers must be an int >= 0, found {num_workers!r}")
+    if num_workers and (not isinstance(prefetch_factor, int) or prefetch_factor < 1):
+        raise ValueError(f"prefetch_factor must be an int >= 1, found {prefetch_factor!r}")
+    if pin_memory is None:
+        import torch
+
+        pin_memory = torch.cuda.is_available()
+    return WorkerOptions(num_workers, prefetch_factor, bool(pin_memory), float(timeout))
+
+
+def batch_options(
+    *,
+    batch_size: int | None,
+    max_tokens: int | None,
+    shuffle: bool,
+    seed: int,
+    window: int | None,
+    bucketing: bool | None,
+    seq_len: int | None,
+    packing: str,
+    eos_id: int | None,
+    max_docs_per_row: int | None,
+    packed_outputs: str,
+    drop_last: bool | None,
+    cost_model: Any,
+    balance_window: int | None,
+    micro_batches: int | None,
+    shuffle_block: int | None,
+    transform: Callable | None,
+    collate_fn: Callable | None,
+    pad_id: int,
+) -> BatchOptions:
+    """The batching of the loader's keywords (`Batching` checks its own fields); ValueError naming
+    the keyword where a combination cannot work. ``bucketing=None`` stays None: the dataset
+    decides it once opened (`shardtool.plan.batching.default_bucketing`)."""
+    rows = None
+    if seq_len is not None:
+        if transform is not None or collate_fn is not None:
+            raise ValueError(
+                "packing builds its own batches: transform and collate_fn are not supported with "
+                "seq_len (pack the transformed tokens instead)"
+            )
+        rows = Packing(seq_len, packing, eos_id=eos_id, max_docs_per_row=max_docs_per_row)
+    if packed_outputs not in PACKED_OUTPUTS:
+        raise ValueError(f"packed_outputs must be 'full' or 'lean', found {packed_outputs!r}")
+    if packed_outputs == "lean" and seq_len is None:
+        raise ValueError("packed_outputs='lean' is for packed rows: give seq_len (and batch_size rows)")
+    batching = Batching(
+        batch_size=batch_size,
+        max_tokens=max_tokens,
+        shuffle=shuffle,
+        seed=seed,
+        window=window,
+        bucketing=bucketing,
+        packing=rows,
+        drop_last=drop_last,
+        balance=CostModel.parse(cost_model) if cost_model is not None else None,
+        balance_window=balance_window,
+        micro_batches=micro_batches,
+        shuffle_block=shuffle_block,
+    )
+    return BatchOptions(batching, packed_outputs, transform, collate_fn, int(pad_id))
