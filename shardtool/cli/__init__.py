@@ -22,6 +22,7 @@ COMMANDS = [
     "verify",
     "upgrade",
     "plan",
+    "trace",
     "warm",
     "prolog",
     "cache",

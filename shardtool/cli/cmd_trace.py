@@ -1,0 +1,138 @@
+"""``shardtool trace``: which samples a rank's batch at a step holds, from the plan alone."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..format.errors import ShardtoolError
+from ..plan.cost import PRESETS
+
+HELP = "which samples (and pieces of them) a rank's batch at a step holds, from the plan alone"
+DESCRIPTION = """\
+Which samples a training rank's batch at a step holds: key, shard, place in the shard, global
+index and length; for packed rows every piece (row, document, offset in it, tokens). Computed
+from the dataset's metadata, the layout, the batching options and the seed, as the loader plans
+them: no sample is read, and the answer is what the loader delivers (or delivered) there. Give
+the options the run's loader was built with; for a resumed run, the loader state it saved
+(--state), whose epoch and layout segments it then follows.
+
+A step counts as len(loader) does: batches of the epoch from its first. After an elastic resume
+(another number of ranks), the steps served on the earlier layout are traced with that layout.
+
+Examples:
+  shardtool trace ./ds --step 1200 --rank 5 --nodes 2 --ranks-per-node 8 --seq-len 4096 --batch-size 2
+  shardtool trace ./ds --step 1200 --rank 5 --nodes 2 --ranks-per-node 8 --max-tokens 65536 \\
+      --state ckpt/loader_state.json --json
+"""
+
+
+def add_arguments(p) -> None:
+    p.add_argument("url", help="dataset root (local path or fsspec URL)")
+    p.add_argument("--step", type=int, required=True, metavar="N", help="the step (batch of the epoch) to trace")
+    p.add_argument("--rank", type=int, default=0, metavar="R", help="global rank (default 0)")
+    p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--ranks-per-node", type=int, default=1, metavar="G", help="ranks (GPUs) per node (default 1)")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--batch-size", type=int, help="samples per batch (with --seq-len: rows per batch)")
+    size.add_argument("--max-tokens", type=int, help="token budget per batch, padding counted")
+    pk = p.add_argument_group("sequence packing")
+    pk.add_argument("--seq-len", type=int, default=None, metavar="S", help="rows of S tokens")
+    pk.add_argument(
+        "--packing",
+        choices=["best-fit", "concat", "no-split", "stream"],
+        default="best-fit",
+        help="how documents fill rows, as ShardedLoader(packing=) (default best-fit)",
+    )
+    pk.add_argument("--eos-id", type=int, default=None, metavar="ID", help="an eos token after each document")
+    p.add_argument("--seed", type=int, default=0, help="shuffle seed, as given to ShardedLoader (default 0)")
+    p.add_argument("--epoch", type=int, default=None, help="the epoch (default: the state's, else 0)")
+    p.add_argument("--no-shuffle", action="store_true", help="dataset order, as ShardedLoader(shuffle=False)")
+    p.add_argument("--shuffle-block", type=int, metavar="SAMPLES", help="as ShardedLoader(shuffle_block=)")
+    p.add_argument("--drop-last", choices=["auto", "yes", "no"], default="auto", help="as ShardedLoader(drop_last=)")
+    p.add_argument(
+        "--cost-model",
+        default=None,
+        metavar="SPEC",
+        help="as ShardedLoader(cost_model=): params=..,layers=..,hidden=.., a=..,b=.., or "
+        + ", ".join(sorted(PRESETS)),
+    )
+    p.add_argument("--balance-window", type=int, default=None, metavar="STEPS", help="with --cost-model")
+    p.add_argument("--micro-batches", type=int, default=None, metavar="M", help="with --cost-model")
+    p.add_argument(
+        "--state", default=None, metavar="STATE.json", help="the loader state the run saved (loader.state_dict())"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args) -> int:
+    from ..loader import ShardedLoader
+    from ..loader.trace import trace
+
+    kw = dict(
+        batch_size=args.batch_size,
+        max_tokens=args.max_tokens,
+        seq_len=args.seq_len,
+        packing=args.packing,
+        eos_id=args.eos_id,
+        seed=args.seed,
+        shuffle=not args.no_shuffle,
+        shuffle_block=args.shuffle_block,
+        drop_last={"auto": None, "yes": True, "no": False}[args.drop_last],
+        cost_model=args.cost_model,
+        balance_window=args.balance_window,
+        micro_batches=args.micro_batches,
+    )
+    try:
+        ld = ShardedLoader(
+            args.url,
+            rank=args.rank,
+            world_size=args.nodes * args.ranks_per_node,
+            ranks_per_node=args.ranks_per_node,
+            num_workers=0,
+            metrics=False,
+            stall_timeout=None,
+            **kw,
+        )
+    except ValueError as e:
+        raise ShardtoolError(str(e)) from None
+    try:
+        if args.state:
+            try:
+                with open(args.state, encoding="utf-8") as f:
+                    ld.load_state_dict(json.load(f))
+            except (OSError, ValueError) as e:
+                raise ShardtoolError(f"--state {args.state}: {e}") from None
+        try:
+            got = trace(ld, args.step, epoch=args.epoch)
+        except (TypeError, ValueError) as e:
+            raise ShardtoolError(str(e)) from None
+    finally:
+        ld.close()
+    if args.json:
+        json.dump(got, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    _print(got, packed=args.seq_len is not None)
+    return 0
+
+
+def _print(got: dict, packed: bool) -> None:
+    samples = got["samples"]
+    what = "pieces" if packed else "samples"
+    print(
+        f"epoch {got['epoch']}, step {got['step']}, rank {got['rank']} (DP rank {got['dp_rank']}): {len(samples)} {what}"
+    )
+    head = (
+        ("row", "key", "shard", "index", "sample", "offset", "tokens")
+        if packed
+        else ("key", "shard", "index", "sample", "length")
+    )
+    rows = [
+        [str(s[k]) for k in (("row", "key", "shard", "index", "sample", "offset", "length") if packed else head)]
+        for s in samples
+    ]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(head)]
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))

@@ -1,0 +1,162 @@
+"""``trace`` (issue 35 item 1): what a rank's batch at a step holds, from the plan alone, equals
+what the loader delivered there. Real data: stdlib files and /usr/share/doc text as byte ids
+(long documents, split across rows at small seq_len), bucketed by a token budget or packed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shardtool
+from realtext import byte_ids, doc_files, stdlib_files
+from shardtool.loader import ShardedLoader
+from shardtool.loader.trace import trace
+from skips import require
+
+pytestmark = pytest.mark.timeout(300)
+
+EOS = 256  # byte ids are 0..255
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def real_ds(tmp_path_factory):
+    """200 stdlib files under 60 KB (documents of up to 60k tokens, split across rows) and 400
+    small /usr/share/doc files as byte ids + eos, in a fixed mixed order, Arrow shards of ~1 MB."""
+    small = [p for p in doc_files() if 0 < os.path.getsize(p) < 4096][:400]
+    require(len(small) >= 200, "too few small files under /usr/share/doc")
+    paths = [p for p in stdlib_files(400) if os.path.getsize(p) < 60_000][:200] + small
+    order = np.random.default_rng(1).permutation(len(paths))
+    docs = [np.append(byte_ids(paths[i]), EOS).astype(np.int32) for i in order]
+    root = str(tmp_path_factory.mktemp("trace") / "ds")
+    shardtool.pack([{"tokens": d} for d in docs], root, format="arrow", length="tokens", shard_size=1_000_000)
+    return root
+
+
+def _delivered(batch: dict, packed: bool) -> list[tuple]:
+    """What the batch itself says it holds: keys in order; packed, per piece (row, key, offset in
+    its document, tokens), from ``__key__``, ``doc_offsets`` and ``cu_seqlens``."""
+    if not packed:
+        return [(str(k),) for k in batch["__key__"]]
+    b, seq = batch["input_ids"].shape
+    cu, offs, real = batch["cu_seqlens"].tolist(), batch["doc_offsets"].tolist(), batch["lengths"].tolist()
+    out, k = [], 0
+    for r in range(b):
+        for key in batch["__key__"][r]:
+            start, end = cu[k] - r * seq, min(cu[k + 1] - r * seq, real[r])  # padding: the last piece's tail
+            out.append((r, str(key), offs[k], end - start))
+            k += 1
+    return out
+
+
+def _traced(t: dict, packed: bool) -> list[tuple]:
+    if not packed:
+        return [(s["key"],) for s in t["samples"]]
+    return [(s["row"], s["key"], s["offset"], s["length"]) for s in t["samples"]]
+
+
+KINDS = {
+    "bucketed": dict(max_tokens=65536),
+    "packed-256": dict(seq_len=256, batch_size=4),
+    "packed-2048": dict(seq_len=2048, batch_size=2, packing="best-fit"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("ranks, workers", [(1, 0), (3, 2)])
+def test_every_step_traced_equals_the_batch_delivered(real_ds, kind, ranks, workers):
+    packed = "seq_len" in KINDS[kind]
+    for rank in range(ranks):
+        kw = dict(KINDS[kind], seed=4, rank=rank, world_size=ranks, ranks_per_node=ranks, metrics=False)
+        ld = ShardedLoader(real_ds, num_workers=workers, **kw)
+        ld.set_epoch(1)
+        got = [_delivered(b, packed) for b in ld]
+        ld.close()
+        fresh = ShardedLoader(real_ds, num_workers=0, **kw)  # another process's view: nothing iterated
+        for step, want in enumerate(got):
+            t = trace(fresh, step, epoch=1)
+            assert _traced(t, packed) == want, (kind, rank, step)
+            assert t["epoch"] == 1 and t["step"] == step and t["rank"] == rank
+        with pytest.raises(ValueError, match="past epoch 1's end"):
+            trace(fresh, len(got), epoch=1)
+        fresh.close()
+
+
+def test_a_sample_is_named_by_key_shard_and_place(real_ds):
+    ld = ShardedLoader(real_ds, max_tokens=65536, seed=0, rank=0, world_size=1, num_workers=0, metrics=False)
+    ds = shardtool.open_dataset(real_ds)
+    for s in trace(ld, 3)["samples"]:
+        shard = [m.path for m in ds.manifest.shards].index(s["shard"])
+        assert ds.read(shard, s["index"])["__key__"] == s["key"]
+        assert int(np.sum(ds.shard_counts[:shard])) + s["index"] == s["sample"]
+        assert len(ds.read(shard, s["index"])["tokens"]) == s["length"]
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    before=st.sampled_from([(2, 1), (3, 1), (1, 2)]),  # (ranks per node, nodes) saved on
+    after=st.sampled_from([(2, 1), (1, 1), (4, 1)]),
+    fraction=st.floats(0.1, 0.9),
+    seed=st.integers(0, 100),
+)
+def test_after_an_elastic_resume_the_trace_is_what_the_resumed_loader_serves(real_ds, before, after, fraction, seed):
+    kw = dict(seq_len=512, batch_size=2, seed=seed, num_workers=0, metrics=False)
+    (per0, nodes0), (per1, nodes1) = before, after
+    first = ShardedLoader(real_ds, rank=0, world_size=per0 * nodes0, ranks_per_node=per0, **kw)
+    served = max(1, int(len(first) * fraction))
+    it = iter(first)
+    for _ in range(served):
+        next(it)
+    state = first.state_dict()
+    first.close()
+    for rank in range(per1 * nodes1):
+        ld = ShardedLoader(real_ds, rank=rank, world_size=per1 * nodes1, ranks_per_node=per1, **kw)
+        ld.load_state_dict(json.loads(json.dumps(state)))
+        steps = list(range(len(ld) - ld.batches_left, len(ld)))
+        traced = [_traced(trace(ld, s), True) for s in steps]
+        if steps and steps[0] > 0 and (per1, nodes1) != (per0, nodes0):
+            with pytest.raises(ValueError, match="earlier layout"):
+                trace(ld, steps[0] - 1)
+        assert [_delivered(b, True) for b in ld] == traced
+        ld.close()
+
+
+def test_a_mixture_is_refused_by_name(real_ds):
+    from shardtool.plan.mixture import Mixture, MixtureSource
+
+    mix = ShardedLoader(
+        Mixture([MixtureSource("a", real_ds, 1.0)]), max_tokens=65536, steps=4, rank=0, world_size=1, metrics=False
+    )
+    with pytest.raises(TypeError, match="Mixture's steps are not traced yet"):
+        trace(mix, 0)
+    mix.close()
+
+
+def test_the_cli_prints_a_ranks_step_as_the_loader_traces_it(real_ds):
+    ld = ShardedLoader(
+        real_ds, seq_len=256, batch_size=4, seed=2, rank=1, world_size=3, ranks_per_node=3, metrics=False
+    )
+    want = trace(ld, 5)
+    ld.close()
+    args = ["trace", real_ds, "--step", "5", "--rank", "1", "--ranks-per-node", "3", "--seq-len", "256"]
+    args += ["--batch-size", "4", "--seed", "2"]
+    out = subprocess.run(
+        [sys.executable, "-m", "shardtool", *args, "--json"], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == want
+    text = subprocess.run([sys.executable, "-m", "shardtool", *args], capture_output=True, text=True, timeout=120)
+    assert text.returncode == 0, text.stderr
+    first = want["samples"][0]
+    assert f"{first['key']}" in text.stdout and first["shard"] in text.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "shardtool", *args[:3], "99999", *args[4:]], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode != 0 and "past epoch 0's end" in bad.stderr
