@@ -30,16 +30,18 @@ def trace(loader: Any, step: int, *, epoch: int | None = None) -> dict[str, Any]
     ``shard`` (its path in the dataset), ``index`` (in the shard), ``sample`` (global index) and
     ``length``; for packed rows one entry per piece, with ``row`` (in the batch), ``offset`` (of
     the piece's first token in its document) and ``length`` (the piece's tokens, an added eos
-    counted). Raises ValueError for a step outside the epoch or one served on an earlier layout,
-    TypeError for a loader of a Mixture (not traced yet)."""
+    counted). Raises ValueError for a step outside the epoch or one served on an earlier layout.
+
+    A loader of a `Mixture`: its step (global batch) of the run, at the phase its state is in
+    (weights and sources as loaded; ``epoch`` does not apply), each sample also naming its
+    ``source`` and ``source_epoch``; a step of an earlier phase raises ValueError."""
     planner = getattr(loader, "planner", None)
-    if planner is None or getattr(loader, "mixture", None) is not None:
-        raise TypeError(
-            f"trace reads the plan of a ShardedLoader of one dataset (a Mixture's steps are not traced "
-            f"yet), found {type(loader).__name__}"
-        )
+    if planner is None:
+        raise TypeError(f"trace reads the plan of a ShardedLoader, found {type(loader).__name__}")
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ValueError(f"step must be an int >= 0, found {step!r}")
+    if getattr(loader, "mixture", None) is not None:
+        return _mixture_step(loader, int(step))
     here = LoaderState.from_dict(loader.state_dict())
     if epoch is None or epoch == here.epoch:
         state = planner.continue_on(here, loader.data_layout)
@@ -57,8 +59,46 @@ def trace(loader: Any, step: int, *, epoch: int | None = None) -> dict[str, Any]
         raise ValueError(
             f"step {step} is past epoch {state.epoch}'s end: this rank has {earlier + plan.batches_per_rank} batches in it"
         )
+    samples = _units(loader.reader, loader.dataset, plan, b, b + 1)
+    return {"epoch": state.epoch, "step": int(step), "rank": loader.rank, "dp_rank": loader.dp_rank, "samples": samples}
+
+
+def _mixture_step(loader: Any, step: int) -> dict[str, Any]:
+    """A mixture's step: each source's units of it, in source order (as the batch puts them), every
+    sample or piece also naming its ``source``; packed rows are numbered across the sources."""
+    from ..plan.mixture.state import MixtureState
+
+    planner = loader.planner
+    state = planner.resume(MixtureState.from_dict(loader.state_dict()))
+    if step < state.phase.from_step:
+        raise ValueError(
+            f"step {step} ran in an earlier phase of the mixture (this one, its weights and sources as "
+            f"loaded, starts at step {state.phase.from_step}): trace it with a loader of that phase"
+        )
+    if step >= loader.steps:
+        raise ValueError(f"step {step} is past the mixture's end: it runs steps=0..{loader.steps - 1}")
+    samples: list[dict[str, Any]] = []
+    rows = 0
+    for name, pieces in planner.step_pieces(state, step):
+        for epoch, index, count in pieces:
+            plan = planner.rank_plan(state, name, epoch, loader.dp_rank)
+            got = _units(loader.readers[name], loader.datasets[name], plan, index, index + count)
+            for sample in got:
+                sample["source"] = name
+                sample["source_epoch"] = epoch
+                if "row" in sample:
+                    sample["row"] += rows
+            if plan.rows is not None:
+                rows += int(plan.row_offsets[index + count] - plan.row_offsets[index])
+            samples += got
+    return {"step": step, "rank": loader.rank, "dp_rank": loader.dp_rank, "samples": samples}
+
+
+def _units(reader: Any, ds: Any, plan: Any, first: int, stop: int) -> list[dict[str, Any]]:
+    """The samples (packed: pieces) of ``plan``'s batches ``first .. stop - 1``, located."""
     if plan.rows is not None:
-        rows = plan.batch_rows(b)
+        a, z = int(plan.row_offsets[first]), int(plan.row_offsets[stop])
+        rows = plan.rows.slice(a, z)
         ids = rows.span_pos
         per_row = np.diff(rows.row_offsets)
         extra = {
@@ -67,21 +107,20 @@ def trace(loader: Any, step: int, *, epoch: int | None = None) -> dict[str, Any]
             "length": rows.span_len.tolist(),
         }
     else:
-        lo, hi = int(plan.offsets[b]), int(plan.offsets[b + 1])
+        lo, hi = int(plan.offsets[first]), int(plan.offsets[stop])
         ids = plan.ids[lo:hi]
         extra = {"length": plan.lengths[lo:hi].tolist()}
-    samples = _located(loader, np.asarray(ids, dtype=np.int64))
+    samples = _located(reader, ds, np.asarray(ids, dtype=np.int64))
     for name, values in extra.items():
         for sample, value in zip(samples, values):
             sample[name] = int(value)
-    return {"epoch": state.epoch, "step": int(step), "rank": loader.rank, "dp_rank": loader.dp_rank, "samples": samples}
+    return samples
 
 
-def _located(loader: Any, ids: np.ndarray) -> list[dict[str, Any]]:
+def _located(reader: Any, ds: Any, ids: np.ndarray) -> list[dict[str, Any]]:
     """Key, shard path, index in the shard and global index of each of ``ids`` (sample indexes
     read once per shard touched)."""
-    ds = loader.dataset
-    shard, index = loader.reader.locate(ids)
+    shard, index = reader.locate(ids)
     out = []
     keys: dict[int, Any] = {}
     for s, i, gid in zip(shard.tolist(), index.tolist(), ids.tolist()):

@@ -20,6 +20,10 @@ the options the run's loader was built with; for a resumed run, the loader state
 A step counts as len(loader) does: batches of the epoch from its first. After an elastic resume
 (another number of ranks), the steps served on the earlier layout are traced with that layout.
 
+URL may be a mixture file (as shardtool plan takes it) with the run's length, --steps N (or
+--tokens T): the step is then the run's global batch, and each sample names its source; with a
+--state saved before a change of weights or sources, the steps from the resume on are traced.
+
 Examples:
   shardtool trace ./ds --step 1200 --rank 5 --nodes 2 --ranks-per-node 8 --seq-len 4096 --batch-size 2
   shardtool trace ./ds --step 1200 --rank 5 --nodes 2 --ranks-per-node 8 --max-tokens 65536 \\
@@ -28,7 +32,7 @@ Examples:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("url", help="dataset root (local path or fsspec URL)")
+    p.add_argument("url", help="dataset root (local path or fsspec URL), or a mixture file (.json, .yaml)")
     p.add_argument("--step", type=int, required=True, metavar="N", help="the step (batch of the epoch) to trace")
     p.add_argument("--rank", type=int, default=0, metavar="R", help="global rank (default 0)")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
@@ -62,12 +66,16 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--state", default=None, metavar="STATE.json", help="the loader state the run saved (loader.state_dict())"
     )
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, default=None, metavar="N", help="a mixture's length: steps")
+    length.add_argument("--tokens", type=int, default=None, metavar="T", help="a mixture's length: tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args) -> int:
     from ..loader import ShardedLoader
     from ..loader.trace import trace
+    from ..plan.mixture import Mixture, is_mixture_file
 
     kw = dict(
         batch_size=args.batch_size,
@@ -83,9 +91,18 @@ def run(args) -> int:
         balance_window=args.balance_window,
         micro_batches=args.micro_batches,
     )
+    source = args.url
+    if is_mixture_file(args.url):
+        try:
+            source = Mixture.from_file(args.url)
+        except ValueError as e:
+            raise ShardtoolError(str(e)) from None
+        kw.update(steps=args.steps, tokens=args.tokens)
+    elif args.steps is not None or args.tokens is not None:
+        raise ShardtoolError("--steps and --tokens give a mixture's length (URL a mixture file); a dataset has epochs")
     try:
         ld = ShardedLoader(
-            args.url,
+            source,
             rank=args.rank,
             world_size=args.nodes * args.ranks_per_node,
             ranks_per_node=args.ranks_per_node,
@@ -119,20 +136,15 @@ def run(args) -> int:
 
 def _print(got: dict, packed: bool) -> None:
     samples = got["samples"]
+    when = f"epoch {got['epoch']}, " if "epoch" in got else ""
     what = "pieces" if packed else "samples"
-    print(
-        f"epoch {got['epoch']}, step {got['step']}, rank {got['rank']} (DP rank {got['dp_rank']}): {len(samples)} {what}"
-    )
-    head = (
-        ("row", "key", "shard", "index", "sample", "offset", "tokens")
-        if packed
-        else ("key", "shard", "index", "sample", "length")
-    )
-    rows = [
-        [str(s[k]) for k in (("row", "key", "shard", "index", "sample", "offset", "length") if packed else head)]
-        for s in samples
-    ]
+    print(f"{when}step {got['step']}, rank {got['rank']} (DP rank {got['dp_rank']}): {len(samples)} {what}")
+    fields = ["row"] if packed else []
+    fields += ["source"] if samples and "source" in samples[0] else []
+    fields += ["key", "shard", "index", "sample"] + (["offset", "length"] if packed else ["length"])
+    head = ["tokens" if (packed and f == "length") else f for f in fields]
+    rows = [[str(s[f]) for f in fields] for s in samples]
     widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(head)]
-    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
     for r in rows:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())

@@ -128,15 +128,56 @@ def test_after_an_elastic_resume_the_trace_is_what_the_resumed_loader_serves(rea
         ld.close()
 
 
-def test_a_mixture_is_refused_by_name(real_ds):
-    from shardtool.plan.mixture import Mixture, MixtureSource
+@pytest.fixture(scope="module")
+def second_ds(tmp_path_factory):
+    """A second source: 300 other /usr/share/doc files (under 8 KB) as byte ids + eos."""
+    files = [p for p in doc_files() if 4096 <= os.path.getsize(p) < 8192][:300]
+    require(len(files) >= 100, "too few /usr/share/doc files of 4-8 KB")
+    root = str(tmp_path_factory.mktemp("trace2") / "ds")
+    docs = [np.append(byte_ids(p), EOS).astype(np.int32) for p in files]
+    shardtool.pack([{"tokens": d} for d in docs], root, format="arrow", length="tokens", shard_size=1_000_000)
+    return root
 
-    mix = ShardedLoader(
-        Mixture([MixtureSource("a", real_ds, 1.0)]), max_tokens=65536, steps=4, rank=0, world_size=1, metrics=False
-    )
-    with pytest.raises(TypeError, match="Mixture's steps are not traced yet"):
-        trace(mix, 0)
-    mix.close()
+
+def _mixed(batch: dict, packed: bool) -> list[tuple]:
+    """A mixture's batch as `_delivered`, each entry with its source in front."""
+    got = _delivered(batch, packed)
+    if not packed:
+        return [(batch["__source__"], *g) for g in got]
+    return [(batch["__source__"][g[0]], *g) for g in got]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_mixtures_steps_traced_equal_its_batches_also_after_new_weights(real_ds, second_ds, packed):
+    from shardtool.plan.mixture import Mixture
+
+    size = dict(seq_len=512, batch_size=4) if packed else dict(max_tokens=65536)
+    kw = dict(size, seed=1, steps=40, rank=1, world_size=2, ranks_per_node=2, metrics=False, num_workers=0)
+    sources = {"lib": (real_ds, 0.6), "doc": (second_ds, 0.4)}
+    ld = ShardedLoader(Mixture(sources, schedule=[(20, {"lib": 0.2, "doc": 0.8})], max_repeat=20), **kw)
+    it = iter(ld)
+    first = [_mixed(next(it), packed) for _ in range(15)]
+    state = ld.state_dict()
+    ld.close()
+    again = ShardedLoader(Mixture(sources, schedule=[(20, {"lib": 0.2, "doc": 0.8})], max_repeat=20), **kw)
+    for step, want in enumerate(first):  # a fresh loader of the same run: nothing iterated
+        t = trace(again, step)
+        assert [(x["source"], *_traced({"samples": [x]}, packed)[0]) for x in t["samples"]] == want, step
+    again.close()
+    # Resumed at step 15 under other weights: a new phase; its steps are traced, the earlier refused.
+    changed = Mixture({"lib": (real_ds, 0.9), "doc": (second_ds, 0.1)}, max_repeat=20)
+    resumed = ShardedLoader(changed, **kw)
+    resumed.load_state_dict(state)
+    traced = [
+        [(x["source"], *_traced({"samples": [x]}, packed)[0]) for x in trace(resumed, s)["samples"]]
+        for s in range(15, 40)
+    ]
+    with pytest.raises(ValueError, match="earlier phase"):
+        trace(resumed, 14)
+    with pytest.raises(ValueError, match="past the mixture's end"):
+        trace(resumed, 40)
+    assert [_mixed(b, packed) for b in resumed] == traced
+    resumed.close()
 
 
 def test_the_cli_prints_a_ranks_step_as_the_loader_traces_it(real_ds):
@@ -160,3 +201,37 @@ def test_the_cli_prints_a_ranks_step_as_the_loader_traces_it(real_ds):
         [sys.executable, "-m", "shardtool", *args[:3], "99999", *args[4:]], capture_output=True, text=True, timeout=120
     )
     assert bad.returncode != 0 and "past epoch 0's end" in bad.stderr
+
+
+def test_the_cli_traces_a_mixture_files_step(real_ds, second_ds, tmp_path):
+    from shardtool.plan.mixture import Mixture
+
+    path = tmp_path / "mix.json"
+    path.write_text(
+        json.dumps(
+            {
+                "sources": {"lib": {"url": real_ds, "weight": 0.7}, "doc": {"url": second_ds, "weight": 0.3}},
+                "max_repeat": 20,
+            }
+        )
+    )
+    kw = dict(seq_len=512, batch_size=4, seed=3, rank=1, world_size=2, ranks_per_node=2, metrics=False)
+    ld = ShardedLoader(Mixture.from_file(str(path)), steps=30, **kw)
+    want = trace(ld, 7)
+    ld.close()
+    args = ["trace", str(path), "--steps", "30", "--step", "7", "--rank", "1", "--ranks-per-node", "2"]
+    args += ["--seq-len", "512", "--batch-size", "4", "--seed", "3"]
+    out = subprocess.run(
+        [sys.executable, "-m", "shardtool", *args, "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == want and {s["source"] for s in want["samples"]} <= {"lib", "doc"}
+    text = subprocess.run([sys.executable, "-m", "shardtool", *args], capture_output=True, text=True, timeout=120)
+    assert text.returncode == 0 and "source" in text.stdout.splitlines()[1], text.stdout + text.stderr
+    alone = subprocess.run(
+        [sys.executable, "-m", "shardtool", "trace", real_ds, "--steps", "3", "--step", "0", "--max-tokens", "65536"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert alone.returncode == 1 and "a dataset has epochs" in alone.stderr
