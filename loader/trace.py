@@ -19,7 +19,7 @@ import numpy as np
 
 from ..plan.state import LoaderState
 
-__all__ = ["trace"]
+__all__ = ["find", "sample_of", "trace"]
 
 
 def trace(loader: Any, step: int, *, epoch: int | None = None) -> dict[str, Any]:
@@ -136,3 +136,71 @@ def _located(reader: Any, ds: Any, ids: np.ndarray) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def find(loader: Any, sample: int, *, epoch: int | None = None) -> list[dict[str, Any]]:
+    """Where global sample ``sample`` is served in ``epoch`` (default: the loader's) on the
+    loader's layout, from its data group's plan alone: one entry per batch holding it (packed:
+    per piece), each ``{"dp_rank", "step", "row", "offset", "length"}`` (``row``/``offset`` for
+    packed rows). Empty where the epoch leaves it out (its remainder). The epoch as planned on
+    this layout from its start: after an elastic resume, the batches re-dealt are not followed."""
+    planner = getattr(loader, "planner", None)
+    if planner is None or getattr(loader, "mixture", None) is not None:
+        raise TypeError(f"find reads the plan of a ShardedLoader of one dataset, found {type(loader).__name__}")
+    n_samples = len(loader.dataset)
+    if isinstance(sample, bool) or not isinstance(sample, (int, np.integer)) or not 0 <= sample < n_samples:
+        raise ValueError(f"sample must be a global index in [0, {n_samples}), found {sample!r}")
+    if epoch is None:
+        epoch = LoaderState.from_dict(loader.state_dict()).epoch
+    layout = loader.data_layout
+    shape = planner.shape(layout)
+    group = int(np.searchsorted(shape.cuts, sample, side="right")) - 1
+    plan = planner.group(layout, group, int(epoch))
+    first = layout.first_dp_rank(group)
+    n = plan.batches_per_rank
+    out = []
+    if plan.rows is not None:
+        spans = np.flatnonzero(plan.rows.span_pos == sample)
+        row = np.searchsorted(plan.rows.row_offsets, spans, side="right") - 1
+        batch = np.searchsorted(plan.row_offsets, row, side="right") - 1
+        for k, r, q in zip(spans.tolist(), row.tolist(), batch.tolist()):
+            out.append(
+                {
+                    "dp_rank": first + q // n,
+                    "step": q % n,
+                    "row": r - int(plan.row_offsets[q]),
+                    "offset": int(plan.rows.span_start[k]),
+                    "length": int(plan.rows.span_len[k]),
+                }
+            )
+    else:
+        at = np.flatnonzero(plan.ids == sample)
+        batch = np.searchsorted(plan.offsets, at, side="right") - 1
+        for q in batch.tolist():
+            out.append(
+                {"dp_rank": first + q // n, "step": q % n, "length": int(plan.batch_lengths(np.array([sample]))[0])}
+            )
+    return sorted(out, key=lambda e: (e["step"], e["dp_rank"], e.get("offset", 0)))
+
+
+def sample_of(loader: Any, *, key: str | None = None, shard: str | int | None = None, index: int | None = None) -> int:
+    """The global index of the sample with ``key`` (a scan of the shards' sample indexes: metadata
+    only, one index a shard), or at ``index`` of ``shard`` (its path or number). ValueError naming
+    what is not there."""
+    ds = loader.dataset
+    paths = [s.path for s in ds.manifest.shards]
+    offsets = np.concatenate([[0], np.cumsum(ds.shard_counts)]).astype(np.int64)
+    if key is not None:
+        for s in range(len(paths)):
+            keys = [k.decode() if isinstance(k, bytes) else str(k) for k in ds.shard_index(s).keys]
+            if key in keys:
+                return int(offsets[s]) + keys.index(key)
+        raise ValueError(f"no sample has key {key!r} in {loader.dataset.url}")
+    if shard is None or index is None:
+        raise ValueError("give a key, or a shard and an index in it")
+    s = int(shard) if isinstance(shard, int) or str(shard).isdigit() else paths.index(shard) if shard in paths else -1
+    if not 0 <= s < len(paths):
+        raise ValueError(f"no shard {shard!r} in {loader.dataset.url} (shards: {paths[0]} .. {paths[-1]})")
+    if not 0 <= int(index) < int(ds.shard_counts[s]):
+        raise ValueError(f"shard {paths[s]} has {int(ds.shard_counts[s])} samples, no #{index}")
+    return int(offsets[s]) + int(index)

@@ -17,6 +17,9 @@ them: no sample is read, and the answer is what the loader delivers (or delivere
 the options the run's loader was built with; for a resumed run, the loader state it saved
 (--state), whose epoch and layout segments it then follows.
 
+--key K (or --sample SHARD:I) answers the other way: the steps and DP ranks that serve that
+sample in the epoch (packed: each piece of it), as the epoch is planned on this layout.
+
 A step counts as len(loader) does: batches of the epoch from its first. After an elastic resume
 (another number of ranks), the steps served on the earlier layout are traced with that layout.
 
@@ -33,7 +36,12 @@ Examples:
 
 def add_arguments(p) -> None:
     p.add_argument("url", help="dataset root (local path or fsspec URL), or a mixture file (.json, .yaml)")
-    p.add_argument("--step", type=int, required=True, metavar="N", help="the step (batch of the epoch) to trace")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--step", type=int, metavar="N", help="the step (batch of the epoch) to trace")
+    what.add_argument("--key", metavar="K", help="instead: the steps and ranks that serve the sample with key K")
+    what.add_argument(
+        "--sample", metavar="SHARD:I", help="instead: the steps and ranks that serve sample I of SHARD (path or number)"
+    )
     p.add_argument("--rank", type=int, default=0, metavar="R", help="global rank (default 0)")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--ranks-per-node", type=int, default=1, metavar="G", help="ranks (GPUs) per node (default 1)")
@@ -74,7 +82,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from ..loader import ShardedLoader
-    from ..loader.trace import trace
+    from ..loader.trace import find, sample_of, trace
     from ..plan.mixture import Mixture, is_mixture_file
 
     kw = dict(
@@ -121,7 +129,20 @@ def run(args) -> int:
             except (OSError, ValueError) as e:
                 raise ShardtoolError(f"--state {args.state}: {e}") from None
         try:
-            got = trace(ld, args.step, epoch=args.epoch)
+            if args.step is not None:
+                got = trace(ld, args.step, epoch=args.epoch)
+            else:
+                if args.key is not None:
+                    gid = sample_of(ld, key=args.key)
+                else:
+                    shard, _, index = args.sample.rpartition(":")
+                    if not shard or not index.isdigit():
+                        raise ValueError(
+                            f"--sample takes SHARD:I (a shard's path or number, an index), found {args.sample!r}"
+                        )
+                    gid = sample_of(ld, shard=shard, index=int(index))
+                epoch = args.epoch if args.epoch is not None else ld.epoch
+                got = {"epoch": epoch, "sample": gid, "served": find(ld, gid, epoch=epoch)}
         except (TypeError, ValueError) as e:
             raise ShardtoolError(str(e)) from None
     finally:
@@ -130,8 +151,22 @@ def run(args) -> int:
         json.dump(got, sys.stdout)
         sys.stdout.write("\n")
         return 0
-    _print(got, packed=args.seq_len is not None)
+    if "served" in got:
+        _print_served(got)
+    else:
+        _print(got, packed=args.seq_len is not None)
     return 0
+
+
+def _print_served(got: dict) -> None:
+    served = got["served"]
+    if not served:
+        print(f"sample {got['sample']}: not served in epoch {got['epoch']} (left out for equal batch counts)")
+        return
+    print(f"sample {got['sample']}: served in epoch {got['epoch']} at")
+    for e in served:
+        piece = f", row {e['row']}, from its token {e['offset']}" if "row" in e else ""
+        print(f"  step {e['step']}, DP rank {e['dp_rank']}{piece}: {e['length']} tokens")
 
 
 def _print(got: dict, packed: bool) -> None:

@@ -235,3 +235,60 @@ def test_the_cli_traces_a_mixture_files_step(real_ds, second_ds, tmp_path):
         timeout=120,
     )
     assert alone.returncode == 1 and "a dataset has epochs" in alone.stderr
+
+
+@pytest.mark.parametrize("kind", ["bucketed", "packed-256"])
+def test_find_names_every_step_and_rank_that_serves_a_sample(real_ds, kind):
+    """The other way round: each sample's steps, DP ranks (and pieces) equal what the traces of
+    every step of every rank hold; a sample left out of the epoch is served nowhere."""
+    from shardtool.loader.trace import find, sample_of
+
+    packed = "seq_len" in KINDS[kind]
+    ranks = 3
+    seen: dict[int, list[tuple]] = {}
+    loaders = [
+        ShardedLoader(real_ds, **KINDS[kind], seed=7, rank=r, world_size=ranks, ranks_per_node=ranks, metrics=False)
+        for r in range(ranks)
+    ]
+    for r, ld in enumerate(loaders):
+        for step in range(len(ld)):
+            for s in trace(ld, step, epoch=2)["samples"]:
+                where = (r, step, s["row"], s["offset"], s["length"]) if packed else (r, step, s["length"])
+                seen.setdefault(s["sample"], []).append(where)
+    ld = loaders[1]  # any rank's loader answers for every sample
+    for gid in range(len(ld.dataset)):
+        got = find(ld, gid, epoch=2)
+        flat = [
+            (e["dp_rank"], e["step"], e["row"], e["offset"], e["length"])
+            if packed
+            else (e["dp_rank"], e["step"], e["length"])
+            for e in got
+        ]
+        assert sorted(flat) == sorted(seen.get(gid, [])), gid
+    # Named by key or by shard and index.
+    t = trace(ld, 0, epoch=2)["samples"][0]
+    assert sample_of(ld, key=t["key"]) == t["sample"] == sample_of(ld, shard=t["shard"], index=t["index"])
+    with pytest.raises(ValueError, match="no sample has key"):
+        sample_of(ld, key="no-such-key")
+    with pytest.raises(ValueError, match="has .* samples, no #"):
+        sample_of(ld, shard=t["shard"], index=10**6)
+    for x in loaders:
+        x.close()
+
+
+def test_the_cli_finds_a_key(real_ds):
+    from shardtool.loader.trace import find, sample_of
+
+    ld = ShardedLoader(
+        real_ds, seq_len=256, batch_size=4, seed=2, rank=0, world_size=2, ranks_per_node=2, metrics=False
+    )
+    key = trace(ld, 3)["samples"][0]["key"]
+    want = find(ld, sample_of(ld, key=key))
+    ld.close()
+    args = ["trace", real_ds, "--key", key, "--ranks-per-node", "2", "--seq-len", "256", "--batch-size", "4"]
+    out = subprocess.run(
+        [sys.executable, "-m", "shardtool", *args, "--seed", "2", "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["served"] == want and {"dp_rank": 0, "step": 3} in [{k: e[k] for k in ("dp_rank", "step")} for e in want]
