@@ -19,7 +19,7 @@ import numpy as np
 
 from ..plan.state import LoaderState
 
-__all__ = ["find", "sample_of", "trace"]
+__all__ = ["dump", "find", "sample_of", "trace"]
 
 
 def trace(loader: Any, step: int, *, epoch: int | None = None) -> dict[str, Any]:
@@ -204,3 +204,40 @@ def sample_of(loader: Any, *, key: str | None = None, shard: str | int | None = 
     if not 0 <= int(index) < int(ds.shard_counts[s]):
         raise ValueError(f"shard {paths[s]} has {int(ds.shard_counts[s])} samples, no #{index}")
     return int(offsets[s]) + int(index)
+
+
+def dump(loader: Any, first: int, stop: int, out_dir: str) -> list[str]:
+    """Steps ``first .. stop - 1`` as the loader delivers them, written to ``out_dir``: per step
+    ``step-NNNNNNNN.rank-R.npz`` (every array of the batch, by name) and ``.json`` beside it (the
+    step's `trace` and the batch's other fields: keys, sources). Reads the samples, as the loader
+    does; positions ``loader`` at ``first`` (its state), so pass a loader of its own. Returns the
+    paths written."""
+    import json
+    import os
+
+    import torch
+
+    if not 0 <= first < stop:
+        raise ValueError(f"a span of steps A:B needs 0 <= A < B, found {first}:{stop}")
+    traces = [trace(loader, s) for s in range(first, stop)]  # checks the span before reading anything
+    state = loader.state_dict()
+    if getattr(loader, "mixture", None) is not None:
+        from ..plan.mixture.state import MixtureState
+
+        loader.load_state_dict(MixtureState.from_dict(state).at(first).to_dict())
+    else:
+        st = LoaderState.from_dict(state)
+        loader.load_state_dict(st.with_served(first - (st.served - st.last.served)).to_dict())
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    batches = iter(loader)
+    for t, batch in zip(traces, batches):
+        stem = os.path.join(out_dir, f"step-{t['step']:08d}.rank-{loader.rank}")
+        arrays = {k: v.numpy() for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        np.savez(stem + ".npz", **arrays)
+        rest = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}
+        with open(stem + ".json", "w", encoding="utf-8") as f:
+            json.dump({"trace": t, "fields": rest}, f, default=str)
+        written += [stem + ".npz", stem + ".json"]
+    batches.close()  # the pass left early: its workers stop now
+    return written

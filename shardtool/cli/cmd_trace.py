@@ -37,7 +37,9 @@ Examples:
 def add_arguments(p) -> None:
     p.add_argument("url", help="dataset root (local path or fsspec URL), or a mixture file (.json, .yaml)")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--step", type=int, metavar="N", help="the step (batch of the epoch) to trace")
+    what.add_argument(
+        "--step", metavar="N", help="the step (batch of the epoch) to trace, or a span A:B (steps A to B-1)"
+    )
     what.add_argument("--key", metavar="K", help="instead: the steps and ranks that serve the sample with key K")
     what.add_argument(
         "--sample", metavar="SHARD:I", help="instead: the steps and ranks that serve sample I of SHARD (path or number)"
@@ -77,12 +79,18 @@ def add_arguments(p) -> None:
     length = p.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, default=None, metavar="N", help="a mixture's length: steps")
     length.add_argument("--tokens", type=int, default=None, metavar="T", help="a mixture's length: tokens")
+    p.add_argument(
+        "--dump",
+        metavar="DIR",
+        help="with --step: write the step(s) as the loader delivers them to DIR (reads the samples): "
+        "step-N.rank-R.npz (the batch's arrays) and .json (the trace and the batch's keys)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args) -> int:
     from ..loader import ShardedLoader
-    from ..loader.trace import find, sample_of, trace
+    from ..loader.trace import dump, find, sample_of, trace
     from ..plan.mixture import Mixture, is_mixture_file
 
     kw = dict(
@@ -130,7 +138,17 @@ def run(args) -> int:
                 raise ShardtoolError(f"--state {args.state}: {e}") from None
         try:
             if args.step is not None:
-                got = trace(ld, args.step, epoch=args.epoch)
+                first, stop = _span(args.step)
+                if args.dump:
+                    if args.epoch is not None and args.epoch != ld.epoch:
+                        raise ValueError("--dump reads the loader's own epoch: give --state, not --epoch")
+                    paths = dump(ld, first, stop, args.dump)
+                    print(f"wrote {len(paths)} files to {args.dump} (steps {first}..{stop - 1}, rank {args.rank})")
+                    return 0
+                steps = [trace(ld, s, epoch=args.epoch) for s in range(first, stop)]
+                got = steps[0] if ":" not in args.step else {"steps": steps}
+            elif args.dump:
+                raise ValueError("--dump writes steps: give --step N or --step A:B")
             else:
                 if args.key is not None:
                     gid = sample_of(ld, key=args.key)
@@ -154,8 +172,21 @@ def run(args) -> int:
     if "served" in got:
         _print_served(got)
     else:
-        _print(got, packed=args.seq_len is not None)
+        for one in got.get("steps", [got]):
+            _print(one, packed=args.seq_len is not None)
     return 0
+
+
+def _span(text: str) -> tuple[int, int]:
+    """``N`` -> (N, N + 1); ``A:B`` -> (A, B)."""
+    a, sep, b = text.partition(":")
+    try:
+        first, stop = (int(a), int(b)) if sep else (int(a), int(a) + 1)
+    except ValueError:
+        raise ValueError(f"--step takes N or A:B (steps A to B-1), found {text!r}") from None
+    if not 0 <= first < stop:
+        raise ValueError(f"--step {text}: give 0 <= A < B")
+    return first, stop
 
 
 def _print_served(got: dict) -> None:

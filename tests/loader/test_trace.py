@@ -292,3 +292,59 @@ def test_the_cli_finds_a_key(real_ds):
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["served"] == want and {"dp_rank": 0, "step": 3} in [{k: e[k] for k in ("dp_rank", "step")} for e in want]
+
+
+def test_dump_writes_the_steps_as_the_loader_delivers_them(real_ds, tmp_path):
+    kw = dict(seq_len=256, batch_size=4, seed=5, rank=1, world_size=2, ranks_per_node=2, metrics=False)
+    ld = ShardedLoader(real_ds, num_workers=2, **kw)
+    it = iter(ld)
+    delivered = [next(it) for _ in range(7)]
+    state = ld.state_dict()  # the run's checkpoint after step 6: dump goes back to steps 3..5
+    ld.close()
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(state))
+    args = ["trace", real_ds, "--step", "3:6", "--rank", "1", "--ranks-per-node", "2", "--seq-len", "256"]
+    args += ["--batch-size", "4", "--seed", "5", "--state", str(path)]
+    out = subprocess.run(
+        [sys.executable, "-m", "shardtool", *args, "--dump", str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    for step in range(3, 6):
+        stem = tmp_path / "d" / f"step-{step:08d}.rank-1"
+        arrays = np.load(f"{stem}.npz")
+        for name in ("input_ids", "labels", "position_ids", "cu_seqlens", "doc_offsets"):
+            assert np.array_equal(arrays[name], delivered[step][name].numpy()), (step, name)
+        meta = json.loads(open(f"{stem}.json").read())
+        assert meta["fields"]["__key__"] == delivered[step]["__key__"] and meta["trace"]["step"] == step
+    assert sorted(os.listdir(tmp_path / "d")) == sorted(
+        f"step-{s:08d}.rank-1.{e}" for s in range(3, 6) for e in ("npz", "json")
+    )
+    span = subprocess.run(
+        [sys.executable, "-m", "shardtool", *args, "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert span.returncode == 0, span.stderr
+    assert [t["step"] for t in json.loads(span.stdout)["steps"]] == [3, 4, 5]
+    bad = subprocess.run(
+        [sys.executable, "-m", "shardtool", *args[:2], "--step", "6:3", *args[4:]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 1 and "0 <= A < B" in bad.stderr
+
+
+def test_dump_of_a_mixtures_steps(real_ds, second_ds, tmp_path):
+    from shardtool.loader.trace import dump
+    from shardtool.plan.mixture import Mixture
+
+    kw = dict(seq_len=512, batch_size=4, seed=2, steps=12, rank=0, world_size=1, metrics=False, num_workers=0)
+    sources = {"lib": (real_ds, 0.5), "doc": (second_ds, 0.5)}
+    delivered = list(ShardedLoader(Mixture(sources), **kw))
+    dump(ShardedLoader(Mixture(sources), **kw), 4, 7, str(tmp_path))
+    for step in range(4, 7):
+        stem = tmp_path / f"step-{step:08d}.rank-0"
+        assert np.array_equal(np.load(f"{stem}.npz")["input_ids"], delivered[step]["input_ids"].numpy())
+        assert json.loads(open(f"{stem}.json").read())["fields"]["__source__"] == delivered[step]["__source__"]
