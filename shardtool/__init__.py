@@ -9,6 +9,9 @@ import types
 
 from .format import Dataset, FormatError, ShardtoolError, open_dataset
 
+# ``shardtool.open(url)``: a dataset with len(), ds[i], slices and ds.get(key) (random access).
+open = open_dataset  # noqa: A001 - the package's own name for it; builtins.open is untouched elsewhere
+
 
 def __getattr__(name: str):
     if name == "__version__":
@@ -47,4 +50,4 @@ class _Package(types.ModuleType):
 
 sys.modules[__name__].__class__ = _Package
 
-__all__ = ["Dataset", "FormatError", "ShardtoolError", "open_dataset", "pack", "__version__"]
+__all__ = ["Dataset", "FormatError", "ShardtoolError", "open", "open_dataset", "pack", "__version__"]

@@ -102,6 +102,38 @@ class Dataset:
             for i in range(count):
                 yield self.read(shard, i)
 
+    # ------------------------------------------------------------------ random access
+    def __getitem__(self, i: Any) -> Any:
+        """Sample ``i`` by its global index (negative: from the end), decoded; a slice gives a
+        list. Reads that sample's byte range only (an Arrow shard: its record batch), after the
+        shard's sample index (metadata) once."""
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"a dataset is indexed by an int or a slice, found {type(i).__name__}")
+        n = len(self)
+        j = int(i) + n if i < 0 else int(i)
+        if not 0 <= j < n:
+            raise IndexError(f"sample {int(i)} is out of range: {self.url} has {n} samples")
+        shard = int(np.searchsorted(self._offsets, j, side="right")) - 1
+        return self.read(shard, j - int(self._offsets[shard]))
+
+    def locate_key(self, key: str) -> int:
+        """The global index of the sample keyed ``key``: the shards' sample indexes are searched
+        in order until one holds it (metadata, no shard is read; a miss reads every index).
+        KeyError naming the key where none has it."""
+        want = str(key)
+        for s in range(self.num_shards):
+            keys = self.shard_index(s).keys
+            for i, k in enumerate(keys):
+                if (k.decode() if isinstance(k, bytes) else str(k)) == want:
+                    return int(self._offsets[s]) + i
+        raise KeyError(f"no sample has key {want!r} in {self.url}")
+
+    def get(self, key: str) -> dict[str, Any]:
+        """The sample keyed ``key``, decoded (`locate_key`, then its byte range)."""
+        return self[self.locate_key(key)]
+
     # ------------------------------------------------------------------ metadata
     @property
     def lengths(self) -> np.ndarray:
