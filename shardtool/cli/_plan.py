@@ -16,6 +16,68 @@ def peak_rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def add_batching_arguments(p) -> None:
+    """The batching options of ``shardtool plan`` and ``shardtool trace``, as ShardedLoader takes
+    them: batch size or token budget, packing, seed, shuffle, drop_last and compute balance."""
+    from ..plan.cost import PRESETS
+
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--batch-size", type=int, help="samples per batch")
+    size.add_argument("--max-tokens", type=int, help="token budget per batch, padding counted")
+    pk = p.add_argument_group("sequence packing (with --batch-size: rows per batch)")
+    pk.add_argument("--seq-len", type=int, default=None, metavar="S", help="pack documents into rows of S tokens")
+    pk.add_argument(
+        "--packing",
+        choices=["best-fit", "concat", "no-split", "stream"],
+        default="best-fit",
+        help="how documents fill rows (default best-fit; stream: the stored token stream cut into rows, "
+        "rows shuffled, as LitData's TokensLoader)",
+    )
+    pk.add_argument(
+        "--eos-id", type=int, default=None, metavar="ID", help="an end-of-sequence token after each document"
+    )
+    p.add_argument("--seed", type=int, default=0, help="shuffle seed, as given to ShardedLoader (default 0)")
+    p.add_argument("--no-shuffle", action="store_true", help="without shuffling (dataset order)")
+    p.add_argument(
+        "--shuffle-block",
+        type=int,
+        metavar="SAMPLES",
+        help="shuffle a block of this many neighbouring samples at a time, the blocks in a random order "
+        "(about a shard's samples: a pass reads a shard or two at once; as ShardedLoader(shuffle_block=))",
+    )
+    p.add_argument(
+        "--drop-last",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="may equal counts leave out a surplus (<= 0.2%% of tokens, rotating)? auto (default): "
+        "yes with several data-parallel ranks, no with one; as ShardedLoader(drop_last=)",
+    )
+    p.add_argument(
+        "--cost-model",
+        default=None,
+        metavar="SPEC",
+        help="balance each step's compute across the DP ranks by this cost model (the step waits for the "
+        "slowest; plan also reports how evenly it falls): a model shape params=7e9,layers=32,hidden=4096, "
+        "measured a=...,b=... (cost = a x tokens + b x sum of squared document-piece lengths), or a preset: "
+        + ", ".join(sorted(PRESETS)),
+    )
+    p.add_argument(
+        "--balance-window",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="with --cost-model: balance within blocks of this many steps (default: the whole epoch; "
+        "fewer keep each block's mix of documents closer to the plain shuffle)",
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --cost-model: gradient accumulation, a step is M batches of each rank (their total counts)",
+    )
+
+
 def layout_of(args):
     from ..plan import Layout
 

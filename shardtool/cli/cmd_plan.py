@@ -8,9 +8,9 @@ import sys
 import time
 
 from ..format.sizes import format_size
-from ..plan.cost import PRESETS, CostModel
+from ..plan.cost import CostModel
 from ._layout import LAYOUT_HELP, add_layout_arguments, data_layout_of, describe_layout
-from ._plan import batching_of, layout_of, node_shards, peak_rss_mb
+from ._plan import add_batching_arguments, batching_of, layout_of, node_shards, peak_rss_mb
 from ._plan_rank import evaluate_rank, for_dataset
 
 HELP = "show the loading plan of a layout: batches per rank, padding, remainder, bytes per node, planning cost"
@@ -61,42 +61,12 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--ranks-per-node", type=int, default=1, metavar="G", help="ranks (GPUs) per node (default 1)")
     add_layout_arguments(p)
-    size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--batch-size", type=int, help="samples per batch")
-    size.add_argument("--max-tokens", type=int, help="token budget per batch, padding counted")
-    pk = p.add_argument_group("sequence packing (with --batch-size: rows per batch)")
-    pk.add_argument("--seq-len", type=int, default=None, metavar="S", help="pack documents into rows of S tokens")
-    pk.add_argument(
-        "--packing",
-        choices=["best-fit", "concat", "no-split", "stream"],
-        default="best-fit",
-        help="how documents fill rows (default best-fit; stream: the stored token stream cut into rows, "
-        "rows shuffled, as LitData's TokensLoader)",
-    )
-    pk.add_argument(
-        "--eos-id", type=int, default=None, metavar="ID", help="an end-of-sequence token after each document"
-    )
-    p.add_argument("--seed", type=int, default=0, help="shuffle seed, as given to ShardedLoader (default 0)")
+    add_batching_arguments(p)
     p.add_argument(
         "--epoch",
         type=int,
         default=0,
         help="which epoch to plan (default 0); the order and the remainder change every epoch, node ranges never do",
-    )
-    p.add_argument("--no-shuffle", action="store_true", help="plan without shuffling (dataset order)")
-    p.add_argument(
-        "--shuffle-block",
-        type=int,
-        metavar="SAMPLES",
-        help="shuffle a block of this many neighbouring samples at a time, the blocks in a random order "
-        "(about a shard's samples: a pass reads a shard or two at once; as ShardedLoader(shuffle_block=))",
-    )
-    p.add_argument(
-        "--drop-last",
-        choices=["auto", "yes", "no"],
-        default="auto",
-        help="may equal counts leave out a surplus (<= 0.2%% of tokens, rotating)? auto (default): "
-        "yes with several data-parallel ranks, no with one; as ShardedLoader(drop_last=)",
     )
     p.add_argument(
         "--rank",
@@ -130,29 +100,6 @@ def add_arguments(p) -> None:
         default=None,
         metavar="T",
         help="expected tokens to plan (all ranks), converted into steps",
-    )
-    p.add_argument(
-        "--cost-model",
-        default=None,
-        metavar="SPEC",
-        help="also report how evenly each step's compute falls on the DP ranks (the step waits for the "
-        "slowest): a model shape params=7e9,layers=32,hidden=4096, measured a=...,b=... (cost = a x tokens "
-        "+ b x sum of squared document-piece lengths), or a preset: " + ", ".join(sorted(PRESETS)),
-    )
-    p.add_argument(
-        "--balance-window",
-        type=int,
-        default=None,
-        metavar="STEPS",
-        help="with --cost-model: balance within blocks of this many steps (default: the whole epoch; "
-        "fewer keep each block's mix of documents closer to the plain shuffle)",
-    )
-    p.add_argument(
-        "--micro-batches",
-        type=int,
-        default=None,
-        metavar="M",
-        help="with --cost-model: gradient accumulation, a step is M batches of each rank (their total counts)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -6,7 +6,7 @@ import json
 import sys
 
 from ..format.errors import ShardtoolError
-from ..plan.cost import PRESETS
+from ._plan import add_batching_arguments
 
 HELP = "which samples (and pieces of them) a rank's batch at a step holds, from the plan alone"
 DESCRIPTION = """\
@@ -47,32 +47,8 @@ def add_arguments(p) -> None:
     p.add_argument("--rank", type=int, default=0, metavar="R", help="global rank (default 0)")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--ranks-per-node", type=int, default=1, metavar="G", help="ranks (GPUs) per node (default 1)")
-    size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--batch-size", type=int, help="samples per batch (with --seq-len: rows per batch)")
-    size.add_argument("--max-tokens", type=int, help="token budget per batch, padding counted")
-    pk = p.add_argument_group("sequence packing")
-    pk.add_argument("--seq-len", type=int, default=None, metavar="S", help="rows of S tokens")
-    pk.add_argument(
-        "--packing",
-        choices=["best-fit", "concat", "no-split", "stream"],
-        default="best-fit",
-        help="how documents fill rows, as ShardedLoader(packing=) (default best-fit)",
-    )
-    pk.add_argument("--eos-id", type=int, default=None, metavar="ID", help="an eos token after each document")
-    p.add_argument("--seed", type=int, default=0, help="shuffle seed, as given to ShardedLoader (default 0)")
+    add_batching_arguments(p)
     p.add_argument("--epoch", type=int, default=None, help="the epoch (default: the state's, else 0)")
-    p.add_argument("--no-shuffle", action="store_true", help="dataset order, as ShardedLoader(shuffle=False)")
-    p.add_argument("--shuffle-block", type=int, metavar="SAMPLES", help="as ShardedLoader(shuffle_block=)")
-    p.add_argument("--drop-last", choices=["auto", "yes", "no"], default="auto", help="as ShardedLoader(drop_last=)")
-    p.add_argument(
-        "--cost-model",
-        default=None,
-        metavar="SPEC",
-        help="as ShardedLoader(cost_model=): params=..,layers=..,hidden=.., a=..,b=.., or "
-        + ", ".join(sorted(PRESETS)),
-    )
-    p.add_argument("--balance-window", type=int, default=None, metavar="STEPS", help="with --cost-model")
-    p.add_argument("--micro-batches", type=int, default=None, metavar="M", help="with --cost-model")
     p.add_argument(
         "--state", default=None, metavar="STATE.json", help="the loader state the run saved (loader.state_dict())"
     )
