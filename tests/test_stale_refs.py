@@ -25,7 +25,7 @@ THEIRS = {
     "ShardWriter", "StatefulDataLoader", "StopIteration", "StreamingDataLoader", "StreamingDataset",
     "ToTensor", "TokensLoader", "DeviceMesh", "DoubleTensor", "LightningDataModule", "LightningModule", "ModelCheckpoint",
     "CombinedLoader", "DistributedDataParallel", "FileNotFoundError", "TypeError", "ValueError",
-    "RuntimeError", "OSError", "BufferError", "IndexError", "AttributeError", "NotImplementedError",
+    "RuntimeError", "OSError", "BufferError", "IndexError", "AttributeError", "NotImplementedError", "KeyError",
 }  # fmt: skip
 
 PATH = re.compile(

@@ -82,8 +82,9 @@ class Batching:
     smallest whose surplus carries at most 0.2% of the tokens (`balance.MAX_DROP`; it rotates
     across epochs), groups short of it split batches. ``False``: nothing is left out — the count
     is the largest group's, every other group splits batches to reach it (exact in ``batch_size``
-    mode, for packed rows, and for one group cut in order; a bucketed token budget's counts are
-    estimated, so a rare surplus can remain).
+    mode, for packed rows, for one group cut in order, and for one group's bucketed token budget,
+    whose count is at least its batches sorted as one window, and a pass that would need more is
+    cut so; several groups' bucketed token budgets are estimated, so a rare surplus can remain).
     Default (None): ``True`` with several DP ranks, ``False`` with one (nothing to equalise).
 
     `shuffle_block` (samples, with ``shuffle``; bucketed or in-order batches, not packed rows): a

@@ -102,6 +102,10 @@ def plan_group(source: PlanSource, shape: PlanShape, group: int, epoch: int) -> 
     if batching.packing is not None:
         return _packed(shape, group, int(epoch), lo, lengths, ids, rng, k, n)
     ordered, starts = bucket(ids, lengths, batching, shape.window, rng)
+    if starts.size - 1 > k * n and _serves_all(batching, shape):
+        # Windows cut more batches than the count: sorted as one window the group needs the
+        # fewest, which the count of one group is never short of (`shape._one_window_batches`).
+        ordered, starts = bucket(ids, lengths, batching, ids.size, rng)
     if n == 0:
         return GroupPlan(group, k, 0, lo, lengths, np.zeros(0, np.int64), np.zeros(1, np.int64), ids)
     begin, end = fit_group(starts, k * n, int(epoch))
@@ -126,6 +130,16 @@ def plan_group(source: PlanSource, shape: PlanShape, group: int, epoch: int) -> 
     served = np.zeros(hi - lo, dtype=bool)
     served[kept - lo] = True
     return GroupPlan(group, k, n, lo, lengths, kept, offsets, ids[~served])
+
+
+def _serves_all(batching, shape: PlanShape) -> bool:
+    """A token budget's bucketed batches that must serve every sample (``drop_last`` false)."""
+    return (
+        batching.max_tokens is not None
+        and batching.bucketing
+        and batching.shuffle_block is None
+        and not batching.drops(shape.data_layout.dp_size)
+    )
 
 
 def _packed(

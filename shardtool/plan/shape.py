@@ -25,7 +25,7 @@ import numpy as np
 
 from ..format.summaries import BINS, ShardSummaries
 from .balance import MAX_DROP, batches_per_rank
-from .batching import Batching, block_samples, in_order_starts, resolve_window
+from .batching import Batching, block_samples, bucket, in_order_starts, resolve_window
 from .inorder import inorder_batches, rate_from_histogram
 from .layout import DataLayout
 from .ranges import group_cuts
@@ -230,6 +230,31 @@ def _stream_batches(
     return np.array([pack_rows(lengths, packing).num_rows / batching.batch_size if lengths.size else 0.0])
 
 
+def _one_window_batches(
+    batching: Batching, cuts: np.ndarray, lengths_of: Callable[[int, int], np.ndarray] | None
+) -> np.ndarray | None:
+    """A token budget's bucketed batches of one data group that serves every sample: the count of
+    the group sorted as one window (the fewest batches its lengths allow, which a plan whose
+    windows need more than the count falls back to: `shardtool.plan.group`), so the count is
+    never short of it. An estimate alone was short on small groups (442 samples, 2 batches) and
+    now and then on larger ones (0.3-1.3% of the samples left out on one rank). None otherwise."""
+    if (
+        batching.max_tokens is None
+        or batching.packing is not None
+        or not batching.bucketing
+        or batching.shuffle_block is not None
+        or lengths_of is None
+        or len(cuts) != 2
+    ):
+        return None
+    lengths = np.asarray(lengths_of(int(cuts[0]), int(cuts[1])), dtype=np.int64)
+    if not lengths.size:
+        return None
+    ids = np.arange(lengths.size, dtype=np.int64)
+    _, starts = bucket(ids, lengths, batching, int(lengths.size), None)
+    return np.array([float(starts.size - 1)])
+
+
 def _estimate_packed(
     count: np.ndarray, tokens: np.ndarray, samples: np.ndarray, windows: np.ndarray, batching: Batching
 ) -> np.ndarray:
@@ -350,6 +375,10 @@ def plan_shape(
     stream = _stream_batches(batching, cuts, lengths_of)
     if stream is not None:
         batches = stream
+    elif not batching.drops(data_layout.dp_size):
+        least = _one_window_batches(batching, cuts, lengths_of)
+        if least is not None:
+            batches = np.maximum(batches, least)
     elif batching.packing is not None and not batching.drops(data_layout.dp_size):
         # Serving every token: the count must hold the rows that the worst packing can need.
         batches = np.maximum(
