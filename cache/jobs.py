@@ -1,4 +1,4 @@
-"""Which jobs on a node asked for what, and what the prolog found for each (DESIGN §3).
+"""Which jobs on a node asked for what, and what the prolog found for each (docs/architecture.md §3).
 
 Many jobs share a node's cache. The prolog leaves one record per job in the node's cache::
 

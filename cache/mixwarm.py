@@ -1,4 +1,4 @@
-"""Warm every source of a mixture into one node cache in one call (DESIGN §3): one report.
+"""Warm every source of a mixture into one node cache in one call (docs/architecture.md §3): one report.
 
 Each source is warmed exactly as a single dataset (its own node range under the same layout, its
 own version directory), one after another so that every source's transfers get all ``jobs``.

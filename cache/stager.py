@@ -17,7 +17,7 @@ through `ensure_shard`, under the per-shard locks a reader's fetch-on-miss takes
 that misses a shard the stager is fetching waits for it (and the stager skips a shard a reader is
 fetching), so no shard is fetched twice.
 
-When it stops: ranges are sticky (DESIGN §2), so every epoch reads the same shards of the node.
+When it stops: ranges are sticky (docs/architecture.md §2.3), so every epoch reads the same shards of the node.
 The stager stops once every expected rank has published an order and every shard of their
 orders is in the cache: later epochs are served from it. It also stops when every rank closed
 its loader, or when its parent process (the loader that started it) is gone.

@@ -6,7 +6,7 @@ per pass per process at best, and gathers each training batch from a hundred sep
 buffers. The rank's process therefore decompresses the compressed shards the pass reads into
 plain Arrow IPC files in memory, as the node cache does on disk (`cache.plain`), up to a budget,
 and readers read them exactly as a plain shard's map. Later passes reuse them: a rank
-decompresses its share once per run (ranges are sticky, DESIGN §2), not once per pass and worker.
+decompresses its share once per run (ranges are sticky, docs/architecture.md §2.3), not once per pass and worker.
 Shards past the budget are read through `loader.batchcache`. Which shards to hold is `choose`, a
 pure function of the pass's shards in the order it first reads them.
 

@@ -1,4 +1,4 @@
-"""The layers of DESIGN §0, checked on the source: no import circle among our own modules, and
+"""The layers of docs/architecture.md §0, checked on the source: no import circle among our own modules, and
 every import goes down the layer order format ← plan ← cache ← loader ← integrations ← cli
 (pack on format and plan; benchmarks on top).
 
@@ -186,7 +186,7 @@ def test_imports_go_down_the_layers():
 
 
 def test_no_module_imports_a_top_level_loader_cache_or_benchmarks():
-    # The folders are packages of shardtool only (DESIGN §0): ``import loader`` would find a
+    # The folders are packages of shardtool only (docs/architecture.md §0): ``import loader`` would find a
     # training repo's own loader.py, or nothing once installed.
     bad = []
     for module, path in sorted(project_modules().items()):

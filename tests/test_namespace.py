@@ -1,4 +1,4 @@
-"""One import namespace, one direction of dependency (DESIGN §0), and installs that work.
+"""One import namespace, one direction of dependency (docs/architecture.md §0), and installs that work.
 
 format ← plan ← cache ← loader ← cli, with pack on format and plan (it uses the planner's pure
 environment reader and lengths generator; plan never imports pack).

@@ -1,4 +1,4 @@
-"""What the loader observes about itself (DESIGN §4): counters, metric lines, stats, the watchdog.
+"""What the loader observes about itself (docs/architecture.md §4): counters, metric lines, stats, the watchdog.
 
 Files, each importing only those above it in this list (and the loader's own `errors`, `shmring`):
 

@@ -107,7 +107,7 @@ class TitanLoader:
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[tuple[dict[str, Any], Any]]:
-        # The loader's next iter() after an epoch's last batch starts the next epoch (DESIGN §3b);
+        # The loader's next iter() after an epoch's last batch starts the next epoch (docs/architecture.md §5);
         # a MixtureLoader's one iter() is already endless.
         empty = 0
         while self.epochs is None or self.loader.state_dict()["epoch"] < self.epochs:
