@@ -19,7 +19,7 @@ import numpy as np
 
 from ..plan.state import LoaderState
 
-__all__ = ["dump", "find", "sample_of", "trace"]
+__all__ = ["dump", "find", "sample_of", "trace", "traces"]
 
 
 def trace(loader: Any, step: int, *, epoch: int | None = None) -> dict[str, Any]:
@@ -35,53 +35,76 @@ def trace(loader: Any, step: int, *, epoch: int | None = None) -> dict[str, Any]
     A loader of a `Mixture`: its step (global batch) of the run, at the phase its state is in
     (weights and sources as loaded; ``epoch`` does not apply), each sample also naming its
     ``source`` and ``source_epoch``; a step of an earlier phase raises ValueError."""
+    return traces(loader, step, step + 1, epoch=epoch)[0]
+
+
+def traces(loader: Any, first: int, stop: int, *, epoch: int | None = None) -> list[dict[str, Any]]:
+    """`trace` of steps ``first .. stop - 1``, the rank's plan made once for all of them."""
     planner = getattr(loader, "planner", None)
     if planner is None:
         raise TypeError(f"trace reads the plan of a ShardedLoader, found {type(loader).__name__}")
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise ValueError(f"step must be an int >= 0, found {step!r}")
+    for step in (first, stop - 1):
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"step must be an int >= 0, found {step!r}")
     if getattr(loader, "mixture", None) is not None:
-        return _mixture_step(loader, int(step))
+        return _mixture_steps(loader, int(first), int(stop))
     here = LoaderState.from_dict(loader.state_dict())
     if epoch is None or epoch == here.epoch:
         state = planner.continue_on(here, loader.data_layout)
     else:
         state = planner.start(int(epoch), loader.fingerprint, loader.data_layout)
     earlier = sum(s.served for s in state.segments[:-1])
-    if step < earlier:
+    if first < earlier:
         raise ValueError(
-            f"step {step} of epoch {state.epoch} was served on an earlier layout ({earlier} batches a rank "
+            f"step {first} of epoch {state.epoch} was served on an earlier layout ({earlier} batches a rank "
             f"before the resume onto {loader.data_layout.describe()}): trace it with a loader of that layout"
         )
     plan = planner.rank_plan(state, loader.dp_rank)
-    b = int(step) - earlier
-    if b >= plan.batches_per_rank:
+    if stop - 1 - earlier >= plan.batches_per_rank:
         raise ValueError(
-            f"step {step} is past epoch {state.epoch}'s end: this rank has {earlier + plan.batches_per_rank} batches in it"
+            f"step {stop - 1} is past epoch {state.epoch}'s end: this rank has {earlier + plan.batches_per_rank} "
+            "batches in it"
         )
-    samples = _units(loader.reader, loader.dataset, plan, b, b + 1)
-    return {"epoch": state.epoch, "step": int(step), "rank": loader.rank, "dp_rank": loader.dp_rank, "samples": samples}
+    return [
+        {
+            "epoch": state.epoch,
+            "step": int(step),
+            "rank": loader.rank,
+            "dp_rank": loader.dp_rank,
+            "samples": _units(loader.reader, loader.dataset, plan, step - earlier, step - earlier + 1),
+        }
+        for step in range(first, stop)
+    ]
 
 
-def _mixture_step(loader: Any, step: int) -> dict[str, Any]:
-    """A mixture's step: each source's units of it, in source order (as the batch puts them), every
-    sample or piece also naming its ``source``; packed rows are numbered across the sources."""
+def _mixture_steps(loader: Any, first: int, stop: int) -> list[dict[str, Any]]:
+    """A mixture's steps ``first .. stop - 1``: each step's units of every source, in source order
+    (as the batch puts them), each sample or piece also naming its ``source``; packed rows are
+    numbered across the sources. A source-epoch's plan is made once for the span."""
     from ..plan.mixture.state import MixtureState
 
     planner = loader.planner
     state = planner.resume(MixtureState.from_dict(loader.state_dict()))
-    if step < state.phase.from_step:
+    if first < state.phase.from_step:
         raise ValueError(
-            f"step {step} ran in an earlier phase of the mixture (this one, its weights and sources as "
+            f"step {first} ran in an earlier phase of the mixture (this one, its weights and sources as "
             f"loaded, starts at step {state.phase.from_step}): trace it with a loader of that phase"
         )
-    if step >= loader.steps:
-        raise ValueError(f"step {step} is past the mixture's end: it runs steps=0..{loader.steps - 1}")
+    if stop - 1 >= loader.steps:
+        raise ValueError(f"step {stop - 1} is past the mixture's end: it runs steps=0..{loader.steps - 1}")
+    plans: dict[tuple[str, int], Any] = {}
+    return [_mixture_step(loader, state, step, plans) for step in range(first, stop)]
+
+
+def _mixture_step(loader: Any, state: Any, step: int, plans: dict[tuple[str, int], Any]) -> dict[str, Any]:
+    planner = loader.planner
     samples: list[dict[str, Any]] = []
     rows = 0
     for name, pieces in planner.step_pieces(state, step):
         for epoch, index, count in pieces:
-            plan = planner.rank_plan(state, name, epoch, loader.dp_rank)
+            plan = plans.get((name, epoch))
+            if plan is None:
+                plan = plans[(name, epoch)] = planner.rank_plan(state, name, epoch, loader.dp_rank)
             got = _units(loader.readers[name], loader.datasets[name], plan, index, index + count)
             for sample in got:
                 sample["source"] = name
@@ -191,11 +214,10 @@ def sample_of(loader: Any, *, key: str | None = None, shard: str | int | None = 
     paths = [s.path for s in ds.manifest.shards]
     offsets = np.concatenate([[0], np.cumsum(ds.shard_counts)]).astype(np.int64)
     if key is not None:
-        for s in range(len(paths)):
-            keys = [k.decode() if isinstance(k, bytes) else str(k) for k in ds.shard_index(s).keys]
-            if key in keys:
-                return int(offsets[s]) + keys.index(key)
-        raise ValueError(f"no sample has key {key!r} in {loader.dataset.url}")
+        try:
+            return ds.locate_key(key)
+        except KeyError as e:
+            raise ValueError(e.args[0]) from None
     if shard is None or index is None:
         raise ValueError("give a key, or a shard and an index in it")
     s = int(shard) if isinstance(shard, int) or str(shard).isdigit() else paths.index(shard) if shard in paths else -1
@@ -219,7 +241,7 @@ def dump(loader: Any, first: int, stop: int, out_dir: str) -> list[str]:
 
     if not 0 <= first < stop:
         raise ValueError(f"a span of steps A:B needs 0 <= A < B, found {first}:{stop}")
-    traces = [trace(loader, s) for s in range(first, stop)]  # checks the span before reading anything
+    steps = traces(loader, first, stop)  # checks the span before reading anything
     state = loader.state_dict()
     if getattr(loader, "mixture", None) is not None:
         from ..plan.mixture.state import MixtureState
@@ -231,7 +253,7 @@ def dump(loader: Any, first: int, stop: int, out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     written = []
     batches = iter(loader)
-    for t, batch in zip(traces, batches):
+    for t, batch in zip(steps, batches):
         stem = os.path.join(out_dir, f"step-{t['step']:08d}.rank-{loader.rank}")
         arrays = {k: v.numpy() for k, v in batch.items() if isinstance(v, torch.Tensor)}
         np.savez(stem + ".npz", **arrays)

@@ -66,7 +66,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from ..loader import ShardedLoader
-    from ..loader.trace import dump, find, sample_of, trace
+    from ..loader.trace import dump, find, sample_of, traces
     from ..plan.mixture import Mixture, is_mixture_file
 
     kw = dict(
@@ -121,7 +121,7 @@ def run(args) -> int:
                     paths = dump(ld, first, stop, args.dump)
                     print(f"wrote {len(paths)} files to {args.dump} (steps {first}..{stop - 1}, rank {args.rank})")
                     return 0
-                steps = [trace(ld, s, epoch=args.epoch) for s in range(first, stop)]
+                steps = traces(ld, first, stop, epoch=args.epoch)
                 got = steps[0] if ":" not in args.step else {"steps": steps}
             elif args.dump:
                 raise ValueError("--dump writes steps: give --step N or --step A:B")
