@@ -52,7 +52,7 @@ def batches_per_rank(
     return min(low, feasible)
 
 
-def fit_group(starts: np.ndarray, target: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+def fit_group(starts: np.ndarray, target: int, epoch: int, pad: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Bring a group's batches (boundaries `starts`, last = end) to exactly `target`.
 
     Returns (batch_starts, batch_stops) into the group's ordered ids. Surplus
@@ -60,6 +60,8 @@ def fit_group(starts: np.ndarray, target: int, epoch: int) -> tuple[np.ndarray, 
     without shuffling a different set is left out each epoch. Deficits are
     filled by splitting the batches with most samples into near-equal parts,
     which keeps every part within the original batch's size and token budget.
+    With ``pad`` (an exact plan), batches that cannot be split (one sample each)
+    leave the rest of the deficit to empty batches, appended: padding.
     """
     begin, end = starts[:-1], starts[1:]
     count = begin.size
@@ -76,20 +78,25 @@ def fit_group(starts: np.ndarray, target: int, epoch: int) -> tuple[np.ndarray, 
     # Max-heap on the size of each batch's largest part; ties by position for determinism.
     heap = [(-size, i) for i, size in enumerate(sizes)]
     heapq.heapify(heap)
+    split = count
     for _ in range(target - count):
-        neg_part, i = heapq.heappop(heap)
-        if -neg_part <= 1:
+        if not heap or -heap[0][0] <= 1:
+            if pad:
+                break
             raise ValueError(f"cannot split {count} batches into {target}: too few samples")
+        neg_part, i = heapq.heappop(heap)
         parts[i] += 1
+        split += 1
         # (-size) // parts == -ceil(size / parts): the new largest part, negated.
         heapq.heappush(heap, ((-sizes[i]) // parts[i], i))
     parts_arr = np.asarray(parts, dtype=np.int64)
     owner = np.repeat(np.arange(count), parts_arr)
-    index = np.arange(target) - np.repeat(np.cumsum(parts_arr) - parts_arr, parts_arr)
+    index = np.arange(split) - np.repeat(np.cumsum(parts_arr) - parts_arr, parts_arr)
     size = (end - begin)[owner]
     new_begin = begin[owner] + size * index // parts_arr[owner]
     new_end = begin[owner] + size * (index + 1) // parts_arr[owner]
-    return new_begin, new_end
+    empty = np.zeros(target - split, dtype=np.int64)
+    return np.concatenate([new_begin, empty]), np.concatenate([new_end, empty])
 
 
 def deal_order(per_rank: int, group_size: int) -> np.ndarray:

@@ -87,6 +87,13 @@ class Batching:
     cut so; several groups' bucketed token budgets are estimated, so a rare surplus can remain).
     Default (None): ``True`` with several DP ranks, ``False`` with one (nothing to equalise).
 
+    `exact` (evaluation): every sample served exactly once on any number of DP ranks, whatever the
+    counts. The count is the largest group's exact one (each group's lengths are read: an exact
+    plan costs O(dataset), not O(share)); a group short of it splits batches, and where it cannot
+    (batches of one sample) it serves *padding batches*, each of one sample of its range marked
+    not valid (`RankPlan.pad`; the loader's ``batch["valid"]``). Bucketed batches sort the whole
+    group as one window (the fewest batches, so the least padding). Implies ``drop_last=False``.
+
     `shuffle_block` (samples, with ``shuffle``; bucketed or in-order batches, not packed rows): a
     group's samples are cut in storage order into blocks of this many (rounded up to a multiple of
     ``batch_size``), the blocks read in a random order, samples shuffled, bucketed and batched
@@ -111,6 +118,7 @@ class Batching:
     balance_window: int | None = None
     micro_batches: int | None = None
     shuffle_block: int | None = None
+    exact: bool = False
 
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.max_tokens is None):
@@ -145,6 +153,19 @@ class Batching:
             raise ValueError(
                 "shuffle_block cuts bucketed batches, not packed rows (for rows read in storage order: packing='stream')"
             )
+        if not isinstance(self.exact, bool):
+            raise ValueError(f"exact must be a bool, found {self.exact!r}")
+        if self.exact:
+            if self.drop_last:
+                raise ValueError("exact serves every sample once: it cannot take drop_last=True")
+            for name in ("balance", "shuffle_block"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"exact (evaluation) does not take {name}: give one or the other")
+            if self.max_tokens is not None and self.shuffle and not self.bucketing:
+                raise ValueError(
+                    "exact with a token budget cuts batches sorted by length (bucketing) or in dataset "
+                    "order (shuffle=False): a shuffled order's count would change every epoch"
+                )
         if self.packing is not None:
             if not isinstance(self.packing, Packing):
                 raise ValueError(f"packing must be a shardtool.plan.packing.Packing, found {self.packing!r}")
@@ -162,6 +183,8 @@ class Batching:
         """The settings a person reads in a state-mismatch message: the fields that are set
         (a packing config as its own dict), JSON-ready. The fingerprint stays the identity."""
         fields = {k: v for k, v in asdict(self).items() if v is not None and k != "packing"}
+        if not self.exact:
+            del fields["exact"]
         if self.packing is not None:
             fields["packing"] = {k: v for k, v in asdict(self.packing).items() if v is not None}
         return fields
@@ -175,6 +198,8 @@ class Batching:
         for name in ("balance", "balance_window", "micro_batches", "shuffle_block"):  # likewise, unset
             if fields[name] is None:
                 del fields[name]
+        if not self.exact:
+            del fields["exact"]
         if self.balance is not None:
             fields["balance_version"] = BALANCE_VERSION
         if self.max_tokens is not None and not self.bucketing:
@@ -186,6 +211,8 @@ class Batching:
 
     def drops(self, dp_size: int) -> bool:
         """Whether equal counts may drop a surplus (`drop_last` resolved for ``dp_size`` DP ranks)."""
+        if self.exact:
+            return False
         return dp_size > 1 if self.drop_last is None else self.drop_last
 
 

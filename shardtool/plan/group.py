@@ -14,7 +14,7 @@ from .balance import deal_order, fit_group
 from .batching import bucket, group_rng
 from .cost import row_costs, run_costs
 from .costorder import balanced_order
-from .packing import Rows, merge_rows, pack_rows
+from .packing import Rows, merge_rows, pack_windows
 from .rowsplit import split_rows
 from .shape import PlanShape
 from .source import PlanSource, as_lengths
@@ -108,7 +108,9 @@ def plan_group(source: PlanSource, shape: PlanShape, group: int, epoch: int) -> 
         ordered, starts = bucket(ids, lengths, batching, ids.size, rng)
     if n == 0:
         return GroupPlan(group, k, 0, lo, lengths, np.zeros(0, np.int64), np.zeros(1, np.int64), ids)
-    begin, end = fit_group(starts, k * n, int(epoch))
+    if batching.exact and starts.size - 1 > k * n:
+        raise RuntimeError(f"exact plan: group {group} cut {starts.size - 1} batches, more than its {k} x {n}")
+    begin, end = fit_group(starts, k * n, int(epoch), pad=batching.exact)
     if batching.balance is not None:
         runs = np.concatenate([[0], np.cumsum(end - begin)]).astype(np.int64)
         cost = run_costs(lengths[gather_runs(ordered, begin, end - begin) - lo], runs, batching.balance)
@@ -159,15 +161,7 @@ def _packed(
         window_lengths = lengths
     # stream: the group's stored token stream is cut as one window, so a row is a run of
     # neighbouring documents the reader copies in one piece; only rows are shuffled.
-    windows = (1 if stream else -(-count // shape.window)) if count else 0
-    cuts = (np.arange(windows + 1, dtype=np.int64) * count) // max(windows, 1)
-    rows = Rows.concat(
-        [
-            pack_rows(window_lengths[a:b], packing).with_ids(ids[a:b])
-            for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist())
-        ],
-        packing.seq_len,
-    )
+    rows = pack_windows(window_lengths, ids, packing, shape.window)
     order = rng.permutation(rows.num_rows) if rng is not None else np.arange(rows.num_rows)
     target = k * n
     rows = rows.take(order)
@@ -175,6 +169,8 @@ def _packed(
         rows = _absorb_surplus(rows, target * per_batch, packing)
     have = rows.num_rows
     if have > target * per_batch:
+        if shape.batching.exact:
+            raise RuntimeError(f"exact plan: group {group} packed {have} rows, more than its {target} x {per_batch}")
         surplus = have - target * per_batch
         drop = np.zeros(have, dtype=bool)
         drop[(epoch * surplus + np.arange(surplus)) % have] = True

@@ -45,6 +45,9 @@ class RankPlan:
     # serves (packed rows leave out pieces, a document can lose some and keep the rest).
     remainder_tokens: int | None = None
     remainder_pieces: int | None = None
+    # Exact plans (`Batching.exact`), per batch: whether it is padding, one sample (bucketed) or no
+    # row (packed) that no metric may count; a rank short of batches serves these. None otherwise.
+    pad: np.ndarray | None = None
 
     def batch_rows(self, i: int) -> Rows:
         return self.rows.slice(int(self.row_offsets[i]), int(self.row_offsets[i + 1]))
@@ -108,22 +111,33 @@ def _in_previous(segments: list[Segment], i: int, position: np.ndarray) -> tuple
     return position // left, prev.served + position % left
 
 
-def to_first_segment(segments: list[Segment], i: int, d: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Where DP rank d's batch b of segment ``i`` comes from: (DP rank, batch) in segment 0."""
+def to_first_segment(
+    segments: list[Segment], i: int, d: np.ndarray, b: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where DP rank d's batch b of segment ``i`` comes from: (DP rank, batch) in segment 0, and
+    whether it is padding (an exact re-deal's batch past what the segment before left; its
+    (DP rank, batch) is then a stand-in, batch 0 of DP rank 0)."""
+    pad = np.zeros(d.size, dtype=bool)
     for j in range(i, 0, -1):
-        d, b = _in_previous(segments, j, d * segments[j].batches + b)
-    return d, b
+        position = d * segments[j].batches + b
+        pad |= position >= segments[j - 1].layout.dp_size * segments[j - 1].left
+        d, b = _in_previous(segments, j, np.where(pad, 0, position))
+    return np.where(pad, 0, d), np.where(pad, 0, b), pad
 
 
-def first_segment_batches(segments: list[Segment], j: int, dp_rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """Where DP rank ``dp_rank``'s batches of segment ``j`` come from, in segment 0."""
+def first_segment_batches(segments: list[Segment], j: int, dp_rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where DP rank ``dp_rank``'s batches of segment ``j`` come from, in segment 0 (and which
+    are an exact re-deal's padding)."""
     n = segments[j].batches
     return to_first_segment(segments, j, np.full(n, dp_rank, dtype=np.int64), np.arange(n, dtype=np.int64))
 
 
-def _redeal(prev: Segment, layout: DataLayout) -> tuple[int, int]:
-    """(batches per DP rank, batches left over) when ``prev``'s unserved batches go to ``layout``."""
+def _redeal(prev: Segment, layout: DataLayout, exact: bool = False) -> tuple[int, int]:
+    """(batches per DP rank, batches left over) when ``prev``'s unserved batches go to ``layout``.
+    Exact plans leave none over: the ranks short of a batch serve padding instead."""
     remaining = prev.layout.dp_size * prev.left
+    if exact:
+        return -(-remaining // layout.dp_size), 0
     n = remaining // layout.dp_size
     return n, remaining - n * layout.dp_size
 
@@ -205,7 +219,7 @@ class Planner:
             )
         if trimmed.same_layout(layout):
             return trimmed
-        n, _ = _redeal(trimmed.last, layout)
+        n, _ = _redeal(trimmed.last, layout, self.batching.exact)
         return trimmed.resumed_on(layout, n)
 
     def check(self, state: LoaderState) -> None:
@@ -215,7 +229,7 @@ class Planner:
             if i == 0:
                 want = self.shape(seg.layout).batches_per_rank
             else:
-                want, _ = _redeal(state.segments[i - 1], seg.layout)
+                want, _ = _redeal(state.segments[i - 1], seg.layout, self.batching.exact)
             if seg.batches != want:
                 raise StateError(
                     f"segment {i} of the loader state has {seg.batches} batches per rank where "
@@ -240,10 +254,10 @@ class Planner:
         out: list[np.ndarray] = []
         for i in range(1, len(segments)):
             layout = segments[i].layout
-            n, extra = _redeal(segments[i - 1], layout)
+            n, extra = _redeal(segments[i - 1], layout, self.batching.exact)
             position = np.arange(n * layout.dp_size, n * layout.dp_size + extra, dtype=np.int64)
             d, b = _in_previous(segments, i, position)
-            d0, b0 = to_first_segment(segments, i - 1, d, b)
+            d0, b0, _ = to_first_segment(segments, i - 1, d, b)
             out += self._batch_ids(layout0, state.epoch, d0, b0)
         return out
 
@@ -254,15 +268,15 @@ class Planner:
         j = len(segments) - 1
         segments[j].layout.group_of(dp_rank)  # a DP rank of the current layout
         layout0 = segments[0].layout
-        d0, b0 = first_segment_batches(segments, j, dp_rank)
+        d0, b0, redealt_pad = first_segment_batches(segments, j, dp_rank)
         firsts = np.cumsum([0, *layout0.group_sizes])
         group = np.searchsorted(firsts, d0, side="right") - 1
         n = segments[j].batches
         pieces = []  # per source group: (positions in this rank's order, their ids, sizes, lengths)
         row_parts, row_counts, row_where = [], [], []  # packed: the same batches' rows
-        for g in np.unique(group).tolist():
+        for g in np.unique(group[~redealt_pad]).tolist():
             plan = self.group(layout0, g, state.epoch)
-            where = np.flatnonzero(group == g)
+            where = np.flatnonzero((group == g) & ~redealt_pad)
             index = (d0[where] - firsts[g]) * plan.batches_per_rank + b0[where]
             starts, stops = plan.offsets[index], plan.offsets[index + 1]
             got = gather_runs(plan.ids, starts, stops - starts)
@@ -281,15 +295,23 @@ class Planner:
         for where, got, counts, got_lengths in pieces:
             dest = gather_runs(np.arange(ids.size, dtype=np.int64), offsets[where], counts)
             ids[dest], lengths[dest] = got, got_lengths
-        leftover = sum(_redeal(segments[i - 1], segments[i].layout)[1] for i in range(1, j + 1))
+        leftover = sum(_redeal(segments[i - 1], segments[i].layout, self.batching.exact)[1] for i in range(1, j + 1))
         remainder = remainder_tokens = remainder_pieces = None
         if j == 0:
             g, _ = layout0.group_of(dp_rank)
             own = self.group(layout0, g, state.epoch)
             remainder, remainder_tokens, remainder_pieces = own.remainder, own.remainder_tokens, own.remainder_pieces
-        rows = row_offsets = None
+        rows = row_offsets = pad = None
         if self.batching.packing is not None:
+            if redealt_pad.any():  # no rows: the loader's padding rows make the batch
+                row_parts.append(Rows.concat([], self.batching.packing.seq_len))
+                row_counts.append(np.zeros(int(redealt_pad.sum()), np.int64))
+                row_where.append(np.flatnonzero(redealt_pad))
             rows, row_offsets = _in_rank_order(row_parts, row_counts, row_where, n, self.batching.packing.seq_len)
+        if self.batching.exact:
+            pad = size == 0
+            if self.batching.packing is None and pad.any():
+                ids, lengths, offsets = self._padded(ids, lengths, offsets, pad, layout0, dp_rank)
         return RankPlan(
             state.epoch,
             dp_rank,
@@ -303,4 +325,32 @@ class Planner:
             row_offsets,
             remainder_tokens,
             remainder_pieces,
+            pad,
         )
+
+    def _padded(
+        self,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        offsets: np.ndarray,
+        pad: np.ndarray,
+        layout0: DataLayout,
+        dp_rank: int,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Bucketed padding batches given one sample each: the rank's first real one, else its
+        group's first (a sample its node reads anyway), so every batch collates as usual."""
+        if ids.size:
+            stand_in, length = int(ids[0]), int(lengths[0])
+        else:
+            g, _ = layout0.group_of(min(dp_rank, layout0.dp_size - 1))
+            total = int(np.asarray(self.source.summaries.samples).sum())
+            stand_in = min(int(self.shape(layout0).cuts[g]), total - 1)
+            length = int(np.asarray(self.source.lengths_range(stand_in, stand_in + 1))[0])
+        sizes = np.diff(offsets)
+        sizes[pad] = 1
+        new_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        new_ids = np.full(int(new_offsets[-1]), stand_in, dtype=np.int64)
+        new_lengths = np.full(new_ids.size, length, dtype=np.int64)
+        real = gather_runs(np.arange(new_ids.size, dtype=np.int64), new_offsets[:-1][~pad], sizes[~pad])
+        new_ids[real], new_lengths[real] = ids, lengths
+        return new_ids, new_lengths, new_offsets

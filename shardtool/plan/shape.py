@@ -28,6 +28,7 @@ from .balance import MAX_DROP, batches_per_rank
 from .batching import Batching, block_samples, bucket, in_order_starts, resolve_window
 from .inorder import inorder_batches, rate_from_histogram
 from .layout import DataLayout
+from .packing import pack_windows
 from .ranges import group_cuts
 
 __all__ = ["PlanShape", "group_histograms", "plan_shape"]
@@ -255,6 +256,35 @@ def _one_window_batches(
     return np.array([float(starts.size - 1)])
 
 
+def _exact_batches(
+    batching: Batching, cuts: np.ndarray, lengths_of: Callable[[int, int], np.ndarray] | None, window: int
+) -> np.ndarray:
+    """Every group's exact count: of bucketed batches, its range sorted (or, unbucketed, cut in
+    order) as one window; of packed rows in storage order, its windows packed. With ``batch_size``
+    bucketed, from the summaries; else from every group's lengths (each rank reads them all: an
+    exact plan is an evaluation's, O(dataset)). Packed rows of a shuffled order are not counted
+    here: they take the bound of any order (`_rows_to_serve_all`)."""
+    samples = np.diff(cuts)
+    if batching.batch_size is not None and batching.packing is None:
+        return (-(-samples // batching.batch_size)).astype(np.float64)
+    if lengths_of is None:
+        raise ValueError("an exact plan counts its batches from the lengths: give the plan source's lengths")
+    out = np.zeros(samples.size, dtype=np.float64)
+    for g in range(samples.size):
+        lengths = np.asarray(lengths_of(int(cuts[g]), int(cuts[g + 1])), dtype=np.int64)
+        if not lengths.size:
+            continue
+        if batching.packing is not None:
+            ids = np.arange(lengths.size, dtype=np.int64)
+            out[g] = pack_windows(lengths, ids, batching.packing, window).num_rows / batching.batch_size
+        elif batching.bucketing:
+            _, starts = bucket(np.arange(lengths.size, dtype=np.int64), lengths, batching, int(lengths.size), None)
+            out[g] = starts.size - 1
+        else:
+            out[g] = in_order_starts(lengths, batching).size
+    return out
+
+
 def _estimate_packed(
     count: np.ndarray, tokens: np.ndarray, samples: np.ndarray, windows: np.ndarray, batching: Batching
 ) -> np.ndarray:
@@ -372,25 +402,27 @@ def plan_shape(
         batches = _in_order_batches(summaries, cuts, count, tokens, squares, batching, lengths_of)
     else:
         batches = _estimate_batches(count, tokens, squares, samples, batching, window)
+    if batching.exact and batching.packing is None:
+        window = max(int(samples.max(initial=0)), 1)  # one window a group: the fewest batches
     stream = _stream_batches(batching, cuts, lengths_of)
     if stream is not None:
         batches = stream
-    elif not batching.drops(data_layout.dp_size):
-        least = _one_window_batches(batching, cuts, lengths_of)
-        if least is not None:
-            batches = np.maximum(batches, least)
+    elif batching.exact and (batching.packing is None or not batching.shuffle):
+        batches = _exact_batches(batching, cuts, lengths_of, window)
     elif batching.packing is not None and not batching.drops(data_layout.dp_size):
         # Serving every token: the count must hold the rows that the worst packing can need.
         batches = np.maximum(
             batches, _rows_to_serve_all(summaries, cuts, count, tokens, batching) / batching.batch_size
         )
+    elif not batching.drops(data_layout.dp_size):
+        least = _one_window_batches(batching, cuts, lengths_of)
+        if least is not None:
+            batches = np.maximum(batches, least)
     sizes = np.asarray(data_layout.group_sizes, dtype=np.int64)
     max_drop = MAX_DROP if batching.drops(data_layout.dp_size) else 0.0
-    n = (
-        batches_per_rank(batches, tokens.sum(axis=1), _capacity(tokens, samples, batching), sizes, max_drop)
-        if total
-        else 0
-    )
+    # Exact plans pad a group that cannot split down to the count, so nothing caps the count.
+    capacity = np.full(samples.size, 1 << 62, np.int64) if batching.exact else _capacity(tokens, samples, batching)
+    n = batches_per_rank(batches, tokens.sum(axis=1), capacity, sizes, max_drop) if total else 0
     if n == 0:
         small = int(np.argmin(samples / sizes)) if samples.size else 0
         raise ValueError(

@@ -33,6 +33,7 @@ class GroupStats:
     dropped_docs: int = 0  # packed, no-split: documents longer than a row, left out
     remainder_pieces: int = 0  # packed: pieces of documents in the rows left out for equal counts
     costs: np.ndarray | None = None  # with a cost model: [DP ranks of the group, steps], each batch's cost
+    padding_batches: int = 0  # exact plans: batches that only pad a rank's count (no real sample)
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,6 +76,10 @@ class Simulation:
         return sum(g.split_docs for g in self.groups)
 
     @property
+    def padding_batches(self) -> int:
+        return sum(g.padding_batches for g in self.groups)
+
+    @property
     def dropped_docs(self) -> int:
         return sum(g.dropped_docs for g in self.groups)
 
@@ -104,9 +109,10 @@ def _stats(source: PlanSource, shape: PlanShape, group: int, epoch: int, cost: C
     lengths = plan.batch_lengths(plan.ids)
     sizes = np.diff(plan.offsets)
     padded = 0
+    full = sizes > 0  # an exact plan's padding batches are empty here
     if lengths.size:
-        longest = np.maximum.reduceat(np.maximum(lengths, 1), plan.offsets[:-1])
-        padded = int((longest * sizes).sum())
+        longest = np.maximum.reduceat(np.maximum(lengths, 1), plan.offsets[:-1][full])
+        padded = int((longest * sizes[full]).sum())
     n = plan.batches_per_rank
     per_rank = tuple(int(plan.offsets[(j + 1) * n] - plan.offsets[j * n]) for j in range(plan.size))
     return GroupStats(
@@ -118,6 +124,7 @@ def _stats(source: PlanSource, shape: PlanShape, group: int, epoch: int, cost: C
         padded,
         per_rank,
         costs=costs,
+        padding_batches=int(np.count_nonzero(sizes == 0)),
     )
 
 
@@ -146,6 +153,7 @@ def _packed_stats(plan, shape: PlanShape, costs: np.ndarray | None) -> GroupStat
         remainder_pieces=plan.remainder_pieces,
         dropped_docs=int(rows.dropped.size + left.dropped.size),
         costs=costs,
+        padding_batches=int(np.count_nonzero(np.diff(plan.row_offsets) == 0)),
     )
 
 

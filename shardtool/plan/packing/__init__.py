@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .bestfit import best_fit
 from .config import PACKING_VERSION, POLICIES, Packing, Rows, default_max_docs, rows_estimate, with_packed_eos
-from .rows import merge_rows, pack_rows
+from .rows import merge_rows, pack_rows, pack_windows
 
 __all__ = [
     "PACKING_VERSION",
@@ -22,6 +22,7 @@ __all__ = [
     "default_max_docs",
     "merge_rows",
     "pack_rows",
+    "pack_windows",
     "rows_estimate",
     "with_packed_eos",
 ]

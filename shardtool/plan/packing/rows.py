@@ -12,7 +12,7 @@ import numpy as np
 from .bestfit import best_fit
 from .config import Packing, Rows
 
-__all__ = ["merge_rows", "pack_rows"]
+__all__ = ["merge_rows", "pack_rows", "pack_windows"]
 
 
 def pack_rows(lengths: np.ndarray, packing: Packing) -> Rows:
@@ -29,6 +29,19 @@ def pack_rows(lengths: np.ndarray, packing: Packing) -> Rows:
     if packing.policy in ("concat", "stream"):  # stream: the caller gives the documents as stored
         return _concat(sizes, packing)
     return best_fit(sizes, packing, drop_long=packing.policy == "no-split")
+
+
+def pack_windows(lengths: np.ndarray, ids: np.ndarray, packing: Packing, window: int) -> Rows:
+    """A group's documents (``lengths`` of ``ids``, in the group's order) packed window by window:
+    equal windows of about ``window`` documents (``stream``: one, the stored token stream), so
+    that a group's last window is not a small leftover. Rows hold global ids (``with_ids``)."""
+    count = ids.size
+    windows = (1 if packing.policy == "stream" else -(-count // window)) if count else 0
+    cuts = (np.arange(windows + 1, dtype=np.int64) * count) // max(windows, 1)
+    return Rows.concat(
+        [pack_rows(lengths[a:b], packing).with_ids(ids[a:b]) for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist())],
+        packing.seq_len,
+    )
 
 
 def merge_rows(rows: Rows, packing: Packing) -> Rows:
