@@ -7,7 +7,7 @@ cheap for code that only needs the error types.
 
 from __future__ import annotations
 
-__all__ = ["LoaderError", "LoaderStateError", "Mixture", "MixtureSource", "ShardedLoader"]
+__all__ = ["LoaderError", "LoaderStateError", "Mixture", "MixtureSource", "ShardedLoader", "ValidSum"]
 
 
 def __getattr__(name: str):
@@ -19,6 +19,10 @@ def __getattr__(name: str):
         from . import errors
 
         return getattr(errors, name)
+    if name == "ValidSum":
+        from .evaluate import ValidSum
+
+        return ValidSum
     if name == "ShardedLoader":
         # loader/mixed.py subclasses ShardedLoader for a Mixture url (it registers itself there):
         # imported here, so that the public ShardedLoader always knows mixtures.

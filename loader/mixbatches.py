@@ -40,6 +40,8 @@ __all__ = ["MixtureBatches"]
 class MixtureBatches:
     """Steps ``0 .. steps - 1`` of DP rank ``dp_rank`` under ``state``'s phase."""
 
+    pad = None  # a mixture is never exact (`PlanBatches.pad`): no batch is padding
+
     def __init__(
         self,
         planner: MixturePlanner,

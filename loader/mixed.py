@@ -51,6 +51,11 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
                 "packed_outputs='lean' is for one dataset; a mixture's packed steps are full batches "
                 "(input_ids, labels, position_ids, cu_seqlens)"
             )
+        if self.batching.exact:
+            raise ValueError(
+                "exact=True serves one dataset's samples once each; a mixture has no end to serve "
+                "them by: evaluate each source with its own ShardedLoader(url, exact=True)"
+            )
         if self.batching.balance is not None:
             raise ValueError(
                 "cost_model balances the steps of one dataset; a mixture's steps are not balanced yet "

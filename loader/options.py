@@ -78,6 +78,7 @@ def batch_options(
     micro_batches: int | None,
     shuffle_block: int | None,
     transform: Callable | None,
+    exact: bool = False,
     collate_fn: Callable | None,
     pad_id: int,
 ) -> BatchOptions:
@@ -109,5 +110,6 @@ def batch_options(
         balance_window=balance_window,
         micro_batches=micro_batches,
         shuffle_block=shuffle_block,
+        exact=exact,
     )
     return BatchOptions(batching, packed_outputs, transform, collate_fn, int(pad_id))

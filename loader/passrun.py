@@ -22,6 +22,18 @@ from .pool import WorkerFailed
 from .workers import PlanBatches, make_dataloader
 
 
+def _with_valid(batch: Any, valid: Any, where: str) -> Any:
+    """An exact pass's batch with its ``valid`` mask (a dict batch: the loader's, or a user
+    collate_fn's that returns a mapping)."""
+    if not isinstance(batch, dict):
+        raise LoaderError(
+            f"{where}: exact=True marks padding in batch['valid'], but the collate_fn returned a "
+            f"{type(batch).__name__}, not a dict: return a dict from collate_fn"
+        )
+    batch["valid"] = valid
+    return batch
+
+
 class PassRunner:
     """The pass machinery `ShardedLoader` inherits."""
 
@@ -75,6 +87,8 @@ class PassRunner:
                         f"{where}: batch {b} could not be loaded ({batches.describe(b)}): "
                         f"a worker process failed, exited or was killed ({type(e).__name__}: {e})"
                     ) from e
+                if batches.pad is not None:
+                    batch = _with_valid(batch, batches.valid(b), where)
                 self._served = b + 1
                 if self._staging is not None:
                     self._staging.served(self._epoch, self._served)

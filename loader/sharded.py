@@ -56,6 +56,17 @@ class ShardedLoader(PassRunner):
     so does ``drop_last=False`` on any number (ranks short of batches split some instead);
     ``drop_last=True`` allows the surplus on one rank too.
 
+    Exact evaluation: ``exact=True`` serves every sample of the dataset exactly once on any
+    number of DP ranks, and still gives every rank the same number of batches: a rank short of
+    batches (groups cannot always split theirs: batches of one sample, more ranks than batches,
+    an elastic resume) serves padding. Every batch carries ``batch["valid"]``, a bool tensor,
+    one per sample (packed: one per row; padding rows and padding batches are False); a padding
+    batch repeats one real sample, marked not valid. Reduce a per-sample metric over the valid
+    entries of every rank with `shardtool.loader.ValidSum`. Bucketed batches are cut from each
+    data group sorted by length as one window (the least padding); ``shuffle=False`` with a token
+    budget cuts them in dataset order. Each rank reads every sample's length to count the batches
+    (an evaluation set's plan; a training set's plan reads only the rank's share).
+
     Sequence packing: ``seq_len`` with ``batch_size`` (rows per batch) yields batches of exactly
     ``batch_size`` rows of ``seq_len`` tokens, documents packed by ``packing`` ("best-fit",
     "concat", "no-split" or "stream": the stored token stream cut into rows, only rows shuffled,
@@ -179,6 +190,7 @@ class ShardedLoader(PassRunner):
         balance_window: int | None = None,
         micro_batches: int | None = None,
         shuffle_block: int | None = None,
+        exact: bool = False,
     ):
         import torch
 
@@ -200,6 +212,7 @@ class ShardedLoader(PassRunner):
             balance_window=balance_window,
             micro_batches=micro_batches,
             shuffle_block=shuffle_block,
+            exact=exact,
             transform=transform,
             collate_fn=collate_fn,
             pad_id=pad_id,
@@ -497,6 +510,9 @@ class ShardedLoader(PassRunner):
             packed_stats=plan.packed_stats(self.batching.batch_size) if packed is not None else None,
             packed_pass=(plan.rows, plan.row_offsets) if packed is not None else None,
             costs=self._costs(plan),
+            pad=plan.pad,
+            rows_per_batch=self.batching.batch_size if packed is not None else None,
+            row_offsets=plan.row_offsets,
         )
         return batches, start, n, where
 

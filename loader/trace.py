@@ -137,6 +137,10 @@ def _units(reader: Any, ds: Any, plan: Any, first: int, stop: int) -> list[dict[
     for name, values in extra.items():
         for sample, value in zip(samples, values):
             sample[name] = int(value)
+    if plan.pad is not None and plan.rows is None:  # an exact plan's padding: a stand-in sample
+        sizes = np.diff(plan.offsets[first : stop + 1])
+        for sample, padding in zip(samples, np.repeat(plan.pad[first:stop], sizes).tolist()):
+            sample["valid"] = not padding
     return samples
 
 

@@ -41,6 +41,9 @@ class PlanBatches:
         packed_stats: tuple | None = None,
         packed_pass: tuple | None = None,
         costs: np.ndarray | None = None,
+        pad: np.ndarray | None = None,
+        rows_per_batch: int | None = None,
+        row_offsets: np.ndarray | None = None,
     ):
         self.reader = reader
         self.ids = ids
@@ -53,6 +56,8 @@ class PlanBatches:
         self.costs = costs  # each batch's cost under the loader's cost model (None: none given)
         self.packed, self.packed_rows, self.packed_stats = packed, packed_rows, packed_stats
         self.packed_pass = packed_pass  # (rows, row_offsets) of the whole pass: read_planned lays out chunks
+        # An exact plan's padding batches (`RankPlan.pad`): each batch then gets ``valid``.
+        self.pad, self.rows_per_batch, self.row_offsets = pad, rows_per_batch, row_offsets
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -75,6 +80,16 @@ class PlanBatches:
         """Decompress into memory the compressed local shards batches ``start`` on read
         (`BatchReader.inflate`); the workers forked after it share them."""
         self.reader.inflate(self.ids[int(self.offsets[start]) : int(self.offsets[-1])])
+
+    def valid(self, b: int) -> torch.Tensor:
+        """Batch b's ``valid`` mask: one per sample, or (packed) one per row of the batch's
+        ``rows_per_batch``; False on padding rows and on every entry of a padding batch."""
+        if self.rows_per_batch is not None:
+            mask = torch.zeros(self.rows_per_batch, dtype=torch.bool)
+            mask[: int(self.row_offsets[b + 1] - self.row_offsets[b])] = True
+            return mask
+        size = int(self.offsets[b + 1] - self.offsets[b])
+        return torch.full((size,), not bool(self.pad[b]), dtype=torch.bool)
 
     def batch_ids(self, b: int) -> np.ndarray:
         return self.ids[self.offsets[b] : self.offsets[b + 1]]

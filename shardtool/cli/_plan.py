@@ -53,6 +53,12 @@ def add_batching_arguments(p) -> None:
         "yes with several data-parallel ranks, no with one; as ShardedLoader(drop_last=)",
     )
     p.add_argument(
+        "--exact",
+        action="store_true",
+        help="exact evaluation: every sample served once on any number of ranks, ranks short of a batch "
+        "serve padding marked not valid; as ShardedLoader(exact=True)",
+    )
+    p.add_argument(
         "--cost-model",
         default=None,
         metavar="SPEC",
@@ -106,6 +112,7 @@ def batching_of(args, source=None):
         balance_window=getattr(args, "balance_window", None) if spec else None,
         micro_batches=getattr(args, "micro_batches", None) if spec else None,
         shuffle_block=getattr(args, "shuffle_block", None),
+        exact=bool(getattr(args, "exact", False)),
     )
 
 

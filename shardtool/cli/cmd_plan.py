@@ -230,6 +230,8 @@ def run(args) -> int:
                     "remainder_tokens": sim.remainder_tokens,
                 }
             )
+            if batching.exact:
+                report["padding_batches"] = sim.padding_batches
             if plain is not None:
                 report["compute_balance"] = {
                     "cost_model": {"a": cost.a, "b": cost.b},
@@ -313,6 +315,11 @@ def _print(report: dict, data) -> None:
             f"remainder     {unit}, {report['remainder_tokens']:,} tokens, {report['remainder_tokens_fraction']:.3%} "
             "of the tokens, not served this epoch (rotates across epochs)\n"
         )
+        if "padding_batches" in report:
+            out(
+                f"padding       {report['padding_batches']:,} batches in all, served by ranks short of a batch "
+                "(exact: marked not valid, batch['valid'])\n"
+            )
         if "compute_balance" in report:
             _print_balance(report["compute_balance"], out)
         out(

@@ -83,6 +83,8 @@ def run(args) -> int:
         balance_window=args.balance_window,
         micro_batches=args.micro_batches,
     )
+    if args.exact:  # only where asked: a Mixture's loader takes no exact
+        kw["exact"] = True
     source = args.url
     if is_mixture_file(args.url):
         try:
@@ -184,6 +186,7 @@ def _print(got: dict, packed: bool) -> None:
     fields = ["row"] if packed else []
     fields += ["source"] if samples and "source" in samples[0] else []
     fields += ["key", "shard", "index", "sample"] + (["offset", "length"] if packed else ["length"])
+    fields += ["valid"] if samples and "valid" in samples[0] else []  # exact: padding stands in, not valid
     head = ["tokens" if (packed and f == "length") else f for f in fields]
     rows = [[str(s[f]) for f in fields] for s in samples]
     widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(head)]
