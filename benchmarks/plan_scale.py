@@ -10,6 +10,8 @@ plan`` without ``--rank``). Every run is its own subprocess, so peaks never mix.
 
 Targets (issue 12), printed met / MISSED:
   - per-rank plan <= 2 s and <= 300 MB peak RSS at 10^9 samples on 1,024 x 8
+  - trace one step of a rank (its plan, then the step's samples located in their shards) <= 2 s
+    at 10^9 on 1,024 x 8 (issue 35; the keys are then one read of each shard index it touches)
   - per-rank time at 10^9 <= 2 x that at 10^7 (it grows with the share, not the dataset)
   - the full simulation of 10^8 on 1,024 x 8 <= 10 s
   - bytes per node max / mean <= 1.05 (at 10^9 on 1,024 x 8: ~100 shards per node; at fewer
@@ -35,7 +37,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_TOKENS = 65536
 RANKS_PER_NODE = 8
 PER_SHARD = 10_000
-TARGETS = {"rank_seconds": 2.0, "rank_rss_mb": 300.0, "growth": 2.0, "simulation_seconds": 10.0, "bytes_balance": 1.05}
+TARGETS = {
+    "rank_seconds": 2.0,
+    "trace_seconds": 2.0,
+    "rank_rss_mb": 300.0,
+    "growth": 2.0,
+    "simulation_seconds": 10.0,
+    "bytes_balance": 1.05,
+}
 
 
 def plan(n: int, nodes: int, rank: int | None, timeout: float) -> dict:
@@ -132,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
             f"per-rank plan at {label} on 1024x8 <= {TARGETS['rank_seconds']:g} s",
             f"{large['plan_seconds']:.3f} s",
             large["plan_seconds"] <= TARGETS["rank_seconds"],
+        ),
+        (
+            f"trace one step of a rank at {label} on 1024x8 <= {TARGETS['trace_seconds']:g} s",
+            f"{large['trace_step_seconds']:.3f} s",
+            large["trace_step_seconds"] <= TARGETS["trace_seconds"],
         ),
         (
             f"per-rank peak RSS at {label} on 1024x8 <= {TARGETS['rank_rss_mb']:g} MB",

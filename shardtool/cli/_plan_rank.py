@@ -56,6 +56,13 @@ def rank_job(args, summaries_path: str | None, result) -> None:
     state = planner.start(args.epoch, "plan", data)
     plan = planner.rank_plan(state, dp_rank)
     seconds = time.perf_counter() - began
+    # `shardtool trace --step N`: the same plan, then one step's samples located in their shards
+    # (their keys are then one read of each shard index the step touches, not timed here).
+    from ..plan.ranges import sample_locations
+
+    step = plan.batches_per_rank // 2
+    located = sample_locations(source.shard_counts, plan.batch(step)) if plan.batches_per_rank else None
+    trace_seconds = time.perf_counter() - began
     group, _ = data.group_of(dp_rank)
     group_plan = planner.group(data, group, args.epoch)
     tokens = int(group_plan.lengths.sum())
@@ -69,6 +76,8 @@ def rank_job(args, summaries_path: str | None, result) -> None:
             "dp_rank": dp_rank,
             "group": group,
             "plan_seconds": seconds,
+            "trace_step_seconds": trace_seconds,
+            "trace_step_samples": int(located[0].size) if located is not None else 0,
             "peak_rss_mb": peak_rss_mb(),
             "batches_per_rank": plan.batches_per_rank,
             "rank_samples": int(plan.ids.size),

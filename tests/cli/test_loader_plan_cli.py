@@ -98,6 +98,8 @@ def test_plan_text_and_big_simulated_layouts(tmp_path):
     mine = json.loads(one.stdout)
     assert mine["scope"] == "rank" and mine["dp_rank"] == 5000 and mine["group"] == 625
     assert mine["batches_per_rank"] == rep["batches_per_rank"] and 0 < mine["peak_rss_mb"] < rep["peak_rss_mb"] * 3
+    # A trace of one step is the rank's plan plus its samples located: 8 samples, batch_size 8.
+    assert mine["trace_step_seconds"] >= mine["plan_seconds"] and mine["trace_step_samples"] == 8
 
 
 @pytest.mark.timeout(150)
