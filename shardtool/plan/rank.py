@@ -8,6 +8,7 @@ segment rule.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,27 @@ class RankPlan:
 
     def batch_rows(self, i: int) -> Rows:
         return self.rows.slice(int(self.row_offsets[i]), int(self.row_offsets[i + 1]))
+
+    def taking(self, positions: np.ndarray) -> RankPlan:
+        """This plan's batches at ``positions`` only, in that order (a pass past skipped steps)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        sizes = np.diff(self.offsets)[positions]
+        ids_at = gather_runs(np.arange(self.ids.size, dtype=np.int64), self.offsets[positions], sizes)
+        rows = row_offsets = None
+        if self.rows is not None:
+            counts = np.diff(self.row_offsets)[positions]
+            rows = self.rows.take(gather_runs(np.arange(self.rows.num_rows), self.row_offsets[positions], counts))
+            row_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return dataclasses.replace(
+            self,
+            batches_per_rank=int(positions.size),
+            ids=self.ids[ids_at],
+            offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
+            lengths=self.lengths[ids_at],
+            rows=rows,
+            row_offsets=row_offsets,
+            pad=self.pad[positions] if self.pad is not None else None,
+        )
 
     def packed_stats(self, rows_per_batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Packed, per batch: pieces, real tokens, tokens of its rows_per_batch rows."""
@@ -105,10 +127,13 @@ def _in_rank_order(
 
 def _in_previous(segments: list[Segment], i: int, position: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(DP rank, batch) in segment i-1 of positions in segment i's sequence: segment i-1's
-    unserved batches, DP rank by DP rank."""
+    unserved batches (not those skipped), DP rank by DP rank."""
     prev = segments[i - 1]
     left = max(prev.left, 1)
-    return position // left, prev.served + position % left
+    if not prev.skipped:
+        return position // left, prev.served + position % left
+    unserved = prev.unserved()
+    return position // left, unserved[position % left] if unserved.size else position % left
 
 
 def to_first_segment(
@@ -211,7 +236,7 @@ class Planner:
         trimmed = state.copy()
         # A segment in which nothing was served changed nothing: deal from the one before it, or
         # plan the epoch afresh on the new layout (node-sticky ranges, no batch left over).
-        while trimmed.segments and trimmed.last.served == 0:
+        while trimmed.segments and trimmed.last.served == 0 and not trimmed.last.skipped:
             trimmed.segments.pop()
         if not trimmed.segments:
             return LoaderState.start(

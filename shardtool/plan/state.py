@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from . import about as _about
 from .batching import Batching
 from .layout import DataLayout
@@ -27,7 +29,7 @@ from .layout import DataLayout
 __all__ = ["STATE_VERSION", "LoaderState", "Segment", "StateError", "check_compatible"]
 
 STATE_VERSION = 2
-_SEGMENT_KEYS = {"dp_size", "groups", "batches", "served"}
+_SEGMENT_KEYS = {"dp_size", "groups", "batches", "served"}  # and "skipped", where steps were skipped
 
 
 class StateError(ValueError):
@@ -51,7 +53,10 @@ class Segment:
 
     layout: DataLayout
     batches: int
-    served: int
+    served: int  # the position: batches before it were served or skipped
+    # Ranges [a, b) of positions never served (`LoaderState.skipping`: steps skipped after a loss
+    # spike), sorted and apart; a position at the start of one moves past it.
+    skipped: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", DataLayout.from_identity(self.layout.identity()))
@@ -59,28 +64,86 @@ class Segment:
         _int("served", self.served, 0)
         if self.served > self.batches:
             raise StateError(f"segment served {self.served} of only {self.batches} batches")
+        ranges = tuple((int(a), int(b)) for a, b in self.skipped)
+        for (a, b), nxt in zip(ranges, [*ranges[1:], (self.batches + 1, 0)]):
+            if not 0 <= a < b <= self.batches or b >= nxt[0]:
+                raise StateError(
+                    f"segment skipped ranges must be sorted, apart and in [0, {self.batches}], found {ranges}"
+                )
+        object.__setattr__(self, "skipped", ranges)
+        for a, b in ranges:  # at a skipped range's start, the position is past it
+            if a <= self.served < b:
+                object.__setattr__(self, "served", b)
+
+    def _skipped_before(self, position: int) -> int:
+        return sum(max(0, min(b, position) - a) for a, b in self.skipped)
 
     @property
     def left(self) -> int:
-        """Batches every DP rank has yet to serve in this segment."""
-        return self.batches - self.served
+        """Batches every DP rank has yet to serve in this segment (skipped ones are not)."""
+        return self.batches - self.served - (self._skipped_before(self.batches) - self._skipped_before(self.served))
+
+    @property
+    def delivered(self) -> int:
+        """Batches every DP rank handed to the trainer in this segment: its steps so far."""
+        return self.served - self._skipped_before(self.served)
+
+    @property
+    def steps(self) -> int:
+        """Batches every DP rank hands over in this segment, skipped ones not counted."""
+        return self.batches - self._skipped_before(self.batches)
+
+    def unserved(self) -> np.ndarray:
+        """Positions still to serve, in order (``left`` of them)."""
+        keep = np.ones(self.batches, dtype=bool)
+        keep[: self.served] = False
+        for a, b in self.skipped:
+            keep[a:b] = False
+        return np.flatnonzero(keep).astype(np.int64)
+
+    def position_of(self, step: int) -> int:
+        """The position of this segment's ``step``-th delivered batch (steps count as `delivered`)."""
+        position = int(step)
+        for a, b in self.skipped:
+            if a <= position:
+                position += b - a
+        return position
 
     def with_served(self, served: int) -> Segment:
-        return Segment(self.layout, self.batches, served)
+        return Segment(self.layout, self.batches, served, self.skipped)
+
+    def with_skipped(self, positions: np.ndarray) -> Segment:
+        """This segment with ``positions`` skipped too (merged with its ranges)."""
+        mask = np.zeros(self.batches + 1, dtype=bool)
+        for a, b in self.skipped:
+            mask[a:b] = True
+        mask[np.asarray(positions, dtype=np.int64)] = True
+        edges = np.flatnonzero(np.diff(np.concatenate([[False], mask])))
+        return Segment(self.layout, self.batches, self.served, tuple(zip(edges[::2].tolist(), edges[1::2].tolist())))
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.layout.identity(), "batches": self.batches, "served": self.served}
+        out: dict[str, Any] = {**self.layout.identity(), "batches": self.batches, "served": self.served}
+        if self.skipped:
+            out["skipped"] = [list(r) for r in self.skipped]
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> Segment:
-        """A saved segment (``{"dp_size", "groups", "batches", "served"}``), checked."""
-        if not isinstance(data, Mapping) or set(data) != _SEGMENT_KEYS:
+        """A saved segment (``{"dp_size", "groups", "batches", "served"}``, and ``"skipped"``
+        where steps were skipped), checked."""
+        if not isinstance(data, Mapping) or set(data) - {"skipped"} != _SEGMENT_KEYS:
             raise StateError(f"loader state segment: found {data!r}, expected keys {sorted(_SEGMENT_KEYS)}")
         try:
             layout = DataLayout.from_identity(data)
         except (KeyError, TypeError, ValueError) as e:
             raise StateError(f"segment layout {dict(data)!r} is malformed ({e})") from None
-        return cls(layout, data["batches"], data["served"])
+        skipped = data.get("skipped", [])
+        if not isinstance(skipped, Sequence) or not all(
+            isinstance(r, Sequence) and len(r) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in r)
+            for r in skipped
+        ):
+            raise StateError(f"segment skipped must be a list of [first, stop] positions, found {skipped!r}")
+        return cls(layout, data["batches"], data["served"], tuple((a, b) for a, b in skipped))
 
 
 def _v1_fingerprint(batching: Batching) -> str:
@@ -123,8 +186,29 @@ class LoaderState:
 
     @property
     def served(self) -> int:
-        """Batches every DP rank has had in this epoch, over all its segments (layouts)."""
-        return sum(s.served for s in self.segments)
+        """Batches every DP rank has had in this epoch, over all its segments (layouts): the
+        trainer's steps of the epoch so far (skipped batches are not among them)."""
+        return sum(s.delivered for s in self.segments)
+
+    def skipping(self, first: int, stop: int) -> LoaderState:
+        """This state with the epoch's steps ``first .. stop - 1`` never served: the batches the
+        run would have had at those steps are dropped, and the steps go on counting (the step
+        ``first`` gets the batch of ``stop``; the epoch has ``stop - first`` fewer). Steps count as
+        `served` does; only steps not yet served, of the current segment, can be skipped."""
+        if not self.segments:
+            raise StateError("a state at the start of an epoch on no layout yet: load it into a loader first")
+        done, last = self.served, self.last
+        earlier = done - last.delivered
+        end = earlier + last.steps
+        if not (isinstance(first, int) and isinstance(stop, int)) or not done <= first < stop <= end:
+            raise StateError(
+                f"steps to skip must be first:stop with {done} <= first < stop <= {end} (the epoch's steps "
+                f"not yet served), found {first!r}:{stop!r}"
+            )
+        # The positions of those steps: the segment's unserved ones, from the first's on.
+        new = self.copy()
+        new.segments[-1] = last.with_skipped(last.unserved()[first - done : stop - done])
+        return new
 
     def same_layout(self, layout: DataLayout) -> bool:
         return bool(self.segments) and self.last.layout.identity() == layout.identity()
