@@ -186,6 +186,12 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
         }
 
     # ------------------------------------------------------------------ state
+    def skip_steps(self, first: int, stop: int) -> None:
+        raise ValueError(
+            "skip_steps is built for one dataset's loader; a mixture's steps cannot be skipped yet "
+            "(its position is a step of the composition, each source's a position of its own)"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch handed out: small, JSON-ready, equal on every rank, no I/O."""
         return self._state.at(self._served).to_dict()

@@ -89,7 +89,7 @@ class PassRunner:
                     ) from e
                 if batches.pad is not None:
                     batch = _with_valid(batch, batches.valid(b), where)
-                self._served = b + 1
+                self._served = self._position_after(b)
                 if self._staging is not None:
                     self._staging.served(self._epoch, self._served)
                 yield batch
@@ -99,6 +99,14 @@ class PassRunner:
             it.close()  # the worker pool, or the in-process generator
             self._obs.end_pass(complete=self._served >= n, entered=ended)
         self._pass_done()
+
+    def _position_after(self, b: int) -> int:
+        """The position once the pass's batch ``b`` was handed over: b + 1, or, past skipped
+        steps (``_positions``: the pass's positions), the next one to serve."""
+        positions = getattr(self, "_positions", None)
+        if positions is None:
+            return b + 1
+        return self._state.last.with_served(int(positions[b]) + 1).served
 
     def _pass_done(self) -> None:
         self._start_epoch(self._epoch + 1)

@@ -16,7 +16,7 @@ from ..plan.batching import default_bucketing
 from ..plan.env import rank_placement
 from ..plan.mesh import as_mesh
 from ..plan.packing import with_packed_eos
-from ..plan.state import LoaderState, check_compatible
+from ..plan.state import LoaderState, StateError, check_compatible
 from .errors import LoaderStateError
 from .observability.observe import Observer
 from .options import batch_options, worker_options
@@ -408,13 +408,15 @@ class ShardedLoader(PassRunner):
         the rest. `batches_left` is what the next pass yields. Once every batch of an epoch was
         handed over, the next epoch's (a trainer reads it there to size that epoch)."""
         self._settle()
-        return sum(s.served for s in self._state.segments[:-1]) + self.plan.batches_per_rank
+        self.plan  # noqa: B018 - the current segment is planned
+        return sum(s.delivered for s in self._state.segments[:-1]) + self._state.last.steps
 
     @property
     def batches_left(self) -> int:
         """Batches the next pass yields: ``len(loader)`` from an epoch's start, less after a resume."""
         self._settle()
-        return self.plan.batches_per_rank - self._served
+        self.plan  # noqa: B018 - the current segment is planned
+        return self._state.with_served(self._served).last.left
 
     @property
     def resuming(self) -> bool:
@@ -434,6 +436,31 @@ class ShardedLoader(PassRunner):
     def _about(self) -> dict[str, Any]:
         """What this loader's states are saved for, in words: dataset URL and version, batching."""
         return describe(str(self.spec.url), self.dataset.version, len(self.dataset), self.batching)
+
+    def skip_steps(self, first: int, stop: int) -> None:
+        """Never serve the batches of this epoch's steps ``first .. stop - 1`` (steps as
+        ``len(loader)`` counts them): after ``load_state_dict`` from a checkpoint before a loss
+        spike, before the first batch. The steps go on counting and the data moves past them:
+        step ``first`` gets the batch of step ``stop``, and the epoch has ``stop - first`` fewer.
+        The skip is recorded in `state_dict` (so a later resume, elastic or not, keeps it, and
+        `shardtool trace` answers for the run as it went). Every rank must skip the same steps."""
+        self._settle()
+        live = getattr(self, "_pass", None)
+        if live is not None and live() is not None:
+            raise ValueError("skip_steps must come before the pass's first batch: a pass is under way")
+        try:
+            state = self._state.with_served(self._served).skipping(first, stop)
+        except StateError as e:
+            raise ValueError(f"cannot skip steps {first}:{stop}: {e}") from None
+        self._state, self._served = state, state.last.served
+        log.info(
+            "epoch %d: skipping steps %d..%d (%d batches a rank never served); the epoch now has %d steps",
+            self._epoch,
+            first,
+            stop - 1,
+            stop - first,
+            len(self),
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where ``state`` (from `state_dict`, on any rank) was: on the same data
@@ -483,6 +510,11 @@ class ShardedLoader(PassRunner):
         self._check_ranks_agree(plan)
         if getattr(self, "_staging", None) is not None:
             self._staging.begin_pass(self._epoch, plan, start)
+        self._positions = None
+        segment = self._state.with_served(start).last
+        if segment.skipped:  # steps skipped: the pass is the positions still to serve, in order
+            self._positions = segment.unserved()
+            plan, start, n = plan.taking(self._positions), 0, int(self._positions.size)
         where = f"rank {self.rank}/{self.layout.world_size}, epoch {self._epoch}"
         packed = None
         if self.packing is not None:

@@ -53,28 +53,31 @@ def traces(loader: Any, first: int, stop: int, *, epoch: int | None = None) -> l
         state = planner.continue_on(here, loader.data_layout)
     else:
         state = planner.start(int(epoch), loader.fingerprint, loader.data_layout)
-    earlier = sum(s.served for s in state.segments[:-1])
+    earlier = sum(s.delivered for s in state.segments[:-1])  # steps: skipped batches are none
     if first < earlier:
         raise ValueError(
             f"step {first} of epoch {state.epoch} was served on an earlier layout ({earlier} batches a rank "
             f"before the resume onto {loader.data_layout.describe()}): trace it with a loader of that layout"
         )
     plan = planner.rank_plan(state, loader.dp_rank)
-    if stop - 1 - earlier >= plan.batches_per_rank:
+    if stop - 1 - earlier >= state.last.steps:
         raise ValueError(
-            f"step {stop - 1} is past epoch {state.epoch}'s end: this rank has {earlier + plan.batches_per_rank} "
+            f"step {stop - 1} is past epoch {state.epoch}'s end: this rank has {earlier + state.last.steps} "
             "batches in it"
         )
-    return [
-        {
-            "epoch": state.epoch,
-            "step": int(step),
-            "rank": loader.rank,
-            "dp_rank": loader.dp_rank,
-            "samples": _units(loader.reader, loader.dataset, plan, step - earlier, step - earlier + 1),
-        }
-        for step in range(first, stop)
-    ]
+    out = []
+    for step in range(first, stop):
+        at = state.last.position_of(step - earlier)  # past the steps skipped (`LoaderState.skipping`)
+        out.append(
+            {
+                "epoch": state.epoch,
+                "step": int(step),
+                "rank": loader.rank,
+                "dp_rank": loader.dp_rank,
+                "samples": _units(loader.reader, loader.dataset, plan, at, at + 1),
+            }
+        )
+    return out
 
 
 def _mixture_steps(loader: Any, first: int, stop: int) -> list[dict[str, Any]]:
@@ -253,7 +256,7 @@ def dump(loader: Any, first: int, stop: int, out_dir: str) -> list[str]:
         loader.load_state_dict(MixtureState.from_dict(state).at(first).to_dict())
     else:
         st = LoaderState.from_dict(state)
-        loader.load_state_dict(st.with_served(first - (st.served - st.last.served)).to_dict())
+        loader.load_state_dict(st.with_served(st.last.position_of(first - (st.served - st.last.delivered))).to_dict())
     os.makedirs(out_dir, exist_ok=True)
     written = []
     batches = iter(loader)

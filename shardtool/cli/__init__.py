@@ -23,6 +23,7 @@ COMMANDS = [
     "upgrade",
     "plan",
     "trace",
+    "state",
     "warm",
     "prolog",
     "cache",

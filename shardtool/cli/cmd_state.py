@@ -1,0 +1,114 @@
+"""``shardtool state``: read and edit a saved loader state (``ShardedLoader.state_dict()`` as JSON)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..format.errors import ShardtoolError
+
+HELP = "show a saved loader state, or skip steps in it (after a loss spike) before resuming"
+DESCRIPTION = """\
+A loader state (what ShardedLoader.state_dict() returns, saved as JSON, on its own or as a key of
+a larger checkpoint file) is a position in the deterministic plan: the epoch, and per data layout
+the batches each rank had and served.
+
+  show   prints the epoch, the steps served and left, and any steps skipped.
+  skip   records steps A..B-1 of the epoch as never served, as loader.skip_steps(A, B) does: the
+         resumed run's steps go on counting and its data moves past them (step A gets the batch
+         of step B; the epoch has B - A fewer steps). Only steps not yet served can be skipped.
+         The file is replaced atomically (or written to -o OUT); every rank loads the same state.
+
+The loss-spike workflow: the spike at step N -> `shardtool trace --step N` (its documents) ->
+roll back to the checkpoint before it -> `shardtool state skip STATE --steps N-2:N+1` -> resume.
+
+examples:
+  shardtool state show ckpt/loader_state.json
+  shardtool state skip ckpt/loader_state.json --steps 35:40
+  shardtool state skip ckpt/trainer.json --key loader --steps 35:40 -o ckpt/trainer-skip.json
+"""
+
+
+def add_arguments(p) -> None:
+    p.add_argument("action", choices=["show", "skip"], help="show the state, or skip steps in it")
+    p.add_argument("path", metavar="STATE", help="a JSON file holding the loader state")
+    p.add_argument("--key", help="the loader state is this key of the JSON object (default: the whole file)")
+    p.add_argument("--steps", metavar="A:B", help="skip: the epoch's steps A to B-1 (steps as len(loader) counts)")
+    p.add_argument("-o", "--output", metavar="OUT", help="skip: write the edited state here instead of STATE")
+    p.add_argument("--json", action="store_true", help="show: print one JSON object")
+
+
+def _steps(text: str | None) -> tuple[int, int]:
+    try:
+        first, stop = (int(v) for v in str(text).split(":"))
+    except ValueError:
+        raise ShardtoolError(f"--steps must be A:B (the epoch's steps A to B-1), found {text!r}") from None
+    return first, stop
+
+
+def run(args) -> int:
+    from ..format.atomic import atomic_write_bytes
+    from ..plan.state import LoaderState, StateError
+
+    try:
+        with open(args.path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ShardtoolError(f"{args.path}: cannot read a JSON loader state ({e})") from None
+    raw = doc
+    if args.key is not None:
+        if not isinstance(doc, dict) or args.key not in doc:
+            raise ShardtoolError(f"{args.path}: no key {args.key!r} at the top of the JSON object")
+        raw = doc[args.key]
+    if isinstance(raw, dict) and raw.get("kind") == "mixture":
+        raise ShardtoolError(f"{args.path}: a mixture's state; skipping a mixture's steps is not built yet")
+    try:
+        state = LoaderState.from_dict(raw)
+    except StateError as e:
+        raise ShardtoolError(f"{args.path}: {e}") from None
+    if args.action == "show":
+        return _show(state, args.json)
+    if args.steps is None:
+        raise ShardtoolError("skip needs --steps A:B")
+    first, stop = _steps(args.steps)
+    try:
+        edited = state.skipping(first, stop).to_dict()
+    except StateError as e:
+        raise ShardtoolError(f"{args.path}: {e}") from None
+    if args.key is not None:
+        doc[args.key] = edited
+    else:
+        doc = edited
+    out = args.output or args.path
+    atomic_write_bytes(out, (json.dumps(doc, indent=1) + "\n").encode())
+    sys.stdout.write(f"{out}: epoch {state.epoch}, steps {first}..{stop - 1} skipped ({stop - first} a rank)\n")
+    return 0
+
+
+def _show(state, as_json: bool) -> int:
+    done = state.served
+    total = done - state.last.delivered + state.last.steps if state.segments else 0
+    report = {
+        "epoch": state.epoch,
+        "steps_served": done,
+        "steps_in_epoch": total,
+        "segments": [
+            {
+                "dp_size": s.layout.dp_size,
+                "batches": s.batches,
+                "served": s.delivered,
+                "skipped": [list(r) for r in s.skipped],
+            }
+            for s in state.segments
+        ],
+    }
+    if as_json:
+        print(json.dumps(report))
+        return 0
+    print(f"epoch {report['epoch']}: {done:,} of {total:,} steps served")
+    for i, s in enumerate(report["segments"]):
+        skipped = f", positions skipped {s['skipped']}" if s["skipped"] else ""
+        print(
+            f"  segment {i}: {s['dp_size']} DP ranks, {s['batches']:,} batches a rank, {s['served']:,} served{skipped}"
+        )
+    return 0

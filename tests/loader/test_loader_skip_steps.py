@@ -1,0 +1,186 @@
+"""Skipping steps after a loss spike (issue 36 item 3, issue 35's workflow): roll back to a
+checkpoint, skip the steps whose data is suspect, resume. The steps go on counting and the data
+moves past them: step A gets the batch of step B, and the epoch has B - A fewer steps, on every
+rank alike. The skip is recorded in the state (a later resume keeps it; `trace` answers for the
+run as it went); `shardtool state skip` does the same to a saved state.
+
+Real data: stdlib files as byte ids (long documents) and short /usr/share/doc files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import shardtool
+from realtext import byte_ids, doc_files, stdlib_files
+from runcli import shardtool_cli
+from s3server import free_port
+from shardtool.loader import Mixture, ShardedLoader
+from shardtool.loader.trace import trace
+from shardtool.plan import LoaderState
+from skips import require
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    paths = [p for p in stdlib_files(240) if os.path.getsize(p) > 0] + [
+        p for p in doc_files() if 0 < os.path.getsize(p) <= 4096
+    ][:160]
+    require(len(paths) >= 300, "too few stdlib files or /usr/share/doc files here")
+    root = str(tmp_path_factory.mktemp("skip") / "ds")
+    rows = [{"tokens": byte_ids(p), "path": p} for p in paths]
+    shardtool.pack(rows, root, format="arrow", length="tokens", shard_size=sum(r["tokens"].nbytes for r in rows) // 3)
+    return root
+
+
+def _keys(batch) -> list:
+    keys = batch["__key__"]
+    return [list(k) for k in keys] if keys and isinstance(keys[0], list) else list(keys)
+
+
+def _ranks(url, world, **kw):
+    return [
+        ShardedLoader(url, rank=r, world_size=world, ranks_per_node=world, pin_memory=False, **kw) for r in range(world)
+    ]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "kw",
+    [dict(batch_size=2, num_workers=0), dict(batch_size=2, seq_len=1024, num_workers=2)],
+    ids=["bucketed", "packed"],
+)
+def test_a_rolled_back_run_skips_the_spike_steps_on_every_rank(corpus, kw):
+    first = _ranks(corpus, 3, seed=4, **kw)
+    n = len(first[0])
+    assert n > 45
+    run = [[_keys(b) for b in ld] for ld in first]  # the run that spiked, every step of every rank
+    # Roll back to the checkpoint after step 30 and skip steps 35..39.
+    again = _ranks(corpus, 3, seed=4, **kw)
+    for ld in again:
+        it = iter(ld)
+        for _ in range(30):
+            next(it)
+    state = again[0].state_dict()
+    resumed = _ranks(corpus, 3, seed=4, **kw)
+    for ld in resumed:
+        ld.load_state_dict(state)
+        ld.skip_steps(35, 40)
+    assert {len(ld) for ld in resumed} == {n - 5} and {ld.batches_left for ld in resumed} == {n - 35}
+    # What a rank is asked for at step 36 is known before it is read: the trace says it.
+    traced = [[s["key"] for s in trace(ld, 36)["samples"]] for ld in resumed]
+    got = [[_keys(b) for b in ld] for ld in resumed]
+    for r in range(3):
+        assert got[r] == run[r][30:35] + run[r][40:]
+        step36 = got[r][6] if "seq_len" in kw else [got[r][6]]  # packed: a list of keys per row
+        assert traced[r] == [k for row in step36 for k in row]
+
+
+@pytest.mark.timeout(300)
+def test_the_skip_survives_a_resume_on_fewer_ranks_and_serves_the_rest_once(corpus):
+    kw = dict(batch_size=3, num_workers=0, seed=2)
+    every = [k for ld in _ranks(corpus, 3, **kw) for b in ld for k in b["__key__"]]
+    first, served = _ranks(corpus, 3, **kw), []
+    for ld in first:
+        it = iter(ld)
+        for _ in range(10):
+            served += list(next(it)["__key__"])
+    state = first[0].state_dict()
+    resumed, skipped = _ranks(corpus, 3, **kw), []
+    for ld in resumed:
+        ld.load_state_dict(state)
+        skipped += [s["key"] for step in range(12, 15) for s in trace(ld, step)["samples"]]  # what they held
+        ld.skip_steps(12, 15)
+        it = iter(ld)
+        for _ in range(4):  # steps 10, 11, then 12 and 13: the batches steps 15 and 16 had
+            served += list(next(it)["__key__"])
+    saved = resumed[0].state_dict()
+    assert saved["segments"][-1]["skipped"] == [[12, 15]]
+    two = _ranks(corpus, 2, **kw)  # a node lost: the rest goes to 2 ranks
+    for ld in two:
+        ld.load_state_dict(saved)
+    assert len({ld.batches_left for ld in two}) == 1
+    over = two[0].planner.left_over(LoaderState.from_dict(two[0].state_dict()))  # fewer than 2 batches
+    for ld in two:
+        served += [k for b in ld for k in b["__key__"]]
+    assert not set(served) & set(skipped) and len(skipped) == 3 * 3 * 3
+    assert len(served) == len(set(served))  # nothing twice
+    assert len(set(every) - set(served) - set(skipped)) == sum(b.size for b in over) and len(over) < 2
+
+
+def test_state_skip_edits_a_saved_state_as_skip_steps_does(corpus, tmp_path):
+    (ld,) = _ranks(corpus, 1, batch_size=4, num_workers=0)
+    it = iter(ld)
+    for _ in range(8):
+        next(it)
+    path = tmp_path / "ckpt.json"
+    path.write_text(json.dumps({"step": 8, "loader": ld.state_dict()}))
+    res = shardtool_cli("state", "skip", str(path), "--key", "loader", "--steps", "9:12")
+    assert res.returncode == 0, res.stderr
+    edited = json.loads(path.read_text())
+    assert edited["step"] == 8
+    (by_api,) = _ranks(corpus, 1, batch_size=4, num_workers=0)
+    by_api.load_state_dict(ld.state_dict())
+    by_api.skip_steps(9, 12)
+    assert edited["loader"] == by_api.state_dict()
+    shown = shardtool_cli("state", "show", str(path), "--key", "loader", "--json")
+    assert json.loads(shown.stdout)["steps_in_epoch"] == len(by_api)
+    bad = shardtool_cli("state", "skip", str(path), "--key", "loader", "--steps", "2:5")
+    assert bad.returncode == 1 and "not yet served" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_skips_that_cannot_be_honoured_are_refused(corpus):
+    (ld,) = _ranks(corpus, 1, batch_size=4, num_workers=0)
+    with pytest.raises(ValueError, match="not yet served"):
+        ld.skip_steps(5, 5)
+    it = iter(ld)
+    next(it)
+    with pytest.raises(ValueError, match="before the pass's first batch"):
+        ld.skip_steps(5, 8)
+    mix = ShardedLoader(Mixture({"code": (corpus, 1.0)}), batch_size=4, steps=10, num_workers=0)
+    with pytest.raises(ValueError, match="mixture"):
+        mix.skip_steps(2, 3)
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_three_ranks_roll_back_to_step_30_and_skip_35_to_40(corpus, tmp_path):
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+
+    def launch(phase: str) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            "--nproc_per_node=3",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            os.path.join(ROOT, "tests", "skip_worker.py"),
+            "--data",
+            corpus,
+            "--out",
+            out,
+            "--phase",
+            phase,
+        ]
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=200)
+        assert res.returncode == 0, res.stderr[-4000:]
+
+    launch("first")
+    launch("resumed")
+    for r in range(3):
+        first = json.load(open(os.path.join(out, f"first.rank{r}.json")))
+        resumed = json.load(open(os.path.join(out, f"resumed.rank{r}.json")))
+        n = first["len"]
+        assert resumed["len"] == n - 5
+        want = [first["steps"][str(s)] for s in [*range(30, 35), *range(40, n)]]
+        got = [resumed["steps"][str(s)] for s in range(30, n - 5)]
+        assert got == want and sorted(map(int, resumed["steps"])) == list(range(30, n - 5))
