@@ -15,7 +15,7 @@ Every ``--metrics-every`` steps each rank's loader appends a metric line to a no
 loader metrics and, with several ranks, logs which rank waited longest for data. Afterwards,
 ``shardtool stats DIR...`` merges the files of every node.
 
-A mixture of datasets (weights in tokens, see the README's "Mixtures") runs for --steps steps
+A mixture of datasets (weights in tokens, see docs/mixtures.md) runs for --steps steps
 instead of epochs, and may resume under other weights:
 
     torchrun --nproc_per_node=2 examples/train_ddp.py --mixture mix.json --steps 1000 --seq-len 512 \

@@ -564,8 +564,8 @@ class ShardedLoader(PassRunner):
 
         ``cumulative``: since the first batch was asked for; ``window``: since the previous call.
         Each has the time the training loop spent inside ``next()`` (``wait_s``, ``wait_fraction``:
-        every call from entry to return, the one that ends a pass included; see the README's
-        Observability section for what that covers),
+        every call from entry to return, the one that ends a pass included; see
+        docs/observability.md for what that covers),
         the time workers spent producing batches, samples/tokens per second and padding
         efficiency (tokens from the index lengths), bytes read per tier (node ``cache``, ``local``
         files read in place, ``remote``: ranged reads plus whole shards fetched on a cache miss),

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", *sorted((REPO / "examples").glob("*.sh"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "examples").glob("*.sh"))]
 # `python -m X`, `python3 -m X`, and the scripts' `"$PY" -m X`, also broken across a line.
 PATTERN = re.compile(r'(?:\bpython3?|"\$PY")\s+-m\s+([A-Za-z_][\w.]*)')
 

@@ -8,7 +8,7 @@ with a dot would be read back as a different key.
 from __future__ import annotations
 
 MAX_KEY_BYTES = 200
-# Said in ``shardtool pack --help`` and the README.
+# Said in ``shardtool pack --help`` and docs/packing.md.
 KEY_RULES = (
     f"A sample key is non-empty UTF-8 of at most {MAX_KEY_BYTES} bytes without '/', '\\', '.', NUL, "
     "newline or other control characters: it becomes the tar member name KEY.FIELD, which must "

@@ -2,7 +2,7 @@
 and `shardtool bench --generate` all draw lengths here, so "the lognormal corpus" means one thing.
 
 Text lengths in tokens are close to lognormal; the default (median 350, sigma 0.8, clipped to
-1..8192) is the corpus the README's benchmark tables were measured on. Draws go through a table
+1..8192) is the corpus docs/benchmarks.md's tables were measured on. Draws go through a table
 of 65,536 lognormal quantiles (a uint16 per sample, then a lookup), several times cheaper than
 exp(normal): `SyntheticSource` makes up a billion lengths, shard by shard, in seconds.
 """
