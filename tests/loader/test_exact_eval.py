@@ -206,3 +206,22 @@ def test_plan_and_trace_show_the_padding(corpus):
     )
     assert res.returncode == 0, res.stderr
     assert [s["valid"] for s in json.loads(res.stdout)["samples"]] == [False]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [3, 8])
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in-order", "bucketed"])
+def test_a_token_budget_serves_every_sample_once(corpus, world, shuffle):
+    url, docs = corpus
+    budget = 2 * max(d.size for d in docs.values())  # the longest file alone, or two
+    loaders = _ranks(url, world, max_tokens=budget, shuffle=shuffle, num_workers=0)
+    assert len({len(ld) for ld in loaders}) == 1
+    keys, total = [], 0.0
+    for ld in loaders:
+        metric = ValidSum()
+        for batch in ld:
+            assert int(batch["lengths"].max()) * len(batch["__key__"]) <= budget
+            keys += [k for k, ok in zip(batch["__key__"], batch["valid"].tolist()) if ok]
+            metric.add(sample_metric(batch), batch["valid"])
+        total += metric.reduce()[0]
+    assert sorted(keys) == sorted(docs) and total == _reference(docs)
