@@ -194,6 +194,10 @@ def _worker_main(
     for c in parent_ends:  # so that our pipe (and our siblings') sees EOF when the trainer dies
         c.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    if worker_init is not None:
+        # First: it announces the worker and registers its stack dump, so a worker that hangs in
+        # what follows (once, in CI, a worker never got this far) shows where in a stall report.
+        worker_init(w)
     import torch
 
     # Reading and decoding are numpy-vectorised; intra-op threads per worker only oversubscribe.
@@ -201,8 +205,6 @@ def _worker_main(
     # the child inherits without its threads; with one intra-op thread ATen runs ops inline and
     # MKL/oneDNN stay serial, so a transform's torch ops never wait on that pool (test_loader_fork_omp).
     torch.set_num_threads(1)
-    if worker_init is not None:
-        worker_init(w)
     while True:
         try:
             while not conn.poll(POLL_PARENT_S):

@@ -5,37 +5,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
-from s3server import free_port
 from test_loader_data import write_dataset
+from torchrun import torchrun as run_job
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORKER = os.path.join(ROOT, "tests", "ddp_worker.py")
 NPROC = 4
 
 
 def torchrun(data: str, out: str, *extra: str, timeout: int = 150) -> subprocess.CompletedProcess:
     os.makedirs(out, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        f"--nproc_per_node={NPROC}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        WORKER,
-        "--data",
-        data,
-        "--out",
-        out,
-        *extra,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    return run_job("ddp_worker.py", NPROC, "--data", data, "--out", out, *extra, timeout=timeout)
 
 
 def records(out: str) -> list[dict]:

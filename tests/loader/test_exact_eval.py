@@ -9,23 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 import shardtool
+from exact_eval_worker import sample_metric
 from realtext import byte_ids, doc_files, stdlib_files
 from runcli import shardtool_cli
-from s3server import free_port
 from shardtool.loader import LoaderError, ShardedLoader, ValidSum
 from skips import require
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-from exact_eval_worker import sample_metric  # noqa: E402
+from torchrun import torchrun
 
 
 @pytest.fixture(scope="module")
@@ -164,24 +159,7 @@ def test_torchrun_three_ranks_reduce_to_the_single_process_metric(corpus, tmp_pa
     url, docs = corpus
     out = str(tmp_path / "out")
     os.makedirs(out)
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc_per_node=3",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        os.path.join(ROOT, "tests", "exact_eval_worker.py"),
-        "--data",
-        url,
-        "--out",
-        out,
-        "--batch-size",
-        "2",
-    ]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=200)
+    res = torchrun("exact_eval_worker.py", 3, "--data", url, "--out", out, "--batch-size", "2", timeout=200)
     assert res.returncode == 0, res.stderr[-4000:]
     recs = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(3)]
     assert len({(r["len"], r["batches"]) for r in recs}) == 1

@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 import shardtool
 from realtext import byte_ids, doc_files, stdlib_files
 from runcli import shardtool_cli
-from s3server import free_port
 from shardtool.loader import Mixture, ShardedLoader
 from shardtool.loader.trace import trace
 from shardtool.plan import LoaderState
 from skips import require
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from torchrun import torchrun
 
 
 @pytest.fixture(scope="module")
@@ -152,26 +148,9 @@ def test_skips_that_cannot_be_honoured_are_refused(corpus):
 def test_torchrun_three_ranks_roll_back_to_step_30_and_skip_35_to_40(corpus, tmp_path):
     out = str(tmp_path / "out")
     os.makedirs(out)
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
 
     def launch(phase: str) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=1",
-            "--nproc_per_node=3",
-            "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}",
-            os.path.join(ROOT, "tests", "skip_worker.py"),
-            "--data",
-            corpus,
-            "--out",
-            out,
-            "--phase",
-            phase,
-        ]
-        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=200)
+        res = torchrun("skip_worker.py", 3, "--data", corpus, "--out", out, "--phase", phase, timeout=200)
         assert res.returncode == 0, res.stderr[-4000:]
 
     launch("first")
