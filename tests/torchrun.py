@@ -21,7 +21,8 @@ __all__ = ["ROOT", "torchrun"]
 def torchrun(
     script: str, nproc: int, *args: str, timeout: float, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """``tests/<script>`` on ``nproc`` ranks with ``args``; its CompletedProcess (text output)."""
+    """``script`` (a path, or a name in tests/) on ``nproc`` ranks with ``args``; its
+    CompletedProcess (text output). ``env``: variables set on top of this environment's."""
     cmd = [
         sys.executable,
         "-m",
@@ -30,7 +31,7 @@ def torchrun(
         f"--nproc_per_node={nproc}",
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
-        os.path.join(ROOT, "tests", script),
+        script if os.path.isabs(script) else os.path.join(ROOT, "tests", script),
         *args,
     ]
     full_env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **(env or {})}

@@ -7,33 +7,20 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-from runcli import REPO, repo_env, shardtool_cli
-from s3server import free_port
+from runcli import REPO, shardtool_cli
 from shardtool.loader import Mixture, ShardedLoader
 from test_loader_data import write_dataset
+from torchrun import torchrun as run_job
 
 SHARDS = {"web": [90, 60, 80, 70, 50, 40], "code": [40, 30, 50, 35], "math": [30, 20, 25, 25]}
 WEIGHTS = {"web": 0.5, "code": 0.3, "math": 0.2}
 
 
 def torchrun(script: str, *args: str, nproc: int, timeout: int) -> subprocess.CompletedProcess:
-    env = dict(repo_env(), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        script,
-        *args,
-    ]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_job(script, nproc, *args, timeout=timeout, env={"GLOO_SOCKET_IFNAME": "lo"})
 
 
 @pytest.fixture
