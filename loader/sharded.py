@@ -543,8 +543,6 @@ class ShardedLoader(PassRunner):
             packed_pass=(plan.rows, plan.row_offsets) if packed is not None else None,
             costs=self._costs(plan),
             pad=plan.pad,
-            rows_per_batch=self.batching.batch_size if packed is not None else None,
-            row_offsets=plan.row_offsets,
         )
         return batches, start, n, where
 

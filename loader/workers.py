@@ -42,8 +42,6 @@ class PlanBatches:
         packed_pass: tuple | None = None,
         costs: np.ndarray | None = None,
         pad: np.ndarray | None = None,
-        rows_per_batch: int | None = None,
-        row_offsets: np.ndarray | None = None,
     ):
         self.reader = reader
         self.ids = ids
@@ -56,8 +54,7 @@ class PlanBatches:
         self.costs = costs  # each batch's cost under the loader's cost model (None: none given)
         self.packed, self.packed_rows, self.packed_stats = packed, packed_rows, packed_stats
         self.packed_pass = packed_pass  # (rows, row_offsets) of the whole pass: read_planned lays out chunks
-        # An exact plan's padding batches (`RankPlan.pad`): each batch then gets ``valid``.
-        self.pad, self.rows_per_batch, self.row_offsets = pad, rows_per_batch, row_offsets
+        self.pad = pad  # an exact plan's padding batches (`RankPlan.pad`): each batch then gets ``valid``
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -84,9 +81,10 @@ class PlanBatches:
     def valid(self, b: int) -> torch.Tensor:
         """Batch b's ``valid`` mask: one per sample, or (packed) one per row of the batch's
         ``rows_per_batch``; False on padding rows and on every entry of a padding batch."""
-        if self.rows_per_batch is not None:
-            mask = torch.zeros(self.rows_per_batch, dtype=torch.bool)
-            mask[: int(self.row_offsets[b + 1] - self.row_offsets[b])] = True
+        if self.packed is not None:
+            row_offsets = self.packed_pass[1]
+            mask = torch.zeros(self.packed.rows_per_batch, dtype=torch.bool)
+            mask[: int(row_offsets[b + 1] - row_offsets[b])] = True
             return mask
         size = int(self.offsets[b + 1] - self.offsets[b])
         return torch.full((size,), not bool(self.pad[b]), dtype=torch.bool)

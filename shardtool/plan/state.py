@@ -81,7 +81,7 @@ class Segment:
     @property
     def left(self) -> int:
         """Batches every DP rank has yet to serve in this segment (skipped ones are not)."""
-        return self.batches - self.served - (self._skipped_before(self.batches) - self._skipped_before(self.served))
+        return self.steps - self.delivered
 
     @property
     def delivered(self) -> int:
