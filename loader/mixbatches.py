@@ -55,6 +55,7 @@ class MixtureBatches:
         collate_fn: Callable | None = None,
         pad_id: int = 0,
         packing: Packing | None = None,
+        token_fields: tuple[str, ...] = (),
     ):
         self.planner, self.state, self.dp_rank = planner, state, dp_rank
         self.readers, self.steps, self.where = readers, steps, where
@@ -63,7 +64,10 @@ class MixtureBatches:
         self.rows = planner.units_per_step
         self.names = planner.mixture.names
         self.packed = (
-            {n: PackedReader(r, packing, name="input_ids", pad_id=pad_id) for n, r in readers.items()}
+            {
+                n: PackedReader(r, packing, name="input_ids", pad_id=pad_id, token_fields=token_fields)
+                for n, r in readers.items()
+            }
             if packing is not None
             else None
         )
@@ -210,6 +214,7 @@ class MixtureBatches:
         first = 0
         keys: list[Any] = []
         starts, lengths, offsets = [], [], []
+        fields: dict[str, list[np.ndarray]] = {}  # per-token fields (a stored labels one is in the block)
         longest = 0
         for name, part in rows:
             count = part.num_rows
@@ -220,6 +225,9 @@ class MixtureBatches:
             offsets.append(out["doc_offsets"].numpy()[real[:-1]])
             lengths.append(out["lengths"].numpy())
             keys += out[KEY]
+            for f in self.packed[name].token_fields:
+                if f in out:
+                    fields.setdefault(f, []).append(out[f].numpy())
             longest = max(longest, out["max_seqlen"])
             first += count
         if first != b:
@@ -233,7 +241,12 @@ class MixtureBatches:
         doc_offsets = alloc(b * maxd, np.int64)
         doc_offsets[:] = -1
         doc_offsets[: flat.size] = np.concatenate(offsets)
+        placed = {}
+        for f, parts in fields.items():
+            placed[f] = alloc((b, seq), np.result_type(*parts))
+            np.concatenate(parts, out=placed[f])
         return {
+            **{f: torch.from_numpy(v) for f, v in placed.items()},
             KEY: keys,
             "input_ids": torch.from_numpy(block[0]),
             "labels": torch.from_numpy(block[1]),

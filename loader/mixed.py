@@ -18,6 +18,7 @@ from ..plan.mixture.planner import MixturePlanner
 from ..plan.mixture.span import check_repeat, span, steps_for_tokens
 from ..plan.mixture.state import MixtureState, source_changes
 from ..plan.state import StateError
+from . import tokenfields
 from .errors import LoaderStateError
 from .mixbatches import MixtureBatches
 from .reader import BatchReader
@@ -85,6 +86,8 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
             self._no_double_eos(
                 {f"mixture source {n!r}": ds.manifest.length.get("eos_id") for n, ds in datasets.items()}
             )
+            if self.packing is not None:
+                self.token_fields = self._mixture_token_fields(datasets)
             self.planner = MixturePlanner(mixture, datasets, versions, self.batching, self.data_layout)
             self._state = self.planner.start()
             self.steps = steps if steps is not None else steps_for_tokens(self.planner, self._state, tokens)
@@ -96,6 +99,23 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
         self._loaded = False  # a state was loaded and no pass has begun since
         self._epoch = 0  # for the metrics' pass bookkeeping only: the whole run is one pass
         self._checked = False
+
+    def _mixture_token_fields(self, datasets: dict) -> tuple[str, ...]:
+        """The per-token fields every source carries alike: a step's rows come from several
+        sources, and a field some of them lack would have no values in their rows."""
+        per = {}
+        for name, ds in datasets.items():
+            try:
+                per[name] = tokenfields.of_dataset(ds, self._token_fields_wanted)
+            except ValueError as e:
+                raise ValueError(f"mixture source {name!r}: {e}") from None
+        if len(set(per.values())) > 1:
+            raise ValueError(
+                "the sources of this mixture carry different per-token fields "
+                f"({', '.join(f'{n}: {list(f)}' for n, f in per.items())}); packed steps mix their rows, so "
+                "each field must be in every source: pack them alike, or choose with token_fields=[...]"
+            )
+        return next(iter(per.values()))
 
     # ------------------------------------------------------------------ length and position
     @property
@@ -257,6 +277,7 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
             collate_fn=self.collate_fn,
             pad_id=self.pad_id,
             packing=self.packing,
+            token_fields=self.token_fields,
         )
         if start < self.steps:
             batches.prepare(start)  # before the workers fork: they inherit these plans

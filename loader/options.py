@@ -40,6 +40,7 @@ class BatchOptions:
     transform: Callable | None
     collate_fn: Callable | None
     pad_id: int
+    token_fields: tuple[str, ...] | None = None  # None: every per-token array field (loader/tokenfields.py)
 
     @property
     def packing(self) -> Packing | None:
@@ -81,6 +82,7 @@ def batch_options(
     exact: bool = False,
     collate_fn: Callable | None,
     pad_id: int,
+    token_fields: Any = None,
 ) -> BatchOptions:
     """The batching of the loader's keywords (`Batching` checks its own fields); ValueError naming
     the keyword where a combination cannot work. ``bucketing=None`` stays None: the dataset
@@ -97,6 +99,15 @@ def batch_options(
         raise ValueError(f"packed_outputs must be 'full' or 'lean', found {packed_outputs!r}")
     if packed_outputs == "lean" and seq_len is None:
         raise ValueError("packed_outputs='lean' is for packed rows: give seq_len (and batch_size rows)")
+    if token_fields is not None:
+        if seq_len is None:
+            raise ValueError(
+                "token_fields chooses the per-token fields of packed rows: give seq_len (unpacked "
+                "batches carry every field)"
+            )
+        if isinstance(token_fields, str) or not all(isinstance(f, str) for f in token_fields):
+            raise ValueError(f"token_fields must be a list of field names, found {token_fields!r}")
+        token_fields = tuple(token_fields)
     batching = Batching(
         batch_size=batch_size,
         max_tokens=max_tokens,
@@ -112,4 +123,4 @@ def batch_options(
         shuffle_block=shuffle_block,
         exact=exact,
     )
-    return BatchOptions(batching, packed_outputs, transform, collate_fn, int(pad_id))
+    return BatchOptions(batching, packed_outputs, transform, collate_fn, int(pad_id), token_fields)

@@ -58,6 +58,7 @@ from .packchunk import CHUNK, LeanChunk
 from .packlayout import BatchLayout, copy_runs, counting, joined_runs, lean_dtype
 from .reader import BatchReader
 from .scratch import Scratch
+from .tokenfields import LABELS, LOSS_MASK, place
 
 __all__ = [
     "IGNORE_INDEX",
@@ -89,11 +90,14 @@ def _finish(
     name: str,
     pad_id: int,
     alloc: Alloc,
+    fields: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """Everything but the token copy: eos, padding, cu_seqlens, and for a full batch labels and
     positions. ``ids``: [B, S] with the tokens; ``rest``: the [2, B, S] int64 for labels and
     positions (a full batch: one allocation with ``ids``, fresh pages cost more than the
-    arithmetic here), None for a lean one; ``keys`` None: no ``__key__``."""
+    arithmetic here), None for a lean one; ``keys`` None: no ``__key__``; ``fields``: the
+    per-token fields placed (`tokenfields.place`), whose ``labels`` and ``loss_mask`` decide the
+    targets of a full batch."""
     b, seq, packing = lay.b, lay.seq, lay.packing
     flat = ids.reshape(-1)
     if lay.eos_at is not None:
@@ -116,10 +120,14 @@ def _finish(
     doc_offsets[np.searchsorted(starts, lay.flat_start) if empty.size else slice(0, len(starts))] = lay.rows.span_start
     out: dict[str, Any] = {} if keys is None else {KEY: lay.keys_per_row(keys)}
     out[name] = torch.from_numpy(ids)
+    fields = fields or {}
     if rest is not None:
         labels, positions = rest
         lab, pos = labels.reshape(-1), positions.reshape(-1)
-        lab[:-1] = flat[1:]
+        target = fields.pop(LABELS).reshape(-1) if LABELS in fields else flat
+        lab[:-1] = target[1:]
+        if LOSS_MASK in fields:
+            lab[:-1][fields[LOSS_MASK].reshape(-1)[1:] == 0] = IGNORE_INDEX
         lab[-1:] = IGNORE_INDEX
         lab[lay.flat_start + lay.rows.span_len - 1] = IGNORE_INDEX
         lab[pad] = IGNORE_INDEX
@@ -130,7 +138,25 @@ def _finish(
     out["max_seqlen"] = int(seg_len.max(initial=0))
     out["lengths"] = torch.from_numpy(lengths)
     out["doc_offsets"] = torch.from_numpy(doc_offsets)
+    for field, values in fields.items():
+        out[field] = torch.from_numpy(values)
     return out
+
+
+def _placed(
+    lay: BatchLayout,
+    names: Sequence[str],
+    values_of: Callable[[], dict[str, Sequence[Any]]],
+    counts: np.ndarray,
+    n: np.ndarray,
+    where: Callable[[int], str],
+    alloc: Alloc,
+) -> dict[str, np.ndarray] | None:
+    """The per-token fields ``names`` of the batch ``lay``, each laid out like its tokens."""
+    if not names:
+        return None
+    values = values_of()
+    return {f: place(values[f], counts, lay, n, name=f, where=where, alloc=alloc) for f in names}
 
 
 def _block(lay: BatchLayout, alloc: Alloc, into: np.ndarray | None) -> np.ndarray:
@@ -153,10 +179,14 @@ def packed_batch(
     alloc: Alloc = np.empty,
     into: np.ndarray | None = None,
     outputs: str = "full",
+    token_fields: Sequence[str] = (),
+    fields_of: Callable[[np.ndarray], dict[str, Sequence[Any]]] | None = None,
+    where: Callable[[int], str] = lambda g: f"sample {g}",
 ) -> dict[str, Any]:
     """The packed batch of ``rows`` (span_pos = sample ids). ``tokens_of(ids)`` gives the 1-D
     integer token arrays of the sorted distinct ``ids``, ``keys_of(ids)`` their keys (default:
-    the ids). ``rows_per_batch`` pads a short batch with rows of padding to a fixed shape.
+    the ids); ``fields_of(ids)`` their per-token fields ``token_fields`` by name (see
+    `shardtool.loader.tokenfields`), ``where(id)`` names a sample in an error. ``rows_per_batch`` pads a short batch with rows of padding to a fixed shape.
     ``into``: an int64 [3, B, S] block (rows of a larger batch) to write tokens, labels and
     positions into, instead of a new one (full batches only). ``outputs``: "full" or "lean"."""
     lean = _check_outputs(outputs) == "lean"
@@ -167,7 +197,7 @@ def packed_batch(
     if len(arrays) != len(lay.docs):
         raise ValueError(f"tokens_of returned {len(arrays)} arrays for {len(lay.docs)} samples")
     counts = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
-    n = lay.copy_counts(counts, lambda g: f"sample {g}")
+    n = lay.copy_counts(counts, where)
     if lean:
         stored = np.result_type(*[np.asarray(a).dtype for a in arrays]) if arrays else np.dtype(np.int32)
         ids, rest = alloc((lay.b, lay.seq), lean_dtype(stored, pad_id, packing.eos_id)), None
@@ -179,7 +209,10 @@ def packed_batch(
     for dst, d, a, k in zip(lay.flat_start.tolist(), doc, rows.span_start.tolist(), n.tolist()):
         flat[dst : dst + k] = arrays[d][a : a + k]
     keys = None if lean else list(keys_of(lay.docs)) if keys_of is not None else lay.docs.tolist()
-    return _finish(ids, rest, lay, keys, name=name, pad_id=pad_id, alloc=alloc)
+    if token_fields and fields_of is None:
+        raise ValueError("token_fields needs fields_of, which gives their values")
+    fields = _placed(lay, token_fields, lambda: fields_of(lay.docs), counts, n, where, alloc)
+    return _finish(ids, rest, lay, keys, name=name, pad_id=pad_id, alloc=alloc, fields=fields)
 
 
 class PackedReader:
@@ -195,8 +228,10 @@ class PackedReader:
         pad_id: int = 0,
         rows_per_batch: int | None = None,
         outputs: str = "full",
+        token_fields: Sequence[str] = (),
     ):
         self.reader, self.packing = reader, packing
+        self.token_fields = tuple(token_fields)  # per-token fields carried (loader/tokenfields.py)
         self.name, self.pad_id, self.rows_per_batch = name, int(pad_id), rows_per_batch
         self.outputs = _check_outputs(outputs)
         self.scratch = Scratch()
@@ -226,7 +261,7 @@ class PackedReader:
         row_offsets[b + 1]``), equal to ``read`` of its rows: lean batches are laid out a chunk
         of batches at a time (`packchunk`), for a fraction of the per-batch numpy calls."""
         alloc = alloc or np.empty
-        if self.outputs != "lean":
+        if self.outputs != "lean" or self.token_fields:
             return self.read(rows.slice(int(row_offsets[b]), int(row_offsets[b + 1])), alloc)
         first = b - b % CHUNK
         chunk = self._chunk
@@ -255,8 +290,24 @@ class PackedReader:
             lay.flat_start * item, lay.of_span(which), (lay.of_span(first) + lay.rows.span_start) * item, n * item
         )
         copy_runs(ids, narrow, bufs, *(r.tolist() for r in runs))
+        fields = _placed(
+            lay,
+            self.token_fields,
+            lambda: self.reader.field_values(lay.docs, self.token_fields),
+            counts,
+            n,
+            where,
+            alloc,
+        )
         return _finish(
-            ids, rest, lay, keys if rest is not None else None, name=self.name, pad_id=self.pad_id, alloc=alloc
+            ids,
+            rest,
+            lay,
+            keys if rest is not None else None,
+            name=self.name,
+            pad_id=self.pad_id,
+            alloc=alloc,
+            fields=fields,
         )
 
     def _decoded(self, rows: Rows, lay: BatchLayout, alloc: Alloc, into: np.ndarray | None) -> dict[str, Any]:
@@ -279,6 +330,9 @@ class PackedReader:
             alloc=alloc,
             into=into,
             outputs=self.outputs,
+            token_fields=self.token_fields,
+            fields_of=lambda _: {f: [s[f] for s in samples] for f in self.token_fields},
+            where=self.reader.where,
         )
 
     def __getstate__(self) -> dict:
@@ -296,6 +350,8 @@ def read_together(
     first reader's name, pad id and scratch. None when a part's tokens are not raw arrays in its
     mapped shards, or the parts store tokens in different dtypes (then read part by part)."""
     first_reader = parts[0][0]
+    if any(reader.token_fields for reader, _ in parts):
+        return None  # read part by part: each places its fields
     shifted = [
         dataclasses.replace(rows, span_pos=rows.span_pos + (i << SOURCE_SHIFT)) for i, (_, rows) in enumerate(parts)
     ]
@@ -348,7 +404,9 @@ def lean_to_full(batch: dict[str, Any], *, name: str = "input_ids") -> dict[str,
     """The full batch of a lean one, computed where its tensors are (on the GPU after the copy):
     ``name`` widened to int64, ``labels`` and ``position_ids`` (int64) added, equal to what
     ``outputs="full"`` builds (less ``__key__``). Labels: the next token where it is in the same
-    piece (a segment of ``cu_seqlens``) and the row's real tokens (``lengths``), else -100."""
+    piece (a segment of ``cu_seqlens``) and the row's real tokens (``lengths``), else -100.
+    Per-token fields (`shardtool.loader.tokenfields`): a stored ``labels`` (unshifted) gives the
+    targets instead of the tokens, and ``loss_mask`` sets -100 where the predicted token's mask is 0."""
     ids = batch[name]
     b, seq = ids.shape
     n = b * seq
@@ -357,8 +415,11 @@ def lean_to_full(batch: dict[str, Any], *, name: str = "input_ids") -> dict[str,
     cu = batch["cu_seqlens"].to(device=dev, dtype=torch.int64)
     at = torch.arange(n, device=dev)
     positions = at - cu[torch.searchsorted(cu, at, right=True) - 1]
+    target = batch[LABELS].to(device=dev, dtype=torch.int64).reshape(-1) if LABELS in batch else flat
     labels = torch.full_like(flat, IGNORE_INDEX)
-    labels[:-1] = flat[1:]
+    labels[:-1] = target[1:]
+    if LOSS_MASK in batch:
+        labels[:-1][batch[LOSS_MASK].to(dev).reshape(-1)[1:] == 0] = IGNORE_INDEX
     # A piece's last token (its segment's end; repeated entries B * S name the last token, whose
     # label is -100 anyway), and from a row's last real token on: padding is no next token.
     labels[(cu[1:] - 1).clamp(min=0)] = IGNORE_INDEX

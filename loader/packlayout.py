@@ -48,6 +48,7 @@ class BatchLayout:
             self.docs, inverse = np.unique(rows.span_pos, return_inverse=True)
             self.doc_of_span = inverse.reshape(-1)
         self.eos_at: np.ndarray | None = None  # flat positions of eos tokens, set by copy_counts
+        self.eos_doc: np.ndarray | None = None  # and the index in ``docs`` of the document each ends
 
     def copy_counts(self, counts: np.ndarray, where: Callable[[int], str]) -> np.ndarray:
         """Tokens to copy per span (the eos is written, not copied), checked against each
@@ -63,8 +64,16 @@ class BatchLayout:
                 f"packs its tokens up to {int(end[k])}{' (eos included)' if extra else ''}: "
                 "lengths and data disagree"
             )
-        self.eos_at = self.flat_start[end == n + 1] + rows.span_len[end == n + 1] - 1 if extra else None
+        self.eos_at = self.eos_doc = None
+        if extra:
+            eos = end == n + 1
+            self.eos_at = self.flat_start[eos] + rows.span_len[eos] - 1
+            self.eos_doc = self.doc_index()[eos]  # which document of ``docs`` each eos ends
         return np.minimum(rows.span_len, np.maximum(n - rows.span_start, 0))
+
+    def doc_index(self) -> np.ndarray:
+        """Per span, its document's index in ``docs``."""
+        return self.of_span(np.arange(len(self.docs), dtype=np.int64))
 
     def of_span(self, per_doc: np.ndarray) -> np.ndarray:
         """A value per document of ``docs`` as a value per span."""

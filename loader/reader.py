@@ -214,6 +214,25 @@ class BatchReader:
             parts = [v.sample_bytes[li] for v, _, li in groups]
             self.probe.read(self.tier, int((parts[0] if len(parts) == 1 else np.concatenate(parts)).sum()))
 
+    def field_values(self, ids: np.ndarray, names: tuple[str, ...]) -> dict[str, list[Any]]:
+        """Fields ``names`` of ``ids``, decoded, in the order of ``ids`` (a packed batch's per-token
+        fields, beside tokens it copies itself). Their bytes are counted with the tokens'."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if not self.by_view:
+            samples = self.read_samples(ids)
+            return {f: [s[f] for s in samples] for f in names}
+        groups = self._groups(*self.locate(ids))
+        columns = [f.name for f in self.source.dataset.manifest.fields]
+        out: dict[str, list[Any]] = {}
+        for f in names:
+            j = columns.index(f)
+            col: list[Any] = [None] * len(ids)
+            for v, rows, li in groups:
+                for r, value in zip(rows.tolist(), v.values(j, li)):
+                    col[r] = value
+            out[f] = col
+        return out
+
     def index_lengths(self, ids: np.ndarray) -> np.ndarray:
         """The lengths the sample indexes record for ``ids`` (the shards read anyway; never the
         dataset's whole lengths array)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -17,6 +17,7 @@ from ..plan.env import rank_placement
 from ..plan.mesh import as_mesh
 from ..plan.packing import with_packed_eos
 from ..plan.state import LoaderState, StateError, check_compatible
+from . import tokenfields
 from .errors import LoaderStateError
 from .observability.observe import Observer
 from .options import batch_options, worker_options
@@ -191,6 +192,7 @@ class ShardedLoader(PassRunner):
         micro_batches: int | None = None,
         shuffle_block: int | None = None,
         exact: bool = False,
+        token_fields: Sequence[str] | None = None,
     ):
         import torch
 
@@ -216,10 +218,13 @@ class ShardedLoader(PassRunner):
             transform=transform,
             collate_fn=collate_fn,
             pad_id=pad_id,
+            token_fields=token_fields,
         )
         self.batching, self.packing, self.packed_outputs = opts.batching, opts.packing, opts.packed_outputs
         self.transform, self.collate_fn, self.pad_id = opts.transform, opts.collate_fn, opts.pad_id
         self._bucketing = bucketing
+        self._token_fields_wanted = opts.token_fields
+        self.token_fields: tuple[str, ...] = ()  # per-token fields packed batches carry (set by _open)
         dist = torch.distributed if torch.distributed.is_available() else None
         self.placement = rank_placement(rank, world_size, ranks_per_node, env=os.environ, dist=dist)
         self.rank, self.layout = self.placement.rank, self.placement.layout
@@ -272,6 +277,12 @@ class ShardedLoader(PassRunner):
         except ValueError:
             self.reader.close()
             raise
+        if self.packing is not None:
+            try:
+                self.token_fields = tokenfields.of_dataset(ds, self._token_fields_wanted)
+            except ValueError as e:
+                self.reader.close()
+                raise ValueError(f"{url}: {e}") from None
         self.fingerprint = ds.version
         if self._bucketing is None:  # the dataset decides (see the class docstring); the plan stays pure
             self.batching = replace(
@@ -527,6 +538,7 @@ class ShardedLoader(PassRunner):
                 pad_id=self.pad_id,
                 rows_per_batch=self.batching.batch_size,
                 outputs=self.packed_outputs,
+                token_fields=self.token_fields,
             )
         batches = PlanBatches(
             self.reader,

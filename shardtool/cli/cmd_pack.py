@@ -133,7 +133,8 @@ def add_arguments(p) -> None:
         choices=["drop", "truncate"],
         default="drop",
         help="drop: skip samples longer than N (default; any length definition); truncate: cut the "
-        "--length field's array to its first N elements (needs --length naming a 1-D array field)",
+        "--length field's array to its first N elements, and every array field as long as it (a loss "
+        "mask, stored labels) with it (needs --length naming a 1-D array field)",
     )
     p.add_argument(
         "--shard-size",

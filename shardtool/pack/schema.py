@@ -143,10 +143,14 @@ class Shaper:
         if self.max_length is not None and length > self.max_length:
             if not self.truncate:
                 return None
-            i = self.length_idx
-            values[i], payload = self.codecs[i](values[i][: self.max_length])
-            nbytes += len(payload) - len(payloads[i])
-            payloads[i] = payload
+            # Per-token fields (arrays as long as the tokens: a loss mask, stored labels) are cut
+            # with them, or packing would find them misaligned.
+            full = len(values[self.length_idx])
+            for i, spec in enumerate(self.fields):
+                if i == self.length_idx or (spec.storage == "array" and len(values[i]) == full):
+                    values[i], payload = self.codecs[i](values[i][: self.max_length])
+                    nbytes += len(payload) - len(payloads[i])
+                    payloads[i] = payload
             length = self.max_length
             self.was_truncated = True
         return key, values, payloads, length, nbytes
