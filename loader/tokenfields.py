@@ -27,7 +27,7 @@ samples again and names the sample and field that disagree.
 
 from __future__ import annotations
 
-import sys
+import inspect
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -117,7 +117,8 @@ def choose(
 def _outside_stacklevel() -> int:
     """The ``stacklevel`` of the first caller outside this package: the user's line that built the
     loader, however deep in the package the warning is raised."""
-    frame, level = sys._getframe(1), 1
+    here = inspect.currentframe()
+    frame, level = (here.f_back if here is not None else None), 1
     while frame is not None and frame.f_globals.get("__name__", "").startswith("shardtool."):
         frame, level = frame.f_back, level + 1
     return level

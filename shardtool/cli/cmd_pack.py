@@ -60,6 +60,13 @@ pip install 'shardtool[tokenize]'; a local file only, never downloaded), stored 
 the vocabulary has at most 65,536 ids, else uint32, with --eos-id N appended to each; the length
 is the token count. The text itself is dropped unless --keep-text.
 
+Chat data: --tokenizer DIR --chat-field messages renders each conversation (a list of
+{"role", "content"} messages) with the tokenizer's chat template (chat_template in its
+tokenizer_config.json, or chat_template.jinja beside it; --chat-template FILE.jinja to give one),
+tokenizes it, and stores an assistant-only 'loss_mask' (1 on the assistant's tokens: those inside
+{% generation %} blocks where the template has them, else each assistant turn from its content to
+its end-of-turn marker) beside 'tokens'. Packed batches carry the mask and train only there.
+
 Compression: --format arrow --compression zstd|lz4 compresses each record batch (Arrow IPC
 buffer compression; batches of 1 MiB, --record-batch-size to change it); the loader, cache, verify and inspect read such shards; tar shards are
 never compressed (they stay WebDataset tars).
@@ -108,6 +115,17 @@ def add_arguments(p) -> None:
     t = p.add_argument_group("tokenizing (see above)")
     t.add_argument("--tokenizer", metavar="PATH", help="a Hugging Face tokenizer.json (or a directory holding one)")
     t.add_argument("--text-field", metavar="FIELD", help="the text field to tokenize (with --tokenizer)")
+    t.add_argument(
+        "--chat-field",
+        metavar="FIELD",
+        help="the field of conversations to render with the chat template and tokenize, with an "
+        "assistant-only loss_mask (with --tokenizer; instead of --text-field)",
+    )
+    t.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja chat template for --chat-field (default: the tokenizer's own)",
+    )
     t.add_argument("--eos-id", type=int, metavar="N", help="append token id N to every sample's ids")
     t.add_argument("--keep-text", action="store_true", help="keep the text field as well as the token ids")
     g = p.add_mutually_exclusive_group()
@@ -208,6 +226,8 @@ def run(args) -> int:
                 max_skip_fraction=args.max_skip_fraction,
                 tokenizer=args.tokenizer,
                 text_field=args.text_field,
+                chat_field=args.chat_field,
+                chat_template=args.chat_template,
                 eos_id=args.eos_id,
                 keep_text=args.keep_text,
                 compression=args.compression,

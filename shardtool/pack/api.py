@@ -11,6 +11,7 @@ from ..format.errors import ShardtoolError
 from ..format.sizes import parse_size
 from ..plan.env import array_task
 from . import outdir
+from .chat import Chat, chat_fields
 from .foreign import default_length
 from .inputs import class_names, counted_units, first_sample_fields, source_units
 from .options import check_options, strip_file_scheme
@@ -55,6 +56,8 @@ def pack(
     total: int | None = None,
     tokenizer: Any = None,
     text_field: str | None = None,
+    chat_field: str | None = None,
+    chat_template: str | None = None,
     eos_id: int | None = None,
     keep_text: bool = False,
     compression: str | None = None,
@@ -81,7 +84,11 @@ def pack(
     ``tokenizer`` (a path to a ``tokenizer.json``, a ``tokenizers.Tokenizer`` or a ``transformers``
     fast tokenizer) with ``text_field``: the text becomes field ``tokens`` (token ids, uint16 when
     the vocabulary has at most 65,536 ids, else uint32; ``eos_id`` appended when given), which is
-    the length field; ``keep_text`` keeps the text too. ``compression`` (``"zstd"`` or ``"lz4"``,
+    the length field; ``keep_text`` keeps the text too. ``chat_field`` instead (a list of
+    ``{"role", "content"}`` messages per sample): each conversation is rendered with the chat
+    template (``chat_template``, a Jinja file; default the tokenizer's own) and tokenized, and an
+    assistant-only ``loss_mask`` (uint8, 1 on the assistant's tokens) is stored beside ``tokens``
+    (`shardtool.pack.chat`); ``keep_text`` keeps the messages too. ``compression`` (``"zstd"`` or ``"lz4"``,
     Arrow shards only) compresses each record batch. ``record_batch_size`` (bytes or a size
     like ``"256KiB"``; Arrow shards only) is the payload at which a record batch is cut: by
     default 1 MiB, at most 256 rows for plain shards and 8,192 for compressed ones. A reader
@@ -103,7 +110,9 @@ def pack(
     ``skip_bad``, which counts and lists it) and :class:`ShardtoolError` for bad options. A
     failed pack removes the shards and directories it created.
     """
-    compression = check_options(format, length, length_fn, workers, compression, tokenizer, text_field)
+    compression = check_options(
+        format, length, length_fn, workers, compression, tokenizer, text_field, chat_field, chat_template
+    )
     sources = classify(sources)
     if not sources:
         raise ShardtoolError("no sources given")
@@ -147,7 +156,11 @@ def pack(
     fields, tok = source_fields, None
     if length is None and length_fn is None and tokenizer is None:
         length = default_length(units)  # a Megatron dataset's documents are measured in tokens
-    if tokenizer is not None:
+    if tokenizer is not None and chat_field is not None:
+        tok = Chat(tokenizer, chat_field=chat_field, chat_template=chat_template, eos_id=eos_id, keep_text=keep_text)
+        fields = chat_fields(source_fields, chat_field, keep_text, tok.dtype.str.lstrip("<>=|"))
+        length = TOKENS_FIELD
+    elif tokenizer is not None:
         tok = Tokenize(tokenizer, text_field=text_field, eos_id=eos_id, keep_text=keep_text)
         fields = tokenized_fields(source_fields, text_field, keep_text, tok.dtype.str.lstrip("<>=|"))
         length = TOKENS_FIELD

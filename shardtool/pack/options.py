@@ -67,6 +67,8 @@ def check_options(
     compression: str | None,
     tokenizer,
     text_field: str | None,
+    chat_field: str | None = None,
+    chat_template: str | None = None,
 ) -> str | None:
     """Refuse inconsistent options before anything is read; returns the compression (or None)."""
     if format not in ("tar", "arrow"):
@@ -86,8 +88,14 @@ def check_options(
             "--compression applies to Arrow shards (--format arrow): tar shards stay plain "
             "WebDataset tars, which webdataset and tar read unmodified"
         )
-    if (tokenizer is None) != (text_field is None):
-        raise ShardtoolError("--tokenizer and --text-field go together (the text field is what gets tokenized)")
+    if text_field is not None and chat_field is not None:
+        raise ShardtoolError("give --text-field (plain text) or --chat-field (conversations), not both")
+    if chat_template is not None and chat_field is None:
+        raise ShardtoolError("--chat-template renders the conversations of --chat-field; give --chat-field")
+    if (tokenizer is None) != (text_field is None and chat_field is None):
+        raise ShardtoolError(
+            "--tokenizer and --text-field (or --chat-field) go together (the text field is what gets tokenized)"
+        )
     if tokenizer is not None and (length_fn is not None or length not in (None, TOKENS_FIELD)):
         raise ShardtoolError(
             f"with --tokenizer the length is the token count (field {TOKENS_FIELD!r}); drop --length/--length-fn"

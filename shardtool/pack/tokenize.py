@@ -67,7 +67,7 @@ def tokenized_fields(fields: list[FieldSpec], text_field: str, keep_text: bool, 
     if text_field not in names:
         raise ShardtoolError(f"--text-field {text_field!r} is not a field of the samples (fields: {', '.join(names)})")
     spec = fields[names.index(text_field)]
-    if spec.storage != "text":
+    if spec.storage != "text" and not (spec.storage == "raw" and spec.encoding == "txt"):  # a tar's .txt: UTF-8
         raise ShardtoolError(f"--text-field {text_field!r} holds {spec.storage} values, not text")
     if TOKENS_FIELD in names:
         raise ShardtoolError(f"the samples already have a field {TOKENS_FIELD!r}; the token ids would replace it")
@@ -129,6 +129,13 @@ class Tokenize:
     def row(self, obj: dict, source: str, where: str) -> dict:
         """One sample dict with the token field (the per-sample path)."""
         text = obj.get(self.text_field)
+        if isinstance(text, (bytes, bytearray, memoryview)):  # a tar member or file: UTF-8 text
+            try:
+                text = bytes(text).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise BadSampleError(
+                    f"--text-field {self.text_field!r} is not UTF-8 text ({e})", source=source, position=where
+                ) from None
         if not isinstance(text, str):
             what = "missing" if self.text_field not in obj else f"a {type(text).__name__}, not text"
             raise BadSampleError(f"--text-field {self.text_field!r} is {what}", source=source, position=where)

@@ -188,7 +188,7 @@ class _Packer:
         job = self.job
         pos, key, obj, where = rec
         try:
-            if job.tokenize is not None and unit.structured:
+            if job.tokenize is not None:  # tar members and files too (a .txt is text)
                 obj = job.tokenize.row(obj, unit.path, where)
             shaped = self.shaper.shape(pos0 + pos, key, obj, unit.path, where)
             if shaped is None:

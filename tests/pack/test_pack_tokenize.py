@@ -157,3 +157,22 @@ def test_cli_tokenizes_a_jsonl_in_one_command(corpus, tmp_path):
     assert json.loads(proc.stdout)["samples"] == len(rows)
     ds = shardtool.open_dataset(str(out))
     assert ds.lengths.tolist() == [len(tok.encode(r["text"]).ids) + 1 for r in rows]
+
+
+def test_a_tars_txt_members_are_tokenized(tmp_path):
+    """WebDataset image-text tars hold captions as .txt members (raw UTF-8 bytes): real stdlib text."""
+    from realtext import stdlib_files, train_tokenizer
+    from webtars import write_tar
+
+    texts = [open(p, encoding="utf-8").read() for p in stdlib_files(30)]
+    tok = train_tokenizer(texts, 600)
+    samples = [(f"s{i:03d}", {"txt": t.encode(), "cls": str(i % 3).encode()}) for i, t in enumerate(texts)]
+    tar = write_tar(str(tmp_path / "pairs-000.tar"), samples)
+    res = shardtool.pack(tar, str(tmp_path / "ds"), tokenizer=tok, text_field="txt", eos_id=1)
+    ds = shardtool.format.Dataset(res.out)
+    for i in range(len(texts)):
+        sample = ds.read(0, i)
+        assert sample["tokens"].tolist() == tok.encode(texts[i]).ids + [1] and "txt" not in sample
+    bad = write_tar(str(tmp_path / "bad-000.tar"), [*samples[:2], ("s999", {"txt": b"caf\xe9", "cls": b"0"})])
+    with pytest.raises(BadSampleError, match=r"bad-000.tar.*--text-field 'txt' is not UTF-8 text"):
+        shardtool.pack(bad, str(tmp_path / "bad"), tokenizer=tok, text_field="txt")
