@@ -88,6 +88,12 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
             )
             if self.packing is not None:
                 self.token_fields = self._mixture_token_fields(datasets)
+                with_images = [n for n, ds in datasets.items() if ds.manifest.length.get("image")]
+                if with_images:
+                    raise ValueError(
+                        f"mixture sources {with_images} pair images with text: a mixture's packed steps do "
+                        "not carry images yet; read them with their own ShardedLoader"
+                    )
             self.planner = MixturePlanner(mixture, datasets, versions, self.batching, self.data_layout)
             self._state = self.planner.start()
             self.steps = steps if steps is not None else steps_for_tokens(self.planner, self._state, tokens)

@@ -54,6 +54,7 @@ from ..format import FormatError
 from ..plan.arrays import gather_runs
 from ..plan.packing import Packing, Rows
 from .collate import KEY, Alloc
+from .imagerows import ImageSpec, place_images
 from .packchunk import CHUNK, LeanChunk
 from .packlayout import BatchLayout, copy_runs, counting, joined_runs, lean_dtype
 from .reader import BatchReader
@@ -229,8 +230,12 @@ class PackedReader:
         rows_per_batch: int | None = None,
         outputs: str = "full",
         token_fields: Sequence[str] = (),
+        images: ImageSpec | None = None,
+        image_transform: Callable[[bytes], Any] | None = None,
     ):
         self.reader, self.packing = reader, packing
+        # An image-text dataset's images and where they go (loader/imagerows.py).
+        self.images, self.image_transform = images, image_transform
         self.token_fields = tuple(token_fields)  # per-token fields carried (loader/tokenfields.py)
         self.name, self.pad_id, self.rows_per_batch = name, int(pad_id), rows_per_batch
         self.outputs = _check_outputs(outputs)
@@ -253,15 +258,28 @@ class PackedReader:
         lay = BatchLayout(rows, self.packing, rows_per_batch or self.rows_per_batch, per_span=True)
         src = self.reader.token_sources(lay.docs, keys=self.outputs == "full")
         if src is None:
-            return self._decoded(rows, lay, alloc, into)
-        return self._copied(lay, src, alloc, into, self.reader.where)
+            out = self._decoded(rows, lay, alloc, into)
+        else:
+            out = self._copied(lay, src, alloc, into, self.reader.where)
+        if self.images is None:
+            return out
+        field = self.images.field
+        return place_images(
+            out,
+            lay,
+            self.images,
+            lambda ids: self.reader.field_values(ids, (field,))[field],
+            self.reader.where,
+            name=self.name,
+            transform=self.image_transform,
+        )
 
     def read_planned(self, rows: Rows, row_offsets: np.ndarray, b: int, alloc: Alloc | None = None) -> dict[str, Any]:
         """Batch ``b`` of a pass whose rows are ``rows`` (batch b's: ``row_offsets[b] :
         row_offsets[b + 1]``), equal to ``read`` of its rows: lean batches are laid out a chunk
         of batches at a time (`packchunk`), for a fraction of the per-batch numpy calls."""
         alloc = alloc or np.empty
-        if self.outputs != "lean" or self.token_fields:
+        if self.outputs != "lean" or self.token_fields or self.images is not None:
             return self.read(rows.slice(int(row_offsets[b]), int(row_offsets[b + 1])), alloc)
         first = b - b % CHUNK
         chunk = self._chunk
@@ -350,7 +368,7 @@ def read_together(
     first reader's name, pad id and scratch. None when a part's tokens are not raw arrays in its
     mapped shards, or the parts store tokens in different dtypes (then read part by part)."""
     first_reader = parts[0][0]
-    if any(reader.token_fields for reader, _ in parts):
+    if any(reader.token_fields or reader.images is not None for reader, _ in parts):
         return None  # read part by part: each places its fields
     shifted = [
         dataclasses.replace(rows, span_pos=rows.span_pos + (i << SOURCE_SHIFT)) for i, (_, rows) in enumerate(parts)
@@ -420,6 +438,8 @@ def lean_to_full(batch: dict[str, Any], *, name: str = "input_ids") -> dict[str,
     labels[:-1] = target[1:]
     if LOSS_MASK in batch:
         labels[:-1][batch[LOSS_MASK].to(dev).reshape(-1)[1:] == 0] = IGNORE_INDEX
+    if "image_mask" in batch:  # an image position is never a target (loader/imagerows.py)
+        labels[:-1][batch["image_mask"].to(dev).reshape(-1)[1:]] = IGNORE_INDEX
     # A piece's last token (its segment's end; repeated entries B * S name the last token, whose
     # label is -100 anyway), and from a row's last real token on: padding is no next token.
     labels[(cu[1:] - 1).clamp(min=0)] = IGNORE_INDEX

@@ -19,6 +19,8 @@ from ..plan.packing import with_packed_eos
 from ..plan.state import LoaderState, StateError, check_compatible
 from . import tokenfields
 from .errors import LoaderStateError
+from .imagerows import ImageSpec
+from .imagerows import of_dataset as images_of
 from .observability.observe import Observer
 from .options import batch_options, worker_options
 from .passrun import PassRunner
@@ -78,6 +80,13 @@ class ShardedLoader(PassRunner):
     ``input_ids`` (int32 where the tokens fit), ``cu_seqlens``, ``max_seqlen`` and ``lengths``:
     `shardtool.loader.packed.lean_to_full` derives labels and positions on the GPU. Same rows, same
     state: a state saved with either output resumes with the other.
+
+    Per-token fields (a ``loss_mask``, stored ``labels``, role ids: arrays as long as the tokens)
+    are packed with the tokens and carried under their names; ``labels`` honour a loss mask
+    (loader/tokenfields.py). ``token_fields=[...]`` chooses them (default: every array field).
+    An image-text dataset (``pack --image-field``) packs with ``no-split``: each batch carries its
+    ``images`` (bytes, or ``image_transform(bytes)`` run in the workers), their rows, offsets and
+    token counts, and an ``image_mask`` (loader/imagerows.py).
 
     A `shardtool.plan.mixture.Mixture` instead of ``url`` reads several datasets by token
     weights (loader/mixed.py): give its length as ``steps`` (or ``tokens``); a mixture has no
@@ -193,6 +202,7 @@ class ShardedLoader(PassRunner):
         shuffle_block: int | None = None,
         exact: bool = False,
         token_fields: Sequence[str] | None = None,
+        image_transform: Callable[[bytes], Any] | None = None,
     ):
         import torch
 
@@ -225,6 +235,10 @@ class ShardedLoader(PassRunner):
         self._bucketing = bucketing
         self._token_fields_wanted = opts.token_fields
         self.token_fields: tuple[str, ...] = ()  # per-token fields packed batches carry (set by _open)
+        if image_transform is not None and seq_len is None:
+            raise ValueError("image_transform applies to the images of packed rows (seq_len); use transform otherwise")
+        self.image_transform = image_transform
+        self.images: ImageSpec | None = None  # an image-text dataset's images, packed (set by _open)
         dist = torch.distributed if torch.distributed.is_available() else None
         self.placement = rank_placement(rank, world_size, ranks_per_node, env=os.environ, dist=dist)
         self.rank, self.layout = self.placement.rank, self.placement.layout
@@ -280,6 +294,11 @@ class ShardedLoader(PassRunner):
         if self.packing is not None:
             try:
                 self.token_fields = tokenfields.of_dataset(ds, self._token_fields_wanted)
+                self.images = images_of(ds, self.packing.policy)
+                if self.image_transform is not None and self.images is None:
+                    raise ValueError(
+                        "image_transform is for image-text datasets (pack --image-field); this has no images"
+                    )
             except ValueError as e:
                 self.reader.close()
                 raise ValueError(f"{url}: {e}") from None
@@ -539,6 +558,8 @@ class ShardedLoader(PassRunner):
                 rows_per_batch=self.batching.batch_size,
                 outputs=self.packed_outputs,
                 token_fields=self.token_fields,
+                images=self.images,
+                image_transform=self.image_transform,
             )
         batches = PlanBatches(
             self.reader,

@@ -56,17 +56,19 @@ def choose(
     length_field: str | None,
     wanted: Sequence[str] | None,
     first: Callable[[], dict[str, Any]] | None = None,
+    carried: Sequence[str] = (),
 ) -> tuple[str, ...]:
     """The per-token fields a packed batch carries, in the manifest's order. ``wanted`` None: every
     array field but the length field (the others, text or metadata, are named in a warning: they
     have no place in a row of tokens); a list: exactly those, each checked. ``first()``: the
     dataset's first sample, read only when an array field is to be carried, to refuse one that is
-    not aligned before training starts. ValueError naming the field."""
+    not aligned before training starts. ``carried``: fields the batch carries otherwise (an
+    image-text dataset's images), not warned about. ValueError naming the field."""
     by_name = {f.name: f for f in fields}
     arrays = [f.name for f in fields if f.name != length_field and _is_array(f)]
     if wanted is None:
         chosen = arrays
-        others = [f.name for f in fields if f.name != length_field and f.name not in arrays]
+        others = [f.name for f in fields if f.name not in (length_field, *carried) and f.name not in arrays]
         if others:
             warnings.warn(
                 f"packed batches carry the tokens and the per-token array fields only; "
@@ -180,4 +182,6 @@ def of_dataset(ds: Any, wanted: Sequence[str] | None) -> tuple[str, ...]:
         return ds.read(shard, 0)
 
     has_samples = any(s.samples for s in m.shards)
-    return choose(m.fields, m.length.get("field"), wanted, first if has_samples else None)
+    images = m.length.get("image") or {}
+    carried = (images["field"],) if "field" in images else ()
+    return choose(m.fields, m.length.get("field"), wanted, first if has_samples else None, carried)

@@ -67,6 +67,12 @@ tokenizes it, and stores an assistant-only 'loss_mask' (1 on the assistant's tok
 {% generation %} blocks where the template has them, else each assistant turn from its content to
 its end-of-turn marker) beside 'tokens'. Packed batches carry the mask and train only there.
 
+Image-text pairs: --tokenizer T --text-field txt --image-field png --image-patch 14
+--image-max-tokens 576 (or --image-tokens 64) starts each sample's tokens with its image's
+placeholders (--image-token-id, default the tokenizer's <image>), one per 14×14 patch of the image's
+size read from its header, then the caption's ids; the image bytes stay. The loader's packed rows
+reserve those places and carry each image with its row and offset.
+
 Compression: --format arrow --compression zstd|lz4 compresses each record batch (Arrow IPC
 buffer compression; batches of 1 MiB, --record-batch-size to change it); the loader, cache, verify and inspect read such shards; tar shards are
 never compressed (they stay WebDataset tars).
@@ -120,6 +126,18 @@ def add_arguments(p) -> None:
         metavar="FIELD",
         help="the field of conversations to render with the chat template and tokenize, with an "
         "assistant-only loss_mask (with --tokenizer; instead of --text-field)",
+    )
+    t.add_argument(
+        "--image-field",
+        metavar="FIELD",
+        help="image-text pairs: the field of encoded images (png, jpg) whose token cost is reserved "
+        "before each sample's text (with --text-field; see above)",
+    )
+    t.add_argument("--image-tokens", type=int, metavar="K", help="every image costs K tokens")
+    t.add_argument("--image-patch", type=int, metavar="P", help="an image costs a token per P×P patch of its size")
+    t.add_argument("--image-max-tokens", type=int, metavar="M", help="at most M tokens per image (with --image-patch)")
+    t.add_argument(
+        "--image-token-id", type=int, metavar="N", help="the id of an image's placeholders (default: <image>)"
     )
     t.add_argument(
         "--chat-template",
@@ -228,6 +246,11 @@ def run(args) -> int:
                 text_field=args.text_field,
                 chat_field=args.chat_field,
                 chat_template=args.chat_template,
+                image_field=args.image_field,
+                image_tokens=args.image_tokens,
+                image_patch=args.image_patch,
+                image_max_tokens=args.image_max_tokens,
+                image_token_id=args.image_token_id,
                 eos_id=args.eos_id,
                 keep_text=args.keep_text,
                 compression=args.compression,

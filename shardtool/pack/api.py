@@ -13,6 +13,7 @@ from ..plan.env import array_task
 from . import outdir
 from .chat import Chat, chat_fields
 from .foreign import default_length
+from .imagetext import ImageText, image_fields
 from .inputs import class_names, counted_units, first_sample_fields, source_units
 from .options import check_options, strip_file_scheme
 from .procs import run_jobs
@@ -58,6 +59,11 @@ def pack(
     text_field: str | None = None,
     chat_field: str | None = None,
     chat_template: str | None = None,
+    image_field: str | None = None,
+    image_tokens: int | None = None,
+    image_patch: int | None = None,
+    image_max_tokens: int | None = None,
+    image_token_id: int | None = None,
     eos_id: int | None = None,
     keep_text: bool = False,
     compression: str | None = None,
@@ -88,7 +94,12 @@ def pack(
     ``{"role", "content"}`` messages per sample): each conversation is rendered with the chat
     template (``chat_template``, a Jinja file; default the tokenizer's own) and tokenized, and an
     assistant-only ``loss_mask`` (uint8, 1 on the assistant's tokens) is stored beside ``tokens``
-    (`shardtool.pack.chat`); ``keep_text`` keeps the messages too. ``compression`` (``"zstd"`` or ``"lz4"``,
+    (`shardtool.pack.chat`); ``keep_text`` keeps the messages too. ``image_field`` with
+    ``text_field`` (image-text pairs): each sample's tokens are its image's placeholders
+    (``image_token_id``, default the tokenizer's ``<image>``) repeated by its token cost — fixed
+    ``image_tokens``, or one per ``image_patch``-pixel square patch of its size, at most
+    ``image_max_tokens`` — then the text's ids; the image bytes stay in their field
+    (`shardtool.pack.imagetext`). ``compression`` (``"zstd"`` or ``"lz4"``,
     Arrow shards only) compresses each record batch. ``record_batch_size`` (bytes or a size
     like ``"256KiB"``; Arrow shards only) is the payload at which a record batch is cut: by
     default 1 MiB, at most 256 rows for plain shards and 8,192 for compressed ones. A reader
@@ -111,7 +122,7 @@ def pack(
     failed pack removes the shards and directories it created.
     """
     compression = check_options(
-        format, length, length_fn, workers, compression, tokenizer, text_field, chat_field, chat_template
+        format, length, length_fn, workers, compression, tokenizer, text_field, chat_field, chat_template, image_field
     )
     sources = classify(sources)
     if not sources:
@@ -163,6 +174,16 @@ def pack(
     elif tokenizer is not None:
         tok = Tokenize(tokenizer, text_field=text_field, eos_id=eos_id, keep_text=keep_text)
         fields = tokenized_fields(source_fields, text_field, keep_text, tok.dtype.str.lstrip("<>=|"))
+        if image_field is not None:
+            image_fields(source_fields, image_field)
+            tok = ImageText(
+                tok,
+                image_field=image_field,
+                image_tokens=image_tokens,
+                image_patch=image_patch,
+                image_max_tokens=image_max_tokens,
+                image_token=image_token_id,
+            )
         length = TOKENS_FIELD
     check_length_option(fields, length)
     truncate = check_max_length_option(fields, length, max_length, max_length_policy)
@@ -224,6 +245,8 @@ def pack(
         length_def = length_definition(fields, length, length_fn)
         if tok is not None and tok.eos:
             length_def["eos_id"] = tok.eos[0]  # every document ends with it: a loader must not append another
+        if isinstance(tok, ImageText):
+            length_def["image"] = tok.manifest()  # where the loader finds each image and its place
         result = publish_pack(
             out, format, fields, length_def, results, skipped, T, I, max_skip_fraction, compression, extra
         )

@@ -69,6 +69,7 @@ def check_options(
     text_field: str | None,
     chat_field: str | None = None,
     chat_template: str | None = None,
+    image_field: str | None = None,
 ) -> str | None:
     """Refuse inconsistent options before anything is read; returns the compression (or None)."""
     if format not in ("tar", "arrow"):
@@ -90,6 +91,8 @@ def check_options(
         )
     if text_field is not None and chat_field is not None:
         raise ShardtoolError("give --text-field (plain text) or --chat-field (conversations), not both")
+    if image_field is not None and text_field is None:
+        raise ShardtoolError("--image-field pairs images with the text of --text-field (and --tokenizer)")
     if chat_template is not None and chat_field is None:
         raise ShardtoolError("--chat-template renders the conversations of --chat-field; give --chat-field")
     if (tokenizer is None) != (text_field is None and chat_field is None):
