@@ -215,3 +215,27 @@ def test_the_image_text_example_runs(tmp_path):
     done = subprocess.run([*cmd, "--samples", "120", "--steps", "3"], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "image tokens" in done.stdout and done.stdout.rstrip().endswith("ok")
+
+
+def test_a_parquet_column_of_image_bytes_packs_the_same(pairs, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ds, info, tok = pairs
+    keys = sorted(info)[:50]
+    table = pa.table({"id": keys, "png": [info[k][0] for k in keys], "txt": [info[k][1] for k in keys]})
+    pq.write_table(table, str(tmp_path / "pairs.parquet"))
+    out = str(tmp_path / "pq")
+    tokenizer = os.path.join(os.path.dirname(ds), "tokenizer.json")
+    pack(str(tmp_path / "pairs.parquet"), out, tokenizer=tokenizer, text_field="txt", image_field="png",
+         image_patch=PATCH, image_max_tokens=64, eos_id=1, key="id")  # fmt: skip
+    from_parquet = Dataset(out)
+    for i, key in enumerate(keys):
+        got = from_parquet.read(0, i)
+        assert got["__key__"] == key and got["png"] == info[key][0]
+        side = info[key][2]
+        assert got["tokens"].tolist() == [2] * math.ceil(side / PATCH) ** 2 + tok.encode(info[key][1]).ids + [1]
+    ld = ShardedLoader(out, seq_len=512, batch_size=2, packing="no-split", rank=0, world_size=1, num_workers=0,
+                       drop_last=False)  # fmt: skip
+    assert sorted(k for b in ld for k in check_batch(b, info, tok, 512)) == keys
+    ld.close()

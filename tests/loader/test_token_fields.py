@@ -227,7 +227,9 @@ def test_remote_shards_carry_the_fields(datasets, s3_server):  # noqa: F811
 
 def test_a_resumed_loader_gives_the_same_fields(datasets):
     kw = dict(seq_len=256, batch_size=2, eos_id=EOS, num_workers=2, rank=0, world_size=1)
-    whole = [b["loss_mask"].clone() for b in loader(datasets["arrow"], **kw)]
+    ld = loader(datasets["arrow"], **kw)
+    whole = [b["loss_mask"].clone() for b in ld]
+    ld.close()
     first = loader(datasets["arrow"], **kw)
     it = iter(first)
     for _ in range(7):
@@ -289,3 +291,19 @@ def test_truncating_at_pack_time_cuts_the_fields_with_the_tokens(docs, tmp_path)
     for batch in ld:
         check_packed(batch, cut, 256, EOS)
     ld.close()
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_the_fields_do_not_depend_on_the_workers(datasets, exact):
+    kw = dict(seq_len=512, batch_size=3, eos_id=EOS, rank=1, world_size=3, exact=exact, shuffle=not exact)
+    runs = []
+    for workers in (0, 2):
+        ld = loader(datasets["tar"], num_workers=workers, **kw)
+        runs.append(list(ld))
+        ld.close()
+    alone, pooled = runs
+    assert len(alone) == len(pooled) > 5
+    for a, b in zip(alone, pooled):
+        assert a.keys() == b.keys() and ("valid" in a) == exact
+        for key in ("input_ids", "labels", "loss_mask", "role", "cu_seqlens"):
+            assert torch.equal(a[key], b[key]), key
