@@ -36,6 +36,19 @@ IMAGE_KEYS = ("images", "image_rows", "image_offsets", "image_tokens", "image_ma
 class ImageSpec:
     field: str  # the images' field
     token_id: int  # their placeholders' id
+    sizes: str | None = None  # interleaved documents: the field of their images' byte sizes
+
+    def of_samples(self, reader: Any, ids: np.ndarray) -> list[list[Any]]:
+        """Each sample's images, in its order (a pair's one; an interleaved document's, cut apart)."""
+        names = (self.field,) if self.sizes is None else (self.field, self.sizes)
+        values = reader.field_values(ids, names)
+        if self.sizes is None:
+            return [[v] for v in values[self.field]]
+        out = []
+        for data, sizes in zip(values[self.field], values[self.sizes]):
+            ends = np.cumsum(sizes).tolist()
+            out.append([data[a:z] for a, z in zip([0, *ends[:-1]], ends)])
+        return out
 
 
 def of_dataset(ds: Any, policy: str | None) -> ImageSpec | None:
@@ -49,7 +62,7 @@ def of_dataset(ds: Any, policy: str | None) -> ImageSpec | None:
             f"this dataset pairs images with text: packing={policy!r} would cut an image across rows; "
             "use packing='no-split' (documents longer than seq_len are left out and counted)"
         )
-    return ImageSpec(str(info["field"]), int(info["token_id"]))
+    return ImageSpec(str(info["field"]), int(info["token_id"]), info.get("sizes"))
 
 
 def _runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -70,24 +83,28 @@ def place_images(
     out: dict[str, Any],
     lay: BatchLayout,
     spec: ImageSpec,
-    images_of: Callable[[np.ndarray], list[Any]],
+    images_of: Callable[[np.ndarray], list[list[Any]]],
     where: Callable[[int], str],
     *,
     name: str,
     transform: Callable[[bytes], Any] | None,
 ) -> dict[str, Any]:
     """``out``, a packed batch of ``lay`` (one document per span), with its images added.
-    ``images_of(ids)``: the image field's values of those samples."""
+    ``images_of(ids)``: those samples' images, each sample's in its order (`ImageSpec.of_samples`)."""
     ids = out[name].numpy()
     b, seq = ids.shape
     mask = ids == spec.token_id
     starts, counts = _runs(mask)
     span = np.searchsorted(lay.flat_start, starts, side="right") - 1
-    docs = lay.docs[lay.doc_index()[span]] if len(span) else np.zeros(0, np.int64)
-    if len(span) and (np.diff(span) == 0).any():
-        k = int(np.flatnonzero(np.diff(span) == 0)[0])
-        raise FormatError(f"{where(int(docs[k]))}: holds more than one image's placeholders; a sample has one image")
-    images = images_of(docs) if len(docs) else []
+    # The k-th run of placeholders in a piece is its document's k-th image (a piece is a whole
+    # document: no-split).
+    spans, first, per = np.unique(span, return_index=True, return_counts=True)
+    docs = lay.docs[lay.doc_index()[spans]] if len(spans) else np.zeros(0, np.int64)
+    images = []
+    for gid, n, found in zip(docs.tolist(), per.tolist(), images_of(docs) if len(docs) else []):
+        if len(found) != n:
+            raise FormatError(f"{where(gid)}: {n} runs of image placeholders, but {len(found)} images stored")
+        images += found
     if transform is not None:
         images = [transform(bytes(x)) for x in images]
     if "labels" in out:  # a full batch: an image position is never a target

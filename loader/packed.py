@@ -263,12 +263,12 @@ class PackedReader:
             out = self._copied(lay, src, alloc, into, self.reader.where)
         if self.images is None:
             return out
-        field = self.images.field
+        spec = self.images
         return place_images(
             out,
             lay,
-            self.images,
-            lambda ids: self.reader.field_values(ids, (field,))[field],
+            spec,
+            lambda ids: spec.of_samples(self.reader, ids),
             self.reader.where,
             name=self.name,
             transform=self.image_transform,

@@ -65,7 +65,7 @@ def choose(
     not aligned before training starts. ``carried``: fields the batch carries otherwise (an
     image-text dataset's images), not warned about. ValueError naming the field."""
     by_name = {f.name: f for f in fields}
-    arrays = [f.name for f in fields if f.name != length_field and _is_array(f)]
+    arrays = [f.name for f in fields if f.name != length_field and f.name not in carried and _is_array(f)]
     if wanted is None:
         chosen = arrays
         others = [f.name for f in fields if f.name not in (length_field, *carried) and f.name not in arrays]
@@ -183,5 +183,5 @@ def of_dataset(ds: Any, wanted: Sequence[str] | None) -> tuple[str, ...]:
 
     has_samples = any(s.samples for s in m.shards)
     images = m.length.get("image") or {}
-    carried = (images["field"],) if "field" in images else ()
+    carried = tuple(images[k] for k in ("field", "sizes") if images.get(k))
     return choose(m.fields, m.length.get("field"), wanted, first if has_samples else None, carried)

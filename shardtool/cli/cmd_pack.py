@@ -71,7 +71,9 @@ Image-text pairs: --tokenizer T --text-field txt --image-field png --image-patch
 --image-max-tokens 576 (or --image-tokens 64) starts each sample's tokens with its image's
 placeholders (--image-token-id, default the tokenizer's <image>), one per 14×14 patch of the image's
 size read from its header, then the caption's ids; the image bytes stay. The loader's packed rows
-reserve those places and carry each image with its row and offset.
+reserve those places and carry each image with its row and offset. --interleaved-field parts takes
+documents of text and images in their order instead: a list of parts, each text or {"image": ...}
+(bytes, or a path beside the JSONL file).
 
 Compression: --format arrow --compression zstd|lz4 compresses each record batch (Arrow IPC
 buffer compression; batches of 1 MiB, --record-batch-size to change it); the loader, cache, verify and inspect read such shards; tar shards are
@@ -132,6 +134,12 @@ def add_arguments(p) -> None:
         metavar="FIELD",
         help="image-text pairs: the field of encoded images (png, jpg) whose token cost is reserved "
         "before each sample's text (with --text-field; see above)",
+    )
+    t.add_argument(
+        "--interleaved-field",
+        metavar="FIELD",
+        help='documents of text and images in order: a list of parts (text, or {"image": bytes or a '
+        "path}) tokenized with each image's placeholders in its place (with --tokenizer; see above)",
     )
     t.add_argument("--image-tokens", type=int, metavar="K", help="every image costs K tokens")
     t.add_argument("--image-patch", type=int, metavar="P", help="an image costs a token per P×P patch of its size")
@@ -247,6 +255,7 @@ def run(args) -> int:
                 chat_field=args.chat_field,
                 chat_template=args.chat_template,
                 image_field=args.image_field,
+                interleaved_field=args.interleaved_field,
                 image_tokens=args.image_tokens,
                 image_patch=args.image_patch,
                 image_max_tokens=args.image_max_tokens,

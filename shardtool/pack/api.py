@@ -13,7 +13,7 @@ from ..plan.env import array_task
 from . import outdir
 from .chat import Chat, chat_fields
 from .foreign import default_length
-from .imagetext import ImageText, image_fields
+from .imagetext import ImageText, Interleaved, image_fields, interleaved_fields
 from .inputs import class_names, counted_units, first_sample_fields, source_units
 from .options import check_options, strip_file_scheme
 from .procs import run_jobs
@@ -60,6 +60,7 @@ def pack(
     chat_field: str | None = None,
     chat_template: str | None = None,
     image_field: str | None = None,
+    interleaved_field: str | None = None,
     image_tokens: int | None = None,
     image_patch: int | None = None,
     image_max_tokens: int | None = None,
@@ -99,7 +100,9 @@ def pack(
     (``image_token_id``, default the tokenizer's ``<image>``) repeated by its token cost — fixed
     ``image_tokens``, or one per ``image_patch``-pixel square patch of its size, at most
     ``image_max_tokens`` — then the text's ids; the image bytes stay in their field
-    (`shardtool.pack.imagetext`). ``compression`` (``"zstd"`` or ``"lz4"``,
+    (`shardtool.pack.imagetext`). ``interleaved_field`` instead of ``text_field``: documents of text
+    and images in their order, each a list of parts (a string or ``{"text": ...}``, or
+    ``{"image": bytes or a path beside the source file}``), with the same image options. ``compression`` (``"zstd"`` or ``"lz4"``,
     Arrow shards only) compresses each record batch. ``record_batch_size`` (bytes or a size
     like ``"256KiB"``; Arrow shards only) is the payload at which a record batch is cut: by
     default 1 MiB, at most 256 rows for plain shards and 8,192 for compressed ones. A reader
@@ -122,7 +125,17 @@ def pack(
     failed pack removes the shards and directories it created.
     """
     compression = check_options(
-        format, length, length_fn, workers, compression, tokenizer, text_field, chat_field, chat_template, image_field
+        format,
+        length,
+        length_fn,
+        workers,
+        compression,
+        tokenizer,
+        text_field,
+        chat_field,
+        chat_template,
+        image_field,
+        interleaved_field,
     )
     sources = classify(sources)
     if not sources:
@@ -167,7 +180,17 @@ def pack(
     fields, tok = source_fields, None
     if length is None and length_fn is None and tokenizer is None:
         length = default_length(units)  # a Megatron dataset's documents are measured in tokens
-    if tokenizer is not None and chat_field is not None:
+    image_cost = dict(
+        image_tokens=image_tokens,
+        image_patch=image_patch,
+        image_max_tokens=image_max_tokens,
+        image_token=image_token_id,
+    )
+    if tokenizer is not None and interleaved_field is not None:
+        tok = Interleaved(tokenizer, parts_field=interleaved_field, eos_id=eos_id, **image_cost)
+        fields = interleaved_fields(source_fields, interleaved_field, tok.dtype.str.lstrip("<>=|"))
+        length = TOKENS_FIELD
+    elif tokenizer is not None and chat_field is not None:
         tok = Chat(tokenizer, chat_field=chat_field, chat_template=chat_template, eos_id=eos_id, keep_text=keep_text)
         fields = chat_fields(source_fields, chat_field, keep_text, tok.dtype.str.lstrip("<>=|"))
         length = TOKENS_FIELD
@@ -176,14 +199,7 @@ def pack(
         fields = tokenized_fields(source_fields, text_field, keep_text, tok.dtype.str.lstrip("<>=|"))
         if image_field is not None:
             image_fields(source_fields, image_field)
-            tok = ImageText(
-                tok,
-                image_field=image_field,
-                image_tokens=image_tokens,
-                image_patch=image_patch,
-                image_max_tokens=image_max_tokens,
-                image_token=image_token_id,
-            )
+            tok = ImageText(tok, image_field=image_field, **image_cost)
         length = TOKENS_FIELD
     check_length_option(fields, length)
     truncate = check_max_length_option(fields, length, max_length, max_length_policy)
@@ -245,7 +261,7 @@ def pack(
         length_def = length_definition(fields, length, length_fn)
         if tok is not None and tok.eos:
             length_def["eos_id"] = tok.eos[0]  # every document ends with it: a loader must not append another
-        if isinstance(tok, ImageText):
+        if isinstance(tok, (ImageText, Interleaved)):
             length_def["image"] = tok.manifest()  # where the loader finds each image and its place
         result = publish_pack(
             out, format, fields, length_def, results, skipped, T, I, max_skip_fraction, compression, extra

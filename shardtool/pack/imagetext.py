@@ -15,14 +15,16 @@ field and placeholder id (``length.image``), which the loader reads.
 from __future__ import annotations
 
 import io
+import json
 import math
+import os
 from typing import Any
 
 import numpy as np
 
 from ..format.errors import BadSampleError, ShardtoolError
 from ..format.fields import FieldSpec
-from .tokenize import TOKENS_FIELD, Tokenize
+from .tokenize import TOKENS_FIELD, Tokenize, load_tokenizer, token_dtype
 
 
 def image_token_id(tok: Any, given: int | None) -> int:
@@ -38,14 +40,14 @@ def image_token_id(tok: Any, given: int | None) -> int:
     return int(found)
 
 
-class ImageText:
-    """A `Tokenize` whose samples start with their image's placeholders (the per-sample path)."""
+class ImageCost:
+    """What an image costs in tokens, and the id of its placeholders."""
 
     def __init__(
         self,
-        text: Tokenize,
+        tok: Any,
+        vocab: int,
         *,
-        image_field: str,
         image_tokens: int | None,
         image_patch: int | None,
         image_max_tokens: int | None,
@@ -61,18 +63,15 @@ class ImageText:
                 raise ShardtoolError(f"{name} must be an integer ≥ 1, got {v!r}")
         if image_max_tokens is not None and (image_patch is None or image_max_tokens < 1):
             raise ShardtoolError("--image-max-tokens caps --image-patch's count: give it with --image-patch, ≥ 1")
-        self.text = text
-        self.tok, self.vocab, self.dtype, self.eos = text.tok, text.vocab, text.dtype, text.eos
-        self.image_field = image_field
         self.fixed, self.patch, self.cap = image_tokens, image_patch, image_max_tokens
-        self.token_id = image_token_id(self.tok, image_token)
-        if not 0 <= self.token_id < max(self.vocab, 1):
-            raise ShardtoolError(f"--image-token-id {self.token_id} is not an id of the tokenizer ({self.vocab} ids)")
+        self.token_id = image_token_id(tok, image_token)
+        if not 0 <= self.token_id < max(vocab, 1):
+            raise ShardtoolError(f"--image-token-id {self.token_id} is not an id of the tokenizer ({vocab} ids)")
 
-    def manifest(self) -> dict[str, Any]:
-        """What the loader needs: ``length.image`` in the manifest."""
+    def manifest(self, **where: str) -> dict[str, Any]:
+        """What the loader needs: ``length.image`` in the manifest (``where``: the images' fields)."""
         cost: dict[str, Any] = {"tokens": self.fixed} if self.fixed else {"patch": self.patch, "max": self.cap}
-        return {"field": self.image_field, "token_id": self.token_id, **cost}
+        return {**where, "token_id": self.token_id, **cost}
 
     def cost(self, data: bytes) -> int:
         """The image's token count: fixed, or its P×P patches (its size from its header), capped."""
@@ -89,21 +88,36 @@ class ImageText:
         n = math.ceil(w / self.patch) * math.ceil(h / self.patch)
         return min(n, self.cap) if self.cap else n
 
-    def row(self, obj: dict, source: str, where: str) -> dict:
-        data = obj.get(self.image_field)
+    def checked_cost(self, data: Any, what: str, source: str, where: str) -> int:
+        """`cost` of an image value, or BadSampleError naming ``what`` and the sample."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
-            what = "missing" if self.image_field not in obj else f"a {type(data).__name__}, not image bytes"
-            raise BadSampleError(f"--image-field {self.image_field!r} is {what}", source=source, position=where)
+            raise BadSampleError(f"{what} is a {type(data).__name__}, not image bytes", source=source, position=where)
         try:
-            k = self.cost(bytes(data))
+            return self.cost(bytes(data))
         except ShardtoolError:
             raise
         except Exception as e:  # PIL's UnidentifiedImageError, truncated headers
             raise BadSampleError(
-                f"--image-field {self.image_field!r}: not a readable image ({type(e).__name__}: {e})",
-                source=source,
-                position=where,
+                f"{what}: not a readable image ({type(e).__name__}: {e})", source=source, position=where
             ) from None
+
+
+class ImageText(ImageCost):
+    """A `Tokenize` whose samples start with their image's placeholders (the per-sample path)."""
+
+    def __init__(self, text: Tokenize, *, image_field: str, **cost: Any):
+        super().__init__(text.tok, text.vocab, **cost)
+        self.text = text
+        self.tok, self.vocab, self.dtype, self.eos = text.tok, text.vocab, text.dtype, text.eos
+        self.image_field = image_field
+
+    def manifest(self, **where: str) -> dict[str, Any]:
+        return super().manifest(field=self.image_field)
+
+    def row(self, obj: dict, source: str, where: str) -> dict:
+        if self.image_field not in obj:
+            raise BadSampleError(f"--image-field {self.image_field!r} is missing", source=source, position=where)
+        k = self.checked_cost(obj[self.image_field], f"--image-field {self.image_field!r}", source, where)
         out = self.text.row(obj, source, where)
         out[TOKENS_FIELD] = np.concatenate([np.full(k, self.token_id, self.dtype), out[TOKENS_FIELD]])
         return out
@@ -120,3 +134,103 @@ def image_fields(fields: list[FieldSpec], image_field: str) -> None:
         raise ShardtoolError(f"--image-field {image_field!r} is not a field of the samples (fields: {names})")
     if spec.storage != "raw":
         raise ShardtoolError(f"--image-field {image_field!r} holds {spec.storage} values, not encoded image bytes")
+
+
+IMAGES_FIELD, SIZES_FIELD = "images", "image_bytes"
+
+
+class Interleaved(ImageCost):
+    """Documents of text and images in their order (``--interleaved-field``): a list of parts, each
+    a string or ``{"text": ...}``, or ``{"image": ...}`` holding the image's bytes (Parquet, Arrow,
+    Python sources) or its path relative to the source file (JSONL). Tokens: each text part's ids
+    and each image's placeholders in the document's order (then the eos); the images are stored
+    back to back in field ``images``, their byte sizes in ``image_bytes``."""
+
+    def __init__(self, tokenizer: Any, *, parts_field: str, eos_id: int | None, **cost: Any):
+        tok = load_tokenizer(tokenizer)
+        vocab = tok.get_vocab_size(with_added_tokens=True)
+        super().__init__(tok, vocab, **cost)
+        self.tok, self.vocab, self.dtype = tok, vocab, np.dtype(token_dtype(vocab))
+        if eos_id is not None and not 0 <= eos_id < max(vocab, 1):
+            raise ShardtoolError(f"--eos-id {eos_id} is not an id of the tokenizer (vocabulary of {vocab})")
+        self.eos = [] if eos_id is None else [eos_id]
+        self.parts_field = parts_field
+
+    def manifest(self, **where: str) -> dict[str, Any]:
+        return super().manifest(field=IMAGES_FIELD, sizes=SIZES_FIELD)
+
+    def _image(self, value: Any, source: str, where: str, i: int) -> bytes:
+        if isinstance(value, str):  # a path beside the source file
+            path = value if os.path.isabs(value) else os.path.join(os.path.dirname(source), value)
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError as e:
+                raise BadSampleError(
+                    f"part {i}: image {value!r} cannot be read ({e})", source=source, position=where
+                ) from None
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return bytes(value)
+        raise BadSampleError(
+            f"part {i}: an image is bytes or a path, not {type(value).__name__}", source=source, position=where
+        )
+
+    def row(self, obj: dict, source: str, where: str) -> dict:
+        parts = obj.get(self.parts_field)
+        if isinstance(parts, str):
+            try:
+                parts = json.loads(parts)
+            except ValueError:
+                parts = None
+        if not isinstance(parts, list):
+            what = "missing" if self.parts_field not in obj else "not a list of text and image parts"
+            raise BadSampleError(f"--interleaved-field {self.parts_field!r} is {what}", source=source, position=where)
+        ids: list[np.ndarray] = []
+        images: list[bytes] = []
+        for i, part in enumerate(parts):
+            text = part if isinstance(part, str) else part.get("text") if isinstance(part, dict) else None
+            image = part.get("image") if isinstance(part, dict) else None
+            if (text is None) == (image is None):
+                raise BadSampleError(
+                    f"--interleaved-field {self.parts_field!r} part {i} is neither text nor one image "
+                    '(a string, {"text": ...} or {"image": ...})',
+                    source=source,
+                    position=where,
+                )
+            if text is not None:
+                ids.append(np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=self.dtype))
+            else:
+                data = self._image(image, source, where, i)
+                k = self.checked_cost(data, f"--interleaved-field {self.parts_field!r} part {i}", source, where)
+                ids.append(np.full(k, self.token_id, self.dtype))
+                images.append(data)
+        ids.append(np.asarray(self.eos, dtype=self.dtype))
+        out = {k: v for k, v in obj.items() if k != self.parts_field}
+        out[TOKENS_FIELD] = np.concatenate(ids)
+        out[IMAGES_FIELD] = b"".join(images)
+        out[SIZES_FIELD] = np.array([len(b) for b in images], dtype=np.int64)
+        return out
+
+    def batch(self, batch: Any) -> None:
+        return None  # each image's header is read: the per-sample path
+
+
+def interleaved_fields(fields: list[FieldSpec], parts_field: str, dtype: str) -> list[FieldSpec]:
+    """The dataset's fields: tokens, images and their sizes where the parts were."""
+    names = [f.name for f in fields]
+    if parts_field not in names:
+        raise ShardtoolError(
+            f"--interleaved-field {parts_field!r} is not a field of the samples (fields: {', '.join(names)})"
+        )
+    for taken in (TOKENS_FIELD, IMAGES_FIELD, SIZES_FIELD):
+        if taken in names:
+            raise ShardtoolError(f"the samples already have a field {taken!r}; --interleaved-field would replace it")
+    out = []
+    for f in fields:
+        if f.name == parts_field:
+            out.append(FieldSpec(TOKENS_FIELD, "tokens.npy", "npy", "array", dtype))
+            out.append(FieldSpec.raw(IMAGES_FIELD))
+            out.append(FieldSpec(SIZES_FIELD, "image_bytes.npy", "npy", "array", "i8"))
+        else:
+            out.append(f)
+    return out

@@ -70,6 +70,7 @@ def check_options(
     chat_field: str | None = None,
     chat_template: str | None = None,
     image_field: str | None = None,
+    interleaved_field: str | None = None,
 ) -> str | None:
     """Refuse inconsistent options before anything is read; returns the compression (or None)."""
     if format not in ("tar", "arrow"):
@@ -95,7 +96,9 @@ def check_options(
         raise ShardtoolError("--image-field pairs images with the text of --text-field (and --tokenizer)")
     if chat_template is not None and chat_field is None:
         raise ShardtoolError("--chat-template renders the conversations of --chat-field; give --chat-field")
-    if (tokenizer is None) != (text_field is None and chat_field is None):
+    if sum(f is not None for f in (text_field, chat_field, interleaved_field)) > 1:
+        raise ShardtoolError("give one of --text-field, --chat-field and --interleaved-field")
+    if (tokenizer is None) != (text_field is None and chat_field is None and interleaved_field is None):
         raise ShardtoolError(
             "--tokenizer and --text-field (or --chat-field) go together (the text field is what gets tokenized)"
         )

@@ -239,3 +239,86 @@ def test_a_parquet_column_of_image_bytes_packs_the_same(pairs, tmp_path):
                        drop_last=False)  # fmt: skip
     assert sorted(k for b in ld for k in check_batch(b, info, tok, 512)) == keys
     ld.close()
+
+
+def test_interleaved_documents_keep_their_images_in_order(pairs, tmp_path):
+    """Documents of text and images in turn (an intro, then image, caption, image, caption …), from
+    Parquet (image bytes in a list of structs) and from JSONL (image paths beside the file)."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ds, info, tok = pairs
+    keys = sorted(info)
+    docs = []
+    for d in range(40):
+        chosen = keys[d * 3 : d * 3 + 1 + d % 3]  # one to three images each
+        parts = [{"text": f"document {d} shows {len(chosen)} icons", "image": None}]
+        for k in chosen:
+            parts += [{"text": None, "image": info[k][0]}, {"text": info[k][1], "image": None}]
+        docs.append((f"d{d:03d}", parts, chosen))
+    pq.write_table(
+        pa.table({"id": [k for k, _, _ in docs], "parts": [p for _, p, _ in docs]}), str(tmp_path / "docs.parquet")
+    )
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for key, parts, chosen in docs:
+            for k in chosen:
+                (tmp_path / f"{k}.png").write_bytes(info[k][0])
+            names = iter(chosen)
+            rows = [p["text"] if p["text"] is not None else {"image": f"{next(names)}.png"} for p in parts]
+            f.write(json.dumps({"id": key, "parts": rows}) + "\n")
+    tokenizer = os.path.join(os.path.dirname(ds), "tokenizer.json")
+    outs = []
+    for src in ("docs.parquet", "docs.jsonl"):
+        out = str(tmp_path / src.replace(".", "_"))
+        pack(str(tmp_path / src), out, tokenizer=tokenizer, interleaved_field="parts", image_patch=PATCH,
+             eos_id=1, key="id")  # fmt: skip
+        outs.append(out)
+    a, b = Dataset(outs[0]), Dataset(outs[1])
+    assert a.manifest.length["image"]["sizes"] == "image_bytes"
+    for i, (key, parts, chosen) in enumerate(docs):
+        x, y = a.read(0, i), b.read(0, i)
+        want = []
+        for p in parts:
+            if p["text"] is not None:
+                want += tok.encode(p["text"]).ids
+            else:
+                side = next(info[k][2] for k in keys if info[k][0] == p["image"])
+                want += [2] * math.ceil(side / PATCH) ** 2
+        assert x["tokens"].tolist() == want + [1] and np.array_equal(x["tokens"], y["tokens"])
+        assert x["images"] == y["images"] == b"".join(info[k][0] for k in chosen)
+    ld = ShardedLoader(outs[1], seq_len=1024, batch_size=2, packing="no-split", rank=0, world_size=1, num_workers=2,
+                       drop_last=False)  # fmt: skip
+    by_key = {key: chosen for key, _, chosen in docs}
+    served = {}
+    for batch in ld:
+        keys_flat = [k for row in batch["__key__"] for k in row]
+        cu = batch["cu_seqlens"].tolist()
+        for j, img in enumerate(batch["images"]):
+            r, o, n = (int(batch[f][j]) for f in ("image_rows", "image_offsets", "image_tokens"))
+            at = r * 1024 + o
+            doc = keys_flat[next(p for p in range(len(keys_flat)) if cu[p] <= at < cu[p + 1])]
+            served.setdefault(doc, []).append(img)
+            caption = tok.encode(info[by_key[doc][len(served[doc]) - 1]][1]).ids
+            assert batch["input_ids"][r, o + n : o + n + len(caption)].tolist() == caption
+    ld.close()
+    assert served == {key: [info[k][0] for k in chosen] for key, chosen in by_key.items()}
+
+
+def test_bad_interleaved_parts_are_named(pairs, tmp_path):
+    import json
+
+    ds, info, tok = pairs
+    tokenizer = os.path.join(os.path.dirname(ds), "tokenizer.json")
+    for i, parts in enumerate(
+        [["intro", {"image": "missing.png"}], ["intro", {"text": "a", "image": "x.png"}], "text"]
+    ):
+        src = tmp_path / f"bad{i}.jsonl"
+        src.write_text(json.dumps({"parts": ["fine"]}) + "\n" + json.dumps({"parts": parts}) + "\n")
+        want = ["image 'missing.png' cannot be read", "part 1 is neither text nor one image", "is not a list of text"][
+            i
+        ]
+        with pytest.raises(BadSampleError, match=rf"bad{i}.jsonl \(line 2\).*{want}"):
+            pack(str(src), str(tmp_path / f"o{i}"), tokenizer=tokenizer, interleaved_field="parts", image_tokens=4)
+        assert not os.path.exists(tmp_path / f"o{i}" / "index.json")
