@@ -169,48 +169,71 @@ def _located(reader: Any, ds: Any, ids: np.ndarray) -> list[dict[str, Any]]:
 
 
 def find(loader: Any, sample: int, *, epoch: int | None = None) -> list[dict[str, Any]]:
-    """Where global sample ``sample`` is served in ``epoch`` (default: the loader's) on the
-    loader's layout, from its data group's plan alone: one entry per batch holding it (packed:
-    per piece), each ``{"dp_rank", "step", "row", "offset", "length"}`` (``row``/``offset`` for
-    packed rows). Empty where the epoch leaves it out (its remainder). The epoch as planned on
-    this layout from its start: after an elastic resume, the batches re-dealt are not followed."""
+    """Where global sample ``sample`` is served in ``epoch`` (default: the loader's), from its data
+    group's plan alone: one entry per batch holding it (packed: per piece), each ``{"dp_rank",
+    "step", "row", "offset", "length"}`` (``row``/``offset`` for packed rows). Empty where the epoch
+    leaves it out (its remainder). In the loader's current epoch, the run as its state says it went:
+    after an elastic resume, a batch re-dealt is found where the later layout serves it (``dp_rank``
+    of that layout; ``segment`` says which), a batch served before the resume where it was, a
+    batch the re-deal left over or a step skipped (`skip_steps`) nowhere."""
     planner = getattr(loader, "planner", None)
     if planner is None or getattr(loader, "mixture", None) is not None:
         raise TypeError(f"find reads the plan of a ShardedLoader of one dataset, found {type(loader).__name__}")
     n_samples = len(loader.dataset)
     if isinstance(sample, bool) or not isinstance(sample, (int, np.integer)) or not 0 <= sample < n_samples:
         raise ValueError(f"sample must be a global index in [0, {n_samples}), found {sample!r}")
-    if epoch is None:
-        epoch = LoaderState.from_dict(loader.state_dict()).epoch
-    layout = loader.data_layout
+    here = LoaderState.from_dict(loader.state_dict())
+    if epoch is None or epoch == here.epoch:
+        state = planner.continue_on(here, loader.data_layout)
+    else:
+        state = planner.start(int(epoch), loader.fingerprint, loader.data_layout)
+    segments = state.segments
+    layout = segments[0].layout
     shape = planner.shape(layout)
     group = int(np.searchsorted(shape.cuts, sample, side="right")) - 1
-    plan = planner.group(layout, group, int(epoch))
+    plan = planner.group(layout, group, state.epoch)
     first = layout.first_dp_rank(group)
     n = plan.batches_per_rank
-    out = []
+    hits = []  # (batch of the group's plan, the entry's fields besides where and when)
     if plan.rows is not None:
         spans = np.flatnonzero(plan.rows.span_pos == sample)
         row = np.searchsorted(plan.rows.row_offsets, spans, side="right") - 1
         batch = np.searchsorted(plan.row_offsets, row, side="right") - 1
         for k, r, q in zip(spans.tolist(), row.tolist(), batch.tolist()):
-            out.append(
-                {
-                    "dp_rank": first + q // n,
-                    "step": q % n,
-                    "row": r - int(plan.row_offsets[q]),
-                    "offset": int(plan.rows.span_start[k]),
-                    "length": int(plan.rows.span_len[k]),
-                }
-            )
+            where = {"row": r - int(plan.row_offsets[q]), "offset": int(plan.rows.span_start[k])}
+            hits.append((q, {**where, "length": int(plan.rows.span_len[k])}))
     else:
         at = np.flatnonzero(plan.ids == sample)
-        batch = np.searchsorted(plan.offsets, at, side="right") - 1
-        for q in batch.tolist():
-            out.append(
-                {"dp_rank": first + q // n, "step": q % n, "length": int(plan.batch_lengths(np.array([sample]))[0])}
-            )
+        length = int(plan.batch_lengths(np.array([sample]))[0]) if at.size else 0
+        hits = [(q, {"length": length}) for q in (np.searchsorted(plan.offsets, at, side="right") - 1).tolist()]
+    out = []
+    for q, fields in hits:
+        served = _served_at(segments, first + q // n, q % n)
+        if served is not None:
+            j, dp_rank, step = served
+            out.append({"dp_rank": dp_rank, "step": step, **fields, **({"segment": j} if len(segments) > 1 else {})})
     return sorted(out, key=lambda e: (e["step"], e["dp_rank"], e.get("offset", 0)))
+
+
+def _served_at(segments: list, d: int, b: int) -> tuple[int, int, int] | None:
+    """Where DP rank ``d``'s batch ``b`` of the first segment is served: (segment, DP rank in its
+    layout, step of the epoch), following the re-deals of the later segments; None where a skip
+    or a re-deal's leftover means it never is (the inverse of `shardtool.plan.rank.to_first_segment`)."""
+    earlier = 0  # steps of the epoch before segment j
+    for j, seg in enumerate(segments):
+        if any(a <= b < z for a, z in seg.skipped):
+            return None
+        last = j == len(segments) - 1
+        if b < seg.served or last:
+            return j, d, earlier + b - sum(max(0, min(z, b) - a) for a, z in seg.skipped)
+        k = int(np.searchsorted(seg.unserved(), b))  # its place among the batches re-dealt
+        position = d * seg.left + k
+        nxt = segments[j + 1]
+        if position >= nxt.layout.dp_size * nxt.batches:
+            return None  # left over by the re-deal: not served this epoch
+        d, b = divmod(position, nxt.batches)
+        earlier += seg.delivered
+    return None
 
 
 def sample_of(loader: Any, *, key: str | None = None, shard: str | int | None = None, index: int | None = None) -> int:
