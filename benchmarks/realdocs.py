@@ -51,3 +51,26 @@ def long_document_lengths() -> np.ndarray:
     """Every stdlib file and /usr/share/doc text, untruncated, as byte-id lengths (empty ones out)."""
     both = np.concatenate([stdlib_lengths(), doc_lengths()])
     return both[both > 0]
+
+
+def stdlib_docstrings(limit: int) -> list[tuple[str, str]]:
+    """(signature, docstring) of up to ``limit`` documented functions of the stdlib's top-level
+    modules, in a fixed order: the user and assistant turns of real chat-shaped data."""
+    import ast
+
+    out: list[tuple[str, str]] = []
+    for name in sorted(os.listdir(STDLIB)):
+        if not name.endswith(".py"):
+            continue
+        try:
+            with open(os.path.join(STDLIB, name), encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
+            if doc:
+                out.append((f"def {node.name}({ast.unparse(node.args)}):", doc))
+                if len(out) == limit:
+                    return out
+    return out

@@ -15,15 +15,14 @@ assistant's. Checks that every trained target is an assistant token. Needs the `
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
 import shutil
-import sysconfig
 
 import torch
 import torch.nn.functional as F
 
+from shardtool.benchmarks.realdocs import stdlib_docstrings
 from shardtool.loader import ShardedLoader
 from shardtool.pack import pack
 
@@ -38,26 +37,10 @@ SPECIALS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 def conversations(limit: int) -> list[dict]:
     """Signature → docstring exchanges of stdlib functions, as {"id", "messages"} records."""
-    root = sysconfig.get_paths()["stdlib"]
-    out = []
-    for name in sorted(os.listdir(root)):
-        if not name.endswith(".py"):
-            continue
-        try:
-            tree = ast.parse(open(os.path.join(root, name), encoding="utf-8").read())
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node):
-                user = f"def {node.name}({ast.unparse(node.args)}):"
-                messages = [
-                    {"role": "user", "content": user},
-                    {"role": "assistant", "content": ast.get_docstring(node)},
-                ]
-                out.append({"id": f"c{len(out):06d}", "messages": messages})
-                if len(out) == limit:
-                    return out
-    return out
+    return [
+        {"id": f"c{i:06d}", "messages": [{"role": "user", "content": sig}, {"role": "assistant", "content": doc}]}
+        for i, (sig, doc) in enumerate(stdlib_docstrings(limit))
+    ]
 
 
 def tokenizer_dir(path: str, convs: list[dict]) -> str:

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..format.errors import BadSampleError, ShardtoolError
 from ..format.fields import FieldSpec
-from .tokenize import TOKENS_FIELD, load_tokenizer, token_dtype
+from .tokenize import TOKENS_FIELD, TokenIds, json_list, replaced_fields, tokens_spec
 
 LOSS_MASK_FIELD = "loss_mask"
 # Private-use characters: the generation markers' places in the rendered text, taken out after.
@@ -115,25 +115,11 @@ def compile_template(source: str):
 
 def chat_fields(fields: list[FieldSpec], chat_field: str, keep: bool, dtype: str) -> list[FieldSpec]:
     """The dataset's fields: tokens and loss_mask where the conversation was (it after them if kept)."""
-    names = [f.name for f in fields]
-    if chat_field not in names:
-        raise ShardtoolError(f"--chat-field {chat_field!r} is not a field of the samples (fields: {', '.join(names)})")
-    for taken in (TOKENS_FIELD, LOSS_MASK_FIELD):
-        if taken in names:
-            raise ShardtoolError(f"the samples already have a field {taken!r}; --chat-field would replace it")
-    out = []
-    for f in fields:
-        if f.name == chat_field:
-            out.append(FieldSpec(TOKENS_FIELD, "tokens.npy", "npy", "array", dtype))
-            out.append(FieldSpec(LOSS_MASK_FIELD, "loss_mask.npy", "npy", "array", "u1"))
-            if keep:
-                out.append(f)
-        else:
-            out.append(f)
-    return out
+    mask = FieldSpec(LOSS_MASK_FIELD, "loss_mask.npy", "npy", "array", "u1")
+    return replaced_fields(fields, chat_field, "--chat-field", [tokens_spec(dtype), mask], keep=keep)
 
 
-class Chat:
+class Chat(TokenIds):
     """Adds tokens and loss_mask to sample dicts (the per-sample path; record batches go there too)."""
 
     def __init__(
@@ -141,13 +127,8 @@ class Chat:
     ):
         self.source, self.specials = find_template(tokenizer, chat_template)
         compile_template(self.source)  # a template that does not parse fails here, not in a worker
-        self.tok = load_tokenizer(tokenizer)
-        self.vocab = self.tok.get_vocab_size(with_added_tokens=True)
-        self.dtype = np.dtype(token_dtype(self.vocab))
-        if eos_id is not None and not 0 <= eos_id < max(self.vocab, 1):
-            raise ShardtoolError(f"--eos-id {eos_id} is not an id of the tokenizer (vocabulary of {self.vocab})")
+        super().__init__(tokenizer, eos_id)
         self.chat_field = chat_field
-        self.eos = [] if eos_id is None else [eos_id]
         self.keep_text = keep_text
         self._template: Any = None
 
@@ -195,13 +176,8 @@ class Chat:
         return prev, spans
 
     def row(self, obj: dict, source: str, where: str) -> dict:
-        messages = obj.get(self.chat_field)
-        if isinstance(messages, str):
-            try:
-                messages = json.loads(messages)
-            except ValueError:
-                messages = None
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        messages = json_list(obj.get(self.chat_field))
+        if messages is None or not all(isinstance(m, dict) for m in messages):
             what = "missing" if self.chat_field not in obj else "not a list of messages ({role, content} objects)"
             raise BadSampleError(f"--chat-field {self.chat_field!r} is {what}", source=source, position=where)
         if any(_OPEN in str(m.get("content", "")) or _CLOSE in str(m.get("content", "")) for m in messages):

@@ -15,7 +15,6 @@ field and placeholder id (``length.image``), which the loader reads.
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
 from typing import Any
@@ -24,7 +23,7 @@ import numpy as np
 
 from ..format.errors import BadSampleError, ShardtoolError
 from ..format.fields import FieldSpec
-from .tokenize import TOKENS_FIELD, Tokenize, load_tokenizer, token_dtype
+from .tokenize import TOKENS_FIELD, TokenIds, Tokenize, json_list, replaced_fields, tokens_spec
 
 
 def image_token_id(tok: Any, given: int | None) -> int:
@@ -139,7 +138,7 @@ def image_fields(fields: list[FieldSpec], image_field: str) -> None:
 IMAGES_FIELD, SIZES_FIELD = "images", "image_bytes"
 
 
-class Interleaved(ImageCost):
+class Interleaved(TokenIds, ImageCost):
     """Documents of text and images in their order (``--interleaved-field``): a list of parts, each
     a string or ``{"text": ...}``, or ``{"image": ...}`` holding the image's bytes (Parquet, Arrow,
     Python sources) or its path relative to the source file (JSONL). Tokens: each text part's ids
@@ -147,13 +146,8 @@ class Interleaved(ImageCost):
     back to back in field ``images``, their byte sizes in ``image_bytes``."""
 
     def __init__(self, tokenizer: Any, *, parts_field: str, eos_id: int | None, **cost: Any):
-        tok = load_tokenizer(tokenizer)
-        vocab = tok.get_vocab_size(with_added_tokens=True)
-        super().__init__(tok, vocab, **cost)
-        self.tok, self.vocab, self.dtype = tok, vocab, np.dtype(token_dtype(vocab))
-        if eos_id is not None and not 0 <= eos_id < max(vocab, 1):
-            raise ShardtoolError(f"--eos-id {eos_id} is not an id of the tokenizer (vocabulary of {vocab})")
-        self.eos = [] if eos_id is None else [eos_id]
+        TokenIds.__init__(self, tokenizer, eos_id)
+        ImageCost.__init__(self, self.tok, self.vocab, **cost)
         self.parts_field = parts_field
 
     def manifest(self, **where: str) -> dict[str, Any]:
@@ -176,13 +170,8 @@ class Interleaved(ImageCost):
         )
 
     def row(self, obj: dict, source: str, where: str) -> dict:
-        parts = obj.get(self.parts_field)
-        if isinstance(parts, str):
-            try:
-                parts = json.loads(parts)
-            except ValueError:
-                parts = None
-        if not isinstance(parts, list):
+        parts = json_list(obj.get(self.parts_field))
+        if parts is None:
             what = "missing" if self.parts_field not in obj else "not a list of text and image parts"
             raise BadSampleError(f"--interleaved-field {self.parts_field!r} is {what}", source=source, position=where)
         ids: list[np.ndarray] = []
@@ -217,20 +206,9 @@ class Interleaved(ImageCost):
 
 def interleaved_fields(fields: list[FieldSpec], parts_field: str, dtype: str) -> list[FieldSpec]:
     """The dataset's fields: tokens, images and their sizes where the parts were."""
-    names = [f.name for f in fields]
-    if parts_field not in names:
-        raise ShardtoolError(
-            f"--interleaved-field {parts_field!r} is not a field of the samples (fields: {', '.join(names)})"
-        )
-    for taken in (TOKENS_FIELD, IMAGES_FIELD, SIZES_FIELD):
-        if taken in names:
-            raise ShardtoolError(f"the samples already have a field {taken!r}; --interleaved-field would replace it")
-    out = []
-    for f in fields:
-        if f.name == parts_field:
-            out.append(FieldSpec(TOKENS_FIELD, "tokens.npy", "npy", "array", dtype))
-            out.append(FieldSpec.raw(IMAGES_FIELD))
-            out.append(FieldSpec(SIZES_FIELD, "image_bytes.npy", "npy", "array", "i8"))
-        else:
-            out.append(f)
-    return out
+    new = [
+        tokens_spec(dtype),
+        FieldSpec.raw(IMAGES_FIELD),
+        FieldSpec(SIZES_FIELD, "image_bytes.npy", "npy", "array", "i8"),
+    ]
+    return replaced_fields(fields, parts_field, "--interleaved-field", new)

@@ -11,6 +11,7 @@ backend tokenizer). It is never fetched from the network. Each pack worker encod
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from typing import Any
 
@@ -61,38 +62,65 @@ def token_dtype(vocab_size: int) -> str:
     return "u2" if vocab_size <= 1 << 16 else "u4"
 
 
-def tokenized_fields(fields: list[FieldSpec], text_field: str, keep_text: bool, dtype: str) -> list[FieldSpec]:
-    """The dataset's fields: the token field where the text field was (the text after it, if kept)."""
+def replaced_fields(
+    fields: list[FieldSpec], field: str, option: str, new: list[FieldSpec], *, keep: bool = False
+) -> list[FieldSpec]:
+    """The dataset's fields once ``option``'s ``field`` is turned into the fields ``new``, in its
+    place (``keep``: it after them); ShardtoolError when it is not a field or a new one is taken."""
     names = [f.name for f in fields]
-    if text_field not in names:
-        raise ShardtoolError(f"--text-field {text_field!r} is not a field of the samples (fields: {', '.join(names)})")
-    spec = fields[names.index(text_field)]
-    if spec.storage != "text" and not (spec.storage == "raw" and spec.encoding == "txt"):  # a tar's .txt: UTF-8
-        raise ShardtoolError(f"--text-field {text_field!r} holds {spec.storage} values, not text")
-    if TOKENS_FIELD in names:
-        raise ShardtoolError(f"the samples already have a field {TOKENS_FIELD!r}; the token ids would replace it")
+    if field not in names:
+        raise ShardtoolError(f"{option} {field!r} is not a field of the samples (fields: {', '.join(names)})")
+    for spec in new:
+        if spec.name in names:
+            raise ShardtoolError(f"the samples already have a field {spec.name!r}; {option} would replace it")
     out = []
     for f in fields:
-        if f.name == text_field:
-            out.append(FieldSpec(TOKENS_FIELD, "tokens.npy", "npy", "array", dtype))
-            if keep_text:
-                out.append(f)
-        else:
-            out.append(f)
+        out += [*new, *([f] if keep else [])] if f.name == field else [f]
     return out
 
 
-class Tokenize:
-    """Adds the token field to record batches (whole) or sample dicts (one by one)."""
+def tokens_spec(dtype: str) -> FieldSpec:
+    return FieldSpec(TOKENS_FIELD, "tokens.npy", "npy", "array", dtype)
 
-    def __init__(self, tokenizer: Any, *, text_field: str, eos_id: int | None, keep_text: bool):
+
+def tokenized_fields(fields: list[FieldSpec], text_field: str, keep_text: bool, dtype: str) -> list[FieldSpec]:
+    """The dataset's fields: the token field where the text field was (the text after it, if kept)."""
+    out = replaced_fields(fields, text_field, "--text-field", [tokens_spec(dtype)], keep=keep_text)
+    spec = next(f for f in fields if f.name == text_field)
+    if spec.storage != "text" and not (spec.storage == "raw" and spec.encoding == "txt"):  # a tar's .txt: UTF-8
+        raise ShardtoolError(f"--text-field {text_field!r} holds {spec.storage} values, not text")
+    return out
+
+
+class TokenIds:
+    """A loaded tokenizer and what every kind of pack-time tokenizing keeps beside it: its
+    vocabulary size, the dtype its ids are stored in, and the eos list (``[eos_id]`` or ``[]``)."""
+
+    def __init__(self, tokenizer: Any, eos_id: int | None):
         self.tok = load_tokenizer(tokenizer)
         self.vocab = self.tok.get_vocab_size(with_added_tokens=True)
         self.dtype = np.dtype(token_dtype(self.vocab))
         if eos_id is not None and not 0 <= eos_id < max(self.vocab, 1):
             raise ShardtoolError(f"--eos-id {eos_id} is not an id of the tokenizer (vocabulary of {self.vocab})")
-        self.text_field = text_field
         self.eos = [] if eos_id is None else [eos_id]
+
+
+def json_list(value: Any) -> list | None:
+    """A list field's value: the list, or one held as JSON text (a JSONL field read as text); else None."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    return value if isinstance(value, list) else None
+
+
+class Tokenize(TokenIds):
+    """Adds the token field to record batches (whole) or sample dicts (one by one)."""
+
+    def __init__(self, tokenizer: Any, *, text_field: str, eos_id: int | None, keep_text: bool):
+        super().__init__(tokenizer, eos_id)
+        self.text_field = text_field
         self.keep_text = keep_text
         self._encode = getattr(self.tok, "encode_batch_fast", None) or self.tok.encode_batch
 

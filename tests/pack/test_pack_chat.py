@@ -6,7 +6,6 @@ through packed batches and a resume under torchrun."""
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import shutil
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from runcli import shardtool_cli
+from shardtool.benchmarks.realdocs import stdlib_docstrings
 from shardtool.format import Dataset, ShardtoolError
 from shardtool.loader import ShardedLoader
 from shardtool.pack import pack
@@ -33,22 +33,7 @@ CHATML_PLAIN = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['conten
 
 def stdlib_conversations(limit: int) -> list[dict]:
     """Signature → docstring exchanges; every fifth has a system turn, every third a second exchange."""
-    import sysconfig
-
-    root = sysconfig.get_paths()["stdlib"]
-    pairs = []
-    for name in sorted(os.listdir(root)):
-        if not name.endswith(".py"):
-            continue
-        try:
-            tree = ast.parse(open(os.path.join(root, name), encoding="utf-8").read())
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node):
-                pairs.append((f"def {node.name}({ast.unparse(node.args)}):", ast.get_docstring(node)))
-        if len(pairs) >= 2 * limit:
-            break
+    pairs = stdlib_docstrings(2 * limit)
     out = []
     for i in range(limit):
         (sig, doc), (sig2, doc2) = pairs[2 * i], pairs[2 * i + 1]
