@@ -30,6 +30,7 @@ from ..plan.mixture.state import MixtureState
 from ..plan.packing import Packing, Rows
 from ..plan.rank import RankPlan
 from .collate import KEY, Alloc
+from .imagerows import ImageSpec
 from .packed import PackedReader, read_together
 from .reader import BatchReader, describe_ids
 from .workers import PlanBatches
@@ -56,6 +57,8 @@ class MixtureBatches:
         pad_id: int = 0,
         packing: Packing | None = None,
         token_fields: tuple[str, ...] = (),
+        images: dict[str, ImageSpec | None] | None = None,
+        image_transform: Callable[[bytes], Any] | None = None,
     ):
         self.planner, self.state, self.dp_rank = planner, state, dp_rank
         self.readers, self.steps, self.where = readers, steps, where
@@ -65,7 +68,15 @@ class MixtureBatches:
         self.names = planner.mixture.names
         self.packed = (
             {
-                n: PackedReader(r, packing, name="input_ids", pad_id=pad_id, token_fields=token_fields)
+                n: PackedReader(
+                    r,
+                    packing,
+                    name="input_ids",
+                    pad_id=pad_id,
+                    token_fields=token_fields,
+                    images=(images or {}).get(n),
+                    image_transform=image_transform,
+                )
                 for n, r in readers.items()
             }
             if packing is not None
@@ -215,6 +226,14 @@ class MixtureBatches:
         keys: list[Any] = []
         starts, lengths, offsets = [], [], []
         fields: dict[str, list[np.ndarray]] = {}  # per-token fields (a stored labels one is in the block)
+        with_images = any(p.images is not None for p in self.packed.values())
+        images: list[Any] = []
+        where: dict[str, list[np.ndarray]] = {
+            "image_rows": [],
+            "image_offsets": [],
+            "image_tokens": [],
+            "image_mask": [],
+        }
         longest = 0
         for name, part in rows:
             count = part.num_rows
@@ -228,6 +247,14 @@ class MixtureBatches:
             for f in self.packed[name].token_fields:
                 if f in out:
                     fields.setdefault(f, []).append(out[f].numpy())
+            if with_images:  # a source without images has none in its rows
+                got = out.get("image_mask")
+                where["image_mask"].append(got.numpy() if got is not None else np.zeros((count, seq), dtype=bool))
+                if got is not None:
+                    images += out["images"]
+                    where["image_rows"].append(out["image_rows"].numpy() + first)
+                    where["image_offsets"].append(out["image_offsets"].numpy())
+                    where["image_tokens"].append(out["image_tokens"].numpy())
             longest = max(longest, out["max_seqlen"])
             first += count
         if first != b:
@@ -245,7 +272,13 @@ class MixtureBatches:
         for f, parts in fields.items():
             placed[f] = alloc((b, seq), np.result_type(*parts))
             np.concatenate(parts, out=placed[f])
+        if with_images:
+            placed["image_mask"] = alloc((b, seq), np.bool_)
+            np.concatenate(where.pop("image_mask"), out=placed["image_mask"])
+            for k, parts in where.items():
+                placed[k] = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         return {
+            **({"images": images} if with_images else {}),
             **{f: torch.from_numpy(v) for f, v in placed.items()},
             KEY: keys,
             "input_ids": torch.from_numpy(block[0]),

@@ -20,6 +20,8 @@ from ..plan.mixture.state import MixtureState, source_changes
 from ..plan.state import StateError
 from . import tokenfields
 from .errors import LoaderStateError
+from .imagerows import ImageSpec
+from .imagerows import of_dataset as images_of
 from .mixbatches import MixtureBatches
 from .reader import BatchReader
 from .sharded import ShardedLoader
@@ -86,14 +88,16 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
             self._no_double_eos(
                 {f"mixture source {n!r}": ds.manifest.length.get("eos_id") for n, ds in datasets.items()}
             )
+            self.source_images: dict[str, ImageSpec | None] = {}  # each source's images (image-text ones)
             if self.packing is not None:
                 self.token_fields = self._mixture_token_fields(datasets)
-                with_images = [n for n, ds in datasets.items() if ds.manifest.length.get("image")]
-                if with_images:
-                    raise ValueError(
-                        f"mixture sources {with_images} pair images with text: a mixture's packed steps do "
-                        "not carry images yet; read them with their own ShardedLoader"
-                    )
+                for n, ds in datasets.items():
+                    try:
+                        self.source_images[n] = images_of(ds, self.packing.policy)
+                    except ValueError as e:
+                        raise ValueError(f"mixture source {n!r}: {e}") from None
+                if self.image_transform is not None and not any(self.source_images.values()):
+                    raise ValueError("image_transform is for image-text sources (pack --image-field); none has images")
             self.planner = MixturePlanner(mixture, datasets, versions, self.batching, self.data_layout)
             self._state = self.planner.start()
             self.steps = steps if steps is not None else steps_for_tokens(self.planner, self._state, tokens)
@@ -284,6 +288,8 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
             pad_id=self.pad_id,
             packing=self.packing,
             token_fields=self.token_fields,
+            images=self.source_images,
+            image_transform=self.image_transform,
         )
         if start < self.steps:
             batches.prepare(start)  # before the workers fork: they inherit these plans

@@ -179,7 +179,7 @@ def _packed(
     else:
         left_out = rows.take(np.zeros(0, np.int64))
     if rows.num_rows < target:  # fewer rows than batches: cut the fullest, as bucketing splits batches
-        rows = split_rows(rows, target)
+        rows = split_rows(rows, target, whole_docs=packing.policy == "no-split")
     # Rows per batch: full batches, or (short of rows) shared out evenly over all target batches.
     sizes = (
         np.full(target, per_batch, np.int64)

@@ -3,7 +3,9 @@
 A group whose windows packed fewer rows than it owes batches (few tokens, one row a batch, many DP
 ranks) must still hand every batch at least one real token, without dropping any: its fullest rows
 are cut into near-equal parts, at token positions (a cut may fall inside a document, as ``concat``
-cuts documents anyway). Rare, and small when it happens, so plain Python is fine.
+cuts documents anyway) — or, for ``no-split`` packing, only between documents, at the boundaries
+nearest the even cuts: a row of one document stays whole, and the group is then short of rows
+(its batches share the rows there are). Rare, and small when it happens, so plain Python is fine.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from .packing import Rows
 __all__ = ["split_rows"]
 
 
-def _parts(row_tokens: list[int], target: int) -> list[int]:
+def _parts(row_tokens: list[int], target: int, most: list[int] | None = None) -> list[int]:
     """How many parts each row is cut into: always the row whose largest part is biggest, until
     there are ``target`` rows. Ties (full rows are many) go in a low-discrepancy order over the
     rows, so the cut rows are spread over the epoch rather than bunched at its start, where they
-    would thin a mixture's share of this source for a while."""
+    would thin a mixture's share of this source for a while. ``most``: a row's most parts (its
+    documents, when cuts fall only between them)."""
     count = len(row_tokens)
     spread = np.argsort((np.arange(count) * 0.6180339887498949) % 1.0, kind="stable")
     tie = np.empty(count, np.int64)
@@ -29,30 +32,38 @@ def _parts(row_tokens: list[int], target: int) -> list[int]:
     parts = [1] * count
     heap = [(-t, int(tie[r]), r) for r, t in enumerate(row_tokens)]
     heapq.heapify(heap)
-    for _ in range(target - count):
+    extra = target - count
+    while extra > 0:
         if not heap or -heap[0][0] <= 1:
             break  # every row down to one token (or none at all: no-split dropped them all)
         neg_part, order, r = heapq.heappop(heap)
+        if most is not None and parts[r] >= most[r]:
+            continue  # no boundary left to cut this row at: out of the heap for good
         parts[r] += 1
+        extra -= 1
         # (-tokens) // parts == -ceil(tokens / parts): the row's new largest part, negated.
         heapq.heappush(heap, ((-row_tokens[r]) // parts[r], order, r))
     return parts
 
 
-def split_rows(rows: Rows, target: int) -> Rows:
+def split_rows(rows: Rows, target: int, *, whole_docs: bool = False) -> Rows:
     """``rows`` cut into ``target`` rows (>= rows.num_rows), each with at least one token — or as
     many as its tokens allow, fewer than ``target`` only when there are fewer tokens than that; a
     cut row's parts follow each other where the row was. Tokens and their order are unchanged.
-    ``split_docs`` grows by the spans a cut falls inside."""
+    ``split_docs`` grows by the spans a cut falls inside. ``whole_docs``: cuts only between spans
+    (fewer than ``target`` rows where the rows hold too few spans)."""
     if target <= rows.num_rows:
         return rows
     row_tokens = rows.row_tokens().tolist()
+    per_row = np.diff(rows.row_offsets).tolist()
     offsets, pos, start, length = [0], [], [], []
     split_docs = rows.split_docs
-    for r, p in enumerate(_parts(row_tokens, target)):
+    for r, p in enumerate(_parts(row_tokens, target, per_row if whole_docs else None)):
         lo, hi = int(rows.row_offsets[r]), int(rows.row_offsets[r + 1])
         spans = list(zip(rows.span_pos[lo:hi].tolist(), rows.span_start[lo:hi].tolist(), rows.span_len[lo:hi].tolist()))
         cuts = [row_tokens[r] * i // p for i in range(p + 1)]  # part i: row tokens [cuts[i], cuts[i + 1])
+        if whole_docs and p > 1:
+            cuts = _at_boundaries(cuts, np.cumsum([count for _, _, count in spans]).tolist())
         for a, b in zip(cuts[:-1], cuts[1:]):
             seen = 0
             for doc, first, count in spans:
@@ -72,3 +83,18 @@ def split_rows(rows: Rows, target: int) -> Rows:
         rows.dropped,
         split_docs,
     )
+
+
+def _at_boundaries(cuts: list[int], ends: list[int]) -> list[int]:
+    """``cuts`` (0, the even inner cuts, the row's tokens) moved to the span ends ``ends`` nearest
+    them, inner cuts distinct and increasing: each part holds whole spans, at least one."""
+    inner = ends[:-1]  # the row's last end is its last cut already
+    k = len(cuts) - 2  # inner cuts to place; a row is cut into at most len(ends) parts
+    out, j = [0], 0
+    for i, want in enumerate(cuts[1:-1]):
+        # the nearest boundary from j on that leaves enough boundaries for the cuts after it
+        last = len(inner) - (k - i)
+        best = min(range(j, last + 1), key=lambda m: (abs(inner[m] - want), m))
+        out.append(inner[best])
+        j = best + 1
+    return [*out, cuts[-1]]

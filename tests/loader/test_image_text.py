@@ -322,3 +322,32 @@ def test_bad_interleaved_parts_are_named(pairs, tmp_path):
         with pytest.raises(BadSampleError, match=rf"bad{i}.jsonl \(line 2\).*{want}"):
             pack(str(src), str(tmp_path / f"o{i}"), tokenizer=tokenizer, interleaved_field="parts", image_tokens=4)
         assert not os.path.exists(tmp_path / f"o{i}" / "index.json")
+
+
+def test_a_mixture_carries_its_image_sources_images(pairs, tmp_path):
+    """An image-text source mixed with a text-only one (the captions alone): each step's images are
+    those of the image source's rows, at their rows of the step."""
+    import json
+
+    from shardtool.plan.mixture import Mixture
+
+    ds, info, tok = pairs
+    with open(tmp_path / "captions.jsonl", "w") as f:
+        for key in sorted(info):
+            f.write(json.dumps({"id": f"t{key}", "text": info[key][1]}) + "\n")
+    text = str(tmp_path / "text")
+    tokenizer = os.path.join(os.path.dirname(ds), "tokenizer.json")
+    pack(str(tmp_path / "captions.jsonl"), text, tokenizer=tokenizer, text_field="text", key="id", eos_id=1)
+    mix = Mixture({"img": (ds, 0.6), "txt": (text, 0.4)})
+    ld = ShardedLoader(
+        mix, seq_len=512, batch_size=4, packing="no-split", steps=12, rank=0, world_size=1, num_workers=2
+    )
+    images = 0
+    for batch in ld:
+        got = check_batch(batch, info, tok, 512)
+        assert all(batch["__source__"][int(r)] == "img" for r in batch["image_rows"])
+        images += len(got)
+    ld.close()
+    assert images > 0
+    with pytest.raises(ValueError, match="mixture source 'img'.*use packing='no-split'"):
+        ShardedLoader(mix, seq_len=512, batch_size=4, steps=12, rank=0, world_size=1)

@@ -150,3 +150,38 @@ def test_split_count_is_documents_in_more_than_one_piece():
         assert sim.split_docs == direct
         # best-fit cuts only the documents longer than a row (and, rarely, one the fit-up merges)
         assert int((lengths > 1024).sum()) <= sim.split_docs <= int((lengths > 1024).sum()) + 4
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    corpora(),
+    st.sampled_from(LAYOUTS),
+    st.integers(256, 8192),
+    st.integers(1, 8),
+    st.sampled_from([None, 0]),
+    st.integers(0, 5),
+    st.booleans(),
+)
+def test_no_split_never_cuts_a_document(lengths, layout, seq, per_batch, eos, epoch, drop_last):
+    """Not when rows are merged to serve every token, nor when rows are cut to give a deficit group
+    its batches: an image's placeholders are never cut across rows. Each document that fits a row
+    is served whole, at most once; without drop_last, exactly once unless the plan reports it."""
+    source = ArraySource(lengths, _shards(lengths.size, 100))
+    packing = Packing(seq, "no-split", eos_id=eos)
+    full = lengths + packing.extra_tokens
+    dl = DataLayout.pure_dp(layout)
+    planner = Planner(source, Batching(batch_size=per_batch, packing=packing, seed=epoch, drop_last=drop_last))
+    try:
+        state = planner.start(epoch, DATASET, dl)
+    except ValueError as e:
+        assert "too small" in str(e)
+        return
+    plans = [planner.rank_plan(state, d) for d in range(dl.dp_size)]
+    assert len({p.batches_per_rank for p in plans}) == 1, "equal batch counts"
+    pos, start, size, _ = _spans(plans)
+    assert (start == 0).all() and np.array_equal(size, full[pos]), "a document was cut"
+    assert np.unique(pos).size == pos.size, "a document served twice"
+    firsts = [dl.first_dp_rank(g) for g in range(dl.num_groups)]
+    reported = sum(plans[d].remainder_tokens for d in firsts)
+    fits = int(full[full <= seq].sum())
+    assert reported == fits - int(size.sum()), "what is not served is what is reported"

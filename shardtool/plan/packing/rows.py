@@ -48,14 +48,19 @@ def merge_rows(rows: Rows, packing: Packing) -> Rows:
     """The tokens of ``rows`` in as few rows as ``concat`` cuts them into: the spans sorted by
     document and offset, a document's adjacent pieces joined, laid end to end and cut every
     ``seq_len`` tokens (or at ``max_docs_per_row`` pieces). The rows of equal counts use it to
-    absorb a surplus of rows when every token must be served. ``split_docs`` is recounted."""
+    absorb a surplus of rows when every token must be served. ``split_docs`` is recounted.
+    ``no-split`` packing never cuts a document (an image's placeholders with it): its joined
+    pieces are packed whole, best-fit decreasing, which may take a row or two more."""
     order = np.lexsort((rows.span_start, rows.span_pos))
     pos, start, size = rows.span_pos[order], rows.span_start[order], rows.span_len[order]
     joins = np.ones(len(pos), dtype=bool)  # a piece that does not continue the one before it
     joins[1:] = (pos[1:] != pos[:-1]) | (start[1:] != start[:-1] + size[:-1])
     first = np.flatnonzero(joins)
     sizes = np.add.reduceat(size, first) if first.size else np.zeros(0, np.int64)
-    cut = _concat(sizes.astype(np.int64), packing)
+    if packing.policy == "no-split":
+        cut = best_fit(sizes.astype(np.int64), packing, drop_long=False)
+    else:
+        cut = _concat(sizes.astype(np.int64), packing)
     return Rows(
         rows.seq_len,
         cut.row_offsets,
