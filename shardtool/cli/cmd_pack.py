@@ -71,7 +71,8 @@ Image-text pairs: --tokenizer T --text-field txt --image-field png --image-patch
 --image-max-tokens 576 (or --image-tokens 64) starts each sample's tokens with its image's
 placeholders (--image-token-id, default the tokenizer's <image>), one per 14×14 patch of the image's
 size read from its header, then the caption's ids; the image bytes stay. The loader's packed rows
-reserve those places and carry each image with its row and offset. --interleaved-field parts takes
+reserve those places and carry each image with its row and offset. With --label-from-dir and no
+--text-field, each image's caption is its class's name. --interleaved-field parts takes
 documents of text and images in their order instead: a list of parts, each text or {"image": ...}
 (bytes, or a path beside the JSONL file).
 

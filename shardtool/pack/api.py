@@ -13,7 +13,14 @@ from ..plan.env import array_task
 from . import outdir
 from .chat import Chat, chat_fields
 from .foreign import default_length
-from .imagetext import ImageText, Interleaved, image_fields, interleaved_fields
+from .imagetext import (
+    ClassCaption,
+    ImageText,
+    Interleaved,
+    class_caption_fields,
+    image_fields,
+    interleaved_fields,
+)
 from .inputs import class_names, counted_units, first_sample_fields, source_units
 from .options import check_options, strip_file_scheme
 from .procs import run_jobs
@@ -193,6 +200,17 @@ def pack(
     elif tokenizer is not None and chat_field is not None:
         tok = Chat(tokenizer, chat_field=chat_field, chat_template=chat_template, eos_id=eos_id, keep_text=keep_text)
         fields = chat_fields(source_fields, chat_field, keep_text, tok.dtype.str.lstrip("<>=|"))
+        length = TOKENS_FIELD
+    elif tokenizer is not None and text_field is None:  # --image-field alone: an ImageFolder's classes
+        if not extra.get("classes"):
+            raise ShardtoolError(
+                "--image-field pairs images with the text of --text-field, or with their class names "
+                "(an ImageFolder packed with --label-from-dir)"
+            )
+        image_fields(source_fields, image_field)
+        captions = ClassCaption(tokenizer, extra["classes"], eos_id=eos_id)
+        fields = class_caption_fields(source_fields, captions.dtype.str.lstrip("<>=|"))
+        tok = ImageText(captions, image_field=image_field, **image_cost)
         length = TOKENS_FIELD
     elif tokenizer is not None:
         tok = Tokenize(tokenizer, text_field=text_field, eos_id=eos_id, keep_text=keep_text)

@@ -104,7 +104,7 @@ class ImageCost:
 class ImageText(ImageCost):
     """A `Tokenize` whose samples start with their image's placeholders (the per-sample path)."""
 
-    def __init__(self, text: Tokenize, *, image_field: str, **cost: Any):
+    def __init__(self, text: Tokenize | ClassCaption, *, image_field: str, **cost: Any):
         super().__init__(text.tok, text.vocab, **cost)
         self.text = text
         self.tok, self.vocab, self.dtype, self.eos = text.tok, text.vocab, text.dtype, text.eos
@@ -123,6 +123,31 @@ class ImageText(ImageCost):
 
     def batch(self, batch: Any) -> None:
         return None  # each image's header is read: the per-sample path
+
+
+class ClassCaption(TokenIds):
+    """An ImageFolder's image captioned by its class name (``--label-from-dir`` with
+    ``--image-field`` and no ``--text-field``): the tokens of the name of class ``cls``."""
+
+    def __init__(self, tokenizer: Any, classes: list[str], *, eos_id: int | None):
+        super().__init__(tokenizer, eos_id)
+        self.classes = list(classes)
+
+    def row(self, obj: dict, source: str, where: str) -> dict:
+        label = obj.get("cls")
+        if isinstance(label, (bytes, bytearray)) and label.isdigit():  # a file tree's cls member: the digits
+            label = int(label)
+        if not isinstance(label, int) or not 0 <= label < len(self.classes):
+            raise BadSampleError(
+                f"class label {label!r} is not one of the {len(self.classes)} classes", source=source, position=where
+            )
+        ids = self.tok.encode(self.classes[label], add_special_tokens=False).ids + self.eos
+        return {**obj, TOKENS_FIELD: np.asarray(ids, dtype=self.dtype)}
+
+
+def class_caption_fields(fields: list[FieldSpec], dtype: str) -> list[FieldSpec]:
+    """The dataset's fields: the tokens before the class label, which stays."""
+    return replaced_fields(fields, "cls", "--label-from-dir", [tokens_spec(dtype)], keep=True)
 
 
 def image_fields(fields: list[FieldSpec], image_field: str) -> None:

@@ -92,13 +92,11 @@ def check_options(
         )
     if text_field is not None and chat_field is not None:
         raise ShardtoolError("give --text-field (plain text) or --chat-field (conversations), not both")
-    if image_field is not None and text_field is None:
-        raise ShardtoolError("--image-field pairs images with the text of --text-field (and --tokenizer)")
     if chat_template is not None and chat_field is None:
         raise ShardtoolError("--chat-template renders the conversations of --chat-field; give --chat-field")
     if sum(f is not None for f in (text_field, chat_field, interleaved_field)) > 1:
         raise ShardtoolError("give one of --text-field, --chat-field and --interleaved-field")
-    if (tokenizer is None) != (text_field is None and chat_field is None and interleaved_field is None):
+    if (tokenizer is None) != all(f is None for f in (text_field, chat_field, interleaved_field, image_field)):
         raise ShardtoolError(
             "--tokenizer and --text-field (or --chat-field) go together (the text field is what gets tokenized)"
         )

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from realdata import ICONS
 from runcli import shardtool_cli
-from shardtool.format import BadSampleError, Dataset
+from shardtool.format import BadSampleError, Dataset, ShardtoolError
 from shardtool.loader import ShardedLoader
 from shardtool.loader.packed import block_causal_mask, lean_to_full
 from shardtool.pack import pack
@@ -351,3 +351,33 @@ def test_a_mixture_carries_its_image_sources_images(pairs, tmp_path):
     assert images > 0
     with pytest.raises(ValueError, match="mixture source 'img'.*use packing='no-split'"):
         ShardedLoader(mix, seq_len=512, batch_size=4, steps=12, rank=0, world_size=1)
+
+
+def test_an_image_folder_is_captioned_by_its_class_names(pairs, tmp_path):
+    """Real icons in class folders (torchvision's ImageFolder layout): each image's caption is its
+    class's name; the label stays beside it."""
+    from realdata import icon_tree
+
+    ds, info, tok = pairs
+    made = icon_tree(str(tmp_path / "tree"), per_class=12)
+    out = str(tmp_path / "folder")
+    tokenizer = os.path.join(os.path.dirname(ds), "tokenizer.json")
+    pack(str(tmp_path / "tree"), out, label_from_dir=True, tokenizer=tokenizer, image_field="png", image_patch=PATCH,
+         eos_id=1)  # fmt: skip
+    d = Dataset(out)
+    classes = d.manifest.extra["classes"]
+    assert classes == sorted(made)
+    n = 0
+    for s in range(len(d.manifest.shards)):
+        for i in range(d.manifest.shards[s].samples):
+            sample = d.read(s, i)
+            k = math.ceil(48 / PATCH) ** 2  # the tree's icons are 48x48
+            assert sample["tokens"].tolist() == [2] * k + tok.encode(classes[sample["cls"]]).ids + [1]
+            n += 1
+    assert n == sum(len(v) for v in made.values())
+    ld = ShardedLoader(out, seq_len=256, batch_size=2, packing="no-split", rank=0, world_size=1, num_workers=0,
+                       drop_last=False)  # fmt: skip
+    assert sum(len(b["images"]) for b in ld) == n
+    ld.close()
+    with pytest.raises(ShardtoolError, match="or with their class names"):
+        pack(str(tmp_path / "tree"), str(tmp_path / "x"), tokenizer=tokenizer, image_field="png", image_patch=PATCH)
