@@ -168,25 +168,46 @@ def _located(reader: Any, ds: Any, ids: np.ndarray) -> list[dict[str, Any]]:
     return out
 
 
-def find(loader: Any, sample: int, *, epoch: int | None = None) -> list[dict[str, Any]]:
+def find(loader: Any, sample: int, *, epoch: int | None = None, source: str | None = None) -> list[dict[str, Any]]:
     """Where global sample ``sample`` is served in ``epoch`` (default: the loader's), from its data
     group's plan alone: one entry per batch holding it (packed: per piece), each ``{"dp_rank",
     "step", "row", "offset", "length"}`` (``row``/``offset`` for packed rows). Empty where the epoch
     leaves it out (its remainder). In the loader's current epoch, the run as its state says it went:
     after an elastic resume, a batch re-dealt is found where the later layout serves it (``dp_rank``
     of that layout; ``segment`` says which), a batch served before the resume where it was, a
-    batch the re-deal left over or a step skipped (`skip_steps`) nowhere."""
+    batch the re-deal left over or a step skipped (`skip_steps`) nowhere.
+
+    A loader of a `Mixture`: ``sample`` of ``source``, over the run's steps of the phase its state
+    is in (``epoch`` does not apply): each entry's ``step`` is the run's global batch, with
+    ``source`` and ``source_epoch``; a packed ``row`` is numbered across the step's sources, as the
+    batch has them."""
     planner = getattr(loader, "planner", None)
-    if planner is None or getattr(loader, "mixture", None) is not None:
-        raise TypeError(f"find reads the plan of a ShardedLoader of one dataset, found {type(loader).__name__}")
-    n_samples = len(loader.dataset)
+    if planner is None:
+        raise TypeError(f"find reads the plan of a ShardedLoader, found {type(loader).__name__}")
+    mixture = getattr(loader, "mixture", None) is not None
+    if mixture and source not in loader.datasets:
+        raise ValueError(
+            f"a mixture's sample is named with its source, one of {sorted(loader.datasets)}; found {source!r}"
+        )
+    n_samples = len(loader.datasets[source] if mixture else loader.dataset)
     if isinstance(sample, bool) or not isinstance(sample, (int, np.integer)) or not 0 <= sample < n_samples:
         raise ValueError(f"sample must be a global index in [0, {n_samples}), found {sample!r}")
+    if mixture:
+        return _mixture_find(loader, str(source), int(sample))
     here = LoaderState.from_dict(loader.state_dict())
     if epoch is None or epoch == here.epoch:
         state = planner.continue_on(here, loader.data_layout)
     else:
         state = planner.start(int(epoch), loader.fingerprint, loader.data_layout)
+    out = []
+    for j, dp_rank, _, step, fields in _hits(planner, state, int(sample)):
+        out.append({"dp_rank": dp_rank, "step": step, **fields, **({"segment": j} if len(state.segments) > 1 else {})})
+    return sorted(out, key=lambda e: (e["step"], e["dp_rank"], e.get("offset", 0)))
+
+
+def _hits(planner: Any, state: LoaderState, sample: int) -> list[tuple[int, int, int, int, dict]]:
+    """Every batch of ``state``'s epoch that serves ``sample``: (segment, DP rank in its layout,
+    position in the segment, step of the epoch, {row, offset, length} or {length})."""
     segments = state.segments
     layout = segments[0].layout
     shape = planner.shape(layout)
@@ -210,22 +231,22 @@ def find(loader: Any, sample: int, *, epoch: int | None = None) -> list[dict[str
     for q, fields in hits:
         served = _served_at(segments, first + q // n, q % n)
         if served is not None:
-            j, dp_rank, step = served
-            out.append({"dp_rank": dp_rank, "step": step, **fields, **({"segment": j} if len(segments) > 1 else {})})
-    return sorted(out, key=lambda e: (e["step"], e["dp_rank"], e.get("offset", 0)))
+            out.append((*served, fields))
+    return out
 
 
-def _served_at(segments: list, d: int, b: int) -> tuple[int, int, int] | None:
+def _served_at(segments: list, d: int, b: int) -> tuple[int, int, int, int] | None:
     """Where DP rank ``d``'s batch ``b`` of the first segment is served: (segment, DP rank in its
-    layout, step of the epoch), following the re-deals of the later segments; None where a skip
-    or a re-deal's leftover means it never is (the inverse of `shardtool.plan.rank.to_first_segment`)."""
+    layout, position in it, step of the epoch), following the re-deals of the later segments; None
+    where a skip or a re-deal's leftover means it never is (the inverse of
+    `shardtool.plan.rank.to_first_segment`)."""
     earlier = 0  # steps of the epoch before segment j
     for j, seg in enumerate(segments):
         if any(a <= b < z for a, z in seg.skipped):
             return None
         last = j == len(segments) - 1
         if b < seg.served or last:
-            return j, d, earlier + b - sum(max(0, min(z, b) - a) for a, z in seg.skipped)
+            return j, d, b, earlier + b - sum(max(0, min(z, b) - a) for a, z in seg.skipped)
         k = int(np.searchsorted(seg.unserved(), b))  # its place among the batches re-dealt
         position = d * seg.left + k
         nxt = segments[j + 1]
@@ -236,11 +257,67 @@ def _served_at(segments: list, d: int, b: int) -> tuple[int, int, int] | None:
     return None
 
 
-def sample_of(loader: Any, *, key: str | None = None, shard: str | int | None = None, index: int | None = None) -> int:
+def _mixture_find(loader: Any, name: str, sample: int) -> list[dict[str, Any]]:
+    """`find` for a mixture: the source-epochs the run reaches, each unit holding the sample
+    mapped to the step that takes it (the inverse of `MixturePlanner.step_pieces`)."""
+    from ..plan.mixture.state import MixtureState
+
+    planner = loader.planner
+    state = planner.resume(MixtureState.from_dict(loader.state_dict()))
+    phase = state.phase
+    if name not in phase.names:
+        return []
+    i = phase.names.index(name)
+    rec, layout, comp = phase.sources[i], phase.layout, planner.composition(phase)
+    head, first, per_epoch = planner.cursor(rec, layout)
+    total = comp.counts(loader.steps)[i]  # the source's units the run takes in this phase
+    if total == 0:
+        return []
+    last_epoch, _ = planner.locate(rec, layout, total - 1)
+    source_planner = planner.planners[name]
+    out = []
+    for epoch in range(rec.epoch, last_epoch + 1):
+        st = rec.position if epoch == rec.epoch else source_planner.start(epoch, rec.version, layout)
+        for j, dp_rank, b, _, fields in _hits(source_planner, st, sample):
+            if j != len(st.segments) - 1:
+                continue  # served on an earlier layout, before this phase
+            if epoch == rec.epoch:
+                if b < first:
+                    continue  # served before this phase began
+                used = b - first
+            else:
+                used = head + (epoch - rec.epoch - 1) * per_epoch + b
+            if used >= total:
+                continue  # past the run's end
+            lo, hi = phase.from_step, loader.steps - 1  # the last step whose units begin at or before it
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if comp.counts(mid)[i] <= used else (lo, mid - 1)
+            entry = {"dp_rank": dp_rank, "step": lo, "source": name, "source_epoch": epoch, **fields}
+            if "row" in fields:  # a unit is a row: numbered after the step's rows of the sources before it
+                before, after = comp.counts(lo), comp.counts(lo + 1)
+                entry["row"] = sum(a - z for a, z in zip(after[:i], before[:i])) + used - before[i]
+            out.append(entry)
+    return sorted(out, key=lambda e: (e["step"], e["dp_rank"], e.get("offset", 0)))
+
+
+def sample_of(
+    loader: Any,
+    *,
+    key: str | None = None,
+    shard: str | int | None = None,
+    index: int | None = None,
+    source: str | None = None,
+) -> int:
     """The global index of the sample with ``key`` (a scan of the shards' sample indexes: metadata
-    only, one index a shard), or at ``index`` of ``shard`` (its path or number). ValueError naming
-    what is not there."""
-    ds = loader.dataset
+    only, one index a shard), or at ``index`` of ``shard`` (its path or number); of the mixture's
+    ``source`` for a mixture's loader. ValueError naming what is not there."""
+    if getattr(loader, "mixture", None) is not None:
+        if source not in loader.datasets:
+            raise ValueError(f"a mixture's sample is named with its source, one of {sorted(loader.datasets)}")
+        ds = loader.datasets[source]
+    else:
+        ds = loader.dataset
     paths = [s.path for s in ds.manifest.shards]
     offsets = np.concatenate([[0], np.cumsum(ds.shard_counts)]).astype(np.int64)
     if key is not None:
@@ -252,7 +329,7 @@ def sample_of(loader: Any, *, key: str | None = None, shard: str | int | None = 
         raise ValueError("give a key, or a shard and an index in it")
     s = int(shard) if isinstance(shard, int) or str(shard).isdigit() else paths.index(shard) if shard in paths else -1
     if not 0 <= s < len(paths):
-        raise ValueError(f"no shard {shard!r} in {loader.dataset.url} (shards: {paths[0]} .. {paths[-1]})")
+        raise ValueError(f"no shard {shard!r} in {ds.url} (shards: {paths[0]} .. {paths[-1]})")
     if not 0 <= int(index) < int(ds.shard_counts[s]):
         raise ValueError(f"shard {paths[s]} has {int(ds.shard_counts[s])} samples, no #{index}")
     return int(offsets[s]) + int(index)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 from ..format.errors import ShardtoolError
 from ._plan import add_batching_arguments
@@ -18,7 +19,9 @@ the options the run's loader was built with; for a resumed run, the loader state
 (--state), whose epoch and layout segments it then follows.
 
 --key K (or --sample SHARD:I) answers the other way: the steps and DP ranks that serve that
-sample in the epoch (packed: each piece of it), as the epoch is planned on this layout.
+sample in the epoch (packed: each piece of it); with --state, as the run went (served before an
+elastic resume, re-dealt after it, or skipped). For a mixture: the run's steps of the state's phase
+that serve it, in every source that has the key (--source NAME for one).
 
 A step counts as len(loader) does: batches of the epoch from its first. After an elastic resume
 (another number of ranks), the steps served on the earlier layout are traced with that layout.
@@ -60,6 +63,9 @@ def add_arguments(p) -> None:
         metavar="DIR",
         help="with --step: write the step(s) as the loader delivers them to DIR (reads the samples): "
         "step-N.rank-R.npz (the batch's arrays) and .json (the trace and the batch's keys)",
+    )
+    p.add_argument(
+        "--source", metavar="NAME", help="a mixture's source the --key or --sample is of (default: every source)"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -128,17 +134,20 @@ def run(args) -> int:
             elif args.dump:
                 raise ValueError("--dump writes steps: give --step N or --step A:B")
             else:
-                if args.key is not None:
-                    gid = sample_of(ld, key=args.key)
-                else:
+                where: dict[str, Any] = {"key": args.key}
+                if args.key is None:
                     shard, _, index = args.sample.rpartition(":")
                     if not shard or not index.isdigit():
                         raise ValueError(
                             f"--sample takes SHARD:I (a shard's path or number, an index), found {args.sample!r}"
                         )
-                    gid = sample_of(ld, shard=shard, index=int(index))
-                epoch = args.epoch if args.epoch is not None else ld.epoch
-                got = {"epoch": epoch, "sample": gid, "served": find(ld, gid, epoch=epoch)}
+                    where = {"shard": shard, "index": int(index)}
+                if isinstance(source, Mixture):
+                    got = _find_in_mixture(ld, args.source, where)
+                else:
+                    gid = sample_of(ld, **where)
+                    epoch = args.epoch if args.epoch is not None else ld.epoch
+                    got = {"epoch": epoch, "sample": gid, "served": find(ld, gid, epoch=epoch)}
         except (TypeError, ValueError) as e:
             raise ShardtoolError(str(e)) from None
     finally:
@@ -155,6 +164,26 @@ def run(args) -> int:
     return 0
 
 
+def _find_in_mixture(ld: Any, name: str | None, where: dict[str, Any]) -> dict[str, Any]:
+    """`find` in each source of the mixture that has the sample (or in ``name`` alone)."""
+    from ..loader.trace import find, sample_of
+
+    names = [name] if name else list(ld.datasets)
+    samples, served = [], []
+    for n in names:
+        try:
+            gid = sample_of(ld, source=n, **where)
+        except ValueError:
+            if name:
+                raise
+            continue
+        samples.append({"source": n, "sample": gid})
+        served += find(ld, gid, source=n)
+    if not samples:
+        raise ValueError(f"no source of the mixture ({', '.join(names)}) has that sample")
+    return {"samples": samples, "served": sorted(served, key=lambda e: (e["step"], e["dp_rank"]))}
+
+
 def _span(text: str) -> tuple[int, int]:
     """``N`` -> (N, N + 1); ``A:B`` -> (A, B)."""
     a, sep, b = text.partition(":")
@@ -169,6 +198,13 @@ def _span(text: str) -> tuple[int, int]:
 
 def _print_served(got: dict) -> None:
     served = got["served"]
+    if "samples" in got:  # a mixture: steps of the run
+        names = ", ".join(f"sample {s['sample']} of {s['source']}" for s in got["samples"])
+        print(f"{names}: {'served at' if served else 'not served in the steps of this phase'}")
+        for e in served:
+            piece = f", row {e['row']}, from its token {e['offset']}" if "row" in e else ""
+            print(f"  step {e['step']}, DP rank {e['dp_rank']}, {e['source']} epoch {e['source_epoch']}{piece}")
+        return
     if not served:
         print(f"sample {got['sample']}: not served in epoch {got['epoch']} (left out for equal batch counts)")
         return

@@ -18,6 +18,7 @@ import shardtool
 from realtext import byte_ids, doc_files, stdlib_files
 from shardtool.loader import ShardedLoader
 from shardtool.loader.trace import trace
+from shardtool.plan.mixture import Mixture
 from skips import require
 
 pytestmark = pytest.mark.timeout(300)
@@ -401,3 +402,77 @@ def test_find_follows_the_run_across_an_elastic_resume_and_skipped_steps(real_ds
         assert sorted(got) == sorted(seen.get(key, [])), key
     for x in resumed:
         x.close()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_find_names_a_mixtures_steps_of_a_sample_on_every_rank(real_ds, second_ds, packed):
+    """A mixture with a schedule, run long enough that a source starts its next epoch, then
+    resumed under other weights: `find` on the resumed loader names exactly the steps (of its
+    phase), DP ranks and rows where the resumed run served each sample of each source."""
+    from shardtool.loader.trace import find
+
+    size = dict(seq_len=1024, batch_size=16, steps=200) if packed else dict(max_tokens=65536, steps=90)
+    kw = dict(size, seed=3, world_size=2, ranks_per_node=2, metrics=False, num_workers=0)
+    sources = {"lib": (real_ds, 0.5), "doc": (second_ds, 0.5)}
+    first = ShardedLoader(Mixture(sources, max_repeat=50), rank=0, **kw)
+    it = iter(first)
+    for _ in range(10):
+        next(it)
+    state = first.state_dict()
+    first.close()
+    changed = Mixture({"lib": (real_ds, 0.3), "doc": (second_ds, 0.7)}, schedule=[(50, {"lib": 0.6, "doc": 0.4})],
+                      max_repeat=50)  # fmt: skip
+    seen: dict[tuple[str, str], list[tuple]] = {}
+    loaders = []
+    for rank in range(2):
+        ld = ShardedLoader(changed, rank=rank, **kw)
+        ld.load_state_dict(json.loads(json.dumps(state)))
+        for step, batch in enumerate(ld, start=10):
+            for entry in _mixed(batch, packed):
+                src, rest = entry[0], entry[1:]
+                key = rest[1] if packed else rest[0]
+                where = (rank, step, rest[0], rest[2], rest[3]) if packed else (rank, step)
+                seen.setdefault((src, key), []).append(where)
+        ld.load_state_dict(json.loads(json.dumps(state)))
+        loaders.append(ld)
+    ld = loaders[0]
+    epochs = set()
+    for name in ("lib", "doc"):
+        ds = ld.datasets[name]
+        offsets = np.cumsum([0, *ds.shard_counts])
+        for gid in range(len(ds)):
+            shard = int(np.searchsorted(offsets, gid, side="right")) - 1
+            key = ds.read(shard, gid - int(offsets[shard]))["__key__"]
+            got = find(ld, gid, source=name)
+            flat = [(e["dp_rank"], e["step"], e["row"], e["offset"], e["length"]) if packed else (e["dp_rank"], e["step"])
+                    for e in got]  # fmt: skip
+            assert sorted(flat) == sorted(seen.get((name, key), [])), (name, key)
+            epochs |= {e["source_epoch"] for e in got}
+    assert len(epochs) > 1  # the run reached a source's next epoch
+    with pytest.raises(ValueError, match="named with its source"):
+        find(ld, 0)
+    for x in loaders:
+        x.close()
+
+
+def test_the_cli_finds_a_key_in_a_mixture_file(real_ds, second_ds, tmp_path):
+    from shardtool.loader.trace import find, sample_of
+
+    spec = {"sources": {"lib": {"url": real_ds, "weight": 0.5}, "doc": {"url": second_ds, "weight": 0.5}}}
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps(spec))
+    mix = Mixture.from_file(str(path))
+    ld = ShardedLoader(mix, seq_len=512, batch_size=4, steps=30, seed=2, rank=0, world_size=2, ranks_per_node=2,
+                       metrics=False, num_workers=0)  # fmt: skip
+    t = trace(ld, 5)["samples"][0]
+    want = find(ld, sample_of(ld, key=t["key"], source=t["source"]), source=t["source"])
+    ld.close()
+    args = ["trace", str(path), "--key", t["key"], "--steps", "30", "--ranks-per-node", "2", "--seq-len", "512"]
+    out = subprocess.run(
+        [sys.executable, "-m", "shardtool", *args, "--batch-size", "4", "--seed", "2", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["served"] == want and {"source": t["source"], "sample": t["sample"]} in got["samples"]
+    assert any(e["step"] == 5 and e["dp_rank"] == 0 for e in want)
