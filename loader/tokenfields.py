@@ -86,6 +86,8 @@ def choose(
                 raise ValueError(f"token_fields: {name!r} is not a field of the dataset (fields: {', '.join(by_name)})")
             if name == length_field:
                 raise ValueError(f"token_fields: {name!r} is the length field: it is the tokens themselves")
+            if name in carried:
+                raise ValueError(f"token_fields: {name!r} holds the samples' images: batches carry them as images")
             if not _is_array(spec):
                 raise ValueError(
                     f"token_fields: field {name!r} holds {spec.storage} values, not an array aligned with "

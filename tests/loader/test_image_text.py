@@ -195,6 +195,8 @@ def test_refusals_name_what_is_wrong(pairs, tmp_path):
     ds, info, tok = pairs
     with pytest.raises(ValueError, match="would cut an image across rows; use packing='no-split'"):
         ShardedLoader(ds, seq_len=512, batch_size=2, rank=0, world_size=1)
+    with pytest.raises(ValueError, match="'png' holds the samples' images"):
+        ShardedLoader(ds, seq_len=512, batch_size=2, packing="no-split", rank=0, world_size=1, token_fields=["png"])
     plain = str(tmp_path / "plain")
     pack([{"tokens": np.arange(5, dtype=np.int32)}] * 4, plain, length="tokens")
     with pytest.raises(ValueError, match="image_transform is for image-text datasets"):
