@@ -107,8 +107,9 @@ class RankPlan:
             return 1.0
         sizes = np.diff(self.offsets)
         lengths = np.maximum(self.lengths, 0)
-        longest = np.maximum.reduceat(lengths, self.offsets[:-1]) if lengths.size else np.zeros(0, np.int64)
-        padded = int((longest * sizes).sum())
+        full = sizes > 0  # a no-split plan short of documents has empty batches
+        longest = np.maximum.reduceat(lengths, self.offsets[:-1][full]) if lengths.size else np.zeros(0, np.int64)
+        padded = int((longest * sizes[full]).sum())
         return float(lengths.sum()) / padded if padded else 1.0
 
 

@@ -294,10 +294,9 @@ def _estimate_packed(
     from .packing import rows_estimate
 
     packing = batching.packing
-    limit = packing.seq_len - packing.extra_tokens  # longest length that fits a row
     low = np.array([0] + [1 << (b - 1) for b in range(1, BINS)], dtype=np.float64)
     high = np.array([1] + [1 << b for b in range(1, BINS)], dtype=np.float64)
-    over = np.clip((high - 1 - limit) / np.maximum(high - low, 1), 0.0, 1.0)  # share of each bin above limit
+    over = _over_a_row(packing)
     # Documents whose piece, not their tokens, fills a row's share (length + eos < seq / max_docs).
     piece_limit = packing.seq_len / packing.max_docs_per_row - packing.extra_tokens
     below = np.clip((piece_limit - low) / np.maximum(high - low, 1), 0.0, 1.0)
@@ -346,6 +345,9 @@ def _rows_to_serve_all(
             inside = (offsets[shard] < end) & (end < offsets[shard + 1])
             counts = counts + summaries.hist_count[shard] * inside[:, None]
             toks = toks + summaries.hist_tokens[shard] * inside[:, None]
+    if packing.policy == "no-split":  # documents longer than a row are left out: they need no rows
+        keep = 1.0 - _over_a_row(packing)
+        counts, toks = counts * keep, toks * keep
     lo = np.array([0] + [1 << (b - 1) for b in range(1, BINS)], dtype=np.float64)
     hi = np.array([0] + [(1 << b) - 1 for b in range(1, BINS)], dtype=np.float64)
     mean = np.clip(np.divide(toks, counts, out=np.zeros_like(toks), where=counts > 0), lo, hi)
@@ -367,12 +369,25 @@ def _rows_to_serve_all(
     return np.where(samples > 0, np.floor(rows), 0.0)
 
 
-def _capacity(tokens: np.ndarray, samples: np.ndarray, batching: Batching) -> np.ndarray:
+def _over_a_row(packing) -> np.ndarray:
+    """Per histogram bin, the share of its documents longer than a row (pro rata where the row's
+    length falls inside the bin): what no-split leaves out."""
+    limit = packing.seq_len - packing.extra_tokens  # longest length that fits a row
+    low = np.array([0] + [1 << (b - 1) for b in range(1, BINS)], dtype=np.float64)
+    high = np.array([1] + [1 << b for b in range(1, BINS)], dtype=np.float64)
+    return np.clip((high - 1 - limit) / np.maximum(high - low, 1), 0.0, 1.0)
+
+
+def _capacity(tokens: np.ndarray, samples: np.ndarray, batching: Batching, count: np.ndarray) -> np.ndarray:
     """The most batches each group's range can be split into: one sample each when bucketing; one
     token each when packing (rows are cut at any token, so documents longer than a row never limit
-    the count of rows, as they would if counted as samples)."""
+    the count of rows, as they would if counted as samples); no-split cuts rows only between
+    documents: one document that fits a row each."""
     if batching.packing is None:
         return samples
+    if batching.packing.policy == "no-split":
+        fits = np.floor((count * (1.0 - _over_a_row(batching.packing))).sum(axis=1)).astype(np.int64)
+        return np.minimum(fits, samples)
     return np.floor(tokens.sum(axis=1)).astype(np.int64) + samples * batching.packing.extra_tokens
 
 
@@ -421,7 +436,9 @@ def plan_shape(
     sizes = np.asarray(data_layout.group_sizes, dtype=np.int64)
     max_drop = MAX_DROP if batching.drops(data_layout.dp_size) else 0.0
     # Exact plans pad a group that cannot split down to the count, so nothing caps the count.
-    capacity = np.full(samples.size, 1 << 62, np.int64) if batching.exact else _capacity(tokens, samples, batching)
+    capacity = (
+        np.full(samples.size, 1 << 62, np.int64) if batching.exact else _capacity(tokens, samples, batching, count)
+    )
     n = batches_per_rank(batches, tokens.sum(axis=1), capacity, sizes, max_drop) if total else 0
     if n == 0:
         small = int(np.argmin(samples / sizes)) if samples.size else 0
