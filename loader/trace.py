@@ -48,11 +48,7 @@ def traces(loader: Any, first: int, stop: int, *, epoch: int | None = None) -> l
             raise ValueError(f"step must be an int >= 0, found {step!r}")
     if getattr(loader, "mixture", None) is not None:
         return _mixture_steps(loader, int(first), int(stop))
-    here = LoaderState.from_dict(loader.state_dict())
-    if epoch is None or epoch == here.epoch:
-        state = planner.continue_on(here, loader.data_layout)
-    else:
-        state = planner.start(int(epoch), loader.fingerprint, loader.data_layout)
+    state = _epoch_state(loader, epoch)
     earlier = sum(s.delivered for s in state.segments[:-1])  # steps: skipped batches are none
     if first < earlier:
         raise ValueError(
@@ -78,6 +74,15 @@ def traces(loader: Any, first: int, stop: int, *, epoch: int | None = None) -> l
             }
         )
     return out
+
+
+def _epoch_state(loader: Any, epoch: int | None) -> LoaderState:
+    """The state ``epoch`` is answered from: the loader's own, on its layout (its segments, its
+    skips), when it is the loader's epoch (or None); else that epoch planned afresh on the layout."""
+    here = LoaderState.from_dict(loader.state_dict())
+    if epoch is None or epoch == here.epoch:
+        return loader.planner.continue_on(here, loader.data_layout)
+    return loader.planner.start(int(epoch), loader.fingerprint, loader.data_layout)
 
 
 def _mixture_steps(loader: Any, first: int, stop: int) -> list[dict[str, Any]]:
@@ -194,11 +199,7 @@ def find(loader: Any, sample: int, *, epoch: int | None = None, source: str | No
         raise ValueError(f"sample must be a global index in [0, {n_samples}), found {sample!r}")
     if mixture:
         return _mixture_find(loader, str(source), int(sample))
-    here = LoaderState.from_dict(loader.state_dict())
-    if epoch is None or epoch == here.epoch:
-        state = planner.continue_on(here, loader.data_layout)
-    else:
-        state = planner.start(int(epoch), loader.fingerprint, loader.data_layout)
+    state = _epoch_state(loader, epoch)
     out = []
     for j, dp_rank, _, step, fields in _hits(planner, state, int(sample)):
         out.append({"dp_rank": dp_rank, "step": step, **fields, **({"segment": j} if len(state.segments) > 1 else {})})

@@ -57,6 +57,20 @@ def _spans(plans) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     return tuple(np.concatenate(a) for a in (pos, start, size, key))  # type: ignore[return-value]
 
 
+def _plans(source, batching: Batching, dl: DataLayout, epoch: int) -> tuple[Planner, list]:
+    """Every DP rank's plan of ``epoch`` (equal batch counts checked), or none where the dataset
+    is too small for the layout (the plan says so)."""
+    planner = Planner(source, batching)
+    try:
+        state = planner.start(epoch, DATASET, dl)
+    except ValueError as e:
+        assert "too small" in str(e)
+        return planner, []
+    plans = [planner.rank_plan(state, d) for d in range(dl.dp_size)]
+    assert len({p.batches_per_rank for p in plans}) == 1, "equal batch counts"
+    return planner, plans
+
+
 def _assert_covers(pos, start, size, full: np.ndarray) -> None:
     """The spans tile every document [0, full) exactly once: no token twice, none missing."""
     order = np.lexsort((start, pos))
@@ -95,14 +109,11 @@ def test_drop_last_false_serves_every_token_once_and_true_reports_what_it_leaves
     full = lengths + packing.extra_tokens
     dl = DataLayout.pure_dp(layout)
     for drop_last in (False, True):
-        planner = Planner(source, Batching(batch_size=per_batch, packing=packing, seed=epoch, drop_last=drop_last))
-        try:
-            state = planner.start(epoch, DATASET, dl)
-        except ValueError as e:
-            assert "too small" in str(e)
+        planner, plans = _plans(
+            source, Batching(batch_size=per_batch, packing=packing, seed=epoch, drop_last=drop_last), dl, epoch
+        )
+        if not plans:
             return
-        plans = [planner.rank_plan(state, d) for d in range(dl.dp_size)]
-        assert len({p.batches_per_rank for p in plans}) == 1, "equal batch counts"
         assert all(int(np.diff(p.row_offsets).max()) <= per_batch for p in plans)
         pos, start, size, key = _spans(plans)
         _assert_head_first(pos, start, key)
@@ -170,14 +181,11 @@ def test_no_split_never_cuts_a_document(lengths, layout, seq, per_batch, eos, ep
     packing = Packing(seq, "no-split", eos_id=eos)
     full = lengths + packing.extra_tokens
     dl = DataLayout.pure_dp(layout)
-    planner = Planner(source, Batching(batch_size=per_batch, packing=packing, seed=epoch, drop_last=drop_last))
-    try:
-        state = planner.start(epoch, DATASET, dl)
-    except ValueError as e:
-        assert "too small" in str(e)
+    _, plans = _plans(
+        source, Batching(batch_size=per_batch, packing=packing, seed=epoch, drop_last=drop_last), dl, epoch
+    )
+    if not plans:
         return
-    plans = [planner.rank_plan(state, d) for d in range(dl.dp_size)]
-    assert len({p.batches_per_rank for p in plans}) == 1, "equal batch counts"
     pos, start, size, _ = _spans(plans)
     assert (start == 0).all() and np.array_equal(size, full[pos]), "a document was cut"
     assert np.unique(pos).size == pos.size, "a document served twice"
