@@ -18,6 +18,7 @@ hash of the tokens) and per validation batch: the test suite compares runs with 
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -204,6 +205,14 @@ def main(argv=None) -> int:
     trainer.fit(model, datamodule=ShardedData(args), ckpt_path=args.resume)
     if trainer.global_rank == 0:
         print(json.dumps({"global_step": trainer.global_step, "epoch": trainer.current_epoch}), flush=True)
+    # Lightning leaves the process group to the interpreter's exit, where Gloo's threads may still
+    # hold work whose tensors need the GIL: the rank then aborts ("terminate called without an
+    # active exception", seen once in CI after a clean fit). Free the DDP model (its Reducer holds
+    # the group) while the group is registered, then destroy the group, as examples/train_hf.py does.
+    del trainer, model
+    gc.collect()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0
 
 
