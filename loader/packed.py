@@ -205,10 +205,7 @@ def packed_batch(
     else:
         block = _block(lay, alloc, into)
         ids, rest = block[0], block[1:]
-    flat = ids.reshape(-1)
-    doc = lay.of_span(np.arange(len(arrays))).tolist()
-    for dst, d, a, k in zip(lay.flat_start.tolist(), doc, rows.span_start.tolist(), n.tolist()):
-        flat[dst : dst + k] = arrays[d][a : a + k]
+    lay.copy_pieces(ids.reshape(-1), arrays, n)
     keys = None if lean else list(keys_of(lay.docs)) if keys_of is not None else lay.docs.tolist()
     if token_fields and fields_of is None:
         raise ValueError("token_fields needs fields_of, which gives their values")

@@ -75,6 +75,14 @@ class BatchLayout:
         """Per span, its document's index in ``docs``."""
         return self.of_span(np.arange(len(self.docs), dtype=np.int64))
 
+    def copy_pieces(self, flat: np.ndarray, arrays: Sequence[Any], n: np.ndarray) -> None:
+        """Each span's ``n`` elements of its document's array (``arrays``, per document of ``docs``)
+        into its place in the flattened batch ``flat``: a packed batch's tokens decoded sample by
+        sample, and each per-token field, are laid out alike."""
+        spans = (self.flat_start, self.doc_index(), self.rows.span_start, n)
+        for dst, d, a, k in zip(*(s.tolist() for s in spans)):
+            flat[dst : dst + k] = arrays[d][a : a + k]
+
     def of_span(self, per_doc: np.ndarray) -> np.ndarray:
         """A value per document of ``docs`` as a value per span."""
         return per_doc if self.doc_of_span is None else per_doc[self.doc_of_span]

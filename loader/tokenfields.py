@@ -162,9 +162,7 @@ def place(
     out = alloc((lay.b, lay.seq), out_dtype(stored))
     out.fill(-100 if name == LABELS else 0)
     flat = out.reshape(-1)
-    spans = (lay.flat_start, lay.doc_index(), lay.rows.span_start, n)
-    for dst, d, a, k in zip(*(s.tolist() for s in spans)):
-        flat[dst : dst + k] = values[d][a : a + k]
+    lay.copy_pieces(flat, values, n)
     if lay.eos_at is not None and lay.eos_at.size:
         docs = lay.eos_doc.tolist()
         flat[lay.eos_at] = np.array([values[d][-1] if len(values[d]) else 0 for d in docs], dtype=out.dtype)
