@@ -12,9 +12,12 @@ from ..format.sizes import SizeError, parse_size
 def size_arg(text: str) -> int:
     """An argparse ``type`` for every size option: the one size grammar (`shardtool.format.sizes`)."""
     try:
-        return parse_size(text)
+        size = parse_size(text)
     except SizeError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if size is None:  # parse_size gives None for None only, never for a string
+        raise argparse.ArgumentTypeError(f"expected a size, found {text!r}")
+    return size
 
 
 def parse_storage_option(text: str) -> tuple[str, object]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any
 
 
 def plan_mixture(args) -> int:
@@ -17,7 +18,7 @@ def plan_mixture(args) -> int:
     from ..plan.mixture.planner import MixturePlanner
     from ..plan.mixture.span import check_repeat, span, steps_for_tokens
     from ._layout import data_layout_of, describe_layout
-    from ._plan import batching_of, layout_of, node_shards, peak_rss_mb
+    from ._plan import batching_of, layout_of, node_shards, peak_rss_mb, plan_source
 
     if args.rank is not None or args.synthetic is not None:
         raise ShardtoolError("--rank and --synthetic plan one dataset; a mixture is planned from its sources' metadata")
@@ -38,7 +39,13 @@ def plan_mixture(args) -> int:
         except ShardtoolError as e:
             raise ShardtoolError(f"mixture source {src.name!r}: {e}") from None
     try:
-        planner = MixturePlanner(mixture, datasets, {n: d.version for n, d in datasets.items()}, batching, data)
+        planner = MixturePlanner(
+            mixture,
+            {n: plan_source(d) for n, d in datasets.items()},
+            {n: d.version for n, d in datasets.items()},
+            batching,
+            data,
+        )
         state = planner.start()
         steps = args.steps if args.steps is not None else steps_for_tokens(planner, state, args.tokens)
         if steps < 1:
@@ -52,7 +59,7 @@ def plan_mixture(args) -> int:
             refusal = str(e)
     except ValueError as e:
         raise ShardtoolError(str(e)) from None
-    sources = {}
+    sources: dict[str, dict[str, Any]] = {}  # the report's, as JSON
     for s, src in zip(spans, mixture.sources):
         ds = datasets[src.name]
         shard_bytes = np.array([sh.bytes for sh in ds.manifest.shards], dtype=np.int64)

@@ -9,9 +9,13 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 from ._layout import data_layout_of
-from ._plan import batching_of, layout_of, peak_rss_mb
+from ._plan import batching_of, layout_of, peak_rss_mb, plan_source
+
+if TYPE_CHECKING:
+    from ..format.dataset import Dataset
 
 
 def for_dataset(batching, source):
@@ -33,6 +37,7 @@ def rank_job(args, summaries_path: str | None, result) -> None:
     from ..plan.synthetic import SyntheticSource
 
     began = time.perf_counter()
+    source: SyntheticSource | Dataset
     if summaries_path is not None:
         from ..format.summaries import ShardSummaries
 
@@ -52,7 +57,7 @@ def rank_job(args, summaries_path: str | None, result) -> None:
     layout = layout_of(args)
     data, dp_rank = data_layout_of(args, Placement(layout, layout.node_of(args.rank), args.rank))
     batching = for_dataset(batching_of(args, source), source)
-    planner = Planner(source, batching)
+    planner = Planner(plan_source(source), batching)
     state = planner.start(args.epoch, "plan", data)
     plan = planner.rank_plan(state, dp_rank)
     seconds = time.perf_counter() - began
@@ -68,7 +73,7 @@ def rank_job(args, summaries_path: str | None, result) -> None:
     tokens = int(group_plan.lengths.sum())
     left = int(group_plan.batch_lengths(group_plan.remainder).sum()) if group_plan.remainder.size else 0
     if group_plan.rows is not None:
-        left = group_plan.left_out.tokens
+        left = group_plan.remainder_tokens  # the rows left out's tokens (packed)
         tokens = group_plan.rows.tokens + left
     result.put(
         {

@@ -38,38 +38,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from ..cache import admin
 
+    res: list[dict] | dict  # what --json prints: the listing, or the action's report
+    failed = False
     if args.action == "ls":
-        res = admin.ls(args.cache_dir)
+        res = listing = admin.ls(args.cache_dir)
         if not args.json:
-            for v in res:
+            for v in listing:
                 print(
                     f"{v['dir']}  {v['cached']}/{v['shards']} shards  {v['cached_bytes'] / 1e9:.3f} GB"
                     f"  assigned {v['assigned']}  {' '.join(v['urls']) or '(no url recorded)'}"
                 )
-            if not res:
+            if not listing:
                 print(f"{args.cache_dir}: empty")
     elif args.action == "verify":
-        res = admin.verify(args.cache_dir, remove_bad=not args.keep_bad)
+        res = report = admin.verify(args.cache_dir, remove_bad=not args.keep_bad)
+        failed = bool(report["bad"] or report["metadata_bad"])
         if not args.json:
             print(
-                f"{res['ok']} shards ok, {len(res['bad'])} bad, {len(res['metadata_bad'])} bad metadata, "
-                f"{len(res['busy'])} in use (skipped)"
+                f"{report['ok']} shards ok, {len(report['bad'])} bad, {len(report['metadata_bad'])} bad metadata, "
+                f"{len(report['busy'])} in use (skipped)"
             )
-            for p in res["bad"] + res["metadata_bad"]:
+            for p in report["bad"] + report["metadata_bad"]:
                 print(f"bad: {p}{'' if args.keep_bad else ' (removed)'}", file=sys.stderr)
     elif args.action == "gc":
-        res = admin.gc(args.cache_dir, max_bytes=args.max_bytes, min_free=args.min_free, unreferenced=args.unreferenced)
+        res = report = admin.gc(
+            args.cache_dir, max_bytes=args.max_bytes, min_free=args.min_free, unreferenced=args.unreferenced
+        )
         if not args.json:
             print(
-                f"removed {res['temps_removed']} temp files, {len(res['versions_removed'])} versions; "
-                f"evicted {res['evicted_shards']} shards ({res['evicted_bytes'] / 1e9:.3f} GB)"
+                f"removed {report['temps_removed']} temp files, {len(report['versions_removed'])} versions; "
+                f"evicted {report['evicted_shards']} shards ({report['evicted_bytes'] / 1e9:.3f} GB)"
             )
     else:
-        res = admin.clear(args.cache_dir, version_dir=args.version_dir)
+        res = report = admin.clear(args.cache_dir, version_dir=args.version_dir)
         if not args.json:
-            print(f"removed {len(res['removed'])} versions; {len(res['busy'])} shards in use left in place")
+            print(f"removed {len(report['removed'])} versions; {len(report['busy'])} shards in use left in place")
     if args.json:
         print(json.dumps(res, indent=1))
-    if args.action == "verify" and (res["bad"] or res["metadata_bad"]):
+    if failed:
         return 1
     return 0

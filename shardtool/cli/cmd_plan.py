@@ -6,12 +6,16 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from ..format.sizes import format_size
 from ..plan.cost import CostModel
 from ._layout import LAYOUT_HELP, add_layout_arguments, data_layout_of, describe_layout
-from ._plan import add_batching_arguments, batching_of, layout_of, node_shards, peak_rss_mb
+from ._plan import add_batching_arguments, batching_of, layout_of, node_shards, peak_rss_mb, plan_source
 from ._plan_rank import evaluate_rank, for_dataset
+
+if TYPE_CHECKING:
+    from ..format.dataset import Dataset
 
 HELP = "show the loading plan of a layout: batches per rank, padding, remainder, bytes per node, planning cost"
 DESCRIPTION = """\
@@ -141,6 +145,8 @@ def run(args) -> int:
     except ValueError as e:
         raise ShardtoolError(str(e)) from None
     made = None
+    source: SyntheticSource | Dataset
+    manifest = None  # a packed dataset's
     if args.synthetic is not None:
         began = time.perf_counter()
         source = SyntheticSource(args.synthetic, samples_per_shard=args.samples_per_shard, processes=args.processes)
@@ -150,17 +156,19 @@ def run(args) -> int:
         shard_bytes = source.summaries.tokens * 4  # int32 tokens
     else:
         source = open_dataset(args.url)
+        manifest = source.manifest
         name = args.url
-        shard_bytes = np.array([s.bytes for s in source.manifest.shards], dtype=np.int64)
+        shard_bytes = np.array([s.bytes for s in manifest.shards], dtype=np.int64)
         try:
             batching = for_dataset(batching_of(args, source), source)
         except ValueError as e:
             raise ShardtoolError(str(e)) from None
     summaries = source.summaries
     per_node_shards, node_bytes = node_shards(summaries, data, layout, shard_bytes)
-    compression = None if args.synthetic is not None else source.manifest.compression
-    if compression:  # the node cache holds such shards decompressed (warm --keep-compressed: as stored)
-        plain = np.array([s.raw_bytes or s.bytes for s in source.manifest.shards], dtype=np.int64)
+    compression = None if manifest is None else manifest.compression
+    # The node cache holds compressed shards decompressed (warm --keep-compressed: as stored).
+    if manifest is not None and compression:
+        plain = np.array([s.raw_bytes or s.bytes for s in manifest.shards], dtype=np.int64)
         node_plain = np.array([int(plain[s].sum()) if s else 0 for s in per_node_shards], dtype=np.int64)
     report = {
         "source": name,
@@ -201,20 +209,22 @@ def run(args) -> int:
             "max": int(node_plain.max()),
         }
     if args.json and layout.num_nodes <= 4096:
-        report["per_node"] = {"shards": [len(s) for s in per_node_shards], "bytes": node_bytes.tolist()}
+        per_node = {"shards": [len(s) for s in per_node_shards], "bytes": node_bytes.tolist()}
         if compression:
-            report["per_node"]["plain_bytes"] = node_plain.tolist()
+            per_node["plain_bytes"] = node_plain.tolist()
+        report["per_node"] = per_node
     try:
         if args.rank is not None:
             report["scope"] = "rank"
             report.update(evaluate_rank(args, source))
         else:
             began = time.perf_counter()
-            sim = simulate_epoch(source, data, batching, args.epoch, processes=args.processes, cost_model=cost)
-            plain = None
+            planned = plan_source(source)
+            sim = simulate_epoch(planned, data, batching, args.epoch, processes=args.processes, cost_model=cost)
+            unbalanced = None
             if cost is not None:  # what the same plan would cost without balancing
-                plain = simulate_epoch(
-                    source, data, batching.with_balance(None), args.epoch, processes=args.processes, cost_model=cost
+                unbalanced = simulate_epoch(
+                    planned, data, batching.with_balance(None), args.epoch, processes=args.processes, cost_model=cost
                 )
             per_rank = sim.samples_per_rank
             report.update(
@@ -232,12 +242,12 @@ def run(args) -> int:
             )
             if batching.exact:
                 report["padding_batches"] = sim.padding_batches
-            if plain is not None:
+            if cost is not None and unbalanced is not None:
                 report["compute_balance"] = {
                     "cost_model": {"a": cost.a, "b": cost.b},
                     "balance_window": args.balance_window,
                     "micro_batches": args.micro_batches,
-                    "unbalanced": plain.balance(args.micro_batches or 1),
+                    "unbalanced": unbalanced.balance(args.micro_batches or 1),
                     "balanced": sim.balance(),
                 }
             if batching.packing is not None:

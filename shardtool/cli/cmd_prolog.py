@@ -200,8 +200,9 @@ def run(args) -> int:
         return 0
     cache_dir = os.path.join(args.cache_root, node)  # emulated nodes may share a filesystem: key on the node
     comment = job_comment(args, env)
+    problem: RequestError | LayoutError | None = None
     try:
-        request, problem = parse_request(comment, workdir=env.get("SLURM_JOB_WORK_DIR")), None
+        request = parse_request(comment, workdir=env.get("SLURM_JOB_WORK_DIR"))
     except RequestError as e:
         request, problem = None, e
     if request is None and problem is None:
@@ -216,7 +217,12 @@ def run(args) -> int:
     except LocalFault as e:
         log(env, f"local fault: {e}")
         return prolog_exit_code("local_fault")
-    record = {"node": node, "comment": comment, "request": request.to_dict() if request else None, "sources": []}
+    record: dict[str, object] = {
+        "node": node,
+        "comment": comment,
+        "request": request.to_dict() if request else None,
+        "sources": [],
+    }
     placement = data = None
     if problem is None:
         try:
@@ -229,6 +235,8 @@ def run(args) -> int:
         if request is not None:  # a layout the job's nodes cannot take: the finding names its dataset
             record["sources"] = [{"url": request.url, "version": None, "status": "usage_error", "error": str(problem)}]
         return _finish(env, cache_dir, job, record, "usage_error", str(problem), perms)
+    if request is None:  # not reached: without a problem the comment held a request (or returned above)
+        raise RuntimeError("prolog: no staging request, and no problem reading one")
 
     live = _running_jobs_versions(args, cache_dir, job)
     try:

@@ -5,9 +5,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from ._args import add_storage_option_argument, size_arg, storage_options_from
 from ._layout import LAYOUT_HELP, add_layout_arguments, data_layout_of, describe_layout, parsed_mesh
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ..cache import WarmReport
+    from ..cache.mixwarm import MixtureWarmReport
 
 HELP = "copy exactly this node's shards (verified, atomic, parallel) into a node-local cache"
 DESCRIPTION = """\
@@ -188,8 +195,7 @@ def mesh_placement(args, placement):
     return Placement(
         Layout(layout.num_nodes, mesh.ranks.size // layout.num_nodes),
         placement.node,
-        None,
-        f"{placement.source}; ranks per node from --mesh",
+        source=f"{placement.source}; ranks per node from --mesh",
     )
 
 
@@ -229,9 +235,12 @@ def run(args) -> int:
             print(f"shardtool warm: error: {e}", file=sys.stderr)
             return EXIT_USAGE
     policy = RetryPolicy(attempts=args.retries, attempt_timeout=args.attempt_timeout, stall_timeout=args.stall_timeout)
+    warm_url: Callable[..., WarmReport | MixtureWarmReport] = warm
     if is_mixture_file(args.url):  # every source of the mixture, one report
-        from ..cache.mixwarm import warm_mixture as warm
-    report = warm(
+        from ..cache.mixwarm import warm_mixture
+
+        warm_url = warm_mixture
+    report = warm_url(
         args.url,
         args.cache_dir,
         placement=placement,

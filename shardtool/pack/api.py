@@ -184,7 +184,8 @@ def pack(
     if key is not None and any(u.kind in ("tree", "files", "images", "tar") for u in units):
         raise ShardtoolError("--key applies to JSONL/Parquet/Arrow sources; file trees and tars take keys from names")
     source_fields = first_sample_fields(units, max_sample_bytes=max_sample_bytes, skip_bad=skip_bad, key_field=key)
-    fields, tok = source_fields, None
+    fields = source_fields
+    tok: Interleaved | Chat | ImageText | Tokenize | None = None
     if length is None and length_fn is None and tokenizer is None:
         length = default_length(units)  # a Megatron dataset's documents are measured in tokens
     image_cost = dict(
@@ -193,31 +194,36 @@ def pack(
         image_max_tokens=image_max_tokens,
         image_token=image_token_id,
     )
-    if tokenizer is not None and interleaved_field is not None:
-        tok = Interleaved(tokenizer, parts_field=interleaved_field, eos_id=eos_id, **image_cost)
-        fields = interleaved_fields(source_fields, interleaved_field, tok.dtype.str.lstrip("<>=|"))
-        length = TOKENS_FIELD
-    elif tokenizer is not None and chat_field is not None:
-        tok = Chat(tokenizer, chat_field=chat_field, chat_template=chat_template, eos_id=eos_id, keep_text=keep_text)
-        fields = chat_fields(source_fields, chat_field, keep_text, tok.dtype.str.lstrip("<>=|"))
-        length = TOKENS_FIELD
-    elif tokenizer is not None and text_field is None:  # --image-field alone: an ImageFolder's classes
-        if not extra.get("classes"):
-            raise ShardtoolError(
-                "--image-field pairs images with the text of --text-field, or with their class names "
-                "(an ImageFolder packed with --label-from-dir)"
+    if tokenizer is not None:
+        if interleaved_field is not None:
+            tok = Interleaved(tokenizer, parts_field=interleaved_field, eos_id=eos_id, **image_cost)
+            fields = interleaved_fields(source_fields, interleaved_field, tok.dtype.str.lstrip("<>=|"))
+        elif chat_field is not None:
+            tok = Chat(
+                tokenizer, chat_field=chat_field, chat_template=chat_template, eos_id=eos_id, keep_text=keep_text
             )
-        image_fields(source_fields, image_field)
-        captions = ClassCaption(tokenizer, extra["classes"], eos_id=eos_id)
-        fields = class_caption_fields(source_fields, captions.dtype.str.lstrip("<>=|"))
-        tok = ImageText(captions, image_field=image_field, **image_cost)
-        length = TOKENS_FIELD
-    elif tokenizer is not None:
-        tok = Tokenize(tokenizer, text_field=text_field, eos_id=eos_id, keep_text=keep_text)
-        fields = tokenized_fields(source_fields, text_field, keep_text, tok.dtype.str.lstrip("<>=|"))
-        if image_field is not None:
+            fields = chat_fields(source_fields, chat_field, keep_text, tok.dtype.str.lstrip("<>=|"))
+        elif text_field is None:  # --image-field alone: an ImageFolder's classes
+            if image_field is None:  # check_options refuses a tokenizer with none of the four fields
+                raise ShardtoolError(
+                    "--tokenizer needs --text-field, --chat-field, --interleaved-field or --image-field"
+                )
+            if not extra.get("classes"):
+                raise ShardtoolError(
+                    "--image-field pairs images with the text of --text-field, or with their class names "
+                    "(an ImageFolder packed with --label-from-dir)"
+                )
             image_fields(source_fields, image_field)
-            tok = ImageText(tok, image_field=image_field, **image_cost)
+            captions = ClassCaption(tokenizer, extra["classes"], eos_id=eos_id)
+            fields = class_caption_fields(source_fields, captions.dtype.str.lstrip("<>=|"))
+            tok = ImageText(captions, image_field=image_field, **image_cost)
+        else:
+            text_tok = Tokenize(tokenizer, text_field=text_field, eos_id=eos_id, keep_text=keep_text)
+            fields = tokenized_fields(source_fields, text_field, keep_text, text_tok.dtype.str.lstrip("<>=|"))
+            tok = text_tok
+            if image_field is not None:
+                image_fields(source_fields, image_field)
+                tok = ImageText(text_tok, image_field=image_field, **image_cost)
         length = TOKENS_FIELD
     check_length_option(fields, length)
     truncate = check_max_length_option(fields, length, max_length, max_length_policy)

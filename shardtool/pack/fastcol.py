@@ -128,7 +128,7 @@ class TarEncoder:
             names[:, : key_mat.shape[1]] = key_mat
             names[rows, key_lens[:, None] + np.arange(len(suffix))] = np.frombuffer(suffix, dtype=np.uint8)
             blocks[starts[:, j] // BLOCK] = headers_batch(names, sizes[:, j])
-        mv = memoryview(data)
+        mv = data.data  # memoryview(data): numpy's stubs give ndarray __buffer__ only from Python 3.12
         for j, spec in enumerate(self.fields):
             recipe = self._recipe(spec, sb.batch.column(j + 1))
             dst = (starts[:, j] + BLOCK).tolist()

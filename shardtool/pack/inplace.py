@@ -20,7 +20,7 @@ import glob
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,12 +69,12 @@ class IndexResult:
         return dict(self.__dict__)
 
 
-def expand_tars(tars: list[str]) -> list[str]:
+def expand_tars(tars: Iterable[str | os.PathLike[str]]) -> list[str]:
     """TARS as given: a URL stays a URL; a glob expands (sorted); a directory gives its ``*.tar``
     files, recursively, sorted."""
     out: list[str] = []
-    for t in tars:
-        t = os.fspath(t)
+    for given in tars:
+        t = os.fspath(given)
         if "://" in t and not t.startswith("file://"):
             out.append(t)
             continue
@@ -114,13 +114,16 @@ def _init(length: str | None, length_fn: str | None) -> None:
 def _scan_one(args: tuple) -> tuple:
     """(n, TarScan, index bytes) or (n, BadSampleError, None)."""
     n, tar, source, max_member = args
+    length = _LENGTH
+    if length is None:
+        raise RuntimeError("tar scanned before _init set the length rule")
     fs = path = None
     try:
         if "://" in tar:
             from ..format.storage import dataset_fs
 
             fs, path = dataset_fs(tar)
-        scan = scan_tar(path or tar, source=tar, max_member_bytes=max_member, length=_LENGTH, fs=fs)
+        scan = scan_tar(path or tar, source=tar, max_member_bytes=max_member, length=length, fs=fs)
         if not scan.keys:
             raise BadSampleError("tar holds no samples", source=tar)
     except BadSampleError as e:
@@ -229,12 +232,12 @@ def _publish(
 
     exts: list[str] | None = None
     owner: dict[str, str] = {}
-    good = []
-    for (n, tar, source, _), (_, scan, index_bytes) in zip(work, scans):
-        if isinstance(scan, BadSampleError):
-            bad(scan)
+    good: list[tuple[int, str, str, TarScan, bytes]] = []
+    for (n, tar, source, _), (_, scanned, index_bytes) in zip(work, scans):
+        if isinstance(scanned, BadSampleError):
+            bad(scanned)
             continue
-        scan: TarScan
+        scan: TarScan = scanned
         if exts is None:
             exts = scan.exts
         elif scan.exts != exts:
@@ -250,7 +253,7 @@ def _publish(
         raise ShardtoolError(
             "no tar was indexed" + (f" ({len(skipped)} skipped; first: {skipped[0]})" if skipped else "")
         )
-    fields = [FieldSpec.raw(e) for e in exts]
+    fields = [FieldSpec.raw(e) for e in good[0][3].exts]  # every good tar's fields match the first's
     length_def = _length_def(fields, length, length_fn)
     shards, lengths, written = [], [], []
     try:

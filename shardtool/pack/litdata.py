@@ -267,7 +267,7 @@ def _leaves(name: str, fmt: str, values: np.ndarray, voff: np.ndarray, where: st
             raise BadSampleError(f"unknown dtype code in {fmt!r}", source=where) from None
         arrays = [np.frombuffer(x, dtype) for x in raw]
     else:  # numpy / tensor: each leaf carries its dtype and shape
-        arrays, dtype = [], None
+        arrays, leaf_dtype = [], None
         for i, x in enumerate(raw):
             if fmt == "numpy":
                 code_i, ndim = struct.unpack_from("<II", x)
@@ -276,11 +276,11 @@ def _leaves(name: str, fmt: str, values: np.ndarray, voff: np.ndarray, where: st
                 code_i, ndim = struct.unpack_from(">II", x)
                 dt, shape_fmt = TORCH_CODES.get(code_i), ">%dI"
             shape = struct.unpack_from(shape_fmt % ndim, x, 8)
-            if dt is None or ndim != 1 or (dtype is not None and dt != dtype):
+            if dt is None or ndim != 1 or (leaf_dtype is not None and dt != leaf_dtype):
                 raise BadSampleError(
                     f"item {i}: a {ndim}-D {dt} array; fields are 1-D arrays of one dtype", source=where
                 )
-            dtype = dt
+            leaf_dtype = dt
             arrays.append(np.frombuffer(x, np.dtype(dt), shape[0], 8 + 4 * ndim))
-        dtype = np.dtype(dtype or "uint8")
+        dtype = np.dtype(leaf_dtype or "uint8")
     return pa.array(arrays, type=pa.list_(pa.from_numpy_dtype(dtype)))

@@ -20,6 +20,7 @@ index.json is an error naming it; compressed shards are decompressed in memory, 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 from collections.abc import Iterator
@@ -122,11 +123,12 @@ def _decompress(data: bytes, codec: str, path: str) -> bytes:
 
             return bz2.decompress(data)
         if algo == "br":
-            import brotli  # optional: only Brotli-compressed MDS needs it
+            # optional: only Brotli-compressed MDS needs it (imported by name: no stubs, maybe not installed)
+            brotli = importlib.import_module("brotli")
 
             return brotli.decompress(data)
         if algo == "snappy":
-            import snappy  # optional
+            snappy = importlib.import_module("snappy")  # optional, as brotli
 
             return snappy.decompress(data)
     except ImportError as e:
@@ -157,7 +159,7 @@ def gather_ranges(buf: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> tup
     copy of the bytes; no per-byte index array, which would cost 8 bytes per byte)."""
     offsets = np.zeros(len(sizes) + 1, np.int64)
     np.cumsum(sizes, out=offsets[1:])
-    view = memoryview(buf)
+    view = buf.data  # memoryview(buf): numpy's stubs give ndarray __buffer__ only from Python 3.12
     try:
         data = b"".join([view[a : a + n] for a, n in zip(starts.tolist(), sizes.tolist())])
     finally:
@@ -285,6 +287,7 @@ def _ndarrays(name: str, enc: str, raw: list[bytes], path: str):
     arrays, dtype = [], None
     for i, b in enumerate(raw):
         pos = 0
+        dt: str | None
         if static_dtype:
             dt = static_dtype
         else:

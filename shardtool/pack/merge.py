@@ -40,7 +40,7 @@ def _load(path: str) -> dict:
 def merge(out: str, *, num_tasks: int | None = None) -> dict:
     """Write ``out/index.json`` from ``out/tasks/*``; returns a summary dict."""
     out = strip_file_scheme(out)
-    frags = {}
+    frags: dict[int, dict[int, str]] = {}  # task count -> task index -> fragment path
     for path in sorted(glob.glob(os.path.join(out, outdir.TASKS_DIR, "task-*-of-*.json"))):
         m = _FRAG_RE.search(path)
         if m:

@@ -7,20 +7,26 @@ naming it; ``multiprocessing.Pool`` would wait for its lost task forever.
 from __future__ import annotations
 
 import queue as queue_mod
+from typing import TYPE_CHECKING
 
 from ..format.errors import ShardtoolError
 from .progress import Progress
 from .worker import Job, JobResult, run_job
 
-_QUEUE = None
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+
+_QUEUE: Queue[tuple[int, int]] | None = None  # a worker process's progress queue to the parent
 
 
-def _init_worker(q) -> None:
+def _init_worker(q: Queue[tuple[int, int]]) -> None:
     global _QUEUE
     _QUEUE = q
 
 
 def _report(n: int, b: int) -> None:
+    if _QUEUE is None:
+        raise RuntimeError("pack progress reported outside a pack worker (_init_worker was not called)")
     _QUEUE.put((n, b))
 
 
@@ -32,6 +38,7 @@ def _worker_main(job: Job, q, conn) -> None:
         import os
 
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    out: tuple[str, JobResult | BaseException]
     try:
         out = ("ok", run_job(job, _report))
     except BaseException as e:  # sent to the parent, which re-raises it

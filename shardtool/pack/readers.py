@@ -12,7 +12,7 @@ import gzip
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..format.errors import BadSampleError
 from ..format.tarshard import iter_tar_members, split_member_name
@@ -20,12 +20,16 @@ from .tree import LABEL_FIELD
 from .unit import FOREIGN, Unit
 from .units import tree_key
 
-try:  # orjson is several times faster; json is the always-available fallback
-    from orjson import JSONDecodeError
-    from orjson import loads as json_loads
-except ImportError:  # pragma: no cover - exercised where orjson is absent
+if TYPE_CHECKING:  # checked as json's, with or without orjson: orjson's error subclasses json's
     from json import JSONDecodeError
-    from json import loads as json_loads  # type: ignore[assignment]
+    from json import loads as json_loads
+else:
+    try:  # orjson is several times faster; json is the always-available fallback
+        from orjson import JSONDecodeError
+        from orjson import loads as json_loads
+    except ImportError:  # pragma: no cover - exercised where orjson is absent
+        from json import JSONDecodeError
+        from json import loads as json_loads
 
 PARQUET_BATCH_ROWS = 8192
 
@@ -35,7 +39,7 @@ class Bad:
     error: BadSampleError
 
 
-def open_stream(path: str) -> io.BufferedIOBase:
+def open_stream(path: str) -> io.BufferedReader:
     """A binary stream of a possibly compressed file, decompressed incrementally."""
     raw = open(path, "rb")
     low = path.lower()

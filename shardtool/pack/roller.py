@@ -26,9 +26,9 @@ class Roller:
         self.w: ShardFileWriter | None = None
         self.cur_bytes = 0
 
-    def _open_next(self) -> None:
+    def _open_next(self) -> ShardFileWriter:
         job = self.job
-        self.w = ShardFileWriter(
+        w = self.w = ShardFileWriter(
             job.out,
             shard_name(job.task, job.worker, self.seq, job.fmt),
             job.fmt,
@@ -38,6 +38,7 @@ class Roller:
         )
         self.seq += 1
         self.cur_bytes = 0
+        return w
 
     def add(self, key, values, payloads, length, sample_bytes, source, where) -> None:
         job = self.job
@@ -52,9 +53,8 @@ class Roller:
             or (job.shard_size is not None and self.cur_bytes + sample_bytes + 2 * BLOCK > job.shard_size)
         ):
             self.finish()
-        if self.w is None:
-            self._open_next()
-        self.w.add_encoded(key, values, payloads, length)
+        w = self.w if self.w is not None else self._open_next()
+        w.add_encoded(key, values, payloads, length)
         self.cur_bytes += sample_bytes
 
     def add_batch(self, offsets: np.ndarray, put: Callable[[ShardFileWriter, int, int], None]) -> None:
@@ -64,9 +64,8 @@ class Roller:
         n = len(offsets) - 1
         i = 0
         while i < n:
-            if self.w is None:
-                self._open_next()
-            have = self.w.count
+            w = self.w if self.w is not None else self._open_next()
+            have = w.count
             k = n - i
             if job.samples_per_shard is not None:
                 k = min(k, job.samples_per_shard - have)
@@ -81,7 +80,7 @@ class Roller:
                     self.finish()
                     continue
             j = i + k
-            put(self.w, i, j)
+            put(w, i, j)
             self.cur_bytes += int(offsets[j]) - int(offsets[i])
             i = j
 

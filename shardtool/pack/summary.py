@@ -37,8 +37,9 @@ def inspect(url: str, *, storage_options: dict | None = None, peek: bool = True)
     }
     if m.extra.get("classes"):  # an ImageFolder pack (--label-from-dir): field cls indexes these
         out["classes"] = list(m.extra["classes"])
+    plain = m.num_bytes
     if m.compression:
-        raw = sum(s.raw_bytes if s.raw_bytes is not None else s.bytes for s in m.shards)
+        raw = plain = sum(s.raw_bytes if s.raw_bytes is not None else s.bytes for s in m.shards)
         out["compression"] = {
             "codec": m.compression,
             "uncompressed_bytes": raw,
@@ -46,7 +47,7 @@ def inspect(url: str, *, storage_options: dict | None = None, peek: bool = True)
         }
     # What storage holds and what a node cache holds (compressed shards are decompressed into it).
     out["stored_bytes"] = m.num_bytes
-    out["plain_bytes"] = out["compression"]["uncompressed_bytes"] if m.compression else m.num_bytes
+    out["plain_bytes"] = plain
     if peek and m.num_samples:
         shard = int(np.flatnonzero(counts)[0])
         sample = ds.read(shard, 0)

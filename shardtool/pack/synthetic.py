@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..format import FieldSpec, Manifest, ShardFileWriter, infer_field, publish_manifest
+from ..format import FieldSpec, Manifest, ShardFileWriter, ShardInfo, infer_field, publish_manifest
 from ..plan.synthetic import lognormal_lengths
 
 __all__ = ["SyntheticDataset", "token_fields", "write_synthetic"]
@@ -110,7 +110,8 @@ def write_synthetic(
         blob = rng.bytes(int(lengths.max(initial=0)) + 4096)
     os.makedirs(root, exist_ok=True)
     ext = "tar" if fmt == "tar" else "arrow"
-    infos, keys = [], []
+    infos: list[ShardInfo] = []
+    keys: list[str] = []
     g = 0
     for s, size in enumerate(sizes):
         rel = f"{shard_name.format(s)}.{ext}"
@@ -124,7 +125,7 @@ def write_synthetic(
             k = int(lengths[g])
             key = f"{key_prefix}{g:0{key_width}d}"
             if kind == "tokens":
-                values = [tokens_of(g, k, vocab, dtype)]
+                values: list[object] = [tokens_of(g, k, vocab, dtype)]
                 if extra_fields:
                     values += [f"text of {key}", {"id": g, "k": key}, bytes([g % 251]) * (g % 5)]
             else:

@@ -172,36 +172,34 @@ def _scan(view: memoryview, source: str, max_member: int, length: LengthRule) ->
     cur_start = cur_end = 0
     first_member = ""
 
-    def close_sample() -> None:
+    def close_sample(key: str) -> None:
         nonlocal exts, hashed
-        where = f"sample {cur_key!r} (member {first_member!r})"
+        where = f"sample {key!r} (member {first_member!r})"
         names = sorted(cur)
         if exts is None:
             exts = names
             out.exts = names
         elif names != exts:
             raise BadSampleError(
-                f"sample {cur_key!r} has fields {names}, the tar's first sample has {exts}",
+                f"sample {key!r} has fields {names}, the tar's first sample has {exts}",
                 source=source,
                 position=where,
             )
-        if cur_key in seen:
-            raise BadSampleError(f"duplicate key {cur_key!r}", source=source, position=where)
-        seen.add(cur_key)
+        if key in seen:
+            raise BadSampleError(f"duplicate key {key!r}", source=source, position=where)
+        seen.add(key)
         size = cur_end - cur_start
         if size >= 1 << 32:
             raise BadSampleError(
                 f"sample of {size} bytes: members of one sample must lie within 4 GiB", source=source, position=where
             )
-        out.keys.append(cur_key)
+        out.keys.append(key)
         out.offsets.append(cur_start)
         out.sizes.append(size)
         out.field_offsets.append([cur[e][0] - cur_start for e in exts])
         out.field_sizes.append([cur[e][1] for e in exts])
         out.checksums.append(range_checksum(view[cur_start:cur_end]))
-        out.lengths.append(
-            length.of(cur_key, exts, [view[cur[e][0] : cur[e][0] + cur[e][1]] for e in exts], source, where)
-        )
+        out.lengths.append(length.of(key, exts, [view[cur[e][0] : cur[e][0] + cur[e][1]] for e in exts], source, where))
         hasher.update(view[hashed:cur_end])
         hashed = cur_end
 
@@ -280,7 +278,7 @@ def _scan(view: memoryview, source: str, max_member: int, length: LengthRule) ->
         key = tree_key(directory, stem)
         if key != cur_key:
             if cur_key is not None:
-                close_sample()
+                close_sample(cur_key)
             problem = key_problem(key)
             if problem:
                 raise BadSampleError(problem, source=source, position=where)
@@ -294,7 +292,7 @@ def _scan(view: memoryview, source: str, max_member: int, length: LengthRule) ->
     if long_name is not None or ext_start is not None:
         raise BadSampleError("truncated: the tar ends after an extended header", source=source)
     if cur_key is not None:
-        close_sample()
+        close_sample(cur_key)
     hasher.update(view[hashed:n])
     out.hash = format_digest(hasher)
     return out

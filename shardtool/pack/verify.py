@@ -47,11 +47,12 @@ def verify_shard(ds: Dataset, shard: int) -> None:
         idx = ds.shard_index(shard)  # checks the index's own hash, count, ranges and lengths
         if ds.manifest.shard_format == "tar":
             exts = [f.ext for f in ds.manifest.fields]
+            field_offsets, field_sizes = idx.field_offsets, idx.field_sizes
+            if field_offsets is None or field_sizes is None:  # a tar index is read with both columns
+                raise FormatError(f"{info.path}: the tar shard's index has no field offsets and sizes")
             for i, key in enumerate(idx.keys):
                 off, size = int(idx.offsets[i]), int(idx.sizes[i])
-                check_sample_range(
-                    data[off : off + size], key, exts, idx.field_offsets[i], idx.field_sizes[i], info.path
-                )
+                check_sample_range(data[off : off + size], key, exts, field_offsets[i], field_sizes[i], info.path)
             spec = _length_spec(ds)
             if spec is not None:
                 j = ds.manifest.field_names.index(spec.name)
@@ -168,8 +169,9 @@ def verify(
             verify_shard(ds, s)
         except FormatError as e:
             bad.append({"shard": ds.manifest.shards[s].path, "error": str(e)})
-            if getattr(e, "samples", None):
-                bad[-1]["samples"] = e.samples
+            samples = getattr(e, "samples", None)  # set by format.damage on the errors it raises
+            if samples:
+                bad[-1]["samples"] = samples
         except OSError as e:
             bad.append({"shard": ds.manifest.shards[s].path, "error": f"{ds.manifest.shards[s].path}: {e}"})
         if progress is not None:

@@ -147,7 +147,7 @@ class _Packer:
             enc = self.tar.encode(sb)
             if enc is None:
                 return False
-            data = memoryview(enc.data)
+            data = enc.data.data  # memoryview(enc.data): numpy's stubs give ndarray __buffer__ only from Python 3.12
 
             def put(w, i, j):
                 a, b = int(enc.offsets[i]), int(enc.offsets[j])
