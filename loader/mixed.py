@@ -256,9 +256,8 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
     def _log_phase_change(old: MixtureState, new: MixtureState) -> None:
         # What the run trains on changed: a warning, as it shows in the loss curve and nowhere
         # else. A new layout alone (an elastic resume) changes nobody's data.
-        changes = source_changes(old.phase, new.phase)
-        if changes:
-            log.warning("mixture resumed at step %d with what it trains on changed: %s", new.step, "; ".join(changes))
+        for change in source_changes(old.phase, new.phase):  # a line each: one source, or the weights
+            log.warning("mixture resumed at step %d with what it trains on changed: %s", new.step, change)
         if old.phase.layout.identity() != new.phase.layout.identity():
             log.info(
                 "mixture resumed at step %d on another layout: %s -> %s",

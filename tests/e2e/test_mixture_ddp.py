@@ -207,3 +207,47 @@ def test_killed_and_resumed_ranks_serve_exactly_the_uninterrupted_batches(mix, t
         before = json.loads((a / f"rank{r}.json").read_text())["batches"]
         after = json.loads((b / f"rank{r}.json").read_text())["batches"]
         assert before + after == expected[r]
+
+
+@pytest.mark.timeout(300)
+def test_a_third_source_added_on_resume_joins_while_the_others_continue(mix, tmp_path):
+    """Issue 36 item 2 under torchrun: a run of two sources is stopped after its checkpoint,
+    the mixture file gains a third, and the resumed ranks continue the two where they were (no
+    sample of theirs again in the pass) and start the third at its beginning, every rank the
+    same steps, a warning line for the source added."""
+    path, keys = mix
+    two = tmp_path / "data" / "two.json"
+    two.write_text(json.dumps({"sources": {n: {"url": n, "weight": WEIGHTS[n]} for n in ("web", "code")}}))
+    steps, cut = 28, 12  # short of a pass of any source: within it, nothing may come twice
+    worker = os.path.join(REPO, "tests", "mixture_worker.py")
+    common = ["--steps", str(steps), "--ranks-per-node", "2", "--num-workers", "1"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    first = torchrun(
+        worker, "--mixture", str(two), *common, "--out", str(a), "--stop-at", str(cut), nproc=2, timeout=200
+    )
+    assert first.returncode == 0, first.stderr[-4000:]
+    second = torchrun(
+        worker,
+        "--mixture",
+        path,
+        *common,
+        "--out",
+        str(b),
+        "--resume",
+        str(a / "state-rank0.json"),
+        nproc=2,
+        timeout=200,
+    )
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "source 'math' added (from its beginning)" in second.stderr
+    served = {"web": [], "code": [], "math": []}
+    for r in range(2):
+        before = json.loads((a / f"rank{r}.json").read_text())["batches"]
+        after = json.loads((b / f"rank{r}.json").read_text())["batches"]
+        assert len(before) == cut and len(after) == steps - cut  # every rank the same steps
+        assert not any(src == "math" for src, _ in before) and any(src == "math" for src, _ in after)
+        for src, ks in before + after:
+            served[src] += ks
+    for name, got in served.items():  # within one pass of each source nothing comes twice
+        assert len(got) < len(keys[name]) and len(got) == len(set(got)) and set(got) <= set(keys[name])

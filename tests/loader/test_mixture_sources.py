@@ -77,7 +77,9 @@ def test_a_mixture_resumed_with_a_source_removed_continues_the_kept_one_and_warn
     with caplog.at_level(logging.INFO, logger="shardtool"):
         resumed.load_state_dict(state)
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 1 and "sources removed ['more']" in warned[0] and "step 8" in warned[0], warned
+    # A line per change: the source removed, and the weights that changed with it.
+    assert len(warned) == 2 and "source 'more' removed" in warned[0] and "step 8" in warned[0], warned
+    assert "weights {'lib': 0.5, 'more': 0.5} -> {'lib': 1.0}" in warned[1]
     after = [_keys(b) for b in resumed]  # metrics on: the one source's counters
     assert len(after) == 32 and resumed.metrics()["cumulative"]["batches"] == 32
     assert all(k.startswith("lib/") for b in after for k in b)
@@ -103,8 +105,8 @@ def test_sources_added_or_reweighted_are_warned_and_a_new_layout_alone_is_not(so
         "mixture resumed at step 5 with what it trains on changed: weights {'lib': 0.7, 'more': 0.3} -> "
         "{'lib': 0.5, 'more': 0.5}"
     ]
-    (added,) = warnings_resuming({"lib": 1.0})
-    assert "sources removed ['more']" in added
+    removed, _ = warnings_resuming({"lib": 1.0})
+    assert "source 'more' removed" in removed
     assert warnings_resuming({"lib": 0.7, "more": 0.3}, world_size=2, ranks_per_node=1) == []
 
 
@@ -117,8 +119,8 @@ def test_source_changes_names_what_a_resume_changed(sources):
 
     one, both = phase({"lib": 1.0}), phase({"lib": 0.5, "more": 0.5})
     assert source_changes(one, one) == []
-    assert source_changes(one, both)[0] == "sources added ['more'] (each from its beginning)"
-    assert source_changes(both, one)[0] == "sources removed ['more'] (no more of their data is served)"
+    assert source_changes(one, both)[0] == "source 'more' added (from its beginning)"
+    assert source_changes(both, one)[0] == "source 'more' removed (no more of its data is served)"
 
 
 @pytest.mark.timeout(180)
@@ -134,3 +136,57 @@ def test_closing_a_mixture_mid_pass_frees_its_workers_shared_memory_and_shards(s
     assert settled(before) == before  # /dev/shm entries, open descriptors, child processes
     held = ld.readers["more"]._inflated
     assert held is not None and not held.copies  # it held some: the pass read them in place
+
+
+def test_a_replaced_source_is_refused_unless_the_mixture_says_replace(sources, tmp_path, caplog):
+    """A source whose dataset changed under its name (a filtered version, say) cannot continue a
+    position in the old one's plan: refused, naming it and the way out; with ``replace`` it
+    starts from its beginning, said in a warning of its own, while the other source continues."""
+    ld = _loader(sources, {"lib": 0.5, "more": 0.5}, **BUCKETED)
+    before, state = _take(ld, 6)
+    ld.close()
+    # "more" now reads another dataset: "lib"'s files packed again with another shard size.
+    paths = stdlib_files(600)[:150]
+    other = str(tmp_path / "filtered")
+    rows = [{"tokens": byte_ids(p), "path": os.path.relpath(p)} for p in paths]
+    shardtool.pack(rows, other, format="arrow", length="tokens", shard_size=1_000_000)
+    moved = {**sources, "more": other}
+    refused = _loader(moved, {"lib": 0.5, "more": 0.5}, **BUCKETED)
+    with pytest.raises(Exception, match=r"source 'more' is another dataset.*replace: \['more'\]"):
+        refused.load_state_dict(state)
+    refused.close()
+    mix = Mixture({"lib": (sources["lib"], 0.5), "more": (other, 0.5)}, replace=["more"])
+    resumed = ShardedLoader(mix, steps=40, num_workers=0, seed=3, world_size=1, rank=0, **BUCKETED)
+    with caplog.at_level(logging.INFO, logger="shardtool"):
+        resumed.load_state_dict(state)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "source 'more' replaced by another dataset" in warned[0], warned
+    after = [_keys(b) for b in resumed]
+    resumed.close()
+    lib_before = {k for b in before for k in b if k.startswith("lib/")}
+    assert not {k for b in after for k in b if k.startswith("lib/")} & lib_before  # lib continues
+    # "more" from its beginning: its first units are those a fresh run of this mixture serves first.
+    fresh = ShardedLoader(mix, steps=40, num_workers=0, seed=3, world_size=1, rank=0, **BUCKETED)
+    first_more = [k for b in fresh for k in _keys(b) if k.startswith("more/")]
+    got_more = [k for b in after for k in b if k.startswith("more/")]
+    assert got_more and got_more == first_more[: len(got_more)]
+    fresh.close()
+    # A later resume of the replaced run (same versions now) continues it: replace is a no-op there.
+    again = ShardedLoader(mix, steps=40, num_workers=0, seed=3, world_size=1, rank=0, **BUCKETED)
+    mid = ShardedLoader(mix, steps=40, num_workers=0, seed=3, world_size=1, rank=0, **BUCKETED)
+    mid.load_state_dict(state)
+    _, later = _take(mid, 5)
+    mid.close()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="shardtool"):
+        again.load_state_dict(later)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [_keys(b) for b in again] == after[5:]
+    again.close()
+
+
+def test_a_mixture_file_says_replace():
+    mix = Mixture.from_dict({"sources": {"a": {"url": "/x", "weight": 1}}, "replace": ["a"]})
+    assert mix.replace == {"a"} and Mixture.from_dict(mix.to_dict()).replace == {"a"}
+    with pytest.raises(ValueError, match="replace names sources this mixture does not have"):
+        Mixture.from_dict({"sources": {"a": {"url": "/x", "weight": 1}}, "replace": ["b"]})

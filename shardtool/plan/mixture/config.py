@@ -93,15 +93,26 @@ class Mixture:
     the most source-epochs (passes over one source, each freshly shuffled) a run may take.
 
     ``sources``: ``{name: (url, weight)}``, or a list of `MixtureSource`. ``schedule``: a list of
-    ``(from_step, {name: weight})`` naming every source."""
+    ``(from_step, {name: weight})`` naming every source. ``replace``: names of sources that now
+    read another dataset than a loader state they resume records under that name (a filtered
+    version of a source, say): each starts from its beginning instead of being refused."""
 
     def __init__(
         self,
         sources: Mapping[str, Sequence[Any]] | Sequence[MixtureSource],
         schedule: Sequence[Any] | None = None,
         max_repeat: int = DEFAULT_MAX_REPEAT,
+        replace: Sequence[str] = (),
     ):
         self.sources: tuple[MixtureSource, ...] = _parse_sources(sources)
+        if isinstance(replace, (str, bytes)) or not all(isinstance(n, str) for n in replace):
+            raise MixtureError(f"replace must be a list of source names, found {replace!r}")
+        unknown = sorted(set(replace) - set(self.names))
+        if unknown:
+            raise MixtureError(
+                f"replace names sources this mixture does not have: {unknown} (sources: {list(self.names)})"
+            )
+        self.replace: frozenset[str] = frozenset(replace)
         if isinstance(max_repeat, bool) or not isinstance(max_repeat, int) or max_repeat < 1:
             raise MixtureError(f"max_repeat must be an int >= 1, found {max_repeat!r}")
         self.max_repeat = max_repeat
@@ -150,7 +161,7 @@ class Mixture:
         the rest of a run, given at a resume)."""
         new = self._entry_weights("new weights", weights)
         sources = [replace(s, weight=w) for s, w in zip(self.sources, new)]
-        return Mixture(sources, max_repeat=self.max_repeat)
+        return Mixture(sources, max_repeat=self.max_repeat, replace=sorted(self.replace))
 
     # ------------------------------------------------------------------ identity and files
     def schedule_identity(self) -> list[list[Any]]:
@@ -166,20 +177,25 @@ class Mixture:
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "sources": {s.name: {"url": s.url, "weight": str(s.weight)} for s in self.sources},
             "schedule": [{"from_step": step, "weights": w} for step, w in self.schedule_identity()[1:]],
             "max_repeat": self.max_repeat,
         }
+        if self.replace:
+            out["replace"] = sorted(self.replace)
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, base_dir: str | None = None) -> Mixture:
         """A mixture from its file form; ``base_dir`` resolves relative local paths."""
         if not isinstance(data, Mapping) or "sources" not in data:
-            raise MixtureError("a mixture must be a mapping with 'sources' (and optionally 'schedule', 'max_repeat')")
-        extra = sorted(set(data) - {"sources", "schedule", "max_repeat"})
+            raise MixtureError(
+                "a mixture must be a mapping with 'sources' (and optionally 'schedule', 'max_repeat', 'replace')"
+            )
+        extra = sorted(set(data) - {"sources", "schedule", "max_repeat", "replace"})
         if extra:
-            raise MixtureError(f"unknown mixture keys {extra}; expected sources, schedule, max_repeat")
+            raise MixtureError(f"unknown mixture keys {extra}; expected sources, schedule, max_repeat, replace")
         raw = data["sources"]
         if not isinstance(raw, Mapping) or not raw:
             raise MixtureError('\'sources\' must map each source name to {"url": ..., "weight": ...}')
@@ -187,7 +203,7 @@ class Mixture:
         for name, spec in raw.items():
             url, weight = _pair(f"source {name!r}", spec, ("url", "weight"))
             sources.append(MixtureSource(str(name), _resolve(url, base_dir), weight))
-        return cls(sources, data.get("schedule"), data.get("max_repeat", DEFAULT_MAX_REPEAT))
+        return cls(sources, data.get("schedule"), data.get("max_repeat", DEFAULT_MAX_REPEAT), data.get("replace", ()))
 
     @classmethod
     def from_file(cls, path: str) -> Mixture:

@@ -107,19 +107,20 @@ class MixturePlanner:
                     f"mixture state source {rec.name!r}: its position is not on the phase's layout "
                     f"{phase.layout.identity()} ({rec.units} units per source-epoch)"
                 )
-            if rec.name not in self.planners:
+            if rec.name not in self.planners or self._replaced(rec):
                 continue
             if rec.version != self.versions[rec.name]:
                 raise StateError(
                     f"source {rec.name!r} is another dataset than the loader state's: found version "
                     f"{self.versions[rec.name]!r} at {self._url(rec.name)!r}, expected {rec.version!r} "
                     f"(the state's, saved on {self._saved_url(state, rec.name)}). "
-                    "A changed dataset cannot continue a position in another's plan; give it a new "
-                    "name to start it from its beginning"
+                    "A changed dataset cannot continue a position in another's plan; to start it from its "
+                    f"beginning, list it in the mixture's replace (replace: [{rec.name!r}]) or give it a new name"
                 )
             self.planners[rec.name].check(rec.position)
         same = (
-            phase.names == self.mixture.names
+            not any(self._replaced(rec) for rec in phase.sources)
+            and phase.names == self.mixture.names
             and phase.schedule == self.mixture.schedule_identity()
             and phase.layout.identity() == self.layout.identity()
         )
@@ -134,7 +135,7 @@ class MixturePlanner:
                     )
             return replace(state, about=self.about)
         counts = self.composition(phase).counts(state.step)
-        old = {rec.name: (rec, c) for rec, c in zip(phase.sources, counts)}
+        old = {rec.name: (rec, c) for rec, c in zip(phase.sources, counts) if not self._replaced(rec)}
         records = []
         for n in self.mixture.names:
             planner = self.planners[n]
@@ -146,6 +147,11 @@ class MixturePlanner:
             records.append(self._record(n, position))
         new = Phase(state.step, self.mixture.schedule_identity(), self.layout, records)
         return MixtureState(state.step, self.fingerprint, new, state.phases_before + 1, about=self.about)
+
+    def _replaced(self, rec: SourceRecord) -> bool:
+        """A source the mixture says was replaced (``replace``) that reads another dataset than
+        the state's record of that name: it starts from its beginning."""
+        return rec.name in self.mixture.replace and rec.name in self.versions and rec.version != self.versions[rec.name]
 
     def _url(self, name: str) -> str:
         return self.mixture.sources[self.mixture.names.index(name)].url

@@ -250,13 +250,19 @@ class MixtureState:
 def source_changes(old: Phase, new: Phase) -> list[str]:
     """What a resume from phase ``old`` into ``new`` changed in what the run trains on, in words:
     sources added or removed, weights or schedule. Empty when only the layout changed."""
-    added = [n for n in new.names if n not in old.names]
-    removed = [n for n in old.names if n not in new.names]
+    versions = {rec.name: rec.version for rec in old.sources}
     out = []
-    if added:
-        out.append(f"sources added {added} (each from its beginning)")
-    if removed:
-        out.append(f"sources removed {removed} (no more of their data is served)")
+    for rec in new.sources:
+        if rec.name not in versions:
+            out.append(f"source {rec.name!r} added (from its beginning)")
+        elif rec.version != versions[rec.name]:
+            out.append(
+                f"source {rec.name!r} replaced by another dataset (version {versions[rec.name]} -> "
+                f"{rec.version}), from its beginning"
+            )
+    for name in old.names:
+        if name not in new.names:
+            out.append(f"source {name!r} removed (no more of its data is served)")
     if old.schedule != new.schedule:
         out.append(f"weights {_weights(old)} -> {_weights(new)}")
     return out
