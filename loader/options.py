@@ -7,13 +7,14 @@ refused before any file is opened and each rule is stated once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..plan import Batching
 from ..plan.cost import CostModel
 from ..plan.packing import Packing
+from ..plan.schedule import Schedule, parse_schedule
 
 __all__ = ["BatchOptions", "WorkerOptions", "batch_options", "worker_options"]
 
@@ -41,6 +42,7 @@ class BatchOptions:
     collate_fn: Callable | None
     pad_id: int
     token_fields: tuple[str, ...] | None = None  # None: every per-token array field (loader/tokenfields.py)
+    schedule: Schedule | None = None  # batch_size by step: the plan's batch_size is its base
 
     @property
     def packing(self) -> Packing | None:
@@ -87,6 +89,7 @@ def batch_options(
     """The batching of the loader's keywords (`Batching` checks its own fields); ValueError naming
     the keyword where a combination cannot work. ``bucketing=None`` stays None: the dataset
     decides it once opened (`shardtool.plan.batching.default_bucketing`)."""
+    schedule, batch_size = _batch_size_schedule(batch_size, max_tokens, exact, cost_model, micro_batches)
     rows = None
     if seq_len is not None:
         if transform is not None or collate_fn is not None:
@@ -123,4 +126,29 @@ def batch_options(
         shuffle_block=shuffle_block,
         exact=exact,
     )
-    return BatchOptions(batching, packed_outputs, transform, collate_fn, int(pad_id), token_fields)
+    return BatchOptions(batching, packed_outputs, transform, collate_fn, int(pad_id), token_fields, schedule)
+
+
+def _batch_size_schedule(
+    batch_size: Any, max_tokens: Any, exact: bool, cost_model: Any, micro_batches: Any
+) -> tuple[Schedule | None, Any]:
+    """``batch_size={first step: size}``: the schedule, and the plan's batch size (its base)."""
+    if isinstance(max_tokens, Mapping):
+        raise ValueError(
+            "max_tokens by step is not supported yet: a schedule is given as batch_size={first step: "
+            "size} (samples, or rows of seq_len tokens)"
+        )
+    if not isinstance(batch_size, Mapping):
+        return None, batch_size
+    schedule = parse_schedule("batch_size", batch_size)
+    refused = {
+        "exact=True": exact,
+        "cost_model": cost_model is not None,
+        "micro_batches": micro_batches not in (None, 1),
+    }
+    for name, given in refused.items():
+        if given:
+            raise ValueError(f"batch_size by step (a schedule) cannot be combined with {name} yet; give one size")
+    if len(schedule.changes) == 1:
+        return None, schedule.changes[0][1]
+    return schedule, schedule.base

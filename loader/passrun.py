@@ -101,12 +101,11 @@ class PassRunner:
         self._pass_done()
 
     def _position_after(self, b: int) -> int:
-        """The position once the pass's batch ``b`` was handed over: b + 1, or, past skipped
-        steps (``_positions``: the pass's positions), the next one to serve."""
-        positions = getattr(self, "_positions", None)
-        if positions is None:
-            return b + 1
-        return self._state.last.with_served(int(positions[b]) + 1).served
+        """The position once the pass's batch ``b`` was handed over: b + 1, or where the pass's
+        batches are not the plan's (``_after``: past skipped steps, the next one to serve; with
+        a batch-size schedule, the end of the step's batches)."""
+        after = getattr(self, "_after", None)
+        return b + 1 if after is None else int(after[b])
 
     def _pass_done(self) -> None:
         self._start_epoch(self._epoch + 1)

@@ -16,6 +16,7 @@ from ..plan.batching import default_bucketing
 from ..plan.env import rank_placement
 from ..plan.mesh import as_mesh
 from ..plan.packing import with_packed_eos
+from ..plan.schedule import with_runs
 from ..plan.state import LoaderState, StateError, check_compatible
 from . import tokenfields
 from .errors import LoaderStateError
@@ -35,7 +36,9 @@ class ShardedLoader(PassRunner):
     """Batches of a packed dataset for one rank of a (possibly multi-node) training job.
 
     Exactly one of ``batch_size`` (samples per batch) and ``max_tokens`` (batch size x longest
-    length, padding counted) is given. The rank layout comes from the arguments, else an
+    length, padding counted) is given. ``batch_size`` may be a schedule by the run's step,
+    ``{0: 4, 2000: 8}``: the plan is made at the sizes' gcd and a step takes size / gcd of its
+    batches (`shardtool.plan.schedule`; docs/run-changes.md). The rank layout comes from the arguments, else an
     initialised torch.distributed (+ LOCAL_WORLD_SIZE), else torchrun's env, else SLURM's, else
     a single process. Every rank yields ``len(loader)`` batches this epoch, known before the
     first batch. ``state_dict()`` describes the batches handed to the training loop so far and
@@ -231,6 +234,9 @@ class ShardedLoader(PassRunner):
             token_fields=token_fields,
         )
         self.batching, self.packing, self.packed_outputs = opts.batching, opts.packing, opts.packed_outputs
+        self.schedule = opts.schedule  # batch_size by step: the plan is made at its base size
+        if self.schedule is not None and type(self) is not ShardedLoader:
+            raise ValueError("batch_size by step (a schedule) is not supported for a Mixture yet; give one size")
         self.transform, self.collate_fn, self.pad_id = opts.transform, opts.collate_fn, opts.pad_id
         self._bucketing = bucketing
         self._token_fields_wanted = opts.token_fields
@@ -307,9 +313,11 @@ class ShardedLoader(PassRunner):
             self.batching = replace(
                 self.batching, bucketing=default_bucketing(ds.manifest.length, self.batching.shuffle)
             )
+        self.batching = with_runs(self.batching, self.schedule)  # a step joins batches: runs of like lengths
         self.planner = Planner(ds, self.batching)
         self._epoch = 0
         self._state = self.planner.start(0, self.fingerprint, self.data_layout)  # ValueError: cannot plan
+        self._first_step = 0  # the run's step at the epoch's first batch (a batch-size schedule's steps)
         self._plan: RankPlan | None = None
         self._served = 0  # batches of the current plan handed to the training loop
         self._checked_epoch: int | None = None
@@ -366,10 +374,37 @@ class ShardedLoader(PassRunner):
         self._start_epoch(epoch)
 
     def _start_epoch(self, epoch: int) -> None:
+        if self.schedule is not None:
+            # The epoch after this one begins where this one's steps end; any other begins where
+            # whole epochs on this layout would have brought the run (as a fresh run counts).
+            following = epoch == self._epoch + 1 and self._plan is not None
+            self._first_step = self._first_step + self._steps()[1] if following else self._steps_before(epoch)
         self._epoch = epoch
         self._state = self.planner.start(epoch, self.fingerprint, self.data_layout)
         self._plan = None
         self._served = 0
+
+    # ------------------------------------------------------------------ batch-size schedule
+    def _steps(self) -> tuple[int, int]:
+        """(steps handed over, steps) of the current epoch: batches, or with a batch-size
+        schedule the steps they make from the epoch's first step (`shardtool.plan.schedule`)."""
+        state = self._state.with_served(self._served)
+        if self.schedule is None:
+            earlier = sum(s.delivered for s in state.segments[:-1])
+            return earlier + state.last.delivered, earlier + state.last.steps
+        step = self._first_step
+        for seg in state.segments[:-1]:
+            step += self.schedule.steps(step, seg.served)
+        done = step + self.schedule.steps(step, state.last.served)
+        total = step + self.schedule.steps(step, state.last.batches)
+        return done - self._first_step, total - self._first_step
+
+    def _steps_before(self, epoch: int) -> int:
+        """The run's step at ``epoch``'s first batch when every epoch before it ran whole on this layout."""
+        step = 0
+        for e in range(epoch):
+            step += self.schedule.steps(step, self.planner.start(e, self.fingerprint, self.data_layout).last.batches)
+        return step
 
     @property
     def plan(self) -> RankPlan:
@@ -439,13 +474,16 @@ class ShardedLoader(PassRunner):
         handed over, the next epoch's (a trainer reads it there to size that epoch)."""
         self._settle()
         self.plan  # noqa: B018 - the current segment is planned
-        return sum(s.delivered for s in self._state.segments[:-1]) + self._state.last.steps
+        return self._steps()[1]
 
     @property
     def batches_left(self) -> int:
         """Batches the next pass yields: ``len(loader)`` from an epoch's start, less after a resume."""
         self._settle()
         self.plan  # noqa: B018 - the current segment is planned
+        if self.schedule is not None:
+            done, total = self._steps()
+            return total - done
         return self._state.with_served(self._served).last.left
 
     @property
@@ -459,8 +497,12 @@ class ShardedLoader(PassRunner):
         plan = self.plan
         if self._served >= plan.batches_per_rank:
             state = self.planner.start(self._epoch + 1, self.fingerprint, self.data_layout)
+            if self.schedule is not None:
+                state.step = self._first_step + self._steps()[1]
         else:
             state = self._state.with_served(self._served)
+            if self.schedule is not None:
+                state.step = self._first_step
         return state.described(self._about()).to_dict()
 
     def _about(self) -> dict[str, Any]:
@@ -475,6 +517,8 @@ class ShardedLoader(PassRunner):
         The skip is recorded in `state_dict` (so a later resume, elastic or not, keeps it, and
         `shardtool trace` answers for the run as it went). Every rank must skip the same steps."""
         self._settle()
+        if self.schedule is not None:
+            raise ValueError("skip_steps with a batch-size schedule is not supported yet")
         live = getattr(self, "_pass", None)
         if live is not None and live() is not None:
             raise ValueError("skip_steps must come before the pass's first batch: a pass is under way")
@@ -511,6 +555,8 @@ class ShardedLoader(PassRunner):
             raise LoaderStateError(f"cannot load this loader state: {e}") from None
         start = resumed.last.served
         self._epoch = self._loaded_epoch = st.epoch
+        if self.schedule is not None:
+            self._first_step = st.step if st.step is not None else self._steps_before(st.epoch)
         self._state = resumed
         self._plan = plan
         self._served = start
@@ -540,11 +586,19 @@ class ShardedLoader(PassRunner):
         self._check_ranks_agree(plan)
         if getattr(self, "_staging", None) is not None:
             self._staging.begin_pass(self._epoch, plan, start)
-        self._positions = None
+        self._after = None  # the position after each of the pass's batches, where it is not b + 1
         segment = self._state.with_served(start).last
+        rows_per_batch: Any = self.batching.batch_size
         if segment.skipped:  # steps skipped: the pass is the positions still to serve, in order
-            self._positions = segment.unserved()
-            plan, start, n = plan.taking(self._positions), 0, int(self._positions.size)
+            positions = segment.unserved()
+            self._after = np.array([segment.with_served(int(p) + 1).served for p in positions], np.int64)
+            plan, start, n = plan.taking(positions), 0, int(positions.size)
+        elif self.schedule is not None:  # each step takes the next size(step) / base batches
+            step = self._first_step + self._steps()[0]
+            bounds = start + self.schedule.cut(step, n - start)
+            self._after = bounds[1:]
+            rows_per_batch = np.array([self.schedule.size_at(step + j) for j in range(bounds.size - 1)], np.int64)
+            plan, start, n = plan.grouped(bounds), 0, int(bounds.size - 1)
         where = f"rank {self.rank}/{self.layout.world_size}, epoch {self._epoch}"
         packed = None
         if self.packing is not None:
@@ -561,6 +615,7 @@ class ShardedLoader(PassRunner):
                 images=self.images,
                 image_transform=self.image_transform,
             )
+        scheduled = self.schedule is not None
         batches = PlanBatches(
             self.reader,
             plan.ids,
@@ -572,8 +627,10 @@ class ShardedLoader(PassRunner):
             lengths=plan.lengths,
             packed=packed,
             packed_rows=plan.batch_rows if packed is not None else None,
-            packed_stats=plan.packed_stats(self.batching.batch_size) if packed is not None else None,
-            packed_pass=(plan.rows, plan.row_offsets) if packed is not None else None,
+            packed_stats=plan.packed_stats(rows_per_batch) if packed is not None else None,
+            # Lean chunks lay out batches of one size; a schedule's steps are read one by one.
+            packed_pass=(plan.rows, plan.row_offsets) if packed is not None and not scheduled else None,
+            rows_per_batch=rows_per_batch if packed is not None and scheduled else None,
             costs=self._costs(plan),
             pad=plan.pad,
         )

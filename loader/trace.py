@@ -48,6 +48,7 @@ def traces(loader: Any, first: int, stop: int, *, epoch: int | None = None) -> l
             raise ValueError(f"step must be an int >= 0, found {step!r}")
     if getattr(loader, "mixture", None) is not None:
         return _mixture_steps(loader, int(first), int(stop))
+    _no_schedule(loader)
     state = _epoch_state(loader, epoch)
     earlier = sum(s.delivered for s in state.segments[:-1])  # steps: skipped batches are none
     if first < earlier:
@@ -74,6 +75,14 @@ def traces(loader: Any, first: int, stop: int, *, epoch: int | None = None) -> l
             }
         )
     return out
+
+
+def _no_schedule(loader: Any) -> None:
+    if getattr(loader, "schedule", None) is not None:
+        raise ValueError(
+            "tracing a loader with a batch-size schedule is not supported yet: its steps take several "
+            "of the plan's batches (trace a loader of the schedule's base batch_size for those batches)"
+        )
 
 
 def _epoch_state(loader: Any, epoch: int | None) -> LoaderState:
@@ -199,6 +208,7 @@ def find(loader: Any, sample: int, *, epoch: int | None = None, source: str | No
         raise ValueError(f"sample must be a global index in [0, {n_samples}), found {sample!r}")
     if mixture:
         return _mixture_find(loader, str(source), int(sample))
+    _no_schedule(loader)
     state = _epoch_state(loader, epoch)
     out = []
     for j, dp_rank, _, step, fields in _hits(planner, state, int(sample)):

@@ -42,6 +42,7 @@ class PlanBatches:
         packed_pass: tuple | None = None,
         costs: np.ndarray | None = None,
         pad: np.ndarray | None = None,
+        rows_per_batch: np.ndarray | None = None,
     ):
         self.reader = reader
         self.ids = ids
@@ -55,6 +56,7 @@ class PlanBatches:
         self.packed, self.packed_rows, self.packed_stats = packed, packed_rows, packed_stats
         self.packed_pass = packed_pass  # (rows, row_offsets) of the whole pass: read_planned lays out chunks
         self.pad = pad  # an exact plan's padding batches (`RankPlan.pad`): each batch then gets ``valid``
+        self.rows_per_batch = rows_per_batch  # packed, per batch (a batch-size schedule); else the reader's
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -103,7 +105,8 @@ class PlanBatches:
             if self.packed is not None:
                 if self.packed_pass is not None:
                     return self.packed.read_planned(*self.packed_pass, b, alloc)
-                return self.packed.read(self.packed_rows(b), alloc)
+                size = int(self.rows_per_batch[b]) if self.rows_per_batch is not None else None
+                return self.packed.read(self.packed_rows(b), alloc, rows_per_batch=size)
             if self.transform is None and self.collate_fn is None:
                 # Only a worker's output crosses a process boundary: pack bytes there only.
                 batch = self.reader.read_batch(ids, pack=alloc is not None, alloc=alloc)

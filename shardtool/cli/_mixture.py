@@ -18,7 +18,7 @@ def plan_mixture(args) -> int:
     from ..plan.mixture.planner import MixturePlanner
     from ..plan.mixture.span import check_repeat, span, steps_for_tokens
     from ._layout import data_layout_of, describe_layout
-    from ._plan import batching_of, layout_of, node_shards, peak_rss_mb, plan_source
+    from ._plan import batching_of, layout_of, node_shards, peak_rss_mb, plan_source, schedule_of
 
     if args.rank is not None or args.synthetic is not None:
         raise ShardtoolError("--rank and --synthetic plan one dataset; a mixture is planned from its sources' metadata")
@@ -29,6 +29,8 @@ def plan_mixture(args) -> int:
         batching = batching_of(args)
     except ValueError as e:
         raise ShardtoolError(str(e)) from None
+    if schedule_of(args) is not None:
+        raise ShardtoolError("a batch-size schedule is not supported for a mixture yet: give one --batch-size")
     if args.steps is None and args.tokens is None:
         raise ShardtoolError("a mixture has no epoch: give its length with --steps N or --tokens T")
     began = time.perf_counter()

@@ -28,7 +28,13 @@ def add_batching_arguments(p) -> None:
     from ..plan.cost import PRESETS
 
     size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--batch-size", type=int, help="samples per batch")
+    size.add_argument(
+        "--batch-size",
+        type=_batch_size,
+        metavar="N|STEP:N,...",
+        help="samples per batch; or a schedule by training step, 0:4,2000:8 (4 from step 0, 8 from step "
+        "2000), as ShardedLoader(batch_size={0: 4, 2000: 8})",
+    )
     size.add_argument("--max-tokens", type=int, help="token budget per batch, padding counted")
     pk = p.add_argument_group("sequence packing (with --batch-size: rows per batch)")
     pk.add_argument("--seq-len", type=int, default=None, metavar="S", help="pack documents into rows of S tokens")
@@ -90,6 +96,33 @@ def add_batching_arguments(p) -> None:
     )
 
 
+def _batch_size(text: str):
+    import argparse
+
+    from ..plan.schedule import parse_schedule_text
+
+    try:
+        return parse_schedule_text(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: a batch size (8) or a schedule (0:4,2000:8): {e}") from None
+
+
+def schedule_of(args):
+    """The batch-size schedule ``--batch-size`` gave (`shardtool.plan.schedule.Schedule`), or None."""
+    from ..plan.schedule import Schedule
+
+    size = getattr(args, "batch_size", None)
+    return size if isinstance(size, Schedule) and len(size.changes) > 1 else None
+
+
+def batch_size_of(args):
+    """``--batch-size`` as an int (a schedule's base size), or None."""
+    from ..plan.schedule import Schedule
+
+    size = getattr(args, "batch_size", None)
+    return size.base if isinstance(size, Schedule) else size
+
+
 def layout_of(args):
     from ..plan import Layout
 
@@ -110,7 +143,7 @@ def batching_of(args, source=None):
     # The ignores: plan is checked with strict_optional = false ([tool.mypy] overrides), so the
     # __init__ mypy makes for its dataclasses reads the `X | None` fields as X and refuses None.
     return Batching(
-        batch_size=args.batch_size,
+        batch_size=batch_size_of(args),
         max_tokens=args.max_tokens,
         shuffle=not args.no_shuffle,
         seed=args.seed,

@@ -11,8 +11,9 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
+from ..plan.schedule import with_runs
 from ._layout import data_layout_of
-from ._plan import batching_of, layout_of, peak_rss_mb, plan_source
+from ._plan import batching_of, layout_of, peak_rss_mb, plan_source, schedule_of
 
 if TYPE_CHECKING:
     from ..format.dataset import Dataset
@@ -56,7 +57,7 @@ def rank_job(args, summaries_path: str | None, result) -> None:
         source.summaries  # noqa: B018 - read, as a rank does at start-up
     layout = layout_of(args)
     data, dp_rank = data_layout_of(args, Placement(layout, layout.node_of(args.rank), args.rank))
-    batching = for_dataset(batching_of(args, source), source)
+    batching = with_runs(for_dataset(batching_of(args, source), source), schedule_of(args))
     planner = Planner(plan_source(source), batching)
     state = planner.start(args.epoch, "plan", data)
     plan = planner.rank_plan(state, dp_rank)

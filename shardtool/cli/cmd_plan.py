@@ -10,8 +10,18 @@ from typing import TYPE_CHECKING
 
 from ..format.sizes import format_size
 from ..plan.cost import CostModel
+from ..plan.schedule import with_runs
 from ._layout import LAYOUT_HELP, add_layout_arguments, data_layout_of, describe_layout
-from ._plan import add_batching_arguments, batching_of, layout_of, node_shards, peak_rss_mb, plan_source
+from ._plan import (
+    add_batching_arguments,
+    batch_size_of,
+    batching_of,
+    layout_of,
+    node_shards,
+    peak_rss_mb,
+    plan_source,
+    schedule_of,
+)
 from ._plan_rank import evaluate_rank, for_dataset
 
 if TYPE_CHECKING:
@@ -163,6 +173,8 @@ def run(args) -> int:
             batching = for_dataset(batching_of(args, source), source)
         except ValueError as e:
             raise ShardtoolError(str(e)) from None
+    schedule = schedule_of(args)
+    batching = with_runs(batching, schedule)
     summaries = source.summaries
     per_node_shards, node_bytes = node_shards(summaries, data, layout, shard_bytes)
     compression = None if manifest is None else manifest.compression
@@ -181,7 +193,7 @@ def run(args) -> int:
             **described,
         },
         "batching": {
-            "batch_size": args.batch_size,
+            "batch_size": batch_size_of(args),
             "max_tokens": args.max_tokens,
             "seed": args.seed,
             "epoch": args.epoch,
@@ -242,6 +254,9 @@ def run(args) -> int:
             )
             if batching.exact:
                 report["padding_batches"] = sim.padding_batches
+            if schedule is not None:
+                served = float(summaries.tokens.sum()) * (1.0 - sim.remainder_tokens_fraction)
+                report["schedule"] = schedule_report(schedule, args.epoch, sim.shape.batches_per_rank, served)
             if cost is not None and unbalanced is not None:
                 report["compute_balance"] = {
                     "cost_model": {"a": cost.a, "b": cost.b},
@@ -332,6 +347,8 @@ def _print(report: dict, data) -> None:
             )
         if "compute_balance" in report:
             _print_balance(report["compute_balance"], out)
+        if "schedule" in report:
+            _print_schedule(report["schedule"], out)
         out(
             f"planning      {report['plan_seconds']:.2f} s to simulate every group, peak RSS "
             f"{report['peak_rss_mb']:.0f} MB (a training rank plans only its own: --rank R)\n"
@@ -348,6 +365,38 @@ def _print(report: dict, data) -> None:
             f"plain/node    min {format_size(p['min'])}  mean {format_size(p['mean'])}  max {format_size(p['max'])} "
             f"(the node cache decompresses {report['compression']} shards; bytes/node above is stored, "
             "what warm moves and what warm --keep-compressed keeps)\n"
+        )
+
+
+def schedule_report(schedule, epoch: int, batches: int, served_tokens: float) -> dict:
+    """A batch-size schedule over the planned epoch: its steps by size, with samples (rows) and
+    about how many tokens each size takes, and where the epochs around it begin."""
+    first = schedule.epoch_first_step(epoch, batches)
+    per_batch = served_tokens / batches if batches else 0.0  # every rank's planned batch together
+    phases = [{**ph, "tokens": int(round(ph["batches"] * per_batch))} for ph in schedule.phases(first, batches)]
+    return {
+        "changes": [list(c) for c in schedule.changes],
+        "base": schedule.base,
+        "epoch_first_step": first,
+        "next_epoch_first_step": first + schedule.steps(first, batches),
+        "steps": schedule.steps(first, batches),
+        "phases": phases,
+    }
+
+
+def _print_schedule(report: dict, out) -> None:
+    out(
+        f"schedule      batch size by step {', '.join(f'{s}: {n}' for s, n in report['changes'])}; planned at "
+        f"{report['base']} a batch, a step takes size/{report['base']} of them\n"
+    )
+    out(
+        f"              this epoch: steps {report['epoch_first_step']:,}..{report['next_epoch_first_step'] - 1:,} "
+        f"({report['steps']:,} steps; every epoch before it whole)\n"
+    )
+    for ph in report["phases"]:
+        out(
+            f"              steps {ph['from_step']:,}..{ph['to_step']:,}: size {ph['size']} x {ph['steps']:,} "
+            f"steps, about {ph['tokens']:,} tokens\n"
         )
 
 

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from ..format.errors import ShardtoolError
-from ._plan import add_batching_arguments
+from ._plan import add_batching_arguments, batch_size_of, schedule_of
 
 HELP = "which samples (and pieces of them) a rank's batch at a step holds, from the plan alone"
 DESCRIPTION = """\
@@ -75,8 +75,9 @@ def run(args) -> int:
     from ..loader.trace import dump, find, sample_of, traces
     from ..plan.mixture import Mixture, is_mixture_file
 
+    schedule = schedule_of(args)
     kw = dict(
-        batch_size=args.batch_size,
+        batch_size=dict(schedule.changes) if schedule is not None else batch_size_of(args),
         max_tokens=args.max_tokens,
         seq_len=args.seq_len,
         packing=args.packing,

@@ -99,6 +99,14 @@ def fit_group(starts: np.ndarray, target: int, epoch: int, pad: bool = False) ->
     return np.concatenate([new_begin, empty]), np.concatenate([new_end, empty])
 
 
-def deal_order(per_rank: int, group_size: int) -> np.ndarray:
-    """Group batch positions in rank-major order: local rank j gets batches j, j+k, j+2k, ..."""
-    return np.arange(per_rank * group_size).reshape(per_rank, group_size).T.ravel()
+def deal_order(per_rank: int, group_size: int, runs: int | None = None) -> np.ndarray:
+    """Group batch positions in rank-major order: local rank j gets batches j, j+k, j+2k, ...;
+    with ``runs``, runs of that many neighbours in turn (j's run is batches j*runs .. j*runs +
+    runs - 1, then (j + k)*runs ...), and the batches past the last whole runs one by one."""
+    k = group_size
+    if runs is None or runs <= 1:
+        return np.arange(per_rank * k).reshape(per_rank, k).T.ravel()
+    whole = per_rank // runs
+    head = np.arange(whole * k * runs).reshape(whole, k, runs).transpose(1, 0, 2).reshape(k, whole * runs)
+    tail = whole * k * runs + np.arange((per_rank - whole * runs) * k).reshape(-1, k).T
+    return np.concatenate([head, tail], axis=1).ravel()

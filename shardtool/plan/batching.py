@@ -104,6 +104,13 @@ class Batching:
     What a batch mixes is one block's samples, not the group's: a weaker shuffle, chosen. (With a
     cost model, the balanced deal orders the steps across the epoch: blocks then decide only
     which samples share a batch, not the order shards are read in.)
+
+    `run_batches` (bucketed batches, with ``shuffle``): the batches of each window, sorted by
+    length, are shuffled and dealt to a rank in runs of this many neighbours instead of one by
+    one, so that a few consecutive batches of a rank are of like lengths: a batch-size schedule
+    (`shardtool.plan.schedule`) joins consecutive batches into one step, which then pads little.
+    A rank's batch lengths then fall over each run and jump at the next, as in the megabatches
+    of Hugging Face's ``LengthGroupedSampler``.
     """
 
     batch_size: int | None = None
@@ -119,6 +126,7 @@ class Batching:
     micro_batches: int | None = None
     shuffle_block: int | None = None
     exact: bool = False
+    run_batches: int | None = None
 
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.max_tokens is None):
@@ -153,6 +161,9 @@ class Batching:
             raise ValueError(
                 "shuffle_block cuts bucketed batches, not packed rows (for rows read in storage order: packing='stream')"
             )
+        _optional_positive("run_batches", self.run_batches)
+        if self.run_batches is not None and (self.packing is not None or self.exact or self.balance is not None):
+            raise ValueError("run_batches orders bucketed batches: not packed rows, exact plans or balanced deals")
         if not isinstance(self.exact, bool):
             raise ValueError(f"exact must be a bool, found {self.exact!r}")
         if self.exact:
@@ -195,7 +206,7 @@ class Batching:
         fields["packing"] = self.packing.fingerprint() if self.packing is not None else None
         if self.drop_last is None:
             del fields["drop_last"]  # the default: fingerprints (and saved states) from before it still match
-        for name in ("balance", "balance_window", "micro_batches", "shuffle_block"):  # likewise, unset
+        for name in ("balance", "balance_window", "micro_batches", "shuffle_block", "run_batches"):  # likewise
             if fields[name] is None:
                 del fields[name]
         if not self.exact:
@@ -263,7 +274,7 @@ def bucket(
         ids, lens = ids[perm], lens[perm]
     if not batching.bucketing:
         starts = in_order_starts(lens, batching)
-        return _shuffle_batches(ids, np.append(starts, n), rng)
+        return _shuffle_batches(ids, np.append(starts, n), rng, batching.run_batches)
     positions = np.arange(n, dtype=np.int64)
     if batching.batch_size is not None:
         window_id = positions // window
@@ -281,7 +292,7 @@ def bucket(
         starts = _fixed_starts(window_starts, window_stops, batching.batch_size)
     else:
         starts = _budget_starts(window_starts, window_stops, lens, batching.max_tokens)
-    return _shuffle_batches(ids, np.append(starts, n), rng)
+    return _shuffle_batches(ids, np.append(starts, n), rng, batching.run_batches)
 
 
 def block_samples(batching: Batching) -> int:
@@ -321,11 +332,20 @@ def _window_order(lens: np.ndarray, window_id: np.ndarray) -> np.ndarray:
     return by_length[np.argsort(window_id[by_length].astype(np.uint16), kind="stable")]
 
 
-def _shuffle_batches(ids: np.ndarray, starts: np.ndarray, rng) -> tuple[np.ndarray, np.ndarray]:
+def _shuffle_batches(
+    ids: np.ndarray, starts: np.ndarray, rng, runs: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Batches in a random order: one by one, or in runs of ``runs`` neighbours kept in order."""
     if rng is None:
         return ids, starts
     sizes = np.diff(starts)
-    perm = rng.permutation(sizes.size)
+    if runs is None:
+        perm = rng.permutation(sizes.size)
+    else:
+        count = -(-sizes.size // runs)
+        first = rng.permutation(count) * runs
+        perm = (first[:, None] + np.arange(runs)).ravel()
+        perm = perm[perm < sizes.size]
     ids = gather_runs(ids, starts[:-1][perm], sizes[perm])
     return ids, np.concatenate([[0], np.cumsum(sizes[perm])]).astype(np.int64)
 

@@ -125,7 +125,7 @@ def plan_group(source: PlanSource, shape: PlanShape, group: int, epoch: int) -> 
             batching.micro_batches or 1,
         )
     else:
-        order = deal_order(n, k)
+        order = deal_order(n, k, batching.run_batches)
     begin, end = begin[order], end[order]
     kept = gather_runs(ordered, begin, end - begin)
     offsets = np.concatenate([[0], np.cumsum(end - begin)]).astype(np.int64)

@@ -74,14 +74,31 @@ class RankPlan:
             pad=self.pad[positions] if self.pad is not None else None,
         )
 
-    def packed_stats(self, rows_per_batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Packed, per batch: pieces, real tokens, tokens of its rows_per_batch rows."""
+    def grouped(self, bounds: np.ndarray) -> RankPlan:
+        """This plan's batches ``bounds[j] .. bounds[j + 1] - 1`` as its batch j (the steps of a
+        batch-size schedule, `shardtool.plan.schedule`): consecutive batches, so views."""
+        bounds = np.asarray(bounds, dtype=np.int64)
+        if self.pad is not None:
+            raise ValueError("an exact plan's padding batches cannot be grouped")
+        return dataclasses.replace(
+            self,
+            batches_per_rank=int(bounds.size - 1),
+            offsets=self.offsets[bounds],
+            row_offsets=self.row_offsets[bounds] if self.row_offsets is not None else None,
+        )
+
+    def packed_stats(self, rows_per_batch: int | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Packed, per batch: pieces, real tokens, tokens of its rows_per_batch rows (one number,
+        or one per batch)."""
         spans = np.diff(self.rows.row_offsets[self.row_offsets])
         before = np.concatenate([[0], np.cumsum(self.rows.span_len)])
         tokens = (
             before[self.rows.row_offsets[self.row_offsets[1:]]] - before[self.rows.row_offsets[self.row_offsets[:-1]]]
         )
-        return spans, tokens, np.full(self.batches_per_rank, rows_per_batch * self.rows.seq_len, np.int64)
+        padded = np.broadcast_to(
+            np.asarray(rows_per_batch, dtype=np.int64) * self.rows.seq_len, (self.batches_per_rank,)
+        )
+        return spans, tokens, padded.copy()
 
     @property
     def fill_rate(self) -> float:

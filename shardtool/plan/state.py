@@ -38,7 +38,7 @@ class StateError(ValueError):
 
 def _int(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise StateError(f"segment {name} must be an int >= {low}, found {value!r}")
+        raise StateError(f"loader state {name} must be an int >= {low}, found {value!r}")
     return value
 
 
@@ -170,6 +170,9 @@ class LoaderState:
     version: int = STATE_VERSION
     # What it was saved for, in words (`shardtool.plan.about`): None in states from before it.
     about: dict[str, Any] | None = None
+    # The run's step at the epoch's first batch, kept by a loader with a batch-size schedule
+    # (`shardtool.plan.schedule`), whose steps are the run's; None: not recorded (saved as "step").
+    step: int | None = None
 
     @classmethod
     def start(
@@ -236,6 +239,7 @@ class LoaderState:
             list(self.segments),  # frozen: shared, never changed in place
             self.version,
             self.about,
+            self.step,
         )
 
     def described(self, about: Mapping[str, Any] | None) -> LoaderState:
@@ -254,6 +258,8 @@ class LoaderState:
         }
         if self.about is not None:
             out["about"] = parse_about(self.about)
+        if self.step is not None:
+            out["step"] = self.step
         return out
 
     @classmethod
@@ -266,9 +272,10 @@ class LoaderState:
         if data.get("version") == 1:
             return cls._from_v1(data, batching)
         expected = {"version", "epoch", "dataset_fingerprint", "batching_fingerprint", "segments"}
-        if set(data) - {"about"} != expected:  # "about": optional, states from before it lack it
+        # "about": optional, states from before it lack it; "step": a scheduled run's only.
+        if set(data) - {"about", "step"} != expected:
             raise StateError(
-                f"loader state keys: found {sorted(data)}, expected {sorted(expected)} and optionally 'about'"
+                f"loader state keys: found {sorted(data)}, expected {sorted(expected)} and optionally 'about', 'step'"
             )
         if data["version"] != STATE_VERSION:
             raise StateError(f"unsupported loader state version: found {data['version']!r}, expected {STATE_VERSION}")
@@ -287,6 +294,7 @@ class LoaderState:
             parsed,
             STATE_VERSION,
             parse_about(data.get("about")),
+            _int("step", data["step"], 0) if "step" in data else None,
         )
 
     @classmethod

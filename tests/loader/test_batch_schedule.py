@@ -1,0 +1,343 @@
+"""Batch-size ramps (issue 36 item 1): ``batch_size={first step: size}``.
+
+The plan is made at the schedule's base size (the sizes' gcd) and step t takes the next
+size(t) / base planned batches: so the samples (packed: rows) a scheduled run serves over an
+epoch are, in order, those of the run at the base size, every rank changes at the same step,
+and a state saved before, at or after a change resumes with the uninterrupted run's steps, on
+the same layout or another. Real data: stdlib files as byte ids and short /usr/share/doc files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import shardtool
+from realtext import byte_ids, doc_files, stdlib_files
+from runcli import shardtool_cli
+from shardtool.loader import Mixture, ShardedLoader
+from shardtool.loader.trace import trace
+from shardtool.plan.schedule import parse_schedule
+from skips import require
+from torchrun import torchrun
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    paths = [p for p in stdlib_files(200) if os.path.getsize(p) > 0] + [
+        p for p in doc_files() if 0 < os.path.getsize(p) <= 4096
+    ][:160]
+    require(len(paths) >= 300, "too few stdlib files or /usr/share/doc files here")
+    rows = [{"tokens": byte_ids(p), "path": p} for p in paths]
+    out = {}
+    for fmt in ("arrow", "tar"):
+        root = str(tmp_path_factory.mktemp("sched") / fmt)
+        shardtool.pack(rows, root, format=fmt, length="tokens", shard_size=sum(r["tokens"].nbytes for r in rows) // 3)
+        out[fmt] = root
+    return out
+
+
+def _keys(batch) -> list:
+    return list(batch["__key__"])
+
+
+def _ranks(url, world, **kw):
+    kw.setdefault("num_workers", 0)
+    return [
+        ShardedLoader(url, rank=r, world_size=world, ranks_per_node=world, pin_memory=False, **kw) for r in range(world)
+    ]
+
+
+RAMP = {0: 2, 5: 4, 12: 8}
+
+
+def _efficiency(batches) -> float:
+    """Real tokens / padded tokens of bucketed batches (their ``lengths``)."""
+    real = sum(int(b["lengths"].sum()) for b in batches)
+    return real / sum(int(b["lengths"].max()) * len(b["lengths"]) for b in batches)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,workers", [(1, 0), (3, 0), (3, 2)])
+def test_a_ramp_serves_every_sample_once_with_the_scheduled_sizes(corpus, world, workers):
+    base = _ranks(corpus["arrow"], world, batch_size=2, seed=3, num_workers=workers)
+    ramp = _ranks(corpus["arrow"], world, batch_size=RAMP, seed=3, num_workers=workers)
+    lens = {len(ld) for ld in ramp}
+    assert len(lens) == 1  # equal counts: every rank takes the same steps
+    n = lens.pop()
+    schedule = parse_schedule("batch_size", RAMP)
+    every, served = [], []
+    for b, r in zip(base, ramp):
+        every += [k for x in b for k in _keys(x)]
+        got = [_keys(x) for x in r]
+        assert len(got) == n
+        served += [k for g in got for k in g]
+        sizes = [len(g) for g in got]
+        assert sizes[:-1] == [schedule.size_at(t) for t in range(len(got) - 1)]
+        assert 1 <= sizes[-1] <= schedule.size_at(len(got) - 1)  # the epoch's last step may be short
+        b.close()
+        r.close()
+    # Nothing lost or repeated: the samples of the run at the base size, each once.
+    assert len(served) == len(set(served)) and sorted(served) == sorted(every)
+
+
+@pytest.mark.timeout(300)
+def test_a_bucketed_ramps_steps_pad_less_than_joined_batches_of_the_base_size(corpus):
+    """A step joins consecutive planned batches; they are dealt in runs of like lengths
+    (`Batching.run_batches`), so a step pads far less than the same number of batches of the
+    base plan, which are shuffled one by one, would when joined."""
+    schedule = parse_schedule("batch_size", RAMP)
+    ramp = ShardedLoader(corpus["arrow"], batch_size=RAMP, seed=5, num_workers=0)
+    assert ramp.batching.run_batches == 4 * 8 // 2
+    steps = [b for b in ramp]
+    base = [b for b in ShardedLoader(corpus["arrow"], batch_size=2, seed=5, num_workers=0)]
+    cut = schedule.cut(0, len(base))
+    joined = [{"lengths": torch.cat([base[i]["lengths"] for i in range(a, z)])} for a, z in zip(cut[:-1], cut[1:])]
+    big = [b for b in steps if len(b["lengths"]) > 2]
+    assert _efficiency(big) > _efficiency([b for b in joined if len(b["lengths"]) > 2]) + 0.05
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "packing,outputs,seq_len,workers",
+    [("best-fit", "full", 1024, 0), ("stream", "lean", 256, 2), ("no-split", "full", 2048, 0)],
+)
+def test_a_ramp_of_packed_rows_serves_the_base_runs_rows(corpus, packing, outputs, seq_len, workers):
+    kw = dict(seq_len=seq_len, packing=packing, packed_outputs=outputs, seed=1, num_workers=workers, pin_memory=False)
+    kw["token_fields"] = []
+    ramp = {0: 1, 3: 2, 9: 4}
+    base = [b["input_ids"] for b in ShardedLoader(corpus["tar"], batch_size=1, **kw)]
+    ld = ShardedLoader(corpus["tar"], batch_size=ramp, **kw)
+    n = len(ld)
+    got = list(ld)
+    assert len(got) == n and n < len(base)
+    schedule = parse_schedule("batch_size", ramp)
+    for t, batch in enumerate(got):  # every step's rows: the schedule's size, the last padded to it
+        assert batch["input_ids"].shape == (schedule.size_at(t), seq_len)
+    rows = torch.cat([b["input_ids"] for b in got])
+    want = torch.cat(base)
+    assert torch.equal(rows[: want.shape[0]], want)
+    assert not rows[want.shape[0] :].any()  # the short last step's padding rows
+    if outputs == "full":
+        for batch in got:  # each row's labels: its own tokens shifted, never the next row's
+            assert torch.equal(
+                batch["labels"][:, :-1][batch["labels"][:, :-1] != -100],
+                batch["input_ids"][:, 1:][batch["labels"][:, :-1] != -100],
+            )
+
+
+def _run_from(url, world, state, **kw):
+    loaders = _ranks(url, world, **kw)
+    if state is not None:
+        for ld in loaders:
+            ld.load_state_dict(state)
+    return loaders
+
+
+@pytest.mark.timeout(600)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sizes=st.lists(st.sampled_from([1, 2, 3, 4, 6]), min_size=2, max_size=4),
+    gaps=st.lists(st.integers(1, 12), min_size=3, max_size=3),
+    world=st.integers(1, 3),
+    world_after=st.integers(1, 3),
+    stop=st.integers(0, 60),
+    seed=st.integers(0, 3),
+)
+def test_a_resume_before_at_or_after_a_change_continues_the_run(corpus, sizes, gaps, world, world_after, stop, seed):
+    changes = {0: sizes[0]}
+    step = 0
+    for size, gap in zip(sizes[1:], gaps):
+        step += gap
+        changes[step] = size
+    kw = dict(batch_size=changes, seed=seed)
+    whole = [[_keys(b) for b in ld] for ld in _ranks(corpus["arrow"], world, **kw)]
+    n = len(whole[0])
+    stop = min(stop, n - 1)  # (after the last step the state is the next epoch's start)
+    first = _ranks(corpus["arrow"], world, **kw)
+    its = [iter(ld) for ld in first]
+    for it in its:
+        for _ in range(stop):
+            next(it)
+    state = first[0].state_dict()
+    assert all(ld.state_dict() == state for ld in first)  # one state, every rank
+    json.dumps(state)
+    if world_after == world:  # the same layout: the uninterrupted run's steps, exactly
+        rest = [[_keys(b) for b in ld] for ld in _run_from(corpus["arrow"], world, state, **kw)]
+        assert rest == [w[stop:] for w in whole]
+        return
+    # Another layout: the rest of the epoch re-dealt; still nothing repeated, equal counts.
+    resumed = _run_from(corpus["arrow"], world_after, state, **kw)
+    left = {ld.batches_left for ld in resumed}
+    leftover = resumed[0].plan.leftover_batches  # (read before the pass: after it, the next epoch's)
+    assert len({len(ld) for ld in resumed}) == 1 and len(left) == 1
+    rest = [[_keys(b) for b in ld] for ld in resumed]
+    assert {len(r) for r in rest} == left
+    served = [k for w in whole for b in w[:stop] for k in b] + [k for r in rest for b in r for k in b]
+    assert len(served) == len(set(served))
+    every = [k for w in whole for b in w for k in b]
+    # What the re-deal left over (whole base batches, fewer than the new DP size) is all that is missing.
+    missing = set(every) - set(served)
+    assert len(missing) <= leftover * world_after * sizes_base(changes)
+    # The steps after the resume take the sizes the schedule gives those steps.
+    schedule = parse_schedule("batch_size", changes)
+    for t, b in enumerate(rest[0][:-1], start=stop):
+        assert len(b) == schedule.size_at(t)
+
+
+def sizes_base(changes) -> int:
+    return parse_schedule("batch_size", changes).base
+
+
+@pytest.mark.timeout(300)
+def test_the_steps_go_on_across_epochs(corpus):
+    kw = dict(batch_size={0: 2, 40: 4, 120: 8}, seed=2)
+    ld = _ranks(corpus["arrow"], 1, **kw)[0]
+    schedule = parse_schedule("batch_size", kw["batch_size"])
+    step, sizes, states = 0, [], {}
+    for epoch in range(3):
+        assert ld.epoch == epoch
+        n = len(ld)
+        for j, batch in enumerate(ld):
+            sizes.append((step, len(batch["__key__"]), j == n - 1))
+            step += 1
+            if j == 3:
+                states[epoch] = ld.state_dict()
+    assert all(size == schedule.size_at(t) for t, size, last in sizes if not last)
+    # A state of epoch 1 resumes at the run's step (the schedule counts the run's steps).
+    again = _ranks(corpus["arrow"], 1, **kw)[0]
+    again.load_state_dict(states[1])
+    first_of_1 = next(t for t, _, last in sizes if last) + 1
+    assert states[1]["step"] == first_of_1
+    got = [len(b["__key__"]) for b in again]
+    want = [size for t, size, _ in sizes if first_of_1 + 4 <= t < first_of_1 + 4 + len(got)]
+    assert got == want
+    # A fresh loader asked for epoch 2 counts the run's steps as whole epochs did.
+    fresh = _ranks(corpus["arrow"], 1, **kw)[0]
+    fresh.set_epoch(2)
+    first_of_2 = [t for t, _, last in sizes if last][1] + 1
+    assert [len(b["__key__"]) for b in fresh] == [size for t, size, _ in sizes if t >= first_of_2]
+    # A state without a schedule's step (saved by a loader of the base size: packed rows, whose
+    # plan a schedule leaves as it is) counts the run's steps as whole epochs would have.
+    rows = dict(seq_len=512, seed=2, token_fields=[])
+    plain = _ranks(corpus["arrow"], 1, batch_size=1, **rows)[0]
+    plain.set_epoch(2)
+    moved = _ranks(corpus["arrow"], 1, batch_size={0: 1, 30: 2}, **rows)[0]
+    moved.load_state_dict(plain.state_dict())
+    ahead = _ranks(corpus["arrow"], 1, batch_size={0: 1, 30: 2}, **rows)[0]
+    ahead.set_epoch(2)
+    assert "step" not in plain.state_dict() and len(moved) == len(ahead)
+    assert [b["input_ids"].shape[0] for b in moved] == [b["input_ids"].shape[0] for b in ahead] != []
+
+
+def test_a_schedule_is_refused_where_it_cannot_work_yet(corpus):
+    url = corpus["arrow"]
+    for kw, words in [
+        (dict(batch_size={5: 4}), "from step 0"),
+        (dict(batch_size={0: 4, 10: 0}), "sizes (ints >= 1)"),
+        (dict(batch_size={0: 4, 10: 8}, exact=True), "exact=True"),
+        (dict(batch_size={0: 4, 10: 8}, cost_model="llama-7b"), "cost_model"),
+        (dict(max_tokens={0: 4096, 10: 8192}), "max_tokens by step"),
+    ]:
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            ShardedLoader(url, num_workers=0, **kw)
+    with pytest.raises(ValueError, match="Mixture"):
+        ShardedLoader(Mixture({"a": (url, 1.0)}), batch_size={0: 2, 4: 4}, steps=10, num_workers=0)
+    ld = ShardedLoader(url, batch_size={0: 2, 4: 4}, num_workers=0)
+    with pytest.raises(ValueError, match="skip_steps"):
+        ld.skip_steps(5, 8)
+    with pytest.raises(ValueError, match="batch-size schedule"):
+        trace(ld, 3)
+    # One size is no schedule: the loader (and its states) are those of batch_size=size.
+    one = ShardedLoader(url, batch_size={0: 4}, num_workers=0, seed=1)
+    assert (
+        one.schedule is None
+        and one.state_dict() == ShardedLoader(url, batch_size=4, num_workers=0, seed=1).state_dict()
+    )
+
+
+def test_a_state_of_another_base_size_is_refused(corpus):
+    ld = ShardedLoader(corpus["arrow"], batch_size={0: 2, 4: 4}, num_workers=0)
+    next(iter(ld))
+    other = ShardedLoader(corpus["arrow"], batch_size={0: 3, 4: 6}, num_workers=0)
+    with pytest.raises(Exception, match="batching"):
+        other.load_state_dict(ld.state_dict())
+
+
+@pytest.mark.timeout(400)
+def test_torchrun_ramp_resumed_after_a_kill_matches_the_uninterrupted_run(corpus, tmp_path):
+    out = str(tmp_path)
+
+    def launch(phase: str, ok: bool = True) -> None:
+        res = torchrun("schedule_worker.py", 2, "--data", corpus["arrow"], "--out", out, "--phase", phase, timeout=200)
+        assert (res.returncode == 0) == ok, res.stderr[-4000:]
+
+    launch("whole")
+    launch("killed", ok=False)  # rank 1 killed with SIGKILL at step 8
+    saved = json.load(open(os.path.join(out, "state.json")))
+    assert 1 <= saved["steps"] <= 8
+    launch("resumed")
+    for r in range(2):
+        whole = json.load(open(os.path.join(out, f"whole.rank{r}.json")))
+        resumed = json.load(open(os.path.join(out, f"resumed.rank{r}.json")))
+        assert resumed["len"] == whole["len"]
+        start = saved["steps"]
+        assert sorted(map(int, resumed["steps"])) == list(range(start, whole["len"]))
+        assert all(resumed["steps"][str(s)] == whole["steps"][str(s)] for s in range(start, whole["len"]))
+        sizes = [len(whole["steps"][str(s)]) for s in range(whole["len"] - 1)]
+        assert sizes == [4] * 10 + [8] * (whole["len"] - 11)  # the ramp, at the same step on every rank
+
+
+def test_schedule_cut_property():
+    @settings(max_examples=300, deadline=None)
+    @given(
+        sizes=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+        gaps=st.lists(st.integers(1, 20), min_size=3, max_size=3),
+        first=st.integers(0, 80),
+        count=st.integers(0, 200),
+        split=st.integers(0, 60),
+    )
+    def check(sizes, gaps, first, count, split):
+        changes = {0: sizes[0]}
+        step = 0
+        for size, gap in zip(sizes[1:], gaps):
+            step += gap
+            changes[step] = size
+        s = parse_schedule("batch_size", changes)
+        cut = s.cut(first, count)
+        assert cut[0] == 0 and cut[-1] == count and (np.diff(cut) > 0).all()
+        steps = np.diff(cut)
+        for j, k in enumerate(steps[:-1]):
+            assert k * s.base == s.size_at(first + j)
+        if steps.size:
+            assert steps[-1] * s.base <= s.size_at(first + steps.size - 1)
+        # Resuming at any step boundary cuts the rest as the whole did.
+        j = min(split, steps.size)
+        assert np.array_equal(cut[j] + s.cut(first + j, count - int(cut[j])), cut[j:])
+
+    check()
+
+
+def test_shardtool_plan_shows_the_schedules_steps(corpus):
+    """`shardtool plan --batch-size 0:2,5:4,12:8` says the epoch's steps by size as the loader takes them."""
+    res = shardtool_cli("plan", corpus["arrow"], "--batch-size", "0:2,5:4,12:8", "--epoch", "1", "--json")
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)["schedule"]
+    ld = ShardedLoader(corpus["arrow"], batch_size=RAMP, num_workers=0)
+    n0 = len(ld)
+    ld.set_epoch(1)
+    assert got["epoch_first_step"] == n0 and got["steps"] == len(ld)
+    assert [(p["size"], p["steps"]) for p in got["phases"]] == [(8, len(ld))]
+    text = shardtool_cli("plan", corpus["arrow"], "--batch-size", "0:2,5:4,12:8")
+    assert text.returncode == 0 and "steps 0..4: size 2 x 5 steps" in text.stdout, text.stdout
+    assert "steps 5..11: size 4 x 7 steps" in text.stdout
+    bad = shardtool_cli("plan", corpus["arrow"], "--batch-size", "5:2")
+    assert bad.returncode != 0 and "from step 0" in bad.stderr
+    refused = shardtool_cli("trace", corpus["arrow"], "--batch-size", "0:2,5:4", "--step", "3")
+    assert refused.returncode != 0 and "batch-size schedule" in refused.stderr
