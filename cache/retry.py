@@ -1,7 +1,8 @@
 """Retrying transient source errors: exponential backoff with full jitter, per-attempt timeouts,
 an overall deadline. Only the transient I/O errors declared below are retried; anything else is
 raised at once: a 404, a refusal or a storage client's other errors as a permanent RemoteError
-naming the object, our own errors and Python's (a TypeError is a bug, not an outage) as they are.
+naming the object, our own errors and Python's (a TypeError is a bug, not an outage) as they are,
+and what is not an ``Exception`` (an interrupt) untouched.
 """
 
 from __future__ import annotations
@@ -117,11 +118,13 @@ def with_retries(
             timeout = left if timeout is None else min(timeout, left)
         try:
             return fn(timeout)
-        except (KeyboardInterrupt, MemoryError, SystemExit):
+        except MemoryError:
             raise
         except FileNotFoundError:
             raise SourceMissing(f"{what}: not found in the source (404); not retried") from None
-        except BaseException as e:
+        except Exception as e:  # not BaseException: an interrupt (Ctrl-C, SystemExit, the loader's
+            # stall watchdog's StallInterrupt, a cancellation) must reach its handler as itself,
+            # never read as a refusal of the source
             if not is_transient(e):
                 if raised_as_is(e):
                     raise

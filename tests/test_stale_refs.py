@@ -26,6 +26,7 @@ THEIRS = {
     "ToTensor", "TokensLoader", "DeviceMesh", "DoubleTensor", "LightningDataModule", "LightningModule", "ModelCheckpoint",
     "CombinedLoader", "DistributedDataParallel", "FileNotFoundError", "TypeError", "ValueError",
     "RuntimeError", "OSError", "BufferError", "IndexError", "AttributeError", "NotImplementedError", "KeyError",
+    "LengthGroupedSampler", "SlowDown",
 }  # fmt: skip
 
 PATH = re.compile(
