@@ -23,6 +23,8 @@ from ..format.atomic import TMP_PREFIX, fsync_dir
 from ..format.dataset import is_local
 from ..format.hashing import format_digest, hash_bytes, hash_fileobj, new_hasher
 from ..format.manifest import ShardInfo
+from ..format.nodeshare import shared_read
+from ..format.storage import share_key
 from .errors import LocalFault, SourceCorrupt, SourceUnavailable
 from .kcopy import DestinationError, copy_range
 from .perms import DEFAULT_PERMS, Perms
@@ -61,14 +63,23 @@ class Origin:
         return posixpath.join(self.root, rel) if self.root else rel
 
     def read_bytes(self, rel: str, *, policy: RetryPolicy, deadline: float | None = None) -> bytes:
+        """A whole small file (manifest, summaries, an index): read once per node for a job's ranks
+        (`shardtool.format.nodeshare`), with retries."""
         path = self.path(rel)
         if self.local:  # a local read cannot be abandoned usefully; no watchdog thread per file
-            return with_retries(lambda t: self.fs.cat_file(path), what=path, policy=policy, deadline=deadline)
-        return with_retries(
-            lambda t: call_with_timeout(lambda: self.fs.cat_file(path), _min(t, policy.stall_timeout)),
-            what=path,
-            policy=policy,
-            deadline=deadline,
+            return shared_read(
+                share_key(self.fs, path),
+                lambda: with_retries(lambda t: self.fs.cat_file(path), what=path, policy=policy, deadline=deadline),
+                local=True,
+            )
+        return shared_read(
+            share_key(self.fs, path),
+            lambda: with_retries(
+                lambda t: call_with_timeout(lambda: self.fs.cat_file(path), _min(t, policy.stall_timeout)),
+                what=path,
+                policy=policy,
+                deadline=deadline,
+            ),
         )
 
     def holding(self, info: ShardInfo) -> Origin:

@@ -8,6 +8,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from ..format.nodeshare import SHARE_ENV
 from ..format.sizes import format_size
 from ..plan.cost import CostModel
 from ..plan.schedule import with_runs
@@ -212,6 +213,7 @@ def run(args) -> int:
         },
         "bytes_per_node_max_over_mean": float(node_bytes.max() / node_bytes.mean()) if node_bytes.mean() else 1.0,
         "shards_per_node": {"min": min(map(len, per_node_shards)), "max": max(map(len, per_node_shards))},
+        "startup_requests": startup_requests([len(s) for s in per_node_shards], layout.ranks_per_node),
     }
     if compression:
         report["compression"] = compression
@@ -355,6 +357,12 @@ def _print(report: dict, data) -> None:
         )
     s = report["shards_per_node"]
     out(f"shards/node   {s['min']}..{s['max']}\n")
+    r = report["startup_requests"]
+    out(
+        f"requests      per node {r['per_node']['min']:,}..{r['per_node']['max']:,} reads of metadata ({r['metadata']} of "
+        f"manifest, summaries and lengths + a sample index per shard), {r['total']:,} in all: once per node, "
+        f"not per rank (without it, {SHARE_ENV}=0: {r['without_sharing']:,})\n"
+    )
     out(
         f"bytes/node    min {format_size(b['min'])}  mean {format_size(b['mean'])}  max {format_size(b['max'])} "
         f"(max/mean {report['bytes_per_node_max_over_mean']:.3f}; whole shards to cache)\n"
@@ -366,6 +374,23 @@ def _print(report: dict, data) -> None:
             f"(the node cache decompresses {report['compression']} shards; bytes/node above is stored, "
             "what warm moves and what warm --keep-compressed keeps)\n"
         )
+
+
+# Reads of metadata a node makes at start-up besides its shards' sample indexes: the manifest, the
+# summaries, the lengths file's header and the node's range of it (tests/cache/test_node_share.py).
+METADATA_READS = 4
+
+
+def startup_requests(shards_per_node: list[int], ranks_per_node: int) -> dict:
+    """Reads of metadata files the layout makes at start-up (and for the sample indexes of the
+    epoch), each fetched once per node for its ranks (`shardtool.format.nodeshare`)."""
+    per_node = [METADATA_READS + n for n in shards_per_node]
+    return {
+        "metadata": METADATA_READS,
+        "per_node": {"min": min(per_node), "max": max(per_node)},
+        "total": sum(per_node),
+        "without_sharing": sum(per_node) * ranks_per_node,
+    }
 
 
 def schedule_report(schedule, epoch: int, batches: int, served_tokens: float) -> dict:

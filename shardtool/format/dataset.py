@@ -22,7 +22,7 @@ from .fields import decode_bytes, npy_layout
 from .hashing import hash_bytes, range_checksum
 from .manifest import MANIFEST_NAME, Manifest, check_length_summary, lengths_from_bytes, manifest_hash
 from .sindex import ShardIndex, as_numpy
-from .storage import dataset_fs, is_local, open_range, read_file, read_manifest, shard_location
+from .storage import cat_shared, dataset_fs, is_local, open_range, read_file, read_manifest, shard_location
 from .summaries import SUMMARIES_NAME, ShardSummaries
 
 __all__ = ["Dataset", "SummariesMissing", "decode_sample", "is_local", "open_dataset", "open_range"]
@@ -164,14 +164,14 @@ class Dataset:
             raise ValueError(f"sample range [{lo}, {hi}) is outside [0, {self.manifest.num_samples}]")
         path = self._path(self.manifest.lengths_file["path"])
         try:
-            head = self.fs.cat_file(path, start=0, end=4096)
+            head = cat_shared(self.fs, path, 0, 4096)
             dtype, shape, _, offset = npy_layout(head)
             if len(shape) != 1 or shape[0] != self.manifest.num_samples or dtype.kind not in "iu":
                 raise ValueError(f"expected {self.manifest.num_samples} integer lengths, found {shape} {dtype}")
             if hi == lo:
                 return np.zeros(0, np.int64)
             size = dtype.itemsize
-            data = self.fs.cat_file(path, start=offset + lo * size, end=offset + hi * size)
+            data = cat_shared(self.fs, path, offset + lo * size, offset + hi * size)
         except FileNotFoundError:
             raise FormatError(f"dataset {self.url}: lengths file {path} not found") from None
         except ValueError as e:
@@ -219,7 +219,7 @@ class Dataset:
 
     def read_summaries_bytes(self) -> bytes | None:
         try:
-            return self.fs.cat_file(self._path(SUMMARIES_NAME))
+            return cat_shared(self.fs, self._path(SUMMARIES_NAME))
         except FileNotFoundError:
             return None
 

@@ -4,11 +4,13 @@ remote stores (through fsspec), and opening a dataset URL with errors that say w
 from __future__ import annotations
 
 import errno
+import json
 import os
 import posixpath
 
 from .errors import FormatError
 from .manifest import MANIFEST_NAME
+from .nodeshare import shared_read
 
 __all__ = [
     "LocalRange",
@@ -24,6 +26,21 @@ __all__ = [
 
 def is_local(fs) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,))
+
+
+def share_key(fs, path: str, start: int | None = None, end: int | None = None) -> str:
+    """What a read is, for `nodeshare.shared_read`: the filesystem and its options, path, range."""
+    options = json.dumps(getattr(fs, "storage_options", {}), sort_keys=True, default=str)
+    return f"{fs.protocol}|{options}|{path}|{start}|{end}"
+
+
+def cat_shared(fs, path: str, start: int | None = None, end: int | None = None) -> bytes:
+    """``fs.cat_file(path, start, end)``, fetched once per node for a job's ranks (`nodeshare`)."""
+
+    def read() -> bytes:
+        return fs.cat_file(path) if start is None and end is None else fs.cat_file(path, start=start, end=end)
+
+    return shared_read(share_key(fs, path, start, end), read, local=is_local(fs))
 
 
 class LocalRange:
@@ -107,7 +124,7 @@ def read_manifest(fs, root: str, url: str) -> bytes:
     ``url`` is instead (a file such as a JSONL source, a directory without a dataset, nothing)."""
     path = posixpath.join(root, MANIFEST_NAME) if root else MANIFEST_NAME
     try:
-        return fs.cat_file(path)
+        return cat_shared(fs, path)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         pass
     try:
@@ -125,7 +142,7 @@ def read_manifest(fs, root: str, url: str) -> bytes:
 
 def read_file(fs, path: str, *, what: str) -> bytes:
     try:
-        return fs.cat_file(path)
+        return cat_shared(fs, path)
     except FileNotFoundError:
         raise FormatError(f"{what}: {path} not found") from None
 
