@@ -392,12 +392,30 @@ class ShardedLoader(PassRunner):
         if self.schedule is None:
             earlier = sum(s.delivered for s in state.segments[:-1])
             return earlier + state.last.delivered, earlier + state.last.steps
+        step = self._first_step  # batches delivered (skipped ones are none) make the steps
+        for seg in state.segments[:-1]:
+            step += self.schedule.steps(step, seg.delivered)
+        done = step + self.schedule.steps(step, state.last.delivered)
+        total = step + self.schedule.steps(step, state.last.steps)
+        return done - self._first_step, total - self._first_step
+
+    def _batches_of_steps(self, state: LoaderState, first: int, stop: int) -> tuple[int, int]:
+        """Steps ``first .. stop - 1`` of the epoch (a schedule's) as the epoch's delivered
+        batches `LoaderState.skipping` takes; only steps of the current segment not yet served."""
+        done, total = self._steps()
+        if not (isinstance(first, int) and isinstance(stop, int)) or not done <= first < stop <= total:
+            raise StateError(
+                f"steps to skip must be first:stop with {done} <= first < stop <= {total} (the epoch's steps "
+                f"not yet served), found {first!r}:{stop!r}"
+            )
+        last = state.last
+        earlier = state.served - last.delivered  # batches delivered on earlier layouts
         step = self._first_step
         for seg in state.segments[:-1]:
-            step += self.schedule.steps(step, seg.served)
-        done = step + self.schedule.steps(step, state.last.served)
-        total = step + self.schedule.steps(step, state.last.batches)
-        return done - self._first_step, total - self._first_step
+            step += self.schedule.steps(step, seg.delivered)
+        cut = self.schedule.cut(step, last.steps)
+        steps_before = step - self._first_step
+        return earlier + int(cut[first - steps_before]), earlier + int(cut[stop - steps_before])
 
     def _steps_before(self, epoch: int) -> int:
         """The run's step at ``epoch``'s first batch when every epoch before it ran whole on this layout."""
@@ -517,13 +535,14 @@ class ShardedLoader(PassRunner):
         The skip is recorded in `state_dict` (so a later resume, elastic or not, keeps it, and
         `shardtool trace` answers for the run as it went). Every rank must skip the same steps."""
         self._settle()
-        if self.schedule is not None:
-            raise ValueError("skip_steps with a batch-size schedule is not supported yet")
         live = getattr(self, "_pass", None)
         if live is not None and live() is not None:
             raise ValueError("skip_steps must come before the pass's first batch: a pass is under way")
         try:
-            state = self._state.with_served(self._served).skipping(first, stop)
+            state = self._state.with_served(self._served)
+            if self.schedule is not None:  # the steps' planned batches, as the state counts them
+                first, stop = self._batches_of_steps(state, first, stop)
+            state = state.skipping(first, stop)
         except StateError as e:
             raise ValueError(f"cannot skip steps {first}:{stop}: {e}") from None
         self._state, self._served = state, state.last.served
@@ -589,16 +608,21 @@ class ShardedLoader(PassRunner):
         self._after = None  # the position after each of the pass's batches, where it is not b + 1
         segment = self._state.with_served(start).last
         rows_per_batch: Any = self.batching.batch_size
-        if segment.skipped:  # steps skipped: the pass is the positions still to serve, in order
+        if segment.skipped or self.schedule is not None:
+            # The positions still to serve, in order (past skipped steps); with a schedule, each
+            # step takes the next size(step) / base of them.
             positions = segment.unserved()
-            self._after = np.array([segment.with_served(int(p) + 1).served for p in positions], np.int64)
-            plan, start, n = plan.taking(positions), 0, int(positions.size)
-        elif self.schedule is not None:  # each step takes the next size(step) / base batches
-            step = self._first_step + self._steps()[0]
-            bounds = start + self.schedule.cut(step, n - start)
-            self._after = bounds[1:]
-            rows_per_batch = np.array([self.schedule.size_at(step + j) for j in range(bounds.size - 1)], np.int64)
-            plan, start, n = plan.grouped(bounds), 0, int(bounds.size - 1)
+            bounds = np.arange(positions.size + 1, dtype=np.int64)
+            if self.schedule is not None:
+                step = self._first_step + self._steps()[0]
+                bounds = self.schedule.cut(step, int(positions.size))
+                sizes = [self.schedule.size_at(step + j) for j in range(bounds.size - 1)]
+                rows_per_batch = np.array(sizes, np.int64)
+            plan = plan.taking(positions) if segment.skipped else plan
+            if self.schedule is not None:
+                plan = plan.grouped(bounds if segment.skipped else start + bounds)
+            self._after = segment.after(positions[bounds[1:] - 1]) if positions.size else np.zeros(0, np.int64)
+            start, n = 0, int(bounds.size - 1)
         where = f"rank {self.rank}/{self.layout.world_size}, epoch {self._epoch}"
         packed = None
         if self.packing is not None:

@@ -71,6 +71,11 @@ def run(args) -> int:
     if args.steps is None:
         raise ShardtoolError("skip needs --steps A:B")
     first, stop = _steps(args.steps)
+    if state.step is not None:  # its steps join planned batches by a schedule this file does not hold
+        raise ShardtoolError(
+            f"{args.path}: a state of a loader with a batch-size schedule (its steps take several planned "
+            "batches each); skip its steps with loader.skip_steps(A, B) after load_state_dict"
+        )
     try:
         edited = state.skipping(first, stop).to_dict()
     except StateError as e:

@@ -101,6 +101,13 @@ class Segment:
             keep[a:b] = False
         return np.flatnonzero(keep).astype(np.int64)
 
+    def after(self, positions: np.ndarray) -> np.ndarray:
+        """The position once each of ``positions`` was served: the next one, past a skipped range."""
+        nxt = np.asarray(positions, dtype=np.int64) + 1
+        for a, b in self.skipped:
+            nxt = np.where((nxt >= a) & (nxt < b), b, nxt)
+        return nxt
+
     def position_of(self, step: int) -> int:
         """The position of this segment's ``step``-th delivered batch (steps count as `delivered`)."""
         position = int(step)

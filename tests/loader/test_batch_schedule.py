@@ -250,8 +250,6 @@ def test_a_schedule_is_refused_where_it_cannot_work_yet(corpus):
     with pytest.raises(ValueError, match="Mixture"):
         ShardedLoader(Mixture({"a": (url, 1.0)}), batch_size={0: 2, 4: 4}, steps=10, num_workers=0)
     ld = ShardedLoader(url, batch_size={0: 2, 4: 4}, num_workers=0)
-    with pytest.raises(ValueError, match="skip_steps"):
-        ld.skip_steps(5, 8)
     with pytest.raises(ValueError, match="batch-size schedule"):
         trace(ld, 3)
     # One size is no schedule: the loader (and its states) are those of batch_size=size.
@@ -260,6 +258,66 @@ def test_a_schedule_is_refused_where_it_cannot_work_yet(corpus):
         one.schedule is None
         and one.state_dict() == ShardedLoader(url, batch_size=4, num_workers=0, seed=1).state_dict()
     )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("packed", [False, True], ids=["bucketed", "packed"])
+def test_skipping_steps_of_a_ramp_moves_the_data_past_them(corpus, world, packed):
+    """A ramp rolled back to step 6 skipping steps 9..12 (across its change at step 12's
+    neighbourhood): the steps go on counting with the schedule's sizes, the data of the skipped
+    steps is never served, every other sample once; a later resume keeps the skip."""
+    kw = dict(batch_size={0: 1, 5: 2, 11: 4}, seed=6)
+    if packed:
+        kw.update(seq_len=512, token_fields=[])
+
+    def units(batch) -> list:
+        """A batch's samples (keys), or its rows (their tokens: a long document's pieces share keys)."""
+        if not packed:
+            return _keys(batch)
+        return [row.numpy().tobytes() for row in batch["input_ids"] if row.any()]
+
+    run = [[units(b) for b in ld] for ld in _ranks(corpus["arrow"], world, **kw)]
+    first = _ranks(corpus["arrow"], world, **kw)
+    for ld in first:
+        it = iter(ld)
+        for _ in range(6):
+            next(it)
+    state = first[0].state_dict()
+    resumed = _run_from(corpus["arrow"], world, state, **kw)
+    for ld in resumed:
+        ld.skip_steps(9, 13)
+    n = len(run[0])
+    schedule = parse_schedule("batch_size", kw["batch_size"])
+    sizes_kw = "input_ids" if packed else "__key__"
+    mid = None
+    for r, ld in enumerate(resumed):
+        assert len(ld) < n
+        got = []
+        for j, batch in enumerate(ld, start=6):
+            got.append(units(batch))
+            if j < len(ld) - 1:
+                assert len(batch[sizes_kw]) == schedule.size_at(j)  # the steps go on counting
+            if r == 0 and j == 10:
+                mid = ld.state_dict()
+        assert got[:3] == run[r][6:9]  # before the skip: the run's own steps
+        # After it, the data of the run's steps 13 on, in order, in steps of the schedule's sizes:
+        # the skipped steps' data never, every other unit once.
+        assert [u for b in got for u in b] == [u for b in run[r][6:9] + run[r][13:] for u in b]
+    if world == 1 and not packed:  # `shardtool state skip` cannot know the schedule: it says so
+        path = os.path.join(os.path.dirname(corpus["arrow"]), "sched-state.json")
+        with open(path, "w") as f:
+            json.dump(mid, f)
+        res = shardtool_cli("state", "skip", path, "--steps", "20:22")
+        assert res.returncode != 0 and "loader.skip_steps" in res.stderr, res.stderr
+    # A resume after the skip keeps it (recorded in the state), with the same steps as the skip run.
+    again = _run_from(corpus["arrow"], world, mid, **kw)
+    whole = _run_from(corpus["arrow"], world, state, **kw)
+    for ld in whole:
+        ld.skip_steps(9, 13)
+    for a, w in zip(again, whole):
+        want = [units(b) for b in w][5:]
+        assert [units(b) for b in a] == want
 
 
 def test_a_state_of_another_base_size_is_refused(corpus):
