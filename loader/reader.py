@@ -66,10 +66,11 @@ class BatchReader:
 
     @property
     def by_view(self) -> bool:
-        """Shards are read through views: local ones, and compressed Arrow ones wherever they are
-        (remote too, or every training batch would fetch whole each record batch it touches)."""
+        """Shards are read through views: local ones, and Arrow ones wherever they are (remote
+        ones keep the record batches they fetched, `loader.batchcache`: read sample by sample, a
+        shuffled pass fetched a record batch about once per sample in it, ~10x the share)."""
         src = self.source
-        return src.local or (not self.tar and src.dataset.manifest.compression is not None)
+        return src.local or not self.tar
 
     def _view(self, shard: int) -> ShardView:
         v = self._views.get(shard)
@@ -82,7 +83,8 @@ class BatchReader:
         index = ds.shard_index(shard)
         name = ds.manifest.shards[shard].path
         plain = self._inflated.get(shard) if self._inflated is not None else None
-        compressed = plain is None and ds.shard_compressed(shard)
+        # A remote Arrow shard's record batches are fetched and kept as a compressed one's are.
+        compressed = plain is None and (ds.shard_compressed(shard) or not src.local)
         if plain is not None:
             mapped: MappedFile | InflatedShard | RemoteShard = InflatedShard(plain, name)
         else:
@@ -96,7 +98,7 @@ class BatchReader:
                 pad_field=self.pad_field,
                 allow_pickle=ds.allow_pickle,
                 compressed=compressed,
-                plain_bytes=ds.manifest.shards[shard].raw_bytes or 0,
+                plain_bytes=ds.manifest.shards[shard].raw_bytes or ds.manifest.shards[shard].bytes,
                 fetch=None if src.local else self._fetcher(ds, shard, index),
             )
         except BaseException:
