@@ -31,6 +31,18 @@ from ..format.sizes import parse_size
 PREFETCH_MIN = 8  # fewer missing batches than this are decompressed in the calling thread
 THREADS = min(4, os.cpu_count() or 1)
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool): a forked worker makes its own
+# Remote record batches are fetched, not decompressed: waiting on the store, not on a core. A
+# training batch's missing ones are fetched this many at once (each a ranged request).
+FETCH_THREADS = 16
+_fetch_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def fetch_pool() -> ThreadPoolExecutor:
+    """This process's `FETCH_THREADS` threads for remote record batches."""
+    global _fetch_pool
+    if _fetch_pool is None or _fetch_pool[0] != os.getpid():
+        _fetch_pool = (os.getpid(), ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="shardtool-fetch"))
+    return _fetch_pool[1]
 
 
 def decompress_pool() -> ThreadPoolExecutor | None:
@@ -186,10 +198,14 @@ class CompressedBatches:
         its own (one reader is not documented safe to share), and cache them; a batch that fails
         is left for `_decoded` to raise about."""
         missing = [k for k in batches if (self.uid, k) not in CompressedBatches._cache]
-        pool = decompress_pool() if len(missing) >= PREFETCH_MIN else None
+        if self.fetch is not None and len(missing) >= 2:  # remote: overlap the requests' waits
+            pool, threads = fetch_pool(), FETCH_THREADS
+        else:
+            pool, threads = (decompress_pool() if len(missing) >= PREFETCH_MIN else None), THREADS
         if pool is None:
             return
-        parts = [missing[t::THREADS] for t in range(THREADS)]
+        parts = [missing[t::threads] for t in range(threads)]
+        parts = [p for p in parts if p]
         for part in pool.map(self._decompress_part, parts):
             for k, rb in part:
                 self._decoded(k, rb)

@@ -55,7 +55,8 @@ class BatchReader:
         if self._pid != os.getpid():
             self._views = OrderedDict()
             self._remote_seen = set()
-            self._source = self.spec.open()
+            parent = self._source.dataset if self._source is not None and self._source.cache is None else None
+            self._source = self.spec.open(parent)
             self._pid = os.getpid()
             m = self._source.dataset.manifest
             self.offsets = m.shard_offsets()
@@ -121,6 +122,8 @@ class BatchReader:
         reads (loader/inflate.py); call it in the rank's process before workers fork. Returns
         the shards it decompresses now."""
         src = self.source
+        if not src.local and len(ids):
+            self._read_indexes_ahead(ids)
         if not src.local or self.tar or src.dataset.manifest.compression is None or not len(ids):
             return []
         if self._inflated is None:
@@ -128,6 +131,16 @@ class BatchReader:
         shards, first = np.unique(self.locate(ids)[0], return_index=True)
         # In the order the pass first reads them: the fill reaches the shards of batch b first.
         return self._inflated.for_pass(src, shards[np.argsort(first, kind="stable")].tolist(), drop=self._drop_view)
+
+    def _read_indexes_ahead(self, ids: np.ndarray) -> None:
+        """Fetch the sample indexes of the remote shards ``ids`` read, all at once, before the
+        workers fork (they inherit them): a worker would otherwise fetch each one the first time a
+        batch touches its shard, one request's wait after another, and every worker again."""
+        from .batchcache import fetch_pool
+
+        ds = self.source.dataset
+        shards = np.unique(self.locate(ids)[0]).tolist()
+        list(fetch_pool().map(ds.shard_index, shards))  # errors: raised here, naming the shard
 
     def _drop_view(self, shard: int) -> None:
         v = self._views.pop(shard, None)

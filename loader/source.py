@@ -28,8 +28,10 @@ class SourceSpec:
     cache_dir: str | None = None
     storage_options: dict | None = field(default=None, hash=False)
 
-    def open(self) -> Source:
-        return Source(self)
+    def open(self, parent: Dataset | None = None) -> Source:
+        """This process's source; ``parent``: the dataset the process it was forked from had open
+        (a remote one without a cache is reopened from it: its metadata needs no new request)."""
+        return Source(self, parent)
 
 
 class MappedFile:
@@ -93,7 +95,7 @@ class Source:
         """The node cache it reads through (`shardtool.cache.DatasetCache`), or None."""
         return self._cache
 
-    def __init__(self, spec: SourceSpec):
+    def __init__(self, spec: SourceSpec, parent: Dataset | None = None):
         self.spec = spec
         self._cache = None
         self._verifier = None
@@ -106,6 +108,8 @@ class Source:
             check_job_finding(spec.cache_dir, spec.url, os.environ)
             self._cache = open_cache(spec.url, spec.cache_dir, storage_options=spec.storage_options)
             self.dataset: Dataset = self._cache.dataset
+        elif parent is not None and not is_local(parent.fs):
+            self.dataset = parent.reopened()
         else:
             self.dataset = open_dataset(spec.url, storage_options=spec.storage_options)
             if is_local(self.dataset.fs):

@@ -46,6 +46,7 @@ class Dataset:
         manifest_bytes: bytes | None = None,
     ):
         self.url = url
+        self.storage_options = storage_options
         if fs is None:
             fs, root = dataset_fs(url, storage_options)
         self.fs = fs
@@ -61,11 +62,26 @@ class Dataset:
         self._indexes: dict[int, ShardIndex] = {}
         self._ranges: dict[int, Any] = {}
         self._arrow: dict[int, Any] = {}
+        self._remote_schema: Any = None  # the schema remote record batches are decoded with
         self._last_batch: tuple = (None, None, None)  # rows of one record batch are read in runs
         self._lock = threading.Lock()
         self._field_names = self.manifest.field_names
         # shard s holds samples [offsets[s], offsets[s+1]); computed once, not per shard index loaded
         self._offsets = self.manifest.shard_offsets()
+
+    def reopened(self) -> Dataset:
+        """This dataset for another process (a forked loader worker): its own filesystem session
+        and file handles, the metadata already read and parsed carried over (manifest, summaries,
+        lengths, sample indexes, the remote schema), so a worker makes no request for them."""
+        ds = Dataset(
+            self.url,
+            storage_options=self.storage_options,
+            allow_pickle=self.allow_pickle,
+            manifest_bytes=self.manifest_bytes,
+        )
+        ds._summaries, ds._lengths, ds._remote_schema = self._summaries, self._lengths, self._remote_schema
+        ds._indexes = dict(self._indexes)
+        return ds
 
     # ------------------------------------------------------------------ paths
     def _path(self, rel: str) -> str:
@@ -349,11 +365,22 @@ class Dataset:
         bytes as stored, checked against the index checksum before it is decoded (decompressed).
         Safe to call from several threads at once (readers that fetch batches in parallel)."""
         idx = self.shard_index(shard)
-        reader = self._arrow_reader(shard)  # footer and schema, checked once per shard
         if idx.checksums is None:
+            reader = self._arrow_reader(shard)  # footer and schema, checked once per shard
             with self._lock:  # an older dataset: read through the shard's one open file
                 return reader.get_batch(int(idx.batch[i]))  # type: ignore[index]  # an Arrow index has batch
-        return record_batch_from_range(self._verified_range(shard, idx, i), reader.schema)
+        return record_batch_from_range(self._verified_range(shard, idx, i), self._batch_schema(shard))
+
+    def _batch_schema(self, shard: int):
+        """The schema a record batch of ``shard`` is decoded with: a local shard's own footer's
+        (a map: free); for remote shards, one footer's for all of them (every shard's schema is the
+        manifest's fields, checked on that read): a footer costs three ranged requests, and a
+        diskless pass would pay them per shard and per process before its first batch."""
+        if is_local(self.shard_fs(shard)):
+            return self._arrow_reader(shard).schema
+        if self._remote_schema is None:
+            self._remote_schema = self._arrow_reader(shard).schema
+        return self._remote_schema
 
     def _read_arrow(self, shard: int, idx: ShardIndex, i: int) -> dict[str, Any]:
         b = int(idx.batch[i])  # type: ignore[index]  # an Arrow index has batch and row columns

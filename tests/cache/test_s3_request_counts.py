@@ -233,3 +233,23 @@ def test_loader_with_a_cache_fetches_each_shard_whole_once(served, s3_proxy, tmp
     c = s3_proxy.reset()
     show("second loader on the filled cache (start-up and epoch)", c)
     assert set(gets(c)) == {key(MANIFEST_NAME)}, gets(c)
+
+
+def test_workers_reuse_the_metadata_their_rank_read_and_fetch_indexes_once(served, s3_proxy):  # noqa: F811
+    """A forked worker reopens the dataset from its rank's (its own session, the manifest,
+    summaries and sample indexes carried over), and the pass's indexes are fetched once, at
+    once, before the workers fork: 2 workers make no metadata request of their own."""
+    src, url = served
+    m = open_dataset(src).manifest
+    want = batches(src)
+    s3_proxy.reset()
+    ld = ShardedLoader(url, storage_options=s3_proxy.storage_options, **{**LOADER, "num_workers": 2})
+    got = [{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in ld]
+    c = s3_proxy.counts()
+    show("loader start-up + epoch, no cache, 2 workers", c)
+    assert got == want
+    g = gets(c)
+    assert g[key(MANIFEST_NAME)] == 1 and g[key(SUMMARIES_NAME)] == 1
+    assert all(g[key(s.index)] == 1 for s in m.shards), {s.index: g[key(s.index)] for s in m.shards}
+    read = sum(c.bytes_by_key[key(s.path)] for s in m.shards)
+    assert read <= 2.1 * sum(s.bytes for s in m.shards)  # each worker fetches the record batches it reads

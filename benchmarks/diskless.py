@@ -1,0 +1,98 @@
+"""Reading a remote dataset with no local disk against reading it from a warmed node cache
+(issue 38 item 3), at a simulated training step, behind a store that answers slowly.
+
+Packs real text (stdlib source files as byte-id tokens, plain Arrow shards), uploads it to a moto
+server on 127.0.0.1 behind the proxy of tests/s3proxy.py, which adds ``--latency`` seconds to
+every answer. Each side runs one epoch of a 1-rank loader (``--workers`` workers) whose trainer
+sleeps ``--step`` seconds a batch, and reports the time the trainer waited for data
+(``metrics()['cumulative']['wait_s']``): the warmed side reads a node cache `shardtool warm`
+filled first (not timed); the diskless side reads the store directly (``cache_dir=None``; the
+record batches it fetches are kept in memory, loader/batchcache.py). Sides alternate, ``--rounds``
+times; medians and ranges are printed, and the ratio of the medians (target: diskless within 1.5x).
+
+    python benchmarks/diskless.py [--files 600] [--latency 0.05] [--step 0.05] [--rounds 3]
+
+From a checkout only (it needs tests/ and moto). Run it on a quiet machine: it times waits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))
+
+from s3proxy import Faults, S3Proxy, stdlib_dataset  # noqa: E402
+from s3server import S3Server  # noqa: E402
+
+
+def _epoch(url, opts, *, cache_dir, step: float, **kw) -> tuple[float, int, list]:
+    from shardtool.loader import ShardedLoader
+
+    ld = ShardedLoader(url, storage_options=opts, cache_dir=cache_dir, **kw)
+    keys = []
+    for batch in ld:
+        keys += list(batch["__key__"])
+        time.sleep(step)  # the trainer's step: the workers read ahead meanwhile
+    wait = ld.metrics()["cumulative"]["wait_s"]
+    ld.close()
+    return wait, len(keys), keys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--files", type=int, default=600, help="stdlib files packed (default 600)")
+    ap.add_argument("--latency", type=float, default=0.05, help="seconds added to every answer (default 0.05)")
+    ap.add_argument("--step", type=float, default=0.05, help="the trainer's seconds per batch (default 0.05)")
+    ap.add_argument("--batch-size", type=int, default=8, help="samples per batch (default 8)")
+    ap.add_argument("--workers", type=int, default=2, help="loader workers (default 2)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of both sides (default 3)")
+    a = ap.parse_args(argv)
+
+    from shardtool.cache import warm
+    from shardtool.format import open_dataset
+
+    work = tempfile.mkdtemp(prefix="diskless-")
+    src = stdlib_dataset(os.path.join(work, "ds"), files=a.files)
+    m = open_dataset(src).manifest
+    kw = dict(batch_size=a.batch_size, num_workers=a.workers, seed=0, rank=0, world_size=1, pin_memory=False)
+    server = S3Server().start()
+    try:
+        url = server.upload(src, f"diskless{int(time.time())}/ds")
+        print(
+            f"{url}: {len(m.shards)} shards, {m.num_samples} samples, {sum(s.bytes for s in m.shards) / 1e6:.1f} MB; "
+            f"{a.latency * 1e3:.0f} ms a request, a step of {a.step * 1e3:.0f} ms, {a.workers} workers"
+        )
+        with S3Proxy(server.endpoint, Faults(latency=a.latency)) as proxy:
+            opts = proxy.storage_options
+            cache = os.path.join(work, "cache")
+            report = warm(url, cache, storage_options=opts, jobs=8, progress=False)
+            assert report.status == "ok", report.summary()
+            waits: dict[str, list[float]] = {"warmed cache": [], "diskless": []}
+            keys = {}
+            for _ in range(a.rounds):
+                for side, cache_dir in (("warmed cache", cache), ("diskless", None)):
+                    wait, n, got = _epoch(url, opts, cache_dir=cache_dir, step=a.step, **kw)
+                    waits[side].append(wait)
+                    keys[side] = got
+            assert keys["warmed cache"] == keys["diskless"], "the two sides served different batches"
+    finally:
+        server.stop()
+    steps = -(-m.num_samples // a.batch_size)
+    for side, w in waits.items():
+        print(
+            f"{side:<13} data wait {statistics.median(w):6.2f} s an epoch of ~{steps} steps [{min(w):.2f}-{max(w):.2f}]"
+        )
+    ratio = statistics.median(waits["diskless"]) / max(statistics.median(waits["warmed cache"]), 1e-3)
+    print(f"diskless / warmed: {ratio:.2f}x the data wait (target <= 1.5x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
