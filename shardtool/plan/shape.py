@@ -285,6 +285,27 @@ def _exact_batches(
     return out
 
 
+def _whole_document_rows(
+    batching: Batching, cuts: np.ndarray, lengths_of: Callable[[int, int], np.ndarray] | None
+) -> np.ndarray:
+    """Per group, batches of the rows no-split ends with however its documents come: a plan short
+    of rows merges them all best-fit decreasing (`merge_rows`), which cuts no document, so
+    `_rows_to_serve_all`'s concat argument does not bound it; this is that packing of the group's
+    documents (an exact plan reads every group's lengths anyway)."""
+    from .packing.bestfit import best_fit
+
+    if lengths_of is None:
+        raise ValueError("an exact plan counts its batches from the lengths: give the plan source's lengths")
+    packing = batching.packing
+    out = np.zeros(cuts.size - 1, dtype=np.float64)
+    for g in range(out.size):
+        lengths = np.asarray(lengths_of(int(cuts[g]), int(cuts[g + 1])), dtype=np.int64)
+        if lengths.size:
+            rows = best_fit(lengths + packing.extra_tokens, packing, drop_long=True).num_rows
+            out[g] = -(-rows // batching.batch_size)
+    return out
+
+
 def _estimate_packed(
     count: np.ndarray, tokens: np.ndarray, samples: np.ndarray, windows: np.ndarray, batching: Batching
 ) -> np.ndarray:
@@ -429,6 +450,8 @@ def plan_shape(
         batches = np.maximum(
             batches, _rows_to_serve_all(summaries, cuts, count, tokens, batching) / batching.batch_size
         )
+        if batching.exact and batching.packing.policy == "no-split":
+            batches = np.maximum(batches, _whole_document_rows(batching, cuts, lengths_of))
     elif not batching.drops(data_layout.dp_size):
         least = _one_window_batches(batching, cuts, lengths_of)
         if least is not None:

@@ -171,3 +171,18 @@ def test_exact_fingerprint_differs_and_plain_configs_keep_theirs():
     assert "exact" not in plain.describe()
     with pytest.raises(ValueError, match="drop_last=True"):
         Batching(batch_size=4, exact=True, drop_last=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_no_split_exact_rows_of_documents_that_cannot_share_a_row(seed):
+    """27 documents of 50 tokens at seq_len 64: no two share a row, so no-split needs 27 rows
+    whatever the order. The shuffled exact count used the concat bound (23 from the tokens),
+    which cuts documents no-split never cuts: the plan raised (found by CI's hypothesis run)."""
+    lengths = np.full(27, 50, np.int64)
+    source = ArraySource(lengths, np.array([27]))
+    batching = Batching(batch_size=1, packing=Packing(seq_len=64, policy="no-split"), seed=seed, exact=True)
+    data_layout = DataLayout.pure_dp(Layout(1, 1))
+    state = Planner(source, batching).start(0, DATASET, data_layout)
+    (plan,) = _plans(source, batching, state, data_layout)
+    _, tokens = _served(plan)
+    assert tokens == {i: 50 for i in range(27)} and plan.batches_per_rank == 27
