@@ -79,9 +79,16 @@ class Dataset:
             allow_pickle=self.allow_pickle,
             manifest_bytes=self.manifest_bytes,
         )
-        ds._summaries, ds._lengths, ds._remote_schema = self._summaries, self._lengths, self._remote_schema
-        ds._indexes = dict(self._indexes)
+        ds.adopt(self.parsed())
         return ds
+
+    def parsed(self) -> tuple:
+        """The metadata this dataset has read and parsed so far (for `reopened`)."""
+        return self._summaries, self._lengths, self._remote_schema, dict(self._indexes)
+
+    def adopt(self, parsed: tuple) -> None:
+        """Take ``parsed`` (another process's `parsed` of the same version) as read."""
+        self._summaries, self._lengths, self._remote_schema, self._indexes = parsed
 
     # ------------------------------------------------------------------ paths
     def _path(self, rel: str) -> str:
