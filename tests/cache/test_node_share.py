@@ -139,7 +139,8 @@ def test_torchrun_ranks_of_one_node_fetch_the_metadata_once(tmp_path, s3_server,
     assert [shared.get(k) for k in meta] == [1, 1]  # once per node, not once per rank
     # Apart, each rank reads the manifest (and, without a node cache, which stores the rest under
     # its own locks, the summaries too).
-    assert [apart.get(k) for k in meta] == ([4, 1] if cache else [4, 4])
+    # (With a node cache, ranks that miss the stored copy at the same moment each fetch it: 1 to 4.)
+    assert apart.get(meta[0]) == 4 and (1 <= apart.get(meta[1], 0) <= 4 if cache else apart.get(meta[1]) == 4)
     data = {f"{PREFIX}/{s.path}" for s in open_dataset(src).manifest.shards}
     indexes = {f"{PREFIX}/{s.index}" for s in open_dataset(src).manifest.shards}
     assert all(shared.get(k) == 1 for k in indexes), {k: shared.get(k) for k in indexes}
