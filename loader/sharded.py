@@ -392,9 +392,7 @@ class ShardedLoader(PassRunner):
         if self.schedule is None:
             earlier = sum(s.delivered for s in state.segments[:-1])
             return earlier + state.last.delivered, earlier + state.last.steps
-        step = self._first_step  # batches delivered (skipped ones are none) make the steps
-        for seg in state.segments[:-1]:
-            step += self.schedule.steps(step, seg.delivered)
+        step = self._last_segment_step(state)
         done = step + self.schedule.steps(step, state.last.delivered)
         total = step + self.schedule.steps(step, state.last.steps)
         return done - self._first_step, total - self._first_step
@@ -410,19 +408,24 @@ class ShardedLoader(PassRunner):
             )
         last = state.last
         earlier = state.served - last.delivered  # batches delivered on earlier layouts
-        step = self._first_step
-        for seg in state.segments[:-1]:
-            step += self.schedule.steps(step, seg.delivered)
+        step = self._last_segment_step(state)
         cut = self.schedule.cut(step, last.steps)
         steps_before = step - self._first_step
         return earlier + int(cut[first - steps_before]), earlier + int(cut[stop - steps_before])
 
-    def _steps_before(self, epoch: int) -> int:
-        """The run's step at ``epoch``'s first batch when every epoch before it ran whole on this layout."""
-        step = 0
-        for e in range(epoch):
-            step += self.schedule.steps(step, self.planner.start(e, self.fingerprint, self.data_layout).last.batches)
+    def _last_segment_step(self, state: LoaderState) -> int:
+        """The run's step at the first batch of ``state``'s current segment (a schedule's steps:
+        the batches delivered on earlier layouts, skipped ones none, make the steps before it)."""
+        step = self._first_step
+        for seg in state.segments[:-1]:
+            step += self.schedule.steps(step, seg.delivered)
         return step
+
+    def _steps_before(self, epoch: int) -> int:
+        """The run's step at ``epoch``'s first batch when every epoch before it ran whole on this
+        layout (a plan's count is the same every epoch)."""
+        batches = self.planner.start(0, self.fingerprint, self.data_layout).last.batches
+        return self.schedule.epoch_first_step(epoch, batches)
 
     @property
     def plan(self) -> RankPlan:
