@@ -1,6 +1,7 @@
 """The dataset format: manifest, per-shard sample index, tar and Arrow shards, atomic publish."""
 
-from .dataset import Dataset, decode_sample, open_dataset, open_range
+from .dataset import Dataset, open_dataset, open_range
+from .decode import decode_sample
 from .errors import BadSampleError, FormatError, PickleRefusedError, ShardtoolError
 from .fields import FieldSpec, decode_bytes, encode, infer_field, length_of
 from .manifest import LENGTHS_NAME, MANIFEST_NAME, Manifest, ShardInfo, manifest_hash

@@ -17,15 +17,16 @@ import numpy as np
 import pyarrow as pa
 
 from .arrowshard import KEY_COLUMN, check_schema, record_batch_from_range, row_values
+from .decode import decode_sample
 from .errors import FormatError
-from .fields import decode_bytes, npy_layout
 from .hashing import hash_bytes, range_checksum
-from .manifest import MANIFEST_NAME, Manifest, check_length_summary, lengths_from_bytes, manifest_hash
+from .lengthsfile import read_lengths, read_lengths_range
+from .manifest import MANIFEST_NAME, Manifest, manifest_hash
 from .sindex import ShardIndex, as_numpy
 from .storage import cat_shared, dataset_fs, is_local, open_range, read_file, read_manifest, shard_location
-from .summaries import SUMMARIES_NAME, ShardSummaries
+from .summaries import SUMMARIES_NAME, ShardSummaries, stored_summaries
 
-__all__ = ["Dataset", "SummariesMissing", "decode_sample", "is_local", "open_dataset", "open_range"]
+__all__ = ["Dataset", "SummariesMissing", "is_local", "open_dataset", "open_range"]
 
 
 class SummariesMissing(UserWarning):
@@ -162,13 +163,8 @@ class Dataset:
     def lengths(self) -> np.ndarray:
         """Every sample's length, concatenated over shards in manifest order."""
         if self._lengths is None:
-            lf = self.manifest.lengths_file
-            data = read_file(self.fs, self._path(lf["path"]), what=f"dataset {self.url}")
-            if lf.get("hash") and hash_bytes(data) != lf["hash"]:
-                raise FormatError(f"{self.url}: {lf['path']} does not match the hash in the manifest")
-            lengths = lengths_from_bytes(data, expected=self.manifest.num_samples, source=lf["path"])
-            check_length_summary(lengths, self.manifest.length.get("summary"), source=lf["path"])
-            self._lengths = lengths
+            path = self._path(self.manifest.lengths_file["path"])
+            self._lengths = read_lengths(self.fs, path, self.manifest, self.url)
         return self._lengths
 
     def use_lengths(self, lengths: np.ndarray) -> None:
@@ -183,28 +179,8 @@ class Dataset:
         lengths file, or one ranged read of a remote one (a planner reads only its own range)."""
         if self._lengths is not None:
             return self._lengths[lo:hi]
-        if not 0 <= lo <= hi <= self.manifest.num_samples:
-            raise ValueError(f"sample range [{lo}, {hi}) is outside [0, {self.manifest.num_samples}]")
         path = self._path(self.manifest.lengths_file["path"])
-        try:
-            head = cat_shared(self.fs, path, 0, 4096)
-            dtype, shape, _, offset = npy_layout(head)
-            if len(shape) != 1 or shape[0] != self.manifest.num_samples or dtype.kind not in "iu":
-                raise ValueError(f"expected {self.manifest.num_samples} integer lengths, found {shape} {dtype}")
-            if hi == lo:
-                return np.zeros(0, np.int64)
-            size = dtype.itemsize
-            data = cat_shared(self.fs, path, offset + lo * size, offset + hi * size)
-        except FileNotFoundError:
-            raise FormatError(f"dataset {self.url}: lengths file {path} not found") from None
-        except ValueError as e:
-            raise FormatError(f"dataset {self.url}: unreadable lengths file {path} ({e})") from None
-        if len(data) != (hi - lo) * size:
-            raise FormatError(f"dataset {self.url}: lengths file {path} is cut short")
-        out = np.frombuffer(data, dtype=dtype).astype(np.int64)
-        if out.size and int(out.min()) < 0:
-            raise FormatError(f"dataset {self.url}: negative length in {path}")
-        return out
+        return read_lengths_range(self.fs, path, self.manifest.num_samples, lo, hi, self.url)
 
     def lengths_from_indexes(self, lo: int, hi: int) -> np.ndarray:
         """Lengths of samples ``[lo, hi)`` from the (hash-checked) sample indexes of the shards
@@ -265,19 +241,7 @@ class Dataset:
 
     def stored_summaries(self, data: bytes | None) -> tuple[ShardSummaries | None, str]:
         """(the stored summaries, "") when ``data`` is usable for this dataset, else (None, why not)."""
-        if data is None:
-            return None, "has no per-shard summaries (packed by shardtool < 0.2)"
-        total = (self.manifest.length.get("summary") or {}).get("total")
-        try:
-            return ShardSummaries.from_bytes(
-                data,
-                lengths_hash=self.manifest.lengths_file.get("hash"),
-                counts=self.shard_counts,
-                total_tokens=total,
-                source=f"{self.url}/{SUMMARIES_NAME}",
-            ), ""
-        except FormatError as e:
-            return None, f"has unusable per-shard summaries ({e})"
+        return stored_summaries(data, self.manifest, self.shard_counts, f"{self.url}/{SUMMARIES_NAME}")
 
     @property
     def shard_counts(self) -> np.ndarray:
@@ -418,19 +382,6 @@ class Dataset:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def decode_sample(
-    manifest: Manifest, raw: dict[str, Any], *, allow_pickle: bool = False, where: str = ""
-) -> dict[str, Any]:
-    out: dict[str, Any] = {KEY_COLUMN: raw[KEY_COLUMN]}
-    tar = manifest.shard_format == "tar"
-    for spec in manifest.fields:
-        v = raw[spec.name]
-        if tar or spec.storage == "raw":
-            v = decode_bytes(spec.encoding, v, allow_pickle=allow_pickle, what=f"{where} field {spec.name!r}")
-        out[spec.name] = v
-    return out
 
 
 def open_dataset(url: str, *, storage_options: dict | None = None, allow_pickle: bool = False) -> Dataset:

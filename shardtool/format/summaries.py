@@ -22,10 +22,11 @@ import numpy as np
 import pyarrow as pa
 
 from .errors import FormatError
+from .manifest import Manifest
 from .sindex import as_numpy, ipc_file_bytes
 from .sketch import ShardSketch
 
-__all__ = ["BINS", "SUMMARIES_NAME", "ShardSummaries", "length_bins"]
+__all__ = ["BINS", "SUMMARIES_NAME", "ShardSummaries", "length_bins", "stored_summaries"]
 
 SUMMARIES_NAME = "summaries.arrow"
 SUMMARIES_VERSION = "1"
@@ -191,3 +192,19 @@ class ShardSummaries:
                 f"{source}: token total {int(out.tokens.sum())} disagrees with the manifest's {int(total_tokens)}"
             )
         return out
+
+
+def stored_summaries(
+    data: bytes | None, manifest: Manifest, counts: np.ndarray, source: str
+) -> tuple[ShardSummaries | None, str]:
+    """(the stored summaries, "") when ``data`` (the summaries file's bytes, None: no file) is
+    usable for the dataset of ``manifest`` with shards of ``counts`` samples, else (None, why not)."""
+    if data is None:
+        return None, "has no per-shard summaries (packed by shardtool < 0.2)"
+    total = (manifest.length.get("summary") or {}).get("total")
+    try:
+        return ShardSummaries.from_bytes(
+            data, lengths_hash=manifest.lengths_file.get("hash"), counts=counts, total_tokens=total, source=source
+        ), ""
+    except FormatError as e:
+        return None, f"has unusable per-shard summaries ({e})"
