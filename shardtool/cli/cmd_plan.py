@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from typing import TYPE_CHECKING
 
-from ..format.nodeshare import SHARE_ENV
-from ..format.sizes import format_size
 from ..plan.cost import CostModel
 from ..plan.schedule import with_runs
 from ._layout import LAYOUT_HELP, add_layout_arguments, data_layout_of, describe_layout
@@ -24,6 +21,7 @@ from ._plan import (
     schedule_of,
 )
 from ._plan_rank import evaluate_rank, for_dataset
+from ._plan_report import print_report, schedule_report, startup_requests
 
 if TYPE_CHECKING:
     from ..format.dataset import Dataset
@@ -282,164 +280,5 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    _print(report, data)
+    print_report(report, data)
     return 0
-
-
-def _print(report: dict, data) -> None:
-    lay, b = report["layout"], report["bytes_per_node"]
-    out = sys.stdout.write
-    out(f"dataset       {report['source']}: {report['samples']:,} samples in {report['shards']:,} shards\n")
-    if report["synthetic_seconds"] is not None:
-        out(f"              (made up, with its per-shard summaries, in {report['synthetic_seconds']:.1f} s)\n")
-    out(
-        f"layout        {lay['nodes']} nodes x {lay['ranks_per_node']} ranks = {lay['world_size']} ranks; "
-        f"{data.describe()}\n"
-    )
-    out(f"batches/rank  {report['batches_per_rank']:,} (equal on every rank)\n")
-    if report["scope"] == "rank":
-        out(
-            f"rank          {report['rank']} (DP rank {report['dp_rank']}, data group {report['group']} of "
-            f"{report['group_samples']:,} samples): {report['rank_samples']:,} samples\n"
-        )
-        out(
-            f"{'fill rate' if report['batching']['seq_len'] else 'padding eff.':<14}"
-            f"{report['padding_efficiency']:.4f}\n"
-        )
-        pieces = f"{report['remainder_pieces']:,} pieces, " if report["batching"]["seq_len"] else ""
-        out(
-            f"remainder     {pieces}{report['remainder_tokens']:,} tokens, {report['remainder_tokens_fraction']:.3%} "
-            "of its group's tokens this epoch\n"
-        )
-        out(
-            f"planning      {report['plan_seconds']:.3f} s, peak RSS {report['peak_rss_mb']:.0f} MB "
-            "(a fresh process, as a training rank at start-up)\n"
-        )
-    else:
-        if "fill_rate" in report:
-            rpr = report["rows_per_rank"]
-            out(
-                f"rows/rank     {rpr['min']:,}..{rpr['max']:,} of {report['batching']['seq_len']:,} tokens "
-                f"({report['batching']['packing']})\n"
-            )
-            out(f"fill rate     {report['fill_rate']:.4f} (real tokens / row tokens)\n")
-            out(
-                f"documents     {report['documents_split']:,} split into pieces, {report['documents_dropped']:,} "
-                "dropped (longer than a row, no-split)\n"
-            )
-        else:
-            spr = report["samples_per_rank"]
-            out(f"samples/rank  {spr['min']:,}..{spr['max']:,}\n")
-            out(f"padding eff.  {report['padding_efficiency']:.4f}\n")
-        # Packed rows leave out pieces (a document may lose some and keep others): pieces and
-        # tokens are the unit of the loss; samples count only documents no token of which is served.
-        unit = (
-            f"{report['remainder_pieces']:,} pieces of documents ({report['remainder_samples']:,} documents wholly)"
-            if "remainder_pieces" in report
-            else f"{report['remainder_samples']:,} samples"
-        )
-        out(
-            f"remainder     {unit}, {report['remainder_tokens']:,} tokens, {report['remainder_tokens_fraction']:.3%} "
-            "of the tokens, not served this epoch (rotates across epochs)\n"
-        )
-        if "padding_batches" in report:
-            out(
-                f"padding       {report['padding_batches']:,} batches in all, served by ranks short of a batch "
-                "(exact: marked not valid, batch['valid'])\n"
-            )
-        if "compute_balance" in report:
-            _print_balance(report["compute_balance"], out)
-        if "schedule" in report:
-            _print_schedule(report["schedule"], out)
-        out(
-            f"planning      {report['plan_seconds']:.2f} s to simulate every group, peak RSS "
-            f"{report['peak_rss_mb']:.0f} MB (a training rank plans only its own: --rank R)\n"
-        )
-    s = report["shards_per_node"]
-    out(f"shards/node   {s['min']}..{s['max']}\n")
-    r = report["startup_requests"]
-    out(
-        f"requests      per node {r['per_node']['min']:,}..{r['per_node']['max']:,} reads of metadata ({r['metadata']} of "
-        f"manifest, summaries and lengths + a sample index per shard), {r['total']:,} in all: once per node, "
-        f"not per rank (without it, {SHARE_ENV}=0: {r['without_sharing']:,})\n"
-    )
-    out(
-        f"bytes/node    min {format_size(b['min'])}  mean {format_size(b['mean'])}  max {format_size(b['max'])} "
-        f"(max/mean {report['bytes_per_node_max_over_mean']:.3f}; whole shards to cache)\n"
-    )
-    if "plain_bytes_per_node" in report:
-        p = report["plain_bytes_per_node"]
-        out(
-            f"plain/node    min {format_size(p['min'])}  mean {format_size(p['mean'])}  max {format_size(p['max'])} "
-            f"(the node cache decompresses {report['compression']} shards; bytes/node above is stored, "
-            "what warm moves and what warm --keep-compressed keeps)\n"
-        )
-
-
-# Reads of metadata a node makes at start-up besides its shards' sample indexes: the manifest, the
-# summaries, the lengths file's header and the node's range of it (tests/cache/test_node_share.py).
-METADATA_READS = 4
-
-
-def startup_requests(shards_per_node: list[int], ranks_per_node: int) -> dict:
-    """Reads of metadata files the layout makes at start-up (and for the sample indexes of the
-    epoch), each fetched once per node for its ranks (`shardtool.format.nodeshare`)."""
-    per_node = [METADATA_READS + n for n in shards_per_node]
-    return {
-        "metadata": METADATA_READS,
-        "per_node": {"min": min(per_node), "max": max(per_node)},
-        "total": sum(per_node),
-        "without_sharing": sum(per_node) * ranks_per_node,
-    }
-
-
-def schedule_report(schedule, epoch: int, batches: int, served_tokens: float) -> dict:
-    """A batch-size schedule over the planned epoch: its steps by size, with samples (rows) and
-    about how many tokens each size takes, and where the epochs around it begin."""
-    first = schedule.epoch_first_step(epoch, batches)
-    per_batch = served_tokens / batches if batches else 0.0  # every rank's planned batch together
-    phases = [{**ph, "tokens": int(round(ph["batches"] * per_batch))} for ph in schedule.phases(first, batches)]
-    return {
-        "changes": [list(c) for c in schedule.changes],
-        "base": schedule.base,
-        "epoch_first_step": first,
-        "next_epoch_first_step": first + schedule.steps(first, batches),
-        "steps": schedule.steps(first, batches),
-        "phases": phases,
-    }
-
-
-def _print_schedule(report: dict, out) -> None:
-    out(
-        f"schedule      batch size by step {', '.join(f'{s}: {n}' for s, n in report['changes'])}; planned at "
-        f"{report['base']} a batch, a step takes size/{report['base']} of them\n"
-    )
-    out(
-        f"              this epoch: steps {report['epoch_first_step']:,}..{report['next_epoch_first_step'] - 1:,} "
-        f"({report['steps']:,} steps; every epoch before it whole)\n"
-    )
-    for ph in report["phases"]:
-        out(
-            f"              steps {ph['from_step']:,}..{ph['to_step']:,}: size {ph['size']} x {ph['steps']:,} "
-            f"steps, about {ph['tokens']:,} tokens\n"
-        )
-
-
-def _print_balance(report: dict, out) -> None:
-    for name in ("unbalanced", "balanced"):
-        bal = report[name]
-        if bal is None:
-            out(f"compute       {name}: no steps to compare\n")
-            continue
-        out(
-            f"compute       {name + ':':<12} per-step max/mean cost over {bal['dp_ranks']:,} DP ranks: median "
-            f"{bal['max_over_mean_median']:.3f}, p90 {bal['max_over_mean_p90']:.3f}, max "
-            f"{bal['max_over_mean_max']:.3f}; {bal['time_lost']:.2%} of step time lost waiting for the slowest\n"
-        )
-    bal = report["balanced"]
-    if bal is not None and "time_lost_floor" in bal:
-        # What no step order can win back: the ranks' shares differ in total cost.
-        out(
-            f"compute       the least any order of these batches can lose: {bal['time_lost_floor']:.2%} (the DP "
-            "ranks' shares differ in total cost; across nodes, in which documents each node's range holds)\n"
-        )
