@@ -26,12 +26,14 @@ import numpy as np
 from ..format.summaries import BINS, ShardSummaries
 from .balance import MAX_DROP, batches_per_rank
 from .batching import Batching, block_samples, bucket, in_order_starts, resolve_window
+from .capacity import inverse_capacity
+from .grouphist import group_histograms
 from .inorder import inorder_batches, rate_from_histogram
 from .layout import DataLayout
 from .packing import pack_windows
 from .ranges import group_cuts
 
-__all__ = ["PlanShape", "group_histograms", "plan_shape"]
+__all__ = ["PlanShape", "plan_shape"]
 
 IN_ORDER_MARGIN = 1.05  # several groups' in-order counts are estimated this much long (see below)
 
@@ -50,116 +52,6 @@ class PlanShape:
     @property
     def group_sizes(self) -> np.ndarray:
         return np.asarray(self.data_layout.group_sizes, dtype=np.int64)
-
-
-def group_histograms(summaries: ShardSummaries, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(count, tokens, squares) [G, BINS] of every group's range, partial shards pro rata.
-
-    Sums whole shards per group with reduceat (no cumulative [shards, BINS] copy: at 10^5 shards
-    that is the largest array a rank would hold) and adds the cut shards' fractions."""
-    hists = (summaries.hist_count, summaries.hist_tokens, summaries.hist_squares)
-    groups = len(cuts) - 1
-    if summaries.num_shards == 0:
-        zero = np.zeros((groups, BINS))
-        return zero, zero, zero
-    offsets = np.concatenate([[0], np.cumsum(summaries.samples)]).astype(np.int64)
-    shard = np.clip(np.searchsorted(offsets, cuts, side="right") - 1, 0, summaries.num_shards - 1)
-    frac = np.divide(
-        cuts - offsets[shard], summaries.samples[shard], out=np.zeros(len(cuts)), where=summaries.samples[shard] > 0
-    )[:, None]
-    token_frac = _token_fractions(summaries, cuts, shard, offsets, frac[:, 0])[:, None]
-    edges = np.unique(np.concatenate([[0], shard]))  # the shards where a cut falls, and 0
-    out = []
-    for h, f in zip(hists, (frac, token_frac, token_frac)):
-        # Sums of the shards between consecutive edges; up to each cut = all edges before its
-        # shard, plus its fraction of that shard.
-        running = np.vstack([np.zeros((1, BINS)), np.cumsum(np.add.reduceat(h, edges, axis=0), axis=0)])
-        upto = running[np.searchsorted(edges, shard)] + f * h[shard]
-        out.append(np.diff(upto, axis=0))
-    return out[0], out[1], out[2]
-
-
-def _token_fractions(
-    summaries: ShardSummaries, cuts: np.ndarray, shard: np.ndarray, offsets: np.ndarray, frac: np.ndarray
-) -> np.ndarray:
-    """Per cut, the share of its shard's tokens before it: exact where the cut is a point of the
-    shard's sketch (every cut of a dataset packed with one), else the share of its samples."""
-    out = frac.copy()
-    if summaries.sketch is None:
-        return out
-    for i, (cut, s) in enumerate(zip(cuts.tolist(), shard.tolist())):
-        within, total = cut - int(offsets[s]), int(summaries.tokens[s])
-        if 0 < within < int(summaries.samples[s]) and total > 0:
-            exact = summaries.sketch.prefix_tokens(s, within)
-            if exact is not None:
-                out[i] = exact / total
-    return out
-
-
-def _bin_support(bins: int, points: int = 128) -> tuple[np.ndarray, np.ndarray]:
-    """Per histogram bin, ``points`` lengths spanning it ([2^(b-1), 2^b)), and their weights (how
-    many integers each stands for). Bin 0 is length 0."""
-    grid = np.zeros((bins, points))
-    span = np.zeros((bins, points))
-    for b in range(bins):
-        if b == 0:
-            grid[b, 0], span[b, 0] = 0, 1
-            continue
-        lo, hi = 1 << (b - 1), 1 << b
-        values = np.arange(lo, hi) if hi - lo <= points else np.linspace(lo, hi, points, endpoint=False)
-        grid[b, : len(values)] = np.floor(values)
-        span[b, : len(values)] = (hi - lo) / len(values)
-    return grid, span
-
-
-def _inverse_capacity(
-    mean: np.ndarray, variance: np.ndarray, share: np.ndarray, window: float, budget: int
-) -> np.ndarray:
-    """Per bin, the expected batches per sample: 1 / floor(budget / L_open) over its lengths.
-
-    Within a bin (an octave) lengths follow an exponential tilt whose mean is the bin's mean (the
-    fit is a bisection on the tilt); the floor makes 1/capacity a step function of L, so its
-    average over the bin is not its value at the mean. A batch's capacity is set by its first,
-    longest sample: where lengths are sparse (the long tail) the cap(L) samples of a batch span
-    cap(L) / density lengths, so the opener is about half that longer than an average member.
-    A bin narrower than the tilt of its mean (lengths all alike: a pre-chunked corpus whose
-    samples are all 3,000 tokens) is that many parts a point at its mean, matching its variance.
-    ``share`` is each bin's share of the samples, ``window`` the samples sorted together.
-    """
-    bins = mean.shape[0]
-    grid, span = _bin_support(bins)
-    present = span > 0
-    lo = np.where(present, grid, np.inf).min(axis=1)
-    hi = np.where(present, grid, -np.inf).max(axis=1)
-    width = np.maximum(hi - lo, 1)
-    x = (grid - lo[:, None]) / width[:, None]
-    target = np.clip(mean, lo, hi)
-    tilt_lo, tilt_hi = np.full(bins, -60.0), np.full(bins, 60.0)
-
-    def weights(tilt):
-        w = span * np.exp(tilt[:, None] * (x - 0.5))
-        return np.where(present, w, 0.0)
-
-    for _ in range(60):
-        mid = (tilt_lo + tilt_hi) / 2
-        w = weights(mid)
-        got = (w * grid).sum(axis=1) / w.sum(axis=1)
-        tilt_lo = np.where(got < target, mid, tilt_lo)
-        tilt_hi = np.where(got < target, tilt_hi, mid)
-    w = weights((tilt_lo + tilt_hi) / 2)
-    norm = w.sum(axis=1, keepdims=True)
-    capacity = np.maximum(budget // np.maximum(grid, 1), 1)
-    # samples per integer length, in one window
-    density = np.divide(window * share[:, None] * w / norm, span, out=np.zeros_like(w), where=span > 0)
-    opener = grid + 0.5 * np.divide(capacity, density, out=np.zeros_like(w), where=density > 0)
-    spread = (w * (1.0 / np.maximum(budget // np.maximum(np.floor(opener), 1), 1))).sum(axis=1) / norm[:, 0]
-    tilt_mean = (w * grid).sum(axis=1) / norm[:, 0]
-    tilt_variance = (w * (grid - tilt_mean[:, None]) ** 2).sum(axis=1) / norm[:, 0]
-    point = np.clip(
-        1.0 - np.divide(variance, tilt_variance, out=np.ones_like(variance), where=tilt_variance > 0), 0.0, 1.0
-    )
-    at_mean = 1.0 / np.maximum(budget // np.maximum(np.round(mean), 1), 1)
-    return point * at_mean + (1.0 - point) * spread
 
 
 def _estimate_batches(
@@ -185,7 +77,7 @@ def _estimate_batches(
     share = total_count / max(total_count.sum(), 1)
     # Samples sorted together: a window, or a whole group smaller than one.
     sorted_together = float(np.median(samples / np.maximum(windows, 1))) if samples.size else float(window)
-    return count @ _inverse_capacity(mean, variance, share, sorted_together, budget) + 0.5 * windows
+    return count @ inverse_capacity(mean, variance, share, sorted_together, budget) + 0.5 * windows
 
 
 def _in_order_batches(
