@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,8 @@ from ..plan.packing import Packing, Rows
 from ..plan.rank import RankPlan
 from .collate import KEY, Alloc
 from .imagerows import ImageSpec
-from .packed import PackedReader, read_together
+from .packed import PackedReader
+from .packlayout import BatchLayout
 from .reader import BatchReader, describe_ids
 from .workers import PlanBatches
 
@@ -297,3 +298,52 @@ def _padded(rows: Rows, count: int) -> Rows:
         return rows
     offsets = np.concatenate([rows.row_offsets, np.full(count - rows.num_rows, rows.row_offsets[-1])])
     return dataclasses.replace(rows, row_offsets=offsets.astype(np.int64))
+
+
+SOURCE_SHIFT = 40  # read_together's document ids: part i's sample g is (i << 40) + g
+
+
+def read_together(
+    parts: Sequence[tuple[PackedReader, Rows]], rows_per_batch: int, alloc: Alloc = np.empty
+) -> dict[str, Any] | None:
+    """One packed batch of the rows of several readers (a mixture's sources), part after part:
+    one layout, one pass of token copies and one finish, as for the rows of one dataset. Uses the
+    first reader's name, pad id and scratch. None when a part's tokens are not raw arrays in its
+    mapped shards, or the parts store tokens in different dtypes (then read part by part)."""
+    first_reader = parts[0][0]
+    if any(reader.token_fields or reader.images is not None for reader, _ in parts):
+        return None  # read part by part: each places its fields
+    shifted = [
+        dataclasses.replace(rows, span_pos=rows.span_pos + (i << SOURCE_SHIFT)) for i, (_, rows) in enumerate(parts)
+    ]
+    lay = BatchLayout(Rows.concat(shifted, first_reader.packing.seq_len), first_reader.packing, rows_per_batch)
+    # The layout's sorted distinct documents are each part's, part after part (the shift): no
+    # np.unique of its own per part.
+    cuts = np.searchsorted(lay.docs, np.arange(1, len(parts), dtype=np.int64) << SOURCE_SHIFT).tolist()
+    sources = []
+    for i, ((reader, _), a, z) in enumerate(zip(parts, [0, *cuts], [*cuts, len(lay.docs)])):
+        src = reader.reader.token_sources(lay.docs[a:z] - (i << SOURCE_SHIFT))
+        if src is None:
+            return None
+        sources.append(src)
+    if len({src[5] for src in sources}) != 1:
+        return None
+    keys, bufs, which = [], [], []
+    for src in sources:
+        keys += src[0]
+        which.append(src[2] + len(bufs))
+        bufs += src[1]
+    joined = (
+        keys,
+        bufs,
+        np.concatenate(which),
+        np.concatenate([src[3] for src in sources]),
+        np.concatenate([src[4] for src in sources]),
+        sources[0][5],
+    )
+
+    def where(doc: int) -> str:
+        part, gid = doc >> SOURCE_SHIFT, doc & ((1 << SOURCE_SHIFT) - 1)
+        return parts[part][0].reader.where(gid)
+
+    return first_reader.copy_from(lay, joined, alloc, None, where)

@@ -43,7 +43,6 @@ of batches at a time (`packchunk`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,6 +54,7 @@ from ..plan.arrays import gather_runs
 from ..plan.packing import Packing, Rows
 from .collate import KEY, Alloc
 from .imagerows import ImageSpec, place_images
+from .ondevice import IGNORE_INDEX, block_causal_mask, lean_to_full
 from .packchunk import CHUNK, LeanChunk
 from .packlayout import BatchLayout, copy_runs, counting, joined_runs, lean_dtype
 from .reader import BatchReader
@@ -69,10 +69,8 @@ __all__ = [
     "lean_dtype",
     "lean_to_full",
     "packed_batch",
-    "read_together",
 ]
 
-IGNORE_INDEX = -100  # what torch.nn.functional.cross_entropy ignores by default
 OUTPUTS = ("full", "lean")
 
 
@@ -257,7 +255,7 @@ class PackedReader:
         if src is None:
             out = self._decoded(rows, lay, alloc, into)
         else:
-            out = self._copied(lay, src, alloc, into, self.reader.where)
+            out = self.copy_from(lay, src, alloc, into, self.reader.where)
         if self.images is None:
             return out
         spec = self.images
@@ -288,10 +286,11 @@ class PackedReader:
             return self.read(rows.slice(int(row_offsets[b]), int(row_offsets[b + 1])), alloc)
         return lay.read(self, b - first, alloc)
 
-    def _copied(
+    def copy_from(
         self, lay: BatchLayout, src: tuple, alloc: Alloc, into: np.ndarray | None, where: Callable[[int], str]
     ) -> dict[str, Any]:
-        """The batch of ``lay`` from ``src`` (`BatchReader.token_sources` of ``lay.docs``)."""
+        """The batch of ``lay`` from ``src`` (`BatchReader.token_sources` of ``lay.docs``; `read_together`
+        passes several readers' sources joined), ``where`` naming a document in errors."""
         keys, bufs, which, first, counts, dtype = src
         n = lay.copy_counts(counts, where)
         item = dtype.itemsize
@@ -352,99 +351,3 @@ class PackedReader:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_chunk": None}  # a worker makes its own (and its scratch)
-
-
-SOURCE_SHIFT = 40  # read_together's document ids: part i's sample g is (i << 40) + g
-
-
-def read_together(
-    parts: Sequence[tuple[PackedReader, Rows]], rows_per_batch: int, alloc: Alloc = np.empty
-) -> dict[str, Any] | None:
-    """One packed batch of the rows of several readers (a mixture's sources), part after part:
-    one layout, one pass of token copies and one finish, as for the rows of one dataset. Uses the
-    first reader's name, pad id and scratch. None when a part's tokens are not raw arrays in its
-    mapped shards, or the parts store tokens in different dtypes (then read part by part)."""
-    first_reader = parts[0][0]
-    if any(reader.token_fields or reader.images is not None for reader, _ in parts):
-        return None  # read part by part: each places its fields
-    shifted = [
-        dataclasses.replace(rows, span_pos=rows.span_pos + (i << SOURCE_SHIFT)) for i, (_, rows) in enumerate(parts)
-    ]
-    lay = BatchLayout(Rows.concat(shifted, first_reader.packing.seq_len), first_reader.packing, rows_per_batch)
-    # The layout's sorted distinct documents are each part's, part after part (the shift): no
-    # np.unique of its own per part.
-    cuts = np.searchsorted(lay.docs, np.arange(1, len(parts), dtype=np.int64) << SOURCE_SHIFT).tolist()
-    sources = []
-    for i, ((reader, _), a, z) in enumerate(zip(parts, [0, *cuts], [*cuts, len(lay.docs)])):
-        src = reader.reader.token_sources(lay.docs[a:z] - (i << SOURCE_SHIFT))
-        if src is None:
-            return None
-        sources.append(src)
-    if len({src[5] for src in sources}) != 1:
-        return None
-    keys, bufs, which = [], [], []
-    for src in sources:
-        keys += src[0]
-        which.append(src[2] + len(bufs))
-        bufs += src[1]
-    joined = (
-        keys,
-        bufs,
-        np.concatenate(which),
-        np.concatenate([src[3] for src in sources]),
-        np.concatenate([src[4] for src in sources]),
-        sources[0][5],
-    )
-
-    def where(doc: int) -> str:
-        part, gid = doc >> SOURCE_SHIFT, doc & ((1 << SOURCE_SHIFT) - 1)
-        return parts[part][0].reader.where(gid)
-
-    return first_reader._copied(lay, joined, alloc, None, where)
-
-
-def block_causal_mask(batch: dict[str, Any]) -> torch.Tensor:
-    """Bool [B, 1, S, S] for ``scaled_dot_product_attention(attn_mask=...)``: True where query i
-    may attend to key j (same piece of ``cu_seqlens``, j <= i). B * S * S bytes: for long rows,
-    use varlen attention with ``cu_seqlens`` instead."""
-    b, seq = batch["position_ids"].shape
-    cu = batch["cu_seqlens"].to(torch.int64)
-    segment = torch.searchsorted(cu, torch.arange(b * seq, device=cu.device), right=True).view(b, seq)
-    pos = torch.arange(seq, device=cu.device)
-    causal = pos[None, :] <= pos[:, None]
-    return ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
-
-
-def lean_to_full(batch: dict[str, Any], *, name: str = "input_ids") -> dict[str, Any]:
-    """The full batch of a lean one, computed where its tensors are (on the GPU after the copy):
-    ``name`` widened to int64, ``labels`` and ``position_ids`` (int64) added, equal to what
-    ``outputs="full"`` builds (less ``__key__``). Labels: the next token where it is in the same
-    piece (a segment of ``cu_seqlens``) and the row's real tokens (``lengths``), else -100.
-    Per-token fields (`shardtool.loader.tokenfields`): a stored ``labels`` (unshifted) gives the
-    targets instead of the tokens, and ``loss_mask`` sets -100 where the predicted token's mask is 0."""
-    ids = batch[name]
-    b, seq = ids.shape
-    n = b * seq
-    dev = ids.device
-    flat = ids.reshape(-1).to(torch.int64)
-    cu = batch["cu_seqlens"].to(device=dev, dtype=torch.int64)
-    at = torch.arange(n, device=dev)
-    positions = at - cu[torch.searchsorted(cu, at, right=True) - 1]
-    target = batch[LABELS].to(device=dev, dtype=torch.int64).reshape(-1) if LABELS in batch else flat
-    labels = torch.full_like(flat, IGNORE_INDEX)
-    labels[:-1] = target[1:]
-    if LOSS_MASK in batch:
-        labels[:-1][batch[LOSS_MASK].to(dev).reshape(-1)[1:] == 0] = IGNORE_INDEX
-    if "image_mask" in batch:  # an image position is never a target (loader/imagerows.py)
-        labels[:-1][batch["image_mask"].to(dev).reshape(-1)[1:]] = IGNORE_INDEX
-    # A piece's last token (its segment's end; repeated entries B * S name the last token, whose
-    # label is -100 anyway), and from a row's last real token on: padding is no next token.
-    labels[(cu[1:] - 1).clamp(min=0)] = IGNORE_INDEX
-    real = batch["lengths"].to(device=dev, dtype=torch.int64)
-    labels.view(b, seq)[torch.arange(seq, device=dev)[None, :] >= real[:, None] - 1] = IGNORE_INDEX
-    return {
-        **batch,
-        name: flat.view(b, seq),
-        "labels": labels.view(b, seq),
-        "position_ids": positions.view(b, seq),
-    }

@@ -24,8 +24,6 @@ ALLOWED = {
     # The HF Trainer's own hooks, which its subclass must call (transformers names them so).
     ("shardtool/integrations/hf.py", "_run_epoch"),
     ("shardtool/integrations/hf.py", "_save_checkpoint"),
-    # One PackedReader joining another's copies: the same class, in its own module.
-    ("loader/packed.py", "_copied"),
 }
 
 
