@@ -27,6 +27,7 @@ from ..format import FieldSpec, FormatError
 from ..format.arrowshard import check_schema
 from ..format.sindex import as_numpy
 from ..format.sizes import parse_size
+from .tokenpieces import TokenPiece
 
 PREFETCH_MIN = 8  # fewer missing batches than this are decompressed in the calling thread
 THREADS = min(4, os.cpu_count() or 1)
@@ -237,7 +238,7 @@ class CompressedBatches:
         self._first[samples] = starts[rows] // item
         self._count[samples] = sizes[rows] // item
 
-    def token_pieces(self, rows: np.ndarray, li: np.ndarray) -> list[tuple] | None:
+    def token_pieces(self, rows: np.ndarray, li: np.ndarray) -> list[TokenPiece] | None:
         """`ShardView.token_pieces`: (rows, first, count, which, buffers), ``which`` indexing
         ``buffers`` (the length field's values of each distinct record batch of ``li``)."""
         ub, which = np.unique(self.batch[li], return_inverse=True)
@@ -257,7 +258,7 @@ class CompressedBatches:
         bufs = [(hit[0] if hit is not None else self._decoded(k))[j][0] for k, hit in zip(keys, hits)]
         if not self._tok_ok:
             return None
-        return [(rows, self._first[li], self._count[li], which.reshape(-1), bufs)]
+        return [TokenPiece(rows, self._first[li], self._count[li], which.reshape(-1), bufs)]
 
     def field_bytes(self, i: int, j: int) -> bytes:
         # Called once per sample and field: scalar reads by .item(), and a bare cache lookup (a

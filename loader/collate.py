@@ -171,3 +171,26 @@ def unpack_batch(batch: Any) -> Any:
         if isinstance(batch.get("lengths"), np.ndarray):
             batch["lengths"] = torch.from_numpy(batch["lengths"])
     return batch
+
+
+def gather_field(groups, j: int, b: int, pack: bool, alloc: Alloc) -> Any:
+    """Column ``j`` of a batch of ``b`` samples read through shard views (``groups``: (view, rows
+    of the batch, index in shard) per shard): stacked, or with ``pack`` a large bytes field as
+    one `PackedBytes` of slices of the views' maps."""
+    if pack and groups[0][0].bytes_fields[j]:
+        total = sum(int(v.sizes[li, j].sum()) for v, _, li in groups)
+        if total >= PACK_MIN_BYTES:
+            bufs: list[Any] = [None] * b
+            starts = np.empty(b, dtype=np.int64)
+            sizes = np.empty(b, dtype=np.int64)
+            for v, rows, li in groups:
+                starts[rows] = v.starts[li, j]
+                sizes[rows] = v.sizes[li, j]
+                for r in rows.tolist():
+                    bufs[r] = v.u8
+            return PackedBytes.from_slices(bufs, starts.tolist(), sizes.tolist(), alloc)
+    values: list[Any] = [None] * b
+    for v, rows, li in groups:
+        for r, x in zip(rows.tolist(), v.values(j, li)):
+            values[r] = x
+    return stack_column(values, alloc)

@@ -34,6 +34,7 @@ from .imagerows import ImageSpec
 from .packed import PackedReader
 from .packlayout import BatchLayout
 from .reader import BatchReader, describe_ids
+from .tokenpieces import TokenSources
 from .workers import PlanBatches
 
 __all__ = ["MixtureBatches"]
@@ -326,20 +327,20 @@ def read_together(
         if src is None:
             return None
         sources.append(src)
-    if len({src[5] for src in sources}) != 1:
+    if len({src.dtype for src in sources}) != 1:
         return None
     keys, bufs, which = [], [], []
     for src in sources:
-        keys += src[0]
-        which.append(src[2] + len(bufs))
-        bufs += src[1]
-    joined = (
+        keys += src.keys
+        which.append(src.which + len(bufs))
+        bufs += src.buffers
+    joined = TokenSources(
         keys,
         bufs,
         np.concatenate(which),
-        np.concatenate([src[3] for src in sources]),
-        np.concatenate([src[4] for src in sources]),
-        sources[0][5],
+        np.concatenate([src.first for src in sources]),
+        np.concatenate([src.count for src in sources]),
+        sources[0].dtype,
     )
 
     def where(doc: int) -> str:

@@ -60,6 +60,7 @@ from .packlayout import BatchLayout, copy_runs, counting, joined_runs, lean_dtyp
 from .reader import BatchReader
 from .scratch import Scratch
 from .tokenfields import LABELS, LOSS_MASK, place
+from .tokenpieces import TokenSources
 
 __all__ = [
     "IGNORE_INDEX",
@@ -287,7 +288,7 @@ class PackedReader:
         return lay.read(self, b - first, alloc)
 
     def copy_from(
-        self, lay: BatchLayout, src: tuple, alloc: Alloc, into: np.ndarray | None, where: Callable[[int], str]
+        self, lay: BatchLayout, src: TokenSources, alloc: Alloc, into: np.ndarray | None, where: Callable[[int], str]
     ) -> dict[str, Any]:
         """The batch of ``lay`` from ``src`` (`BatchReader.token_sources` of ``lay.docs``; `read_together`
         passes several readers' sources joined), ``where`` naming a document in errors."""

@@ -21,12 +21,13 @@ import torch
 
 from ..format import FormatError
 from ..plan.ranges import locate_ids
-from .collate import KEY, PACK_MIN_BYTES, Alloc, PackedBytes, collate_samples, stack_column
+from .collate import KEY, Alloc, collate_samples, gather_field
 from .inflate import Inflated, InflatedShard, inflate_budget
 from .observability.probe import REMOTE, Probe
 from .scratch import Scratch
 from .shardview import ShardView
 from .source import MappedFile, RemoteShard, Source, SourceSpec
+from .tokenpieces import TokenPieces, TokenSources, join_pieces, pad_tokens
 
 MAX_OPEN_SHARDS = 64
 
@@ -302,7 +303,7 @@ class BatchReader:
         for j, spec in enumerate(fields):
             if j == pad_col:
                 continue
-            out[spec.name] = self._field(groups, j, b, pack, alloc)
+            out[spec.name] = gather_field(groups, j, b, pack, alloc)
         return out
 
     def _groups(self, shard: np.ndarray, local: np.ndarray) -> list[tuple[ShardView, np.ndarray, np.ndarray]]:
@@ -318,15 +319,11 @@ class BatchReader:
                 out.append((self._view(int(s_sorted[a])), rows, local[rows]))
         return out
 
-    def token_sources(
-        self, ids: np.ndarray, *, keys: bool = True
-    ) -> tuple[list, list, np.ndarray, np.ndarray, np.ndarray, np.dtype] | None:
+    def token_sources(self, ids: np.ndarray, *, keys: bool = True) -> TokenSources | None:
         """Where the tokens of ``ids`` lie in the mapped shards, for callers that copy them
-        themselves (packed batches): (keys, buffers, which, first, count, dtype) — sample k's
-        tokens are elements ``first[k] : first[k] + count[k]`` (of ``dtype``) of the raw bytes
-        ``buffers[which[k]]``. None for remote shards read sample by sample, or when the length field
-        is not a plain integer array (then `read_samples` decodes them). ``keys=False``: an empty
-        keys list (a lean packed batch carries none)."""
+        themselves (packed batches). None for remote shards read sample by sample, or when the
+        length field is not a plain integer array (then `read_samples` decodes them).
+        ``keys=False``: an empty keys list (a lean packed batch carries none)."""
         ids = np.asarray(ids, dtype=np.int64)
         if not self.by_view:
             return None
@@ -336,39 +333,30 @@ class BatchReader:
         pieces = self._token_pieces(groups)
         if pieces is None:
             return None
-        rows, which, first, n, bufs = pieces
         by_id = [np.empty(len(ids), np.int64) for _ in range(3)]
-        for out, values in zip(by_id, (which, first, n)):
-            out[rows] = values
-        if not keys:
-            return [], bufs, *by_id, groups[0][0].tok_dtype
-        names = np.empty(len(ids), dtype=object)
-        for v, r, li in groups:
-            names[r] = v.keys[li]
-        return names.tolist(), bufs, *by_id, groups[0][0].tok_dtype
+        for out, values in zip(by_id, (pieces.which, pieces.first, pieces.count)):
+            out[pieces.rows] = values
+        names: list[Any] = []
+        if keys:
+            column = np.empty(len(ids), dtype=object)
+            for v, r, li in groups:
+                column[r] = v.keys[li]
+            names = column.tolist()
+        return TokenSources(names, pieces.buffers, *by_id, groups[0][0].tok_dtype)
 
-    def _token_pieces(self, groups) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list] | None:
-        """(rows of the batch, buffer index, first element, element count, buffers) of every
-        sample of ``groups``; None when some payload is not a plain array."""
-        # Per-shard pieces are concatenated once, so the per-batch numpy work does not grow with
-        # the number of shards a batch spans (a shuffled batch touches most of a node's shards).
-        rows_l, first_l, n_l, which_l, bufs = [], [], [], [], []
+    def _token_pieces(self, groups) -> TokenPieces | None:
+        """Every sample of ``groups``' tokens (`join_pieces`), counted; None when some payload
+        is not a plain array."""
+        per_view = []
         other = 0  # bytes besides the tokens, where constant per sample (else None)
         for v, rows, li in groups:
             pieces = v.token_pieces(rows, li)  # a compressed shard's: its decompressed record batches
             if pieces is None:
                 return None
-            for r, first, n, which, buffers in pieces:
-                rows_l.append(r)
-                first_l.append(first)
-                n_l.append(n)
-                which_l.append(which + len(bufs))
-                bufs.extend(buffers)
+            per_view.append(pieces)
             if other is not None:
                 other = None if v.bytes_besides_tokens is None else other + len(li) * v.bytes_besides_tokens
-        rows = np.concatenate(rows_l) if rows_l else np.zeros(0, np.int64)
-        first = np.concatenate(first_l) if first_l else np.zeros(0, np.int64)
-        n = np.concatenate(n_l) if n_l else np.zeros(0, np.int64)
+        joined = join_pieces(per_view)
         probe = self.probe
         if probe is not None and self.tier != REMOTE:  # remote views count what they fetch
             if other is None:
@@ -377,67 +365,21 @@ class BatchReader:
                 item = groups[0][0].tok_dtype.itemsize
                 if probe.counts and (probe.counts_item != item or probe.counts_tier != self.tier):
                     probe.flush()  # a mixture's readers share the probe: sources of other dtypes or tiers
-                probe.counts.append(n)
+                probe.counts.append(joined.count)
                 probe.counts_other += other
                 probe.counts_item, probe.counts_tier = item, self.tier
                 if len(probe.counts) >= 64:  # num_workers=0 flushes at metrics() and pass end
                     probe.flush()
-        which = np.concatenate(which_l) if which_l else np.zeros(0, np.int64)
-        return rows, which, first, n, bufs
+        return joined
 
     def _gather_tokens(self, groups, b: int, alloc: Alloc) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Padded tokens and lengths, or None when some payload is not a plain array."""
         pieces = self._token_pieces(groups)
         if pieces is None:
             return None
-        rows, which, first, n, bufs = pieces
-        counts = alloc(b, np.int64)
-        counts[rows] = n
-        width = int(counts.max(initial=0))
-        padded = alloc((b, width), np.int64)
         dtype = groups[0][0].tok_dtype if groups else np.dtype(np.int64)
-        info = np.iinfo(dtype)
-        if not info.min <= self.pad_id <= info.max:
-            padded.fill(self.pad_id)
-            views = [np.frombuffer(buf, dtype=dtype, count=len(buf) // dtype.itemsize) for buf in bufs]
-            for r, w, a, c in zip(rows.tolist(), which.tolist(), first.tolist(), n.tolist()):
-                padded[r, :c] = views[w][a : a + c]  # pad id outside the stored dtype: widen per row
-            return torch.from_numpy(padded), torch.from_numpy(counts)
-        # Rows are copied as raw bytes (memoryview slice assignment is a bare memcpy, several
-        # times cheaper per sample than a numpy slice assignment with a cast), in the stored
-        # dtype; one vectorised cast then widens the whole batch. An index-array gather would
-        # cost more than the tokens themselves.
-        narrow = padded if dtype == padded.dtype else self._scratch.array((b, width), dtype)
-        narrow.fill(self.pad_id)
-        dst = memoryview(narrow.reshape(-1).view(np.uint8))
-        item = dtype.itemsize
-        for r, w, a, k in zip(
-            (rows * (width * item)).tolist(), which.tolist(), (first * item).tolist(), (n * item).tolist()
-        ):
-            dst[r : r + k] = bufs[w][a : a + k]
-        dst.release()
-        if narrow is not padded:
-            np.copyto(padded, narrow)
+        padded, counts = pad_tokens(pieces, b, dtype, self.pad_id, alloc, self._scratch)
         return torch.from_numpy(padded), torch.from_numpy(counts)
-
-    def _field(self, groups, j: int, b: int, pack: bool, alloc: Alloc) -> Any:
-        if pack and groups[0][0].bytes_fields[j]:
-            total = sum(int(v.sizes[li, j].sum()) for v, _, li in groups)
-            if total >= PACK_MIN_BYTES:
-                bufs: list[Any] = [None] * b
-                starts = np.empty(b, dtype=np.int64)
-                sizes = np.empty(b, dtype=np.int64)
-                for v, rows, li in groups:
-                    starts[rows] = v.starts[li, j]
-                    sizes[rows] = v.sizes[li, j]
-                    for r in rows.tolist():
-                        bufs[r] = v.u8
-                return PackedBytes.from_slices(bufs, starts.tolist(), sizes.tolist(), alloc)
-        values: list[Any] = [None] * b
-        for v, rows, li in groups:
-            for r, x in zip(rows.tolist(), v.values(j, li)):
-                values[r] = x
-        return stack_column(values, alloc)
 
 
 def describe_ids(reader: BatchReader, ids: np.ndarray, limit: int = 3) -> str:

@@ -31,6 +31,7 @@ from ..format import FieldSpec, FormatError, decode_bytes
 from ..format.arrowshard import check_schema
 from .batchcache import CompressedBatches, column_ranges
 from .source import MappedFile
+from .tokenpieces import TokenPiece
 
 
 def is_int_array(spec: FieldSpec) -> bool:
@@ -136,14 +137,14 @@ class ShardView:
             return None
         return self._tok_ranges[0][li], self._tok_ranges[1][li]
 
-    def token_pieces(self, rows: np.ndarray, li: np.ndarray) -> list[tuple] | None:
+    def token_pieces(self, rows: np.ndarray, li: np.ndarray) -> list[TokenPiece] | None:
         """[(rows, first element, element count, which, buffers)]: where the length field's payload
         of samples ``li`` (rows ``rows`` of a batch) lies, sample k's in ``buffers[which[k]]`` (raw
         bytes): the map for a plain shard, its decompressed record batches for a compressed one;
         None where one is not a plain array."""
         if self._batches is None:
             r = self.token_ranges(li)
-            return None if r is None else [(rows, r[0], r[1], np.zeros(len(li), np.int64), [self.tok_bytes])]
+            return None if r is None else [TokenPiece(rows, r[0], r[1], np.zeros(len(li), np.int64), [self.tok_bytes])]
         if self.tok_dtype is None:
             return None
         return self._batches.token_pieces(rows, li)
