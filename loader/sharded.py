@@ -16,7 +16,7 @@ from ..plan.batching import default_bucketing
 from ..plan.env import rank_placement
 from ..plan.mesh import as_mesh
 from ..plan.packing import with_packed_eos
-from ..plan.schedule import with_runs
+from ..plan.schedule import StepClock, with_runs
 from ..plan.state import LoaderState, StateError, check_compatible
 from . import tokenfields
 from .errors import LoaderStateError
@@ -385,41 +385,24 @@ class ShardedLoader(PassRunner):
         self._served = 0
 
     # ------------------------------------------------------------------ batch-size schedule
+    def step_clock(self, epoch: int | None = None) -> StepClock | None:
+        """The batch-size schedule's steps over ``epoch`` (default: the current one, from where
+        the loader's state says it began; another one as if every epoch before it ran whole on
+        this layout); None without a schedule. `shardtool.loader.trace` maps steps with it."""
+        if self.schedule is None:
+            return None
+        first = self._first_step if epoch is None or epoch == self._epoch else self._steps_before(epoch)
+        return StepClock(self.schedule, first)
+
     def _steps(self) -> tuple[int, int]:
         """(steps handed over, steps) of the current epoch: batches, or with a batch-size
         schedule the steps they make from the epoch's first step (`shardtool.plan.schedule`)."""
         state = self._state.with_served(self._served)
-        if self.schedule is None:
+        clock = self.step_clock()
+        if clock is None:
             earlier = sum(s.delivered for s in state.segments[:-1])
             return earlier + state.last.delivered, earlier + state.last.steps
-        step = self._last_segment_step(state)
-        done = step + self.schedule.steps(step, state.last.delivered)
-        total = step + self.schedule.steps(step, state.last.steps)
-        return done - self._first_step, total - self._first_step
-
-    def _batches_of_steps(self, state: LoaderState, first: int, stop: int) -> tuple[int, int]:
-        """Steps ``first .. stop - 1`` of the epoch (a schedule's) as the epoch's delivered
-        batches `LoaderState.skipping` takes; only steps of the current segment not yet served."""
-        done, total = self._steps()
-        if not (isinstance(first, int) and isinstance(stop, int)) or not done <= first < stop <= total:
-            raise StateError(
-                f"steps to skip must be first:stop with {done} <= first < stop <= {total} (the epoch's steps "
-                f"not yet served), found {first!r}:{stop!r}"
-            )
-        last = state.last
-        earlier = state.served - last.delivered  # batches delivered on earlier layouts
-        step = self._last_segment_step(state)
-        cut = self.schedule.cut(step, last.steps)
-        steps_before = step - self._first_step
-        return earlier + int(cut[first - steps_before]), earlier + int(cut[stop - steps_before])
-
-    def _last_segment_step(self, state: LoaderState) -> int:
-        """The run's step at the first batch of ``state``'s current segment (a schedule's steps:
-        the batches delivered on earlier layouts, skipped ones none, make the steps before it)."""
-        step = self._first_step
-        for seg in state.segments[:-1]:
-            step += self.schedule.steps(step, seg.delivered)
-        return step
+        return clock.steps(state)
 
     def _steps_before(self, epoch: int) -> int:
         """The run's step at ``epoch``'s first batch when every epoch before it ran whole on this
@@ -543,8 +526,9 @@ class ShardedLoader(PassRunner):
             raise ValueError("skip_steps must come before the pass's first batch: a pass is under way")
         try:
             state = self._state.with_served(self._served)
-            if self.schedule is not None:  # the steps' planned batches, as the state counts them
-                first, stop = self._batches_of_steps(state, first, stop)
+            clock = self.step_clock()
+            if clock is not None:  # the steps' planned batches, as the state counts them
+                first, stop = clock.batches(state, first, stop)
             state = state.skipping(first, stop)
         except StateError as e:
             raise ValueError(f"cannot skip steps {first}:{stop}: {e}") from None

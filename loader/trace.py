@@ -48,41 +48,50 @@ def traces(loader: Any, first: int, stop: int, *, epoch: int | None = None) -> l
             raise ValueError(f"step must be an int >= 0, found {step!r}")
     if getattr(loader, "mixture", None) is not None:
         return _mixture_steps(loader, int(first), int(stop))
-    _no_schedule(loader)
     state = _epoch_state(loader, epoch)
-    earlier = sum(s.delivered for s in state.segments[:-1])  # steps: skipped batches are none
+    earlier, cut = _segment_steps(loader, state, epoch)
     if first < earlier:
         raise ValueError(
-            f"step {first} of epoch {state.epoch} was served on an earlier layout ({earlier} batches a rank "
+            f"step {first} of epoch {state.epoch} was served on an earlier layout ({earlier} steps a rank "
             f"before the resume onto {loader.data_layout.describe()}): trace it with a loader of that layout"
         )
     plan = planner.rank_plan(state, loader.dp_rank)
-    if stop - 1 - earlier >= state.last.steps:
+    if stop - 1 - earlier >= cut.size - 1:
         raise ValueError(
-            f"step {stop - 1} is past epoch {state.epoch}'s end: this rank has {earlier + state.last.steps} "
-            "batches in it"
+            f"step {stop - 1} is past epoch {state.epoch}'s end: this rank has {earlier + cut.size - 1} steps in it"
         )
     out = []
     for step in range(first, stop):
-        at = state.last.position_of(step - earlier)  # past the steps skipped (`LoaderState.skipping`)
+        samples: list[dict[str, Any]] = []
+        rows = 0  # a step of a schedule joins planned batches: rows numbered across them
+        for k in range(int(cut[step - earlier]), int(cut[step - earlier + 1])):
+            at = state.last.position_of(k)  # past the steps skipped (`LoaderState.skipping`)
+            got = _units(loader.reader, loader.dataset, plan, at, at + 1)
+            if plan.rows is not None:
+                for sample in got:
+                    sample["row"] += rows
+                rows += int(plan.row_offsets[at + 1] - plan.row_offsets[at])
+            samples += got
         out.append(
             {
                 "epoch": state.epoch,
                 "step": int(step),
                 "rank": loader.rank,
                 "dp_rank": loader.dp_rank,
-                "samples": _units(loader.reader, loader.dataset, plan, at, at + 1),
+                "samples": samples,
             }
         )
     return out
 
 
-def _no_schedule(loader: Any) -> None:
-    if getattr(loader, "schedule", None) is not None:
-        raise ValueError(
-            "tracing a loader with a batch-size schedule is not supported yet: its steps take several "
-            "of the plan's batches (trace a loader of the schedule's base batch_size for those batches)"
-        )
+def _segment_steps(loader: Any, state: LoaderState, epoch: int | None) -> tuple[int, np.ndarray]:
+    """(steps of the epoch before ``state``'s current segment, the segment's steps as cuts of its
+    delivered batches: step ``before + j`` takes ``cut[j] .. cut[j + 1] - 1``): one batch a step,
+    or a batch-size schedule's (`shardtool.plan.schedule.StepClock`)."""
+    clock = loader.step_clock(epoch) if hasattr(loader, "step_clock") else None
+    if clock is None:
+        return sum(s.delivered for s in state.segments[:-1]), np.arange(state.last.steps + 1, dtype=np.int64)
+    return clock.segment_cut(state)
 
 
 def _epoch_state(loader: Any, epoch: int | None) -> LoaderState:
@@ -208,7 +217,11 @@ def find(loader: Any, sample: int, *, epoch: int | None = None, source: str | No
         raise ValueError(f"sample must be a global index in [0, {n_samples}), found {sample!r}")
     if mixture:
         return _mixture_find(loader, str(source), int(sample))
-    _no_schedule(loader)
+    if getattr(loader, "schedule", None) is not None:
+        raise ValueError(
+            "find with a batch-size schedule is not supported yet (trace and dump are): find the sample "
+            "with a loader of the schedule's base batch_size, whose batches the steps join"
+        )
     state = _epoch_state(loader, epoch)
     out = []
     for j, dp_rank, _, step, fields in _hits(planner, state, int(sample)):
@@ -367,7 +380,8 @@ def dump(loader: Any, first: int, stop: int, out_dir: str) -> list[str]:
         loader.load_state_dict(MixtureState.from_dict(state).at(first).to_dict())
     else:
         st = LoaderState.from_dict(state)
-        loader.load_state_dict(st.with_served(st.last.position_of(first - (st.served - st.last.delivered))).to_dict())
+        earlier, cut = _segment_steps(loader, st, None)
+        loader.load_state_dict(st.with_served(st.last.position_of(int(cut[first - earlier]))).to_dict())
     os.makedirs(out_dir, exist_ok=True)
     written = []
     batches = iter(loader)

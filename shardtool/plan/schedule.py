@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 
 from .batching import WINDOW_BATCHES, Batching
+from .state import LoaderState, StateError
 
-__all__ = ["RUN_STEPS", "Schedule", "parse_schedule", "parse_schedule_text", "with_runs"]
+__all__ = ["RUN_STEPS", "Schedule", "StepClock", "parse_schedule", "parse_schedule_text", "with_runs"]
 
 # Bucketed batches of a schedule are dealt in runs of RUN_STEPS steps of its largest size (see
 # `Batching.run_batches`): a step that begins inside a run takes batches of like lengths, and one
@@ -107,6 +108,49 @@ class Schedule:
 
     def describe(self) -> str:
         return ", ".join(f"step {first}: {size}" for first, size in self.changes)
+
+
+@dataclass(frozen=True)
+class StepClock:
+    """A schedule's steps over one epoch's state: the epoch begins at the run's step
+    ``first_step``; its segments (one per layout it ran on) take their delivered batches in steps
+    from where the segment before left the count (skipped batches are no steps)."""
+
+    schedule: Schedule
+    first_step: int
+
+    def segment_step(self, state: LoaderState) -> int:
+        """The run's step at the first batch of ``state``'s current (last) segment."""
+        step = self.first_step
+        for seg in state.segments[:-1]:
+            step += self.schedule.steps(step, seg.delivered)
+        return step
+
+    def steps(self, state: LoaderState) -> tuple[int, int]:
+        """(steps handed over, steps) of the epoch, counted from its first step."""
+        step = self.segment_step(state)
+        done = step + self.schedule.steps(step, state.last.delivered)
+        total = step + self.schedule.steps(step, state.last.steps)
+        return done - self.first_step, total - self.first_step
+
+    def segment_cut(self, state: LoaderState) -> tuple[int, np.ndarray]:
+        """(steps of the epoch before the current segment, `Schedule.cut` of its batches): step
+        ``before + j`` takes the segment's delivered batches ``cut[j] .. cut[j + 1] - 1``."""
+        step = self.segment_step(state)
+        return step - self.first_step, self.schedule.cut(step, state.last.steps)
+
+    def batches(self, state: LoaderState, first: int, stop: int) -> tuple[int, int]:
+        """The epoch's delivered batches of steps ``first .. stop - 1`` (as `LoaderState.skipping`
+        takes them): only steps of the current segment not yet served; StateError otherwise."""
+        done, total = self.steps(state)
+        if not (isinstance(first, int) and isinstance(stop, int)) or not done <= first < stop <= total:
+            raise StateError(
+                f"steps to skip must be first:stop with {done} <= first < stop <= {total} (the epoch's steps "
+                f"not yet served), found {first!r}:{stop!r}"
+            )
+        earlier = state.served - state.last.delivered  # batches delivered on earlier layouts
+        before, cut = self.segment_cut(state)
+        return earlier + int(cut[first - before]), earlier + int(cut[stop - before])
 
 
 def with_runs(batching: Batching, schedule: Schedule | None) -> Batching:

@@ -22,7 +22,7 @@ import shardtool
 from realtext import byte_ids, doc_files, stdlib_files
 from runcli import shardtool_cli
 from shardtool.loader import Mixture, ShardedLoader
-from shardtool.loader.trace import trace
+from shardtool.loader.trace import dump, find, trace
 from shardtool.plan.schedule import parse_schedule
 from skips import require
 from torchrun import torchrun
@@ -251,7 +251,7 @@ def test_a_schedule_is_refused_where_it_cannot_work_yet(corpus):
         ShardedLoader(Mixture({"a": (url, 1.0)}), batch_size={0: 2, 4: 4}, steps=10, num_workers=0)
     ld = ShardedLoader(url, batch_size={0: 2, 4: 4}, num_workers=0)
     with pytest.raises(ValueError, match="batch-size schedule"):
-        trace(ld, 3)
+        find(ld, 3)
     # One size is no schedule: the loader (and its states) are those of batch_size=size.
     one = ShardedLoader(url, batch_size={0: 4}, num_workers=0, seed=1)
     assert (
@@ -397,5 +397,98 @@ def test_shardtool_plan_shows_the_schedules_steps(corpus):
     assert "steps 5..11: size 4 x 7 steps" in text.stdout
     bad = shardtool_cli("plan", corpus["arrow"], "--batch-size", "5:2")
     assert bad.returncode != 0 and "from step 0" in bad.stderr
-    refused = shardtool_cli("trace", corpus["arrow"], "--batch-size", "0:2,5:4", "--step", "3")
+    refused = shardtool_cli("trace", corpus["arrow"], "--batch-size", "0:2,5:4", "--key", "000000001")
     assert refused.returncode != 0 and "batch-size schedule" in refused.stderr
+
+
+def _served(batch, packed: bool) -> list[tuple]:
+    """What a step's batch holds, by its own fields: keys; packed, (row, key, offset in its document)."""
+    if not packed:
+        return [(str(k),) for k in batch["__key__"]]
+    offs, out, k = batch["doc_offsets"].tolist(), [], 0
+    for r, keys in enumerate(batch["__key__"]):
+        for key in keys:
+            out.append((r, str(key), offs[k]))
+            k += 1
+    return out
+
+
+def _step_traced(t: dict, packed: bool) -> list[tuple]:
+    return [(s["row"], s["key"], s["offset"]) if packed else (s["key"],) for s in t["samples"]]
+
+
+SCHEDULED = {"bucketed": dict(batch_size=RAMP), "packed": dict(batch_size=RAMP, seq_len=256, packing="best-fit")}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", sorted(SCHEDULED))
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_scheduled_steps_trace_is_the_step_served(corpus, kind, world):
+    """Issue 36: ``trace`` answers for the steps of a ramp: step t's samples (rows numbered across
+    the planned batches it joins) are those the loader serves at step t, in epoch 0 and in epoch
+    1 (whose steps continue from epoch 0's), and after a resume mid-epoch with steps skipped."""
+    packed = kind == "packed"
+    for ld in _ranks(corpus["arrow"], world, seed=7, **SCHEDULED[kind]):
+        fresh = ShardedLoader(
+            corpus["arrow"],
+            rank=ld.rank,
+            world_size=world,
+            ranks_per_node=world,
+            num_workers=0,
+            seed=7,
+            **SCHEDULED[kind],
+        )
+        for epoch in (0, 1):
+            ld.set_epoch(epoch)
+            got = [_served(b, packed) for b in ld]
+            for step in range(len(got)):
+                t = trace(fresh, step, epoch=epoch)
+                assert _step_traced(t, packed) == got[step], (kind, ld.rank, epoch, step)
+            with pytest.raises(ValueError, match="past epoch"):
+                trace(fresh, len(got), epoch=epoch)
+        # A run rolled back to step 4 of epoch 0 and told to skip steps 6..8: traced as it runs.
+        ld.set_epoch(0)
+        it = iter(ld)
+        for _ in range(4):
+            next(it)
+        state = ld.state_dict()
+        it.close()
+        again = ShardedLoader(
+            corpus["arrow"],
+            rank=ld.rank,
+            world_size=world,
+            ranks_per_node=world,
+            num_workers=0,
+            seed=7,
+            **SCHEDULED[kind],
+        )
+        again.load_state_dict(state)
+        again.skip_steps(6, 9)
+        traced = [_step_traced(trace(again, step), packed) for step in range(4, len(again))]
+        assert traced == [_served(b, packed) for b in again], (kind, ld.rank)
+        ld.close()
+        fresh.close()
+        again.close()
+
+
+@pytest.mark.timeout(300)
+def test_the_cli_traces_and_dumps_a_scheduled_step(corpus, tmp_path):
+    url, kw = corpus["arrow"], dict(batch_size=RAMP, seq_len=256, seed=2, rank=1, world_size=2, ranks_per_node=2)
+    ld = ShardedLoader(url, num_workers=0, **kw)
+    delivered = [b for _, b in zip(range(9), ld)]
+    want = trace(ld, 6, epoch=0)
+    args = ["trace", url, "--step", "6", "--rank", "1", "--ranks-per-node", "2", "--seq-len", "256"]
+    args += ["--batch-size", "0:2,5:4,12:8", "--seed", "2"]
+    out = shardtool_cli(*args, "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == want
+    assert len({s["row"] for s in want["samples"]}) == 4  # step 6 is of size 4: two planned batches of 2 rows
+    ld.close()
+    again = ShardedLoader(url, num_workers=0, **kw)
+    written = dump(again, 3, 7, str(tmp_path / "d"))
+    assert len(written) == 8
+    for step in range(3, 7):
+        arrays = np.load(tmp_path / "d" / f"step-{step:08d}.rank-1.npz")
+        for name in ("input_ids", "cu_seqlens", "doc_offsets"):
+            assert np.array_equal(arrays[name], delivered[step][name].numpy()), (step, name)
+    again.close()
