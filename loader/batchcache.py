@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -27,6 +26,7 @@ from ..format import FieldSpec, FormatError
 from ..format.arrowshard import check_schema
 from ..format.sindex import as_numpy
 from ..format.sizes import parse_size
+from .remotefetch import RemoteBatches
 from .tokenpieces import TokenPiece
 
 PREFETCH_MIN = 8  # fewer missing batches than this are decompressed in the calling thread
@@ -103,8 +103,9 @@ class CompressedBatches:
     again, so `token_pieces` gathers a training batch with a few vectorised lookups and one cache
     lookup per distinct record batch, not numpy work per record batch.
 
-    ``fetch(i)``, where given, returns the (verified) record batch holding sample ``i``: a remote
-    shard's, read by range (``buf`` is then unused); else batches are decoded from ``buf``."""
+    ``fetch`` (`loader.remotefetch.RemoteBatches`), where given, reads a remote shard's record
+    batches by range, neighbours coalesced (``buf`` is then unused); else batches are decoded
+    from ``buf``."""
 
     CACHE_BYTES = 256 << 20  # the least a process keeps
     _cap: int | None = None  # the most (decompressed_cache_cap), read once per process
@@ -123,7 +124,7 @@ class CompressedBatches:
         name: str,
         tok_col: int | None = None,
         plain_bytes: int = 0,
-        fetch: Callable[[int], pa.RecordBatch] | None = None,
+        fetch: RemoteBatches | None = None,
     ):
         self.fetch = fetch
         if fetch is not None:
@@ -171,7 +172,7 @@ class CompressedBatches:
             return hit[0]
         if rb is None:
             try:
-                rb = self.reader.get_batch(b) if self.fetch is None else self.fetch(int(self._sample_of[b]))
+                rb = self.reader.get_batch(b) if self.fetch is None else self.fetch([int(self._sample_of[b])])[0]
             except (pa.ArrowInvalid, OSError, IndexError) as e:
                 raise FormatError(f"{self.name}: record batch {b} cannot be decompressed ({e})") from None
         got = []
@@ -205,8 +206,12 @@ class CompressedBatches:
             pool, threads = (decompress_pool() if len(missing) >= PREFETCH_MIN else None), THREADS
         if pool is None:
             return
-        parts = [missing[t::threads] for t in range(threads)]
-        parts = [p for p in parts if p]
+        if self.fetch is not None:  # remote: one part per request (neighbours coalesced), in parallel
+            by_sample = {int(self._sample_of[k]): k for k in missing}
+            parts = [[by_sample[i] for i in run] for run in self.fetch.runs(sorted(by_sample))]
+        else:
+            parts = [missing[t::threads] for t in range(threads)]
+            parts = [p for p in parts if p]
         for part in pool.map(self._decompress_part, parts):
             for k, rb in part:
                 self._decoded(k, rb)
@@ -215,9 +220,7 @@ class CompressedBatches:
         out = []
         try:
             if self.fetch is not None:  # remote: the fetches overlap too, not only decompression
-                for k in batches:
-                    out.append((k, self.fetch(int(self._sample_of[k]))))
-                return out
+                return list(zip(batches, self.fetch([int(self._sample_of[k]) for k in batches])))
             reader = pa.ipc.open_file(self._buf, options=pa.ipc.IpcReadOptions(use_threads=False))
             for k in batches:
                 out.append((k, reader.get_batch(k)))

@@ -19,11 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..format import FormatError
+from ..format import FormatError, decode_sample
+from ..format.coalesce import coalesce, gap_from_env
 from ..plan.ranges import locate_ids
 from .collate import KEY, Alloc, collate_samples, gather_field
 from .inflate import Inflated, InflatedShard, inflate_budget
 from .observability.probe import REMOTE, Probe
+from .remotefetch import RemoteBatches
 from .scratch import Scratch
 from .shardview import ShardView
 from .source import MappedFile, RemoteShard, Source, SourceSpec
@@ -43,11 +45,11 @@ class BatchReader:
         self._scratch = Scratch()
         self.probe: Probe | None = None  # counters and what is being read (loader/observability/probe.py)
         self._remote_seen: set[int] = set()
-        self._last_remote_batch: tuple | None = None
         self._fetch_lock = threading.Lock()  # record batches of remote views are fetched on threads
         # Compressed local shards decompressed by this rank's process into memory its workers
         # share (loader/inflate.py): the per-pid reset in `source` keeps it.
         self._inflated: Inflated | None = None
+        self.coalesce_gap = gap_from_env()  # remote reads: neighbours within it are one request
 
     # ------------------------------------------------------------------ per-process state
     @property
@@ -101,7 +103,9 @@ class BatchReader:
                 allow_pickle=ds.allow_pickle,
                 compressed=compressed,
                 plain_bytes=ds.manifest.shards[shard].raw_bytes or ds.manifest.shards[shard].bytes,
-                fetch=None if src.local else self._fetcher(ds, shard, index),
+                fetch=None
+                if src.local
+                else RemoteBatches(ds, shard, index, self.coalesce_gap, self.probe, self._fetch_lock),
             )
         except BaseException:
             mapped.close()
@@ -148,26 +152,6 @@ class BatchReader:
         if v is not None:
             v.close()
 
-    def _fetcher(self, ds, shard: int, index):
-        """``fetch(i)``: the verified record batch of a remote shard holding sample ``i``, one
-        ranged request, announced and counted as remote bytes (on the threads that fetch at once:
-        the counter is added to under a lock)."""
-
-        def fetch(i: int):
-            probe = self.probe
-            if probe is None:
-                return ds.record_batch(shard, i)
-            off, size = int(index.offsets[i]), int(index.sizes[i])
-            with self._fetch_lock:
-                probe.at(shard, off, size, REMOTE)
-            rb = ds.record_batch(shard, i)
-            with self._fetch_lock:
-                probe.read(REMOTE, size)
-                probe.done_reading()
-            return rb
-
-        return fetch
-
     def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         self.source  # (re)opened in a forked worker: its offsets
         return locate_ids(self.offsets, np.asarray(ids, dtype=np.int64))
@@ -189,14 +173,16 @@ class BatchReader:
         """Decoded sample dicts (``__key__`` + every field), in the order of ``ids``."""
         shard, local = self.locate(ids)
         if not self.by_view:
+            # Remote tar shards: each shard's samples of the batch read together, neighbours
+            # within the coalescing gap as one ranged request (`shardtool.format.coalesce`).
             ds = self.source.dataset
-            # Read in (shard, sample) order, handed back in the batch's order: the samples of one
-            # Arrow record batch are then read in a run, so it is fetched (and, compressed,
-            # decompressed) once per training batch, not once per sample.
             out: list[Any] = [None] * len(ids)
-            read = (lambda s, i: self._remote_sample(ds, s, i)) if self.probe is not None else ds.read
-            for k in np.lexsort((local, shard)).tolist():
-                out[k] = read(int(shard[k]), int(local[k]))
+            order = np.lexsort((local, shard))
+            for s in np.unique(shard).tolist():
+                rows = order[shard[order] == s]
+                got = self._remote_samples(ds, s, local[rows].tolist())
+                for k, sample in zip(rows.tolist(), got):
+                    out[k] = sample
             return out
         if self.probe is not None:
             self._count(self._groups(shard, local))
@@ -205,23 +191,28 @@ class BatchReader:
     def _local_samples(self, shard: np.ndarray, local: np.ndarray) -> list[dict[str, Any]]:
         return [self._view(s).sample(i) for s, i in zip(shard.tolist(), local.tolist())]
 
-    def _remote_sample(self, ds, s: int, i: int) -> dict[str, Any]:
-        """One ranged read, announced and counted: a shard's first read in this process is its open."""
-        token = self.probe.opening(s, self.source) if s not in self._remote_seen else None
-        idx = ds.shard_index(s)
-        off, size = int(idx.offsets[i]), int(idx.sizes[i])
-        self.probe.at(s, off, size, REMOTE)
-        out = ds.read(s, i)
-        self.probe.done_reading()
-        if token is not None:
-            self._remote_seen.add(s)
-            self.probe.opened(token, self.source)
-        # An Arrow record batch holds many samples and is fetched once per run of its rows.
-        if self.tar or (s, int(idx.batch[i])) != self._last_remote_batch:
-            self.probe.read(REMOTE, size)
-        if not self.tar:
-            self._last_remote_batch = (s, int(idx.batch[i]))
-        return out
+    def _remote_samples(self, ds, s: int, samples: list[int]) -> list[dict[str, Any]]:
+        """Samples of remote tar shard ``s``, decoded; with a probe announced and counted (the
+        bytes of the ranged reads, gaps included): a shard's first read in this process is its open."""
+        gap = self.coalesce_gap
+        if self.probe is None:
+            raw = ds.raw_samples(s, samples, gap)
+        else:
+            token = self.probe.opening(s, self.source) if s not in self._remote_seen else None
+            idx = ds.shard_index(s)
+            runs = coalesce(idx.offsets[samples], idx.sizes[samples], gap)
+            self.probe.at(s, runs[0][0], runs[-1][1] - runs[0][0], REMOTE)
+            raw = ds.raw_samples(s, samples, gap)
+            self.probe.done_reading()
+            if token is not None:
+                self._remote_seen.add(s)
+                self.probe.opened(token, self.source)
+            self.probe.read(REMOTE, sum(end - start for start, end, _ in runs))
+        where = ds.manifest.shards[s].path
+        return [
+            decode_sample(ds.manifest, r, allow_pickle=ds.allow_pickle, where=f"{where} sample #{i}")
+            for i, r in zip(samples, raw)
+        ]
 
     def _count(self, groups) -> None:
         """Payload bytes of a batch's samples (every field), from the views (remote views count

@@ -30,6 +30,7 @@ import pyarrow as pa
 from ..format import FieldSpec, FormatError, decode_bytes
 from ..format.arrowshard import check_schema
 from .batchcache import CompressedBatches, column_ranges
+from .remotefetch import RemoteBatches
 from .source import MappedFile
 from .tokenpieces import TokenPiece
 
@@ -74,7 +75,7 @@ class ShardView:
         allow_pickle: bool = False,
         compressed: bool = False,
         plain_bytes: int = 0,
-        fetch: Callable[[int], pa.RecordBatch] | None = None,
+        fetch: RemoteBatches | None = None,
     ):
         self.mapped = mapped
         self.name = mapped.shard_name

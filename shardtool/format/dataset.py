@@ -17,12 +17,13 @@ import numpy as np
 import pyarrow as pa
 
 from .arrowshard import KEY_COLUMN, check_schema, record_batch_from_range, row_values
+from .coalesce import read_coalesced
 from .decode import decode_sample
 from .errors import FormatError
 from .hashing import hash_bytes, range_checksum
-from .lengthsfile import read_lengths, read_lengths_range
+from .lengthsfile import lengths_from_indexes, read_lengths, read_lengths_range
 from .manifest import MANIFEST_NAME, Manifest, manifest_hash
-from .sindex import ShardIndex, as_numpy
+from .sindex import ShardIndex
 from .storage import cat_shared, dataset_fs, is_local, open_range, read_file, read_manifest, shard_location
 from .summaries import SUMMARIES_NAME, ShardSummaries, stored_summaries
 
@@ -186,28 +187,7 @@ class Dataset:
         """Lengths of samples ``[lo, hi)`` from the (hash-checked) sample indexes of the shards
         holding them: for a reader that has those indexes at hand (the node cache) and not the
         dataset-wide lengths file."""
-        first = int(np.searchsorted(self._offsets, lo, side="right")) - 1
-        parts = []
-        for shard in range(max(first, 0), self.num_shards):
-            begin, end = int(self._offsets[shard]), int(self._offsets[shard + 1])
-            if begin >= hi:
-                break
-            if end <= lo:
-                continue
-            idx = self._indexes.get(shard)
-            if idx is not None:
-                column = idx.lengths
-            else:
-                info = self.manifest.shards[shard]
-                try:
-                    table = pa.ipc.open_file(pa.py_buffer(self.load_index_bytes(shard))).read_all()
-                    column = as_numpy(table.column("length")).astype(np.int64, copy=False)
-                except (pa.ArrowInvalid, OSError, KeyError) as e:
-                    raise FormatError(f"{info.path}: sample index is unreadable ({e})") from None
-                if column.size != info.samples:
-                    raise FormatError(f"{info.path}: index has {column.size} samples, manifest says {info.samples}")
-            parts.append(column[max(lo, begin) - begin : min(hi, end) - begin])
-        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return lengths_from_indexes(self.manifest, self._offsets, self._indexes.get, self.load_index_bytes, lo, hi)
 
     @property
     def summaries(self) -> ShardSummaries:
@@ -300,12 +280,7 @@ class Dataset:
             raise IndexError(f"shard {self.manifest.shards[shard].path} has {len(idx)} samples, asked for #{i}")
         if self.manifest.shard_format == "arrow":
             return self._read_arrow(shard, idx, i)
-        blob = memoryview(self._verified_range(shard, idx, i))
-        out: dict[str, Any] = {KEY_COLUMN: idx.keys[i]}
-        for j, name in enumerate(self._field_names):
-            fo = int(idx.field_offsets[i, j])  # type: ignore[index]  # a tar index has field columns
-            out[name] = blob[fo : fo + int(idx.field_sizes[i, j])]  # type: ignore[index]  # a tar index has field columns
-        return out
+        return self._tar_fields(idx, i, self._verified_range(shard, idx, i))
 
     def _arrow_reader(self, shard: int):
         reader = self._arrow.get(shard)
@@ -323,13 +298,36 @@ class Dataset:
     def _verified_range(self, shard: int, idx: ShardIndex, i: int) -> bytes:
         """The byte range of sample ``i``, checked against its index checksum before any use."""
         off, size = int(idx.offsets[i]), int(idx.sizes[i])
-        data = self._range(shard).read(off, size)
+        return self._checked(shard, idx, i, self._range(shard).read(off, size))
+
+    def _checked(self, shard: int, idx: ShardIndex, i: int, data):
         if idx.checksums is not None and range_checksum(data) != int(idx.checksums[i]):
             raise FormatError(
-                f"shard {self.manifest.shards[shard].path} sample #{i} ({idx.keys[i]!r}): bytes at offset {off} "
-                "do not match the checksum in the sample index (corrupt shard or storage)"
+                f"shard {self.manifest.shards[shard].path} sample #{i} ({idx.keys[i]!r}): bytes at offset "
+                f"{int(idx.offsets[i])} do not match the checksum in the sample index (corrupt shard or storage)"
             )
         return data
+
+    def verified_ranges(self, shard: int, samples: list[int], gap: int | None) -> list[memoryview]:
+        """The checked byte ranges of ``samples`` of ``shard`` (tar: the samples; Arrow: their
+        record batches), neighbours within ``gap`` bytes read as one request (`format.coalesce`)."""
+        idx = self.shard_index(shard)
+        at = np.asarray(samples, dtype=np.int64)
+        got = read_coalesced(self._range(shard).read, idx.offsets[at], idx.sizes[at], gap)
+        return [self._checked(shard, idx, i, data) for i, data in zip(at.tolist(), got)]
+
+    def raw_samples(self, shard: int, samples: list[int], gap: int | None) -> list[dict[str, Any]]:
+        """`read_raw` of several samples of a tar shard, neighbours read together (`verified_ranges`)."""
+        idx = self.shard_index(shard)
+        return [self._tar_fields(idx, i, blob) for i, blob in zip(samples, self.verified_ranges(shard, samples, gap))]
+
+    def _tar_fields(self, idx: ShardIndex, i: int, blob) -> dict[str, Any]:
+        blob = memoryview(blob)
+        out: dict[str, Any] = {KEY_COLUMN: idx.keys[i]}
+        for j, name in enumerate(self._field_names):
+            fo = int(idx.field_offsets[i, j])  # type: ignore[index]  # a tar index has field columns
+            out[name] = blob[fo : fo + int(idx.field_sizes[i, j])]  # type: ignore[index]  # a tar index has field columns
+        return out
 
     def record_batch(self, shard: int, i: int) -> pa.RecordBatch:
         """The record batch of an Arrow shard that holds sample ``i``: one ranged read of its
@@ -340,9 +338,9 @@ class Dataset:
             reader = self._arrow_reader(shard)  # footer and schema, checked once per shard
             with self._lock:  # an older dataset: read through the shard's one open file
                 return reader.get_batch(int(idx.batch[i]))  # type: ignore[index]  # an Arrow index has batch
-        return record_batch_from_range(self._verified_range(shard, idx, i), self._batch_schema(shard))
+        return record_batch_from_range(self._verified_range(shard, idx, i), self.batch_schema(shard))
 
-    def _batch_schema(self, shard: int):
+    def batch_schema(self, shard: int):
         """The schema a record batch of ``shard`` is decoded with: a local shard's own footer's
         (a map: free); for remote shards, one footer's for all of them (every shard's schema is the
         manifest's fields, checked on that read): a footer costs three ranged requests, and a

@@ -1,17 +1,22 @@
-"""Reading a dataset's lengths file (one ``.npy`` of every sample's length): whole, checked
-against the manifest, or a range of it by one ranged read, so a planner reads only its own share."""
+"""Reading sample lengths: the dataset's lengths file (one ``.npy`` of every sample's length),
+whole and checked against the manifest, or a range of it by one ranged read, so a planner reads
+only its own share; or a range from the shards' sample indexes (a node cache holds those)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+import pyarrow as pa
 
 from .errors import FormatError
 from .fields import npy_layout
 from .hashing import hash_bytes
 from .manifest import Manifest, check_length_summary, lengths_from_bytes
+from .sindex import ShardIndex, as_numpy
 from .storage import cat_shared, read_file
 
-__all__ = ["read_lengths", "read_lengths_range"]
+__all__ = ["lengths_from_indexes", "read_lengths", "read_lengths_range"]
 
 
 def read_lengths(fs, path: str, manifest: Manifest, url: str) -> np.ndarray:
@@ -49,3 +54,38 @@ def read_lengths_range(fs, path: str, num_samples: int, lo: int, hi: int, url: s
     if out.size and int(out.min()) < 0:
         raise FormatError(f"dataset {url}: negative length in {path}")
     return out
+
+
+def lengths_from_indexes(
+    manifest: Manifest,
+    offsets: np.ndarray,
+    loaded: Callable[[int], ShardIndex | None],
+    index_bytes: Callable[[int], bytes],
+    lo: int,
+    hi: int,
+) -> np.ndarray:
+    """Lengths of samples ``[lo, hi)`` from the sample indexes of the shards holding them: an
+    index ``loaded(shard)`` has, else only the length column of ``index_bytes(shard)`` (checked
+    bytes). ``offsets``: shard s holds samples ``[offsets[s], offsets[s + 1])``."""
+    first = int(np.searchsorted(offsets, lo, side="right")) - 1
+    parts = []
+    for shard in range(max(first, 0), len(manifest.shards)):
+        begin, end = int(offsets[shard]), int(offsets[shard + 1])
+        if begin >= hi:
+            break
+        if end <= lo:
+            continue
+        idx = loaded(shard)
+        if idx is not None:
+            column = idx.lengths
+        else:
+            info = manifest.shards[shard]
+            try:
+                table = pa.ipc.open_file(pa.py_buffer(index_bytes(shard))).read_all()
+                column = as_numpy(table.column("length")).astype(np.int64, copy=False)
+            except (pa.ArrowInvalid, OSError, KeyError) as e:
+                raise FormatError(f"{info.path}: sample index is unreadable ({e})") from None
+            if column.size != info.samples:
+                raise FormatError(f"{info.path}: index has {column.size} samples, manifest says {info.samples}")
+        parts.append(column[max(lo, begin) - begin : min(hi, end) - begin])
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
