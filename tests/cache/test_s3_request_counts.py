@@ -297,9 +297,9 @@ def test_neighbouring_samples_of_a_tar_shard_are_one_request(tmp_path_factory, s
 
 def test_consecutive_record_batches_of_a_remote_arrow_shard_are_one_request(
     tmp_path_factory,
-    s3_server,
-    s3_proxy,
-    monkeypatch,  # noqa: F811
+    s3_server,  # noqa: F811
+    s3_proxy,  # noqa: F811
+    monkeypatch,
 ):
     """A training batch's missing record batches of one shard are fetched in runs: read in
     order, a batch of 64 samples over several consecutive record batches of 64 KiB is one ranged
