@@ -23,6 +23,7 @@ from .imagetext import (
 )
 from .inputs import class_names, counted_units, first_sample_fields, source_units
 from .options import check_options, strip_file_scheme
+from .partition import Partition
 from .procs import run_jobs
 from .progress import Progress
 from .publish import PackResult, length_definition, publish_pack
@@ -77,6 +78,7 @@ def pack(
     compression: str | None = None,
     label_from_dir: bool = False,
     record_batch_size: int | str | None = None,
+    partition: Partition | None = None,
 ) -> PackResult:
     """Pack ``sources`` into ``out``.
 
@@ -92,7 +94,9 @@ def pack(
     run to run, and the same rows give the same dataset from any kind of source. With
     ``num_tasks > 1`` (or ``SLURM_ARRAY_TASK_COUNT`` set) this packs task ``task_index``'s slice
     and writes a fragment; ``merge(out)`` (``from shardtool.pack import merge``) then writes the
-    manifest.
+    manifest. ``partition`` (`shardtool.pack.engines` sets it) packs all of ``sources`` as task
+    ``partition.index`` of ``partition.count``, keyed from sample ``partition.first`` of
+    ``partition.total``: one partition of a Ray Dataset or Spark DataFrame.
 
     ``key``: the column holding each sample's key (it is the key, not also a field).
     ``tokenizer`` (a path to a ``tokenizer.json``, a ``tokenizers.Tokenizer`` or a ``transformers``
@@ -160,7 +164,10 @@ def pack(
     )
     max_skip_fraction = check_fraction_option(max_skip_fraction)
     skip_bad = skip_bad or max_skip_fraction is not None
-    T, I = array_task(num_tasks, task_index, env=os.environ if env is None else env)
+    if partition is not None:  # one partition of an engine's dataset (shardtool.pack.engines)
+        T, I = partition.count, partition.index
+    else:
+        T, I = array_task(num_tasks, task_index, env=os.environ if env is None else env)
     out = strip_file_scheme(out)
     if "://" in out:
         raise ShardtoolError(
@@ -239,10 +246,17 @@ def pack(
         )
     pos = positions(units)
     count = total if streaming and total is not None else pos[-1]
+    if partition is not None:
+        if streaming:
+            raise ShardtoolError("a partition is packed from its rows in memory, not from a stream")
+        count = partition.total
     key_width = max(9, len(str(max(count - 1, 0))))
 
-    t0, t1 = split_contiguous([u.weight for u in units], T)[I]
-    my_units, my_pos = units[t0:t1], pos[t0:t1]
+    if partition is None:
+        t0, t1 = split_contiguous([u.weight for u in units], T)[I]
+        my_units, my_pos = units[t0:t1], pos[t0:t1]
+    else:  # the partition is the task's whole share; its keys continue the partitions before it
+        my_units, my_pos = units, [p + partition.first for p in pos[:-1]]
     jobs = []
     for w, (a, b) in enumerate(split_contiguous([u.weight for u in my_units], 1 if streaming else workers)):
         jobs.append(
