@@ -35,103 +35,71 @@ log = logging.getLogger(__name__)
 class ShardedLoader(PassRunner):
     """Batches of a packed dataset for one rank of a (possibly multi-node) training job.
 
-    Exactly one of ``batch_size`` (samples per batch) and ``max_tokens`` (batch size x longest
-    length, padding counted) is given. ``batch_size`` may be a schedule by the run's step,
-    ``{0: 4, 2000: 8}``: the plan is made at the sizes' gcd and a step takes size / gcd of its
-    batches (`shardtool.plan.schedule`; docs/run-changes.md). The rank layout comes from the arguments, else an
-    initialised torch.distributed (+ LOCAL_WORLD_SIZE), else torchrun's env, else SLURM's, else
-    a single process. Every rank yields ``len(loader)`` batches this epoch, known before the
-    first batch. ``state_dict()`` describes the batches handed to the training loop so far and
-    is identical on every rank; ``load_state_dict`` continues exactly there (on any world size).
+    Every rank yields ``len(loader)`` batches an epoch, known before the first batch and equal on
+    every rank; ``state_dict()`` is the position after the batches handed out (small, JSON, equal
+    on every rank) and ``load_state_dict`` continues exactly there, on any number of ranks. Every
+    decision is a pure plan from the dataset's metadata, the seed and the layout
+    (docs/plan.md). The default batch pads the length field (``LongTensor [B, L]`` and
+    ``lengths``) and stacks the others as ``default_collate`` would; packed rows carry
+    ``input_ids``, ``labels``, ``position_ids``, ``cu_seqlens``... (docs/sequence-packing.md).
 
-    With model parallelism (TP/PP/CP), say who is data-parallel: ``mesh`` (a torch DeviceMesh,
-    or a `shardtool.plan.Mesh`) with its data-parallel dimension(s) ``dp_dim`` (a name, or a tuple
-    of names for HSDP's replicate × shard), or ``dp_size`` (and ``dp_rank``). Every rank of one DP
-    rank then yields byte-identical batches; without either, every rank is its own DP rank.
-    ``shuffle=False`` reads each data group's range in dataset order. ``bucketing`` sorts samples
-    by length within shuffle windows to cut padding; by default it follows ``shuffle`` where the
-    dataset's length counts what a batch pads (tokens or elements of ``--length``, characters, an
-    integer length field, ``--length-fn``) and is off where it is a byte size (images,
-    ``--per-file``, any pack without ``--length``): sorting those would only batch images of like
-    complexity together. The default batch pads the length field (``LongTensor [B, L]`` and
-    ``lengths``) and stacks the others as torch's ``default_collate`` would (ints → ``LongTensor``,
-    equal-shape arrays or tensors → one ``[B, ...]`` tensor), lists where they do not stack.
+    Args:
+        url: The dataset (a path or any fsspec URL), or a `shardtool.plan.mixture.Mixture` of
+            several read by token weights (give ``steps`` or ``tokens``; docs/mixtures.md).
+        batch_size: Samples per batch, or rows per batch with ``seq_len``; or a schedule by the
+            run's step, ``{0: 4, 2000: 8}`` (planned at the sizes' gcd; docs/run-changes.md).
+        max_tokens: Instead of ``batch_size``: batch size x longest length, padding counted.
+        shuffle: Shuffle each epoch (False: each data group's range in dataset order).
+        seed: The shuffle's seed; the same seed gives the same batches.
+        bucketing: Sort by length within shuffle windows to cut padding. Default: on with
+            ``shuffle`` where the dataset's length counts what a batch pads, off for byte sizes.
+        rank, world_size, ranks_per_node: The layout; default: torch.distributed, else torchrun's
+            or SLURM's environment, else one process.
+        dp_rank, dp_size, mesh, dp_dim: Who is data-parallel under TP/PP/CP: a torch DeviceMesh (or
+            `shardtool.plan.Mesh`) and its DP dimension name(s), or the DP size and rank. Ranks of
+            one DP rank get byte-identical batches.
+        seq_len: Pack documents into rows of exactly this many tokens (sequence packing).
+        packing: ``"best-fit"``, ``"concat"``, ``"no-split"`` or ``"stream"`` (docs/sequence-packing.md).
+        eos_id: Appended to each packed document (not where the pack stored one).
+        max_docs_per_row: The most pieces in a packed row (sizes ``cu_seqlens``).
+        num_workers, prefetch_factor, pin_memory, timeout: Worker processes and their prefetch,
+            as torch's DataLoader (``pin_memory=None``: where CUDA is available).
+        cache_dir: The node cache: shards read from local disk, fetched on a miss (docs/slurm.md).
+        transform: Per sample, in the workers, before collation (not with ``seq_len``).
+        collate_fn: Replaces the default collation of a batch's samples (not with ``seq_len``).
+        pad_id: What pads the length field or packed rows.
+        storage_options: For fsspec (credentials, an S3 endpoint).
+        window: Samples sorted together by length (default: 256 batches' worth).
+        metrics, metrics_every, metrics_dir, metrics_reduce: Counters, a JSON line every
+            ``metrics_every`` steps under ``metrics_dir`` (``shardtool stats`` merges them), and an
+            all-gather across ranks at those steps (docs/observability.md).
+        stall_timeout: A batch not delivered within it raises `LoaderError` naming the shard,
+            offset and tier being read, after dumping every process's stacks (None: no watchdog).
+        steps, tokens: A mixture's length.
+        drop_last: False serves every sample on any number of DP ranks (ranks short of batches
+            split some); True may leave out a rotating surplus of at most 0.2% of the tokens.
+        stage: In-job staging into ``cache_dir`` (True, ``"external"``; default SHARDTOOL_STAGE).
+        packed_outputs: ``"full"``, or ``"lean"``: only what the GPU cannot derive
+            (`shardtool.loader.packed.lean_to_full` adds labels and positions there).
+        cost_model, balance_window, micro_batches: Steps of equal compute on every DP rank
+            (a model shape, measured ``{"a", "b"}`` or a preset such as ``"llama-7b"``), balanced
+            in blocks of ``balance_window`` steps, over ``micro_batches`` accumulated batches.
+        shuffle_block: Shuffle blocks of this many neighbouring samples, the blocks in random
+            order: a weaker shuffle that reads a shard or two at once.
+        exact: Serve every sample exactly once on any number of ranks (evaluation); padding
+            batches and rows are marked in ``batch["valid"]`` (`shardtool.loader.ValidSum`).
+        token_fields: The per-token array fields packed rows carry (default: every array field).
+        image_transform: Applied in the workers to each image of an image-text dataset's rows.
 
-    Equal counts on several DP ranks may leave out a surplus of at most 0.2% of the epoch's
-    tokens (it rotates across epochs; `remainder` lists it). One DP rank serves every sample, and
-    so does ``drop_last=False`` on any number (ranks short of batches split some instead);
-    ``drop_last=True`` allows the surplus on one rank too.
+    Raises:
+        ValueError: Options that contradict each other or the dataset, naming them.
+        FormatError: A dataset that cannot be read, naming the file.
+        LoaderError: A batch that cannot be read or is not delivered in time, naming the shard.
 
-    Exact evaluation: ``exact=True`` serves every sample of the dataset exactly once on any
-    number of DP ranks, and still gives every rank the same number of batches: a rank short of
-    batches (groups cannot always split theirs: batches of one sample, more ranks than batches,
-    an elastic resume) serves padding. Every batch carries ``batch["valid"]``, a bool tensor,
-    one per sample (packed: one per row; padding rows and padding batches are False); a padding
-    batch repeats one real sample, marked not valid. Reduce a per-sample metric over the valid
-    entries of every rank with `shardtool.loader.ValidSum`. Bucketed batches are cut from each
-    data group sorted by length as one window (the least padding); ``shuffle=False`` with a token
-    budget cuts them in dataset order. Each rank reads every sample's length to count the batches
-    (an evaluation set's plan; a training set's plan reads only the rank's share).
-
-    Sequence packing: ``seq_len`` with ``batch_size`` (rows per batch) yields batches of exactly
-    ``batch_size`` rows of ``seq_len`` tokens, documents packed by ``packing`` ("best-fit",
-    "concat", "no-split" or "stream": the stored token stream cut into rows, only rows shuffled,
-    each row one copy out of the shard), ``eos_id`` appended to each document if given; the batch carries
-    ``input_ids`` (the dataset's token field, packed), ``labels``, ``position_ids``,
-    ``cu_seqlens``, ``max_seqlen`` (see `shardtool.loader.packed`), and the rows are planned like
-    batches: equal counts, exact and elastic resume. ``packed_outputs="lean"`` delivers only
-    ``input_ids`` (int32 where the tokens fit), ``cu_seqlens``, ``max_seqlen`` and ``lengths``:
-    `shardtool.loader.packed.lean_to_full` derives labels and positions on the GPU. Same rows, same
-    state: a state saved with either output resumes with the other.
-
-    Per-token fields (a ``loss_mask``, stored ``labels``, role ids: arrays as long as the tokens)
-    are packed with the tokens and carried under their names; ``labels`` honour a loss mask
-    (loader/tokenfields.py). ``token_fields=[...]`` chooses them (default: every array field).
-    An image-text dataset (``pack --image-field``) packs with ``no-split``: each batch carries its
-    ``images`` (bytes, or ``image_transform(bytes)`` run in the workers), their rows, offsets and
-    token counts, and an ``image_mask`` (loader/imagerows.py).
-
-    A `shardtool.plan.mixture.Mixture` instead of ``url`` reads several datasets by token
-    weights (loader/mixed.py): give its length as ``steps`` (or ``tokens``); a mixture has no
-    epoch, ``len(loader)`` is the steps left and ``set_epoch`` is refused; each batch names its
-    source(s) in ``__source__``; state and resume work across weight, source and layout changes.
-
-    ``len(loader)`` is the epoch's batches from its first, also after a resume (a trainer
-    counts the batches done, as Lightning does); ``batches_left`` is what the next pass yields.
-    ``set_epoch(e)`` selects epoch ``e``; for the epoch the loader is already in (say, after
-    ``load_state_dict``) it keeps the position. After the last batch of an epoch the loader
-    moves to the next epoch by itself, and its state says so: resume with
-    ``start_epoch = loader.epoch``. After ``load_state_dict`` and before the loader is iterated,
-    ``set_epoch`` to an epoch before the loaded one is refused (it would replay that epoch).
-
-    Observability: ``metrics()`` returns this rank's counters (see there). Every
-    ``metrics_every`` steps (0: never) the rank appends one JSON line to a node-local file in
-    ``metrics_dir`` (default: ``<cache_dir>/metrics/<run>``, else ``$TMPDIR/shardtool-metrics/<run>``);
-    ``shardtool stats`` merges those files. ``metrics_reduce=True`` adds an all-gather across
-    ranks at those steps; rank 0 logs min/median/max wait and throughput and the slowest rank.
-    A batch not delivered within ``stall_timeout`` seconds (None: no watchdog; independent of
-    the workers' ``timeout``) raises `LoaderError` naming the shard, byte offset and tier being
-    read, after dumping the stacks of the trainer and every worker next to the metric lines.
-    ``metrics=False`` keeps no counters at all (the watchdog still fires, without read details).
-
-    Compute balance: ``cost_model`` (a model shape ``{"params": 7e9, "layers": 32, "hidden":
-    4096}``, measured ``{"a": ..., "b": ...}``, a preset name such as ``"llama-7b"``, or a
-    `shardtool.plan.cost.CostModel`) deals each step's batches so that their compute — ``a x
-    tokens + b x sum of squared document-piece lengths`` — is about equal on every DP rank, from
-    the plan alone (`shardtool.plan.costorder`; ``balance_window`` steps per block, default the
-    epoch; with ``shuffle=False`` the same order every epoch, not the dataset's). With gradient
-    accumulation, ``micro_batches=m``: a step is m consecutive batches of each rank, and what is
-    evened is each rank's total. Without a cost model, plans and states are what they were.
-
-    ``shuffle_block`` (samples): shuffle a block of that many neighbouring samples at a time, the
-    blocks in a random order (`shardtool.plan.Batching`): with about a shard's samples a pass reads
-    a shard or two at once, and the first batch of compressed shards read in place waits for one
-    shard's decompression, not the share's. A weaker shuffle than the default, chosen.
-
-    In-job staging (needs ``cache_dir``; default: SHARDTOOL_STAGE, else off): ``stage=True`` makes
-    local rank 0 fetch the node's shards into the cache in the order the node's ranks first read
-    them, a bounded distance ahead of the slowest (`shardtool.cache.stager`); ``stage="external"``
-    only publishes the ranks' order and progress for a `shardtool warm --follow` step.
+    ``len(loader)`` counts the epoch's batches from its first, also after a resume (as Lightning
+    counts); ``batches_left`` is what the next pass yields. After the last batch of an epoch the
+    loader is in the next one: resume with ``start_epoch = loader.epoch``. ``set_epoch`` to an
+    epoch before a loaded state's is refused (it would replay it).
     """
 
     # Another kind of ``url`` is read by a subclass that says so when it is defined (loader/mixed.py:
