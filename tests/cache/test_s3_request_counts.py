@@ -260,59 +260,21 @@ def shard_gets(c, m, prefix: str = PREFIX) -> int:
     return sum(c.by_key_kind[(f"{prefix}/{s.path}", "RANGED_GET")] for s in m.shards)
 
 
-def test_neighbouring_samples_of_a_tar_shard_are_one_request(tmp_path_factory, s3_server, s3_proxy, monkeypatch):  # noqa: F811
-    """Remote tar shards are read sample by sample; a batch's samples of one shard that lie
-    within the coalescing gap of each other are one ranged GET (issue 38). In order (an
-    evaluation pass), a batch of 16 neighbours is one request, where it was 16; the batches are
-    the same either way, and SHARDTOOL_COALESCE_GAP=-1 reads every sample by itself."""
+def stdlib_remote(tmp_path_factory, s3_server, name: str, **pack):  # noqa: F811
+    """120 stdlib files packed with ``pack`` options, uploaded to ``counts/<name>``: (local root, URL, manifest)."""
     import shardtool
     from realtext import byte_ids, stdlib_files
 
-    src = str(tmp_path_factory.mktemp("s3tar") / "ds")
+    src = str(tmp_path_factory.mktemp(f"s3{name}") / "ds")
     rows = [{"tokens": byte_ids(p), "path": os.path.relpath(p)} for p in stdlib_files(120)]
-    shardtool.pack(rows, src, format="tar", length="tokens", shard_size=1_000_000)
-    url = s3_server.upload(src, "counts/tar")
-    m = open_dataset(src).manifest
-    kw = dict(batch_size=16, num_workers=0, shuffle=False, rank=0, world_size=1, metrics=False)
-    want = [b["__key__"] for b in ShardedLoader(src, **kw)]
-    counts = {}
-    for gap in ("-1", None):
-        if gap is None:
-            monkeypatch.delenv("SHARDTOOL_COALESCE_GAP", raising=False)
-        else:
-            monkeypatch.setenv("SHARDTOOL_COALESCE_GAP", gap)
-        ld = ShardedLoader(url, storage_options=s3_proxy.storage_options, **kw)
-        s3_proxy.reset()
-        assert [b["__key__"] for b in ld] == want
-        c = s3_proxy.reset()
-        no_faults_seen(c)
-        counts[gap] = shard_gets(c, m, "counts/tar")
-    show(f"tar shards, {len(want)} batches of 16 in order: ranged GETs", c)
-    print(f"ranged GETs of the shards: each sample alone {counts['-1']}, coalesced {counts[None]}")
-    assert counts["-1"] == m.num_samples  # one per sample
-    # One per batch and shard it touches: a batch in order spans at most two shards.
-    touched = sum(1 + (a // 16 != (a + 15) // 16) for a in range(0, m.num_samples, 16))  # an upper bound
-    assert counts[None] <= len(want) + len(m.shards) and counts[None] <= touched + len(m.shards)
+    shardtool.pack(rows, src, length="tokens", **pack)
+    return src, s3_server.upload(src, f"counts/{name}"), open_dataset(src).manifest
 
 
-def test_consecutive_record_batches_of_a_remote_arrow_shard_are_one_request(
-    tmp_path_factory,
-    s3_server,  # noqa: F811
-    s3_proxy,  # noqa: F811
-    monkeypatch,
-):
-    """A training batch's missing record batches of one shard are fetched in runs: read in
-    order, a batch of 64 samples over several consecutive record batches of 64 KiB is one ranged
-    GET per shard it touches, not one per record batch; the same batches, the same bytes."""
-    import shardtool
-    from realtext import byte_ids, stdlib_files
-
-    src = str(tmp_path_factory.mktemp("s3rb") / "ds")
-    rows = [{"tokens": byte_ids(p), "path": os.path.relpath(p)} for p in stdlib_files(120)]
-    shardtool.pack(rows, src, format="arrow", length="tokens", shard_size=2_000_000, record_batch_size="64KiB")
-    url = s3_server.upload(src, "counts/rb")
-    m = open_dataset(src).manifest
-    kw = dict(batch_size=64, num_workers=0, shuffle=False, rank=0, world_size=1, metrics=False)
+def read_with_and_without_coalescing(s3_proxy, monkeypatch, src, url, m, prefix, **kw):  # noqa: F811
+    """{gap setting: (ranged GETs of the shards, their bytes)} of an epoch read through the proxy
+    with coalescing off ("-1") and at its default (None), each checked to serve the local batches."""
+    kw = dict(num_workers=0, shuffle=False, rank=0, world_size=1, metrics=False, **kw)
     want = [b["__key__"] for b in ShardedLoader(src, **kw)]
     got = {}
     for gap in ("-1", None):
@@ -325,9 +287,40 @@ def test_consecutive_record_batches_of_a_remote_arrow_shard_are_one_request(
         assert [b["__key__"] for b in ld] == want
         c = s3_proxy.reset()
         no_faults_seen(c)
-        got[gap] = (shard_gets(c, m, "counts/rb"), sum(c.bytes_by_key[f"counts/rb/{s.path}"] for s in m.shards))
+        got[gap] = (shard_gets(c, m, prefix), sum(c.bytes_by_key[f"{prefix}/{s.path}"] for s in m.shards))
+    return got, len(want)
+
+
+def test_neighbouring_samples_of_a_tar_shard_are_one_request(tmp_path_factory, s3_server, s3_proxy, monkeypatch):  # noqa: F811
+    """Remote tar shards are read sample by sample; a batch's samples of one shard that lie
+    within the coalescing gap of each other are one ranged GET (issue 38). In order (an
+    evaluation pass), a batch of 16 neighbours is one request, where it was 16; the batches are
+    the same either way, and SHARDTOOL_COALESCE_GAP=-1 reads every sample by itself."""
+    src, url, m = stdlib_remote(tmp_path_factory, s3_server, "tar", format="tar", shard_size=1_000_000)
+    got, batches = read_with_and_without_coalescing(s3_proxy, monkeypatch, src, url, m, "counts/tar", batch_size=16)
+    print(
+        f"tar shards, {batches} batches of 16 in order: ranged GETs each sample alone {got['-1'][0]}, coalesced {got[None][0]}"
+    )
+    assert got["-1"][0] == m.num_samples  # one per sample
+    # One per batch and shard it touches: a batch in order spans at most two shards.
+    assert got[None][0] <= batches + len(m.shards)
+
+
+def test_consecutive_record_batches_of_a_remote_arrow_shard_are_one_request(
+    tmp_path_factory,
+    s3_server,  # noqa: F811
+    s3_proxy,  # noqa: F811
+    monkeypatch,
+):
+    """A training batch's missing record batches of one shard are fetched in runs: read in
+    order, a batch of 64 samples over several consecutive record batches of 64 KiB is one ranged
+    GET per shard it touches, not one per record batch; the same batches, the same bytes."""
+    src, url, m = stdlib_remote(
+        tmp_path_factory, s3_server, "rb", format="arrow", shard_size=2_000_000, record_batch_size="64KiB"
+    )
+    got, batches = read_with_and_without_coalescing(s3_proxy, monkeypatch, src, url, m, "counts/rb", batch_size=64)
     print(
         f"remote Arrow in order: (ranged GETs, shard bytes) each record batch alone {got['-1']}, coalesced {got[None]}"
     )
-    assert got[None][0] <= len(want) + len(m.shards) + OPEN_ARROW * len(m.shards) < got["-1"][0]
+    assert got[None][0] <= batches + len(m.shards) + OPEN_ARROW * len(m.shards) < got["-1"][0]
     assert got[None][1] <= got["-1"][1]

@@ -420,6 +420,13 @@ def _step_traced(t: dict, packed: bool) -> list[tuple]:
 SCHEDULED = {"bucketed": dict(batch_size=RAMP), "packed": dict(batch_size=RAMP, seq_len=256, packing="best-fit")}
 
 
+def _one_rank(corpus, rank: int, world: int, kind: str) -> ShardedLoader:
+    """Rank ``rank`` of ``world``'s loader of the ``kind`` of ramp, another process's view."""
+    return ShardedLoader(
+        corpus["arrow"], rank=rank, world_size=world, ranks_per_node=world, num_workers=0, seed=7, **SCHEDULED[kind]
+    )
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", sorted(SCHEDULED))
 @pytest.mark.parametrize("world", [1, 3])
@@ -429,15 +436,7 @@ def test_a_scheduled_steps_trace_is_the_step_served(corpus, kind, world):
     1 (whose steps continue from epoch 0's), and after a resume mid-epoch with steps skipped."""
     packed = kind == "packed"
     for ld in _ranks(corpus["arrow"], world, seed=7, **SCHEDULED[kind]):
-        fresh = ShardedLoader(
-            corpus["arrow"],
-            rank=ld.rank,
-            world_size=world,
-            ranks_per_node=world,
-            num_workers=0,
-            seed=7,
-            **SCHEDULED[kind],
-        )
+        fresh = _one_rank(corpus, ld.rank, world, kind)
         for epoch in (0, 1):
             ld.set_epoch(epoch)
             got = [_served(b, packed) for b in ld]
@@ -453,15 +452,7 @@ def test_a_scheduled_steps_trace_is_the_step_served(corpus, kind, world):
             next(it)
         state = ld.state_dict()
         it.close()
-        again = ShardedLoader(
-            corpus["arrow"],
-            rank=ld.rank,
-            world_size=world,
-            ranks_per_node=world,
-            num_workers=0,
-            seed=7,
-            **SCHEDULED[kind],
-        )
+        again = _one_rank(corpus, ld.rank, world, kind)
         again.load_state_dict(state)
         again.skip_steps(6, 9)
         traced = [_step_traced(trace(again, step), packed) for step in range(4, len(again))]
