@@ -10,6 +10,7 @@ shuffle each time, up to ``max_repeat`` passes (refused before the first batch o
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from ..format import ShardtoolError
@@ -217,9 +218,36 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
 
     # ------------------------------------------------------------------ state
     def skip_steps(self, first: int, stop: int) -> None:
-        raise ValueError(
-            "skip_steps is built for one dataset's loader; a mixture's steps cannot be skipped yet "
-            "(its position is a step of the composition, each source's a position of its own)"
+        """Never serve the data of steps ``first .. stop - 1`` (after ``load_state_dict``, before
+        the first batch): the steps go on counting and the data moves past them, as for one
+        dataset: step ``first`` takes what step ``stop`` would have, every source as far ahead,
+        and the run still ends at ``steps``. Recorded in `state_dict` (a later resume, with new
+        weights or on another layout too, keeps it; `shardtool trace` answers for the run as it
+        went). Every rank must skip the same steps; a later skip may not start before an
+        earlier one."""
+        live = getattr(self, "_pass", None)
+        if live is not None and live() is not None:
+            raise ValueError("skip_steps must come before the pass's first batch: a pass is under way")
+        state = self._state.at(self._served)
+        phase = state.phase
+        last = phase.skipped[-1][0] if phase.skipped else 0
+        ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (first, stop))
+        if not ints or not max(self._served, last) <= first < stop <= self.steps:
+            raise ValueError(
+                f"cannot skip steps {first!r}:{stop!r}: give first:stop with {max(self._served, last)} <= first < "
+                f"stop <= {self.steps} (steps not yet served{', after the last skip' if phase.skipped else ''})"
+            )
+        skipped = replace(state, phase=phase.with_skip(first, stop))
+        check_repeat(self.planner, skipped, self.steps)  # the data moved on: max_repeat may now bind
+        self._state = skipped
+        self._checked = False
+        log.info(
+            "mixture: skipping the data of steps %d..%d; step %d takes step %d's, the run still ends at step %d",
+            first,
+            stop - 1,
+            first,
+            stop,
+            self.steps,
         )
 
     def state_dict(self) -> dict[str, Any]:

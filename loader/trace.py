@@ -294,7 +294,7 @@ def _mixture_find(loader: Any, name: str, sample: int) -> list[dict[str, Any]]:
     i = phase.names.index(name)
     rec, layout, comp = phase.sources[i], phase.layout, planner.composition(phase)
     head, first, per_epoch = planner.cursor(rec, layout)
-    total = comp.counts(loader.steps)[i]  # the source's units the run takes in this phase
+    total = comp.counts(phase.consumed(loader.steps))[i]  # the source's units the run takes in this phase
     if total == 0:
         return []
     last_epoch, _ = planner.locate(rec, layout, total - 1)
@@ -313,11 +313,16 @@ def _mixture_find(loader: Any, name: str, sample: int) -> list[dict[str, Any]]:
                 used = head + (epoch - rec.epoch - 1) * per_epoch + b
             if used >= total:
                 continue  # past the run's end
-            lo, hi = phase.from_step, loader.steps - 1  # the last step whose units begin at or before it
+            # The last composition step whose units begin at or before it, then the run step that
+            # takes that composition step (none where a skip passed over it).
+            lo, hi = phase.from_step, phase.data_step(loader.steps - 1)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if comp.counts(mid)[i] <= used else (lo, mid - 1)
-            entry = {"dp_rank": dp_rank, "step": lo, "source": name, "source_epoch": epoch, **fields}
+            step = phase.run_step(lo)
+            if step is None:
+                continue  # in steps skipped (skip_steps): never served
+            entry = {"dp_rank": dp_rank, "step": step, "source": name, "source_epoch": epoch, **fields}
             if "row" in fields:  # a unit is a row: numbered after the step's rows of the sources before it
                 before, after = comp.counts(lo), comp.counts(lo + 1)
                 entry["row"] = sum(a - z for a, z in zip(after[:i], before[:i])) + used - before[i]

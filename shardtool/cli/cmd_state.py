@@ -17,6 +17,8 @@ the batches each rank had and served.
   skip   records steps A..B-1 of the epoch as never served, as loader.skip_steps(A, B) does: the
          resumed run's steps go on counting and its data moves past them (step A gets the batch
          of step B; the epoch has B - A fewer steps). Only steps not yet served can be skipped.
+         A mixture's state: the run's steps (a mixture has no epochs), every source moving as far
+         ahead; the run still ends at its steps=.
          The file is replaced atomically (or written to -o OUT); every rank loads the same state.
 
 The loss-spike workflow: the spike at step N -> `shardtool trace --step N` (its documents) ->
@@ -47,7 +49,6 @@ def _steps(text: str | None) -> tuple[int, int]:
 
 
 def run(args) -> int:
-    from ..format.atomic import atomic_write_bytes
     from ..plan.state import LoaderState, StateError
 
     try:
@@ -61,7 +62,11 @@ def run(args) -> int:
             raise ShardtoolError(f"{args.path}: no key {args.key!r} at the top of the JSON object")
         raw = doc[args.key]
     if isinstance(raw, dict) and raw.get("kind") == "mixture":
-        raise ShardtoolError(f"{args.path}: a mixture's state; skipping a mixture's steps is not built yet")
+        edited_mixture = _mixture(args, raw)
+        if edited_mixture is None:
+            return 0
+        _write(args, doc, edited_mixture)
+        return 0
     try:
         state = LoaderState.from_dict(raw)
     except StateError as e:
@@ -80,14 +85,62 @@ def run(args) -> int:
         edited = state.skipping(first, stop).to_dict()
     except StateError as e:
         raise ShardtoolError(f"{args.path}: {e}") from None
+    out = _write(args, doc, edited)
+    sys.stdout.write(f"{out}: epoch {state.epoch}, steps {first}..{stop - 1} skipped ({stop - first} a rank)\n")
+    return 0
+
+
+def _write(args, doc, edited: dict) -> str:
+    """The edited state into the file (at ``--key``), replaced atomically, or to ``-o OUT``."""
+    from ..format.atomic import atomic_write_bytes
+
     if args.key is not None:
         doc[args.key] = edited
     else:
         doc = edited
     out = args.output or args.path
     atomic_write_bytes(out, (json.dumps(doc, indent=1) + "\n").encode())
-    sys.stdout.write(f"{out}: epoch {state.epoch}, steps {first}..{stop - 1} skipped ({stop - first} a rank)\n")
-    return 0
+    return out
+
+
+def _mixture(args, raw: dict) -> dict | None:
+    """A mixture's state: shown, or its skip recorded (the loader checks the run's length and
+    max_repeat when it loads it); None when there is nothing to write."""
+    from dataclasses import replace
+
+    from ..plan.mixture.state import MixtureState
+    from ..plan.state import StateError
+
+    try:
+        state = MixtureState.from_dict(raw)
+    except StateError as e:
+        raise ShardtoolError(f"{args.path}: {e}") from None
+    phase = state.phase
+    if args.action == "show":
+        report = {
+            "step": state.step,
+            "phase_from_step": phase.from_step,
+            "sources": list(phase.names),
+            "skipped": [list(k) for k in phase.skipped],
+        }
+        skipped = f"; steps skipped {report['skipped']}" if phase.skipped else ""
+        print(
+            json.dumps(report)
+            if args.json
+            else f"mixture at step {state.step:,} (phase from step {phase.from_step:,}, sources {', '.join(phase.names)}){skipped}"
+        )
+        return None
+    if args.steps is None:
+        raise ShardtoolError("skip needs --steps A:B")
+    first, stop = _steps(args.steps)
+    low = max(state.step, phase.skipped[-1][0] if phase.skipped else 0)
+    if not low <= first < stop:
+        raise ShardtoolError(
+            f"{args.path}: cannot skip steps {first}:{stop}: give A:B with {low} <= A < B (steps not yet served"
+            f"{', after the last skip' if phase.skipped else ''})"
+        )
+    sys.stdout.write(f"mixture: the data of steps {first}..{stop - 1} skipped; step {first} takes step {stop}'s\n")
+    return replace(state, phase=phase.with_skip(first, stop)).to_dict()
 
 
 def _show(state, as_json: bool) -> int:

@@ -140,8 +140,11 @@ def test_skips_that_cannot_be_honoured_are_refused(corpus):
     with pytest.raises(ValueError, match="before the pass's first batch"):
         ld.skip_steps(5, 8)
     mix = ShardedLoader(Mixture({"code": (corpus, 1.0)}), batch_size=4, steps=10, num_workers=0)
-    with pytest.raises(ValueError, match="mixture"):
-        mix.skip_steps(2, 3)
+    with pytest.raises(ValueError, match="stop <= 10"):  # a mixture's steps end at its steps=
+        mix.skip_steps(2, 11)
+    mix.skip_steps(2, 3)
+    with pytest.raises(ValueError, match="after the last skip"):
+        mix.skip_steps(1, 2)
 
 
 @pytest.mark.timeout(300)

@@ -476,3 +476,78 @@ def test_the_cli_finds_a_key_in_a_mixture_file(real_ds, second_ds, tmp_path):
     got = json.loads(out.stdout)
     assert got["served"] == want and {"source": t["source"], "sample": t["sample"]} in got["samples"]
     assert any(e["step"] == 5 and e["dp_rank"] == 0 for e in want)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_mixtures_skipped_steps_are_never_served_and_trace_follows_the_run(real_ds, second_ds, packed):
+    """Issue 36: a mixture resumed at step 10 from a checkpoint before a loss spike, told to skip
+    steps 15..19: steps 10..14 are the run's, from step 15 on each step takes what the same run
+    served 5 steps later (the steps go on counting, the run still ends at step 40); trace and
+    find answer for the run as it went, and a state saved after the skip resumes exactly."""
+    from shardtool.loader.trace import find, sample_of
+
+    size = dict(seq_len=512, batch_size=4) if packed else dict(max_tokens=65536)
+    sources = {"lib": (real_ds, 0.6), "doc": (second_ds, 0.4)}
+    for rank in (0, 1):
+        kw = dict(size, seed=3, rank=rank, world_size=2, ranks_per_node=2, metrics=False, num_workers=0)
+        longer = [_mixed(b, packed) for b in ShardedLoader(Mixture(sources, max_repeat=20), steps=45, **kw)]
+        ld = ShardedLoader(Mixture(sources, max_repeat=20), steps=40, **kw)
+        it = iter(ld)
+        for _ in range(10):
+            next(it)
+        state = ld.state_dict()
+        ld.close()
+        again = ShardedLoader(Mixture(sources, max_repeat=20), steps=40, **kw)
+        again.load_state_dict(state)
+        for bad in ((9, 12), (15, 41), (20, 20)):
+            with pytest.raises(ValueError, match="cannot skip steps"):
+                again.skip_steps(*bad)
+        again.skip_steps(15, 20)
+        assert (len(again), again.batches_left) == (40, 30)  # the run's length is unchanged
+        traced = [
+            [(x["source"], *_traced({"samples": [x]}, packed)[0]) for x in trace(again, s)["samples"]]
+            for s in range(10, 40)
+        ]
+        it = iter(again)
+        got = [_mixed(next(it), packed) for _ in range(15)]  # steps 10..24
+        mid = again.state_dict()
+        got += [_mixed(b, packed) for b in it]
+        assert got == [longer[t if t < 15 else t + 5] for t in range(10, 40)], rank
+        assert traced == got
+        assert mid["phase"]["skipped"] == [[15, 20]]
+        # A state saved after the skip resumes with the run's next steps.
+        resumed = ShardedLoader(Mixture(sources, max_repeat=20), steps=40, **kw)
+        resumed.load_state_dict(mid)
+        assert [_mixed(b, packed) for b in resumed] == got[15:]
+        # find: a sample served at step 16 is found there; one only the skipped steps held is not.
+        source, key = got[6][0][0], got[6][0][1 if not packed else 2]
+        hits = find(resumed, sample_of(resumed, key=key, source=source), source=source)
+        assert 16 in [h["step"] for h in hits]
+        lost = {(e[0], e[1 if not packed else 2]) for t in range(15, 20) for e in longer[t]}
+        lost -= {(e[0], e[1 if not packed else 2]) for g in longer[:15] + longer[20:] for e in g}
+        assert lost  # samples only the skipped steps held
+        for source, key in sorted(lost)[:3]:
+            hits = find(resumed, sample_of(resumed, key=key, source=source), source=source)
+            assert all(not 15 <= h["step"] < 20 for h in hits), (source, key, hits)
+        resumed.close()
+        if rank == 0:  # the same skip as a state edit: `shardtool state skip`
+            path = os.path.join(str(real_ds) + f"-state-{int(packed)}.json")
+            with open(path, "w") as f:
+                json.dump({"loader": state}, f)
+            cli = [sys.executable, "-m", "shardtool", "state"]
+            out = subprocess.run(
+                [*cli, "skip", path, "--key", "loader", "--steps", "15:20"], capture_output=True, text=True, timeout=120
+            )
+            assert out.returncode == 0, out.stderr
+            shown = subprocess.run(
+                [*cli, "show", path, "--key", "loader", "--json"], capture_output=True, text=True, timeout=120
+            )
+            assert json.loads(shown.stdout)["skipped"] == [[15, 20]]
+            bad = subprocess.run(
+                [*cli, "skip", path, "--key", "loader", "--steps", "12:13"], capture_output=True, text=True, timeout=120
+            )
+            assert bad.returncode != 0 and "after the last skip" in bad.stderr
+            edited = ShardedLoader(Mixture(sources, max_repeat=20), steps=40, **kw)
+            edited.load_state_dict(json.load(open(path))["loader"])
+            assert [_mixed(b, packed) for b in edited] == got
+            edited.close()

@@ -134,7 +134,7 @@ class MixturePlanner:
                         "state of another planner or config"
                     )
             return replace(state, about=self.about)
-        counts = self.composition(phase).counts(state.step)
+        counts = self.composition(phase).counts(phase.consumed(state.step))
         old = {rec.name: (rec, c) for rec, c in zip(phase.sources, counts) if not self._replaced(rec)}
         records = []
         for n in self.mixture.names:
@@ -145,7 +145,9 @@ class MixturePlanner:
             else:
                 position = planner.start(0, self.versions[n], self.layout)
             records.append(self._record(n, position))
-        new = Phase(state.step, self.mixture.schedule_identity(), self.layout, records)
+        # Skips still ahead go on in the new phase: from their step, the data moves as far ahead.
+        ahead = tuple(k for k in phase.skipped if k[0] >= state.step)
+        new = Phase(state.step, self.mixture.schedule_identity(), self.layout, records, ahead)
         return MixtureState(state.step, self.fingerprint, new, state.phases_before + 1, about=self.about)
 
     def _replaced(self, rec: SourceRecord) -> bool:
@@ -214,7 +216,8 @@ class MixturePlanner:
         """Step ``step``'s units of every source that has some, in source order."""
         phase = state.phase
         comp = self.composition(phase)
-        before, after = comp.counts(step), comp.counts(step + 1)
+        data = phase.data_step(step)  # past the steps skipped
+        before, after = comp.counts(data), comp.counts(data + 1)
         return [
             (rec.name, self.pieces(rec, phase.layout, b, a - b))
             for rec, b, a in zip(phase.sources, before, after)
@@ -233,7 +236,7 @@ class MixturePlanner:
     def positions(self, state: MixtureState) -> dict[str, LoaderState]:
         """The single-dataset state at ``state.step`` of every source of the phase still in the mixture."""
         phase = state.phase
-        counts = self.composition(phase).counts(state.step)
+        counts = self.composition(phase).counts(phase.consumed(state.step))
         return {
             rec.name: self.position(rec, phase.layout, c)
             for rec, c in zip(phase.sources, counts)

@@ -51,7 +51,7 @@ def span(planner: MixturePlanner, state: MixtureState, end_step: int) -> list[So
     phase = state.phase
     layout, dp, m = phase.layout, phase.layout.dp_size, planner.units_per_step
     comp = planner.composition(phase)
-    begin, end = comp.counts(state.step), comp.counts(end_step)
+    begin, end = comp.counts(phase.consumed(state.step)), comp.counts(phase.consumed(end_step))
     tau = [Fraction(r.tokens, r.units) for r in phase.sources]
     got = [(e - b) * dp * t for b, e, t in zip(begin, end, tau)]
     # The schedule's target: per entry, tokens a step = m dp sum(w) / sum(w / tau), source s's w_s / sum(w) of them.

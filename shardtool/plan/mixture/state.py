@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
@@ -114,10 +114,36 @@ class Phase:
     schedule: list[list[Any]]  # Mixture.schedule_identity(): [[from_step, {name: "p/q"}], ...]
     layout: DataLayout
     sources: list[SourceRecord]
+    # Steps skipped in this phase (`ShardedLoader.skip_steps`), (a, b) in run steps, sorted by a:
+    # from step a on, the data moves b - a steps ahead (step a takes what step b would have).
+    skipped: tuple[tuple[int, int], ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.sources)
+
+    def data_step(self, step: int) -> int:
+        """The step of the phase's composition whose units run step ``step`` takes."""
+        return step + sum(b - a for a, b in self.skipped if a <= step)
+
+    def consumed(self, step: int) -> int:
+        """The composition's step up to which the run steps before ``step`` took units."""
+        return self.from_step if step <= self.from_step else self.data_step(step - 1) + 1
+
+    def run_step(self, data: int) -> int | None:
+        """The run step that takes composition step ``data``; None where a skip passed over it."""
+        step = data
+        for a, b in self.skipped:
+            first = self.data_step(a)  # where the data is once the skip at a applies
+            if data >= first:
+                step -= b - a
+            elif data >= first - (b - a):
+                return None  # in the skipped span
+        return step
+
+    def with_skip(self, first: int, stop: int) -> Phase:
+        """This phase with run steps ``first .. stop - 1``'s data skipped (a later skip than any)."""
+        return replace(self, skipped=(*self.skipped, (first, stop)))
 
     def entries(self) -> list[tuple[int, tuple[Fraction, ...]]]:
         """The schedule entries in force from the phase start: (first step, weights in source order)."""
@@ -130,17 +156,20 @@ class Phase:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "from_step": self.from_step,
             "schedule": [[s, dict(w)] for s, w in self.schedule],
             "layout": self.layout.identity(),
             "sources": [s.to_dict() for s in self.sources],
         }
+        if self.skipped:  # only where steps were skipped: states without keep their form
+            out["skipped"] = [list(k) for k in self.skipped]
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, fingerprint: str) -> Phase:
         keys = {"from_step", "schedule", "layout", "sources"}
-        if not isinstance(data, Mapping) or set(data) != keys:
+        if not isinstance(data, Mapping) or set(data) - {"skipped"} != keys:
             raise StateError(
                 f"mixture state phase: found keys {sorted(data) if isinstance(data, Mapping) else data!r}, "
                 f"expected {sorted(keys)}"
@@ -156,7 +185,32 @@ class Phase:
         names = [s.name for s in sources]
         if len(set(names)) != len(names):
             raise StateError(f"mixture state names a source twice: {names}")
-        return cls(_int("from_step", data["from_step"], 0), _schedule(data["schedule"], names), layout, sources)
+        from_step = _int("from_step", data["from_step"], 0)
+        return cls(
+            from_step, _schedule(data["schedule"], names), layout, sources, _skipped(data.get("skipped"), from_step)
+        )
+
+
+def _skipped(raw: Any, from_step: int) -> tuple[tuple[int, int], ...]:
+    if raw is None:
+        return ()
+    out: list[tuple[int, int]] = []
+    if isinstance(raw, Sequence) and not isinstance(raw, str):
+        for k in raw:
+            ok = (
+                isinstance(k, Sequence)
+                and len(k) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in k)
+            )
+            if not ok or not (max(from_step, out[-1][0] if out else 0) <= k[0] < k[1]):
+                break
+            out.append((k[0], k[1]))
+        else:
+            if out:
+                return tuple(out)
+    raise StateError(
+        f"mixture state skipped steps must be [[first, stop], ...] in order from the phase start, found {raw!r}"
+    )
 
 
 def _schedule(raw: Any, names: list[str]) -> list[list[Any]]:
