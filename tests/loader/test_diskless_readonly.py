@@ -1,8 +1,8 @@
 """No local disk (issue 38 item 3): a loader without a cache on a remote dataset writes nothing.
 
 The loader runs in a mount namespace of its own where every filesystem is read-only but
-/dev/shm (memory: the workers' batch slots), the kernel's (/proc, /sys, /dev) and a fresh tmpfs at
-/tmp, which must be empty after the run: the dataset's
+/dev/shm (memory: the workers' batch slots and its temp directory, which must be empty after the
+run) and the kernel's (/proc, /sys, /dev): the dataset's
 origin is the S3 API server on 127.0.0.1 (moto), reached over the network, not a filesystem. An
 epoch with 2 workers, plain and compressed Arrow shards and tar shards, must serve the batches a
 local read serves; anything the loader tried to write (a metrics file, a cache, a temp file)
@@ -28,22 +28,26 @@ from skips import require
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEEP_WRITABLE = ("/dev/shm", "/proc", "/sys", "/dev")
 
-# Every mount read-only but memory and the kernel's; /tmp a fresh tmpfs (memory: Python's
-# tempfile, which torch's import asks for, needs one writable temp directory). Then the loader,
-# and a list of what it left in /tmp. As root in a private mount namespace (unshare): nothing
-# outside the test's process sees the change.
+# Every mount read-only but memory and the kernel's, the temp directory a fresh one in /dev/shm
+# (memory: Python's tempfile, which torch's import asks for, needs one writable). Then the loader,
+# and a list of what it left there. As root in a private mount namespace (unshare): nothing
+# outside the test's process sees the change. (Not a tmpfs over /tmp: a checkout or an editable
+# install under /tmp, as CI's clone is, would vanish under it.)
 READ_ONLY = """
 set -e
+scratch=$(mktemp -d /dev/shm/shardtool-readonly.XXXXXX)
+trap 'rm -rf "$scratch"' EXIT
 awk '{print $2}' /proc/self/mounts | sort -u | while read -r m; do
   case "$m" in /dev/shm|/dev/shm/*|/proc|/proc/*|/sys|/sys/*|/dev|/dev/*) continue ;; esac
   mount -o remount,bind,ro "$m" 2>/dev/null || true
 done
-if touch "$PWD/.shardtool-rw-probe" 2>/dev/null || touch /var/.shardtool-rw-probe 2>/dev/null; then
-  echo "the filesystem stayed writable" >&2; exit 3
-fi
-mount -t tmpfs -o size=64m tmpfs /tmp
-"$@"
-echo "LEFT IN /tmp: $(find /tmp -mindepth 1 | head -20 | tr '\\n' ' ')"
+for d in "$PWD" /tmp /var/tmp "$HOME"; do
+  if touch "$d/.shardtool-rw-probe" 2>/dev/null; then
+    echo "$d stayed writable" >&2; exit 3
+  fi
+done
+TMPDIR="$scratch" "$@"
+echo "LEFT IN TMPDIR: $(find "$scratch" -mindepth 1 | head -20 | tr '\\n' ' ')"
 """
 
 LOADER = """
@@ -95,4 +99,4 @@ def test_a_loader_without_a_cache_runs_on_a_read_only_machine(remote, kind):
     assert res.returncode == 0, res.stderr[-4000:]
     lines = res.stdout.strip().splitlines()
     assert json.loads(lines[-2]) == want
-    assert lines[-1].strip() == "LEFT IN /tmp:", lines[-1]  # not even in memory-backed /tmp
+    assert lines[-1].strip() == "LEFT IN TMPDIR:", lines[-1]  # not even in the memory-backed temp directory
