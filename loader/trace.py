@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..plan.state import LoaderState
+from .tracelocate import hits_of, units_of
 
 __all__ = ["dump", "find", "sample_of", "trace", "traces"]
 
@@ -66,7 +67,7 @@ def traces(loader: Any, first: int, stop: int, *, epoch: int | None = None) -> l
         rows = 0  # a step of a schedule joins planned batches: rows numbered across them
         for k in range(int(cut[step - earlier]), int(cut[step - earlier + 1])):
             at = state.last.position_of(k)  # past the steps skipped (`LoaderState.skipping`)
-            got = _units(loader.reader, loader.dataset, plan, at, at + 1)
+            got = units_of(loader.reader, loader.dataset, plan, at, at + 1)
             if plan.rows is not None:
                 for sample in got:
                     sample["row"] += rows
@@ -131,7 +132,7 @@ def _mixture_step(loader: Any, state: Any, step: int, plans: dict[tuple[str, int
             plan = plans.get((name, epoch))
             if plan is None:
                 plan = plans[(name, epoch)] = planner.rank_plan(state, name, epoch, loader.dp_rank)
-            got = _units(loader.readers[name], loader.datasets[name], plan, index, index + count)
+            got = units_of(loader.readers[name], loader.datasets[name], plan, index, index + count)
             for sample in got:
                 sample["source"] = name
                 sample["source_epoch"] = epoch
@@ -141,54 +142,6 @@ def _mixture_step(loader: Any, state: Any, step: int, plans: dict[tuple[str, int
                 rows += int(plan.row_offsets[index + count] - plan.row_offsets[index])
             samples += got
     return {"step": step, "rank": loader.rank, "dp_rank": loader.dp_rank, "samples": samples}
-
-
-def _units(reader: Any, ds: Any, plan: Any, first: int, stop: int) -> list[dict[str, Any]]:
-    """The samples (packed: pieces) of ``plan``'s batches ``first .. stop - 1``, located."""
-    if plan.rows is not None:
-        a, z = int(plan.row_offsets[first]), int(plan.row_offsets[stop])
-        rows = plan.rows.slice(a, z)
-        ids = rows.span_pos
-        per_row = np.diff(rows.row_offsets)
-        extra = {
-            "row": np.repeat(np.arange(per_row.size), per_row).tolist(),
-            "offset": rows.span_start.tolist(),
-            "length": rows.span_len.tolist(),
-        }
-    else:
-        lo, hi = int(plan.offsets[first]), int(plan.offsets[stop])
-        ids = plan.ids[lo:hi]
-        extra = {"length": plan.lengths[lo:hi].tolist()}
-    samples = _located(reader, ds, np.asarray(ids, dtype=np.int64))
-    for name, values in extra.items():
-        for sample, value in zip(samples, values):
-            sample[name] = int(value)
-    if plan.pad is not None and plan.rows is None:  # an exact plan's padding: a stand-in sample
-        sizes = np.diff(plan.offsets[first : stop + 1])
-        for sample, padding in zip(samples, np.repeat(plan.pad[first:stop], sizes).tolist()):
-            sample["valid"] = not padding
-    return samples
-
-
-def _located(reader: Any, ds: Any, ids: np.ndarray) -> list[dict[str, Any]]:
-    """Key, shard path, index in the shard and global index of each of ``ids`` (sample indexes
-    read once per shard touched)."""
-    shard, index = reader.locate(ids)
-    out = []
-    keys: dict[int, Any] = {}
-    for s, i, gid in zip(shard.tolist(), index.tolist(), ids.tolist()):
-        if s not in keys:
-            keys[s] = ds.shard_index(s).keys
-        key = keys[s][i]
-        out.append(
-            {
-                "key": key.decode() if isinstance(key, bytes) else str(key),
-                "shard": ds.manifest.shards[s].path,
-                "index": i,
-                "sample": gid,
-            }
-        )
-    return out
 
 
 def find(loader: Any, sample: int, *, epoch: int | None = None, source: str | None = None) -> list[dict[str, Any]]:
@@ -224,61 +177,9 @@ def find(loader: Any, sample: int, *, epoch: int | None = None, source: str | No
         )
     state = _epoch_state(loader, epoch)
     out = []
-    for j, dp_rank, _, step, fields in _hits(planner, state, int(sample)):
+    for j, dp_rank, _, step, fields in hits_of(planner, state, int(sample)):
         out.append({"dp_rank": dp_rank, "step": step, **fields, **({"segment": j} if len(state.segments) > 1 else {})})
     return sorted(out, key=lambda e: (e["step"], e["dp_rank"], e.get("offset", 0)))
-
-
-def _hits(planner: Any, state: LoaderState, sample: int) -> list[tuple[int, int, int, int, dict]]:
-    """Every batch of ``state``'s epoch that serves ``sample``: (segment, DP rank in its layout,
-    position in the segment, step of the epoch, {row, offset, length} or {length})."""
-    segments = state.segments
-    layout = segments[0].layout
-    shape = planner.shape(layout)
-    group = int(np.searchsorted(shape.cuts, sample, side="right")) - 1
-    plan = planner.group(layout, group, state.epoch)
-    first = layout.first_dp_rank(group)
-    n = plan.batches_per_rank
-    hits = []  # (batch of the group's plan, the entry's fields besides where and when)
-    if plan.rows is not None:
-        spans = np.flatnonzero(plan.rows.span_pos == sample)
-        row = np.searchsorted(plan.rows.row_offsets, spans, side="right") - 1
-        batch = np.searchsorted(plan.row_offsets, row, side="right") - 1
-        for k, r, q in zip(spans.tolist(), row.tolist(), batch.tolist()):
-            where = {"row": r - int(plan.row_offsets[q]), "offset": int(plan.rows.span_start[k])}
-            hits.append((q, {**where, "length": int(plan.rows.span_len[k])}))
-    else:
-        at = np.flatnonzero(plan.ids == sample)
-        length = int(plan.batch_lengths(np.array([sample]))[0]) if at.size else 0
-        hits = [(q, {"length": length}) for q in (np.searchsorted(plan.offsets, at, side="right") - 1).tolist()]
-    out = []
-    for q, fields in hits:
-        served = _served_at(segments, first + q // n, q % n)
-        if served is not None:
-            out.append((*served, fields))
-    return out
-
-
-def _served_at(segments: list, d: int, b: int) -> tuple[int, int, int, int] | None:
-    """Where DP rank ``d``'s batch ``b`` of the first segment is served: (segment, DP rank in its
-    layout, position in it, step of the epoch), following the re-deals of the later segments; None
-    where a skip or a re-deal's leftover means it never is (the inverse of
-    `shardtool.plan.rank.to_first_segment`)."""
-    earlier = 0  # steps of the epoch before segment j
-    for j, seg in enumerate(segments):
-        if any(a <= b < z for a, z in seg.skipped):
-            return None
-        last = j == len(segments) - 1
-        if b < seg.served or last:
-            return j, d, b, earlier + b - sum(max(0, min(z, b) - a) for a, z in seg.skipped)
-        k = int(np.searchsorted(seg.unserved(), b))  # its place among the batches re-dealt
-        position = d * seg.left + k
-        nxt = segments[j + 1]
-        if position >= nxt.layout.dp_size * nxt.batches:
-            return None  # left over by the re-deal: not served this epoch
-        d, b = divmod(position, nxt.batches)
-        earlier += seg.delivered
-    return None
 
 
 def _mixture_find(loader: Any, name: str, sample: int) -> list[dict[str, Any]]:
@@ -302,7 +203,7 @@ def _mixture_find(loader: Any, name: str, sample: int) -> list[dict[str, Any]]:
     out = []
     for epoch in range(rec.epoch, last_epoch + 1):
         st = rec.position if epoch == rec.epoch else source_planner.start(epoch, rec.version, layout)
-        for j, dp_rank, b, _, fields in _hits(source_planner, st, sample):
+        for j, dp_rank, b, _, fields in hits_of(source_planner, st, sample):
             if j != len(st.segments) - 1:
                 continue  # served on an earlier layout, before this phase
             if epoch == rec.epoch:
