@@ -140,6 +140,16 @@ def second_ds(tmp_path_factory):
     return root
 
 
+def _state_after(loader, steps: int) -> dict:
+    """``loader``'s state after it served ``steps`` batches (the loader closed)."""
+    it = iter(loader)
+    for _ in range(steps):
+        next(it)
+    state = loader.state_dict()
+    loader.close()
+    return state
+
+
 def _mixed(batch: dict, packed: bool) -> list[tuple]:
     """A mixture's batch as `_delivered`, each entry with its source in front."""
     got = _delivered(batch, packed)
@@ -414,12 +424,7 @@ def test_find_names_a_mixtures_steps_of_a_sample_on_every_rank(real_ds, second_d
     size = dict(seq_len=1024, batch_size=16, steps=200) if packed else dict(max_tokens=65536, steps=90)
     kw = dict(size, seed=3, world_size=2, ranks_per_node=2, metrics=False, num_workers=0)
     sources = {"lib": (real_ds, 0.5), "doc": (second_ds, 0.5)}
-    first = ShardedLoader(Mixture(sources, max_repeat=50), rank=0, **kw)
-    it = iter(first)
-    for _ in range(10):
-        next(it)
-    state = first.state_dict()
-    first.close()
+    state = _state_after(ShardedLoader(Mixture(sources, max_repeat=50), rank=0, **kw), 10)
     changed = Mixture({"lib": (real_ds, 0.3), "doc": (second_ds, 0.7)}, schedule=[(50, {"lib": 0.6, "doc": 0.4})],
                       max_repeat=50)  # fmt: skip
     seen: dict[tuple[str, str], list[tuple]] = {}
@@ -491,12 +496,7 @@ def test_a_mixtures_skipped_steps_are_never_served_and_trace_follows_the_run(rea
     for rank in (0, 1):
         kw = dict(size, seed=3, rank=rank, world_size=2, ranks_per_node=2, metrics=False, num_workers=0)
         longer = [_mixed(b, packed) for b in ShardedLoader(Mixture(sources, max_repeat=20), steps=45, **kw)]
-        ld = ShardedLoader(Mixture(sources, max_repeat=20), steps=40, **kw)
-        it = iter(ld)
-        for _ in range(10):
-            next(it)
-        state = ld.state_dict()
-        ld.close()
+        state = _state_after(ShardedLoader(Mixture(sources, max_repeat=20), steps=40, **kw), 10)
         again = ShardedLoader(Mixture(sources, max_repeat=20), steps=40, **kw)
         again.load_state_dict(state)
         for bad in ((9, 12), (15, 41), (20, 20)):
