@@ -10,7 +10,6 @@ shuffle each time, up to ``max_repeat`` passes (refused before the first batch o
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Any
 
 from ..format import ShardtoolError
@@ -225,19 +224,13 @@ class MixtureLoader(ShardedLoader, serves=Mixture):
         weights or on another layout too, keeps it; `shardtool trace` answers for the run as it
         went). Every rank must skip the same steps; a later skip may not start before an
         earlier one."""
-        live = getattr(self, "_pass", None)
-        if live is not None and live() is not None:
-            raise ValueError("skip_steps must come before the pass's first batch: a pass is under way")
-        state = self._state.at(self._served)
-        phase = state.phase
-        last = phase.skipped[-1][0] if phase.skipped else 0
-        ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (first, stop))
-        if not ints or not max(self._served, last) <= first < stop <= self.steps:
-            raise ValueError(
-                f"cannot skip steps {first!r}:{stop!r}: give first:stop with {max(self._served, last)} <= first < "
-                f"stop <= {self.steps} (steps not yet served{', after the last skip' if phase.skipped else ''})"
-            )
-        skipped = replace(state, phase=phase.with_skip(first, stop))
+        self._before_first_batch("skip_steps")
+        try:
+            if isinstance(stop, int) and stop > self.steps:
+                raise StateError(f"the run ends at steps={self.steps}: give stop <= {self.steps}, found {stop}")
+            skipped = self._state.at(self._served).skipping(first, stop)
+        except StateError as e:
+            raise ValueError(f"cannot skip steps {first!r}:{stop!r}: {e}") from None
         check_repeat(self.planner, skipped, self.steps)  # the data moved on: max_repeat may now bind
         self._state = skipped
         self._checked = False

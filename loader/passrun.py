@@ -43,6 +43,12 @@ class PassRunner:
         self._pass = weakref.ref(run)
         return run
 
+    def _before_first_batch(self, what: str) -> None:
+        """Refuse ``what`` while a pass is under way: it changes which batches the pass serves."""
+        live = getattr(self, "_pass", None)
+        if live is not None and live() is not None:
+            raise ValueError(f"{what} must come before the pass's first batch: a pass is under way")
+
     def _close_pass(self) -> None:
         """End the previous pass's generator (its worker pool) before another begins: a consumer
         that stops at len(loader), or breaks out early and keeps it, leaves it suspended."""

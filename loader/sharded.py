@@ -489,9 +489,7 @@ class ShardedLoader(PassRunner):
         The skip is recorded in `state_dict` (so a later resume, elastic or not, keeps it, and
         `shardtool trace` answers for the run as it went). Every rank must skip the same steps."""
         self._settle()
-        live = getattr(self, "_pass", None)
-        if live is not None and live() is not None:
-            raise ValueError("skip_steps must come before the pass's first batch: a pass is under way")
+        self._before_first_batch("skip_steps")
         try:
             state = self._state.with_served(self._served)
             clock = self.step_clock()

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..plan.state import LoaderState
-from .tracelocate import hits_of, units_of
+from .tracelocate import hits_of, units_across
 
 __all__ = ["dump", "find", "sample_of", "trace", "traces"]
 
@@ -63,16 +63,9 @@ def traces(loader: Any, first: int, stop: int, *, epoch: int | None = None) -> l
         )
     out = []
     for step in range(first, stop):
-        samples: list[dict[str, Any]] = []
-        rows = 0  # a step of a schedule joins planned batches: rows numbered across them
-        for k in range(int(cut[step - earlier]), int(cut[step - earlier + 1])):
-            at = state.last.position_of(k)  # past the steps skipped (`LoaderState.skipping`)
-            got = units_of(loader.reader, loader.dataset, plan, at, at + 1)
-            if plan.rows is not None:
-                for sample in got:
-                    sample["row"] += rows
-                rows += int(plan.row_offsets[at + 1] - plan.row_offsets[at])
-            samples += got
+        # A step of a schedule joins planned batches (positions past any steps skipped).
+        at = [state.last.position_of(k) for k in range(int(cut[step - earlier]), int(cut[step - earlier + 1]))]
+        samples = units_across((loader.reader, loader.dataset, plan, p, p + 1, {}) for p in at)
         out.append(
             {
                 "epoch": state.epoch,
@@ -125,23 +118,15 @@ def _mixture_steps(loader: Any, first: int, stop: int) -> list[dict[str, Any]]:
 
 def _mixture_step(loader: Any, state: Any, step: int, plans: dict[tuple[str, int], Any]) -> dict[str, Any]:
     planner = loader.planner
-    samples: list[dict[str, Any]] = []
-    rows = 0
+    parts = []
     for name, pieces in planner.step_pieces(state, step):
         for epoch, index, count in pieces:
             plan = plans.get((name, epoch))
             if plan is None:
                 plan = plans[(name, epoch)] = planner.rank_plan(state, name, epoch, loader.dp_rank)
-            got = units_of(loader.readers[name], loader.datasets[name], plan, index, index + count)
-            for sample in got:
-                sample["source"] = name
-                sample["source_epoch"] = epoch
-                if "row" in sample:
-                    sample["row"] += rows
-            if plan.rows is not None:
-                rows += int(plan.row_offsets[index + count] - plan.row_offsets[index])
-            samples += got
-    return {"step": step, "rank": loader.rank, "dp_rank": loader.dp_rank, "samples": samples}
+            tags = {"source": name, "source_epoch": epoch}
+            parts.append((loader.readers[name], loader.datasets[name], plan, index, index + count, tags))
+    return {"step": step, "rank": loader.rank, "dp_rank": loader.dp_rank, "samples": units_across(parts)}
 
 
 def find(loader: Any, sample: int, *, epoch: int | None = None, source: str | None = None) -> list[dict[str, Any]]:

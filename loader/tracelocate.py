@@ -10,7 +10,7 @@ import numpy as np
 
 from ..plan.state import LoaderState
 
-__all__ = ["hits_of", "located", "served_at", "units_of"]
+__all__ = ["hits_of", "located", "served_at", "units_across", "units_of"]
 
 
 def units_of(reader: Any, ds: Any, plan: Any, first: int, stop: int) -> list[dict[str, Any]]:
@@ -38,6 +38,23 @@ def units_of(reader: Any, ds: Any, plan: Any, first: int, stop: int) -> list[dic
         for sample, padding in zip(samples, np.repeat(plan.pad[first:stop], sizes).tolist()):
             sample["valid"] = not padding
     return samples
+
+
+def units_across(parts) -> list[dict[str, Any]]:
+    """`units_of` of several ``(reader, ds, plan, first, stop, tags)`` in order, as one batch:
+    packed rows numbered across the parts, each unit also given ``tags`` (its source, ...)."""
+    out: list[dict[str, Any]] = []
+    rows = 0
+    for reader, ds, plan, first, stop, tags in parts:
+        got = units_of(reader, ds, plan, first, stop)
+        for unit in got:
+            unit.update(tags)
+            if plan.rows is not None:
+                unit["row"] += rows
+        if plan.rows is not None:
+            rows += int(plan.row_offsets[stop] - plan.row_offsets[first])
+        out += got
+    return out
 
 
 def located(reader: Any, ds: Any, ids: np.ndarray) -> list[dict[str, Any]]:

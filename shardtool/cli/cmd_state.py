@@ -106,8 +106,6 @@ def _write(args, doc, edited: dict) -> str:
 def _mixture(args, raw: dict) -> dict | None:
     """A mixture's state: shown, or its skip recorded (the loader checks the run's length and
     max_repeat when it loads it); None when there is nothing to write."""
-    from dataclasses import replace
-
     from ..plan.mixture.state import MixtureState
     from ..plan.state import StateError
 
@@ -133,14 +131,12 @@ def _mixture(args, raw: dict) -> dict | None:
     if args.steps is None:
         raise ShardtoolError("skip needs --steps A:B")
     first, stop = _steps(args.steps)
-    low = max(state.step, phase.skipped[-1][0] if phase.skipped else 0)
-    if not low <= first < stop:
-        raise ShardtoolError(
-            f"{args.path}: cannot skip steps {first}:{stop}: give A:B with {low} <= A < B (steps not yet served"
-            f"{', after the last skip' if phase.skipped else ''})"
-        )
+    try:
+        edited = state.skipping(first, stop)
+    except StateError as e:
+        raise ShardtoolError(f"{args.path}: cannot skip steps {first}:{stop}: {e}") from None
     sys.stdout.write(f"mixture: the data of steps {first}..{stop - 1} skipped; step {first} takes step {stop}'s\n")
-    return replace(state, phase=phase.with_skip(first, stop)).to_dict()
+    return edited.to_dict()
 
 
 def _show(state, as_json: bool) -> int:

@@ -142,7 +142,15 @@ class Phase:
         return step
 
     def with_skip(self, first: int, stop: int) -> Phase:
-        """This phase with run steps ``first .. stop - 1``'s data skipped (a later skip than any)."""
+        """This phase with run steps ``first .. stop - 1``'s data skipped; StateError unless the
+        skip begins in the phase, at or after the last one's start, and spans a step."""
+        low = _skip_floor(self.skipped, self.from_step)
+        ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (first, stop))
+        if not ints or not low <= first < stop:
+            after = ", at or after the last skip's first step" if self.skipped else ""
+            raise StateError(
+                f"steps to skip must be first:stop with {low} <= first < stop{after}, found {first!r}:{stop!r}"
+            )
         return replace(self, skipped=(*self.skipped, (first, stop)))
 
     def entries(self) -> list[tuple[int, tuple[Fraction, ...]]]:
@@ -191,6 +199,11 @@ class Phase:
         )
 
 
+def _skip_floor(skipped: Sequence[tuple[int, int]], from_step: int) -> int:
+    """The first step a new skip may begin at: in the phase, not before the last skip begins."""
+    return max(from_step, skipped[-1][0] if skipped else 0)
+
+
 def _skipped(raw: Any, from_step: int) -> tuple[tuple[int, int], ...]:
     if raw is None:
         return ()
@@ -202,7 +215,7 @@ def _skipped(raw: Any, from_step: int) -> tuple[tuple[int, int], ...]:
                 and len(k) == 2
                 and all(isinstance(x, int) and not isinstance(x, bool) for x in k)
             )
-            if not ok or not (max(from_step, out[-1][0] if out else 0) <= k[0] < k[1]):
+            if not ok or not (_skip_floor(out, from_step) <= k[0] < k[1]):
                 break
             out.append((k[0], k[1]))
         else:
@@ -251,6 +264,14 @@ class MixtureState:
 
     def at(self, step: int) -> MixtureState:
         return MixtureState(step, self.fingerprint, self.phase, self.phases_before, self.version, self.about)
+
+    def skipping(self, first: int, stop: int) -> MixtureState:
+        """This state with the data of run steps ``first .. stop - 1`` never served: the steps go
+        on counting and from step ``first`` every source is as far ahead as step ``stop`` would
+        have had it (`Phase.with_skip`). Only steps not yet served can be skipped."""
+        if isinstance(first, int) and not isinstance(first, bool) and first < self.step:
+            raise StateError(f"steps to skip must not be served yet: the state is at step {self.step}, found {first}")
+        return replace(self, phase=self.phase.with_skip(first, stop))
 
     def to_dict(self) -> dict[str, Any]:
         out = {
