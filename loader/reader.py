@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from ..format import FormatError, decode_sample
-from ..format.coalesce import coalesce, gap_from_env
+from ..format.coalesce import gap_from_env
 from ..plan.ranges import locate_ids
 from .collate import KEY, Alloc, collate_samples, gather_field
 from .inflate import Inflated, InflatedShard, inflate_budget
 from .observability.probe import REMOTE, Probe
-from .remotefetch import RemoteBatches
+from .remotefetch import RemoteBatches, watched
 from .scratch import Scratch
 from .shardview import ShardView
 from .source import MappedFile, RemoteShard, Source, SourceSpec
@@ -194,20 +194,13 @@ class BatchReader:
     def _remote_samples(self, ds, s: int, samples: list[int]) -> list[dict[str, Any]]:
         """Samples of remote tar shard ``s``, decoded; with a probe announced and counted (the
         bytes of the ranged reads, gaps included): a shard's first read in this process is its open."""
-        gap = self.coalesce_gap
-        if self.probe is None:
-            raw = ds.raw_samples(s, samples, gap)
-        else:
-            token = self.probe.opening(s, self.source) if s not in self._remote_seen else None
-            idx = ds.shard_index(s)
-            runs = coalesce(idx.offsets[samples], idx.sizes[samples], gap)
-            self.probe.at(s, runs[0][0], runs[-1][1] - runs[0][0], REMOTE)
-            raw = ds.raw_samples(s, samples, gap)
-            self.probe.done_reading()
-            if token is not None:
-                self._remote_seen.add(s)
-                self.probe.opened(token, self.source)
-            self.probe.read(REMOTE, sum(end - start for start, end, _ in runs))
+        token = None
+        if self.probe is not None and s not in self._remote_seen:
+            token = self.probe.opening(s, self.source)
+        raw = ds.raw_samples(s, samples, self.coalesce_gap, watched(self.probe, s, self._fetch_lock))
+        if token is not None:
+            self._remote_seen.add(s)
+            self.probe.opened(token, self.source)
         where = ds.manifest.shards[s].path
         return [
             decode_sample(ds.manifest, r, allow_pickle=ds.allow_pickle, where=f"{where} sample #{i}")

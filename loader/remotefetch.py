@@ -8,17 +8,17 @@ once: `RemoteBatches.runs` groups them into runs of neighbours within the coales
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from ..format.arrowshard import record_batch_from_range
 from ..format.coalesce import coalesce
 from .observability.probe import REMOTE, Probe
 
-__all__ = ["RemoteBatches"]
+__all__ = ["RemoteBatches", "watched"]
 
 
 class RemoteBatches:
@@ -47,19 +47,26 @@ class RemoteBatches:
         return out
 
     def __call__(self, samples: list[int]) -> list[pa.RecordBatch]:
-        ds, shard, index = self.ds, self.shard, self.index
-        if index.checksums is None:
-            return [ds.record_batch(shard, i) for i in samples]
-        schema, got = ds.batch_schema(shard), {}
-        for run in self.runs(samples):
-            start, end = int(index.offsets[run[0]]), int(index.offsets[run[-1]] + index.sizes[run[-1]])
-            if self.probe is not None:
-                with self.lock:
-                    self.probe.at(shard, start, end - start, REMOTE)
-            for i, data in zip(run, ds.verified_ranges(shard, run, self.gap)):
-                got[i] = record_batch_from_range(data, schema)
-            if self.probe is not None:
-                with self.lock:
-                    self.probe.read(REMOTE, end - start)
-                    self.probe.done_reading()
-        return [got[i] for i in samples]
+        """The record batches holding ``samples``: one run as `runs` groups them (or one sample),
+        so one request."""
+        watch = watched(self.probe, self.shard, self.lock)
+        return self.ds.record_batches(self.shard, samples, self.gap, watch)
+
+
+def watched(probe: Probe | None, shard: int, lock: threading.Lock):
+    """``watch(start, size)`` for `Dataset.verified_ranges`: each request of ``shard`` announced
+    to the rank's probe while it runs (the stall watchdog names it) and counted as remote bytes
+    (under ``lock``: several threads fetch at once); None without a probe."""
+    if probe is None:
+        return None
+
+    @contextlib.contextmanager
+    def watch(start: int, size: int):
+        with lock:
+            probe.at(shard, start, size, REMOTE)
+        yield
+        with lock:
+            probe.read(REMOTE, size)
+            probe.done_reading()
+
+    return watch

@@ -199,7 +199,7 @@ def write_plain(source, sink) -> list[int]:
     return rows
 
 
-def record_batch_from_range(data: bytes, schema: pa.Schema) -> pa.RecordBatch:
+def record_batch_from_range(data: bytes | memoryview, schema: pa.Schema) -> pa.RecordBatch:
     """Decode one record batch from the byte range the sample index records for it.
 
     The first batch's range starts at the file's beginning (the writer emits the magic and the

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
 
@@ -68,12 +69,19 @@ def coalesce(offsets: np.ndarray, sizes: np.ndarray, gap: int | None, max_bytes:
 
 
 def read_coalesced(
-    read: Callable[[int, int], bytes], offsets: np.ndarray, sizes: np.ndarray, gap: int | None
+    read: Callable[[int, int], bytes],
+    offsets: np.ndarray,
+    sizes: np.ndarray,
+    gap: int | None,
+    watch: Callable[[int, int], AbstractContextManager] | None = None,
 ) -> list[memoryview]:
-    """The bytes of every range, in the order asked, with one ``read(offset, size)`` per run."""
+    """The bytes of every range, in the order asked, with one ``read(offset, size)`` per run;
+    ``watch(offset, size)``, where given, is a context manager around each read (a probe that
+    announces and counts it)."""
     out: list[memoryview] = [memoryview(b"")] * len(offsets)
     for start, end, members in coalesce(offsets, sizes, gap):
-        data = memoryview(read(start, end - start))
+        with watch(start, end - start) if watch is not None else nullcontext():
+            data = memoryview(read(start, end - start))
         for k in members.tolist():
             at = int(offsets[k]) - start
             out[k] = data[at : at + int(sizes[k])]

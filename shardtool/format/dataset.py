@@ -308,18 +308,18 @@ class Dataset:
             )
         return data
 
-    def verified_ranges(self, shard: int, samples: list[int], gap: int | None) -> list[memoryview]:
+    def verified_ranges(self, shard: int, samples: list[int], gap: int | None, watch=None) -> list[memoryview]:
         """The checked byte ranges of ``samples`` of ``shard`` (tar: the samples; Arrow: their
-        record batches), neighbours within ``gap`` bytes read as one request (`format.coalesce`)."""
-        idx = self.shard_index(shard)
-        at = np.asarray(samples, dtype=np.int64)
-        got = read_coalesced(self._range(shard).read, idx.offsets[at], idx.sizes[at], gap)
+        record batches), neighbours within ``gap`` bytes read as one request (`format.coalesce`);
+        ``watch(start, size)``, where given, is a context manager around each request."""
+        idx, at = self.shard_index(shard), np.asarray(samples, dtype=np.int64)
+        got = read_coalesced(self._range(shard).read, idx.offsets[at], idx.sizes[at], gap, watch)
         return [self._checked(shard, idx, i, data) for i, data in zip(at.tolist(), got)]
 
-    def raw_samples(self, shard: int, samples: list[int], gap: int | None) -> list[dict[str, Any]]:
+    def raw_samples(self, shard: int, samples: list[int], gap: int | None, watch=None) -> list[dict[str, Any]]:
         """`read_raw` of several samples of a tar shard, neighbours read together (`verified_ranges`)."""
-        idx = self.shard_index(shard)
-        return [self._tar_fields(idx, i, blob) for i, blob in zip(samples, self.verified_ranges(shard, samples, gap))]
+        idx, blobs = self.shard_index(shard), self.verified_ranges(shard, samples, gap, watch)
+        return [self._tar_fields(idx, i, blob) for i, blob in zip(samples, blobs)]
 
     def _tar_fields(self, idx: ShardIndex, i: int, blob) -> dict[str, Any]:
         blob = memoryview(blob)
@@ -330,17 +330,23 @@ class Dataset:
         return out
 
     def record_batch(self, shard: int, i: int) -> pa.RecordBatch:
-        """The record batch of an Arrow shard that holds sample ``i``: one ranged read of its
-        bytes as stored, checked against the index checksum before it is decoded (decompressed).
-        Safe to call from several threads at once (readers that fetch batches in parallel)."""
+        """The record batch of an Arrow shard that holds sample ``i`` (`record_batches`)."""
+        return self.record_batches(shard, [i])[0]
+
+    def record_batches(self, shard: int, samples: list[int], gap: int | None = None, watch=None) -> list:
+        """The record batches holding ``samples`` of an Arrow shard: their bytes as stored, read by
+        range (`verified_ranges`: neighbours within ``gap`` in one request, each ``watch``-ed) and
+        checked against the index checksum before they are decoded (decompressed). Safe to call
+        from several threads at once (readers that fetch batches in parallel)."""
         idx = self.shard_index(shard)
         if idx.checksums is None:
             reader = self._arrow_reader(shard)  # footer and schema, checked once per shard
             with self._lock:  # an older dataset: read through the shard's one open file
-                return reader.get_batch(int(idx.batch[i]))  # type: ignore[index]  # an Arrow index has batch
-        return record_batch_from_range(self._verified_range(shard, idx, i), self.batch_schema(shard))
+                return [reader.get_batch(int(idx.batch[i])) for i in samples]  # type: ignore[index]  # an Arrow index has batch
+        schema = self._batch_schema(shard)
+        return [record_batch_from_range(data, schema) for data in self.verified_ranges(shard, samples, gap, watch)]
 
-    def batch_schema(self, shard: int):
+    def _batch_schema(self, shard: int):
         """The schema a record batch of ``shard`` is decoded with: a local shard's own footer's
         (a map: free); for remote shards, one footer's for all of them (every shard's schema is the
         manifest's fields, checked on that read): a footer costs three ranged requests, and a
