@@ -24,7 +24,7 @@ from ..format.dataset import is_local
 from ..format.hashing import format_digest, hash_bytes, hash_fileobj, new_hasher
 from ..format.manifest import ShardInfo
 from ..format.nodeshare import shared_read
-from ..format.storage import cat_whole, share_key
+from ..format.storage import share_key
 from .errors import LocalFault, SourceCorrupt, SourceUnavailable
 from .kcopy import DestinationError, copy_range
 from .perms import DEFAULT_PERMS, Perms
@@ -69,13 +69,13 @@ class Origin:
         if self.local:  # a local read cannot be abandoned usefully; no watchdog thread per file
             return shared_read(
                 share_key(self.fs, path),
-                lambda: with_retries(lambda t: cat_whole(self.fs, path), what=path, policy=policy, deadline=deadline),
+                lambda: with_retries(lambda t: self.fs.cat_file(path), what=path, policy=policy, deadline=deadline),
                 local=True,
             )
         return shared_read(
             share_key(self.fs, path),
             lambda: with_retries(
-                lambda t: call_with_timeout(lambda: cat_whole(self.fs, path), _min(t, policy.stall_timeout)),
+                lambda t: call_with_timeout(lambda: self.fs.cat_file(path), _min(t, policy.stall_timeout)),
                 what=path,
                 policy=policy,
                 deadline=deadline,

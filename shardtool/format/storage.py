@@ -15,8 +15,6 @@ from .nodeshare import shared_read
 __all__ = [
     "LocalRange",
     "RemoteRange",
-    "cat_shared",
-    "cat_whole",
     "dataset_fs",
     "is_local",
     "open_range",
@@ -36,36 +34,11 @@ def share_key(fs, path: str, start: int | None = None, end: int | None = None) -
     return f"{fs.protocol}|{options}|{path}|{start}|{end}"
 
 
-def cat_whole(fs, path: str) -> bytes:
-    """A whole small file (manifest, summaries, an index) in one GET. s3fs first asks an object's
-    size (a HEAD) to split large ones over concurrent ranged GETs; a metadata file is small, and
-    the HEAD would double a node's start-up requests against the store (issue 38)."""
-    if _splits_whole_reads(type(fs)):
-        return fs.cat_file(path, max_concurrency=1)
-    return fs.cat_file(path)
-
-
-_SPLITS: dict[type, bool] = {}
-
-
-def _splits_whole_reads(cls: type) -> bool:
-    """The filesystem's whole-file read takes ``max_concurrency`` (s3fs): it may HEAD first."""
-    if cls not in _SPLITS:
-        import inspect
-
-        impl = getattr(cls, "_cat_file", None)  # an async filesystem's own whole-file read
-        try:
-            _SPLITS[cls] = impl is not None and "max_concurrency" in inspect.signature(impl).parameters
-        except (TypeError, ValueError):
-            _SPLITS[cls] = False
-    return _SPLITS[cls]
-
-
 def cat_shared(fs, path: str, start: int | None = None, end: int | None = None) -> bytes:
     """``fs.cat_file(path, start, end)``, fetched once per node for a job's ranks (`nodeshare`)."""
 
     def read() -> bytes:
-        return cat_whole(fs, path) if start is None and end is None else fs.cat_file(path, start=start, end=end)
+        return fs.cat_file(path) if start is None and end is None else fs.cat_file(path, start=start, end=end)
 
     return shared_read(share_key(fs, path, start, end), read, local=is_local(fs))
 
