@@ -24,9 +24,7 @@ def __getattr__(name: str):
 
         return ValidSum
     if name == "ShardedLoader":
-        # loader/mixed.py subclasses ShardedLoader for a Mixture url (it registers itself there):
-        # imported here, so that the public ShardedLoader always knows mixtures.
-        from . import mixed
+        from .sharded import ShardedLoader
 
-        return mixed.ShardedLoader
+        return ShardedLoader
     raise AttributeError(f"module 'shardtool.loader' has no attribute {name!r}")

@@ -3,8 +3,8 @@
 The generator a pass returns runs inside the user's ``next()`` calls (so the wait the metrics
 report is what the user measures around ``next()``), ends its worker pool however the consumer
 leaves it, and agrees with the other ranks once per epoch that they read the same plan.
-A mixin of `ShardedLoader` (and through it `MixtureLoader`): the state it reads and writes is the
-loader's (``_served``, ``_epoch``, ``_obs``, ``_staging``, the worker options).
+A mixin of `ShardedLoader`: it reads the loader's ``batch_source`` (whose position each batch
+handed over moves), ``_obs``, ``_staging`` and the worker options.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from ..plan import RankPlan
 from .agree import disagreement, in_process_group
+from .batchsource import BatchSource, PassBatches
 from .collate import unpack_batch
 from .errors import LoaderError
 from .pool import WorkerFailed
-from .workers import PlanBatches, make_dataloader
+from .workers import make_dataloader
 
 
 def _with_valid(batch: Any, valid: Any, where: str) -> Any:
@@ -35,7 +35,26 @@ def _with_valid(batch: Any, valid: Any, where: str) -> Any:
 
 
 class PassRunner:
-    """The pass machinery `ShardedLoader` inherits."""
+    """The pass machinery, and the metrics of passes, that `ShardedLoader` inherits."""
+
+    # Set by ShardedLoader.__init__.
+    batch_source: BatchSource
+    _obs: Any  # loader/observability/observe.py's Observer
+    _staging: Any  # loader/staging.py's Staging, or None
+    num_workers: int
+    prefetch_factor: int
+    pin_memory: bool
+    timeout: float
+    rank: int
+    layout: Any
+
+    def _settle(self) -> None:
+        """Once every batch of the epoch was handed over, the loader is in the next epoch, whether
+        or not the consumer asked for one more batch and saw StopIteration: a trainer that stops
+        after len(loader) batches (Lightning does) gets the next epoch from its next iter()."""
+        if self.batch_source.at_end():
+            self._close_pass()
+            self.batch_source.next_pass()
 
     def _track(self, run: Iterator[Any]) -> Iterator[Any]:
         # A weak reference: the pass must still end (its workers exit) as soon as the consumer
@@ -57,11 +76,78 @@ class PassRunner:
         if previous is not None:
             previous.close()
 
-    def _run(self, batches: PlanBatches, start: int, n: int, where: str) -> Iterator[Any]:
+    # ------------------------------------------------------------------ iteration
+    def __iter__(self) -> Iterator[Any]:
+        self._settle()
+        self._close_pass()
+        return self._track(self._from_first_batch())
+
+    def _from_first_batch(self) -> Iterator[Any]:
+        # A generator: the pass is decided at the first next(), not at iter(). Trainers call
+        # iter() before they restore the state (Lightning tests that the object is iterable, and
+        # builds its fetcher, before loading the checkpoint's loader state): the pass continues
+        # the position loaded in between.
+        source = self.batch_source
+        if source.at_end():  # a loaded state at the end of an epoch is the next one's start
+            source.next_pass()
+        if self._in_process_group():
+            source.check_ranks_agree(self._agree)
+        one = source.begin_pass()
+        if self._staging is not None and one.plan is not None:
+            self._staging.begin_pass(source.metric_epoch, one.plan, one.start)
+        yield from self._run(one)
+
+    # ------------------------------------------------------------------ observability
+    def metrics(self) -> dict[str, Any]:
+        """This rank's loader metrics as a plain dict, cheap enough to call every step.
+
+        ``cumulative``: since the first batch was asked for; ``window``: since the previous call.
+        Each has the time the training loop spent inside ``next()`` (``wait_s``, ``wait_fraction``:
+        every call from entry to return, the one that ends a pass included; see
+        docs/observability.md for what that covers),
+        the time workers spent producing batches, samples/tokens per second and padding
+        efficiency (tokens from the index lengths), bytes read per tier (node ``cache``, ``local``
+        files read in place, ``remote``: ranged reads plus whole shards fetched on a cache miss),
+        cache hits/misses/fetched bytes, shard opens with p50/p99 open latency, tokens per source,
+        and worker starts/restarts. ``cache_behind_shards``: shards of the next batches that are
+        neither cached nor being fetched, at the last check. Workers read ahead and publish their
+        byte counts every few batches, so their counters may lead or trail the batches handed over
+        by a few; at the end of a pass they are exact.
+        """
+        source = self.batch_source
+        return self._obs.metrics(source.metric_epoch, source.served)
+
+    def report_step_time(self, seconds: float) -> None:
+        """The time the trainer spent on the batch handed over last, for `shardtool stats` to say
+        how much of each step the ranks wait for the slowest (with ``micro_batches``, report each
+        micro-batch; a step's add up). Time the rank's own work (forward and backward, e.g. under
+        DDP's ``no_sync()``, or until the backward's all-reduce is launched): a time that
+        includes the all-reduce is the slowest rank's on every rank. Recorded in a later metric
+        line (``metrics_every``); needs ``metrics=True``."""
+        source = self.batch_source
+        if source.served < 1:
+            raise ValueError("report_step_time: no batch has been handed over yet")
+        self._obs.step_time(source.metric_epoch, source.served - 1, seconds)
+
+    @property
+    def metrics_path(self) -> str:
+        """This rank's JSONL file of metric lines (one per ``metrics_every`` steps; node-local by default)."""
+        return self._obs.file.path
+
+    @property
+    def rank_summary(self) -> dict | None:
+        """The last cross-rank summary (``metrics_reduce=True``): min/median/max, the slowest rank."""
+        return self._obs.rank_summary
+
+    # ------------------------------------------------------------------ a pass
+    def _run(self, one: PassBatches) -> Iterator[Any]:
         # The body runs inside the user's next() calls: each is timed from its entry (here, and
         # after each yield) to its return, so wait_s is what the user measures around next().
+        batches, start, n, where = one.batches, one.start, one.stop, one.where
+        source = self.batch_source
+        epoch = source.metric_epoch
         entered = time.perf_counter()
-        watch = self._obs.begin_pass(batches, start, n, where, self._epoch, entered)  # before the workers fork
+        watch = self._obs.begin_pass(batches, start, n, where, epoch, entered)  # before the workers fork
         try:
             batches.inflate(start)  # compressed shards read in place: once per rank, before the fork
             dl = make_dataloader(
@@ -79,6 +165,7 @@ class PassRunner:
             raise
         it = iter(dl)
         ended = None  # an error, or the loop left early: the pass ends outside any next()
+        served = source.served
         try:
             for b in range(start, n):
                 try:
@@ -95,43 +182,16 @@ class PassRunner:
                     ) from e
                 if batches.pad is not None:
                     batch = _with_valid(batch, batches.valid(b), where)
-                self._served = self._position_after(b)
+                served = source.handed_over(b)
                 if self._staging is not None:
-                    self._staging.served(self._epoch, self._served)
+                    self._staging.served(epoch, served)
                 yield batch
                 entered = time.perf_counter()
             ended = entered  # this next() ends the pass: closing the workers is part of it
         finally:
             it.close()  # the worker pool, or the in-process generator
-            self._obs.end_pass(complete=self._served >= n, entered=ended)
-        self._pass_done()
-
-    def _position_after(self, b: int) -> int:
-        """The position once the pass's batch ``b`` was handed over: b + 1, or where the pass's
-        batches are not the plan's (``_after``: past skipped steps, the next one to serve; with
-        a batch-size schedule, the end of the step's batches)."""
-        after = getattr(self, "_after", None)
-        return b + 1 if after is None else int(after[b])
-
-    def _pass_done(self) -> None:
-        self._start_epoch(self._epoch + 1)
-
-    def _check_ranks_agree(self, plan: RankPlan) -> None:
-        """One all-reduce per epoch: every rank has the same dataset, config and batch count.
-
-        Without it, a rank on another dataset version would wait forever in the first
-        all-reduce of training after the others ran out of batches.
-        """
-        if self._checked_epoch == self._epoch or not self._in_process_group():
-            return
-        self._checked_epoch = self._epoch
-        ident = f"{self.fingerprint}/{self.batching.fingerprint()}/{self._epoch}"
-        self._agree(
-            [plan.batches_per_rank, self._served],
-            ident,
-            "(batches per rank, dataset/config, position)",
-            "Every rank must open the same dataset version with the same batching and state.",
-        )
+            self._obs.end_pass(complete=served >= n, entered=ended)
+        source.next_pass()
 
     def _in_process_group(self) -> bool:
         return in_process_group(self.layout.world_size, self.rank)

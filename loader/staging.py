@@ -108,14 +108,11 @@ class Staging:
         # The stager stays while other ranks still read; it exits when they close or this process ends.
 
 
-def staging_for(
-    source, placement, stage: bool | str | None, cache_dir: str | None, *, one_dataset: bool
-) -> Staging | None:
-    """The staging of a `ShardedLoader` reading ``source`` (`loader.source.Source`) on ``placement``
-    (None: off), from ``stage=`` or SHARDTOOL_STAGE.
-
-    ``one_dataset``: the loader reads one dataset (not a Mixture's loader, which is not staged); the
-    caller says so, so that this module need not import the loader class (imports go one way)."""
+def staging_for(source, placement, stage: bool | str | None, cache_dir: str | None) -> Staging | None:
+    """The staging of a `ShardedLoader` reading ``source`` (`loader.source.Source`; None for a
+    Mixture's loader, which is not staged) on ``placement`` (None: off), from ``stage=`` or
+    SHARDTOOL_STAGE."""
+    one_dataset = source is not None
     if not one_dataset and stage is None:
         return None  # SHARDTOOL_STAGE set for a job does not apply to a Mixture's loader
     mode = stage_mode(stage, os.environ)

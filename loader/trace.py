@@ -82,7 +82,7 @@ def _segment_steps(loader: Any, state: LoaderState, epoch: int | None) -> tuple[
     """(steps of the epoch before ``state``'s current segment, the segment's steps as cuts of its
     delivered batches: step ``before + j`` takes ``cut[j] .. cut[j + 1] - 1``): one batch a step,
     or a batch-size schedule's (`shardtool.plan.schedule.StepClock`)."""
-    clock = loader.step_clock(epoch) if hasattr(loader, "step_clock") else None
+    clock = loader.step_clock(epoch)
     if clock is None:
         return sum(s.delivered for s in state.segments[:-1]), np.arange(state.last.steps + 1, dtype=np.int64)
     return clock.segment_cut(state)

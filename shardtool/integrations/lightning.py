@@ -40,7 +40,6 @@ except ImportError:  # pragma: no cover - depends on what is installed
     import pytorch_lightning as pl  # type: ignore[no-redef]
 
 from ..loader import LoaderError, ShardedLoader
-from ..loader.mixed import MixtureLoader
 from .position import one_dataset, position
 
 __all__ = ["LightningLoader", "ShardedLoaderCallback"]
@@ -166,7 +165,7 @@ def _epoch_loader(view: Any) -> ShardedLoader | None:
     """The one-dataset loader behind a train loader (a LightningLoader's, or a bare one), whose
     epochs follow Lightning's; None for anything else (a mixture has no epochs)."""
     loader = view.loader if isinstance(view, LightningLoader) else view
-    return loader if isinstance(loader, ShardedLoader) and not isinstance(loader, MixtureLoader) else None
+    return loader if isinstance(loader, ShardedLoader) and loader.mixture is None else None
 
 
 def _whole_epoch(loader: ShardedLoader) -> int:

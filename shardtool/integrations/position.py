@@ -25,11 +25,10 @@ def one_dataset(loader: Any, adapter: str, why: str) -> Any:
     """``loader`` if it is a ShardedLoader of one dataset (an adapter follows its epochs), else
     TypeError naming ``adapter`` and ``why`` the trainer needs epochs."""
     from ..loader import ShardedLoader
-    from ..loader.mixed import MixtureLoader
 
     if not isinstance(loader, ShardedLoader):
         raise TypeError(f"{adapter} wraps a ShardedLoader, found {type(loader).__name__}")
-    if isinstance(loader, MixtureLoader):
+    if loader.mixture is not None:
         raise TypeError(
             f"a ShardedLoader of a Mixture has no epochs, and {why}: {adapter} takes a ShardedLoader of one dataset"
         )

@@ -31,7 +31,6 @@ from typing import Any
 from torchtitan.components.dataloader import BaseDataLoader
 
 from ..loader import LoaderStateError, ShardedLoader
-from ..loader.mixed import MixtureLoader
 
 __all__ = ["STATE_KEY", "ShardedTitanDataLoader", "TitanLoader", "next_token_split"]
 
@@ -65,7 +64,7 @@ class TitanLoader:
     ):
         if not isinstance(loader, ShardedLoader):
             raise TypeError(f"TitanLoader wraps a ShardedLoader, found {type(loader).__name__}")
-        if epochs is not None and isinstance(loader, MixtureLoader):
+        if epochs is not None and loader.mixture is not None:
             raise TypeError(
                 "a ShardedLoader of a Mixture has no epochs: leave TitanLoader's epochs=None and stop at "
                 "torchtitan's training.steps"
@@ -108,14 +107,14 @@ class TitanLoader:
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[tuple[dict[str, Any], Any]]:
         # The loader's next iter() after an epoch's last batch starts the next epoch (docs/architecture.md §5);
-        # a MixtureLoader's one iter() is already endless.
+        # a mixture's one iter() is already endless.
         empty = 0
         while self.epochs is None or self.loader.state_dict()["epoch"] < self.epochs:
             served = False
             for batch in self.loader:
                 served = True
                 yield self.split(batch)
-            if isinstance(self.loader, MixtureLoader):
+            if self.loader.mixture is not None:
                 return
             # A resumed epoch may leave this rank nothing (the re-deal's leftover), never two in a row
             empty = 0 if served else empty + 1

@@ -180,7 +180,7 @@ def test_elastic_resume_serves_each_remaining_sample_once(datasets, shards, layo
     # nothing had been served yet), and the batches the re-deal left over (fewer than the new world).
     planned = after if after[0].plan.remainder is not None else before
     left = [keys[i] for i in sorted(set().union(*(ld.remainder.tolist() for ld in planned)))]
-    leftover = after[0].planner.left_over(after[0]._state)
+    leftover = after[0].planner.left_over(after[0].batch_source.state)
     assert len(leftover) < new_layout[0]
     left += [keys[i] for b in leftover for i in b.tolist()]
     counts = set()

@@ -38,7 +38,7 @@ def test_samples_a_4_to_3_resume_leaves_over_are_served_the_next_epoch(tmp_path,
     after = ranks(3)
     for ld in after:
         ld.load_state_dict(before[0].state_dict())
-    left = sorted({keys[i] for b in after[0].planner.left_over(after[0]._state) for i in b.tolist()})
+    left = sorted({keys[i] for b in after[0].planner.left_over(after[0].batch_source.state) for i in b.tolist()})
     assert left, "this case leaves batches over (else the test shows nothing)"
     for ld in after:
         served0 += [k for b in read_all(ld) for k in b]

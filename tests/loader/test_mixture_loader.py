@@ -233,9 +233,9 @@ def test_packed_elastic_resume_serves_no_token_twice(data):
 
     def add(loader, steps):
         for t in steps:
-            for name, pieces in loader.planner.step_pieces(loader._state, t):
+            for name, pieces in loader.planner.step_pieces(loader.batch_source.state, t):
                 for epoch, first, count in pieces:
-                    plan = loader.planner.rank_plan(loader._state, name, epoch, loader.dp_rank)
+                    plan = loader.planner.rank_plan(loader.batch_source.state, name, epoch, loader.dp_rank)
                     rows = plan.rows.take(np.arange(plan.row_offsets[first], plan.row_offsets[first + count]))
                     acc = tokens.setdefault((name, epoch), np.zeros(len(data[name][1]), np.int64))
                     np.add.at(acc, rows.span_pos, rows.span_len)
