@@ -219,7 +219,7 @@ def main() -> None:
         )
         return
     from shardtool.benchmarks import peers
-    from shardtool.benchmarks.loader_throughput import write_tokens
+    from shardtool.benchmarks.loader_corpus import write_tokens
     from shardtool.benchmarks.packing import llm_foundry
 
     n = 3_000 if args.tiny else 30_000 if args.small else args.docs

@@ -214,7 +214,7 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     from shardtool.benchmarks import peers
-    from shardtool.benchmarks.loader_throughput import write_tokens
+    from shardtool.benchmarks.loader_corpus import write_tokens
 
     n = 2_000 if args.tiny else 20_000 if args.small else args.docs
     base = args.dir or tempfile.mkdtemp(prefix="peer-resume-")
