@@ -10,6 +10,7 @@ import contextlib
 import os
 import shutil
 import time
+from typing import TypedDict
 
 from ..format.atomic import TMP_PREFIX
 from .budget import cached_versions, disk_free, evict, scan
@@ -21,6 +22,25 @@ from .plain import found_intact
 from .store import read_verified_local
 
 TEMP_GRACE_S = 600  # a metadata temp file untouched this long belongs to a dead writer
+
+
+class VerifyReport(TypedDict):
+    ok: int  # shards that hashed intact
+    bad: list[str]  # shard files that did not (removed unless remove_bad=False)
+    busy: list[str]  # shard files locked by a reader or fetcher: checked by their holder
+    metadata_bad: list[str]  # lengths files and sample indexes that did not hash intact
+
+
+class GcReport(TypedDict):
+    temps_removed: int
+    versions_removed: list[str]  # version directory names
+    evicted_shards: int
+    evicted_bytes: int
+
+
+class ClearReport(TypedDict):
+    removed: list[str]  # version directory names
+    busy: list[str]  # shard files in use, left in place
 
 
 def ls(cache_dir: str) -> list[dict]:
@@ -56,9 +76,9 @@ def _size(path: str) -> int:
         return 0
 
 
-def verify(cache_dir: str, *, remove_bad: bool = True) -> dict:
+def verify(cache_dir: str, *, remove_bad: bool = True) -> VerifyReport:
     """Hash every cached shard and metadata file; bad ones are removed (the next warm refetches)."""
-    res = {"ok": 0, "bad": [], "busy": [], "metadata_bad": []}
+    res: VerifyReport = {"ok": 0, "bad": [], "busy": [], "metadata_bad": []}
     for vd, m in cached_versions(cache_dir):
         lf = m.lengths_file
         if (
@@ -121,9 +141,14 @@ def _remove_temps(cache_dir: str) -> int:
 
 def gc(
     cache_dir: str, *, max_bytes: int | None = None, min_free: int | None = None, unreferenced: bool = False
-) -> dict:
+) -> GcReport:
     """Remove dead writers' temp files, optionally versions no URL points at, then evict to budget."""
-    res = {"temps_removed": _remove_temps(cache_dir), "versions_removed": [], "evicted_shards": 0, "evicted_bytes": 0}
+    res: GcReport = {
+        "temps_removed": _remove_temps(cache_dir),
+        "versions_removed": [],
+        "evicted_shards": 0,
+        "evicted_bytes": 0,
+    }
     if unreferenced:
         live = {e.get("dir") for e in read_sources(cache_dir).values() if isinstance(e, dict)}
         for vd, _ in list(cached_versions(cache_dir)):
@@ -141,9 +166,9 @@ def gc(
     return res
 
 
-def clear(cache_dir: str, *, version_dir: str | None = None) -> dict:
+def clear(cache_dir: str, *, version_dir: str | None = None) -> ClearReport:
     """Remove cached versions (all, or one directory name); shards in use are left in place."""
-    res = {"removed": [], "busy": []}
+    res: ClearReport = {"removed": [], "busy": []}
     for vd, m in list(cached_versions(cache_dir)):
         name = os.path.basename(vd.root)
         if version_dir is not None and name != version_dir:

@@ -13,6 +13,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypedDict
 
 import fsspec
 import numpy as np
@@ -26,7 +27,7 @@ from .errors import BudgetError, NotCached, RemoteError
 from .evict import effective_limit, plan_eviction
 from .layout import SOURCES_NAME, VersionDir, record_source, recorded_version
 from .locks import read_lock
-from .meta import COPIED, ensure_index, ensure_lengths, ensure_shard, ensure_summaries, store_manifest
+from .meta import COPIED, FetchOptions, ensure_index, ensure_lengths, ensure_shard, ensure_summaries, store_manifest
 from .perms import DEFAULT_PERMS, Perms
 from .plain import PLAIN, cached_size, keeps_compressed, wants_plain
 from .retry import RetryPolicy
@@ -157,7 +158,7 @@ class DatasetCache:
         self._source_failed = False
         self.retry = retry
         self.max_bytes, self.min_free = max_bytes, min_free
-        self.kw = {"policy": retry, "deadline": None}
+        self.kw: FetchOptions = {"policy": retry, "deadline": None}
         self.dataset = CachedDataset(self, manifest_bytes, allow_pickle=allow_pickle)
         self.manifest = self.dataset.manifest
         self.fetched_bytes = 0  # shard bytes this object copied from the source (fetch-on-miss)
@@ -344,6 +345,18 @@ def _offline(cache_dir: str, url: str) -> tuple[str, bytes]:
     return version, manifest_bytes
 
 
+class _CacheOptions(TypedDict):
+    """`DatasetCache`'s keyword arguments that `open_cache` passes through as given."""
+
+    storage_options: dict | None
+    retry: RetryPolicy
+    max_bytes: int | None
+    min_free: int | None
+    allow_pickle: bool
+    perms: Perms
+    user_cache: str | None
+
+
 def open_cache(
     url: str,
     cache_dir: str,
@@ -365,15 +378,15 @@ def open_cache(
     """
     with contextlib.suppress(OSError):  # one this process cannot create is read through the user cache
         perms.makedirs(cache_dir)
-    kw = dict(
-        storage_options=storage_options,
-        retry=retry,
-        max_bytes=max_bytes,
-        min_free=min_free,
-        allow_pickle=allow_pickle,
-        perms=perms,
-        user_cache=user_cache,
-    )
+    kw: _CacheOptions = {
+        "storage_options": storage_options,
+        "retry": retry,
+        "max_bytes": max_bytes,
+        "min_free": min_free,
+        "allow_pickle": allow_pickle,
+        "perms": perms,
+        "user_cache": user_cache,
+    }
     found = _read_source_manifest(url, storage_options, retry)
     if found is not None:
         src, manifest_bytes = found

@@ -18,11 +18,11 @@ from ..format.manifest import lengths_from_bytes, manifest_hash
 from .assign import assigned_shards
 from .errors import CacheError
 from .layout import VersionDir, recorded_version
-from .meta import ensure_index, ensure_lengths, ensure_summaries
+from .meta import FetchOptions, ensure_index, ensure_lengths, ensure_summaries
 from .perms import DEFAULT_PERMS, Perms
 from .retry import RetryPolicy
 
-_OFFLINE = {"policy": RetryPolicy(attempts=1), "deadline": None}
+_OFFLINE: FetchOptions = {"policy": RetryPolicy(attempts=1), "deadline": None}
 
 
 def complete_cached_version(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from typing import TypedDict
 
 from ..format.atomic import fsync_path
 from ..format.manifest import Manifest, ShardInfo
@@ -21,6 +22,13 @@ from .retry import RetryPolicy
 from .store import Origin, copy_shard, local_fault, read_verified_local, store_verified
 
 HIT, VERIFIED, COPIED = "hit", "verified", "copied"
+
+
+class FetchOptions(TypedDict):
+    """How a miss is fetched from the source: the keyword arguments every ``ensure_*`` takes."""
+
+    policy: RetryPolicy
+    deadline: float | None  # time.monotonic() past which no request starts; None: no deadline
 
 
 def store_manifest(vd: VersionDir, manifest_bytes: bytes) -> None:
@@ -54,7 +62,9 @@ def ensure_small(
     return data
 
 
-def ensure_lengths(vd: VersionDir, manifest: Manifest, src: Origin | None, **kw) -> bytes:
+def ensure_lengths(
+    vd: VersionDir, manifest: Manifest, src: Origin | None, *, policy: RetryPolicy, deadline: float | None
+) -> bytes:
     lf = manifest.lengths_file
     return ensure_small(
         vd,
@@ -62,22 +72,38 @@ def ensure_lengths(vd: VersionDir, manifest: Manifest, src: Origin | None, **kw)
         lf.get("bytes"),
         lf.get("hash"),
         src,
+        policy=policy,
+        deadline=deadline,
         what=f"lengths file {lengths_rel(manifest)}",
-        **kw,
     )
 
 
-def ensure_summaries(vd: VersionDir, src: Origin | None, **kw) -> bytes | None:
+def ensure_summaries(
+    vd: VersionDir, src: Origin | None, *, policy: RetryPolicy, deadline: float | None
+) -> bytes | None:
     """The per-shard summaries file, or None where the source has none (a dataset packed before
     they existed). Not in the manifest: it is checked against it when loaded (format.summaries)."""
     try:
-        return ensure_small(vd, SUMMARIES_NAME, None, None, src, what="per-shard summaries", **kw)
+        return ensure_small(
+            vd, SUMMARIES_NAME, None, None, src, policy=policy, deadline=deadline, what="per-shard summaries"
+        )
     except SourceMissing:
         return None
 
 
-def ensure_index(vd: VersionDir, info: ShardInfo, src: Origin | None, **kw) -> bytes:
-    return ensure_small(vd, info.index, info.index_bytes, info.index_hash, src, what=f"sample index {info.index}", **kw)
+def ensure_index(
+    vd: VersionDir, info: ShardInfo, src: Origin | None, *, policy: RetryPolicy, deadline: float | None
+) -> bytes:
+    return ensure_small(
+        vd,
+        info.index,
+        info.index_bytes,
+        info.index_hash,
+        src,
+        policy=policy,
+        deadline=deadline,
+        what=f"sample index {info.index}",
+    )
 
 
 def stamp_found_intact(vd: VersionDir, shard: int, info: ShardInfo, plain: dict | None = None) -> None:
@@ -188,6 +214,7 @@ __all__ = [
     "HIT",
     "VERIFIED",
     "COPIED",
+    "FetchOptions",
     "LocalFault",
     "ensure_index",
     "ensure_lengths",

@@ -26,7 +26,16 @@ from .durability import must_fsync
 from .errors import CacheError, LocalFault, RemoteError, SourceMissing, UsageError
 from .fallback import complete_cached_version
 from .layout import VersionDir, record_source
-from .meta import COPIED, HIT, ensure_index, ensure_lengths, ensure_shard, ensure_summaries, store_manifest
+from .meta import (
+    COPIED,
+    HIT,
+    FetchOptions,
+    ensure_index,
+    ensure_lengths,
+    ensure_shard,
+    ensure_summaries,
+    store_manifest,
+)
 from .perms import DEFAULT_PERMS, Perms
 from .plain import cached_size, mark_keep_compressed, wants_plain
 from .report import WarmReport, data_layout_dict
@@ -215,7 +224,7 @@ def _warm(
         raise UsageError(f"no dataset at {url}: {e}") from None
     except ImportError as e:
         raise RemoteError(f"cannot open source {url}: {e}") from None
-    kw = dict(policy=retry, deadline=deadline)
+    kw: FetchOptions = {"policy": retry, "deadline": deadline}
     try:
         manifest_bytes = src.read_bytes(MANIFEST_NAME, **kw)
     except SourceMissing:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 
 HELP = "inspect and maintain a node-local shard cache (ls, verify, gc, clear)"
 DESCRIPTION = """\
@@ -38,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from ..cache import admin
 
-    res: list[dict] | dict  # what --json prints: the listing, or the action's report
+    res: list[dict] | Mapping[str, object]  # what --json prints: the listing, or the action's report
     failed = False
     if args.action == "ls":
         res = listing = admin.ls(args.cache_dir)
@@ -51,28 +52,28 @@ def run(args) -> int:
             if not listing:
                 print(f"{args.cache_dir}: empty")
     elif args.action == "verify":
-        res = report = admin.verify(args.cache_dir, remove_bad=not args.keep_bad)
-        failed = bool(report["bad"] or report["metadata_bad"])
+        res = verified = admin.verify(args.cache_dir, remove_bad=not args.keep_bad)
+        failed = bool(verified["bad"] or verified["metadata_bad"])
         if not args.json:
             print(
-                f"{report['ok']} shards ok, {len(report['bad'])} bad, {len(report['metadata_bad'])} bad metadata, "
-                f"{len(report['busy'])} in use (skipped)"
+                f"{verified['ok']} shards ok, {len(verified['bad'])} bad, {len(verified['metadata_bad'])} bad "
+                f"metadata, {len(verified['busy'])} in use (skipped)"
             )
-            for p in report["bad"] + report["metadata_bad"]:
+            for p in verified["bad"] + verified["metadata_bad"]:
                 print(f"bad: {p}{'' if args.keep_bad else ' (removed)'}", file=sys.stderr)
     elif args.action == "gc":
-        res = report = admin.gc(
+        res = collected = admin.gc(
             args.cache_dir, max_bytes=args.max_bytes, min_free=args.min_free, unreferenced=args.unreferenced
         )
         if not args.json:
             print(
-                f"removed {report['temps_removed']} temp files, {len(report['versions_removed'])} versions; "
-                f"evicted {report['evicted_shards']} shards ({report['evicted_bytes'] / 1e9:.3f} GB)"
+                f"removed {collected['temps_removed']} temp files, {len(collected['versions_removed'])} versions; "
+                f"evicted {collected['evicted_shards']} shards ({collected['evicted_bytes'] / 1e9:.3f} GB)"
             )
     else:
-        res = report = admin.clear(args.cache_dir, version_dir=args.version_dir)
+        res = cleared = admin.clear(args.cache_dir, version_dir=args.version_dir)
         if not args.json:
-            print(f"removed {len(report['removed'])} versions; {len(report['busy'])} shards in use left in place")
+            print(f"removed {len(cleared['removed'])} versions; {len(cleared['busy'])} shards in use left in place")
     if args.json:
         print(json.dumps(res, indent=1))
     if failed:
