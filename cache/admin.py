@@ -160,6 +160,7 @@ def gc(
     if max_bytes is not None or min_free is not None:
         entries, where, used = scan(cache_dir)
         limit = effective_limit(used, disk_free(cache_dir), max_bytes=max_bytes, min_free=min_free)
+        assert limit is not None  # max_bytes or min_free is set
         if used > limit:
             freed, gone = evict(where, entries, used - limit)
             res["evicted_shards"], res["evicted_bytes"] = len(gone), freed

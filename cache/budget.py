@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from ..format.errors import FormatError
@@ -45,7 +46,7 @@ def scan(
     *,
     current: VersionDir | None = None,
     assigned: set[int] | None = None,
-    protected: set[int] = frozenset(),
+    protected: AbstractSet[int] = frozenset(),
     keep: frozenset[str] = frozenset(),
     live: frozenset[str] | None = None,
 ) -> tuple[list[Entry], dict, int]:

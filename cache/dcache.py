@@ -13,7 +13,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypedDict
+from typing import TypedDict, TypeVar
 
 import fsspec
 import numpy as np
@@ -33,6 +33,8 @@ from .plain import PLAIN, cached_size, keeps_compressed, wants_plain
 from .retry import RetryPolicy
 from .store import Origin
 from .usercache import can_write, own_cache_dir, user_cache_dir
+
+_T = TypeVar("_T")
 
 
 class CachedDataset(Dataset):
@@ -201,7 +203,12 @@ class DatasetCache:
 
     def _store(self) -> VersionDir:
         """Where a miss is fetched to: this cache, or the user's own when this one is read-only."""
-        return self._user_vdir(create=True) if self.read_only else self.vdir
+        if not self.read_only:
+            return self.vdir
+        user = self._user_vdir(create=True)
+        # own_cache_dir(create=True) made the directory or raised LocalFault: it exists
+        assert user is not None, f"user cache {self.user_cache} vanished as it was created"
+        return user
 
     def _holder(self, shard: int) -> VersionDir | None:
         for vd in (self.vdir, self._user_vdir(create=False)):
@@ -227,7 +234,7 @@ class DatasetCache:
         """Fetch-on-miss follows the node's warm: plain unless it ran with --keep-compressed."""
         return keeps_compressed(store)
 
-    def metadata(self, fetch: Callable[[VersionDir, Origin | None], bytes]) -> bytes:
+    def metadata(self, fetch: Callable[[VersionDir, Origin | None], _T]) -> _T:
         """A small metadata file, ``fetch(vdir, source)``: from this cache, or where misses go."""
         if self.read_only:
             for vd in (self.vdir, self._user_vdir(create=False)):

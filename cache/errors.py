@@ -25,6 +25,8 @@ class CacheError(ShardtoolError):
 class LocalFault(CacheError):
     """The node-local cache directory is unusable (permissions, read-only, full, too small)."""
 
+    errno: int | None = None  # the OSError's, where one caused it (`cache.store.local_fault`)
+
 
 class BudgetError(LocalFault):
     """This node's shards do not fit in the cache budget."""

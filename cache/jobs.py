@@ -68,7 +68,7 @@ def live_versions(records: Mapping[str, dict], active: Iterable[str] | None) -> 
     """Versions some running job asked for: those of the records whose job is ``active`` (every
     record when ``active`` is None, i.e. SLURM could not say)."""
     live = None if active is None else {str(j) for j in active}
-    out = set()
+    out: set[str] = set()
     for job, rec in records.items():
         if live is None or str(job) in live:
             out.update(s["version"] for s in rec.get("sources", ()) if s.get("version"))

@@ -105,7 +105,8 @@ def warm_mixture(path: str, cache_dir: str, *, timeout: float | None = None, **o
     done: dict[str, str] = {}  # name -> version warmed in this call
     for src in mixture.sources:
         others = [s for s in mixture.sources if s.name != src.name]
-        keep = {done.get(s.name) or recorded_version(cache_dir, s.url) for s in others} - {None}
+        versions = (done.get(s.name) or recorded_version(cache_dir, s.url) for s in others)
+        keep = {v for v in versions if v is not None}
         left = None if timeout is None else max(timeout - (time.monotonic() - began), 0.0)
         r = warm(src.url, cache_dir, timeout=left, keep=keep, **options)
         report.reports[src.name] = r

@@ -72,7 +72,7 @@ class Board:
                 os.unlink(os.path.join(path, stale))
             except FileNotFoundError:
                 pass
-        self._fd = os.open(os.path.join(path, f"progress-{local_rank}"), os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd: int | None = os.open(os.path.join(path, f"progress-{local_rank}"), os.O_RDWR | os.O_CREAT, 0o644)
         self._last: tuple[int, int] | None = None
 
     def publish_order(self, epoch: int, order: TouchOrder, start: int) -> None:

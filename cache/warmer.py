@@ -141,16 +141,18 @@ def warm(
     deadline = None if timeout is None else began + timeout
     if progress is None:
         progress = sys.stderr.isatty()
-    if placement is None and not all_shards:
+    if all_shards:
+        placement = None  # every shard: no node's placement applies
+    elif placement is None:
         placement = Placement(Layout(1, 1), 0, source="default: one node")
     report = WarmReport(
         url=url,
         cache_dir=os.path.abspath(cache_dir),
         strict=strict,
-        layout=None if all_shards else placement.to_dict(),
+        layout=None if placement is None else placement.to_dict(),
         durable=must_fsync(durable),
     )
-    if not all_shards:
+    if placement is not None:
         data = data_layout if data_layout is not None else DataLayout.pure_dp(placement.layout)
         report.data_layout = data_layout_dict(data, placement.node)
     log = log or (lambda msg: print(f"shardtool warm: {msg}", file=sys.stderr))
@@ -159,7 +161,7 @@ def warm(
             report,
             url,
             cache_dir,
-            placement=None if all_shards else placement,
+            placement=placement,
             data_layout=data_layout,
             jobs=jobs,
             max_bytes=max_bytes,
@@ -329,23 +331,23 @@ def _warm(
             order = sorted(todo, key=lambda i: -m.shards[i].bytes)
             futs = [pool.submit(one, i) for i in order]
             try:
-                for i, f in index_futs.items():
+                for i, index_fut in index_futs.items():
                     try:
-                        f.result()
+                        index_fut.result()
                     except RemoteError as e:
                         with lock:
                             fail(i, e)
-                recorded = None
+                unrecorded: LocalFault | None = None
                 try:
                     # metadata is in place: an offline loader can start
                     record_source(cache_dir, url, ds.version, perms=perms)
                 except LocalFault as e:  # e.g. the copies filled the disk: a failing shard names it better
-                    recorded = e
+                    unrecorded = e
                 done, pending = wait(futs, return_when=FIRST_EXCEPTION)
                 for f in done:
                     f.result()  # re-raise a LocalFault: this node cannot hold its shards
-                if recorded is not None:
-                    raise recorded
+                if unrecorded is not None:
+                    raise unrecorded
             except BaseException:
                 for f in futs:
                     f.cancel()

@@ -50,6 +50,7 @@ def fit_budget(
         cache_dir, current=vd, assigned=set(shards), protected=set(shards), keep=keep, live=live
     )
     limit = effective_limit(used, disk_free(cache_dir), max_bytes=max_bytes, min_free=min_free)
+    assert limit is not None  # max_bytes or min_free is set (checked above)
     victims, shortfall = plan_eviction(entries, used=used, limit=limit, incoming=incoming)
     if shortfall:
         evictable = sum(e.size for e in entries if not e.protected)

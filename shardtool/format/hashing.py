@@ -7,7 +7,12 @@ it costs. The algorithm name is stored with the digest so it can change later.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import xxhash
+
+if TYPE_CHECKING:
+    import mmap
 
 ALGO = "xxh3_128"
 CHUNK = 8 << 20
@@ -21,7 +26,7 @@ def format_digest(h) -> str:
     return f"{ALGO}:{h.hexdigest()}"
 
 
-def hash_bytes(data: bytes | memoryview) -> str:
+def hash_bytes(data: bytes | bytearray | memoryview | mmap.mmap) -> str:
     h = new_hasher()
     h.update(data)
     return format_digest(h)
