@@ -24,8 +24,8 @@ from ..format.coalesce import gap_from_env
 from ..plan.ranges import locate_ids
 from .collate import KEY, Alloc, collate_samples, gather_field
 from .inflate import Inflated, InflatedShard, inflate_budget
-from .observability.probe import REMOTE, Probe
-from .remotefetch import RemoteBatches, watched
+from .observability.probe import NO_PROBE, NoProbe, Probe
+from .remotefetch import RemoteBatches
 from .scratch import Scratch
 from .shardview import ShardView
 from .source import MappedFile, RemoteShard, Source, SourceSpec
@@ -43,7 +43,8 @@ class BatchReader:
         self._source: Source | None = None
         self._views: OrderedDict[int, ShardView] = OrderedDict()
         self._scratch = Scratch()
-        self.probe: Probe | None = None  # counters and what is being read (loader/observability/probe.py)
+        # Counters and what is being read (loader/observability/probe.py); the observer sets it.
+        self.probe: Probe | NoProbe = NO_PROBE
         self._remote_seen: set[int] = set()
         self._fetch_lock = threading.Lock()  # record batches of remote views are fetched on threads
         # Compressed local shards decompressed by this rank's process into memory its workers
@@ -83,7 +84,7 @@ class BatchReader:
             return v
         src = self.source
         ds = src.dataset
-        token = self.probe.opening(shard, src) if self.probe is not None else None
+        token = self.probe.opening(shard, src)
         index = ds.shard_index(shard)
         name = ds.manifest.shards[shard].path
         plain = self._inflated.get(shard) if self._inflated is not None else None
@@ -110,8 +111,7 @@ class BatchReader:
         except BaseException:
             mapped.close()
             raise
-        if token is not None:
-            self.probe.opened(token, src)
+        self.probe.opened(token, src)
         self._views[shard] = v
         # The bound is on maps (address space, descriptors). A remote view holds none, only its
         # index, and closing it would drop its decompressed record batches: a share of more
@@ -184,8 +184,7 @@ class BatchReader:
                 for k, sample in zip(rows.tolist(), got):
                     out[k] = sample
             return out
-        if self.probe is not None:
-            self._count(self._groups(shard, local))
+        self.probe.count_views(self.tier, self._groups(shard, local))
         return self._local_samples(shard, local)
 
     def _local_samples(self, shard: np.ndarray, local: np.ndarray) -> list[dict[str, Any]]:
@@ -194,11 +193,10 @@ class BatchReader:
     def _remote_samples(self, ds, s: int, samples: list[int]) -> list[dict[str, Any]]:
         """Samples of remote tar shard ``s``, decoded; with a probe announced and counted (the
         bytes of the ranged reads, gaps included): a shard's first read in this process is its open."""
-        token = None
-        if self.probe is not None and s not in self._remote_seen:
-            token = self.probe.opening(s, self.source)
-        raw = ds.raw_samples(s, samples, self.coalesce_gap, watched(self.probe, s, self._fetch_lock))
-        if token is not None:
+        first = s not in self._remote_seen
+        token = self.probe.opening(s, self.source) if first else None
+        raw = ds.raw_samples(s, samples, self.coalesce_gap, self.probe.requests(s, self._fetch_lock))
+        if first:
             self._remote_seen.add(s)
             self.probe.opened(token, self.source)
         where = ds.manifest.shards[s].path
@@ -206,13 +204,6 @@ class BatchReader:
             decode_sample(ds.manifest, r, allow_pickle=ds.allow_pickle, where=f"{where} sample #{i}")
             for i, r in zip(samples, raw)
         ]
-
-    def _count(self, groups) -> None:
-        """Payload bytes of a batch's samples (every field), from the views (remote views count
-        what they fetch instead)."""
-        if groups and self.tier != REMOTE:
-            parts = [v.sample_bytes[li] for v, _, li in groups]
-            self.probe.read(self.tier, int((parts[0] if len(parts) == 1 else np.concatenate(parts)).sum()))
 
     def field_values(self, ids: np.ndarray, names: tuple[str, ...]) -> dict[str, list[Any]]:
         """Fields ``names`` of ``ids``, decoded, in the order of ``ids`` (a packed batch's per-token
@@ -265,8 +256,7 @@ class BatchReader:
         fields = self.source.dataset.manifest.fields
         pad_col = groups[0][0].pad_col if groups else None
         if pad_col is not None and any(v.tok_dtype is None for v, _, _ in groups):
-            if self.probe is not None:
-                self._count(groups)
+            self.probe.count_views(self.tier, groups)
             return self.collate(self._local_samples(shard, local), ids, pad_id=self.pad_id, alloc=alloc)
         b = len(ids)
         keys = np.empty(b, dtype=object)
@@ -276,13 +266,11 @@ class BatchReader:
         if pad_col is not None:
             tokens = self._gather_tokens(groups, b, alloc)  # counts the batch's bytes
             if tokens is None:
-                if self.probe is not None:
-                    self._count(groups)
+                self.probe.count_views(self.tier, groups)
                 return self.collate(self._local_samples(shard, local), ids, pad_id=self.pad_id, alloc=alloc)
             out[fields[pad_col].name], out["lengths"] = tokens
         else:
-            if self.probe is not None:
-                self._count(groups)
+            self.probe.count_views(self.tier, groups)
             out["lengths"] = torch.from_numpy(self.index_lengths(ids))  # Dataset.shard_index checked: = the index's
         for j, spec in enumerate(fields):
             if j == pad_col:
@@ -341,19 +329,10 @@ class BatchReader:
             if other is not None:
                 other = None if v.bytes_besides_tokens is None else other + len(li) * v.bytes_besides_tokens
         joined = join_pieces(per_view)
-        probe = self.probe
-        if probe is not None and self.tier != REMOTE:  # remote views count what they fetch
-            if other is None:
-                self._count(groups)
-            else:  # queued, added up by the probe: no Python call per batch (Probe.flush)
-                item = groups[0][0].tok_dtype.itemsize
-                if probe.counts and (probe.counts_item != item or probe.counts_tier != self.tier):
-                    probe.flush()  # a mixture's readers share the probe: sources of other dtypes or tiers
-                probe.counts.append(joined.count)
-                probe.counts_other += other
-                probe.counts_item, probe.counts_tier = item, self.tier
-                if len(probe.counts) >= 64:  # num_workers=0 flushes at metrics() and pass end
-                    probe.flush()
+        if other is None:
+            self.probe.count_views(self.tier, groups)
+        else:  # queued, added up by the probe: no Python call per batch (Probe.flush)
+            self.probe.queue_tokens(joined.count, other, groups[0][0].tok_dtype.itemsize, self.tier)
         return joined
 
     def _gather_tokens(self, groups, b: int, alloc: Alloc) -> tuple[torch.Tensor, torch.Tensor] | None:

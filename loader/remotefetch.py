@@ -8,7 +8,6 @@ once: `RemoteBatches.runs` groups them into runs of neighbours within the coales
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from typing import Any
 
@@ -16,18 +15,18 @@ import numpy as np
 import pyarrow as pa
 
 from ..format.coalesce import coalesce
-from .observability.probe import REMOTE, Probe
+from .observability.probe import NoProbe, Probe
 
-__all__ = ["RemoteBatches", "watched"]
+__all__ = ["RemoteBatches"]
 
 
 class RemoteBatches:
     """``fetch(samples)``: the verified record batches holding ``samples`` (one sample of each),
     in order, neighbours within ``gap`` bytes read as one request; announced to and counted by the
-    rank's probe where it has one (under ``lock``: several threads fetch at once). A dataset
+    rank's probe (under ``lock``: several threads fetch at once). A dataset
     packed before range checksums reads each batch through the shard's footer instead."""
 
-    def __init__(self, ds: Any, shard: int, index: Any, gap: int | None, probe: Probe | None, lock: threading.Lock):
+    def __init__(self, ds: Any, shard: int, index: Any, gap: int | None, probe: Probe | NoProbe, lock: threading.Lock):
         self.ds, self.shard, self.index, self.gap = ds, shard, index, gap
         self.probe, self.lock = probe, lock
 
@@ -49,24 +48,4 @@ class RemoteBatches:
     def __call__(self, samples: list[int]) -> list[pa.RecordBatch]:
         """The record batches holding ``samples``: one run as `runs` groups them (or one sample),
         so one request."""
-        watch = watched(self.probe, self.shard, self.lock)
-        return self.ds.record_batches(self.shard, samples, self.gap, watch)
-
-
-def watched(probe: Probe | None, shard: int, lock: threading.Lock):
-    """``watch(start, size)`` for `Dataset.verified_ranges`: each request of ``shard`` announced
-    to the rank's probe while it runs (the stall watchdog names it) and counted as remote bytes
-    (under ``lock``: several threads fetch at once); None without a probe."""
-    if probe is None:
-        return None
-
-    @contextlib.contextmanager
-    def watch(start: int, size: int):
-        with lock:
-            probe.at(shard, start, size, REMOTE)
-        yield
-        with lock:
-            probe.read(REMOTE, size)
-            probe.done_reading()
-
-    return watch
+        return self.ds.record_batches(self.shard, samples, self.gap, self.probe.requests(self.shard, self.lock))

@@ -24,7 +24,7 @@ from ...format import ShardtoolError
 from ..errors import LoaderError
 from . import metricslog
 from .metrics import Meter, Snapshot
-from .probe import BUSY_PHASE, CACHE, IDLE, PHASES, TIERS, Probe, Table
+from .probe import BUSY_PHASE, CACHE, IDLE, NO_PROBE, PHASES, TIERS, Probe, Table
 from .watchdog import StallInterrupt, Watchdog
 
 log = logging.getLogger("shardtool.loader.metrics")
@@ -60,9 +60,10 @@ class Observer:
         self.staged = False  # in-job staging is on: set by the loader (loader/staging.py)
         self.table = Table(num_workers + 1)  # with metrics off, only the workers' pids (for stack dumps)
         # One probe per process, shared by a mixture's readers: they read in the same process row.
+        # None with metrics off: the workers time nothing, the readers count nothing (NO_PROBE).
         self.probe = Probe(self.table, num_workers) if metrics else None
         for reader in self.readers.values():
-            reader.probe = self.probe
+            reader.probe = self.probe or NO_PROBE
         self.meter = Meter(self.table, list(self.readers), in_process=num_workers == 0) if metrics else None
         self.every = every if metrics else 0
         self.reduce = metrics_reduce and metrics
@@ -96,7 +97,7 @@ class Observer:
 
     # ------------------------------------------------------------------ hooks
     def worker_init(self, w: int) -> None:
-        if self.probe is not None:
+        if self.probe:
             self.probe.bind(w + 1)
         else:
             self.table.announce(w + 1)
@@ -138,7 +139,7 @@ class Observer:
 
     def _flush(self) -> None:
         """This process's uncounted batch bytes (with num_workers=0, the trainer reads them)."""
-        if self.probe is not None:
+        if self.probe:
             self.probe.flush()
 
     def step_time(self, epoch: int, batch: int, seconds: float) -> None:

@@ -13,10 +13,13 @@ aligned float64 cells: a reader may see one batch's counters half applied, never
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
+import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -162,6 +165,42 @@ class Probe:
             self.counts, self.counts_other = [], 0
             self.read(self.counts_tier, total)
 
+    def count_views(self, tier: int, groups: list) -> None:
+        """Payload bytes of a batch's samples (every field), from the views of ``groups``
+        ((view, rows, index in shard) per shard); remote views count what they fetch instead."""
+        if groups and tier != REMOTE:
+            parts = [v.sample_bytes[li] for v, _, li in groups]
+            self.read(tier, int((parts[0] if len(parts) == 1 else np.concatenate(parts)).sum()))
+
+    def queue_tokens(self, count: np.ndarray, other: int, item: int, tier: int) -> None:
+        """A batch's token bytes, queued (``count``: its elements, of ``item`` bytes; ``other``:
+        its bytes besides them) and added up by `flush`: no Python arithmetic per batch."""
+        if tier == REMOTE:
+            return  # remote views count what they fetch
+        if self.counts and (self.counts_item != item or self.counts_tier != tier):
+            self.flush()  # a mixture's readers share the probe: sources of other dtypes or tiers
+        self.counts.append(count)
+        self.counts_other += other
+        self.counts_item, self.counts_tier = item, tier
+        if len(self.counts) >= 64:  # num_workers=0 flushes at metrics() and pass end
+            self.flush()
+
+    def requests(self, shard: int, lock: threading.Lock):
+        """``watch(start, size)`` for `Dataset.verified_ranges`: each request of ``shard``
+        announced while it runs (the stall watchdog names it) and counted as remote bytes (under
+        ``lock``: several threads fetch at once)."""
+
+        @contextlib.contextmanager
+        def watch(start: int, size: int):
+            with lock:
+                self.at(shard, start, size, REMOTE)
+            yield
+            with lock:
+                self.read(REMOTE, size)
+                self.done_reading()
+
+        return watch
+
     def done_reading(self) -> None:
         """An announced open, fetch or ranged read returned: back to unannounced work."""
         self.cells[self.base + BUSY_PHASE] = IDLE
@@ -187,7 +226,7 @@ class Probe:
             self.at(shard, 0, 0, src.tier, OPENING)
         return time.monotonic(), src.fetched_bytes
 
-    def opened(self, token: tuple[float, int], src) -> None:
+    def opened(self, token: Any, src) -> None:
         """``shard`` became readable: one open, its latency, and for a cache a hit or a miss
         (a miss is an open that copied the shard from the source)."""
         began, fetched_before = token
@@ -200,3 +239,25 @@ class Probe:
             c[i + (MISSES if fetched else HITS)] += 1
             c[i + FETCH_BYTES] += fetched
             c[i + BYTES_REMOTE] += fetched
+
+
+class NoProbe:
+    """A reader's probe with metrics off: counts nothing, announces nothing, costs a call."""
+
+    def opening(self, shard: int, src) -> None:
+        return None
+
+    def opened(self, token: Any, src) -> None:
+        pass
+
+    def count_views(self, tier: int, groups: list) -> None:
+        pass
+
+    def queue_tokens(self, count: np.ndarray, other: int, item: int, tier: int) -> None:
+        pass
+
+    def requests(self, shard: int, lock: threading.Lock) -> None:
+        return None  # `Dataset.verified_ranges` reads unwatched
+
+
+NO_PROBE = NoProbe()
