@@ -18,7 +18,6 @@ from typing import TypedDict, TypeVar
 import fsspec
 import numpy as np
 
-from ..format.arrowshard import row_values
 from ..format.dataset import Dataset
 from ..format.manifest import MANIFEST_NAME, lengths_from_bytes, manifest_hash
 from ..format.sindex import ShardIndex
@@ -94,32 +93,16 @@ class CachedDataset(Dataset):
     def shard_fs(self, shard: int):
         return self.fs  # the cache's copy, even of a tar indexed in place elsewhere
 
-    # A shard is made present in the cache (fetched on a miss) before the base class opens it;
-    # its path there is the base class's shard_path.
-    def _range(self, shard: int):
-        if shard not in self._ranges:
-            self._cache.local_shard(shard)
-        return super()._range(shard)
+    def make_present(self, shard: int) -> None:
+        self._cache.local_shard(shard)  # its path here is shard_path's, in the cache
 
-    def _arrow_reader(self, shard: int):
-        self._cache.local_shard(shard)
-        return super()._arrow_reader(shard)
+    def held_plain(self, shard: int) -> bool:
+        return self._cache.is_plain(shard)
 
     def shard_compressed(self, shard: int) -> bool:
         """Whether the cached copy is compressed: a compressed shard is cached plain unless the
         node keeps shards compressed (`cache.plain`); ask after the shard was made present."""
         return super().shard_compressed(shard) and not self._cache.is_plain(shard)
-
-    def _read_arrow(self, shard: int, idx, i: int):
-        # A plain copy's batches are not where the index's (stored) byte ranges say: read the
-        # trusted, memory-mapped copy by batch number instead.
-        reader = self._arrow_reader(shard)
-        if not self._cache.is_plain(shard):
-            return super()._read_arrow(shard, idx, i)
-        b = int(idx.batch[i])
-        if self._last_batch[:2] != (shard, b):
-            self._last_batch = (shard, b, reader.get_batch(b))
-        return row_values(self._last_batch[2], int(idx.row[i]), self.manifest.fields)
 
 
 class DatasetCache:

@@ -263,9 +263,20 @@ class Dataset:
         """Whether ``shard``'s record batches are compressed where this dataset reads them."""
         return self.manifest.compression is not None
 
+    def make_present(self, shard: int) -> None:
+        """Called before ``shard`` is opened: a dataset whose shards are fetched on a miss (the
+        node cache's, cache/dcache.py) fetches it here; here it is where ``shard_path`` says."""
+
+    def held_plain(self, shard: int) -> bool:
+        """Whether the copy of ``shard`` read is stored decompressed, so its record batches are
+        not at the byte ranges the sample index records (the node cache may hold such copies):
+        they are then read by batch number from the shard's footer."""
+        return False
+
     def _range(self, shard: int):
         r = self._ranges.get(shard)
         if r is None:
+            self.make_present(shard)
             with self._lock:
                 r = self._ranges.get(shard)
                 if r is None:
@@ -285,6 +296,7 @@ class Dataset:
     def _arrow_reader(self, shard: int):
         reader = self._arrow.get(shard)
         if reader is None:
+            self.make_present(shard)
             fs, path = self.shard_fs(shard), self.shard_path(shard)
             source = pa.memory_map(path) if is_local(fs) else fs.open(path, "rb", block_size=0, cache_type="none")
             try:
@@ -362,7 +374,8 @@ class Dataset:
         if self._last_batch[:2] == (shard, b):
             batch = self._last_batch[2]
         else:
-            batch = self.record_batch(shard, i)
+            self.make_present(shard)  # fetched on a miss: then whether it is held plain is known
+            batch = self._arrow_reader(shard).get_batch(b) if self.held_plain(shard) else self.record_batch(shard, i)
             self._last_batch = (shard, b, batch)
         return row_values(batch, int(idx.row[i]), self.manifest.fields)  # type: ignore[index]  # as above
 
