@@ -13,8 +13,7 @@ import time
 from typing import TypedDict
 
 from ..format.atomic import TMP_PREFIX
-from .budget import cached_versions, disk_free, evict, scan
-from .evict import effective_limit
+from .budget import Budget, cached_versions, evict
 from .layout import META_DIR, lengths_rel, read_sources
 from .locks import try_exclusive
 from .meta import stamp_found_intact
@@ -157,12 +156,11 @@ def gc(
                 and not clear(cache_dir, version_dir=os.path.basename(vd.root))["busy"]
             ):
                 res["versions_removed"].append(os.path.basename(vd.root))
-    if max_bytes is not None or min_free is not None:
-        entries, where, used = scan(cache_dir)
-        limit = effective_limit(used, disk_free(cache_dir), max_bytes=max_bytes, min_free=min_free)
-        assert limit is not None  # max_bytes or min_free is set
-        if used > limit:
-            freed, gone = evict(where, entries, used - limit)
+    budget = Budget(max_bytes, min_free)
+    if budget.active:
+        room = budget.measure(cache_dir)
+        if room.used > room.limit:
+            freed, gone = evict(room.where, room.entries, room.used - room.limit)
             res["evicted_shards"], res["evicted_bytes"] = len(gone), freed
     return res
 

@@ -1,4 +1,11 @@
-"""Measuring a cache directory and applying eviction decisions to it."""
+"""Measuring a cache directory and applying eviction decisions to it.
+
+`Budget` is the one owner of the cache budget (``--max-bytes``, ``--min-free``): what the cache
+may hold (`Budget.measure`: a scan and `evict.effective_limit`) and the eviction that makes room
+for incoming bytes (`Room.make_room`). The warm (cache/warmfit.py), the loader's fetch-on-miss
+(cache/dcache.py), the stager (cache/stagebudget.py) and ``shardtool cache gc`` decide by it; each
+keeps only its own policy (refuse, best effort, evict nothing).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ from dataclasses import dataclass
 
 from ..format.errors import FormatError
 from ..format.manifest import MANIFEST_NAME, Manifest, manifest_hash
-from .evict import Entry, eviction_order
+from .evict import Entry, effective_limit, eviction_order, plan_eviction
 from .layout import VersionDir, version_dirs
 from .locks import try_exclusive
 
@@ -111,3 +118,54 @@ def evict(where: dict, entries: list[Entry], need: int) -> tuple[int, list]:
         freed += c.size
         gone.append(e.key)
     return freed, gone
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a cache may hold: at most ``max_bytes``, and ``min_free`` bytes left free on its disk."""
+
+    max_bytes: int | None = None
+    min_free: int | None = None
+
+    @property
+    def active(self) -> bool:
+        """A limit is set (without one, nothing is scanned, evicted or refused)."""
+        return self.max_bytes is not None or self.min_free is not None
+
+    def measure(self, cache_dir: str, **scan_options) -> Room:
+        """The cache as it is now (`scan` with ``scan_options``) and the bytes it may hold."""
+        entries, where, used = scan(cache_dir, **scan_options)
+        limit = effective_limit(used, disk_free(cache_dir), max_bytes=self.max_bytes, min_free=self.min_free)
+        assert limit is not None, "measure() of an inactive budget"  # callers check `active` first
+        return Room(entries, where, used, limit)
+
+    def flags(self) -> str:
+        """The options that set it, for messages."""
+        return f"--max-bytes={self.max_bytes}, --min-free={self.min_free}"
+
+
+@dataclass
+class Room:
+    """A measured cache: its shards as eviction entries, the bytes they use and the limit."""
+
+    entries: list[Entry]
+    where: dict
+    used: int
+    limit: int
+
+    def planned_shortfall(self, incoming: int) -> int:
+        """Bytes short of fitting ``incoming`` even after evicting every shard that may go (0: fits)."""
+        return plan_eviction(self.entries, used=self.used, limit=self.limit, incoming=incoming)[1]
+
+    def make_room(self, incoming: int) -> tuple[int, list, int]:
+        """Evict, in eviction order, what ``incoming`` bytes need: (bytes freed, keys evicted,
+        bytes still short). Shards being read are skipped (`evict`), so it may free less than
+        planned; where even every candidate would not do, nothing is evicted."""
+        need = self.used + incoming - self.limit
+        if need <= 0:
+            return 0, [], 0
+        short = self.planned_shortfall(incoming)
+        if short:
+            return 0, [], short
+        freed, gone = evict(self.where, self.entries, need)
+        return freed, gone, max(need - freed, 0)

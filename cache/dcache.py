@@ -21,9 +21,8 @@ import numpy as np
 from ..format.dataset import Dataset
 from ..format.manifest import MANIFEST_NAME, lengths_from_bytes, manifest_hash
 from ..format.sindex import ShardIndex
-from .budget import disk_free, evict, scan
+from .budget import Budget
 from .errors import BudgetError, NotCached, RemoteError
-from .evict import effective_limit, plan_eviction
 from .layout import SOURCES_NAME, VersionDir, record_source, recorded_version
 from .locks import read_lock
 from .meta import COPIED, FetchOptions, ensure_index, ensure_lengths, ensure_shard, ensure_summaries, store_manifest
@@ -143,6 +142,7 @@ class DatasetCache:
         self._source_failed = False
         self.retry = retry
         self.max_bytes, self.min_free = max_bytes, min_free
+        self.budget = Budget(max_bytes, min_free)
         self.kw: FetchOptions = {"policy": retry, "deadline": None}
         self.dataset = CachedDataset(self, manifest_bytes, allow_pickle=allow_pickle)
         self.manifest = self.dataset.manifest
@@ -259,28 +259,19 @@ class DatasetCache:
         return store.path(info.path)
 
     def _make_room(self, shard: int, store: VersionDir) -> None:
-        if self.max_bytes is None and self.min_free is None:
+        if not self.budget.active:
             return
         size = cached_size(self.manifest, self.manifest.shards[shard], self.keep_compressed(store))
-        entries, where, used = scan(store.cache_dir, current=store, protected={shard})
-        limit = effective_limit(used, disk_free(store.cache_dir), max_bytes=self.max_bytes, min_free=self.min_free)
-        if limit is None or used + size <= limit:
-            return
-        need = used + size - limit
-        _, shortfall = plan_eviction(entries, used=used, limit=limit, incoming=size)
-        if not shortfall:
-            # Shards other processes are reading are skipped by evict(): it may free less than planned.
-            freed, _ = evict(where, entries, need)
-            if freed >= need:
-                return
-            shortfall = need - freed
-        raise BudgetError(
-            f"shard #{shard} {self.manifest.shards[shard].path} ({size} bytes) does not fit in the "
-            f"cache budget of {limit} bytes: {shortfall} bytes short after evicting every shard not "
-            "in use (shards being read are never evicted)",
-            needed=used - need + shortfall + size,
-            available=limit,
-        )
+        room = self.budget.measure(store.cache_dir, current=store, protected={shard})
+        _, _, short = room.make_room(size)
+        if short:
+            raise BudgetError(
+                f"shard #{shard} {self.manifest.shards[shard].path} ({size} bytes) does not fit in the "
+                f"cache budget of {room.limit} bytes: {short} bytes short after evicting every shard not "
+                "in use (shards being read are never evicted)",
+                needed=room.limit + short,
+                available=room.limit,
+            )
 
     @contextlib.contextmanager
     def reading(self, shard: int) -> Iterator[str]:

@@ -1,5 +1,5 @@
-"""The cache budget as the stager applies it: the limit `warm` computes (``--max-bytes``,
-``--min-free``: `evict.effective_limit` over the whole cache), checked before each fetch.
+"""The cache budget as the stager applies it: the limit `warm` computes (`budget.Budget`:
+``--max-bytes``, ``--min-free`` over the whole cache), checked before each fetch.
 
 Apart from `stager` because it is the one place in-job staging can decline a shard. Unlike a warm,
 the stager evicts nothing: it runs while ranks read, and a shard staged ahead of them is not
@@ -13,8 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from .budget import disk_free, scan
-from .evict import effective_limit
+from .budget import Budget
 
 
 class StageBudget:
@@ -32,8 +31,8 @@ class StageBudget:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.cache_dir, self.sizes = cache_dir, sizes
-        self.max_bytes, self.min_free = max_bytes, min_free
-        self.active = max_bytes is not None or min_free is not None
+        self.budget = Budget(max_bytes, min_free)
+        self.active = self.budget.active
         self.rescan_s, self.clock = rescan_s, clock
         self.used = 0  # shard bytes in the cache at the last scan, plus what this stager copied since
         self.limit: int | None = None
@@ -41,11 +40,8 @@ class StageBudget:
 
     def _scan(self, force: bool = False) -> None:
         if force or self.clock() >= self._next_scan:
-            _, _, used = scan(self.cache_dir)
-            self.used = used
-            self.limit = effective_limit(
-                used, disk_free(self.cache_dir), max_bytes=self.max_bytes, min_free=self.min_free
-            )
+            room = self.budget.measure(self.cache_dir)
+            self.used, self.limit = room.used, room.limit
             self._next_scan = self.clock() + self.rescan_s
 
     def copied(self, shard: int) -> None:
@@ -85,8 +81,8 @@ class StageBudget:
         limit = max(self.limit or 0, 0)
         return (
             f"cache budget reached: shard #{shard} {path} ({self.sizes[shard]} bytes) does not fit beside the "
-            f"{self.used} bytes cached under the {limit} bytes the cache may hold (--max-bytes={self.max_bytes}, "
-            f"--min-free={self.min_free}); it and any other shard over the budget are left to the readers' "
+            f"{self.used} bytes cached under the {limit} bytes the cache may hold ({self.budget.flags()}); "
+            "it and any other shard over the budget are left to the readers' "
             "fetch-on-miss (the stager evicts nothing)"
         )
 

@@ -22,6 +22,7 @@ from ..format.dataset import Dataset, SummariesMissing
 from ..format.manifest import MANIFEST_NAME, lengths_from_bytes
 from ..plan import DataLayout, Layout, Placement
 from .assign import assigned_shards
+from .budget import Budget
 from .durability import must_fsync
 from .errors import CacheError, LocalFault, RemoteError, SourceMissing, UsageError
 from .fallback import complete_cached_version
@@ -286,7 +287,7 @@ def _warm(
     if stage_bytes is not None:
         todo = cap_to_stage(report, m, shards, todo, stage_bytes, log, size_in_cache)
     todo = fit_budget(
-        report, vd, m, shards, todo, cache_dir, max_bytes, min_free, best_effort, log, keep, live, size_in_cache
+        report, vd, m, shards, todo, cache_dir, Budget(max_bytes, min_free), best_effort, log, keep, live, size_in_cache
     )
 
     bar = _Progress(sum(m.shards[i].bytes for i in todo), progress)

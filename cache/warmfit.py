@@ -6,9 +6,14 @@ Kept apart from the copying in `warmer` because these are the decisions that can
 
 from __future__ import annotations
 
-from .budget import disk_free, evict, scan
+from collections.abc import Callable
+
+from ..format.manifest import Manifest
+from .budget import Budget, evict
 from .errors import BudgetError
-from .evict import choose_fit, effective_limit, plan_eviction
+from .evict import choose_fit
+from .layout import VersionDir
+from .report import WarmReport
 
 
 def cap_to_stage(report, m, shards, todo, stage_bytes: int, log, size_in_cache) -> list[int]:
@@ -27,65 +32,63 @@ def cap_to_stage(report, m, shards, todo, stage_bytes: int, log, size_in_cache) 
 
 
 def fit_budget(
-    report,
-    vd,
-    m,
-    shards,
-    todo,
-    cache_dir,
-    max_bytes,
-    min_free,
-    best_effort,
-    log,
-    keep=frozenset(),
-    live=None,
-    size_in_cache=None,
+    report: WarmReport,
+    vd: VersionDir,
+    m: Manifest,
+    shards: list[int],
+    todo: list[int],
+    cache_dir: str,
+    budget: Budget,
+    best_effort: bool,
+    log: Callable[[str], None],
+    keep: frozenset[str] = frozenset(),
+    live: frozenset[str] | None = None,
+    size_in_cache: dict[int, int] | None = None,
 ) -> list[int]:
-    """``size_in_cache``: shard -> bytes it takes in the cache (plain bytes where decompressed)."""
-    if max_bytes is None and min_free is None:
+    """The shards of ``todo`` the warm copies under ``budget``, after evicting what they need
+    (`Budget`); BudgetError where they do not fit, or with ``best_effort`` those that fit (the
+    others recorded in ``report.not_fitted``, with a warning). ``size_in_cache``: shard -> bytes
+    it takes in the cache (plain bytes where decompressed)."""
+    if not budget.active:
         return todo
     size = size_in_cache or {i: m.shards[i].bytes for i in todo}
     incoming = sum(size[i] for i in todo)
-    entries, where, used = scan(
-        cache_dir, current=vd, assigned=set(shards), protected=set(shards), keep=keep, live=live
-    )
-    limit = effective_limit(used, disk_free(cache_dir), max_bytes=max_bytes, min_free=min_free)
-    assert limit is not None  # max_bytes or min_free is set (checked above)
-    victims, shortfall = plan_eviction(entries, used=used, limit=limit, incoming=incoming)
+    room = budget.measure(cache_dir, current=vd, assigned=set(shards), protected=set(shards), keep=keep, live=live)
+    limit = room.limit
+    shortfall = room.planned_shortfall(incoming)
     if shortfall:
-        evictable = sum(e.size for e in entries if not e.protected)
-        resident = used - evictable
+        evictable = sum(e.size for e in room.entries if not e.protected)
+        resident = room.used - evictable
         needed = resident + incoming
-        room = max(limit - resident, 0)
         msg = (
             f"this node's shards need {needed / 1e9:.3f} GB ({needed} bytes: {len(todo)} to copy, "
             f"{incoming} bytes) but the cache budget allows {max(limit, 0) / 1e9:.3f} GB ({limit} bytes; "
-            f"--max-bytes={max_bytes}, --min-free={min_free}); short by {shortfall} bytes"
+            f"{budget.flags()}); short by {shortfall} bytes"
         )
         if not best_effort:
             raise BudgetError(msg, needed=needed, available=max(limit, 0))
-        freed, gone = evict(where, entries, evictable)
+        freed, gone = evict(room.where, room.entries, evictable)
         report.evicted_shards, report.evicted_bytes = len(gone), freed
-        take, leave = choose_fit([(i, size[i]) for i in todo], room)
-        report.not_fitted = sorted(set(report.not_fitted) | set(leave))
-        report.warnings.append(msg + f"; best effort: warming {len(take)} shard(s), {len(leave)} did not fit")
-        log(report.warnings[-1])
-        return take
-    need = used + incoming - limit
-    freed, gone = evict(where, entries, need)
+        return _best_effort(report, todo, size, max(limit - resident, 0), msg, log)
+    freed, gone, short = room.make_room(incoming)
     report.evicted_shards, report.evicted_bytes = len(gone), freed
-    if freed >= need:
+    if not short:
         return todo
-    # evict() skips shards other processes are reading, so it may free less than planned.
-    short = need - freed
-    room = max(limit - (used - freed), 0)
+    # make_room skips shards other processes are reading, so it may free less than planned.
     msg = (
         f"this node's shards need {incoming} more bytes ({len(todo)} shard(s) to copy) but the cache budget "
-        f"allows {limit} bytes and {used - freed} bytes are cached and in use by readers; short by {short} bytes "
-        f"(--max-bytes={max_bytes}, --min-free={min_free})"
+        f"allows {limit} bytes and {room.used - freed} bytes are cached and in use by readers; short by {short} "
+        f"bytes ({budget.flags()})"
     )
     if not best_effort:
-        raise BudgetError(msg, needed=used - freed + incoming, available=limit)
+        raise BudgetError(msg, needed=room.used - freed + incoming, available=limit)
+    return _best_effort(report, todo, size, max(limit - (room.used - freed), 0), msg, log)
+
+
+def _best_effort(
+    report: WarmReport, todo: list[int], size: dict[int, int], room: int, msg: str, log: Callable[[str], None]
+) -> list[int]:
+    """The shards of ``todo`` that fit in ``room`` bytes, in order; the rest recorded as not fitted."""
     take, leave = choose_fit([(i, size[i]) for i in todo], room)
     report.not_fitted = sorted(set(report.not_fitted) | set(leave))
     report.warnings.append(msg + f"; best effort: warming {len(take)} shard(s), {len(leave)} did not fit")
