@@ -148,9 +148,10 @@ class MixtureBatches:
             for name, pieces in self.units(b)
         )
 
-    def stats(self) -> Callable[[int], tuple[int, int, int, dict[str, int]]]:
-        """What the metrics count per step, asked for as each step is handed over (`step_stats`)."""
-        return self.step_stats
+    def start_meter(self, meter: Any, workers: int, restart: bool, entered: float | None) -> None:
+        """The metrics count each step as it is handed over (`step_stats`): a mixture runs for
+        millions of steps, and its per-step plan is a closed form, not a table."""
+        meter.start_steps(self.step_stats, workers, restart, entered)
 
     def step_stats(self, b: int) -> tuple[int, int, int, dict[str, int]]:
         """Step b: samples (packed: document pieces), real tokens, padded tokens, real tokens per source."""

@@ -61,6 +61,10 @@ class PlanBatches:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
+    def start_meter(self, meter: Any, workers: int, restart: bool, entered: float | None) -> None:
+        """The metrics count the pass's batches from their per-batch counts (`stats`)."""
+        meter.start_pass(*self.stats(), workers, restart, entered)
+
     def stats(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per batch: samples (packed: document pieces), real tokens, padded tokens."""
         if self.packed_stats is not None:

@@ -54,7 +54,7 @@ class Meter:
         restart: bool,
         entered: float | None = None,
     ) -> None:
-        """Per-batch samples, tokens and padded tokens of this pass's plan (`PlanBatches.stats`);
+        """Per-batch samples, tokens and padded tokens of this pass's plan (`PlanBatches.stats`, through `PlanBatches.start_meter`);
         ``entered``: when the first ``next()`` of the pass was called (default: now)."""
         if self.began is None:
             # From the first next()'s entry, which wait_s counts from: wait_s <= seconds.

@@ -112,11 +112,7 @@ class Observer:
         self._pass_complete, self._pass_epoch = False, epoch
         self.table.a[0, BUSY_PHASE] = IDLE  # a read left by an error of the last pass is over
         if self.meter is not None:
-            stats = batches.stats()
-            if callable(stats):
-                self.meter.start_steps(stats, self.workers, restart, entered)
-            else:
-                self.meter.start_pass(*stats, self.workers, restart, entered)
+            batches.start_meter(self.meter, self.workers, restart, entered)
         self._current["batches"] = batches
         costs = getattr(batches, "costs", None)
         self._costs, self._cost_from = (costs.tolist() if costs is not None else None), start
