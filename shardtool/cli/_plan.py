@@ -140,29 +140,24 @@ def batching_of(args, source=None):
     from ..plan.cost import CostModel
 
     spec = getattr(args, "cost_model", None)
-    # The ignores: plan is checked with strict_optional = false ([tool.mypy] overrides), so the
-    # __init__ mypy makes for its dataclasses reads the `X | None` fields as X and refuses None.
     return Batching(
         batch_size=batch_size_of(args),
         max_tokens=args.max_tokens,
         shuffle=not args.no_shuffle,
         seed=args.seed,
-        packing=packing,  # type: ignore[arg-type]  # declared Packing | None
-        drop_last={"auto": None, "yes": True, "no": False}[args.drop_last],  # type: ignore[arg-type]  # bool | None
-        balance=CostModel.parse(spec) if spec else None,  # type: ignore[arg-type]  # CostModel | None
-        balance_window=getattr(args, "balance_window", None) if spec else None,  # type: ignore[arg-type]  # int | None
-        micro_batches=getattr(args, "micro_batches", None) if spec else None,  # type: ignore[arg-type]  # int | None
-        shuffle_block=getattr(args, "shuffle_block", None),  # type: ignore[arg-type]  # int | None
+        packing=packing,
+        drop_last={"auto": None, "yes": True, "no": False}[args.drop_last],
+        balance=CostModel.parse(spec) if spec else None,
+        balance_window=getattr(args, "balance_window", None) if spec else None,
+        micro_batches=getattr(args, "micro_batches", None) if spec else None,
+        shuffle_block=getattr(args, "shuffle_block", None),
         exact=bool(getattr(args, "exact", False)),
     )
 
 
 def plan_source(source: Dataset | SyntheticSource) -> PlanSource:
-    """``source`` as the planner takes it. Both are `PlanSource`s (``summaries`` and
-    ``lengths_range``), but the protocol declares ``summaries`` a settable attribute and these have a
-    read-only property, which mypy refuses; declared as a property in plan/source.py, it would accept
-    them and this ignore would be reported unused."""
-    return source  # type: ignore[return-value]  # read-only summaries: see the docstring
+    """``source`` as the planner takes it: both are `PlanSource`s (``summaries`` and ``lengths_range``)."""
+    return source
 
 
 def node_shards(summaries, data, layout, shard_bytes):

@@ -7,6 +7,7 @@ case-insensitive; a plain number is bytes; a decimal point is allowed (``1.5G``)
 from __future__ import annotations
 
 import re
+from typing import overload
 
 from .errors import ShardtoolError
 
@@ -18,6 +19,14 @@ EXAMPLES = "examples: 262144, 500M, 500MB, 1.5G, 10Gi, 10GiB"
 
 class SizeError(ShardtoolError, ValueError):
     """A size option that does not follow the size grammar."""
+
+
+@overload
+def parse_size(text: str | int, *, what: str = ..., positive: bool = ...) -> int: ...
+@overload
+def parse_size(text: None, *, what: str = ..., positive: bool = ...) -> None: ...
+@overload
+def parse_size(text: str | int | None, *, what: str = ..., positive: bool = ...) -> int | None: ...
 
 
 def parse_size(text: str | int | None, *, what: str = "size", positive: bool = False) -> int | None:

@@ -21,7 +21,10 @@ __all__ = ["ArraySource", "PlanSource", "as_lengths", "as_shard_counts"]
 
 
 class PlanSource(Protocol):
-    summaries: ShardSummaries
+    # Read-only: the planner only reads it, and `shardtool.format.Dataset` and the node cache's
+    # dataset have it as a property (a protocol's plain attribute would have to be settable).
+    @property
+    def summaries(self) -> ShardSummaries: ...
 
     def lengths_range(self, lo: int, hi: int) -> np.ndarray: ...
 
