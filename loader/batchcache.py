@@ -181,7 +181,8 @@ class CompressedBatches:
             data = _data_buffer(col, spec)
             base = data.address if data is not None else 0
             starts, sizes = column_ranges(col, spec, base, rb.num_rows)
-            view = memoryview(np.frombuffer(data, np.uint8)) if data is not None else memoryview(b"")
+            # .data: memoryview(frombuffer(...)), which numpy's stubs allow only from Python 3.12
+            view = np.frombuffer(data, np.uint8).data if data is not None else memoryview(b"")
             got.append((view, starts, sizes))
             if j == self.tok_col:
                 self._note_tokens(b, starts, sizes)
@@ -200,6 +201,7 @@ class CompressedBatches:
         its own (one reader is not documented safe to share), and cache them; a batch that fails
         is left for `_decoded` to raise about."""
         missing = [k for k in batches if (self.uid, k) not in CompressedBatches._cache]
+        pool: ThreadPoolExecutor | None
         if self.fetch is not None and len(missing) >= 2:  # remote: overlap the requests' waits
             pool, threads = fetch_pool(), FETCH_THREADS
         else:
@@ -246,6 +248,7 @@ class CompressedBatches:
         ``buffers`` (the length field's values of each distinct record batch of ``li``)."""
         ub, which = np.unique(self.batch[li], return_inverse=True)
         j, uid, cache = self.tok_col, self.uid, CompressedBatches._cache
+        assert j is not None  # ShardView asks only where the length field is an int array: tok_col given
         # One lookup per record batch, inline (this runs for every shard of every training
         # batch); hits become the most recent first, so decompressing the misses evicts others.
         keys = ub.tolist()

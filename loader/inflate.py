@@ -98,7 +98,7 @@ class InflatedShard:
         self.size = len(mm)
         self.shard_name = shard_name
 
-    def buffer(self):
+    def buffer(self) -> mmap.mmap | bytes:
         return self._mm if self._mm is not None else b""
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal, overload
 
 import numpy as np
 import pyarrow as pa
@@ -141,11 +142,18 @@ class Arena:
 
     def region(self, shard: int) -> mmap.mmap:
         """Shard ``shard``'s whole reserved region, to write."""
-        return mmap.mmap(self._fd, self.size[shard], offset=self.offset[shard])
+        return mmap.mmap(self._file(), self.size[shard], offset=self.offset[shard])
 
     def view(self, shard: int, n: int) -> mmap.mmap:
         """Its first ``n`` bytes (the file written there), mapped shared, in this process."""
-        return mmap.mmap(self._fd, max(n, 1), offset=self.offset[shard])
+        return mmap.mmap(self._file(), max(n, 1), offset=self.offset[shard])
+
+    def _file(self) -> int:
+        fd = self._fd
+        # Open while anything maps a shard: the fill is joined before the arena closes, and a
+        # reader of a closed arena's board finds every shard ABSENT (`get`), so maps none.
+        assert fd is not None, "the arena is closed"
+        return fd
 
     def close(self) -> None:
         """The board and the file go; views mapped keep their memory until they are closed."""
@@ -295,6 +303,12 @@ def _write_into(mm: mmap.mmap, data) -> int | None:
     except OSError:  # "Write out of bounds": larger than the manifest says
         return None
     return sink.tell()
+
+
+@overload
+def cut(mm: mmap.mmap, n: int, *, copy: Literal[True] = ...) -> mmap.mmap: ...
+@overload
+def cut(mm: mmap.mmap, n: int, *, copy: bool) -> mmap.mmap | None: ...
 
 
 def cut(mm: mmap.mmap, n: int, *, copy: bool = True) -> mmap.mmap | None:

@@ -134,11 +134,15 @@ class MixtureBatches:
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
     def _rows(self, name: str, pieces: list[Piece]) -> Rows:
+        packing = self.packing
+        assert packing is not None  # rows are a packed mixture's
         parts = []
         for epoch, index, count in pieces:
             plan = self.plan(name, epoch)
-            parts.append(plan.rows.slice(int(plan.row_offsets[index]), int(plan.row_offsets[index + count])))
-        return parts[0] if len(parts) == 1 else Rows.concat(parts, self.packing.seq_len)
+            rows, offsets = plan.rows, plan.row_offsets
+            assert rows is not None and offsets is not None  # a packed mixture plans its sources packed
+            parts.append(rows.slice(int(offsets[index]), int(offsets[index + count])))
+        return parts[0] if len(parts) == 1 else Rows.concat(parts, packing.seq_len)
 
     def describe(self, b: int) -> str:
         """Step b's units and their shards, for an error message."""
@@ -211,25 +215,31 @@ class MixtureBatches:
     def _packed(self, parts: list[tuple[str, list[Piece]]], alloc: Alloc) -> dict[str, Any]:
         # Each unit is one row, or none where a source's plan is short of rows: such a unit is a
         # row of padding in its place, so every source's rows are exactly its units.
+        packed = self.packed
+        assert packed is not None  # made with the packing: `load` comes here only then
         rows = [(name, _padded(self._rows(name, pieces), sum(c for _, _, c in pieces))) for name, pieces in parts]
         extra = {
             "__source__": [name for name, r in rows for _ in range(r.num_rows)],
             **self._tally({name: r.num_rows for name, r in rows}, {name: r.tokens for name, r in rows}),
         }
-        batch = read_together([(self.packed[name], r) for name, r in rows], self.rows, alloc)
+        batch = read_together([(packed[name], r) for name, r in rows], self.rows, alloc)
         if batch is None:  # remote shards, decoded payloads, or sources of other token dtypes
-            batch = self._by_part(rows, alloc)
+            batch = self._by_part(packed, rows, alloc)
         return {**batch, **extra}
 
-    def _by_part(self, rows: list[tuple[str, Rows]], alloc: Alloc) -> dict[str, Any]:
-        """The batch read source by source, each into its rows of one block; piece boundaries joined."""
-        b, seq, maxd = self.rows, self.packing.seq_len, self.packing.max_docs_per_row
+    def _by_part(self, packed: dict[str, PackedReader], rows: list[tuple[str, Rows]], alloc: Alloc) -> dict[str, Any]:
+        """The batch read source by source (``packed``: their readers), each into its rows of one
+        block; piece boundaries joined."""
+        packing = self.packing
+        assert packing is not None  # ``packed`` is made with it
+        b, seq, maxd = self.rows, packing.seq_len, packing.max_docs_per_row
+        assert maxd is not None  # Packing.__post_init__ resolves None to its default
         block = alloc((3, b, seq), np.int64)
         first = 0
         keys: list[Any] = []
         starts, lengths, offsets = [], [], []
         fields: dict[str, list[np.ndarray]] = {}  # per-token fields (a stored labels one is in the block)
-        with_images = any(p.images is not None for p in self.packed.values())
+        with_images = any(p.images is not None for p in packed.values())
         images: list[Any] = []
         where: dict[str, list[np.ndarray]] = {
             "image_rows": [],
@@ -240,14 +250,14 @@ class MixtureBatches:
         longest = 0
         for name, part in rows:
             count = part.num_rows
-            out = self.packed[name].read(part, np.empty, rows_per_batch=count, into=block[:, first : first + count])
+            out = packed[name].read(part, np.empty, rows_per_batch=count, into=block[:, first : first + count])
             cu = out["cu_seqlens"].numpy()  # its real entries, then count * seq
             real = cu < count * seq
             starts.append(cu[real].astype(np.int64) + first * seq)
             offsets.append(out["doc_offsets"].numpy()[real[:-1]])
             lengths.append(out["lengths"].numpy())
             keys += out[KEY]
-            for f in self.packed[name].token_fields:
+            for f in packed[name].token_fields:
                 if f in out:
                     fields.setdefault(f, []).append(out[f].numpy())
             if with_images:  # a source without images has none in its rows
@@ -330,7 +340,9 @@ def read_together(
         sources.append(src)
     if len({src.dtype for src in sources}) != 1:
         return None
-    keys, bufs, which = [], [], []
+    keys: list[Any] = []
+    bufs: list[Any] = []
+    which: list[np.ndarray] = []
     for src in sources:
         keys += src.keys
         which.append(src.which + len(bufs))
@@ -340,7 +352,7 @@ def read_together(
         bufs,
         np.concatenate(which),
         np.concatenate([src.first for src in sources]),
-        np.concatenate([src.count for src in sources]),
+        np.concatenate([src.counts for src in sources]),
         sources[0].dtype,
     )
 

@@ -99,7 +99,11 @@ class MixtureSteps:
                     raise ValueError("image_transform is for image-text sources (pack --image-field); none has images")
             self.planner = MixturePlanner(mixture, datasets, versions, batching, reading.data_layout)
             self.state = self.planner.start()  # the typed position (`MixtureState`): step and phase
-            self.run_steps = steps if steps is not None else steps_for_tokens(self.planner, self.state, tokens)
+            if steps is not None:
+                self.run_steps = steps
+            else:
+                assert tokens is not None  # exactly one of steps and tokens (checked above)
+                self.run_steps = steps_for_tokens(self.planner, self.state, tokens)
             check_repeat(self.planner, self.state, self.run_steps)
         except BaseException:
             for reader in self.readers.values():

@@ -107,7 +107,7 @@ class LeanChunk:
         self.eos_at = flat_start[eos_span] + rows.span_len[eos_span] - 1
         self.eos_cuts = np.searchsorted(span_batch[eos_span], np.arange(count + 1)).tolist()
         pad_b, pad_place = np.nonzero(row_tokens < seq)
-        self.pads = [[] for _ in range(count)]
+        self.pads: list[list[tuple[int, int]]] = [[] for _ in range(count)]  # per batch: (start, stop) of each row tail
         for j, p, t in zip(pad_b.tolist(), pad_place.tolist(), row_tokens[pad_b, pad_place].tolist()):
             self.pads[j].append((p * seq + t, (p + 1) * seq))
         self.ok = True

@@ -43,7 +43,7 @@ of batches at a time (`packchunk`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -99,6 +99,8 @@ def _finish(
     per-token fields placed (`tokenfields.place`), whose ``labels`` and ``loss_mask`` decide the
     targets of a full batch."""
     b, seq, packing = lay.b, lay.seq, lay.packing
+    maxd = packing.max_docs_per_row
+    assert maxd is not None  # Packing.__post_init__ resolves None to its default
     flat = ids.reshape(-1)
     if lay.eos_at is not None:
         flat[lay.eos_at] = packing.eos_id
@@ -110,12 +112,12 @@ def _finish(
     empty = row_start[lay.row_tokens == 0]
     starts = np.union1d(lay.flat_start, empty) if empty.size else lay.flat_start
     seg_len = np.diff(np.append(starts, b * seq))
-    cu = alloc(b * packing.max_docs_per_row + 1, np.int32)
+    cu = alloc(b * maxd + 1, np.int32)
     cu[: len(starts)] = starts
     cu[len(starts) :] = b * seq
     lengths = alloc(b, np.int64)
     lengths[:] = lay.row_tokens
-    doc_offsets = alloc(b * packing.max_docs_per_row, np.int64)
+    doc_offsets = alloc(b * maxd, np.int64)
     doc_offsets[:] = -1
     doc_offsets[np.searchsorted(starts, lay.flat_start) if empty.size else slice(0, len(starts))] = lay.rows.span_start
     out: dict[str, Any] = {} if keys is None else {KEY: lay.keys_per_row(keys)}
@@ -146,7 +148,7 @@ def _finish(
 def _placed(
     lay: BatchLayout,
     names: Sequence[str],
-    values_of: Callable[[], dict[str, Sequence[Any]]],
+    values_of: Callable[[], Mapping[str, Sequence[Any]]],
     counts: np.ndarray,
     n: np.ndarray,
     where: Callable[[int], str],
@@ -180,7 +182,7 @@ def packed_batch(
     into: np.ndarray | None = None,
     outputs: str = "full",
     token_fields: Sequence[str] = (),
-    fields_of: Callable[[np.ndarray], dict[str, Sequence[Any]]] | None = None,
+    fields_of: Callable[[np.ndarray], Mapping[str, Sequence[Any]]] | None = None,
     where: Callable[[int], str] = lambda g: f"sample {g}",
 ) -> dict[str, Any]:
     """The packed batch of ``rows`` (span_pos = sample ids). ``tokens_of(ids)`` gives the 1-D
@@ -206,9 +208,11 @@ def packed_batch(
         ids, rest = block[0], block[1:]
     lay.copy_pieces(ids.reshape(-1), arrays, n)
     keys = None if lean else list(keys_of(lay.docs)) if keys_of is not None else lay.docs.tolist()
-    if token_fields and fields_of is None:
-        raise ValueError("token_fields needs fields_of, which gives their values")
-    fields = _placed(lay, token_fields, lambda: fields_of(lay.docs), counts, n, where, alloc)
+    fields = None  # `_placed` of no fields
+    if token_fields:
+        if fields_of is None:
+            raise ValueError("token_fields needs fields_of, which gives their values")
+        fields = _placed(lay, token_fields, lambda: fields_of(lay.docs), counts, n, where, alloc)
     return _finish(ids, rest, lay, keys, name=name, pad_id=pad_id, alloc=alloc, fields=fields)
 
 
@@ -336,7 +340,8 @@ class PackedReader:
             )
         return packed_batch(
             rows,
-            lambda _: [s[field] for s in samples],
+            # field is None only where there are no samples (else refused above): no tokens to give
+            lambda _: [s[field] for s in samples] if field is not None else [],
             self.packing,
             keys_of=lambda _: [s[KEY] for s in samples],
             name=self.name,

@@ -27,10 +27,10 @@ class BatchLayout:
         per_row = np.diff(rows.row_offsets)
         if rows.span_len.size and int(rows.span_len.min()) < 1:
             raise ValueError("a span of no tokens: every span must hold at least one token")
-        if per_row.size and int(per_row.max()) > packing.max_docs_per_row:
-            raise ValueError(
-                f"a row has {int(per_row.max())} pieces, more than max_docs_per_row {packing.max_docs_per_row}"
-            )
+        maxd = packing.max_docs_per_row
+        assert maxd is not None  # Packing.__post_init__ resolves None to its default
+        if per_row.size and int(per_row.max()) > maxd:
+            raise ValueError(f"a row has {int(per_row.max())} pieces, more than max_docs_per_row {maxd}")
         seq = packing.seq_len
         if b * seq >= 2**31:
             raise ValueError(f"{b} rows of {seq} tokens overflow int32 cu_seqlens")
@@ -134,7 +134,7 @@ def copy_runs(ids: np.ndarray, narrow: np.ndarray, bufs: Sequence[Any], at, whic
     dtype, else a scratch of it, widened into ``ids`` after. Raw-byte copies in the stored dtype
     (a memoryview slice assignment is a bare memcpy): one vectorised widening at the end is
     cheaper than a cast per piece. The one copy loop of every packed batch."""
-    dst = memoryview(narrow.reshape(-1).view(np.uint8))
+    dst = narrow.reshape(-1).view(np.uint8).data  # memoryview(): numpy's stubs give __buffer__ from Python 3.12
     try:
         for t, w, f, k in zip(at, which, src, size):
             dst[t : t + k] = bufs[w][f : f + k]

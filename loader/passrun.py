@@ -47,6 +47,8 @@ class PassRunner:
     timeout: float
     rank: int
     layout: Any
+    # Set by the first pass (`_track`): a weak reference to the pass's generator, None once closed.
+    _pass: weakref.ReferenceType[Iterator[Any]] | None
 
     def _settle(self) -> None:
         """Once every batch of the epoch was handed over, the loader is in the next epoch, whether

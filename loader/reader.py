@@ -39,7 +39,7 @@ class BatchReader:
         self.spec = spec
         self.pad_id = pad_id
         self.max_open = max_open_shards
-        self._pid = None
+        self._pid: int | None = None
         self._source: Source | None = None
         self._views: OrderedDict[int, ShardView] = OrderedDict()
         self._scratch = Scratch()
@@ -60,13 +60,15 @@ class BatchReader:
             self._views = OrderedDict()
             self._remote_seen = set()
             parent = self._source.dataset if self._source is not None and self._source.cache is None else None
-            self._source = self.spec.open(parent)
+            self._source = source = self.spec.open(parent)
             self._pid = os.getpid()
-            m = self._source.dataset.manifest
+            m = source.dataset.manifest
             self.offsets = m.shard_offsets()
             self.pad_field = m.length.get("field")
             self.tar = m.shard_format == "tar"
-            self.tier = self._source.tier
+            self.tier = source.tier
+            return source
+        assert self._source is not None  # opened when _pid was set, above
         return self._source
 
     @property
@@ -305,8 +307,8 @@ class BatchReader:
         pieces = self._token_pieces(groups)
         if pieces is None:
             return None
-        by_id = [np.empty(len(ids), np.int64) for _ in range(3)]
-        for out, values in zip(by_id, (pieces.which, pieces.first, pieces.count)):
+        which, first, counts = (np.empty(len(ids), np.int64) for _ in range(3))
+        for out, values in zip((which, first, counts), (pieces.which, pieces.first, pieces.counts)):
             out[pieces.rows] = values
         names: list[Any] = []
         if keys:
@@ -314,13 +316,15 @@ class BatchReader:
             for v, r, li in groups:
                 column[r] = v.keys[li]
             names = column.tolist()
-        return TokenSources(names, pieces.buffers, *by_id, groups[0][0].tok_dtype)
+        dtype = groups[0][0].tok_dtype
+        assert dtype is not None  # no view's is None (checked above)
+        return TokenSources(names, pieces.buffers, which, first, counts, dtype)
 
     def _token_pieces(self, groups) -> TokenPieces | None:
         """Every sample of ``groups``' tokens (`join_pieces`), counted; None when some payload
         is not a plain array."""
         per_view = []
-        other = 0  # bytes besides the tokens, where constant per sample (else None)
+        other: int | None = 0  # bytes besides the tokens, where constant per sample (else None)
         for v, rows, li in groups:
             pieces = v.token_pieces(rows, li)  # a compressed shard's: its decompressed record batches
             if pieces is None:
@@ -332,7 +336,7 @@ class BatchReader:
         if other is None:
             self.probe.count_views(self.tier, groups)
         else:  # queued, added up by the probe: no Python call per batch (Probe.flush)
-            self.probe.queue_tokens(joined.count, other, groups[0][0].tok_dtype.itemsize, self.tier)
+            self.probe.queue_tokens(joined.counts, other, groups[0][0].tok_dtype.itemsize, self.tier)
         return joined
 
     def _gather_tokens(self, groups, b: int, alloc: Alloc) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -31,7 +31,7 @@ from ..format import FieldSpec, FormatError, decode_bytes
 from ..format.arrowshard import check_schema
 from .batchcache import CompressedBatches, column_ranges
 from .remotefetch import RemoteBatches
-from .source import MappedFile
+from .source import ShardFile
 from .tokenpieces import TokenPiece
 
 
@@ -66,7 +66,7 @@ class ShardView:
 
     def __init__(
         self,
-        mapped: MappedFile,
+        mapped: ShardFile,
         index,
         fields: list[FieldSpec],
         *,
@@ -83,13 +83,16 @@ class ShardView:
         self.fields = fields
         n, nf = len(index), len(fields)
         buf = mapped.buffer()
-        self.u8 = np.frombuffer(buf, dtype=np.uint8)
+        self.u8: np.ndarray | None = np.frombuffer(buf, dtype=np.uint8)  # None once closed
         self.decoders = [decoder(f, tar, allow_pickle, f"shard {self.name}") for f in fields]
-        self.tok_view = self.tok_bytes = None
+        # The length field's elements (`_fast_tokens`): the map as that dtype, and as raw bytes.
+        self.tok_view: np.ndarray | None = None
+        self.tok_bytes: memoryview | None = None
         self.tok_dtype: np.dtype | None = None  # the length field's dtype where batches gather it fast
-        self._tok_ranges = self.bytes_besides_tokens = None
+        self._tok_ranges: tuple[np.ndarray, np.ndarray] | None = None
+        self.bytes_besides_tokens: int | None = None
         self.pad_col = next((j for j, f in enumerate(fields) if f.name == pad_field), None)
-        self._batches = None
+        self._batches: CompressedBatches | None = None
         if compressed and not tar:
             fast = self.pad_col is not None and is_int_array(fields[self.pad_col])
             self._batches = CompressedBatches(
@@ -117,17 +120,17 @@ class ShardView:
     def _fast_tokens(self, spec: FieldSpec, tar: bool) -> None:
         # Parsed once per shard for all samples: per-batch parsing (only the samples read) saved
         # a worker's start-up but cost more per batch when a batch spans many shards.
-        self.tok_view = np.frombuffer(
+        self.tok_view = tok_view = np.frombuffer(
             self.mapped.buffer(), dtype=np.dtype(spec.dtype), count=self.mapped.size // np.dtype(spec.dtype).itemsize
         )
-        self.tok_dtype = self.tok_view.dtype
+        self.tok_dtype = tok_view.dtype
         self.tok_bytes = memoryview(self.mapped.buffer()).cast("B")  # rows are copied as raw bytes
         self._tok_ranges = self._parse(self.starts[:, self.pad_col], self.sizes[:, self.pad_col], npy=tar)
         # When every sample has the same bytes besides its tokens (a token-only shard: the npy
         # header), a batch's payload bytes follow from its token counts, with no gather of its own.
         self.bytes_besides_tokens = None
         if self._tok_ranges is not None and len(self.sample_bytes):
-            other = self.sample_bytes - self._tok_ranges[1] * self.tok_view.itemsize
+            other = self.sample_bytes - self._tok_ranges[1] * tok_view.itemsize
             if (other == other[0]).all():
                 self.bytes_besides_tokens = int(other[0])
 
@@ -156,10 +159,12 @@ class ShardView:
         if npy:
             # npy 1.0: magic(6) version(2) header_len(2, little endian) header; data after it.
             u8 = self.u8
+            assert u8 is not None  # parsed as the view opens, long before `close`
             if len(start) and ((size < 10).any() or (u8[start] != 0x93).any() or (u8[start + 6] != 1).any()):
                 return None
             header = 10 + u8[start + 8].astype(np.int64) + (u8[start + 9].astype(np.int64) << 8)
             start, size = start + header, size - header
+        assert self.tok_view is not None  # `_fast_tokens` maps it before it parses
         item = self.tok_view.itemsize
         if len(start) and ((start % item).any() or (size % item).any() or (size < 0).any()):
             return None

@@ -59,7 +59,7 @@ class Slot:
         self.fd = anonymous_fd(size)
         self._mm: mmap.mmap | None = None
         self._mapped = 0
-        self._pid = None
+        self._pid: int | None = None
         self.used = 0
         self._allocs: dict[int, int] = {}  # address -> offset of every array allocated this batch
         self._spans: list[tuple[int, int, int]] = []  # (address, end address, offset) of the same
@@ -118,9 +118,9 @@ class Slot:
 
     # ------------------------------------------------------------------ reader (trainer) side
     def array(self, offset: int, shape: tuple, dtype: str) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
-        return _view(self._map(offset + nbytes), offset, shape, dtype)
+        dt = np.dtype(dtype)
+        nbytes = math.prod(shape) * dt.itemsize
+        return _view(self._map(offset + nbytes), offset, shape, dt)
 
     def close(self) -> None:
         self._release()
@@ -160,7 +160,9 @@ def encode(obj: Any, slot: Slot) -> Any:
     if t is bytes and len(obj) >= MIN_SLOT_BYTES:
         dst = slot.empty(len(obj), np.uint8)
         dst[:] = np.frombuffer(obj, dtype=np.uint8)
-        return InSlot("bytes", slot.offset_of(dst.ctypes.data), (len(obj),), "u1")
+        off = slot.offset_of(dst.ctypes.data)
+        assert off is not None  # an allocation of `empty` with bytes: recorded
+        return InSlot("bytes", off, (len(obj),), "u1")
     return obj
 
 
@@ -184,7 +186,9 @@ def _encode_array(arr: np.ndarray, slot: Slot, kind: str, always: bool = False) 
         return arr
     dst = slot.empty(arr.shape, arr.dtype)
     dst[...] = arr
-    return InSlot(kind, slot.offset_of(dst.ctypes.data) if dst.nbytes else 0, arr.shape, arr.dtype.str)
+    off = slot.offset_of(dst.ctypes.data) if dst.nbytes else 0
+    assert off is not None  # an allocation of `empty` with bytes: recorded
+    return InSlot(kind, off, arr.shape, arr.dtype.str)
 
 
 @functools.cache
@@ -212,7 +216,7 @@ def decode(obj: Any, slot: Slot, pin: bool = False) -> Any:
         if obj.kind == "ndarray":
             return src.copy()
         # bytes(memoryview) copies at memcpy speed; ndarray.tobytes is several times slower here.
-        mv = memoryview(src)
+        mv = src.data  # memoryview(src): numpy's stubs give ndarray __buffer__ only from Python 3.12
         if obj.kind == "bytes":
             return bytes(mv)
         o = obj.offsets.tolist()

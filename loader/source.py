@@ -16,10 +16,14 @@ import contextlib
 import mmap
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from ..format import Dataset, FormatError, open_dataset
 from ..format.dataset import is_local
 from .observability.probe import CACHE, LOCAL, REMOTE
+
+if TYPE_CHECKING:
+    from .verify import InPlaceVerifier
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,21 @@ class SourceSpec:
         """This process's source; ``parent``: the dataset the process it was forked from had open
         (a remote one without a cache is reopened from it: its metadata needs no new request)."""
         return Source(self, parent)
+
+
+class ShardFile(Protocol):
+    """A shard's bytes as a `ShardView` reads them: a `MappedFile`, a `RemoteShard` (no bytes), or
+    a compressed shard decompressed into memory (`loader.inflate.InflatedShard`)."""
+
+    @property
+    def shard_name(self) -> str: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def buffer(self) -> mmap.mmap | bytes: ...
+
+    def close(self) -> None: ...
 
 
 class MappedFile:
@@ -54,7 +73,7 @@ class MappedFile:
             os.close(fd)
         self.size = size
 
-    def buffer(self):
+    def buffer(self) -> mmap.mmap | bytes:
         return self.mm if self.mm is not None else b""
 
     def close(self) -> None:
@@ -80,7 +99,7 @@ class RemoteShard:
     def __init__(self, shard_name: str):
         self.shard_name = shard_name
 
-    def buffer(self):
+    def buffer(self) -> bytes:
         return b""
 
     def close(self) -> None:
@@ -98,7 +117,7 @@ class Source:
     def __init__(self, spec: SourceSpec, parent: Dataset | None = None):
         self.spec = spec
         self._cache = None
-        self._verifier = None
+        self._verifier: InPlaceVerifier | None = None
         if spec.cache_dir:
             from ..cache import open_cache  # lazy: a loader without a cache never imports it
             from ..cache.jobs import check_job_finding
@@ -167,11 +186,11 @@ class Source:
 
     def _verify(self, shard: int, mapped: MappedFile) -> None:
         """A shard read in place gets the check the cache gives what it copies (loader/verify.py)."""
-        if self._verifier is None:
-            self._make_verifier()
-        self._verifier.check(shard, mapped.buffer(), mapped.stat)
+        verifier = self._verifier if self._verifier is not None else self._make_verifier()
+        verifier.check(shard, mapped.buffer(), mapped.stat)
 
-    def _make_verifier(self) -> None:
+    def _make_verifier(self) -> InPlaceVerifier:
         from .verify import InPlaceVerifier
 
         self._verifier = InPlaceVerifier(self.dataset)
+        return self._verifier

@@ -38,6 +38,7 @@ class SourceViews:
     """What a loader of one dataset, or of a mixture, answers beyond what both do."""
 
     batch_source: Any
+    packing: Any  # ShardedLoader's: the plan's `shardtool.plan.packing.Packing`, or None
 
     def _settle(self) -> None:
         raise NotImplementedError  # PassRunner's: the next epoch once this one was handed over

@@ -24,11 +24,12 @@ __all__ = ["TokenPiece", "TokenPieces", "TokenSources", "join_pieces", "pad_toke
 
 class TokenPiece(NamedTuple):
     """Rows ``rows`` of a batch: row ``rows[k]``'s tokens are elements ``first[k] : first[k] +
-    count[k]`` of ``buffers[which[k]]`` (raw bytes of the stored dtype)."""
+    counts[k]`` of ``buffers[which[k]]`` (raw bytes of the stored dtype). (``counts``, not
+    ``count``: a tuple's ``count`` method would be shadowed.)"""
 
     rows: np.ndarray
     first: np.ndarray
-    count: np.ndarray
+    counts: np.ndarray
     which: np.ndarray
     buffers: list[Any]
 
@@ -39,31 +40,35 @@ class TokenPieces(NamedTuple):
     rows: np.ndarray
     which: np.ndarray
     first: np.ndarray
-    count: np.ndarray
+    counts: np.ndarray
     buffers: list[Any]
 
 
 class TokenSources(NamedTuple):
     """`TokenPieces` by position in the ids asked for (sample k's tokens: elements ``first[k] :
-    first[k] + count[k]`` of ``dtype`` in ``buffers[which[k]]``), with their keys (empty where
+    first[k] + counts[k]`` of ``dtype`` in ``buffers[which[k]]``), with their keys (empty where
     none were asked for)."""
 
     keys: list[Any]
     buffers: list[Any]
     which: np.ndarray
     first: np.ndarray
-    count: np.ndarray
+    counts: np.ndarray
     dtype: np.dtype
 
 
 def join_pieces(per_view: Iterable[list[TokenPiece]]) -> TokenPieces:
     """One `TokenPieces` of every view's pieces, buffer indices shifted to the joined list."""
-    rows_l, first_l, n_l, which_l, bufs = [], [], [], [], []
+    rows_l: list[np.ndarray] = []
+    first_l: list[np.ndarray] = []
+    n_l: list[np.ndarray] = []
+    which_l: list[np.ndarray] = []
+    bufs: list[Any] = []
     for pieces in per_view:
         for p in pieces:
             rows_l.append(p.rows)
             first_l.append(p.first)
-            n_l.append(p.count)
+            n_l.append(p.counts)
             which_l.append(p.which + len(bufs))
             bufs.extend(p.buffers)
 
@@ -95,7 +100,8 @@ def pad_tokens(
     # cost more than the tokens themselves.
     narrow = padded if dtype == padded.dtype else scratch.array((b, width), dtype)
     narrow.fill(pad_id)
-    dst = memoryview(narrow.reshape(-1).view(np.uint8))
+    # .data is memoryview(narrow...): numpy's stubs give ndarray __buffer__ only from Python 3.12
+    dst = narrow.reshape(-1).view(np.uint8).data
     item = dtype.itemsize
     for r, w, a, k in zip(
         (rows * (width * item)).tolist(), which.tolist(), (first * item).tolist(), (n * item).tolist()

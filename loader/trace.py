@@ -279,7 +279,9 @@ def dump(loader: Any, first: int, stop: int, out_dir: str) -> list[str]:
     for t, batch in zip(steps, batches):
         stem = os.path.join(out_dir, f"step-{t['step']:08d}.rank-{loader.rank}")
         arrays = {k: v.numpy() for k, v in batch.items() if isinstance(v, torch.Tensor)}
-        np.savez(stem + ".npz", **arrays)
+        # numpy's stubs declare savez(file, *args, allow_pickle: bool = ..., **kwds), and mypy matches
+        # a **dict splat against allow_pickle as well, though this one holds only the batch's arrays.
+        np.savez(stem + ".npz", **arrays)  # type: ignore[arg-type]
         rest = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}
         with open(stem + ".json", "w", encoding="utf-8") as f:
             json.dump({"trace": t, "fields": rest}, f, default=str)

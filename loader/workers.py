@@ -9,8 +9,8 @@ order, so the batch sequence never depends on ``num_workers``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Generator
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -69,6 +69,7 @@ class PlanBatches:
         """Per batch: samples (packed: document pieces), real tokens, padded tokens."""
         if self.packed_stats is not None:
             return self.packed_stats
+        assert self.lengths is not None  # a pass's batches carry the plan's lengths (packed: its stats)
         rel = np.asarray(self.offsets, dtype=np.int64) - int(self.offsets[0])
         lens = np.asarray(self.lengths[int(self.offsets[0]) : int(self.offsets[-1])], dtype=np.int64)
         samples = np.diff(rel)
@@ -88,11 +89,15 @@ class PlanBatches:
         """Batch b's ``valid`` mask: one per sample, or (packed) one per row of the batch's
         ``rows_per_batch``; False on padding rows and on every entry of a padding batch."""
         if self.packed is not None:
+            # Only an exact pass has padding to mark, and exact plans have no batch-size schedule:
+            # their rows are laid out for the whole pass.
+            assert self.packed_pass is not None
             row_offsets = self.packed_pass[1]
             mask = torch.zeros(self.packed.rows_per_batch, dtype=torch.bool)
             mask[: int(row_offsets[b + 1] - row_offsets[b])] = True
             return mask
         size = int(self.offsets[b + 1] - self.offsets[b])
+        assert self.pad is not None  # asked only of an exact pass's batches (`PassRunner._run`)
         return torch.full((size,), not bool(self.pad[b]), dtype=torch.bool)
 
     def batch_ids(self, b: int) -> np.ndarray:
@@ -110,6 +115,7 @@ class PlanBatches:
                 if self.packed_pass is not None:
                     return self.packed.read_planned(*self.packed_pass, b, alloc)
                 size = int(self.rows_per_batch[b]) if self.rows_per_batch is not None else None
+                assert self.packed_rows is not None  # given with packed (`DatasetEpochs`)
                 return self.packed.read(self.packed_rows(b), alloc, rows_per_batch=size)
             if self.transform is None and self.collate_fn is None:
                 # Only a worker's output crosses a process boundary: pack bytes there only.
@@ -117,8 +123,9 @@ class PlanBatches:
                 self._check_lengths(b, ids, batch["lengths"])
                 return batch
             samples = self.reader.read_samples(ids)
-            if self.transform is not None:
-                samples = [self._transform(s, g) for s, g in zip(samples, ids.tolist())]
+            transform = self.transform
+            if transform is not None:
+                samples = [self._transform(transform, s, g) for s, g in zip(samples, ids.tolist())]
             if self.collate_fn is not None:
                 return self.collate_fn(samples)
             return self.reader.collate(samples, ids, pad_id=self.pad_id, alloc=alloc)
@@ -140,12 +147,23 @@ class PlanBatches:
                 f"lengths file says {int(want[k])} (the plan was made from it); run shardtool verify"
             )
 
-    def _transform(self, sample: dict, gid: int) -> Any:
+    def _transform(self, transform: Callable, sample: dict, gid: int) -> Any:
         try:
-            return self.transform(sample)
+            return transform(sample)
         except Exception as e:
             add_note(e, f"in transform of sample {sample.get('__key__')!r} ({self.reader.where(gid)})")
             raise
+
+
+class BatchStream(Protocol):
+    """What `make_dataloader` returns: the in-process generator or a `WorkerPool`, each an iterator
+    whose ``close`` ends it early (the pool's workers with it)."""
+
+    def __iter__(self) -> BatchStream: ...
+
+    def __next__(self) -> Any: ...
+
+    def close(self) -> None: ...
 
 
 def make_dataloader(
@@ -158,7 +176,7 @@ def make_dataloader(
     timeout: float,
     worker_init: Callable[[int], None] | None = None,
     probe=None,
-) -> Iterator[Any]:
+) -> BatchStream:
     """Batches ``start .. len(dataset)-1`` in order (the name predates our own worker pool);
     ``probe``: the workers' metrics (loader/observability/probe.py), None for none. ``dataset``: `PlanBatches`,
     or anything with its ``load`` and ``len`` (a mixture's steps)."""
@@ -191,7 +209,7 @@ def _timed_load(load: Callable, probe, n: int, b: int, alloc: Alloc | None = Non
     return out
 
 
-def _in_process(dataset: PlanBatches, start: int, pin: bool) -> Iterator[Any]:
+def _in_process(dataset: PlanBatches, start: int, pin: bool) -> Generator[Any, None, None]:
     for b in range(start, len(dataset)):
         batch = dataset.load(b)
         yield pin_tree(batch) if pin else batch

@@ -10,6 +10,7 @@ and costs the same as the cumulative view: a few microseconds, cheap enough for 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -18,6 +19,9 @@ from . import probe as P
 # Trainer-side entries of a snapshot, then the table's columns.
 T_TIME, T_WAIT, T_BATCHES, T_SAMPLES, T_TOKENS, T_PADDED, T_STARTS, T_RESTARTS = range(8)
 TRAINER = 8
+
+# A mixture's per-step counts: step -> (samples, tokens, padded, real tokens per source).
+StepStats = Callable[[int], tuple[int, int, int, dict[str, int]]]
 
 
 class Snapshot:
@@ -35,7 +39,7 @@ class Meter:
         self.source_names = list(source_names)
         # A mixture's tokens per source (`count_step`); one dataset's are all its tokens.
         self.source_tokens = [0] * len(self.source_names) if len(self.source_names) > 1 else []
-        self.per_step = None  # a mixture: step -> (samples, tokens, padded, tokens per source)
+        self.per_step: StepStats | None = None  # a mixture's (`start_steps`)
         # num_workers=0: batches are produced inside next(), so producing them is the wait.
         self.in_process = in_process
         # Plain attributes: adding to one costs a fraction of a numpy scalar store, every step.
@@ -67,7 +71,7 @@ class Meter:
         self.batch_samples, self.batch_tokens, self.batch_padded = samples.tolist(), tokens.tolist(), padded.tolist()
         self.per_step = None
 
-    def start_steps(self, per_step, workers: int, restart: bool, entered: float | None = None) -> None:
+    def start_steps(self, per_step: StepStats, workers: int, restart: bool, entered: float | None = None) -> None:
         """A mixture's pass: its steps' counts come from ``per_step(b)`` as each is handed over
         (a mixture runs for millions of steps; its per-step plan is a closed form, not a table)."""
         none = np.zeros(0, dtype=np.int64)
@@ -75,7 +79,9 @@ class Meter:
         self.per_step = per_step
 
     def count_step(self, b: int) -> None:
-        samples, tokens, padded, by_source = self.per_step(b)
+        per_step = self.per_step
+        assert per_step is not None  # called only on a mixture's pass (`Pass.next`), which set it
+        samples, tokens, padded, by_source = per_step(b)
         self.samples += samples
         self.tokens += tokens
         self.padded += padded

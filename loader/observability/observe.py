@@ -154,11 +154,11 @@ class Observer:
             raise RuntimeError("this loader was made with metrics=False: it keeps no metrics")
         self._flush()
         now = self.meter.snapshot()
-        out = self._report(now, self._user_since, epoch, batch)
+        out = self._report(self.meter, now, self._user_since, epoch, batch)
         self._user_since = now
         return out
 
-    def _report(self, now: Snapshot, since: Snapshot | None, epoch: int, batch: int) -> dict:
+    def _report(self, meter: Meter, now: Snapshot, since: Snapshot | None, epoch: int, batch: int) -> dict:
         return {
             "rank": self.rank,
             "world_size": self.layout.world_size,
@@ -166,18 +166,20 @@ class Observer:
             "host": self.host,
             "epoch": epoch,
             "batch": batch,
-            "step": self.meter.steps,
+            "step": meter.steps,
             "time": time.time(),
             "cache_behind_shards": self.cache_behind,
-            "cumulative": self.meter.section(now),
-            "window": self.meter.section(now, since),
+            "cumulative": meter.section(now),
+            "window": meter.section(now, since),
         }
 
     def line(self, epoch: int, batch: int) -> None:
         """Every ``metrics_every`` steps: one JSON line, and the cross-rank summary if asked for."""
+        meter = self.meter
+        assert meter is not None  # every > 0 only with metrics on, which made the meter
         self._flush()
-        now = self.meter.snapshot()
-        out = self._report(now, self._line_since, epoch, batch)
+        now = meter.snapshot()
+        out = self._report(meter, now, self._line_since, epoch, batch)
         self._line_since = now
         out.update(v=metricslog.LINE_VERSION, run=self.run, pid=os.getpid(), start=self.started)
         if self._costs is not None and batch > self._cost_from:
@@ -285,6 +287,7 @@ class Pass:
         ``next()`` call since ``entered`` as waiting (the watchdog times only the read)."""
         wd = self.wd
         if not self._armed:
+            assert wd is not None  # unarmed only with a watchdog (`_armed` starts True without one)
             self._armed = True
             wd.arm(self.check_cache)
         began = time.perf_counter()
@@ -298,6 +301,7 @@ class Pass:
                 if wd is not None:
                     wd.waiting_for = None
         except StallInterrupt:
+            assert wd is not None  # only a watchdog's signal raises it
             wd.waiting_for = None  # first: no second interrupt may land outside this wait
             raise self._stalled(b) from None
         except (RuntimeError, EOFError, OSError) as e:
@@ -325,7 +329,8 @@ class Pass:
                 m.wait_s += time.perf_counter() - now  # the line is written inside next() as well
         return batch
 
-    def _stalled(self, b: int):
+    def _stalled(self, b: int) -> LoaderError:
+        assert self.wd is not None  # a stall is the watchdog's
         return LoaderError(self.wd.fire(b))
 
     def check_cache(self) -> None:

@@ -13,6 +13,8 @@ import glob
 import json
 import os
 from collections import defaultdict
+from collections.abc import Collection
+from typing import Any
 
 # Cumulative counters that add up across processes and ranks (nested: "a.b").
 ADDITIVE = (
@@ -76,9 +78,10 @@ def runs(lines: list[dict]) -> dict[str, list[dict]]:
 
 
 def _get(d: dict, key: str) -> float:
+    value: Any = d  # a JSON value: a nested dict on the way down, a number (or absent) at the end
     for part in key.split("."):
-        d = d.get(part) if isinstance(d, dict) else None
-    return float(d or 0)
+        value = value.get(part) if isinstance(value, dict) else None
+    return float(value or 0)
 
 
 SECONDS = {"seconds", "wait_s", "produce_s"}
@@ -213,7 +216,7 @@ def series(lines: list[dict]) -> dict[int, dict[str, list]]:
 
 
 # ---------------------------------------------------------------------- plot
-def plot(run: str, lines: list[dict], path: str, highlight: list[int] = ()) -> None:
+def plot(run: str, lines: list[dict], path: str, highlight: Collection[int] = ()) -> None:
     """Wait fraction and tokens/s per rank over steps, one line per rank, to a PNG."""
     try:
         import matplotlib
@@ -225,7 +228,9 @@ def plot(run: str, lines: list[dict], path: str, highlight: list[int] = ()) -> N
     data = series(lines)
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     for r, d in data.items():
-        style = {"linewidth": 2.2, "label": f"rank {r}"} if r in highlight else {"linewidth": 0.9, "alpha": 0.7}
+        style: dict[str, Any] = (
+            {"linewidth": 2.2, "label": f"rank {r}"} if r in highlight else {"linewidth": 0.9, "alpha": 0.7}
+        )
         if len(data) <= 12:
             style.setdefault("label", f"rank {r}")
         ax1.plot(d["step"], [100 * (w or 0) for w in d["wait_fraction"]], **style)

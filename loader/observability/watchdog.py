@@ -68,7 +68,7 @@ class Watchdog:
         self.dump_dir = dump_dir  # node-local directory for the stack dump
         self.describe = describe  # (activity dict) -> "shard X at byte offset Y ..." text
         self.dump_fds: list[int] = []  # per pass, made before the workers fork
-        self._finalizer = None
+        self._finalizer: weakref.finalize[[list[int]], Watchdog] | None = None  # closes the dump files
         self.waiting_for: int | None = None
         self.since = 0.0
         self.fired: int | None = None  # the batch the stall was declared for
@@ -129,12 +129,15 @@ class Watchdog:
             if self.fired is not None and self.fired == self.waiting_for and self._main:
                 # Again every poll: a handler's exception can be swallowed by code that catches
                 # BaseException; the read must not outlive the stall.
-                signal.pthread_kill(threading.main_thread().ident, STALL_SIGNAL)
+                main = threading.main_thread().ident
+                assert main is not None  # the main thread has started: it runs this program
+                signal.pthread_kill(main, STALL_SIGNAL)
 
     def fire(self, b: int) -> str:
         """Declare batch ``b`` stalled: dump every stack, build the message (once per pass)."""
         with self._lock:
             if self.fired is not None:
+                assert self.error is not None  # set before fired, below
                 return self.error
             waited = time.perf_counter() - self.since
             path = self._dump()
@@ -154,12 +157,13 @@ class Watchdog:
             acts = {r: self.table.activity(r) for r in range(1, self.workers + 1)}
         else:  # the trainer reads batch b itself, inside next()
             acts = {0: self.table.activity(0, batch=b, waited=time.perf_counter() - self.since)}
-        owner = next((r for r, a in acts.items() if a is not None and a["batch"] == b), None)
-        if owner is None:
+        found = next(((r, a) for r, a in acts.items() if a is not None and a["batch"] == b), None)
+        if found is None:
             busy = [f"worker {r - 1}: batch {a['batch']}, {self.describe(a)}" for r, a in acts.items() if a]
             return f"no process is reading batch {b}" + (f" ({'; '.join(busy)})" if busy else "")
-        who = f"worker {owner - 1} (pid {acts[owner]['pid']})" if self.workers else "the trainer"
-        return f"{who} is {self.describe(acts[owner])}"
+        owner, act = found
+        who = f"worker {owner - 1} (pid {act['pid']})" if self.workers else "the trainer"
+        return f"{who} is {self.describe(act)}"
 
     def _dump(self) -> str:
         directory = self.dump_dir
@@ -192,7 +196,7 @@ class Watchdog:
                 except OSError:
                     pass
         deadline = time.monotonic() + DUMP_WAIT_S
-        sizes = {}
+        sizes: dict[int, int] = {}
         while asked and time.monotonic() < deadline:
             time.sleep(0.05)
             now = {w: os.fstat(self.dump_fds[w]).st_size for w in asked}
