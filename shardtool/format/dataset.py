@@ -264,13 +264,10 @@ class Dataset:
         return self.manifest.compression is not None
 
     def make_present(self, shard: int) -> None:
-        """Called before ``shard`` is opened: a dataset whose shards are fetched on a miss (the
-        node cache's, cache/dcache.py) fetches it here; here it is where ``shard_path`` says."""
+        """Before ``shard`` is opened: the node cache (cache/dcache.py) fetches it on a miss."""
 
     def held_plain(self, shard: int) -> bool:
-        """Whether the copy of ``shard`` read is stored decompressed, so its record batches are
-        not at the byte ranges the sample index records (the node cache may hold such copies):
-        they are then read by batch number from the shard's footer."""
+        """The copy read is stored decompressed: record batches read by number, not index ranges."""
         return False
 
     def _range(self, shard: int):
@@ -278,10 +275,8 @@ class Dataset:
         if r is None:
             self.make_present(shard)
             with self._lock:
-                r = self._ranges.get(shard)
-                if r is None:
-                    r = open_range(self.shard_fs(shard), self.shard_path(shard))
-                    self._ranges[shard] = r
+                if (r := self._ranges.get(shard)) is None:
+                    r = self._ranges[shard] = open_range(self.shard_fs(shard), self.shard_path(shard))
         return r
 
     def read_raw(self, shard: int, i: int) -> dict[str, Any]:
@@ -359,10 +354,9 @@ class Dataset:
         return [record_batch_from_range(data, schema) for data in self.verified_ranges(shard, samples, gap, watch)]
 
     def _batch_schema(self, shard: int):
-        """The schema a record batch of ``shard`` is decoded with: a local shard's own footer's
-        (a map: free); for remote shards, one footer's for all of them (every shard's schema is the
-        manifest's fields, checked on that read): a footer costs three ranged requests, and a
-        diskless pass would pay them per shard and per process before its first batch."""
+        """The schema a record batch of ``shard`` is decoded with: a local shard's own footer's;
+        for remote shards one footer's for all (each is the manifest's fields, checked on that
+        read): a footer costs three requests, per shard and process before the first batch."""
         if is_local(self.shard_fs(shard)):
             return self._arrow_reader(shard).schema
         if self._remote_schema is None:
@@ -384,9 +378,8 @@ class Dataset:
         raw = self.read_raw(shard, i)
         if not decode:
             return {k: (bytes(v) if isinstance(v, memoryview) else v) for k, v in raw.items()}
-        return decode_sample(
-            self.manifest, raw, allow_pickle=self.allow_pickle, where=f"{self.manifest.shards[shard].path} sample #{i}"
-        )
+        where = f"{self.manifest.shards[shard].path} sample #{i}"
+        return decode_sample(self.manifest, raw, allow_pickle=self.allow_pickle, where=where)
 
     def close(self) -> None:
         for r in self._ranges.values():
