@@ -31,6 +31,7 @@ from ..plan.packing import Packing, Rows
 from ..plan.rank import RankPlan
 from .collate import KEY, Alloc
 from .imagerows import ImageSpec
+from .observability.metrics import Meter
 from .packed import PackedReader
 from .packlayout import BatchLayout
 from .reader import BatchReader, describe_ids
@@ -152,7 +153,7 @@ class MixtureBatches:
             for name, pieces in self.units(b)
         )
 
-    def start_meter(self, meter: Any, workers: int, restart: bool, entered: float | None) -> None:
+    def start_meter(self, meter: Meter, workers: int, restart: bool, entered: float | None) -> None:
         """The metrics count each step as it is handed over (`step_stats`): a mixture runs for
         millions of steps, and its per-step plan is a closed form, not a table."""
         meter.start_steps(self.step_stats, workers, restart, entered)

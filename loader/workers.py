@@ -17,6 +17,7 @@ import torch
 
 from ..format.errors import FormatError, add_note
 from .collate import Alloc
+from .observability.metrics import Meter
 from .pool import WorkerPool
 from .reader import BatchReader, describe_ids
 
@@ -61,7 +62,7 @@ class PlanBatches:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def start_meter(self, meter: Any, workers: int, restart: bool, entered: float | None) -> None:
+    def start_meter(self, meter: Meter, workers: int, restart: bool, entered: float | None) -> None:
         """The metrics count the pass's batches from their per-batch counts (`stats`)."""
         meter.start_pass(*self.stats(), workers, restart, entered)
 
