@@ -19,7 +19,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..pack.summary import inspect, render
+    from ..pack.inspection import inspect, render
 
     info = inspect(args.url, peek=not args.no_peek)
     print(json.dumps(info, indent=1, default=str) if args.json else render(info))

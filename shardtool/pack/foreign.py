@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterator
 
 from ..format.errors import BadSampleError
-from .unit import Unit
+from .workunit import Unit
 
 
 def foreign_units(src: str) -> list[Unit] | None:

@@ -28,7 +28,7 @@ import numpy as np
 from ..format.errors import BadSampleError, FormatError
 from ..format.manifest import safe_relpath
 from .mds import gather_ranges
-from .unit import Unit
+from .workunit import Unit
 
 # litdata.constants: _NUMPY_SCTYPES (index = the code in "no_header_numpy:N") and _TORCH_DTYPES_MAPPING
 NUMPY_CODES = [

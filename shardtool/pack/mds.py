@@ -29,7 +29,7 @@ import numpy as np
 
 from ..format.errors import BadSampleError, FormatError
 from ..format.manifest import safe_relpath
-from .unit import Unit
+from .workunit import Unit
 
 SCALARS = {"uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64", "float16", "float32", "float64"}
 BINARY = {"bytes", "jpeg", "png"}

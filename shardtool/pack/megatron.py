@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..format.errors import BadSampleError
-from .unit import Unit
+from .workunit import Unit
 
 HEADER = b"MMIDIDX\x00\x00"
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from ..format.errors import BadSampleError
 from ..format.tarshard import iter_tar_members, split_member_name
 from .tree import LABEL_FIELD
-from .unit import FOREIGN, Unit
 from .units import tree_key
+from .workunit import FOREIGN, Unit
 
 if TYPE_CHECKING:  # checked as json's, with or without orjson: orjson's error subclasses json's
     from json import JSONDecodeError

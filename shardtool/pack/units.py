@@ -19,7 +19,7 @@ from ..format.errors import BadSampleError, ShardtoolError
 from ..format.keys import key_problem
 from .options import strip_file_scheme
 from .tree import PER_FILE_HINT, OnBad, image_folder_samples, per_file_samples, walk_files
-from .unit import Unit
+from .workunit import Unit
 
 JSONL_CHUNK = 8 << 20  # small enough to balance workers when samples are costly (tokenizing)
 TREE_CHUNK = 256

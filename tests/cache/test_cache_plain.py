@@ -299,7 +299,7 @@ def test_real_text_compressed_through_the_cache(tmp_path):
 
 
 def test_inspect_and_plan_report_stored_and_plain_bytes(packed):
-    from shardtool.pack.summary import inspect
+    from shardtool.pack.inspection import inspect
 
     m = shardtool.open_dataset(packed["zstd"]).manifest
     plain = sum(s.raw_bytes for s in m.shards)

@@ -13,7 +13,7 @@ from data_gen import pack_compressed_pairs
 from shardtool import cache
 from shardtool.format.errors import FormatError, ShardtoolError
 from shardtool.loader import ShardedLoader
-from shardtool.pack.summary import inspect
+from shardtool.pack.inspection import inspect
 from shardtool.pack.verify import verify
 from shardtool.plan import Layout, Placement
 
