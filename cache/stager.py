@@ -6,13 +6,13 @@ stage=...)``), and a stager follows it, either started by local rank 0 (``stage=
 ``shardtool warm --follow`` step beside torchrun (``stage="external"``). The board of one job and
 dataset version is a directory ``<cache_dir>/stage/<run>-<version>/`` with, per local rank ``r``:
 
-- ``order-<r>.json``: its touch order for the pass it starts (shardtool.plan.staging), written
+- ``order-<r>.json``: its touch order for the pass it starts (shardtool.plan.stageorder), written
   atomically once per pass;
 - ``progress-<r>``: 16 bytes, the epoch and the number of batches handed to the training loop,
   overwritten in place every step (one ``pwrite``: cheap enough for every step);
 - ``closed-<r>``: the loader was closed.
 
-Which shards to fetch is decided by the pure `shardtool.plan.staging.next_fetches`. Fetches go
+Which shards to fetch is decided by the pure `shardtool.plan.stageorder.next_fetches`. Fetches go
 through `ensure_shard`, under the per-shard locks a reader's fetch-on-miss takes too: a reader
 that misses a shard the stager is fetching waits for it (and the stager skips a shard a reader is
 fetching), so no shard is fetched twice.
@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from ..format.atomic import atomic_write_bytes
-from ..plan.staging import TouchOrder, merge_orders, next_fetches, window_end
+from ..plan.stageorder import TouchOrder, merge_orders, next_fetches, window_end
 from .errors import CacheError, LocalFault
 from .meta import COPIED, ensure_shard
 from .plain import cached_size, keeps_compressed, wants_plain

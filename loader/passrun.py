@@ -40,7 +40,7 @@ class PassRunner:
     # Set by ShardedLoader.__init__.
     batch_source: BatchSource
     _obs: Any  # loader/observability/observe.py's Observer
-    _staging: Any  # loader/staging.py's Staging, or None
+    _staging: Any  # loader/rankstaging.py's Staging, or None
     num_workers: int
     prefetch_factor: int
     pin_memory: bool

@@ -199,7 +199,7 @@ class ShardedLoader(PassRunner, SourceViews):
                 stall_timeout=stall_timeout,
             )
             self._obs.micro = self.batching.micro_batches or 1
-            from .staging import staging_for  # lazy: imports the cache, as a loader with a cache_dir does
+            from .rankstaging import staging_for  # lazy: imports the cache, as a loader with a cache_dir does
 
             self._staging = staging_for(self.batch_source.staged, self.placement, stage, cache_dir)
             # No "cache behind the plan" warning while staging: the stager keeps it a bounded distance ahead.

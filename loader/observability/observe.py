@@ -57,7 +57,7 @@ class Observer:
         self.rank, self.layout, self.node = placement.rank, placement.layout, placement.node
         self.workers = num_workers
         self.lookahead = max(32, 4 * num_workers * prefetch_factor)
-        self.staged = False  # in-job staging is on: set by the loader (loader/staging.py)
+        self.staged = False  # in-job staging is on: set by the loader (loader/rankstaging.py)
         self.table = Table(num_workers + 1)  # with metrics off, only the workers' pids (for stack dumps)
         # One probe per process, shared by a mixture's readers: they read in the same process row.
         # None with metrics off: the workers time nothing, the readers count nothing (NO_PROBE).

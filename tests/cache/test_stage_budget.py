@@ -16,7 +16,7 @@ import pytest
 from cachedata import child_env
 from shardtool.cache import open_cache, warm
 from shardtool.cache.stager import Board, board_dir, follow
-from shardtool.plan.staging import TouchOrder
+from shardtool.plan.stageorder import TouchOrder
 from test_loader_data import write_dataset
 
 SHARDS = 12

@@ -24,7 +24,7 @@ from shardtool.cache.stager import (
     read_board,
     stage_run,
 )
-from shardtool.plan.staging import TouchOrder
+from shardtool.plan.stageorder import TouchOrder
 from test_loader_data import read_all, write_dataset
 
 SHARDS = 12
@@ -163,7 +163,7 @@ def test_the_throttle_holds_the_average_rate():
 
 def test_the_loader_refuses_staging_it_cannot_do(src, tmp_path, monkeypatch):
     from shardtool.loader import ShardedLoader
-    from shardtool.loader.staging import stage_mode, stager_options
+    from shardtool.loader.rankstaging import stage_mode, stager_options
 
     with pytest.raises(ValueError, match="cache_dir"):
         ShardedLoader(src, batch_size=4, rank=0, world_size=1, num_workers=0, stage=True)

@@ -1,4 +1,4 @@
-"""In-job staging's decisions (shardtool.plan.staging): the touch order of a rank's plan and of a
+"""In-job staging's decisions (shardtool.plan.stageorder): the touch order of a rank's plan and of a
 node, and the window of shards the stager may fetch ahead of its slowest reader."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardtool.plan import Batching, Layout, Placement, Planner, data_parallel
-from shardtool.plan.staging import (
+from shardtool.plan.stageorder import (
     TouchOrder,
     merge_orders,
     next_fetches,

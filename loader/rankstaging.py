@@ -17,7 +17,7 @@ from typing import Any
 
 from ..cache.stager import Board, board_dir, follow, stage_run
 from ..format.sizes import parse_size
-from ..plan.staging import touch_order
+from ..plan.stageorder import touch_order
 
 log = logging.getLogger(__name__)
 
