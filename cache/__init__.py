@@ -14,6 +14,7 @@ cache (:mod:`cache.usercache`). What the cache writes gets :class:`Perms` (0644/
 """
 
 from .assign import assigned_shards
+from .cachedir import VersionDir
 from .dcache import CachedDataset, DatasetCache, open_cache
 from .errors import (
     EXIT_LOCAL,
@@ -30,7 +31,6 @@ from .errors import (
     SourceUnavailable,
     UsageError,
 )
-from .layout import VersionDir
 from .perms import DEFAULT_PERMS, Perms
 from .report import WarmReport
 from .retry import RetryPolicy

@@ -14,7 +14,7 @@ from typing import TypedDict
 
 from ..format.atomic import TMP_PREFIX
 from .budget import Budget, cached_versions, evict
-from .layout import META_DIR, lengths_rel, read_sources
+from .cachedir import META_DIR, lengths_rel, read_sources
 from .locks import try_exclusive
 from .meta import stamp_found_intact
 from .plain import found_intact

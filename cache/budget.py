@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from ..format.errors import FormatError
 from ..format.manifest import MANIFEST_NAME, Manifest, manifest_hash
+from .cachedir import VersionDir, version_dirs
 from .evict import Entry, effective_limit, eviction_order, plan_eviction
-from .layout import VersionDir, version_dirs
 from .locks import try_exclusive
 
 

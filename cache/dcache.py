@@ -22,8 +22,8 @@ from ..format.dataset import Dataset
 from ..format.manifest import MANIFEST_NAME, lengths_from_bytes, manifest_hash
 from ..format.sindex import ShardIndex
 from .budget import Budget
+from .cachedir import SOURCES_NAME, VersionDir, record_source, recorded_version
 from .errors import BudgetError, NotCached, RemoteError
-from .layout import SOURCES_NAME, VersionDir, record_source, recorded_version
 from .locks import read_lock
 from .meta import COPIED, FetchOptions, ensure_index, ensure_lengths, ensure_shard, ensure_summaries, store_manifest
 from .perms import DEFAULT_PERMS, Perms

@@ -16,8 +16,8 @@ from ..format.dataset import Dataset, SummariesMissing
 from ..format.errors import FormatError
 from ..format.manifest import lengths_from_bytes, manifest_hash
 from .assign import assigned_shards
+from .cachedir import VersionDir, recorded_version
 from .errors import CacheError
-from .layout import VersionDir, recorded_version
 from .meta import FetchOptions, ensure_index, ensure_lengths, ensure_summaries
 from .perms import DEFAULT_PERMS, Perms
 from .retry import RetryPolicy

@@ -30,8 +30,8 @@ import time
 import warnings
 from collections.abc import Iterable, Mapping
 
+from .cachedir import normalize_url
 from .errors import EXIT_LOCAL, EXIT_OK, UsageError
-from .layout import normalize_url
 from .perms import DEFAULT_PERMS, Perms
 from .store import write_small
 

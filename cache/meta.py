@@ -13,9 +13,9 @@ from typing import TypedDict
 from ..format.atomic import fsync_path
 from ..format.manifest import Manifest, ShardInfo
 from ..format.summaries import SUMMARIES_NAME
+from .cachedir import VersionDir, lengths_rel
 from .durability import must_fsync
 from .errors import CacheError, LocalFault, NotCached, SourceMissing
-from .layout import VersionDir, lengths_rel
 from .locks import DONE, TIMED_OUT, exclusive_unless
 from .plain import decompress, found_intact, remove_leftovers, stored_copy_path
 from .retry import RetryPolicy

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..plan.mixture import Mixture, MixtureError
+from .cachedir import recorded_version
 from .errors import EXIT_USAGE
-from .layout import recorded_version
 from .report import WarmReport
 from .warmer import warm
 

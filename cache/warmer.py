@@ -23,10 +23,10 @@ from ..format.manifest import MANIFEST_NAME, lengths_from_bytes
 from ..plan import DataLayout, Layout, Placement
 from .assign import assigned_shards
 from .budget import Budget
+from .cachedir import VersionDir, record_source
 from .durability import must_fsync
 from .errors import CacheError, LocalFault, RemoteError, SourceMissing, UsageError
 from .fallback import complete_cached_version
-from .layout import VersionDir, record_source
 from .meta import (
     COPIED,
     HIT,

@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 from ..format.manifest import Manifest
 from .budget import Budget, evict
+from .cachedir import VersionDir
 from .errors import BudgetError
 from .evict import choose_fit
-from .layout import VersionDir
 from .report import WarmReport
 
 

@@ -42,8 +42,8 @@ STAMPS = ".verified-in-place"  # not a version directory name: cache gc/clear/ls
 
 def stamp_dir(dataset: Dataset, env: Mapping[str, str]) -> str | None:
     """Where this user's stamps for ``dataset`` live, created if needed; None where they cannot."""
+    from ..cache.cachedir import version_dirname
     from ..cache.errors import LocalFault
-    from ..cache.layout import version_dirname
     from ..cache.usercache import own_cache_dir, user_cache_dir
 
     base = user_cache_dir(env)

@@ -158,7 +158,7 @@ def _report_path(cache_dir: str, job: str) -> str:
 def _claims(cache_dir: str, url: str) -> list[dict]:
     """Before warming, the versions the job's URL (every source of a mixture) served last: recorded
     at once, so that a concurrent prolog's budget spares them."""
-    from ..cache.layout import recorded_version
+    from ..cache.cachedir import recorded_version
     from ..plan.mixture import Mixture, MixtureError, is_mixture_file
 
     urls = [url]
