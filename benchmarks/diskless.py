@@ -2,7 +2,7 @@
 (issue 38 item 3), at a simulated training step, behind a store that answers slowly.
 
 Packs real text (stdlib source files as byte-id tokens, plain Arrow shards), uploads it to a moto
-server on 127.0.0.1 behind the proxy of tests/s3proxy.py, which adds ``--latency`` seconds to
+server on 127.0.0.1 behind the proxy of tests/helpers/s3proxy.py, which adds ``--latency`` seconds to
 every answer. Each side runs one epoch of a 1-rank loader (``--workers`` workers) whose trainer
 sleeps ``--step`` seconds a batch, and reports the time the trainer waited for data
 (``metrics()['cumulative']['wait_s']``): the warmed side reads a node cache `shardtool warm`
@@ -28,8 +28,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
-from s3proxy import Faults, S3Proxy, stdlib_dataset  # noqa: E402
-from s3server import S3Server  # noqa: E402
+from helpers.s3proxy import Faults, S3Proxy, stdlib_dataset  # noqa: E402
+from helpers.s3server import S3Server  # noqa: E402
 
 
 def _epoch(url, opts, *, cache_dir, step: float, **kw) -> tuple[float, int, list]:

@@ -1,5 +1,5 @@
 """Requests one node makes of an S3 store (issue 38: thousands of nodes against one object store),
-counted by a real HTTP proxy in front of moto (tests/s3proxy.py, tests/s3server.py).
+counted by a real HTTP proxy in front of moto (tests/helpers/s3proxy.py, tests/helpers/s3server.py).
 
 Packs real text (the first ``--files`` stdlib source files as byte-id tokens, plain Arrow shards),
 uploads it to a moto server on 127.0.0.1 and prints, by kind (GET, ranged GET, HEAD, LIST, ...):
@@ -26,8 +26,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
-from s3proxy import Faults, S3Proxy, stdlib_dataset  # noqa: E402
-from s3server import S3Server  # noqa: E402
+from helpers.s3proxy import Faults, S3Proxy, stdlib_dataset  # noqa: E402
+from helpers.s3server import S3Server  # noqa: E402
 
 COLUMNS = ("GET", "RANGED_GET", "HEAD", "LIST", "PUT", "OTHER")
 

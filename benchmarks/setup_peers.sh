@@ -25,7 +25,7 @@ cons=$(mktemp)
 trap 'rm -f "$cons"' EXIT
 "$PY" -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$cons"
 # And what the machine's own tools pin exactly (awscli's botocore==), as tests/run.sh keeps them.
-[ ! -f "$root/tests/keep_pins.py" ] || "$PY" "$root/tests/keep_pins.py" >> "$cons"
+[ ! -f "$root/tests/helpers/keep_pins.py" ] || "$PY" "$root/tests/helpers/keep_pins.py" >> "$cons"
 # The venv sees the main environment's packages, so pip's resolver reports each one whose
 # requirement a peer's pin shadows here (datasets 5 wants huggingface-hub>=1, which
 # transformers<5 rules out) as a red ERROR. Those packages are the main environment's and are not

@@ -1,7 +1,7 @@
 """In-job staging vs a prolog-warmed cache vs fetch-on-miss alone (issue 22). Not a timed test.
 
 A source with ``--latency`` seconds per request and a ``--bandwidth`` cap shared by every process
-reading it (tests/faultfs.py, as benchmarks/warm_throughput.py simulates latency), 2 nodes x 2
+reading it (tests/helpers/faultfs.py, as benchmarks/warm_throughput.py simulates latency), 2 nodes x 2
 ranks simulated here (4 gloo ranks forked from one process, one cache directory per node, 2
 DataLoader workers each), a ``--step-ms`` training step. Three set-ups, each from cold caches:
 
@@ -34,7 +34,7 @@ TESTS = os.path.join(REPO, "tests")
 sys.path.insert(0, REPO)
 sys.path.insert(0, TESTS)
 
-from cachedata import child_env, make_dataset  # noqa: E402  (tests/ on sys.path above)
+from helpers.cachedata import child_env, make_dataset  # noqa: E402  (tests/ on sys.path above)
 from shardtool.cache import warm  # noqa: E402
 from shardtool.plan import Layout, Placement  # noqa: E402
 
@@ -142,7 +142,7 @@ def main() -> None:
     env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     began = time.monotonic()
     res = subprocess.run(
-        [sys.executable, os.path.join(TESTS, "stage_worker.py"), path],
+        [sys.executable, os.path.join(TESTS, "helpers", "stage_worker.py"), path],
         env=env,
         capture_output=True,
         text=True,

@@ -1,5 +1,5 @@
 """Warm throughput: `shardtool warm` vs `cp -r` on a local source, and 1 vs 8 jobs against a
-source with per-request latency (tests/faultfs.py). Prints GB/s and ratios; not a timed test.
+source with per-request latency (tests/helpers/faultfs.py). Prints GB/s and ratios; not a timed test.
 
 Each warm is compared with the `cp` of the same durability: the default warm publishes shards
 once verified, as `cp -r` leaves them in the page cache (a reboot before writeback makes the
@@ -33,8 +33,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
-import faultfs  # noqa: E402,F401  registers faulty://
-from cachedata import make_dataset  # noqa: E402
+from helpers import faultfs  # noqa: E402,F401  registers faulty://
+from helpers.cachedata import make_dataset  # noqa: E402
 from shardtool.cache import RetryPolicy, warm  # noqa: E402
 
 
@@ -77,7 +77,7 @@ def _timed_warms(a, roots: dict, label: str, **kw) -> None:
 def compressed_warm(a) -> None:
     """Two sources: the page cache (no transfer cost: decompression is all the compressed warm
     adds, and the plain warm is a kernel copy), and the same files behind a per-node bandwidth
-    cap (tests/faultfs.py: one pipe shared by every job, as a node's link to Lustre or S3 is),
+    cap (tests/helpers/faultfs.py: one pipe shared by every job, as a node's link to Lustre or S3 is),
     where the compressed warm moves 1.6x fewer bytes and decompresses while other shards move."""
     from .compressed_reads import packed_pair
 

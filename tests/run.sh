@@ -12,10 +12,10 @@ if [ -z "${SHARDTOOL_NO_INSTALL:-}" ]; then
   "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q torch==2.13.0
   # Keep what the machine's own tools pin exactly (awscli's botocore==): pip then picks versions of
   # ours that fit, instead of upgrading it and printing a resolver ERROR about awscli
-  # (tests/keep_pins.py); unconstrained if no such versions exist.
+  # (tests/helpers/keep_pins.py); unconstrained if no such versions exist.
   pins=$(mktemp)
   trap 'rm -f "$pins" "$pins.err"' EXIT
-  "$PY" tests/keep_pins.py > "$pins"
+  "$PY" tests/helpers/keep_pins.py > "$pins"
   if ! "$PY" -m pip install -q -c "$pins" -e ".[test]" 2>"$pins.err"; then
     echo "pip found no versions that keep $(paste -sd' ' "$pins"); installing without them" >&2
     "$PY" -m pip install -q -e ".[test]"
@@ -28,11 +28,11 @@ if [ -z "${SHARDTOOL_NO_INSTALL:-}" ]; then
   "$PY" -m pip install -q --no-deps torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 \
     spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0 \
     || echo "could not install torchtitan: tests/integrations/test_torchtitan.py says so" >&2
-  # Real PNGs in class folders for the ImageFolder tests (tests/realdata.py): Debian's Adwaita icons.
+  # Real PNGs in class folders for the ImageFolder tests (tests/helpers/realdata.py): Debian's Adwaita icons.
   [ -d /usr/share/icons/Adwaita/48x48 ] || { apt-get update -qq && apt-get install -y -qq adwaita-icon-theme; } \
     >/dev/null 2>&1 || echo "could not install adwaita-icon-theme: the ImageFolder tests say so" >&2
   # The peers (MosaicML Streaming, LitData, Megatron-Energon): their own writers and readers for the
-  # conversion tests (tests/peers.py) and the peer benchmarks' smoke test (tests/e2e/test_bench_peers.py).
+  # conversion tests (tests/helpers/peers.py) and the peer benchmarks' smoke test (tests/e2e/test_bench_peers.py).
   # Streaming pins numpy<2.2, so they get a venv of their own (benchmarks/setup_peers.sh, built once and
   # reused) and never touch this environment's numpy.
   if ! PYTHONPATH=$root "$peers/bin/python" -c "from benchmarks import peers as p; assert not p.missing()" 2>/dev/null; then

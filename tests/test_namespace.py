@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from s3server import free_port
+from helpers.s3server import free_port
 from test_loader_data import write_dataset
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,7 +151,7 @@ def test_nothing_in_the_repository_imports_the_top_level_folders():
 
     pattern = re.compile(r"^\s*(from|import) (loader|cache)(\.|\s|$)")
     bad = []
-    for folder in ("tests", "tests/faults", "tests/slurm", "benchmarks", "examples", "shardtool/cli"):
+    for folder in ("tests", "tests/helpers", "tests/faults", "tests/slurm", "benchmarks", "examples", "shardtool/cli"):
         for name in sorted(os.listdir(os.path.join(REPO, folder))):
             if name.endswith(".py"):
                 for n, line in enumerate(open(os.path.join(REPO, folder, name)), 1):

@@ -1,4 +1,4 @@
-"""tests/run.sh as a user calls it, and the pins it keeps while installing (tests/keep_pins.py)."""
+"""tests/run.sh as a user calls it, and the pins it keeps while installing (tests/helpers/keep_pins.py)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_keep_pins_keeps_an_installed_tools_exact_pins_and_nothing_else(tmp_path
     _fake_dist(site, "othertool", 'colorama==0.4.0; extra == "color"', "rsa==4.0")
     _fake_dist(site, "thirdtool", "rsa==4.7")
     cp = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "keep_pins.py")],
+        [sys.executable, str(REPO / "tests" / "helpers" / "keep_pins.py")],
         env=_env(PYTHONPATH=str(site)),
         capture_output=True,
         text=True,

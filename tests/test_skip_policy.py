@@ -13,13 +13,13 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-# Skips allowed outside tests/skips.py: what no CI machine is promised (not a declared dependency).
+# Skips allowed outside tests/helpers/skips.py: what no CI machine is promised (not a declared dependency).
 UNDECLARED = {"test_compat_py310.py": "a Python 3.10 interpreter beside the one under test"}
 
 
 def _pytest(tmp_path, strict: bool):
     (tmp_path / "test_needs.py").write_text(
-        "from skips import require\n\ndef test_needs_a_frobnicator():\n    require(False, 'no frobnicator here')\n"
+        "from helpers.skips import require\n\ndef test_needs_a_frobnicator():\n    require(False, 'no frobnicator here')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "SHARDTOOL_TEST_STRICT"}
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO)])
@@ -66,5 +66,6 @@ def test_every_environment_skip_goes_through_the_one_helper():
             if re.search(r"importorskip|pytest\.skip\(|mark\.skipif|mark\.skip\(", line):
                 offenders.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
     assert not offenders, (
-        "skip through tests/skips.py (require/needs_root), or import declared deps plainly:\n" + "\n".join(offenders)
+        "skip through tests/helpers/skips.py (require/needs_root), or import declared deps plainly:\n"
+        + "\n".join(offenders)
     )

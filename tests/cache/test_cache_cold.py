@@ -17,13 +17,13 @@ import sys
 import numpy as np
 import pytest
 
-from s3server import free_port
+from helpers.s3server import free_port
 from shardtool.loader import ShardedLoader
 from test_loader_data import read_all, write_dataset
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)
-WORKER = os.path.join(TESTS, "cold_cache_worker.py")
+WORKER = os.path.join(TESTS, "helpers", "cold_cache_worker.py")
 STEPS = 8
 RUNS = 5
 

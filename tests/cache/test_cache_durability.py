@@ -10,12 +10,12 @@ import os
 
 import pytest
 
-from cachedata import make_dataset
+from helpers.cachedata import make_dataset
+from helpers.skips import require
 from shardtool.cache import VersionDir, open_cache, warm
 from shardtool.cache.durability import boot_id
 from shardtool.format import open_dataset
 from shardtool.format.hashing import hash_file
-from skips import require
 
 
 @pytest.fixture(autouse=True)

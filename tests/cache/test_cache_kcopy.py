@@ -4,8 +4,8 @@ import os
 
 import pytest
 
+from helpers.skips import require
 from shardtool.cache.kcopy import METHODS, STEP, copy_range
-from skips import require
 
 
 def _files(tmp_path, data, src_dir=None):

@@ -18,8 +18,8 @@ import warnings
 
 import pytest
 
-from asuser import NOBODY, make_readable, preload, require_root, run_as, shared_tmpdir
-from runcli import shardtool_cli
+from helpers.asuser import NOBODY, make_readable, preload, require_root, run_as, shared_tmpdir
+from helpers.runcli import shardtool_cli
 from shardtool import cache
 from shardtool.cache import admin
 from shardtool.format import open_dataset
@@ -31,7 +31,7 @@ from test_loader_data import read_all, write_dataset
 pytestmark = pytest.mark.timeout(240)
 
 SHARDS = [37, 5, 60, 22, 41, 13, 50, 8, 33, 29, 44, 17, 26, 35]  # 14 uneven shards on 2 nodes
-# Everything the child needs, imported before it drops privileges (see tests/asuser.py).
+# Everything the child needs, imported before it drops privileges (see tests/helpers/asuser.py).
 preload("shardtool.cache.admin", "fsspec.implementations.local", "shardtool.format.tarshard", "shardtool.loader.pool")
 
 

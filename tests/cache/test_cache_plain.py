@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardtool
-from data_gen import pack_compressed_pairs
-from fsutil import flip_byte, temps
-from realtext import byte_ids, stdlib_files
-from runcli import repo_env, shardtool_cli
+from helpers.data_gen import pack_compressed_pairs
+from helpers.fsutil import flip_byte, temps
+from helpers.realtext import byte_ids, stdlib_files
+from helpers.runcli import repo_env, shardtool_cli
 from shardtool.cache import RetryPolicy, VersionDir, admin, open_cache, warm
 from shardtool.cache.errors import NotCached
 from shardtool.cache.plain import record_path, stored_copy_path

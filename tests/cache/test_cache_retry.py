@@ -8,8 +8,8 @@ import botocore.exceptions
 import fsspec.exceptions
 import pytest
 
-import faultfs  # noqa: F401  registers faulty://
-from cachedata import make_dataset
+from helpers import faultfs  # noqa: F401  registers faulty://
+from helpers.cachedata import make_dataset
 from shardtool.cache import RetryPolicy
 from shardtool.cache.errors import LocalFault, SourceCorrupt, SourceMissing, SourceRefused, SourceUnavailable
 from shardtool.cache.retry import is_transient, with_retries

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-import faultfs  # noqa: F401  registers faulty://
-from cachedata import make_dataset
-from fsutil import flip_byte, temps, tmpfs
+from helpers import faultfs  # noqa: F401  registers faulty://
+from helpers.cachedata import make_dataset
+from helpers.fsutil import flip_byte, temps, tmpfs
 from shardtool.cache import RetryPolicy, VersionDir, assigned_shards, open_cache, warm
 from shardtool.cache.store import temp_path_for
 from shardtool.format import open_dataset

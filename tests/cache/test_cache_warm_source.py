@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-import faultfs  # noqa: F401  registers faulty://
-from cachedata import make_dataset
-from runcli import shardtool_cli
-from s3server import free_port, s3_server  # noqa: F401  (fixture)
+from helpers import faultfs  # noqa: F401  registers faulty://
+from helpers.cachedata import make_dataset
+from helpers.runcli import shardtool_cli
+from helpers.s3server import free_port, s3_server  # noqa: F401  (fixture)
 from shardtool.cache import RetryPolicy, warm
 
 FAST = ["--retries", "1", "--attempt-timeout", "5", "--stall-timeout", "5"]

@@ -3,7 +3,7 @@
 The ranks of one job on one node read the same manifest, summaries, lengths range and sample
 indexes; the first to take a file's lock fetches it into /dev/shm and the others read the copy.
 Counted for real: torchrun ranks reading an s3:// dataset (real stdlib text on moto) through the
-counting proxy of tests/s3proxy.py, against the same job with sharing off."""
+counting proxy of tests/helpers/s3proxy.py, against the same job with sharing off."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import os
 
 import pytest
 
-from runcli import shardtool_cli
-from s3proxy import s3_proxy, stdlib_dataset  # noqa: F401  (fixture)
-from s3server import s3_server  # noqa: F401  (fixture)
+from helpers.runcli import shardtool_cli
+from helpers.s3proxy import s3_proxy, stdlib_dataset  # noqa: F401  (fixture)
+from helpers.s3server import s3_server  # noqa: F401  (fixture)
+from helpers.skips import require
+from helpers.torchrun import torchrun
 from shardtool.format import nodeshare, open_dataset
 from shardtool.format.manifest import MANIFEST_NAME
 from shardtool.format.summaries import SUMMARIES_NAME
-from skips import require
-from torchrun import torchrun
 
 pytestmark = pytest.mark.timeout(300)
 PREFIX = "share/ds"

@@ -1,7 +1,7 @@
 """How many requests one node makes of the object store (issue 38: thousands of nodes, one store).
 
-Real text (stdlib files, tests/s3proxy.py ``stdlib_dataset``) packed as 13 Arrow shards, uploaded
-to moto, read by s3fs through the counting proxy of tests/s3proxy.py. What is guaranteed is
+Real text (stdlib files, tests/helpers/s3proxy.py ``stdlib_dataset``) packed as 13 Arrow shards, uploaded
+to moto, read by s3fs through the counting proxy of tests/helpers/s3proxy.py. What is guaranteed is
 asserted: the warmer and the loader's fetch-on-miss get each object whole exactly once (one GET,
 every byte of it), list nothing and, with no faults, retry nothing; start-up reads no shard. The
 rest (HEADs, the loader's ranged reads without a cache) is printed, not pinned.
@@ -16,8 +16,8 @@ import threading
 import pytest
 import torch
 
-from s3proxy import Faults, S3Proxy, TokenBucket, classify, s3_proxy, stdlib_dataset  # noqa: F401  (fixture)
-from s3server import s3_server  # noqa: F401  (fixture)
+from helpers.s3proxy import Faults, S3Proxy, TokenBucket, classify, s3_proxy, stdlib_dataset  # noqa: F401  (fixture)
+from helpers.s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.cache import warm
 from shardtool.format import open_dataset
 from shardtool.format.manifest import LENGTHS_NAME, MANIFEST_NAME
@@ -263,7 +263,7 @@ def shard_gets(c, m, prefix: str = PREFIX) -> int:
 def stdlib_remote(tmp_path_factory, s3_server, name: str, **pack):  # noqa: F811
     """120 stdlib files packed with ``pack`` options, uploaded to ``counts/<name>``: (local root, URL, manifest)."""
     import shardtool
-    from realtext import byte_ids, stdlib_files
+    from helpers.realtext import byte_ids, stdlib_files
 
     src = str(tmp_path_factory.mktemp(f"s3{name}") / "ds")
     rows = [{"tokens": byte_ids(p), "path": os.path.relpath(p)} for p in stdlib_files(120)]

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from cachedata import child_env
+from helpers.cachedata import child_env
 from shardtool.cache import open_cache, warm
 from shardtool.cache.stager import Board, board_dir, follow
 from shardtool.plan.stageorder import TouchOrder

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-import faultfs  # noqa: F401  registers faulty://
+from helpers import faultfs  # noqa: F401  registers faulty://
 from shardtool.cache import open_cache
 from shardtool.cache.locks import held_exclusively
 from shardtool.cache.stager import (
@@ -228,7 +228,7 @@ def test_warm_follow_refuses_what_it_cannot_stage(src, tmp_path):
     import subprocess
     import sys
 
-    from cachedata import child_env
+    from helpers.cachedata import child_env
 
     res = subprocess.run(
         [sys.executable, "-m", "shardtool", "warm", src, "--cache-dir", str(tmp_path / "c"), "--follow", "--all"],

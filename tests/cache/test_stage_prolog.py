@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from cachedata import child_env, make_dataset
-from prolog import prolog_conf, run_prolog
+from helpers.cachedata import child_env, make_dataset
+from helpers.prolog import prolog_conf, run_prolog
 from shardtool.cache import VersionDir, open_cache
 from shardtool.cache.jobs import read_job_record
 from shardtool.format import open_dataset
@@ -223,7 +223,7 @@ def test_a_job_caps_what_it_holds_in_the_node_cache(tmp_path, datasets):
 
 @pytest.mark.timeout(120)
 def test_epilog_forgets_the_jobs_record(tmp_path, datasets):
-    from prolog import REPO
+    from helpers.prolog import REPO
 
     conf = prolog_conf(tmp_path, [NODE], tmp_path / "cache", active=["9"])
     os.makedirs(tmp_path / "cache")

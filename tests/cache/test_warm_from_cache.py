@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-import faultfs  # noqa: F401  (registers faulty://)
-from cachedata import make_dataset
+from helpers import faultfs  # noqa: F401  (registers faulty://)
+from helpers.cachedata import make_dataset
 from shardtool.cache import RetryPolicy, open_cache, warm
 from shardtool.plan import Layout, Placement
 

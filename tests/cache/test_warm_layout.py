@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from cachedata import child_env, make_dataset
-from prolog import prolog_conf, run_prolog
+from helpers.cachedata import child_env, make_dataset
+from helpers.prolog import prolog_conf, run_prolog
 from shardtool.format import open_dataset
 from shardtool.plan import DataLayout, Layout, Mesh, data_layout, parse_mesh, shards_for_node
 

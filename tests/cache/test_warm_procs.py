@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from cachedata import child_env, make_dataset
-from prolog import prolog_conf, run_prolog
-from s3server import s3_server  # noqa: F401  (fixture)
+from helpers.cachedata import child_env, make_dataset
+from helpers.prolog import prolog_conf, run_prolog
+from helpers.s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.cache import VersionDir, assigned_shards, open_cache
 from shardtool.cache.store import temp_path_for
 from shardtool.format import open_dataset
@@ -27,7 +27,7 @@ TESTS = os.path.join(REPO, "tests")
 CLI = [
     sys.executable,
     "-c",
-    "import sys; sys.path.insert(0, sys.argv.pop(1)); import faultfs; "
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); from helpers import faultfs; "
     "from shardtool.cli import main; sys.exit(main(sys.argv[1:]))",
     TESTS,
 ]

@@ -3,8 +3,8 @@
 import subprocess
 import sys
 
-from cachedata import child_env, make_dataset
-from runcli import shardtool_cli
+from helpers.cachedata import child_env, make_dataset
+from helpers.runcli import shardtool_cli
 
 
 def test_warm_without_a_layout_says_it_assumed_one_node(tmp_path):

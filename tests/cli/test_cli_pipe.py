@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from runcli import repo_env
+from helpers.runcli import repo_env
 from shardtool.pack.synthetic import write_synthetic
 
 

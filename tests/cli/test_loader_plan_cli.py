@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from runcli import shardtool_cli
+from helpers.runcli import shardtool_cli
 from shardtool.loader import ShardedLoader
 from test_loader_data import write_dataset
 
@@ -116,7 +116,7 @@ def test_packed_plan_reports_the_remainder_in_pieces_and_tokens_and_counts_split
     reported in the pieces and tokens it loses, as the loader's plan reports it."""
     import numpy as np
 
-    from realtext import issue32_lengths
+    from helpers.realtext import issue32_lengths
     from shardtool.pack.synthetic import write_synthetic
     from shardtool.plan import ArraySource, Batching, DataLayout, Layout, Planner
     from shardtool.plan.packing import Packing
@@ -156,7 +156,7 @@ def test_plan_no_shuffle_with_a_token_budget_is_the_greedy_cut(tmp_path):
 
     import numpy as np
 
-    from runcli import repo_env
+    from helpers.runcli import repo_env
     from shardtool.format import Dataset
     from shardtool.plan import Batching
     from shardtool.plan.batching import in_order_starts
@@ -190,7 +190,7 @@ def test_plan_with_a_cost_model_reports_the_time_steps_lose_to_the_slowest_rank(
     text) at seq_len 8,192 x 1 row on 8 ranks, the plan prints each step's max/mean cost across
     the DP ranks and the time lost waiting, without balancing and with it, as the loader would
     plan with that cost model."""
-    from realtext import issue32_lengths
+    from helpers.realtext import issue32_lengths
     from shardtool.pack.synthetic import write_synthetic
 
     lengths = issue32_lengths()

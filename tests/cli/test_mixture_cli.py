@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from runcli import shardtool_cli
+from helpers.runcli import shardtool_cli
 from shardtool import cache
 from shardtool.format import open_dataset
 from shardtool.plan import DataLayout, Layout, shards_for_node

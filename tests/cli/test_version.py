@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import shardtool
-from runcli import REPO, repo_env, shardtool_cli
+from helpers.runcli import REPO, repo_env, shardtool_cli
 
 
 def _pyproject_version() -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from skips import require
+from helpers.skips import require
 
 REPO = Path(__file__).resolve().parents[2]
 PEERS = ("streaming", "litdata", "energon")

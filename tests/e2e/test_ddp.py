@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
+from helpers.torchrun import torchrun as run_job
 from test_loader_data import write_dataset
-from torchrun import torchrun as run_job
 
 NPROC = 4
 

@@ -1,6 +1,6 @@
 """Cross-rank metrics under torchrun (4 ranks, gloo): the summary and `shardtool stats` name the slow rank.
 
-One rank reads through a slow fsspec source (tests/ddp_metrics_worker.py); the others are fast
+One rank reads through a slow fsspec source (tests/helpers/ddp_metrics_worker.py); the others are fast
 but wait for it in the per-step all-reduce, as DDP ranks do. The loader's all-gather every N
 steps must name that rank and its node, and the merged JSONL files of both simulated nodes must
 say the same in `shardtool stats`, its JSON and its plot.
@@ -15,12 +15,12 @@ import sys
 
 import pytest
 
-from runcli import shardtool_cli
-from s3server import free_port
+from helpers.runcli import shardtool_cli
+from helpers.s3server import free_port
 from test_loader_data import write_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORKER = os.path.join(ROOT, "tests", "ddp_metrics_worker.py")
+WORKER = os.path.join(ROOT, "tests", "helpers", "ddp_metrics_worker.py")
 SLOW = 2
 EVERY = 5
 

@@ -26,7 +26,7 @@ README = REPO / "README.md"
 # pytest still collects (imports) every test module, so a test dependency it failed to install is an error.
 QUICK_TEST = "test_every_option_has_help_text"
 # What pip prints in red when an install breaks another installed package's requirement: a clean
-# set-up prints none (tests/keep_pins.py, benchmarks/setup_peers.sh).
+# set-up prints none (tests/helpers/keep_pins.py, benchmarks/setup_peers.sh).
 RESOLVER_ERROR = "ERROR: pip's dependency resolver"
 
 

@@ -1,6 +1,6 @@
 """Data layouts on real gloo process groups: TP peers, PP stages across nodes, DP resizes.
 
-Every rank is a real process (tests/mesh_worker.py) with a device mesh built by torch's own
+Every rank is a real process (tests/helpers/mesh_worker.py) with a device mesh built by torch's own
 ``init_device_mesh`` and a bounded collective timeout, so a rank short of batches fails the job
 instead of hanging it.
   - TP=2 x DP=2 on 4 ranks: the two TP peers of each DP rank yield byte-identical batches.
@@ -20,14 +20,14 @@ import sys
 
 import pytest
 
-from cachedata import child_env
-from forkranks import free_port
-from runcli import shardtool_cli
+from helpers.cachedata import child_env
+from helpers.forkranks import free_port
+from helpers.runcli import shardtool_cli
 from test_loader_data import write_dataset
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(TESTS)
-WORKER = os.path.join(TESTS, "mesh_worker.py")
+WORKER = os.path.join(TESTS, "helpers", "mesh_worker.py")
 BATCH = 4
 
 

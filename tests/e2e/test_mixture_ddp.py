@@ -10,10 +10,10 @@ import subprocess
 
 import pytest
 
-from runcli import REPO, shardtool_cli
+from helpers.runcli import REPO, shardtool_cli
+from helpers.torchrun import torchrun as run_job
 from shardtool.loader import Mixture, ShardedLoader
 from test_loader_data import write_dataset
-from torchrun import torchrun as run_job
 
 SHARDS = {"web": [90, 60, 80, 70, 50, 40], "code": [40, 30, 50, 35], "math": [30, 20, 25, 25]}
 WEIGHTS = {"web": 0.5, "code": 0.3, "math": 0.2}
@@ -74,7 +74,7 @@ def test_a_warmed_three_source_mixture_on_two_nodes_serves_every_rank_with_the_s
     out = tmp_path / "out"
     out.mkdir()
     res = torchrun(
-        os.path.join(REPO, "tests", "mixture_worker.py"),
+        os.path.join(REPO, "tests", "helpers", "mixture_worker.py"),
         "--mixture",
         path,
         "--out",
@@ -180,7 +180,7 @@ def test_killed_and_resumed_ranks_serve_exactly_the_uninterrupted_batches(mix, t
             num_workers=0,
         )
         expected.append([[b["__source__"], list(b["__key__"])] for b in ld])
-    worker = os.path.join(REPO, "tests", "mixture_worker.py")
+    worker = os.path.join(REPO, "tests", "helpers", "mixture_worker.py")
     common = ["--mixture", path, "--steps", str(steps), "--ranks-per-node", "2"]
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
@@ -219,7 +219,7 @@ def test_a_third_source_added_on_resume_joins_while_the_others_continue(mix, tmp
     two = tmp_path / "data" / "two.json"
     two.write_text(json.dumps({"sources": {n: {"url": n, "weight": WEIGHTS[n]} for n in ("web", "code")}}))
     steps, cut = 28, 12  # short of a pass of any source: within it, nothing may come twice
-    worker = os.path.join(REPO, "tests", "mixture_worker.py")
+    worker = os.path.join(REPO, "tests", "helpers", "mixture_worker.py")
     common = ["--steps", str(steps), "--ranks-per-node", "2", "--num-workers", "1"]
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()

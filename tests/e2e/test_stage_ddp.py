@@ -1,5 +1,5 @@
 """In-job staging with real processes: 2 ranks on gloo, each with 2 DataLoader workers, on a dataset
-with the real, heavy-tailed lengths of the stdlib's files (tests/realtext.py). Staged in the job
+with the real, heavy-tailed lengths of the stdlib's files (tests/helpers/realtext.py). Staged in the job
 (local rank 0's stager, or `shardtool warm --follow` beside the ranks), the job trains exactly the
 batches of a prolog-warmed cache and of no cache at all, and no shard is fetched twice."""
 
@@ -14,14 +14,14 @@ import sys
 import numpy as np
 import pytest
 
-from cachedata import child_env
-from realtext import stdlib_lengths
+from helpers.cachedata import child_env
+from helpers.realtext import stdlib_lengths
 from shardtool.cache import warm
 from shardtool.plan import Layout, Placement
 from test_loader_data import write_dataset
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(TESTS, "stage_worker.py")
+WORKER = os.path.join(TESTS, "helpers", "stage_worker.py")
 SHARDS = 16
 
 

@@ -1,4 +1,4 @@
-"""Fault-injection suite: make the shared test helpers in ``tests/`` importable from here."""
+"""Fault-injection suite: make the shared test helpers (the package ``tests/helpers/``) importable from here."""
 
 import os
 import sys

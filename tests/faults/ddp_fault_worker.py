@@ -31,7 +31,7 @@ import torch.distributed as dist
 from shardtool.loader import ShardedLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the launcher
-from forkranks import run_jobs_file  # noqa: E402
+from helpers.forkranks import run_jobs_file  # noqa: E402
 
 
 def _write(out: str, rank: int, record: dict) -> None:
@@ -155,7 +155,7 @@ def rank_main(argv: list[str]) -> int:
 def main() -> int:
     """Run the jobs in JOBS.json one after another; print one JSON line of results per job.
 
-    torch is imported once here and every rank is forked from this process (tests/forkranks.py).
+    torch is imported once here and every rank is forked from this process (tests/helpers/forkranks.py).
     """
     return run_jobs_file(sys.argv[1], rank_main)
 

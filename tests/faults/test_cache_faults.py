@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from cachedata import child_env, make_dataset
-from fsutil import flip_byte, temps, tmpfs
+from helpers.cachedata import child_env, make_dataset
+from helpers.fsutil import flip_byte, temps, tmpfs
 from shardtool.cache import VersionDir, admin, assigned_shards, open_cache, warm
 from shardtool.cache.errors import CacheError, NotCached
 from shardtool.format import open_dataset

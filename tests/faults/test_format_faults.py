@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import shardtool
-from runcli import shardtool_cli as cli
+from helpers.runcli import shardtool_cli as cli
 from shardtool.format import FieldSpec, FormatError, Manifest, ShardIndex, ShardInfo, open_dataset
 from shardtool.format.arrowshard import ArrowShardWriter
 from shardtool.format.hashing import hash_bytes
@@ -321,7 +321,7 @@ def test_lengths_file_disagreeing_with_manifest_summary_is_refused(tmp_path):
 @pytest.mark.parametrize("fmt", ["tar", "arrow"])
 def test_length_field_disagreeing_with_recorded_lengths_fails_verify(tmp_path, fmt):
     """A consistent manifest + index whose lengths are not the length field's: verify names the shard."""
-    from data_gen import token_records, write_jsonl
+    from helpers.data_gen import token_records, write_jsonl
 
     out = str(tmp_path / "o")
     shardtool.pack(

@@ -2,7 +2,7 @@
 
 Two real ways a read blocks forever: a shard that is a FIFO nobody writes (``open`` blocks in
 the kernel, the way a hung NFS or FUSE mount does) and a remote store that accepted the request
-and went silent (tests/faultfs.py ``hang``). Both with the trainer reading (``num_workers=0``:
+and went silent (tests/helpers/faultfs.py ``hang``). Both with the trainer reading (``num_workers=0``:
 the main thread itself is stuck in C code) and with two workers; each must fail within
 ``stall_timeout`` plus a few seconds and leave the stacks of every process in the dump file.
 """
@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-import faultfs  # noqa: F401  registers faulty://
+from helpers import faultfs  # noqa: F401  registers faulty://
 from shardtool.format import open_dataset
 from shardtool.loader import LoaderError, ShardedLoader
 from test_loader_data import write_dataset

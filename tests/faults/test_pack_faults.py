@@ -22,9 +22,9 @@ import tarfile
 import pytest
 
 import shardtool
-from data_gen import dir_digest, token_records, write_jsonl, write_tar
-from fsutil import temps, tmpfs
-from runcli import repo_env, shardtool_cli
+from helpers.data_gen import dir_digest, token_records, write_jsonl, write_tar
+from helpers.fsutil import temps, tmpfs
+from helpers.runcli import repo_env, shardtool_cli
 from shardtool.format import PickleRefusedError, ShardIndex
 from shardtool.format.errors import BadSampleError, ShardtoolError
 from shardtool.pack.verify import verify

@@ -1,4 +1,4 @@
-"""An object store that throttles, resets and dawdles, through a real HTTP proxy (tests/s3proxy.py)
+"""An object store that throttles, resets and dawdles, through a real HTTP proxy (tests/helpers/s3proxy.py)
 in front of moto: the warmer and the loader's fetch-on-miss finish with the right bytes.
 
 - ``503 SlowDown`` above a request rate (a token bucket, as S3 throttles a prefix): the warm of
@@ -21,8 +21,8 @@ import time
 import pytest
 import torch
 
-from s3proxy import Faults, s3_proxy, stdlib_dataset  # noqa: F401  (fixture)
-from s3server import s3_server  # noqa: F401  (fixture)
+from helpers.s3proxy import Faults, s3_proxy, stdlib_dataset  # noqa: F401  (fixture)
+from helpers.s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.cache import RetryPolicy, VersionDir, warm
 from shardtool.cache.retry import is_transient, raised_as_is, with_retries
 from shardtool.format import open_dataset

@@ -1,6 +1,6 @@
 """Faults at the storage edge, seen by the warmer and by remote reads without a cache.
 
-Faults are injected by a wrapping fsspec filesystem (``faulty://`` from tests/faultfs.py, plus
+Faults are injected by a wrapping fsspec filesystem (``faulty://`` from tests/helpers/faultfs.py, plus
 ``edgefaulty://`` below for the faults it lacks: a bit flipped in transit, a 503, a log of
 opens shared across processes), over a local directory or a real moto S3 server; our own code
 is never mocked. Every error must name the shard.
@@ -18,10 +18,10 @@ import time
 import fsspec
 import pytest
 
-import faultfs
-from cachedata import make_dataset
-from fsutil import flip_byte, temps
-from s3server import s3_server  # noqa: F401  (fixture)
+from helpers import faultfs
+from helpers.cachedata import make_dataset
+from helpers.fsutil import flip_byte, temps
+from helpers.s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.cache import RetryPolicy, VersionDir, open_cache, warm
 from shardtool.cache.errors import NotCached
 from shardtool.format import open_dataset

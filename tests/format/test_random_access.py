@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import shardtool
-from realtext import stdlib_files
-from s3server import s3_server  # noqa: F401  (fixture)
+from helpers.realtext import stdlib_files
+from helpers.s3server import s3_server  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from runcli import shardtool_cli
+from helpers.runcli import shardtool_cli
 from shardtool.format.sizes import SizeError, parse_size
 
 

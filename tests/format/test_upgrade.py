@@ -11,8 +11,8 @@ import warnings
 import numpy as np
 import pytest
 
-from runcli import shardtool_cli
-from s3server import s3_server  # noqa: F401  (fixture)
+from helpers.runcli import shardtool_cli
+from helpers.s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.format import open_dataset
 from shardtool.format.dataset import SummariesMissing
 from shardtool.format.summaries import SUMMARIES_NAME

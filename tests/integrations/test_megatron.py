@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import megatron.core  # noqa: F401  a declared test dependency, imported plainly (tests/skips.py)
+import megatron.core  # noqa: F401  a declared test dependency, imported plainly (tests/helpers/skips.py)
 import pytest
 import torch
 
@@ -23,7 +23,7 @@ from shardtool.loader import LoaderStateError
 from test_loader_data import write_dataset
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "tests" / "megatron_worker.py"
+WORKER = REPO / "tests" / "helpers" / "megatron_worker.py"
 
 
 def _free_port() -> int:

@@ -2,7 +2,7 @@
 gloo, CPU), exact mid-epoch resume per rank, and a resume on another DP size (which torchtitan's
 own loader refuses, torchtitan #811).
 
-Ranks are forked from tests/titan_worker.py (tests/forkranks.py), one subprocess per job list, with
+Ranks are forked from tests/helpers/titan_worker.py (tests/helpers/forkranks.py), one subprocess per job list, with
 a timeout. A worker builds ``CheckpointManager`` as torchtitan's trainer does (dataloader, a
 one-layer model, train_state), loads the newest ``step-N`` and saves every K steps.
 """
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from s3server import free_port
-from skips import require
+from helpers.s3server import free_port
+from helpers.skips import require
 from test_loader_data import write_dataset
 
 REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "tests" / "titan_worker.py"
+WORKER = REPO / "tests" / "helpers" / "titan_worker.py"
 INSTALL = (
     "pip install --no-deps torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1 spmd_types==0.2.3 "
     "tyro==1.0.17 docstring_parser==0.18.0 (tests/run.sh does)"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import shardtool
-from realtext import byte_ids, stdlib_files
+from helpers.realtext import byte_ids, stdlib_files
 from shardtool.loader import LoaderStateError, ShardedLoader
 from shardtool.plan import DataLayout, Layout
 from shardtool.plan.cost import CostModel, step_balance

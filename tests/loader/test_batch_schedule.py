@@ -19,13 +19,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardtool
-from realtext import byte_ids, doc_files, stdlib_files
-from runcli import shardtool_cli
+from helpers.realtext import byte_ids, doc_files, stdlib_files
+from helpers.runcli import shardtool_cli
+from helpers.skips import require
+from helpers.torchrun import torchrun
 from shardtool.loader import Mixture, ShardedLoader
 from shardtool.loader.trace import dump, find, trace
 from shardtool.plan.schedule import parse_schedule
-from skips import require
-from torchrun import torchrun
 
 
 @pytest.fixture(scope="module")

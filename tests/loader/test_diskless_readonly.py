@@ -20,10 +20,10 @@ import sys
 import pytest
 
 import shardtool
-from realtext import byte_ids, stdlib_files
-from s3server import s3_server  # noqa: F401  (fixture)
+from helpers.realtext import byte_ids, stdlib_files
+from helpers.s3server import s3_server  # noqa: F401  (fixture)
+from helpers.skips import require
 from shardtool.loader import ShardedLoader
-from skips import require
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEEP_WRITABLE = ("/dev/shm", "/proc", "/sys", "/dev")

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import shardtool
-from exact_eval_worker import sample_metric
-from realtext import byte_ids, doc_files, stdlib_files
-from runcli import shardtool_cli
+from helpers.exact_eval_worker import sample_metric
+from helpers.realtext import byte_ids, doc_files, stdlib_files
+from helpers.runcli import shardtool_cli
+from helpers.skips import require
+from helpers.torchrun import torchrun
 from shardtool.loader import LoaderError, ShardedLoader, ValidSum
-from skips import require
-from torchrun import torchrun
 
 
 @pytest.fixture(scope="module")

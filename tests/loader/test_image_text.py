@@ -13,15 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from realdata import ICONS
-from runcli import shardtool_cli
+from helpers.realdata import ICONS
+from helpers.runcli import shardtool_cli
+from helpers.skips import require
+from helpers.webtars import write_tar
 from shardtool.format import BadSampleError, Dataset, ShardtoolError
 from shardtool.loader import ShardedLoader
 from shardtool.loader.packed import block_causal_mask, lean_to_full
 from shardtool.pack import pack
 from shardtool.plan.packing import Packing, pack_rows
-from skips import require
-from webtars import write_tar
 
 SIZES = (16, 24, 32, 48, 64)
 PATCH = 8
@@ -211,7 +211,7 @@ def test_the_image_text_example_runs(tmp_path):
     import subprocess
     import sys
 
-    from torchrun import ROOT
+    from helpers.torchrun import ROOT
 
     cmd = [sys.executable, os.path.join(ROOT, "examples", "image_text.py"), "--work", str(tmp_path / "w")]
     done = subprocess.run([*cmd, "--samples", "120", "--steps", "3"], capture_output=True, text=True, timeout=180)
@@ -358,7 +358,7 @@ def test_a_mixture_carries_its_image_sources_images(pairs, tmp_path):
 def test_an_image_folder_is_captioned_by_its_class_names(pairs, tmp_path):
     """Real icons in class folders (torchvision's ImageFolder layout): each image's caption is its
     class's name; the label stays beside it."""
-    from realdata import icon_tree
+    from helpers.realdata import icon_tree
 
     ds, info, tok = pairs
     made = icon_tree(str(tmp_path / "tree"), per_class=12)

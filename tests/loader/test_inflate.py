@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardtool
-from data_gen import pack_compressed_pairs
-from realtext import byte_ids, stdlib_files
+from helpers.data_gen import pack_compressed_pairs
+from helpers.realtext import byte_ids, stdlib_files
 from shardtool.loader import ShardedLoader
 from shardtool.loader.inflate import Inflated, choose, inflate_budget
 

@@ -13,7 +13,7 @@ import re
 import numpy as np
 import pytest
 
-from fsutil import flip_byte
+from helpers.fsutil import flip_byte
 from shardtool.format import FormatError, open_dataset
 from shardtool.loader import ShardedLoader
 from test_loader_data import write_dataset

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import shardtool
-from data_gen import token_records, write_jsonl
-from realdata import icon_tree
+from helpers.data_gen import token_records, write_jsonl
+from helpers.realdata import icon_tree
 from shardtool.format.keys import path_key
 from shardtool.loader import ShardedLoader
 from shardtool.loader.collate import stack_column

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from realtext import stdlib_lengths
+from helpers.realtext import stdlib_lengths
 from shardtool.loader import ShardedLoader
 from test_loader_data import read_all, write_dataset
 

@@ -16,7 +16,7 @@ import tempfile
 import numpy as np
 import pytest
 
-import faultfs  # noqa: F401  registers faulty://
+from helpers import faultfs  # noqa: F401  registers faulty://
 from shardtool import cache
 from shardtool.format import open_dataset
 from shardtool.format.coalesce import DEFAULT_GAP, coalesce

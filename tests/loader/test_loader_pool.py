@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from leaks import resources, settled
+from helpers.leaks import resources, settled
 from shardtool.loader import LoaderError, ShardedLoader
 from test_loader_data import write_dataset
 

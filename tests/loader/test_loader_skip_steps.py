@@ -14,13 +14,13 @@ import os
 import pytest
 
 import shardtool
-from realtext import byte_ids, doc_files, stdlib_files
-from runcli import shardtool_cli
+from helpers.realtext import byte_ids, doc_files, stdlib_files
+from helpers.runcli import shardtool_cli
+from helpers.skips import require
+from helpers.torchrun import torchrun
 from shardtool.loader import Mixture, ShardedLoader
 from shardtool.loader.trace import trace
 from shardtool.plan import LoaderState
-from skips import require
-from torchrun import torchrun
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardtool
-from realdata import icon_tree
-from runcli import repo_env
+from helpers.realdata import icon_tree
+from helpers.runcli import repo_env
 from shardtool.format.sindex import _bad_keys_compute, bad_keys
 
 PROBE = """

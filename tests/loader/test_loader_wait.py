@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 import shardtool
+from helpers.skips import require
 from shardtool.loader import Mixture, ShardedLoader
-from skips import require
 
 pytestmark = pytest.mark.timeout(180)
 DOCS = 600

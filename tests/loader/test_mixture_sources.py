@@ -12,8 +12,8 @@ import os
 import pytest
 
 import shardtool
-from leaks import resources, settled
-from realtext import byte_ids, stdlib_files
+from helpers.leaks import resources, settled
+from helpers.realtext import byte_ids, stdlib_files
 from shardtool.loader import ShardedLoader
 from shardtool.plan.mixture import Mixture
 from shardtool.plan.mixture.state import MixtureState, source_changes

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from data_gen import packed_rows_dataset
-from s3server import s3_server  # noqa: F401  (fixture)
+from helpers.data_gen import packed_rows_dataset
+from helpers.s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.format import FormatError
 from shardtool.loader.packed import IGNORE_INDEX, PackedReader, block_causal_mask, packed_batch
 from shardtool.loader.reader import BatchReader

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardtool
-from realtext import byte_ids, doc_files, stdlib_files
+from helpers.realtext import byte_ids, doc_files, stdlib_files
+from helpers.skips import require
 from shardtool.format import FormatError
 from shardtool.loader import ShardedLoader
 from shardtool.loader.packchunk import CHUNK
@@ -23,7 +24,6 @@ from shardtool.loader.reader import BatchReader
 from shardtool.loader.source import SourceSpec
 from shardtool.pack.synthetic import write_synthetic
 from shardtool.plan.packing import Packing, pack_rows
-from skips import require
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import json
 import pytest
 
 import shardtool
-from realtext import train_tokenizer, write_stdlib_jsonl
-from runcli import shardtool_cli
+from helpers.realtext import train_tokenizer, write_stdlib_jsonl
+from helpers.runcli import shardtool_cli
 from shardtool.loader import Mixture, ShardedLoader
 
 SUBDIRS = ("email", "json", "asyncio")

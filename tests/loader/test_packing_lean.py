@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardtool
-from data_gen import packed_rows_dataset
-from realtext import byte_ids, stdlib_files
+from helpers.data_gen import packed_rows_dataset
+from helpers.realtext import byte_ids, stdlib_files
 from shardtool.loader import ShardedLoader
 from shardtool.loader.packed import PackedReader, lean_dtype, lean_to_full, packed_batch
 from shardtool.loader.reader import BatchReader

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import shardtool
-from realtext import byte_ids, stdlib_files
+from helpers.realtext import byte_ids, stdlib_files
 from shardtool.loader import ShardedLoader
 
 EOS = 256

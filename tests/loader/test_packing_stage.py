@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.strategies import LAYOUTS, datasets
 from shardtool.loader import ShardedLoader
 from shardtool.plan import ArraySource, Batching, DataLayout, Layout, Planner
 from shardtool.plan.packing import Packing
 from shardtool.plan.simulate import simulate_epoch
 from shardtool.plan.synthetic import lognormal_lengths
-from strategies import LAYOUTS, datasets
 from test_loader_data import write_dataset
 
 settings.register_profile("packing-stage", max_examples=40, deadline=None)
@@ -193,7 +193,7 @@ def test_the_example_trains_on_packed_rows_under_torchrun(corpus, tmp_path):
     import subprocess
     import sys
 
-    from s3server import free_port
+    from helpers.s3server import free_port
 
     root, _, _ = corpus
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardtool
-from realtext import byte_ids, doc_files, doc_lengths, stdlib_files, stdlib_lengths
+from helpers.realtext import byte_ids, doc_files, doc_lengths, stdlib_files, stdlib_lengths
+from helpers.skips import require
+from helpers.strategies import LAYOUTS
 from shardtool.loader import ShardedLoader
 from shardtool.loader.packed import PackedReader
 from shardtool.loader.packlayout import BatchLayout, joined_runs
@@ -23,8 +25,6 @@ from shardtool.loader.reader import BatchReader
 from shardtool.loader.source import SourceSpec
 from shardtool.plan import ArraySource, Batching, DataLayout, Layout, Planner
 from shardtool.plan.packing import Packing
-from skips import require
-from strategies import LAYOUTS
 
 EOS = 256  # byte ids are 0..255
 

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from data_gen import pack_compressed_pairs
-from realtext import stdlib_files
-from s3server import s3_server  # noqa: F401  (fixture)
+from helpers.data_gen import pack_compressed_pairs
+from helpers.realtext import stdlib_files
+from helpers.s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.format import FormatError, open_dataset
 from shardtool.loader import ShardedLoader
 from shardtool.loader.batchcache import CompressedBatches

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from realtext import stdlib_files
-from s3server import s3_server  # noqa: F401  (fixture)
+from helpers.realtext import stdlib_files
+from helpers.s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.format import FormatError
 from shardtool.loader import ShardedLoader
 from shardtool.loader.packed import IGNORE_INDEX, lean_to_full

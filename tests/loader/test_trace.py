@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardtool
-from realtext import byte_ids, doc_files, stdlib_files
+from helpers.realtext import byte_ids, doc_files, stdlib_files
+from helpers.skips import require
 from shardtool.loader import ShardedLoader
 from shardtool.loader.trace import trace
 from shardtool.plan.mixture import Mixture
-from skips import require
 
 pytestmark = pytest.mark.timeout(300)
 

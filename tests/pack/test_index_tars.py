@@ -14,8 +14,9 @@ import tarfile
 import numpy as np
 import pytest
 
-from runcli import shardtool_cli
-from s3server import free_port
+from helpers.runcli import shardtool_cli
+from helpers.s3server import free_port
+from helpers.webtars import add, text_samples, write_collection, write_stdlib_tars, write_tar
 from shardtool.cache import warm
 from shardtool.format import open_dataset
 from shardtool.format.errors import BadSampleError, FormatError
@@ -23,7 +24,6 @@ from shardtool.loader import ShardedLoader
 from shardtool.pack import pack
 from shardtool.pack.inplace import index_tars
 from shardtool.pack.verify import verify
-from webtars import add, text_samples, write_collection, write_stdlib_tars, write_tar
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)
@@ -77,9 +77,9 @@ def test_length_fn_and_payload_bytes(tars, tmp_path):
     ds = open_dataset(index_tars(tars[:1], str(tmp_path / "a")).out)
     raw = [ds.read(0, i, decode=False) for i in range(len(ds))]
     assert ds.lengths.tolist() == [len(x["txt"]) + len(x["json"]) for x in raw]
-    ds = open_dataset(index_tars(tars[:1], str(tmp_path / "b"), length_fn="tests_length_fn:txt_words").out)
+    ds = open_dataset(index_tars(tars[:1], str(tmp_path / "b"), length_fn="helpers.tests_length_fn:txt_words").out)
     assert ds.lengths.tolist() == [len(x["txt"].split()) for x in raw]
-    assert ds.manifest.length == {**ds.manifest.length, "unit": "fn", "fn": "tests_length_fn:txt_words"}
+    assert ds.manifest.length == {**ds.manifest.length, "unit": "fn", "fn": "helpers.tests_length_fn:txt_words"}
 
 
 def _bad_tar(path: str, kind: str) -> str:
@@ -226,7 +226,7 @@ def test_a_tar_behind_a_url_is_read_through_fsspec(tars, tmp_path):
 
 
 # ------------------------------------------------------------------ training from warmed caches
-WORKER = os.path.join(TESTS, "cold_cache_worker.py")
+WORKER = os.path.join(TESTS, "helpers", "cold_cache_worker.py")
 
 
 @pytest.mark.timeout(240)
@@ -280,7 +280,7 @@ def test_torchrun_trains_from_warmed_node_cache_with_the_tars_untouched(tmp_path
 # ------------------------------------------------------------------ the header parser, against tarfile and pack
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from strategies import tar_samples  # noqa: E402
+from helpers.strategies import tar_samples  # noqa: E402
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardtool
-from data_gen import (
+from helpers.data_gen import (
     dir_digest,
     image_samples,
     read_all,
@@ -155,10 +155,10 @@ def test_key_field_and_length_fn(tmp_path):
     recs = [{"id": f"s{i}", "tokens": list(range(i + 1))} for i in range(10)]
     src = write_jsonl(str(tmp_path / "in.jsonl"), recs)
     out = str(tmp_path / "o")
-    shardtool.pack(src, out, key="id", length_fn="tests_length_fn:double_tokens")
+    shardtool.pack(src, out, key="id", length_fn="helpers.tests_length_fn:double_tokens")
     ds = shardtool.open_dataset(out)
     assert ds.lengths.tolist() == [2 * (i + 1) for i in range(10)]
-    assert ds.manifest.length["fn"] == "tests_length_fn:double_tokens"
+    assert ds.manifest.length["fn"] == "helpers.tests_length_fn:double_tokens"
     assert sorted(read_all(out)) == sorted(r["id"] for r in recs)
 
 

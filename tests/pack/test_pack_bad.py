@@ -12,7 +12,7 @@ import time
 import pytest
 
 import shardtool
-from data_gen import dir_digest, image_samples, token_records, write_jsonl, write_tar, write_tree
+from helpers.data_gen import dir_digest, image_samples, token_records, write_jsonl, write_tar, write_tree
 from shardtool.format.errors import BadSampleError, ShardtoolError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

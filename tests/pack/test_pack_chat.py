@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from runcli import shardtool_cli
+from helpers.runcli import shardtool_cli
+from helpers.torchrun import torchrun
 from shardtool.benchmarks.realdocs import stdlib_docstrings
 from shardtool.format import Dataset, ShardtoolError
 from shardtool.loader import ShardedLoader
 from shardtool.pack import pack
-from torchrun import torchrun
 
 END = "<|im_end|>"
 CHATML = (
@@ -249,7 +249,7 @@ def test_the_fine_tuning_example_runs(tmp_path):
     import subprocess
     import sys
 
-    from torchrun import ROOT
+    from helpers.torchrun import ROOT
 
     cmd = [sys.executable, os.path.join(ROOT, "examples", "finetune_chat.py"), "--work", str(tmp_path / "w")]
     done = subprocess.run([*cmd, "--samples", "300", "--steps", "3"], capture_output=True, text=True, timeout=180)

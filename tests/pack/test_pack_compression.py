@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import shardtool
-from data_gen import pack_compressed_pairs
+from helpers.data_gen import pack_compressed_pairs
 from shardtool import cache
 from shardtool.format.errors import FormatError, ShardtoolError
 from shardtool.loader import ShardedLoader
@@ -175,8 +175,8 @@ def test_compressed_record_batches_are_cut_at_1_mib_and_at_the_size_asked(tmp_pa
 
 
 def test_pack_cli_record_batch_size(tmp_path):
-    from data_gen import write_jsonl
-    from runcli import shardtool_cli
+    from helpers.data_gen import write_jsonl
+    from helpers.runcli import shardtool_cli
 
     src = write_jsonl(str(tmp_path / "in.jsonl"), [{"tokens": list(range(i % 50 + 1))} for i in range(3000)])
     out = str(tmp_path / "ds")

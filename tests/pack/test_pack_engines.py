@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import shardtool
-from realtext import byte_ids, stdlib_files
+from helpers.realtext import byte_ids, stdlib_files
+from helpers.skips import require
 from shardtool.format import open_dataset
-from skips import require
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(600)]
 OPTIONS = dict(format="arrow", length="tokens", shard_size="2MiB")

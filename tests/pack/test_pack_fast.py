@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardtool
-from data_gen import dir_digest
+from helpers.data_gen import dir_digest
 from shardtool.format.tarshard import _header_slow, headers_batch
 from shardtool.pack import columns, fastcol
 

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import shardtool
-from skips import require
+from helpers.skips import require
 
 sources = importlib.import_module("shardtool.pack.sources")  # `shardtool.pack` is also the function
 readers = importlib.import_module("shardtool.pack.readers")

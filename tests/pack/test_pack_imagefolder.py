@@ -11,9 +11,9 @@ import tarfile
 import pytest
 
 import shardtool
-from data_gen import read_all
-from realdata import ICON_CLASSES, icon_tree
-from runcli import shardtool_cli
+from helpers.data_gen import read_all
+from helpers.realdata import ICON_CLASSES, icon_tree
+from helpers.runcli import shardtool_cli
 from shardtool.format.errors import BadSampleError, ShardtoolError
 from shardtool.format.keys import key_problem, path_key
 

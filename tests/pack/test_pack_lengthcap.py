@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import shardtool
-from data_gen import read_all, token_records, write_jsonl, write_parquet
-from runcli import REPO, shardtool_cli
+from helpers.data_gen import read_all, token_records, write_jsonl, write_parquet
+from helpers.runcli import REPO, shardtool_cli
 from shardtool.format.errors import ShardtoolError
 from shardtool.pack.merge import merge
 from shardtool.pack.verify import verify
@@ -172,7 +172,7 @@ def test_truncate_needs_an_array_length_field(tmp_path):
     for kw, what in [
         ({"length": "text"}, "--length 'text' is stored as text"),
         ({}, "the length is not a field"),
-        ({"length_fn": "tests_length_fn:double_tokens"}, "the length is not a field"),
+        ({"length_fn": "helpers.tests_length_fn:double_tokens"}, "the length is not a field"),
     ]:
         with pytest.raises(ShardtoolError, match="truncate .* needs --length naming a 1-D array field; " + what):
             shardtool.pack(src, str(tmp_path / "o"), max_length=3, max_length_policy="truncate", **kw)

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from peers import peer_rows, run_peer
+from helpers.peers import peer_rows, run_peer
 from shardtool.format import open_dataset
 from shardtool.format.errors import BadSampleError
 from shardtool.pack import pack

@@ -17,8 +17,8 @@ with warnings.catch_warnings():  # "Transformer Engine and Apex are not installe
     warnings.simplefilter("ignore")
     from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
-from realtext import byte_ids, stdlib_files
-from runcli import shardtool_cli
+from helpers.realtext import byte_ids, stdlib_files
+from helpers.runcli import shardtool_cli
 from shardtool.format import open_dataset
 from shardtool.format.errors import BadSampleError
 from shardtool.pack import pack

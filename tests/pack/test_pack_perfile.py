@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shardtool
-from data_gen import dir_digest, image_samples, read_all, write_tree
-from runcli import shardtool_cli
+from helpers.data_gen import dir_digest, image_samples, read_all, write_tree
+from helpers.runcli import shardtool_cli
 from shardtool.format.errors import BadSampleError, ShardtoolError
 from shardtool.format.keys import MAX_KEY_BYTES, key_problem, keys_for_paths
 from shardtool.pack.skips import PackWarning

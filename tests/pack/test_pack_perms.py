@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from data_gen import token_records, write_jsonl
-from runcli import repo_env
+from helpers.data_gen import token_records, write_jsonl
+from helpers.runcli import repo_env
 
 PACK = """
 import os, sys

@@ -11,9 +11,9 @@ import sys
 import pytest
 
 import shardtool
-from data_gen import dir_digest, read_all, token_records, write_jsonl
-from fsutil import flip_byte
-from runcli import repo_env, shardtool_cli
+from helpers.data_gen import dir_digest, read_all, token_records, write_jsonl
+from helpers.fsutil import flip_byte
+from helpers.runcli import repo_env, shardtool_cli
 from shardtool.format.errors import BadSampleError, FormatError, ShardtoolError
 from shardtool.pack.verify import verify
 

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import shardtool
-from realtext import byte_ids, stdlib_files
+from helpers.realtext import byte_ids, stdlib_files
 from shardtool.format.errors import BadSampleError
 
 ROWS = 40  # per row group: several units, so the reader runs ahead of the writer

@@ -11,7 +11,7 @@ import pytest
 import tokenizers  # noqa: E402, F401  a declared test dependency
 
 import shardtool
-from runcli import shardtool_cli
+from helpers.runcli import shardtool_cli
 from shardtool.format.errors import BadSampleError, ShardtoolError
 
 
@@ -161,8 +161,8 @@ def test_cli_tokenizes_a_jsonl_in_one_command(corpus, tmp_path):
 
 def test_a_tars_txt_members_are_tokenized(tmp_path):
     """WebDataset image-text tars hold captions as .txt members (raw UTF-8 bytes): real stdlib text."""
-    from realtext import stdlib_files, train_tokenizer
-    from webtars import write_tar
+    from helpers.realtext import stdlib_files, train_tokenizer
+    from helpers.webtars import write_tar
 
     texts = [open(p, encoding="utf-8").read() for p in stdlib_files(30)]
     tok = train_tokenizer(texts, 600)

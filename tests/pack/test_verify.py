@@ -8,9 +8,9 @@ import os
 import pytest
 
 import shardtool
-from data_gen import image_samples, token_records, write_jsonl, write_tree
-from fsutil import flip_byte
-from runcli import shardtool_cli as _cli
+from helpers.data_gen import image_samples, token_records, write_jsonl, write_tree
+from helpers.fsutil import flip_byte
+from helpers.runcli import shardtool_cli as _cli
 from shardtool.pack.verify import verify
 
 

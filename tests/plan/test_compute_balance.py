@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from realtext import doc_lengths, stdlib_lengths
+from helpers.realtext import doc_lengths, stdlib_lengths
+from helpers.skips import require
 from shardtool.plan import ArraySource, Batching, DataLayout, Layout
 from shardtool.plan.cost import CostModel, step_balance
 from shardtool.plan.costorder import balanced_order
@@ -16,7 +17,6 @@ from shardtool.plan.group import plan_group
 from shardtool.plan.packing import Packing
 from shardtool.plan.shape import plan_shape
 from shardtool.plan.simulate import simulate_epoch
-from skips import require
 
 LLAMA_7B = CostModel.parse("llama-7b")
 

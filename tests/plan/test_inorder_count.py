@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from realtext import issue32_lengths, stdlib_lengths
+from helpers.realtext import issue32_lengths, stdlib_lengths
+from helpers.strategies import datasets
 from shardtool.plan import ArraySource, Batching, DataLayout, Layout, Planner
 from shardtool.plan.batching import in_order_starts
 from shardtool.plan.simulate import simulate_epoch
 from shardtool.plan.synthetic import lognormal_lengths
-from strategies import datasets
 
 BUDGET = 65536
 

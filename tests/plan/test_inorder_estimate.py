@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from realtext import stdlib_lengths
+from helpers.realtext import stdlib_lengths
 from shardtool.format.sketch import sketch_cells
 from shardtool.format.summaries import ShardSummaries
 from shardtool.plan import Batching

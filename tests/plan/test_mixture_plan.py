@@ -9,13 +9,13 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from mixplans import Served, planner_of, shares_error
+from helpers.mixplans import Served, planner_of, shares_error
+from helpers.strategies import MixtureCase, mixture_cases
 from shardtool.plan import Batching, Layout
 from shardtool.plan.mixture.span import RepeatError, check_repeat, span, steps_for_tokens
 from shardtool.plan.mixture.state import MixtureState
 from shardtool.plan.packing import Packing
 from shardtool.plan.state import StateError
-from strategies import MixtureCase, mixture_cases
 
 
 def roundtrip(state: MixtureState) -> MixtureState:

@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mixplans import Served, planner_of
+from helpers.mixplans import Served, planner_of
+from helpers.strategies import MixtureCase, mixture_cases
 from shardtool.plan import Batching, Layout
 from shardtool.plan.mixture.state import MixtureState, Phase
 from shardtool.plan.state import StateError
-from strategies import MixtureCase, mixture_cases
 
 
 def roundtrip(state: MixtureState) -> MixtureState:

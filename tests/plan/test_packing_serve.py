@@ -10,11 +10,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from realtext import issue32_lengths, stdlib_lengths, stdlib_line_lengths
+from helpers.realtext import issue32_lengths, stdlib_lengths, stdlib_line_lengths
+from helpers.strategies import LAYOUTS
 from shardtool.plan import ArraySource, Batching, DataLayout, Layout, Planner
 from shardtool.plan.packing import Packing
 from shardtool.plan.simulate import simulate_epoch
-from strategies import LAYOUTS
 
 DATASET = "manifest-sha-packed"
 

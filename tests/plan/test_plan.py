@@ -7,6 +7,7 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
+from helpers.strategies import Dataset, cases, datasets, make_lengths
 from shardtool.format.summaries import ShardSummaries
 from shardtool.plan import (
     ArraySource,
@@ -25,7 +26,6 @@ from shardtool.plan import (
 from shardtool.plan.batching import bucket
 from shardtool.plan.simulate import simulate_epoch
 from shardtool.plan.synthetic import lognormal_lengths
-from strategies import Dataset, cases, datasets, make_lengths
 
 settings.register_profile("plan", max_examples=60, deadline=None)
 settings.load_profile("plan")

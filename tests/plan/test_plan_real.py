@@ -11,12 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mixplans import planner_of
-from realtext import CORPORA
+from helpers.mixplans import planner_of
+from helpers.realtext import CORPORA
+from helpers.skips import require
 from shardtool.plan import ArraySource, Batching, DataLayout, Layout, Planner
 from shardtool.plan.packing import Packing
 from shardtool.plan.simulate import simulate_epoch
-from skips import require
 
 
 @functools.cache

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from realtext import doc_lengths, stdlib_lengths
+from helpers.realtext import doc_lengths, stdlib_lengths
 from shardtool.plan import ArraySource, Batching, DataLayout, Layout, Planner, plan_shape
 from shardtool.plan.batching import block_samples
 

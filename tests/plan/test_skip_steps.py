@@ -9,9 +9,9 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from helpers.strategies import LAYOUTS, datasets
 from shardtool.plan import ArraySource, Batching, DataLayout, Layout, LoaderState, Planner, StateError
 from shardtool.plan.packing import Packing
-from strategies import LAYOUTS, datasets
 
 DATASET = "manifest-sha-skip"
 

@@ -148,7 +148,7 @@ def test_a_simulated_stager_keeps_its_bound_and_stages_everything(n, ahead, slot
 
 
 def test_a_real_plan_touches_the_shards_of_its_node_in_batch_order(tmp_path):
-    from realtext import stdlib_lengths
+    from helpers.realtext import stdlib_lengths
     from shardtool.format import open_dataset
     from test_loader_data import write_dataset
 

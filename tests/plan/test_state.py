@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.strategies import LAYOUTS, cases, make_lengths
 from shardtool.plan import ArraySource, Batching, DataLayout, Layout, Planner
 from shardtool.plan.state import LoaderState, Segment, StateError, _v1_fingerprint, check_compatible
-from strategies import LAYOUTS, cases, make_lengths
 
 settings.register_profile("state", max_examples=40, deadline=None)
 settings.load_profile("state")

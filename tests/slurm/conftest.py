@@ -8,14 +8,14 @@
 
 Tests using either fixture are marked `slurm` (select/deselect with -m). Where a cluster cannot run here
 (not root, not Linux, no slurm-wlm and no apt-get) they are skipped with the reason; under SHARDTOOL_TEST_STRICT=1
-(CI) that skip is a failure (tests/skips.py).
+(CI) that skip is a failure (tests/helpers/skips.py).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from skips import require
+from helpers.skips import require
 
 from .harness import LocalSlurm, available
 

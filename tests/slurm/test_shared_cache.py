@@ -22,7 +22,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
-from cachedata import make_dataset  # noqa: E402
+from helpers.cachedata import make_dataset  # noqa: E402
 
 NODES = ["node1", "node2"]
 READER = REPO / "tests" / "slurm" / "stage_reader.py"

@@ -7,7 +7,7 @@ constraints pip picks versions of ours that fit the pin instead (an older aiobot
 install stays quiet; `tests/run.sh` falls back to an unconstrained install if no such versions
 exist. In a fresh venv nothing is pinned and this prints nothing.
 
-    python tests/keep_pins.py > constraints.txt
+    python tests/helpers/keep_pins.py > constraints.txt
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One rank of a gloo job reading a packed dataset with ShardedLoader over a data layout (tests/e2e/test_mesh_ddp.py).
 
 Two ways to start it:
-  python mesh_worker.py JOBS.json     forks every rank of every job (tests/forkranks.py), one line
+  python mesh_worker.py JOBS.json     forks every rank of every job (tests/helpers/forkranks.py), one line
                                       of [returncode, seconds] per rank per job on stdout
   torchrun ... mesh_worker.py ARGS    one rank, as a training script
 
@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from shardtool.loader import ShardedLoader
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from forkranks import run_jobs_file  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the helpers package
+from helpers.forkranks import run_jobs_file  # noqa: E402
 
 
 def digest(batch: dict) -> str:

@@ -1,7 +1,7 @@
 """One rank of a 2-rank gloo job for in-job staging tests (tests/e2e/test_stage_ddp.py) and the staging
 benchmark (benchmarks/staging.py).
 
-  python stage_worker.py JOBS.json   forks every rank of every job (tests/forkranks.py), one line of
+  python stage_worker.py JOBS.json   forks every rank of every job (tests/helpers/forkranks.py), one line of
                                      [returncode, seconds] per rank per job on stdout
 
 Every step all-reduces, as DDP does, then sleeps ``--step-s`` (the model's step). Writes
@@ -21,9 +21,9 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import faultfs  # noqa: F401  registers faulty://
-from forkranks import run_jobs_file
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the helpers package
+from helpers import faultfs  # noqa: F401  registers faulty://
+from helpers.forkranks import run_jobs_file
 from shardtool.loader import ShardedLoader
 
 

@@ -1,6 +1,6 @@
 """A real S3 API server (moto) on 127.0.0.1 in a subprocess, for tests that go through s3fs.
 
-Use the ``s3_server`` fixture (``from s3server import s3_server``): it starts one server per
+Use the ``s3_server`` fixture (``from helpers.s3server import s3_server``): it starts one server per
 session on a free port and stops it at the end. ``server.storage_options`` are what s3fs needs;
 ``server.upload(local_dir, "bucket/prefix")`` copies a packed dataset in.
 """

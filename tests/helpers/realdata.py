@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from skips import require
+from helpers.skips import require
 
 ICONS = "/usr/share/icons/Adwaita/48x48"
 # Categories with enough icons to be classes; their sorted order is the label order.

@@ -1,4 +1,4 @@
-"""A --length-fn target for the pack tests (importable because tests/ is on sys.path)."""
+"""A --length-fn target for the pack tests (importable as ``helpers.tests_length_fn`` because tests/ is on sys.path)."""
 
 
 def double_tokens(sample):

@@ -6,7 +6,7 @@ import os
 
 from shardtool.pack.synthetic import write_synthetic
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
 
 def child_env() -> dict:

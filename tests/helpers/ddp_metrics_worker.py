@@ -1,7 +1,7 @@
 """One rank of a torchrun job whose loader logs metrics and a cross-rank summary (tests/e2e/test_ddp_metrics.py).
 
 Two simulated nodes of two ranks each (ranks_per_node=2). Rank --slow-rank reads the same
-dataset through a slow fsspec source (tests/faultfs.py: every request waits --latency s), the
+dataset through a slow fsspec source (tests/helpers/faultfs.py: every request waits --latency s), the
 others read it in place; after every batch the ranks all-reduce, as DDP does, so the fast
 ranks wait for the slow one in the collective and the slow one waits for its data.
 """
@@ -17,8 +17,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import faultfs  # noqa: E402,F401  registers faulty://
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the helpers package
+from helpers import faultfs  # noqa: E402,F401  registers faulty://
 from shardtool.loader import ShardedLoader  # noqa: E402
 
 

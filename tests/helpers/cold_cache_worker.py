@@ -16,8 +16,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import faultfs  # noqa: E402,F401  registers faulty://
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the helpers package
+from helpers import faultfs  # noqa: E402,F401  registers faulty://
 from shardtool.loader import ShardedLoader  # noqa: E402
 
 

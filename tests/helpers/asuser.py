@@ -15,7 +15,7 @@ import os
 import tempfile
 import traceback
 
-from skips import needs_root
+from helpers.skips import needs_root
 
 NOBODY = 65534
 
@@ -26,7 +26,7 @@ class ChildFailed(AssertionError):
 
 def require_root() -> None:
     """Two real users need root to create the second one's process; elsewhere the test is skipped
-    (CI runs as root, and treats this skip as a failure: tests/skips.py)."""
+    (CI runs as root, and treats this skip as a failure: tests/helpers/skips.py)."""
     needs_root("the test warms a cache as root and reads it as another user (uid 65534)")
 
 

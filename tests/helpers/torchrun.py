@@ -11,9 +11,9 @@ import signal
 import subprocess
 import sys
 
-from s3server import free_port
+from helpers.s3server import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
 __all__ = ["ROOT", "torchrun"]
 
@@ -21,7 +21,7 @@ __all__ = ["ROOT", "torchrun"]
 def torchrun(
     script: str, nproc: int, *args: str, timeout: float, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """``script`` (a path, or a name in tests/) on ``nproc`` ranks with ``args``; its
+    """``script`` (a path, or a name in tests/helpers/) on ``nproc`` ranks with ``args``; its
     CompletedProcess (text output). ``env``: variables set on top of this environment's."""
     cmd = [
         sys.executable,
@@ -31,7 +31,7 @@ def torchrun(
         f"--nproc_per_node={nproc}",
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
-        script if os.path.isabs(script) else os.path.join(ROOT, "tests", script),
+        script if os.path.isabs(script) else os.path.join(ROOT, "tests", "helpers", script),
         *args,
     ]
     full_env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **(env or {})}

@@ -1,6 +1,6 @@
 """One rank of a torchtitan-style run: a TitanLoader saved and restored by torchtitan's CheckpointManager.
 
-  python titan_worker.py JOBS.json     forks every rank of every job (tests/forkranks.py)
+  python titan_worker.py JOBS.json     forks every rank of every job (tests/helpers/forkranks.py)
 
 A rank's argv: ``--out DIR --data ROOT --ckpt FOLDER [--save-every K] [--stop-at S]``. It loads
 the newest ``step-N`` checkpoint in FOLDER if there is one (as torchtitan's trainer does at start),
@@ -17,10 +17,10 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the helpers package
 
-from forkranks import run_jobs_file  # noqa: E402
+from helpers.forkranks import run_jobs_file  # noqa: E402
 
 ROWS, SEQ = 2, 33  # packed rows per batch; tokens per row (torchtitan's seq_len 32, plus the shifted label)
 

@@ -2,7 +2,7 @@
 
 Streaming pins numpy<2.2, so they cannot share the test environment; tests/run.sh makes the venv
 (``.venv-peers``, or ``$SHARDTOOL_PEERS_VENV``) and exports ``SHARDTOOL_PEERS_PYTHON``. A test that
-needs it and finds none skips through tests/skips.require, which fails under CI's strict mode.
+needs it and finds none skips through tests/helpers/skips.require, which fails under CI's strict mode.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import subprocess
 
 import numpy as np
 
-from skips import require
+from helpers.skips import require
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-TOOL = os.path.join(TESTS, "peers_tool.py")
+HELPERS = os.path.dirname(os.path.abspath(__file__))
+TOOL = os.path.join(HELPERS, "peers_tool.py")
 CANDIDATES = (
     os.environ.get("SHARDTOOL_PEERS_PYTHON", ""),
-    os.path.join(os.path.dirname(TESTS), ".venv-peers/bin/python"),
+    os.path.join(os.path.dirname(os.path.dirname(HELPERS)), ".venv-peers/bin/python"),
     "/work/venv-peers/bin/python",
 )
 

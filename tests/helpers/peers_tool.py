@@ -1,4 +1,4 @@
-"""Run with the peers' venv (tests/peers.py): write a dataset with MosaicML Streaming's MDSWriter or
+"""Run with the peers' venv (tests/helpers/peers.py): write a dataset with MosaicML Streaming's MDSWriter or
 LitData's optimize(), or read one back with their own readers, dumping rows as tagged JSON lines.
 
     python peers_tool.py mds-write OUT [COMPRESSION]     rows of real text (the stdlib's .py files)

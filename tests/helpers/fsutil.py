@@ -7,8 +7,8 @@ import os
 import subprocess
 from collections.abc import Iterator
 
+from helpers.skips import require
 from shardtool.format.atomic import TMP_PREFIX
-from skips import require
 
 
 def flip_byte(path: str, at: int, mask: int = 0xFF) -> None:

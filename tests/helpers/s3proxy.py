@@ -1,4 +1,4 @@
-"""A real HTTP reverse proxy in front of the moto S3 server (tests/s3server.py): it counts the
+"""A real HTTP reverse proxy in front of the moto S3 server (tests/helpers/s3server.py): it counts the
 requests s3fs sends and, when asked, answers some of them as an overloaded object store would.
 
     with S3Proxy(s3_server.endpoint) as proxy:  # or the ``s3_proxy`` fixture
@@ -397,8 +397,8 @@ class S3Proxy:
 
     @property
     def storage_options(self) -> dict:
-        """s3fs options that go through this proxy (the credentials of tests/s3server.py)."""
-        from s3server import CREDS
+        """s3fs options that go through this proxy (the credentials of tests/helpers/s3server.py)."""
+        from helpers.s3server import CREDS
 
         base = dict(self._base_options or {**CREDS, "skip_instance_cache": True})
         base["client_kwargs"] = {**base.get("client_kwargs", {}), "endpoint_url": self.endpoint}
@@ -474,7 +474,7 @@ def stdlib_dataset(root: str, files: int = 200, shard_size: int = 1_000_000) -> 
     """Real text to serve: the first ``files`` stdlib source files as byte-id token rows, packed
     as plain Arrow shards of about ``shard_size`` bytes (200 files: 13 shards, 10 MB)."""
     import shardtool
-    from realtext import byte_ids, stdlib_files
+    from helpers.realtext import byte_ids, stdlib_files
 
     rows = [{"tokens": byte_ids(p), "path": os.path.relpath(p)} for p in stdlib_files(files)]
     shardtool.pack(rows, root, format="arrow", length="tokens", shard_size=shard_size)

@@ -37,7 +37,7 @@ def issue32_lengths() -> np.ndarray:
     """Issue 32's shape of packed rows at seq_len 1,024: 1,003 documents, 617 of them longer than
     1,024 tokens (stdlib files as byte ids), the rest short files of /usr/share/doc, in a fixed
     shuffled order."""
-    from skips import require
+    from helpers.skips import require
 
     long = stdlib_lengths()
     long = long[long > 1024][:617]

@@ -8,7 +8,7 @@ import json
 import os
 import tarfile
 
-from realtext import stdlib_files
+from helpers.realtext import stdlib_files
 
 
 def add(tf: tarfile.TarFile, name: str, data: bytes, **attrs) -> None:
