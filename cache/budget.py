@@ -136,7 +136,8 @@ class Budget:
         """The cache as it is now (`scan` with ``scan_options``) and the bytes it may hold."""
         entries, where, used = scan(cache_dir, **scan_options)
         limit = effective_limit(used, disk_free(cache_dir), max_bytes=self.max_bytes, min_free=self.min_free)
-        assert limit is not None, "measure() of an inactive budget"  # callers check `active` first
+        if limit is None:
+            raise RuntimeError("shardtool internal error: measure() of an inactive budget")
         return Room(entries, where, used, limit)
 
     def flags(self) -> str:

@@ -190,7 +190,8 @@ class DatasetCache:
             return self.vdir
         user = self._user_vdir(create=True)
         # own_cache_dir(create=True) made the directory or raised LocalFault: it exists
-        assert user is not None, f"user cache {self.user_cache} vanished as it was created"
+        if user is None:
+            raise RuntimeError(f"shardtool internal error: user cache {self.user_cache} vanished as it was created")
         return user
 
     def _holder(self, shard: int) -> VersionDir | None:

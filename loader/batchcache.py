@@ -248,7 +248,10 @@ class CompressedBatches:
         ``buffers`` (the length field's values of each distinct record batch of ``li``)."""
         ub, which = np.unique(self.batch[li], return_inverse=True)
         j, uid, cache = self.tok_col, self.uid, CompressedBatches._cache
-        assert j is not None  # ShardView asks only where the length field is an int array: tok_col given
+        if j is None:
+            raise RuntimeError(
+                "shardtool internal error: ShardView asks only where the length field is an int array: tok_col given"
+            )
         # One lookup per record batch, inline (this runs for every shard of every training
         # batch); hits become the most recent first, so decompressing the misses evicts others.
         keys = ub.tolist()

@@ -179,7 +179,8 @@ class DatasetEpochs:
     def _steps_before(self, epoch: int) -> int:
         """The run's step at ``epoch``'s first batch when every epoch before it ran whole on this
         layout (a plan's count is the same every epoch)."""
-        assert self.schedule is not None
+        if self.schedule is None:
+            raise RuntimeError("shardtool internal error: _steps_before needs a batch-size schedule")
         batches = self.planner.start(0, self.fingerprint, self.reading.data_layout).last.batches
         return self.schedule.epoch_first_step(epoch, batches)
 

@@ -52,7 +52,8 @@ class ValidSum:
         device = self._sum.device if self._sum is not None else _default_device(group)
         both = torch.zeros(2, dtype=torch.float64, device=device)
         if self._sum is not None:
-            assert self._count is not None  # `add` sets both
+            if self._count is None:
+                raise RuntimeError("shardtool internal error: `add` sets both")
             both[0], both[1] = self._sum, self._count
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(both, group=group)

@@ -152,7 +152,8 @@ class Arena:
         fd = self._fd
         # Open while anything maps a shard: the fill is joined before the arena closes, and a
         # reader of a closed arena's board finds every shard ABSENT (`get`), so maps none.
-        assert fd is not None, "the arena is closed"
+        if fd is None:
+            raise RuntimeError("shardtool internal error: the arena is closed")
         return fd
 
     def close(self) -> None:

@@ -136,12 +136,14 @@ class MixtureBatches:
 
     def _rows(self, name: str, pieces: list[Piece]) -> Rows:
         packing = self.packing
-        assert packing is not None  # rows are a packed mixture's
+        if packing is None:
+            raise RuntimeError("shardtool internal error: rows are a packed mixture's")
         parts = []
         for epoch, index, count in pieces:
             plan = self.plan(name, epoch)
             rows, offsets = plan.rows, plan.row_offsets
-            assert rows is not None and offsets is not None  # a packed mixture plans its sources packed
+            if not (rows is not None and offsets is not None):
+                raise RuntimeError("shardtool internal error: a packed mixture plans its sources packed")
             parts.append(rows.slice(int(offsets[index]), int(offsets[index + count])))
         return parts[0] if len(parts) == 1 else Rows.concat(parts, packing.seq_len)
 
@@ -217,7 +219,8 @@ class MixtureBatches:
         # Each unit is one row, or none where a source's plan is short of rows: such a unit is a
         # row of padding in its place, so every source's rows are exactly its units.
         packed = self.packed
-        assert packed is not None  # made with the packing: `load` comes here only then
+        if packed is None:
+            raise RuntimeError("shardtool internal error: made with the packing: `load` comes here only then")
         rows = [(name, _padded(self._rows(name, pieces), sum(c for _, _, c in pieces))) for name, pieces in parts]
         extra = {
             "__source__": [name for name, r in rows for _ in range(r.num_rows)],
@@ -232,9 +235,11 @@ class MixtureBatches:
         """The batch read source by source (``packed``: their readers), each into its rows of one
         block; piece boundaries joined."""
         packing = self.packing
-        assert packing is not None  # ``packed`` is made with it
+        if packing is None:
+            raise RuntimeError("shardtool internal error: ``packed`` is made with it")
         b, seq, maxd = self.rows, packing.seq_len, packing.max_docs_per_row
-        assert maxd is not None  # Packing.__post_init__ resolves None to its default
+        if maxd is None:
+            raise RuntimeError("shardtool internal error: Packing.__post_init__ resolves None to its default")
         block = alloc((3, b, seq), np.int64)
         first = 0
         keys: list[Any] = []
@@ -272,7 +277,9 @@ class MixtureBatches:
             longest = max(longest, out["max_seqlen"])
             first += count
         if first != b:
-            raise RuntimeError(f"mixture step has {first} rows, expected {b}")  # the composition's invariant
+            raise RuntimeError(
+                f"shardtool internal error: mixture step has {first} rows, expected {b}"
+            )  # the composition's invariant
         cu = alloc(b * maxd + 1, np.int32)
         flat = np.concatenate(starts)
         cu[: flat.size] = flat

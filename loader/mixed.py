@@ -102,7 +102,8 @@ class MixtureSteps:
             if steps is not None:
                 self.run_steps = steps
             else:
-                assert tokens is not None  # exactly one of steps and tokens (checked above)
+                if tokens is None:
+                    raise RuntimeError("shardtool internal error: exactly one of steps and tokens (checked above)")
                 self.run_steps = steps_for_tokens(self.planner, self.state, tokens)
             check_repeat(self.planner, self.state, self.run_steps)
         except BaseException:

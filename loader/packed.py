@@ -100,7 +100,8 @@ def _finish(
     targets of a full batch."""
     b, seq, packing = lay.b, lay.seq, lay.packing
     maxd = packing.max_docs_per_row
-    assert maxd is not None  # Packing.__post_init__ resolves None to its default
+    if maxd is None:
+        raise RuntimeError("shardtool internal error: Packing.__post_init__ resolves None to its default")
     flat = ids.reshape(-1)
     if lay.eos_at is not None:
         flat[lay.eos_at] = packing.eos_id

@@ -28,7 +28,8 @@ class BatchLayout:
         if rows.span_len.size and int(rows.span_len.min()) < 1:
             raise ValueError("a span of no tokens: every span must hold at least one token")
         maxd = packing.max_docs_per_row
-        assert maxd is not None  # Packing.__post_init__ resolves None to its default
+        if maxd is None:
+            raise RuntimeError("shardtool internal error: Packing.__post_init__ resolves None to its default")
         if per_row.size and int(per_row.max()) > maxd:
             raise ValueError(f"a row has {int(per_row.max())} pieces, more than max_docs_per_row {maxd}")
         seq = packing.seq_len

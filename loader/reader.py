@@ -68,7 +68,8 @@ class BatchReader:
             self.tar = m.shard_format == "tar"
             self.tier = source.tier
             return source
-        assert self._source is not None  # opened when _pid was set, above
+        if self._source is None:
+            raise RuntimeError("shardtool internal error: opened when _pid was set, above")
         return self._source
 
     @property
@@ -317,7 +318,8 @@ class BatchReader:
                 column[r] = v.keys[li]
             names = column.tolist()
         dtype = groups[0][0].tok_dtype
-        assert dtype is not None  # no view's is None (checked above)
+        if dtype is None:
+            raise RuntimeError("shardtool internal error: no view's is None (checked above)")
         return TokenSources(names, pieces.buffers, which, first, counts, dtype)
 
     def _token_pieces(self, groups) -> TokenPieces | None:

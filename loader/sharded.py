@@ -170,7 +170,8 @@ class ShardedLoader(PassRunner, SourceViews):
             raise ValueError("image_transform applies to the images of packed rows (seq_len); use transform otherwise")
         dist = torch.distributed if torch.distributed.is_available() else None
         self.placement = rank_placement(rank, world_size, ranks_per_node, env=os.environ, dist=dist)
-        assert self.placement.rank is not None  # rank_placement always places a rank (0 of 1 by default)
+        if self.placement.rank is None:
+            raise RuntimeError("shardtool internal error: rank_placement always places a rank (0 of 1 by default)")
         self.rank, self.layout = self.placement.rank, self.placement.layout
         self.data_layout, self.dp_rank = data_parallel(
             self.placement, dp_rank=dp_rank, dp_size=dp_size, mesh=as_mesh(mesh), dp_dims=_dp_dims(dp_dim)

@@ -159,12 +159,14 @@ class ShardView:
         if npy:
             # npy 1.0: magic(6) version(2) header_len(2, little endian) header; data after it.
             u8 = self.u8
-            assert u8 is not None  # parsed as the view opens, long before `close`
+            if u8 is None:
+                raise RuntimeError("shardtool internal error: parsed as the view opens, long before `close`")
             if len(start) and ((size < 10).any() or (u8[start] != 0x93).any() or (u8[start + 6] != 1).any()):
                 return None
             header = 10 + u8[start + 8].astype(np.int64) + (u8[start + 9].astype(np.int64) << 8)
             start, size = start + header, size - header
-        assert self.tok_view is not None  # `_fast_tokens` maps it before it parses
+        if self.tok_view is None:
+            raise RuntimeError("shardtool internal error: `_fast_tokens` maps it before it parses")
         item = self.tok_view.itemsize
         if len(start) and ((start % item).any() or (size % item).any() or (size < 0).any()):
             return None

@@ -161,7 +161,8 @@ def encode(obj: Any, slot: Slot) -> Any:
         dst = slot.empty(len(obj), np.uint8)
         dst[:] = np.frombuffer(obj, dtype=np.uint8)
         off = slot.offset_of(dst.ctypes.data)
-        assert off is not None  # an allocation of `empty` with bytes: recorded
+        if off is None:
+            raise RuntimeError("shardtool internal error: an allocation of `empty` with bytes: recorded")
         return InSlot("bytes", off, (len(obj),), "u1")
     return obj
 
@@ -187,7 +188,8 @@ def _encode_array(arr: np.ndarray, slot: Slot, kind: str, always: bool = False) 
     dst = slot.empty(arr.shape, arr.dtype)
     dst[...] = arr
     off = slot.offset_of(dst.ctypes.data) if dst.nbytes else 0
-    assert off is not None  # an allocation of `empty` with bytes: recorded
+    if off is None:
+        raise RuntimeError("shardtool internal error: an allocation of `empty` with bytes: recorded")
     return InSlot(kind, off, arr.shape, arr.dtype.str)
 
 

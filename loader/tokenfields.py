@@ -164,7 +164,8 @@ def place(
     flat = out.reshape(-1)
     lay.copy_pieces(flat, values, n)
     if lay.eos_at is not None and lay.eos_at.size:
-        assert lay.eos_doc is not None  # `BatchLayout.copy_counts` sets it with eos_at
+        if lay.eos_doc is None:
+            raise RuntimeError("shardtool internal error: `BatchLayout.copy_counts` sets it with eos_at")
         docs = lay.eos_doc.tolist()
         flat[lay.eos_at] = np.array([values[d][-1] if len(values[d]) else 0 for d in docs], dtype=out.dtype)
         if name == LABELS and lay.packing.eos_id is not None:

@@ -70,7 +70,10 @@ class PlanBatches:
         """Per batch: samples (packed: document pieces), real tokens, padded tokens."""
         if self.packed_stats is not None:
             return self.packed_stats
-        assert self.lengths is not None  # a pass's batches carry the plan's lengths (packed: its stats)
+        if self.lengths is None:
+            raise RuntimeError(
+                "shardtool internal error: a pass's batches carry the plan's lengths (packed: its stats)"
+            )
         rel = np.asarray(self.offsets, dtype=np.int64) - int(self.offsets[0])
         lens = np.asarray(self.lengths[int(self.offsets[0]) : int(self.offsets[-1])], dtype=np.int64)
         samples = np.diff(rel)
@@ -92,13 +95,15 @@ class PlanBatches:
         if self.packed is not None:
             # Only an exact pass has padding to mark, and exact plans have no batch-size schedule:
             # their rows are laid out for the whole pass.
-            assert self.packed_pass is not None
+            if self.packed_pass is None:
+                raise RuntimeError("shardtool internal error: _steps_before needs a batch-size schedule")
             row_offsets = self.packed_pass[1]
             mask = torch.zeros(self.packed.rows_per_batch, dtype=torch.bool)
             mask[: int(row_offsets[b + 1] - row_offsets[b])] = True
             return mask
         size = int(self.offsets[b + 1] - self.offsets[b])
-        assert self.pad is not None  # asked only of an exact pass's batches (`PassRunner._run`)
+        if self.pad is None:
+            raise RuntimeError("shardtool internal error: asked only of an exact pass's batches (`PassRunner._run`)")
         return torch.full((size,), not bool(self.pad[b]), dtype=torch.bool)
 
     def batch_ids(self, b: int) -> np.ndarray:
@@ -116,7 +121,8 @@ class PlanBatches:
                 if self.packed_pass is not None:
                     return self.packed.read_planned(*self.packed_pass, b, alloc)
                 size = int(self.rows_per_batch[b]) if self.rows_per_batch is not None else None
-                assert self.packed_rows is not None  # given with packed (`DatasetEpochs`)
+                if self.packed_rows is None:
+                    raise RuntimeError("shardtool internal error: given with packed (`DatasetEpochs`)")
                 return self.packed.read(self.packed_rows(b), alloc, rows_per_batch=size)
             if self.transform is None and self.collate_fn is None:
                 # Only a worker's output crosses a process boundary: pack bytes there only.

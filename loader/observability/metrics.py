@@ -80,7 +80,8 @@ class Meter:
 
     def count_step(self, b: int) -> None:
         per_step = self.per_step
-        assert per_step is not None  # called only on a mixture's pass (`Pass.next`), which set it
+        if per_step is None:
+            raise RuntimeError("shardtool internal error: called only on a mixture's pass (`Pass.next`), which set it")
         samples, tokens, padded, by_source = per_step(b)
         self.samples += samples
         self.tokens += tokens

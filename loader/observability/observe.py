@@ -151,7 +151,7 @@ class Observer:
     # ------------------------------------------------------------------ reporting
     def metrics(self, epoch: int, batch: int) -> dict:
         if self.meter is None:
-            raise RuntimeError("this loader was made with metrics=False: it keeps no metrics")
+            raise RuntimeError("shardtool internal error: this loader was made with metrics=False: it keeps no metrics")
         self._flush()
         now = self.meter.snapshot()
         out = self._report(self.meter, now, self._user_since, epoch, batch)
@@ -176,7 +176,8 @@ class Observer:
     def line(self, epoch: int, batch: int) -> None:
         """Every ``metrics_every`` steps: one JSON line, and the cross-rank summary if asked for."""
         meter = self.meter
-        assert meter is not None  # every > 0 only with metrics on, which made the meter
+        if meter is None:
+            raise RuntimeError("shardtool internal error: every > 0 only with metrics on, which made the meter")
         self._flush()
         now = meter.snapshot()
         out = self._report(meter, now, self._line_since, epoch, batch)
@@ -287,7 +288,10 @@ class Pass:
         ``next()`` call since ``entered`` as waiting (the watchdog times only the read)."""
         wd = self.wd
         if not self._armed:
-            assert wd is not None  # unarmed only with a watchdog (`_armed` starts True without one)
+            if wd is None:
+                raise RuntimeError(
+                    "shardtool internal error: unarmed only with a watchdog (`_armed` starts True without one)"
+                )
             self._armed = True
             wd.arm(self.check_cache)
         began = time.perf_counter()
@@ -301,7 +305,8 @@ class Pass:
                 if wd is not None:
                     wd.waiting_for = None
         except StallInterrupt:
-            assert wd is not None  # only a watchdog's signal raises it
+            if wd is None:
+                raise RuntimeError("shardtool internal error: only a watchdog's signal raises it") from None
             wd.waiting_for = None  # first: no second interrupt may land outside this wait
             raise self._stalled(b) from None
         except (RuntimeError, EOFError, OSError) as e:
@@ -330,7 +335,8 @@ class Pass:
         return batch
 
     def _stalled(self, b: int) -> LoaderError:
-        assert self.wd is not None  # a stall is the watchdog's
+        if self.wd is None:
+            raise RuntimeError("shardtool internal error: a stall is the watchdog's")
         return LoaderError(self.wd.fire(b))
 
     def check_cache(self) -> None:

@@ -130,14 +130,16 @@ class Watchdog:
                 # Again every poll: a handler's exception can be swallowed by code that catches
                 # BaseException; the read must not outlive the stall.
                 main = threading.main_thread().ident
-                assert main is not None  # the main thread has started: it runs this program
+                if main is None:
+                    raise RuntimeError("shardtool internal error: the main thread has started: it runs this program")
                 signal.pthread_kill(main, STALL_SIGNAL)
 
     def fire(self, b: int) -> str:
         """Declare batch ``b`` stalled: dump every stack, build the message (once per pass)."""
         with self._lock:
             if self.fired is not None:
-                assert self.error is not None  # set before fired, below
+                if self.error is None:
+                    raise RuntimeError("shardtool internal error: set before fired, below")
                 return self.error
             waited = time.perf_counter() - self.since
             path = self._dump()

@@ -238,7 +238,8 @@ def resolve_window(batching: Batching, mean_weight: float) -> int:
     if batching.packing is not None:
         if batching.window is not None:
             return batching.window
-        assert batching.batch_size is not None  # packing takes batch_size (Batching.__post_init__)
+        if batching.batch_size is None:
+            raise RuntimeError("shardtool internal error: packing takes batch_size (Batching.__post_init__)")
         tokens = WINDOW_BATCHES * batching.batch_size * batching.packing.seq_len
         return max(1, int(tokens // max(mean_weight, 1.0)))
     if batching.batch_size is not None:
@@ -247,7 +248,8 @@ def resolve_window(batching: Batching, mean_weight: float) -> int:
         return -(-window // size) * size
     if batching.window is not None:
         return batching.window
-    assert batching.max_tokens is not None  # exactly one of batch_size and max_tokens is set
+    if batching.max_tokens is None:
+        raise RuntimeError("shardtool internal error: exactly one of batch_size and max_tokens is set")
     return WINDOW_BATCHES * max(1, int(batching.max_tokens // max(mean_weight, 1.0)))
 
 
@@ -293,7 +295,8 @@ def bucket(
     if batching.batch_size is not None:
         starts = _fixed_starts(window_starts, window_stops, batching.batch_size)
     else:
-        assert batching.max_tokens is not None  # exactly one of batch_size and max_tokens is set
+        if batching.max_tokens is None:
+            raise RuntimeError("shardtool internal error: exactly one of batch_size and max_tokens is set")
         starts = _budget_starts(window_starts, window_stops, lens, batching.max_tokens)
     return _shuffle_batches(ids, np.append(starts, n), rng, batching.run_batches)
 

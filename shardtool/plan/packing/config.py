@@ -236,7 +236,8 @@ def rows_estimate(
     seq = packing.seq_len
     # Rows the piece bound alone needs (it cannot bind when a row holds seq_len pieces of >= 1 token).
     maxd = packing.max_docs_per_row
-    assert maxd is not None  # Packing.__post_init__ resolves None to default_max_docs
+    if maxd is None:
+        raise RuntimeError("shardtool internal error: Packing.__post_init__ resolves None to default_max_docs")
     pieces_bound = doc_count / maxd if maxd < seq else 0.0
     if packing.policy in ("concat", "stream"):
         if windows == 1 or packing.policy == "stream":
