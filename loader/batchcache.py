@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
@@ -36,6 +36,17 @@ _pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool): a forked wor
 # training batch's missing ones are fetched this many at once (each a ranged request).
 FETCH_THREADS = 16
 _fetch_pool: tuple[int, ThreadPoolExecutor] | None = None
+# Remote record batches whose fetch was started before a read needs them (`fetch_ahead`), by
+# (view id, batch): what a read waits on instead of asking again. Per process, like the pool.
+_pending: tuple[int, dict[tuple[int, int], Future]] | None = None
+
+
+def pending_fetches() -> dict[tuple[int, int], Future]:
+    """This process's fetches started ahead of their reads, by (view id, record batch)."""
+    global _pending
+    if _pending is None or _pending[0] != os.getpid():
+        _pending = (os.getpid(), {})
+    return _pending[1]
 
 
 def fetch_pool() -> ThreadPoolExecutor:
@@ -170,6 +181,11 @@ class CompressedBatches:
         if hit is not None:
             cls._cache.move_to_end(key)
             return hit[0]
+        if rb is None and self.fetch is not None and key in pending_fetches():
+            self._collect([b])  # fetched ahead: wait for it rather than ask again
+            hit = cls._cache.get(key)
+            if hit is not None:
+                return hit[0]
         if rb is None:
             try:
                 rb = self.reader.get_batch(b) if self.fetch is None else self.fetch([int(self._sample_of[b])])[0]
@@ -196,25 +212,50 @@ class CompressedBatches:
             cls._cached_bytes -= n
         return got
 
+    def fetch_ahead(self, li: np.ndarray) -> None:
+        """Start fetching the record batches of samples ``li`` (a remote shard's) that are neither
+        kept nor on their way, on the fetch pool, and return at once: a read of them waits for
+        those fetches (`_collect`). Neighbours within the coalescing gap are one request."""
+        if self.fetch is not None and len(li):
+            self._start(np.unique(self.batch[li]).tolist())
+
+    def _start(self, batches: list[int]) -> None:
+        uid, cache, pending = self.uid, CompressedBatches._cache, pending_fetches()
+        want = {int(self._sample_of[k]): k for k in batches if (uid, k) not in cache and (uid, k) not in pending}
+        if not want or self.fetch is None:
+            return
+        pool = fetch_pool()
+        for run in self.fetch.runs(sorted(want)):
+            part = [want[i] for i in run]
+            job = pool.submit(self._decompress_part, part)
+            for k in part:
+                pending[(uid, k)] = job
+
+    def _collect(self, batches: list[int]) -> None:
+        """Wait for the fetches of ``batches`` started ahead and keep what they brought (with the
+        other batches of their requests); one that failed is left for `_decoded` to raise about."""
+        pending, uid = pending_fetches(), self.uid
+        jobs = {id(j): j for j in (pending.pop((uid, k), None) for k in batches) if j is not None}
+        for job in jobs.values():
+            for k, rb in job.result():
+                pending.pop((uid, k), None)
+                self._decoded(k, rb)
+
     def _prefetch(self, batches: list[int]) -> None:
         """Decompress the uncached ones of ``batches`` on the pool's threads, each with a reader of
         its own (one reader is not documented safe to share), and cache them; a batch that fails
-        is left for `_decoded` to raise about."""
+        is left for `_decoded` to raise about. Remote ones are fetched (those not fetched ahead
+        already) and waited for together."""
         missing = [k for k in batches if (self.uid, k) not in CompressedBatches._cache]
-        pool: ThreadPoolExecutor | None
-        if self.fetch is not None and len(missing) >= 2:  # remote: overlap the requests' waits
-            pool, threads = fetch_pool(), FETCH_THREADS
-        else:
-            pool, threads = (decompress_pool() if len(missing) >= PREFETCH_MIN else None), THREADS
+        if self.fetch is not None:  # remote: overlap the requests' waits
+            self._start(missing)
+            self._collect(missing)
+            return
+        pool = decompress_pool() if len(missing) >= PREFETCH_MIN else None
         if pool is None:
             return
-        if self.fetch is not None:  # remote: one part per request (neighbours coalesced), in parallel
-            by_sample = {int(self._sample_of[k]): k for k in missing}
-            parts = [[by_sample[i] for i in run] for run in self.fetch.runs(sorted(by_sample))]
-        else:
-            parts = [missing[t::threads] for t in range(threads)]
-            parts = [p for p in parts if p]
-        for part in pool.map(self._decompress_part, parts):
+        parts = [missing[t::THREADS] for t in range(THREADS)]
+        for part in pool.map(self._decompress_part, [p for p in parts if p]):
             for k, rb in part:
                 self._decoded(k, rb)
 
@@ -332,3 +373,6 @@ class CompressedBatches:
             if hit is not None:
                 cls._cached_bytes -= hit[1]
         self._mine.clear()
+        pending = pending_fetches()
+        for key in [key for key in pending if key[0] == self.uid]:
+            del pending[key]  # fetched ahead for a pass that ended first: dropped unread

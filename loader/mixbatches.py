@@ -124,6 +124,13 @@ class MixtureBatches:
     def units(self, b: int) -> list[tuple[str, list[Piece]]]:
         return self.planner.step_pieces(self.state, b)
 
+    def fetches_remote(self) -> bool:
+        return any(r.fetches_views for r in self.readers.values())
+
+    def reads(self, b: int) -> list[tuple[BatchReader, np.ndarray]]:
+        """The samples step ``b`` reads, by source (`loader.readahead`)."""
+        return [(self.readers[name], self._ids(name, pieces)) for name, pieces in self.units(b)]
+
     def _ids(self, name: str, pieces: list[Piece]) -> np.ndarray:
         parts = []
         for epoch, index, count in pieces:

@@ -124,6 +124,22 @@ class BatchReader:
             old.close()
         return v
 
+    @property
+    def fetches_views(self) -> bool:
+        """Shards are read through views whose record batches are fetched from the store (remote
+        Arrow shards, no node cache): what `fetch_ahead` starts."""
+        src = self.source
+        return not src.local and not self.tar
+
+    def fetch_ahead(self, ids: np.ndarray) -> None:
+        """Start fetching the remote record batches ``ids`` read that are neither kept nor on their
+        way, every shard's at once, and return: reads of them wait for those fetches. The loader
+        calls it with a batch as it reads it, so the shards' requests wait together, and with the
+        batches it reads next (`loader.readahead`)."""
+        if len(ids) and self.fetches_views:
+            for v, _, li in self._groups(*self.locate(ids)):
+                v.fetch_ahead(li)
+
     def inflate(self, ids: np.ndarray) -> list[int]:
         """Decompress into memory the compressed local shards that ``ids`` (a pass's samples, in
         its order) read, as far as the budget allows, in a background thread while the pass
@@ -141,14 +157,19 @@ class BatchReader:
         return self._inflated.for_pass(src, shards[np.argsort(first, kind="stable")].tolist(), drop=self._drop_view)
 
     def _read_indexes_ahead(self, ids: np.ndarray) -> None:
-        """Fetch the sample indexes of the remote shards ``ids`` read, all at once, before the
-        workers fork (they inherit them): a worker would otherwise fetch each one the first time a
-        batch touches its shard, one request's wait after another, and every worker again."""
+        """Fetch the sample indexes of the remote shards ``ids`` read, all at once, and the schema
+        their record batches are decoded with, before the workers fork (they inherit them): a
+        worker would otherwise fetch each index the first time a batch touches its shard, one
+        request's wait after another, and every worker again."""
         from .batchcache import fetch_pool
 
         ds = self.source.dataset
         shards = np.unique(self.locate(ids)[0]).tolist()
-        list(fetch_pool().map(ds.shard_index, shards))  # errors: raised here, naming the shard
+        pool = fetch_pool()
+        schema = pool.submit(ds.batch_schema, shards[0]) if not self.tar else None
+        list(pool.map(ds.shard_index, shards))  # errors: raised here, naming the shard
+        if schema is not None:
+            schema.result()
 
     def _drop_view(self, shard: int) -> None:
         v = self._views.pop(shard, None)

@@ -53,8 +53,11 @@ class ShardedLoader(PassRunner, SourceViews):
         eos_id: Appended to each packed document (not where the pack stored one).
         max_docs_per_row: The most pieces in a packed row (sizes ``cu_seqlens``).
         num_workers, prefetch_factor, pin_memory, timeout: Worker processes and their prefetch,
-            as torch's DataLoader (``pin_memory=None``: where CUDA is available).
+            as torch's DataLoader (``pin_memory=None``: where CUDA is available). Without a node
+            cache, each process also fetches the record batches of the ``prefetch_factor`` batches
+            it loads next from a remote dataset (docs/scale.md#no-local-disk).
         cache_dir: The node cache: shards read from local disk, fetched on a miss (docs/slurm.md).
+            None on a remote dataset: read from the store, nothing written to disk.
         transform: Per sample, in the workers, before collation (not with ``seq_len``).
         collate_fn: Replaces the default collation of a batch's samples (not with ``seq_len``).
         pad_id: What pads the length field or packed rows.

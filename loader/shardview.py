@@ -208,6 +208,11 @@ class ShardView:
             out[f.name] = self.value(j, i)
         return out
 
+    def fetch_ahead(self, li: np.ndarray) -> None:
+        """A remote shard's: start fetching the record batches of samples ``li`` (`CompressedBatches.fetch_ahead`)."""
+        if self._batches is not None:
+            self._batches.fetch_ahead(li)
+
     def close(self) -> None:
         if self.tok_bytes is not None:
             self.tok_bytes.release()

@@ -19,6 +19,7 @@ from ..format.errors import FormatError, add_note
 from .collate import Alloc
 from .observability.metrics import Meter
 from .pool import WorkerPool
+from .readahead import read_ahead
 from .reader import BatchReader, describe_ids
 
 
@@ -106,6 +107,20 @@ class PlanBatches:
             raise RuntimeError("shardtool internal error: asked only of an exact pass's batches (`PassRunner._run`)")
         return torch.full((size,), not bool(self.pad[b]), dtype=torch.bool)
 
+    def fetches_remote(self) -> bool:
+        return self.reader.fetches_views
+
+    def reads(self, b: int) -> list[tuple[BatchReader, np.ndarray]]:
+        """The samples batch ``b`` reads (`loader.readahead`): its ids, or a packed batch's documents."""
+        if self.packed is None:
+            return [(self.reader, self.batch_ids(b))]
+        if self.packed_pass is not None:
+            rows, offsets = self.packed_pass
+            return [(self.reader, rows.slice(int(offsets[b]), int(offsets[b + 1])).span_pos)]
+        if self.packed_rows is None:
+            raise RuntimeError("shardtool internal error: given with packed (`DatasetEpochs`)")
+        return [(self.reader, self.packed_rows(b).span_pos)]
+
     def batch_ids(self, b: int) -> np.ndarray:
         return self.ids[self.offsets[b] : self.offsets[b + 1]]
 
@@ -188,9 +203,12 @@ def make_dataloader(
     ``probe``: the workers' metrics (loader/observability/probe.py), None for none. ``dataset``: `PlanBatches`,
     or anything with its ``load`` and ``len`` (a mixture's steps)."""
     pin = bool(pin_memory) and torch.cuda.is_available()
+    # The batches this process loads next are read ahead: every num_workers-th, as the pool deals them.
+    load = read_ahead(dataset.load, dataset, stride=num_workers, depth=prefetch_factor or 2)
     if num_workers == 0:
-        return _in_process(dataset, start, pin)
-    load = dataset.load if probe is None else functools.partial(_timed_load, dataset.load, probe, len(dataset))
+        return _in_process(load, start, len(dataset), pin)
+    if probe is not None:
+        load = functools.partial(_timed_load, load, probe, len(dataset))
     return WorkerPool(
         load,
         start,
@@ -216,9 +234,9 @@ def _timed_load(load: Callable, probe, n: int, b: int, alloc: Alloc | None = Non
     return out
 
 
-def _in_process(dataset: PlanBatches, start: int, pin: bool) -> Generator[Any, None, None]:
-    for b in range(start, len(dataset)):
-        batch = dataset.load(b)
+def _in_process(load: Callable, start: int, n: int, pin: bool) -> Generator[Any, None, None]:
+    for b in range(start, n):
+        batch = load(b)
         yield pin_tree(batch) if pin else batch
 
 

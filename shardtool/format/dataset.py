@@ -66,7 +66,7 @@ class Dataset:
         self._arrow: dict[int, Any] = {}
         self._remote_schema: Any = None  # the schema remote record batches are decoded with
         self._last_batch: tuple = (None, None, None)  # rows of one record batch are read in runs
-        self._lock = threading.Lock()
+        self._lock, self._schema_lock = threading.Lock(), threading.Lock()
         self._field_names = self.manifest.field_names
         # shard s holds samples [offsets[s], offsets[s+1]); computed once, not per shard index loaded
         self._offsets = self.manifest.shard_offsets()
@@ -237,7 +237,7 @@ class Dataset:
 
     def load_index_bytes(self, shard: int) -> bytes:
         info = self.manifest.shards[shard]
-        data = read_file(self.fs, self.index_path(shard), what=f"shard {info.path}")
+        data = read_file(self.fs, self.index_path(shard), what=f"shard {info.path}", size=info.index_bytes)
         if len(data) != info.index_bytes or hash_bytes(data) != info.index_hash:
             raise FormatError(
                 f"{info.path}: its sample index {info.index} does not match its size/hash in the manifest"
@@ -350,17 +350,18 @@ class Dataset:
             reader = self._arrow_reader(shard)  # footer and schema, checked once per shard
             with self._lock:  # an older dataset: read through the shard's one open file
                 return [reader.get_batch(int(idx.batch[i])) for i in samples]  # type: ignore[index]  # an Arrow index has batch
-        schema = self._batch_schema(shard)
+        schema = self.batch_schema(shard)
         return [record_batch_from_range(data, schema) for data in self.verified_ranges(shard, samples, gap, watch)]
 
-    def _batch_schema(self, shard: int):
+    def batch_schema(self, shard: int):
         """The schema a record batch of ``shard`` is decoded with: a local shard's own footer's;
         for remote shards one footer's for all (each is the manifest's fields, checked on that
-        read): a footer costs three requests, per shard and process before the first batch."""
+        read), read once however many threads fetch: a footer costs three requests."""
         if is_local(self.shard_fs(shard)):
             return self._arrow_reader(shard).schema
-        if self._remote_schema is None:
-            self._remote_schema = self._arrow_reader(shard).schema
+        with self._schema_lock:
+            if self._remote_schema is None:
+                self._remote_schema = self._arrow_reader(shard).schema
         return self._remote_schema
 
     def _read_arrow(self, shard: int, idx: ShardIndex, i: int) -> dict[str, Any]:

@@ -38,7 +38,18 @@ def cat_shared(fs, path: str, start: int | None = None, end: int | None = None) 
     """``fs.cat_file(path, start, end)``, fetched once per node for a job's ranks (`nodeshare`)."""
 
     def read() -> bytes:
-        return fs.cat_file(path) if start is None and end is None else fs.cat_file(path, start=start, end=end)
+        if start is not None or end is not None:
+            return fs.cat_file(path, start=start, end=end)
+        if is_local(fs):
+            return fs.cat_file(path)
+        # "bytes=0-": the whole object in one GET. Asked for no range, s3fs first asks the
+        # object's size (a HEAD) to split a large read; these are metadata, small.
+        try:
+            return fs.cat_file(path, start=0)
+        except OSError as e:
+            if e.errno != errno.EINVAL and "not satisfiable" not in str(e):
+                raise
+            return fs.cat_file(path)  # an empty object has no byte 0 to start at
 
     return shared_read(share_key(fs, path, start, end), read, local=is_local(fs))
 
@@ -116,7 +127,22 @@ def dataset_fs(url: str, storage_options: dict | None = None):
             fsspec.get_filesystem_class(protocol)  # known or registered at run time; ImportError if not installed
         except ValueError:
             raise FormatError(f"{url!r}: unknown protocol {protocol + '://'!r}; {DATASET_URL_HELP}") from None
-    return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    return fsspec.core.url_to_fs(url, **store_defaults(protocol, storage_options or {}))
+
+
+# A loader process fetches up to 16 ranges at once (loader/batchcache.py FETCH_THREADS) and reads
+# a dataset's sample indexes in parallel; botocore's default pool of 10 connections queued them.
+S3_POOL_CONNECTIONS = 32
+
+
+def store_defaults(protocol: str | None, options: dict) -> dict:
+    """``options`` with our defaults for the store added where the user set none: on S3, a pool
+    of `S3_POOL_CONNECTIONS` connections (``config_kwargs={"max_pool_connections": ...}``)."""
+    if protocol not in ("s3", "s3a"):
+        return options
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("max_pool_connections", S3_POOL_CONNECTIONS)
+    return {**options, "config_kwargs": config}
 
 
 def read_manifest(fs, root: str, url: str) -> bytes:
@@ -140,9 +166,12 @@ def read_manifest(fs, root: str, url: str) -> bytes:
     raise FormatError(f"{url!r} {what}; {DATASET_URL_HELP}")
 
 
-def read_file(fs, path: str, *, what: str) -> bytes:
+def read_file(fs, path: str, *, what: str, size: int | None = None) -> bytes:
+    """The bytes of ``path``; ``size``: what the manifest says it holds, read as one ranged GET
+    (no HEAD first: an object store's whole read asks the object's size before its GET). A file
+    of another size then reads short or is cut, which the caller's size and hash check report."""
     try:
-        return cat_shared(fs, path)
+        return cat_shared(fs, path, 0, size) if size else cat_shared(fs, path)
     except FileNotFoundError:
         raise FormatError(f"{what}: {path} not found") from None
 

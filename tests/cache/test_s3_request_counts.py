@@ -192,13 +192,15 @@ def test_loader_start_up_reads_no_shard_and_an_epoch_without_cache_reads_ranges(
     show(f"loader epoch, no cache ({len(got)} batches of {LOADER['batch_size']})", c)
     assert got == want
     no_faults_seen(c)
-    # Each index once; the shards by ranged reads only, each record batch about once: a sample
+    # Each index once, as one ranged GET of the size the manifest gives (no HEAD asking its size
+    # first); the shards by ranged reads only, each record batch about once: a sample
     # read fetches its Arrow record batch (checked against the index), which the reader keeps for
     # the pass (loader/batchcache.py). Read sample by sample, a shuffled epoch fetched a record
     # batch once per sample in it: here 10.6x the shards' bytes.
     g = gets(c)
     for s in m.shards:
-        assert g[key(s.index)] == 1 and c.by_key_kind[(key(s.index), "GET")] == 1
+        assert g[key(s.index)] == 1 and c.by_key_kind[(key(s.index), "RANGED_GET")] == 1
+        assert c.by_key_kind[(key(s.index), "HEAD")] == 0
         ranged = c.by_key_kind[(key(s.path), "RANGED_GET")]
         assert c.by_key_kind[(key(s.path), "GET")] == 0 and 1 <= ranged <= s.samples + OPEN_ARROW
         assert c.bytes_by_key[key(s.path)] <= (s.samples + OPEN_ARROW) * s.bytes

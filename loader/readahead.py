@@ -1,0 +1,69 @@
+"""Reading ahead in plan order: the remote record batches of the batches a process loads next are
+fetched while it loads this one.
+
+The plan says which batches each process loads and in which order: a worker of ``W`` loads every
+W-th batch, the trainer without workers every batch. Before loading batch ``b`` the loader starts
+the fetches of batch ``b`` (every shard's at once, not shard after shard) and of the ``depth``
+batches that process loads after it, so a store's latency is waited about once per batch, while
+the trainer steps, not once per shard a batch touches. What is fetched ahead is held until read:
+at most ``depth`` batches' record batches on top of the decompressed record batches a process
+keeps (`loader.batchcache`). Local shards and a node cache have nothing to fetch: their loads
+are not wrapped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..format.errors import FormatError
+from .reader import BatchReader
+
+__all__ = ["ReadAhead", "read_ahead"]
+
+
+class Reads(Protocol):
+    """What a worker pool loads (`PlanBatches`, `MixtureBatches`), as read-ahead sees it."""
+
+    def __len__(self) -> int: ...
+
+    def reads(self, b: int) -> list[tuple[BatchReader, np.ndarray]]:
+        """The samples batch ``b`` reads, with the reader that reads them."""
+
+    def fetches_remote(self) -> bool:
+        """Some reader fetches record batches from a store (`BatchReader.fetches_views`)."""
+
+
+class ReadAhead:
+    """``load(b, alloc)`` after starting the fetches of batch ``b`` and of the ``depth`` batches
+    ``stride`` apart after it."""
+
+    def __init__(self, load: Callable[..., Any], batches: Reads, stride: int, depth: int):
+        self.load, self.batches, self.stride, self.depth = load, batches, stride, depth
+
+    def __call__(self, b: int, alloc: Any = None) -> Any:
+        self._start(b)
+        try:
+            return self.load(b, alloc)
+        finally:
+            # After the load: the batches ahead would otherwise compete with this one's requests
+            # (at a pass's start, every worker's whole read-ahead at once).
+            for nb in range(b + self.stride, min(len(self.batches), b + self.depth * self.stride + 1), self.stride):
+                self._start(nb)
+
+    def _start(self, b: int) -> None:
+        try:
+            for reader, ids in self.batches.reads(b):
+                reader.fetch_ahead(ids)
+        except (FormatError, OSError):
+            pass  # the read of that batch raises it again, naming the batch
+
+
+def read_ahead(load: Callable[..., Any], batches: Reads, *, stride: int, depth: int) -> Callable[..., Any]:
+    """``load`` reading ahead (`ReadAhead`) where ``batches`` fetch remote record batches; else
+    ``load`` as it is."""
+    if not batches.fetches_remote():
+        return load
+    return ReadAhead(load, batches, max(stride, 1), max(depth, 0))

@@ -1,0 +1,156 @@
+"""Reading ahead in plan order without a node cache (issue 38 item 3, loader/readahead.py).
+
+The order in which a process starts fetches is pure (`ReadAhead` over any batches); what the loader
+fetches is checked against a real S3 API (moto through the counting proxy of
+tests/helpers/s3proxy.py) with real text: the record batches of the batches after the one served
+are asked for before those batches are, and none is fetched twice.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.s3proxy import s3_proxy, stdlib_dataset  # noqa: F401  (fixture)
+from helpers.s3server import s3_server  # noqa: F401  (fixture)
+from shardtool.format import FormatError, open_dataset
+from shardtool.loader import ShardedLoader
+from shardtool.loader.batchcache import pending_fetches
+from shardtool.loader.readahead import ReadAhead, read_ahead
+
+pytestmark = pytest.mark.timeout(240)  # the moto server is a subprocess
+PREFIX = "readahead/ds"
+
+
+class Recorder:
+    """A reader as read-ahead sees it: it records which batch's samples it was asked to fetch."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def fetch_ahead(self, ids: np.ndarray) -> None:
+        self.log.append(("fetch", int(ids[0])))
+
+
+class Batches:
+    """``n`` batches; batch b is the one sample id b; ``broken``: batches whose reads raise."""
+
+    def __init__(self, n: int, log: list, broken: tuple[int, ...] = (), remote: bool = True):
+        self.n, self.log, self.broken, self.remote = n, log, broken, remote
+        self.reader = Recorder(log)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def reads(self, b: int) -> list:
+        if b in self.broken:
+            raise FormatError(f"batch {b}: its shard's index does not match the manifest")
+        return [(self.reader, np.array([b]))]
+
+    def fetches_remote(self) -> bool:
+        return self.remote
+
+    def load(self, b: int, alloc=None):
+        self.log.append(("load", b))
+        return b
+
+
+def test_a_load_fetches_its_batch_first_then_the_ones_this_process_loads_next():
+    log: list = []
+    batches = Batches(9, log)
+    load = read_ahead(batches.load, batches, stride=2, depth=2)  # a worker of 2: batches 1, 3, 5, ...
+    assert load(3) == 3
+    # its own batch before the load (every shard's requests wait together), then the two that
+    # worker loads next, after it (they would compete with this batch's requests)
+    assert log == [("fetch", 3), ("load", 3), ("fetch", 5), ("fetch", 7)]
+    log.clear()
+    load(7)
+    assert log == [("fetch", 7), ("load", 7)]  # nothing past the pass's last batch
+
+
+def test_a_batch_ahead_that_cannot_be_read_is_left_to_its_own_load_to_report():
+    log: list = []
+    batches = Batches(6, log, broken=(2,))
+    load = ReadAhead(batches.load, batches, stride=1, depth=2)
+    assert load(0) == 0 and log == [("fetch", 0), ("load", 0), ("fetch", 1)]
+
+
+def test_local_reads_are_not_wrapped():
+    batches = Batches(4, [], remote=False)
+    assert read_ahead(batches.load, batches, stride=1, depth=2) == batches.load
+
+
+# --------------------------------------------------------------------------- a real store
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, s3_server):  # noqa: F811
+    src = stdlib_dataset(str(tmp_path_factory.mktemp("readahead") / "ds"))
+    return src, s3_server.upload(src, PREFIX)
+
+
+@pytest.fixture(scope="module")
+def second(tmp_path_factory, s3_server):  # noqa: F811
+    """A second source for a mixture: fewer files, in larger shards."""
+    src = stdlib_dataset(str(tmp_path_factory.mktemp("readahead") / "two"), files=80, shard_size=2_000_000)
+    return src, s3_server.upload(src, "readahead/two")
+
+
+def settled(timeout: float = 30.0) -> None:
+    """Every fetch this process started ahead has come back."""
+    deadline = time.monotonic() + timeout
+    while not all(f.done() for f in pending_fetches().values()):
+        assert time.monotonic() < deadline, "fetches started ahead never came back"
+        time.sleep(0.01)
+
+
+def plain(batch: dict) -> dict:
+    return {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("batch_size", [4, 16])
+def test_the_next_batches_are_fetched_ahead_once_and_served_the_same(served, s3_proxy, batch_size):  # noqa: F811
+    src, url = served
+    kw = dict(batch_size=batch_size, num_workers=0, prefetch_factor=2, seed=3, rank=0, world_size=1)
+    want = [plain(b) for b in ShardedLoader(src, **kw)]
+    ds = open_dataset(src)
+    shard_of = {k: ds.manifest.shards[s].path for s in range(len(ds.manifest.shards)) for k in ds.shard_index(s).keys}
+    key = lambda rel: f"{PREFIX}/{rel}"  # noqa: E731
+
+    ld = ShardedLoader(url, storage_options=s3_proxy.storage_options, **kw)
+    it = iter(ld)
+    s3_proxy.reset()
+    got = [plain(next(it))]
+    settled()
+    asked = s3_proxy.reset()
+    # batches 1 and 2 were asked for ahead of their next(): each of their shards got a ranged read
+    for b in (1, 2):
+        for k in want[b]["__key__"]:
+            assert asked.by_key_kind[(key(shard_of[k]), "RANGED_GET")] >= 1, (b, k)
+    got += [plain(b) for b in it]
+    assert got == want
+    # and nothing was fetched twice: the shards' bytes read over the pass are about their size
+    c = s3_proxy.reset()
+    read = asked.bytes_by_key.total() + c.bytes_by_key.total()
+    stored = sum(s.bytes for s in ds.manifest.shards)
+    assert read <= 1.05 * stored, f"{read / stored:.2f}x the shards' bytes read"
+    ld.close()
+    assert not pending_fetches()
+
+
+@pytest.mark.parametrize(
+    "kind", [dict(max_tokens=240_000), dict(seq_len=2048, batch_size=4, packing="best-fit", token_fields=[])]
+)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_mixture_of_remote_sources_reads_ahead_the_same_steps(served, second, s3_proxy, kind, workers):  # noqa: F811
+    from shardtool.plan.mixture import Mixture
+
+    (src, url), (other, other_url) = served, second
+    kw = dict(steps=12, num_workers=workers, seed=1, rank=0, world_size=1, **kind)
+
+    def steps(a, b, **opts):
+        ld = ShardedLoader(Mixture({"a": (a, 0.5), "b": (b, 0.5)}), **kw, **opts)
+        return [(x["__source__"], x["__key__"]) for x in ld]
+
+    assert steps(url, other_url, storage_options=s3_proxy.storage_options) == steps(src, other)
