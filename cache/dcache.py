@@ -141,8 +141,7 @@ class DatasetCache:
         self._source = source
         self._source_failed = False
         self.retry = retry
-        self.max_bytes, self.min_free = max_bytes, min_free
-        self.budget = Budget(max_bytes, min_free)
+        self.budget = Budget(max_bytes, min_free)  # the one owner of the limits
         self.kw: FetchOptions = {"policy": retry, "deadline": None}
         self.dataset = CachedDataset(self, manifest_bytes, allow_pickle=allow_pickle)
         self.manifest = self.dataset.manifest

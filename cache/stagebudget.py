@@ -17,21 +17,20 @@ from .budget import Budget
 
 
 class StageBudget:
-    """``sizes``: bytes each shard takes in the cache. With neither ``max_bytes`` nor ``min_free``
-    every shard fits (no scan at all)."""
+    """``sizes``: bytes each shard takes in the cache; ``budget``: the cache's (`DatasetCache.budget`).
+    A budget with neither a byte limit nor a free-space floor fits every shard (no scan at all)."""
 
     def __init__(
         self,
         cache_dir: str,
         sizes: Sequence[int],
+        budget: Budget,
         *,
-        max_bytes: int | None,
-        min_free: int | None,
         rescan_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.cache_dir, self.sizes = cache_dir, sizes
-        self.budget = Budget(max_bytes, min_free)
+        self.budget = budget
         self.active = self.budget.active
         self.rescan_s, self.clock = rescan_s, clock
         self.used = 0  # shard bytes in the cache at the last scan, plus what this stager copied since

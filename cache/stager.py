@@ -217,7 +217,7 @@ def follow(
     """Stage the shards ``ranks`` local ranks read from ``cache`` (a `DatasetCache`), following
     their board; returns when done (see the module docstring) or when ``stop`` is set.
     ``jobs``: concurrent fetches; ``bandwidth``: bytes per second over all of them. The cache's
-    budget (``cache.max_bytes``/``min_free``, as `open_cache` took them) bounds what is staged:
+    budget (``cache.budget``: ``max_bytes``/``min_free`` as `open_cache` took them) bounds what is staged:
     a shard over it is left to the readers, said once (`shardtool.cache.stagebudget`)."""
     if ahead_shards < 1 or jobs < 1 or ranks < 1:
         raise ValueError(f"ahead_shards, jobs and ranks must be >= 1, found {ahead_shards}, {jobs}, {ranks}")
@@ -246,8 +246,7 @@ def follow(
     budget = StageBudget(
         cache.cache_dir,
         [cached_size(cache.manifest, s, keeps_compressed(vd)) for s in shards],
-        max_bytes=cache.max_bytes,
-        min_free=cache.min_free,
+        cache.budget,
     )
 
     def fetch(i: int) -> str:
