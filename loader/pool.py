@@ -19,6 +19,7 @@ closes, or when the trainer is gone.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -69,7 +70,20 @@ class WorkerPool:
         self.procs: list = []
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self.slots)
         parent = os.getpid()
-        for w in range(num_workers):
+        # Frozen, the objects the workers inherit are never collected in them: garbage the trainer
+        # left (an earlier loader's s3fs session, say) would otherwise run its finalizer in a
+        # worker, against an event loop that is not there ("attached to a different loop"), and
+        # collections would copy pages the workers share (gc.freeze's documented use with fork).
+        gc.freeze()
+        try:
+            self._start(load, ctx, parent, worker_init)
+        finally:
+            gc.unfreeze()  # the trainer collects its own garbage again
+        for b in range(start, min(n, start + num_workers * prefetch_factor)):
+            self._send(b)
+
+    def _start(self, load: Callable, ctx, parent: int, worker_init: Callable[[int], None] | None) -> None:
+        for w in range(self.workers):
             mine, theirs = ctx.Pipe(duplex=True)
             self.conns.append(mine)
             p = ctx.Process(
@@ -81,8 +95,6 @@ class WorkerPool:
             p.start()
             theirs.close()
             self.procs.append(p)
-        for b in range(start, min(n, start + num_workers * prefetch_factor)):
-            self._send(b)
 
     def _where(self, b: int) -> tuple[int, int]:
         i = b - self.start

@@ -8,6 +8,10 @@ are asked for before those batches are, and none is fetched twice.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -154,3 +158,34 @@ def test_a_mixture_of_remote_sources_reads_ahead_the_same_steps(served, second, 
         return [(x["__source__"], x["__key__"]) for x in ld]
 
     assert steps(url, other_url, storage_options=s3_proxy.storage_options) == steps(src, other)
+
+
+SECOND_LOADER = """
+import json, sys
+from shardtool.loader import ShardedLoader
+
+url, opts = sys.argv[1], json.loads(sys.argv[2])
+for _ in range(2):  # the first loader is dropped, not collected, when the second forks its workers
+    ld = ShardedLoader(url, storage_options=opts, batch_size=8, num_workers=2, seed=0, rank=0, world_size=1)
+    print(sum(len(b["__key__"]) for b in ld))
+    ld.close()
+"""
+
+
+def test_a_second_remote_loader_s_workers_leave_the_first_one_s_session_alone(served, s3_proxy, tmp_path):  # noqa: F811
+    """Garbage the trainer left (the first loader's s3fs session) is not collected in the second
+    loader's workers: its finalizer there printed "Task exception was never retrieved ...
+    attached to a different loop" from every worker."""
+    src, url = served
+    n = open_dataset(src).manifest.num_samples
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", SECOND_LOADER, url, json.dumps(s3_proxy.storage_options)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(n), str(n)]
+    assert "Traceback" not in proc.stderr and "never retrieved" not in proc.stderr, proc.stderr
