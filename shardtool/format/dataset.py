@@ -237,7 +237,7 @@ class Dataset:
 
     def load_index_bytes(self, shard: int) -> bytes:
         info = self.manifest.shards[shard]
-        data = read_file(self.fs, self.index_path(shard), what=f"shard {info.path}", size=info.index_bytes)
+        data = read_file(self.fs, self.index_path(shard), what=f"shard {info.path}")
         if len(data) != info.index_bytes or hash_bytes(data) != info.index_hash:
             raise FormatError(
                 f"{info.path}: its sample index {info.index} does not match its size/hash in the manifest"

@@ -22,7 +22,7 @@ __all__ = ["lengths_from_indexes", "read_lengths", "read_lengths_range"]
 def read_lengths(fs, path: str, manifest: Manifest, url: str) -> np.ndarray:
     """Every sample's length, checked against the manifest's hash, count and length summary."""
     lf = manifest.lengths_file
-    data = read_file(fs, path, what=f"dataset {url}", size=lf.get("bytes"))
+    data = read_file(fs, path, what=f"dataset {url}")
     if lf.get("hash") and hash_bytes(data) != lf["hash"]:
         raise FormatError(f"{url}: {lf['path']} does not match the hash in the manifest")
     lengths = lengths_from_bytes(data, expected=manifest.num_samples, source=lf["path"])

@@ -166,12 +166,9 @@ def read_manifest(fs, root: str, url: str) -> bytes:
     raise FormatError(f"{url!r} {what}; {DATASET_URL_HELP}")
 
 
-def read_file(fs, path: str, *, what: str, size: int | None = None) -> bytes:
-    """The bytes of ``path``; ``size``: what the manifest says it holds, read as one ranged GET
-    (no HEAD first: an object store's whole read asks the object's size before its GET). A file
-    of another size then reads short or is cut, which the caller's size and hash check report."""
+def read_file(fs, path: str, *, what: str) -> bytes:
     try:
-        return cat_shared(fs, path, 0, size) if size else cat_shared(fs, path)
+        return cat_shared(fs, path)
     except FileNotFoundError:
         raise FormatError(f"{what}: {path} not found") from None
 

@@ -192,8 +192,7 @@ def test_loader_start_up_reads_no_shard_and_an_epoch_without_cache_reads_ranges(
     show(f"loader epoch, no cache ({len(got)} batches of {LOADER['batch_size']})", c)
     assert got == want
     no_faults_seen(c)
-    # Each index once, as one ranged GET of the size the manifest gives (no HEAD asking its size
-    # first); the shards by ranged reads only, each record batch about once: a sample
+    # Each index once, as one ranged GET of bytes=0- (no HEAD asking its size first); the shards by ranged reads only, each record batch about once: a sample
     # read fetches its Arrow record batch (checked against the index), which the reader keeps for
     # the pass (loader/batchcache.py). Read sample by sample, a shuffled epoch fetched a record
     # batch once per sample in it: here 10.6x the shards' bytes.
