@@ -45,13 +45,12 @@ class ReadAhead:
 
     def __call__(self, b: int, alloc: Any = None) -> Any:
         self._start(b)
-        try:
-            return self.load(b, alloc)
-        finally:
-            # After the load: the batches ahead would otherwise compete with this one's requests
-            # (at a pass's start, every worker's whole read-ahead at once).
-            for nb in range(b + self.stride, min(len(self.batches), b + self.depth * self.stride + 1), self.stride):
-                self._start(nb)
+        out = self.load(b, alloc)
+        # After the load: the batches ahead would otherwise compete with this one's requests (at a
+        # pass's start, every worker's whole read-ahead at once). A failed load ends the pass.
+        for nb in range(b + self.stride, min(len(self.batches), b + self.depth * self.stride + 1), self.stride):
+            self._start(nb)
+        return out
 
     def _start(self, b: int) -> None:
         try:
