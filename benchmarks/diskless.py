@@ -32,17 +32,21 @@ from helpers.s3proxy import Faults, S3Proxy, stdlib_dataset  # noqa: E402
 from helpers.s3server import S3Server  # noqa: E402
 
 
-def _epoch(url, opts, *, cache_dir, step: float, **kw) -> tuple[float, int, list]:
+def _epoch(url, opts, *, cache_dir, step: float, **kw) -> tuple[float, float, list]:
+    """(the epoch's data wait, the first batch's part of it, the keys served)."""
     from shardtool.loader import ShardedLoader
 
     ld = ShardedLoader(url, storage_options=opts, cache_dir=cache_dir, **kw)
-    keys = []
+    keys: list = []
+    first = 0.0
     for batch in ld:
+        if not keys:  # the pass's start: its plan, metadata reads, workers' start and first batch
+            first = ld.metrics()["cumulative"]["wait_s"]
         keys += list(batch["__key__"])
         time.sleep(step)  # the trainer's step: the workers read ahead meanwhile
     wait = ld.metrics()["cumulative"]["wait_s"]
     ld.close()
-    return wait, len(keys), keys
+    return wait, first, keys
 
 
 def main(argv=None) -> int:
@@ -75,19 +79,25 @@ def main(argv=None) -> int:
             report = warm(url, cache, storage_options=opts, jobs=8, progress=False)
             assert report.status == "ok", report.summary()
             waits: dict[str, list[float]] = {"warmed cache": [], "diskless": []}
+            firsts: dict[str, list[float]] = {"warmed cache": [], "diskless": []}
             keys = {}
             for _ in range(a.rounds):
                 for side, cache_dir in (("warmed cache", cache), ("diskless", None)):
-                    wait, n, got = _epoch(url, opts, cache_dir=cache_dir, step=a.step, **kw)
+                    wait, first, got = _epoch(url, opts, cache_dir=cache_dir, step=a.step, **kw)
                     waits[side].append(wait)
+                    firsts[side].append(first)
                     keys[side] = got
             assert keys["warmed cache"] == keys["diskless"], "the two sides served different batches"
     finally:
         server.stop()
     steps = -(-m.num_samples // a.batch_size)
     for side, w in waits.items():
+        f = firsts[side]
+        rest = [a - b for a, b in zip(w, f)]
         print(
-            f"{side:<13} data wait {statistics.median(w):6.2f} s an epoch of ~{steps} steps [{min(w):.2f}-{max(w):.2f}]"
+            f"{side:<13} data wait {statistics.median(w):6.2f} s an epoch of ~{steps} steps [{min(w):.2f}-{max(w):.2f}]: "
+            f"first batch {statistics.median(f):.2f} s [{min(f):.2f}-{max(f):.2f}], "
+            f"the other steps {statistics.median(rest):.2f} s [{min(rest):.2f}-{max(rest):.2f}]"
         )
     ratio = statistics.median(waits["diskless"]) / max(statistics.median(waits["warmed cache"]), 1e-3)
     print(f"diskless / warmed: {ratio:.2f}x the data wait (target <= 1.5x)")

@@ -176,6 +176,9 @@ class Counts:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's default backlog is 5: a loader opening 30 connections at once overflowed it,
+    # and the connections the kernel dropped were retried a second later (a stall no store has).
+    request_queue_size = 1024
     block_on_close = False  # threads are joined by S3Proxy.stop, after their sockets are shut
 
     def __init__(self, proxy: S3Proxy):
