@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 
 from ..format import FormatError, decode_sample
 from ..format.coalesce import gap_from_env
+from ..format.storage import S3_POOL_CONNECTIONS
 from ..plan.ranges import locate_ids
 from .collate import KEY, Alloc, collate_samples, gather_field
 from .inflate import Inflated, InflatedShard, inflate_budget
@@ -161,15 +163,16 @@ class BatchReader:
         their record batches are decoded with, before the workers fork (they inherit them): a
         worker would otherwise fetch each index the first time a batch touches its shard, one
         request's wait after another, and every worker again."""
-        from .batchcache import fetch_pool
-
         ds = self.source.dataset
         shards = np.unique(self.locate(ids)[0]).tolist()
-        pool = fetch_pool()
-        schema = pool.submit(ds.batch_schema, shards[0]) if not self.tar else None
-        list(pool.map(ds.shard_index, shards))  # errors: raised here, naming the shard
-        if schema is not None:
-            schema.result()
+        # As many at once as the store's pooled connections (the fetch pool's 16 took three
+        # rounds of requests for 34 indexes); the threads end here, before any fork.
+        threads = min(S3_POOL_CONNECTIONS, len(shards) + 1)
+        with ThreadPoolExecutor(threads, thread_name_prefix="shardtool-index") as pool:
+            schema = pool.submit(ds.batch_schema, shards[0]) if not self.tar else None
+            list(pool.map(ds.shard_index, shards))  # errors: raised here, naming the shard
+            if schema is not None:
+                schema.result()
 
     def _drop_view(self, shard: int) -> None:
         v = self._views.pop(shard, None)

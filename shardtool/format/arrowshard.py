@@ -8,6 +8,8 @@ the sample index, so a remote reader can fetch just that range.
 from __future__ import annotations
 
 import json
+import struct
+from collections.abc import Callable
 from typing import IO, Any
 
 import numpy as np
@@ -181,6 +183,38 @@ def check_schema(schema: pa.Schema, fields: list[FieldSpec], shard: str) -> None
             f"{shard}: Arrow schema disagrees with the manifest: found {schema.to_string(show_schema_metadata=False)!r}, "
             f"expected {expected.to_string(show_schema_metadata=False)!r}"
         )
+
+
+# An Arrow IPC file ends with its footer (the schema and the record batches' places), the
+# footer's int32 length and "ARROW1": a footer of a few hundred bytes, with this much before the
+# trailer it comes in one read (a file opened for it costs a HEAD, then two reads one after the other).
+FOOTER_READ = 64 << 10
+_MAGIC = b"ARROW1"
+
+
+def schema_from_tail(
+    read: Callable[[int, int], bytes], size: int, fields: list[FieldSpec], shard: str, tail: int = FOOTER_READ
+) -> pa.Schema:
+    """The schema in the footer of the Arrow IPC file ``shard`` of ``size`` bytes, checked
+    against the manifest's ``fields``: ``read(start, end)`` is asked for its last ``tail``
+    bytes, and once more only for a footer longer than that."""
+    start = max(0, size - tail)
+    data = read(start, size)
+    trailer = len(_MAGIC) + 4
+    if len(data) != size - start or len(data) < trailer or data[-len(_MAGIC) :] != _MAGIC:
+        raise FormatError(f"{shard}: not a readable Arrow IPC file (no Arrow trailer in its last {len(data)} bytes)")
+    flen = struct.unpack("<i", data[-trailer : -len(_MAGIC)])[0]
+    if not 0 < flen <= size - trailer - 8:
+        raise FormatError(f"{shard}: not a readable Arrow IPC file (footer length {flen} in a file of {size} bytes)")
+    if flen > len(data) - trailer:
+        data = read(size - trailer - flen, size)
+    footer = data[len(data) - trailer - flen :]
+    try:  # the footer alone, behind the leading magic: the schema is all that is read of it
+        schema = pa.ipc.open_file(pa.py_buffer(_MAGIC + b"\0\0" + footer)).schema
+    except (pa.ArrowInvalid, OSError) as e:
+        raise FormatError(f"{shard}: not a readable Arrow IPC file ({e})") from None
+    check_schema(schema, fields, shard)
+    return schema
 
 
 def write_plain(source, sink) -> list[int]:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .arrowshard import KEY_COLUMN, check_schema, record_batch_from_range, row_values
+from .arrowshard import KEY_COLUMN, check_schema, record_batch_from_range, row_values, schema_from_tail
 from .coalesce import read_coalesced
 from .decode import decode_sample
 from .errors import FormatError
@@ -97,8 +97,7 @@ class Dataset:
         return posixpath.join(self.root, rel) if self.root else rel
 
     def shard_path(self, shard: int) -> str:
-        """Where shard ``shard``'s bytes are read, on :meth:`shard_fs` (for a tar indexed in
-        place, its source, unless a copy is at its name under the root: a cache's version dir)."""
+        """Where ``shard``'s bytes are read, on `shard_fs` (an in-place tar: its source, or a copy under the root)."""
         return self.shard_location(shard)[1]
 
     def shard_fs(self, shard: int):
@@ -129,9 +128,8 @@ class Dataset:
 
     # ------------------------------------------------------------------ random access
     def __getitem__(self, i: Any) -> Any:
-        """Sample ``i`` by its global index (negative: from the end), decoded; a slice gives a
-        list. Reads that sample's byte range only (an Arrow shard: its record batch), after the
-        shard's sample index (metadata) once."""
+        """Sample ``i`` by its global index (negative: from the end), decoded; a slice gives a list.
+        Reads that sample's byte range only (Arrow: its record batch), after the shard's index once."""
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
@@ -144,9 +142,8 @@ class Dataset:
         return self.read(shard, j - int(self._offsets[shard]))
 
     def locate_key(self, key: str) -> int:
-        """The global index of the sample keyed ``key``: the shards' sample indexes are searched
-        in order until one holds it (metadata, no shard is read; a miss reads every index).
-        KeyError naming the key where none has it."""
+        """The global index of the sample keyed ``key``: the shards' sample indexes are searched in
+        order until one holds it (no shard is read; a miss reads every index, then KeyError)."""
         want = str(key)
         for s in range(self.num_shards):
             keys = self.shard_index(s).keys
@@ -180,8 +177,8 @@ class Dataset:
         lengths file, or one ranged read of a remote one (a planner reads only its own range)."""
         if self._lengths is not None:
             return self._lengths[lo:hi]
-        path = self._path(self.manifest.lengths_file["path"])
-        return read_lengths_range(self.fs, path, self.manifest.num_samples, lo, hi, self.url)
+        lf = self.manifest.lengths_file
+        return read_lengths_range(self.fs, self._path(lf["path"]), len(self), lo, hi, self.url, lf.get("bytes"))
 
     def lengths_from_indexes(self, lo: int, hi: int) -> np.ndarray:
         """Lengths of samples ``[lo, hi)`` from the (hash-checked) sample indexes of the shards
@@ -356,12 +353,15 @@ class Dataset:
     def batch_schema(self, shard: int):
         """The schema a record batch of ``shard`` is decoded with: a local shard's own footer's;
         for remote shards one footer's for all (each is the manifest's fields, checked on that
-        read), read once however many threads fetch: a footer costs three requests."""
-        if is_local(self.shard_fs(shard)):
+        read), read once however many threads fetch: one ranged read of the shard's tail."""
+        fs = self.shard_fs(shard)
+        if is_local(fs):
             return self._arrow_reader(shard).schema
         with self._schema_lock:
             if self._remote_schema is None:
-                self._remote_schema = self._arrow_reader(shard).schema
+                path, info = self.shard_path(shard), self.manifest.shards[shard]
+                read = lambda a, b: cat_shared(fs, path, a, b)  # noqa: E731
+                self._remote_schema = schema_from_tail(read, info.bytes, self.manifest.fields, info.path)
         return self._remote_schema
 
     def _read_arrow(self, shard: int, idx: ShardIndex, i: int) -> dict[str, Any]:

@@ -5,6 +5,7 @@ only its own share; or a range from the shards' sample indexes (a node cache hol
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
@@ -18,6 +19,9 @@ from .storage import cat_shared, read_file
 
 __all__ = ["lengths_from_indexes", "read_lengths", "read_lengths_range"]
 
+_HEAD = 4096  # a .npy header fits (numpy pads version 1 headers to 64 bytes; ours are 128)
+_INT64 = np.dtype("<i8")
+
 
 def read_lengths(fs, path: str, manifest: Manifest, url: str) -> np.ndarray:
     """Every sample's length, checked against the manifest's hash, count and length summary."""
@@ -30,20 +34,34 @@ def read_lengths(fs, path: str, manifest: Manifest, url: str) -> np.ndarray:
     return lengths
 
 
-def read_lengths_range(fs, path: str, num_samples: int, lo: int, hi: int, url: str) -> np.ndarray:
-    """Lengths of samples ``[lo, hi)``: the ``.npy`` header, then one ranged read of the range
-    (both through `cat_shared`, so ranks of a node share them where the node shares metadata)."""
+def read_lengths_range(
+    fs, path: str, num_samples: int, lo: int, hi: int, url: str, file_bytes: int | None = None
+) -> np.ndarray:
+    """Lengths of samples ``[lo, hi)``: the ``.npy`` header and one ranged read of the range
+    (both through `cat_shared`, so ranks of a node share them where the node shares metadata).
+    Given the file's size (``file_bytes``, the manifest's), the range is read beside the header,
+    where the int64 values this package writes would start, not after it: one request's wait
+    at every rank's start, not two. Another layout reads the range again where the header says."""
     if not 0 <= lo <= hi <= num_samples:
         raise ValueError(f"sample range [{lo}, {hi}) is outside [0, {num_samples}]")
+    guess = None if file_bytes is None else file_bytes - num_samples * _INT64.itemsize
     try:
-        head = cat_shared(fs, path, 0, 4096)
-        dtype, shape, _, offset = npy_layout(head)
-        if len(shape) != 1 or shape[0] != num_samples or dtype.kind not in "iu":
-            raise ValueError(f"expected {num_samples} integer lengths, found {shape} {dtype}")
-        if hi == lo:
-            return np.zeros(0, np.int64)
-        size = dtype.itemsize
-        data = cat_shared(fs, path, offset + lo * size, offset + hi * size)
+        with ThreadPoolExecutor(1) as pool:
+            ahead = None
+            if guess is not None and 0 < guess <= _HEAD and hi > lo:
+                size = _INT64.itemsize
+                ahead = pool.submit(cat_shared, fs, path, guess + lo * size, guess + hi * size)
+            head = cat_shared(fs, path, 0, _HEAD)
+            dtype, shape, _, offset = npy_layout(head)
+            if len(shape) != 1 or shape[0] != num_samples or dtype.kind not in "iu":
+                raise ValueError(f"expected {num_samples} integer lengths, found {shape} {dtype}")
+            if hi == lo:
+                return np.zeros(0, np.int64)
+            size = dtype.itemsize
+            if ahead is not None and offset == guess and dtype == _INT64:
+                data = ahead.result()
+            else:
+                data = cat_shared(fs, path, offset + lo * size, offset + hi * size)
     except FileNotFoundError:
         raise FormatError(f"dataset {url}: lengths file {path} not found") from None
     except ValueError as e:
