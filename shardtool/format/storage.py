@@ -15,9 +15,11 @@ from .nodeshare import shared_read
 __all__ = [
     "LocalRange",
     "RemoteRange",
+    "cat_whole",
     "dataset_fs",
     "is_local",
     "open_range",
+    "past_end",
     "read_file",
     "read_manifest",
     "shard_location",
@@ -34,22 +36,32 @@ def share_key(fs, path: str, start: int | None = None, end: int | None = None) -
     return f"{fs.protocol}|{options}|{path}|{start}|{end}"
 
 
+def past_end(e: OSError) -> bool:
+    """Whether ``e`` is an HTTP 416: a range wholly past the object's end (s3fs says EINVAL,
+    without the object's name)."""
+    return e.errno == errno.EINVAL or "not satisfiable" in str(e)
+
+
+def cat_whole(fs, path: str) -> bytes:
+    """A whole file. Remote, one GET of "bytes=0-": asked for no range, s3fs first asks the
+    object's size (a HEAD) to split a large read."""
+    if is_local(fs):
+        return fs.cat_file(path)
+    try:
+        return fs.cat_file(path, start=0)
+    except OSError as e:
+        if not past_end(e):
+            raise
+        return fs.cat_file(path)  # an empty object has no byte 0 to start at
+
+
 def cat_shared(fs, path: str, start: int | None = None, end: int | None = None) -> bytes:
     """``fs.cat_file(path, start, end)``, fetched once per node for a job's ranks (`nodeshare`)."""
 
     def read() -> bytes:
         if start is not None or end is not None:
             return fs.cat_file(path, start=start, end=end)
-        if is_local(fs):
-            return fs.cat_file(path)
-        # "bytes=0-": the whole object in one GET. Asked for no range, s3fs first asks the
-        # object's size (a HEAD) to split a large read; these are metadata, small.
-        try:
-            return fs.cat_file(path, start=0)
-        except OSError as e:
-            if e.errno != errno.EINVAL and "not satisfiable" not in str(e):
-                raise
-            return fs.cat_file(path)  # an empty object has no byte 0 to start at
+        return cat_whole(fs, path)
 
     return shared_read(share_key(fs, path, start, end), read, local=is_local(fs))
 
@@ -88,9 +100,7 @@ class RemoteRange:
         except FileNotFoundError:
             raise FormatError(f"{self.path}: shard not found (404)") from None
         except OSError as e:
-            # A range wholly past the end of a truncated object is an HTTP 416, which s3fs
-            # reports as EINVAL without the object's name.
-            if e.errno == errno.EINVAL or "not satisfiable" in str(e):
+            if past_end(e):  # the object is shorter than its index says
                 raise FormatError(
                     f"{self.path}: range {offset}..{offset + size} is past the end of the object "
                     f"({e}); shard truncated?"

@@ -32,8 +32,9 @@ WARM = r"""
 import json, sys
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import test_storage_faults
-from shardtool.cache import RetryPolicy, warm
+from shardtool.cache import RetryPolicy, store, warm
 a = json.loads(sys.argv[3])
+store.CHUNK = a.get("chunk", store.CHUNK)
 r = warm(a["url"], a["cache"], all_shards=True, jobs=a.get("jobs", 2), storage_options=a.get("opts"),
          retry=RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.05, stall_timeout=30))
 print(json.dumps(r.to_dict()), flush=True)
@@ -189,14 +190,15 @@ def test_warmer_killed_mid_copy_leaves_no_final_file_and_recovery_is_automatic(s
     cache_dir = str(tmp_path / "c")
     vd = VersionDir(cache_dir, ds.version)
     final = vd.path(info.path)
-    # every read of shard 0 takes 1.5 s: the bytes land in the temp, then the EOF read stalls
-    args = {"url": "edgefaulty://" + src, "cache": cache_dir, "jobs": 1, "opts": {"stall": {info.path: [1.5, 1000]}}}
+    # shard 0 in two reads, each taking 1.5 s: the first half lands in the temp, the second stalls
+    opts = {"stall": {info.path: [1.5, 1000]}}
+    args = {"url": "edgefaulty://" + src, "cache": cache_dir, "jobs": 1, "opts": opts, "chunk": info.bytes // 2 + 1}
     p = spawn(WARM, FAULTS, TESTS, json.dumps(args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            full = [t for t in temps(vd.root) if info.path.rsplit("/", 1)[-1] in t and os.path.getsize(t) == info.bytes]
-            if full:
+            half = [t for t in temps(vd.root) if info.path.rsplit("/", 1)[-1] in t and os.path.getsize(t) > 0]
+            if half:
                 break
             time.sleep(0.02)
         else:

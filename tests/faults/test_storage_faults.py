@@ -131,18 +131,23 @@ def test_corrupt_local_source_is_refetched_n_times_then_a_permanent_error(bad_sr
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["truncate", "flip"])
+@pytest.mark.parametrize("how", ["truncate", "flip", "grow"])
 def test_corrupt_s3_source_is_detected_before_publish(src, tmp_path, s3_server, how):  # noqa: F811
     url = s3_server.upload(src, f"corrupt-{how}/ds")
     m = open_dataset(src).manifest
     local = str(tmp_path / "one.tar")
     shutil.copyfile(os.path.join(src, m.shards[1].path), local)
-    corrupt(local, how, random.Random(3))
+    if how == "grow":  # the manifest's bytes, then more: the copy's last read asks one byte past its size
+        with open(local, "ab") as f:
+            f.write(b"\0" * 512)
+    else:
+        corrupt(local, how, random.Random(3))
     s3_server.fs().put_file(local, f"corrupt-{how}/ds/{m.shards[1].path}")
     r = warm(
         url, str(tmp_path / "c"), all_shards=True, retry=FAST, strict=True, storage_options=s3_server.storage_options
     )
     assert r.exit_code == 1 and r.shards_failed == 1 and m.shards[1].path in r.error, r.error
+    assert {"truncate": "ended after", "flip": "corrupt", "grow": "larger than the manifest"}[how] in r.error, r.error
     vd = VersionDir(str(tmp_path / "c"), r.version)
     assert not os.path.exists(vd.path(m.shards[1].path)) and temps(vd.root) == []
     # the loader's fetch-on-miss refuses it too, naming the shard
@@ -150,6 +155,24 @@ def test_corrupt_s3_source_is_detected_before_publish(src, tmp_path, s3_server, 
     with pytest.raises(NotCached, match=m.shards[1].path):
         c.local_shard(1)
     assert hash_file(c.local_shard(0))[0] == m.shards[0].hash
+
+
+@pytest.mark.timeout(120)
+def test_an_s3_shard_of_exactly_whole_chunks_is_copied(src, tmp_path, s3_server, monkeypatch):  # noqa: F811
+    """A copy opens its object one byte longer than the manifest's size (no HEAD asks it); the
+    last read of an object of whole chunks then asks a range wholly past its end (a 416), which
+    ends the copy instead of failing it."""
+    from shardtool.cache import store
+
+    m = open_dataset(src).manifest
+    monkeypatch.setattr(store, "CHUNK", m.shards[0].bytes)
+    url = s3_server.upload(src, "whole-chunks/ds")
+    r = warm(
+        url, str(tmp_path / "c"), all_shards=True, retry=FAST, strict=True, storage_options=s3_server.storage_options
+    )
+    assert r.status == "ok" and r.retries == 0 and r.shards_copied == len(m.shards), r.summary()
+    vd = VersionDir(str(tmp_path / "c"), r.version)
+    assert all(hash_file(vd.path(s.path))[0] == s.hash for s in m.shards)
 
 
 @pytest.mark.timeout(60)
