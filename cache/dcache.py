@@ -146,6 +146,8 @@ class DatasetCache:
         self.dataset = CachedDataset(self, manifest_bytes, allow_pickle=allow_pickle)
         self.manifest = self.dataset.manifest
         self.fetched_bytes = 0  # shard bytes this object copied from the source (fetch-on-miss)
+        self._copied: dict[int, int] = {}  # shard -> bytes copied, until a read claims it (`take_copied`)
+        self._count_lock = threading.Lock()  # misses are fetched on several threads at once
 
     def source(self) -> Origin | None:
         """The source filesystem, opened lazily (None if it cannot even be opened)."""
@@ -232,6 +234,12 @@ class DatasetCache:
     def is_cached(self, shard: int) -> bool:
         return self._holder(shard) is not None
 
+    def take_copied(self, shard: int) -> int:
+        """Bytes of ``shard`` this object copied from the source and no read claimed yet (0 if none),
+        now claimed: the first open after a fetch is the miss, whichever thread fetched it."""
+        with self._count_lock:
+            return self._copied.pop(shard, 0)
+
     def local_shard(self, shard: int) -> str:
         """Path of a verified local copy of ``shard``, fetched into the cache on a miss."""
         info = self.manifest.shards[shard]
@@ -249,7 +257,9 @@ class DatasetCache:
         try:
             plain = wants_plain(self.manifest, self.keep_compressed(store))
             if ensure_shard(store, shard, info, src, plain=plain, **self.kw) == COPIED:
-                self.fetched_bytes += info.bytes
+                with self._count_lock:
+                    self.fetched_bytes += info.bytes
+                    self._copied[shard] = self._copied.get(shard, 0) + info.bytes
         except RemoteError as e:
             raise NotCached(
                 f"shard #{shard} {info.path} is not in the cache {store.root} and fetching it failed: {e}"

@@ -125,7 +125,7 @@ class MixtureBatches:
         return self.planner.step_pieces(self.state, b)
 
     def fetches_remote(self) -> bool:
-        return any(r.fetches_views for r in self.readers.values())
+        return any(r.fetches_ahead for r in self.readers.values())
 
     def reads(self, b: int) -> list[tuple[BatchReader, np.ndarray]]:
         """The samples step ``b`` reads, by source (`loader.readahead`)."""

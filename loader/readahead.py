@@ -1,5 +1,6 @@
-"""Reading ahead in plan order: the remote record batches of the batches a process loads next are
-fetched while it loads this one.
+"""Reading ahead in plan order: the remote record batches (no node cache), or the shards a node
+cache lacks (`loader.cachefill`), of the batches a process loads next are fetched while it
+loads this one.
 
 The plan says which batches each process loads and in which order: a worker of ``W`` loads every
 W-th batch, the trainer without workers every batch. Before loading batch ``b`` the loader starts
@@ -7,7 +8,8 @@ the fetches of batch ``b`` (every shard's at once, not shard after shard) and of
 batches that process loads after it, so a store's latency is waited about once per batch, while
 the trainer steps, not once per shard a batch touches. What is fetched ahead is held until read:
 at most ``depth`` batches' record batches on top of the decompressed record batches a process
-keeps (`loader.batchcache`). Local shards and a node cache have nothing to fetch: their loads
+keeps (`loader.batchcache`); shards a node cache fetches ahead are held in it. Local shards, a
+node cache with a byte budget and a remote tar without a cache are not read ahead: their loads
 are not wrapped.
 """
 
@@ -33,7 +35,7 @@ class Reads(Protocol):
         """The samples batch ``b`` reads, with the reader that reads them."""
 
     def fetches_remote(self) -> bool:
-        """Some reader fetches record batches from a store (`BatchReader.fetches_views`)."""
+        """Some reader fetches from a store ahead of its reads (`BatchReader.fetches_ahead`)."""
 
 
 class ReadAhead:

@@ -24,6 +24,7 @@ from ..format import FormatError, decode_sample
 from ..format.coalesce import gap_from_env
 from ..format.storage import S3_POOL_CONNECTIONS
 from ..plan.ranges import locate_ids
+from .cachefill import CacheFill
 from .collate import KEY, Alloc, collate_samples, gather_field
 from .inflate import Inflated, InflatedShard, inflate_budget
 from .observability.probe import NO_PROBE, NoProbe, Probe
@@ -49,6 +50,7 @@ class BatchReader:
         self.probe: Probe | NoProbe = NO_PROBE
         self._remote_seen: set[int] = set()
         self._fetch_lock = threading.Lock()  # record batches of remote views are fetched on threads
+        self._fill = CacheFill()  # shards being fetched into the node cache ahead of their reads
         # Compressed local shards decompressed by this rank's process into memory its workers
         # share (loader/inflate.py): the per-pid reset in `source` keeps it.
         self._inflated: Inflated | None = None
@@ -133,14 +135,24 @@ class BatchReader:
         src = self.source
         return not src.local and not self.tar
 
+    @property
+    def fetches_ahead(self) -> bool:
+        """`fetch_ahead` starts something: remote views' record batches, or the shards a node cache
+        without a budget lacks (`loader.cachefill`)."""
+        return self.fetches_views or CacheFill.fills(self.source.cache)
+
     def fetch_ahead(self, ids: np.ndarray) -> None:
-        """Start fetching the remote record batches ``ids`` read that are neither kept nor on their
-        way, every shard's at once, and return: reads of them wait for those fetches. The loader
-        calls it with a batch as it reads it, so the shards' requests wait together, and with the
-        batches it reads next (`loader.readahead`)."""
-        if len(ids) and self.fetches_views:
+        """Start fetching what ``ids`` read that is neither here nor on its way (remote record
+        batches, or shards the node cache lacks), every shard's at once, and return: reads wait
+        for those fetches. Called with a batch as it is read, and the ones read next (`readahead`)."""
+        if not len(ids):
+            return
+        if self.fetches_views:
             for v, _, li in self._groups(*self.locate(ids)):
                 v.fetch_ahead(li)
+        elif CacheFill.fills(cache := self.source.cache):
+            shards = np.unique(self.locate(ids)[0]).tolist()
+            self._fill.start(self.source.dataset, cache, [s for s in shards if s not in self._views])
 
     def inflate(self, ids: np.ndarray) -> list[int]:
         """Decompress into memory the compressed local shards that ``ids`` (a pass's samples, in

@@ -152,6 +152,10 @@ class Source:
         """Shard bytes this process fetched into the cache on a miss so far (0 without a cache)."""
         return self._cache.fetched_bytes if self._cache is not None else 0
 
+    def take_fetched(self, shard: int) -> int:
+        """The bytes of ``shard`` this process fetched and no open has counted yet (`take_copied`)."""
+        return self._cache.take_copied(shard) if self._cache is not None else 0
+
     def is_cached(self, shard: int) -> bool | None:
         """Whether the node cache holds a verified copy of ``shard``; None without a cache."""
         return None if self._cache is None else self._cache.is_cached(shard)

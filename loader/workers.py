@@ -108,7 +108,7 @@ class PlanBatches:
         return torch.full((size,), not bool(self.pad[b]), dtype=torch.bool)
 
     def fetches_remote(self) -> bool:
-        return self.reader.fetches_views
+        return self.reader.fetches_ahead
 
     def reads(self, b: int) -> list[tuple[BatchReader, np.ndarray]]:
         """The samples batch ``b`` reads (`loader.readahead`): its ids, or a packed batch's documents."""

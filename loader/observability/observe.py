@@ -365,8 +365,9 @@ class Pass:
             log.warning(
                 "rank %d: the node cache is behind the plan: %d of the %d shards the next %d batches read "
                 "are not cached and nobody is fetching them (no warm running), e.g. %s; each will be "
-                "fetched from the source when a batch needs it, which stalls that batch. Run `shardtool "
-                "warm` for this node (e.g. in the job prolog), or stage in the job (stage=True).",
+                "fetched from the source a few batches before one needs it (prefetch_factor), which stalls "
+                "batches wherever a fetch takes longer than those steps. Run `shardtool warm` for this node "
+                "(e.g. in the job prolog), or stage in the job (stage=True).",
                 self.obs.rank,
                 len(missing),
                 len(shards),

@@ -224,18 +224,19 @@ class Probe:
             self.at(shard, 0, 0, REMOTE, FETCHING)
         else:
             self.at(shard, 0, 0, src.tier, OPENING)
-        return time.monotonic(), src.fetched_bytes
+        return time.monotonic(), shard
 
     def opened(self, token: Any, src) -> None:
         """``shard`` became readable: one open, its latency, and for a cache a hit or a miss
-        (a miss is an open that copied the shard from the source)."""
-        began, fetched_before = token
+        (a miss is the first open of a shard this process copied from the source, on that open
+        or ahead of it)."""
+        began, shard = token
         c, i = self.cells, self.base
         c[i + BUSY_PHASE] = IDLE
         c[i + OPENS] += 1
         c[i + HIST0 + bucket(time.monotonic() - began)] += 1
         if src.tier == CACHE:
-            fetched = src.fetched_bytes - fetched_before
+            fetched = src.take_fetched(shard)
             c[i + (MISSES if fetched else HITS)] += 1
             c[i + FETCH_BYTES] += fetched
             c[i + BYTES_REMOTE] += fetched

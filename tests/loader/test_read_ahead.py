@@ -189,3 +189,53 @@ def test_a_second_remote_loader_s_workers_leave_the_first_one_s_session_alone(se
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [str(n), str(n)]
     assert "Traceback" not in proc.stderr and "never retrieved" not in proc.stderr, proc.stderr
+
+
+# --------------------------------------------------------------------------- a node cache, fetch on a miss
+def test_an_empty_node_cache_fetches_the_next_batches_shards_ahead_once(served, s3_proxy, tmp_path):  # noqa: F811
+    """A cache that was not warmed: the shards a batch lacks are fetched together, and the next
+    batches' while the trainer steps (loader/cachefill.py); each shard once, whole."""
+    from shardtool.cache import open_cache
+
+    src, url = served
+    kw = dict(batch_size=8, num_workers=0, prefetch_factor=2, seed=5, rank=0, world_size=1)
+    want = [plain(b) for b in ShardedLoader(src, **kw)]
+    ds = open_dataset(src)
+    shard_of = {k: s for s in range(len(ds.manifest.shards)) for k in ds.shard_index(s).keys}
+    cache_dir = str(tmp_path / "cache")
+    ld = ShardedLoader(url, storage_options=s3_proxy.storage_options, cache_dir=cache_dir, **kw)
+    it = iter(ld)
+    got = [plain(next(it))]
+    # batches 1 and 2 were started before their next(): their shards arrive without it
+    ahead = {shard_of[k] for b in (1, 2) for k in want[b]["__key__"]}
+    cache = open_cache(url, cache_dir, storage_options=s3_proxy.storage_options)
+    deadline = time.monotonic() + 30
+    while not all(cache.is_cached(s) for s in ahead):
+        assert time.monotonic() < deadline, f"shards {sorted(s for s in ahead if not cache.is_cached(s))} never arrived"
+        time.sleep(0.02)
+    got += [plain(b) for b in it]
+    ld.close()
+    assert got == want
+    c = s3_proxy.counts()
+    for s in ds.manifest.shards:  # each shard whole, once: no fetch raced another of the same shard
+        assert c.by_key_kind[(f"{PREFIX}/{s.path}", "RANGED_GET")] == 1, s.path
+        assert c.bytes_by_key[f"{PREFIX}/{s.path}"] == s.bytes
+
+
+def test_a_shard_gone_from_the_store_is_named_by_the_read_that_needs_it(tmp_path, s3_server):  # noqa: F811
+    """A fetch started ahead that fails is not the error: the batch's own read tries again and
+    raises, naming the shard."""
+    src = stdlib_dataset(str(tmp_path / "ds"), files=60)
+    url = s3_server.upload(src, "readahead-gone/ds")
+    m = open_dataset(src).manifest
+    gone = m.shards[1].path
+    s3_server.fs().rm(f"readahead-gone/ds/{gone}")
+    ld = ShardedLoader(
+        url, storage_options=s3_server.storage_options, cache_dir=str(tmp_path / "c"), batch_size=4, num_workers=0
+    )
+    from shardtool.cache.errors import NotCached
+
+    with pytest.raises(NotCached, match=f"{gone} is not in the cache .* not found in the source"):
+        for _ in ld:
+            pass
+    ld.close()
