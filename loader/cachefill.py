@@ -25,11 +25,13 @@ __all__ = ["CacheFill"]
 
 
 class CacheFill:
-    """The shards this process has started fetching into its node cache and not yet finished."""
+    """The shards this process has started fetching into its node cache and not yet finished,
+    and those it has seen there: each is checked once (a stat of its stamp), not every batch."""
 
     def __init__(self):
         self._pid = os.getpid()
         self._filling: set[int] = set()
+        self._present: set[int] = set()  # one evicted since is fetched on its read's miss, as before
         self._lock = threading.Lock()
 
     @staticmethod
@@ -41,31 +43,30 @@ class CacheFill:
         """Start fetching those of ``shards`` that ``cache`` lacks (``dataset``: the cached dataset
         whose `make_present` fetches one), and return."""
         if self._pid != os.getpid():  # a forked worker: the parent's fetches are not its own
-            self._pid, self._filling, self._lock = os.getpid(), set(), threading.Lock()
+            self._pid, self._filling, self._present, self._lock = os.getpid(), set(), set(), threading.Lock()
         pool = fetch_pool()
         for s in shards:
             with self._lock:
-                if s in self._filling:
+                if s in self._filling or s in self._present:
                     continue
                 self._filling.add(s)
             if cache.is_cached(s):
-                self._finished(s)
+                self._finished(s, present=True)
                 continue
             pool.submit(self._fill, dataset, s)
 
     def _fill(self, dataset, shard: int) -> None:
+        present = False
         try:
             dataset.make_present(shard)
+            present = True
         except Exception:  # noqa: BLE001 - the read of that shard tries again and raises it, naming it
             pass
         finally:
-            self._finished(shard)
+            self._finished(shard, present)
 
-    def _finished(self, shard: int) -> None:
+    def _finished(self, shard: int, present: bool) -> None:
         with self._lock:
             self._filling.discard(shard)
-
-    def filling(self) -> set[int]:
-        """The shards whose fetch is under way (for tests and reports)."""
-        with self._lock:
-            return set(self._filling)
+            if present:
+                self._present.add(shard)

@@ -4,6 +4,7 @@ only its own share; or a range from the shards' sample indexes (a node cache hol
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +16,7 @@ from .fields import npy_layout
 from .hashing import hash_bytes
 from .manifest import Manifest, check_length_summary, lengths_from_bytes
 from .sindex import ShardIndex, as_numpy
-from .storage import cat_shared, read_file
+from .storage import cat_shared, is_local, read_file
 
 __all__ = ["lengths_from_indexes", "read_lengths", "read_lengths_range"]
 
@@ -46,10 +47,11 @@ def read_lengths_range(
         raise ValueError(f"sample range [{lo}, {hi}) is outside [0, {num_samples}]")
     guess = None if file_bytes is None else file_bytes - num_samples * _INT64.itemsize
     try:
-        with ThreadPoolExecutor(1) as pool:
+        with contextlib.ExitStack() as stack:
             ahead = None
-            if guess is not None and 0 < guess <= _HEAD and hi > lo:
-                size = _INT64.itemsize
+            if guess is not None and 0 < guess <= _HEAD and hi > lo and not is_local(fs):
+                size = _INT64.itemsize  # a local file's reads do not wait: no thread for them
+                pool = stack.enter_context(ThreadPoolExecutor(1))
                 ahead = pool.submit(cat_shared, fs, path, guess + lo * size, guess + hi * size)
             head = cat_shared(fs, path, 0, _HEAD)
             dtype, shape, _, offset = npy_layout(head)

@@ -12,6 +12,7 @@ import pytest
 
 import shardtool
 from helpers.realtext import byte_ids, stdlib_files
+from helpers.s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.format import FormatError, open_dataset
 from shardtool.format.arrowshard import schema_for, schema_from_tail
 from shardtool.format.lengthsfile import read_lengths_range
@@ -65,17 +66,24 @@ def test_a_cut_or_foreign_shard_is_named_in_the_error(packed, tmp_path):
         schema_from_tail(Reads(packed.shard_path(0)), len(data), other, info.path)
 
 
+@pytest.mark.parametrize("store", ["local", "s3"])
 @pytest.mark.parametrize("layout", ["ours", "int32", "size unknown", "size wrong"])
-def test_lengths_ranges_equal_the_whole_file_in_every_layout(packed, tmp_path, layout):
-    """The range is read where our int64 layout would put it, beside the header; any other
-    layout (another writer's int32, a size the manifest does not give or gives wrong) is read
-    again where the header says: the values are the same either way."""
+def test_lengths_ranges_equal_the_whole_file_in_every_layout(packed, tmp_path, layout, store, request):
+    """The range is read where our int64 layout would put it, beside the header (on a store,
+    where a read waits: a real S3 API); any other layout (another writer's int32, a size the
+    manifest does not give or gives wrong) is read again where the header says: the values are
+    the same either way, and locally."""
     whole = packed.lengths
     n = len(whole)
     path = str(tmp_path / "lengths.npy")
     np.save(path, whole.astype(np.int32 if layout == "int32" else np.int64))
     size = {"size unknown": None, "size wrong": os.path.getsize(path) + 8}.get(layout, os.path.getsize(path))
     fs = fsspec.filesystem("file")
+    if store == "s3":
+        server = request.getfixturevalue("s3_server")
+        bucket = "lengths-" + layout.replace(" ", "-")
+        path = server.upload(str(tmp_path), bucket).removeprefix("s3://") + "/lengths.npy"
+        fs = server.fs()
     for lo, hi in [(0, n), (0, 1), (n - 1, n), (n // 3, 2 * n // 3), (5, 5), (0, 0)]:
         got = read_lengths_range(fs, path, n, lo, hi, "ds", size)
         assert got.dtype == np.int64 and got.tolist() == whole[lo:hi].tolist(), (lo, hi)
