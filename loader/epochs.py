@@ -17,6 +17,7 @@ import numpy as np
 from ..plan import Planner, RankPlan
 from ..plan.about import describe
 from ..plan.batching import default_bucketing
+from ..plan.rowsplit import cut_pieces
 from ..plan.schedule import StepClock, with_runs
 from ..plan.state import LoaderState, StateError, check_compatible
 from . import tokenfields
@@ -60,6 +61,9 @@ class DatasetEpochs:
                         raise ValueError(
                             "image_transform is for image-text datasets (pack --image-field); this has no images"
                         )
+                    if self.images is not None and self.schedule is not None and self.schedule.seq_lens:
+                        # A cut may fall inside an image's placeholders, which must stay in one row.
+                        raise ValueError("seq_len by step is not supported for image-text datasets yet; give one")
                 except ValueError as e:
                     raise ValueError(f"{url}: {e}") from None
         except BaseException:
@@ -286,6 +290,7 @@ class DatasetEpochs:
         self._after = None
         segment = self.state.with_served(start).last
         rows_per_batch: Any = self.batching.batch_size
+        seq_lens = None  # a sequence-length schedule: each step's rows' length
         if segment.skipped or self.schedule is not None:
             # The positions still to serve, in order (past skipped steps); with a schedule, each
             # step takes the next size(step) / base of them.
@@ -296,16 +301,18 @@ class DatasetEpochs:
                 bounds = self.schedule.cut(step, int(positions.size))
                 sizes = [self.schedule.size_at(step + j) for j in range(bounds.size - 1)]
                 rows_per_batch = np.array(sizes, np.int64)
+                if self.schedule.seq_lens:
+                    seq_lens = np.array([self.schedule.seq_len_at(step + j) for j in range(bounds.size - 1)], np.int64)
             plan = plan.taking(positions) if segment.skipped else plan
             if self.schedule is not None:
                 plan = plan.grouped(bounds if segment.skipped else start + bounds)
             self._after = segment.after(positions[bounds[1:] - 1]) if positions.size else np.zeros(0, np.int64)
             start, n = 0, int(bounds.size - 1)
         where = f"rank {self.reading.placement.rank}/{self.reading.placement.layout.world_size}, epoch {self.epoch}"
-        batches = self._plan_batches(plan, rows_per_batch, where)
+        batches = self._plan_batches(plan, rows_per_batch, where, seq_lens)
         return PassBatches(batches, start, n, where, plan=staged)
 
-    def _plan_batches(self, plan: RankPlan, rows_per_batch: Any, where: str) -> PlanBatches:
+    def _plan_batches(self, plan: RankPlan, rows_per_batch: Any, where: str, seq_lens: Any = None) -> PlanBatches:
         opts, packing = self.reading.opts, self.batching.packing
         packed = None
         if packing is not None:
@@ -334,10 +341,11 @@ class DatasetEpochs:
             lengths=plan.lengths,
             packed=packed,
             packed_rows=plan.batch_rows if packed is not None else None,
-            packed_stats=plan.packed_stats(rows_per_batch) if packed is not None else None,
+            packed_stats=_packed_stats(plan, rows_per_batch, seq_lens) if packed is not None else None,
             # Lean chunks lay out batches of one size; a schedule's steps are read one by one.
             packed_pass=(plan.rows, plan.row_offsets) if packed is not None and not scheduled else None,
             rows_per_batch=rows_per_batch if packed is not None and scheduled else None,
+            seq_lens=seq_lens,
             costs=self._costs(plan),
             pad=plan.pad,
         )
@@ -351,3 +359,11 @@ class DatasetEpochs:
 
         rows_per_batch = self.batching.batch_size if plan.rows is not None else None
         return served_costs(plan.rows, plan.row_offsets, plan.lengths, plan.offsets, model, rows_per_batch)
+
+
+def _packed_stats(plan: RankPlan, rows_per_batch: Any, seq_lens: np.ndarray | None) -> tuple:
+    """`RankPlan.packed_stats`; with a sequence-length schedule, of the rows each step cuts."""
+    stats = plan.packed_stats(rows_per_batch)
+    if seq_lens is None or plan.rows is None or plan.row_offsets is None:
+        return stats
+    return cut_pieces(plan.rows, plan.row_offsets, seq_lens), stats[1], np.asarray(rows_per_batch) * seq_lens

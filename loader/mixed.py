@@ -46,7 +46,9 @@ class MixtureSteps:
     def __init__(self, mixture: Mixture, reading: Reading, *, steps: int | None, tokens: int | None):
         batching, opts = reading.opts.batching, reading.opts
         if opts.schedule is not None:
-            raise ValueError("batch_size by step (a schedule) is not supported for a Mixture yet; give one size")
+            raise ValueError(
+                "batch_size or seq_len by step (a schedule) is not supported for a Mixture yet; give one size"
+            )
         if opts.packed_outputs == "lean":
             raise ValueError(
                 "packed_outputs='lean' is for one dataset; a mixture's packed steps are full batches "

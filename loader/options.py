@@ -14,7 +14,7 @@ from typing import Any
 from ..plan import Batching
 from ..plan.cost import CostModel
 from ..plan.packing import Packing
-from ..plan.schedule import Schedule, parse_schedule
+from ..plan.schedule import Schedule, parse_schedule, with_seq_lens
 
 __all__ = ["BatchOptions", "WorkerOptions", "batch_options", "worker_options"]
 
@@ -42,7 +42,7 @@ class BatchOptions:
     collate_fn: Callable | None
     pad_id: int
     token_fields: tuple[str, ...] | None = None  # None: every per-token array field (loader/tokenfields.py)
-    schedule: Schedule | None = None  # batch_size by step: the plan's batch_size is its base
+    schedule: Schedule | None = None  # batch_size or seq_len by step: the plan's batch_size is its base
 
     @property
     def packing(self) -> Packing | None:
@@ -64,13 +64,13 @@ def worker_options(num_workers: Any, prefetch_factor: Any, pin_memory: bool | No
 
 def batch_options(
     *,
-    batch_size: int | None,
+    batch_size: int | Mapping[int, int] | None,
     max_tokens: int | None,
     shuffle: bool,
     seed: int,
     window: int | None,
     bucketing: bool | None,
-    seq_len: int | None,
+    seq_len: int | Mapping[int, int] | None,
     packing: str,
     eos_id: int | None,
     max_docs_per_row: int | None,
@@ -89,15 +89,15 @@ def batch_options(
     """The batching of the loader's keywords (`Batching` checks its own fields); ValueError naming
     the keyword where a combination cannot work. ``bucketing=None`` stays None: the dataset
     decides it once opened (`shardtool.plan.batching.default_bucketing`)."""
-    schedule, batch_size = _batch_size_schedule(batch_size, max_tokens, exact, cost_model, micro_batches)
+    schedule, rows_or_samples, row_len = _schedule(batch_size, seq_len, max_tokens, exact, cost_model, micro_batches)
     rows = None
-    if seq_len is not None:
+    if row_len is not None:
         if transform is not None or collate_fn is not None:
             raise ValueError(
                 "packing builds its own batches: transform and collate_fn are not supported with "
                 "seq_len (pack the transformed tokens instead)"
             )
-        rows = Packing(seq_len, packing, eos_id=eos_id, max_docs_per_row=max_docs_per_row)
+        rows = Packing(row_len, packing, eos_id=eos_id, max_docs_per_row=max_docs_per_row)
     if packed_outputs not in PACKED_OUTPUTS:
         raise ValueError(f"packed_outputs must be 'full' or 'lean', found {packed_outputs!r}")
     if packed_outputs == "lean" and seq_len is None:
@@ -112,7 +112,7 @@ def batch_options(
             raise ValueError(f"token_fields must be a list of field names, found {token_fields!r}")
         token_fields = tuple(token_fields)
     batching = Batching(
-        batch_size=batch_size,
+        batch_size=rows_or_samples,
         max_tokens=max_tokens,
         shuffle=shuffle,
         seed=seed,
@@ -129,26 +129,36 @@ def batch_options(
     return BatchOptions(batching, packed_outputs, transform, collate_fn, int(pad_id), token_fields, schedule)
 
 
-def _batch_size_schedule(
-    batch_size: Any, max_tokens: Any, exact: bool, cost_model: Any, micro_batches: Any
-) -> tuple[Schedule | None, Any]:
-    """``batch_size={first step: size}``: the schedule, and the plan's batch size (its base)."""
+def _schedule(
+    batch_size: Any, seq_len: Any, max_tokens: Any, exact: bool, cost_model: Any, micro_batches: Any
+) -> tuple[Schedule | None, Any, Any]:
+    """``batch_size={first step: size}`` and ``seq_len={first step: length}``: the schedule, the
+    plan's batch size (its base) and the plan's seq_len (the longest)."""
     if isinstance(max_tokens, Mapping):
         raise ValueError(
             "max_tokens by step is not supported yet: a schedule is given as batch_size={first step: "
             "size} (samples, or rows of seq_len tokens)"
         )
-    if not isinstance(batch_size, Mapping):
-        return None, batch_size
-    schedule = parse_schedule("batch_size", batch_size)
+    sizes = parse_schedule("batch_size", batch_size) if isinstance(batch_size, Mapping) else None
+    lengths = parse_schedule("seq_len", seq_len) if isinstance(seq_len, Mapping) else None
+    if lengths is not None and batch_size is None:
+        raise ValueError("seq_len by step needs batch_size: the rows per step (one size, or by step)")
+    if lengths is not None and len(lengths.changes) == 1:
+        seq_len, lengths = lengths.changes[0][1], None
+    if sizes is not None and len(sizes.changes) == 1:
+        batch_size, sizes = sizes.changes[0][1], None
+    if sizes is None and lengths is None:
+        return None, batch_size, seq_len
     refused = {
         "exact=True": exact,
         "cost_model": cost_model is not None,
         "micro_batches": micro_batches not in (None, 1),
     }
+    what = "batch_size" if lengths is None else "seq_len"
     for name, given in refused.items():
         if given:
-            raise ValueError(f"batch_size by step (a schedule) cannot be combined with {name} yet; give one size")
-    if len(schedule.changes) == 1:
-        return None, schedule.changes[0][1]
-    return schedule, schedule.base
+            raise ValueError(f"{what} by step (a schedule) cannot be combined with {name} yet; give one size")
+    if lengths is None:
+        return (sizes, sizes.base, seq_len) if sizes is not None else (None, batch_size, seq_len)
+    schedule = with_seq_lens(sizes if sizes is not None else batch_size, lengths)
+    return schedule, schedule.base, schedule.row_len

@@ -256,7 +256,8 @@ class PackedReader:
         alloc = alloc or np.empty
         if into is not None and self.outputs == "lean":
             raise ValueError("into= is a full batch's [3, B, S] block; a lean batch has none")
-        lay = BatchLayout(rows, self.packing, rows_per_batch or self.rows_per_batch, per_span=True)
+        packing = self.packing if rows.seq_len == self.packing.seq_len else self.packing.cut_to(rows.seq_len)
+        lay = BatchLayout(rows, packing, rows_per_batch or self.rows_per_batch, per_span=True)
         src = self.reader.token_sources(lay.docs, keys=self.outputs == "full")
         if src is None:
             out = self._decoded(rows, lay, alloc, into)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..plan import data_parallel
@@ -48,7 +48,9 @@ class ShardedLoader(PassRunner, SourceViews):
         dp_rank, dp_size, mesh, dp_dim: Who is data-parallel under TP/PP/CP: a torch DeviceMesh (or
             `shardtool.plan.Mesh`) and its DP dimension name(s), or the DP size and rank. Ranks of
             one DP rank get byte-identical batches.
-        seq_len: Pack documents into rows of exactly this many tokens (sequence packing).
+        seq_len: Pack documents into rows of exactly this many tokens (sequence packing); or a
+            warmup by step, ``{0: 2048, 50000: 8192}`` (shorter rows are cut from the longest's
+            plan; docs/run-changes.md).
         packing: ``"best-fit"``, ``"concat"``, ``"no-split"`` or ``"stream"`` (docs/sequence-packing.md).
         eos_id: Appended to each packed document (not where the pack stored one).
         max_docs_per_row: The most pieces in a packed row (sizes ``cu_seqlens``).
@@ -99,7 +101,7 @@ class ShardedLoader(PassRunner, SourceViews):
         self,
         url: Any,
         *,
-        batch_size: int | None = None,
+        batch_size: int | Mapping[int, int] | None = None,
         max_tokens: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
@@ -111,7 +113,7 @@ class ShardedLoader(PassRunner, SourceViews):
         dp_size: int | None = None,
         mesh: Any = None,
         dp_dim: str | tuple[str, ...] = "dp",
-        seq_len: int | None = None,
+        seq_len: int | Mapping[int, int] | None = None,
         packing: str = "best-fit",
         eos_id: int | None = None,
         max_docs_per_row: int | None = None,

@@ -17,8 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from ..plan.packing import Rows
+from ..plan.rowsplit import cut_rows
 from ..plan.state import LoaderState
-from .tracelocate import hits_of, units_across
+from .tracelocate import hits_of, pieces_of, units_across
 
 __all__ = ["dump", "find", "sample_of", "trace", "traces"]
 
@@ -62,10 +64,16 @@ def traces(loader: Any, first: int, stop: int, *, epoch: int | None = None) -> l
             f"step {stop - 1} is past epoch {state.epoch}'s end: this rank has {earlier + cut.size - 1} steps in it"
         )
     out = []
+    schedule = getattr(loader, "schedule", None)
     for step in range(first, stop):
         # A step of a schedule joins planned batches (positions past any steps skipped).
         at = [state.last.position_of(k) for k in range(int(cut[step - earlier]), int(cut[step - earlier + 1]))]
-        samples = units_across((loader.reader, loader.dataset, plan, p, p + 1, {}) for p in at)
+        seq_len = schedule.seq_len_at(step) if schedule is not None else None
+        if seq_len is not None and plan.rows is not None:  # the step's rows cut to its length, as served
+            rows = Rows.concat([plan.batch_rows(p) for p in at], plan.rows.seq_len)
+            samples = pieces_of(loader.reader, loader.dataset, cut_rows(rows, seq_len))
+        else:
+            samples = units_across((loader.reader, loader.dataset, plan, p, p + 1, {}) for p in at)
         out.append(
             {
                 "epoch": state.epoch,

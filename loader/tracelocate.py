@@ -8,35 +8,40 @@ from typing import Any
 
 import numpy as np
 
+from ..plan.packing import Rows
 from ..plan.state import LoaderState
 
-__all__ = ["hits_of", "located", "served_at", "units_across", "units_of"]
+__all__ = ["hits_of", "located", "pieces_of", "served_at", "units_across", "units_of"]
 
 
 def units_of(reader: Any, ds: Any, plan: Any, first: int, stop: int) -> list[dict[str, Any]]:
     """The samples (packed: pieces) of ``plan``'s batches ``first .. stop - 1``, located."""
     if plan.rows is not None:
-        a, z = int(plan.row_offsets[first]), int(plan.row_offsets[stop])
-        rows = plan.rows.slice(a, z)
-        ids = rows.span_pos
-        per_row = np.diff(rows.row_offsets)
-        extra = {
-            "row": np.repeat(np.arange(per_row.size), per_row).tolist(),
-            "offset": rows.span_start.tolist(),
-            "length": rows.span_len.tolist(),
-        }
-    else:
-        lo, hi = int(plan.offsets[first]), int(plan.offsets[stop])
-        ids = plan.ids[lo:hi]
-        extra = {"length": plan.lengths[lo:hi].tolist()}
-    samples = located(reader, ds, np.asarray(ids, dtype=np.int64))
-    for name, values in extra.items():
-        for sample, value in zip(samples, values):
-            sample[name] = int(value)
+        return pieces_of(reader, ds, plan.rows.slice(int(plan.row_offsets[first]), int(plan.row_offsets[stop])))
+    lo, hi = int(plan.offsets[first]), int(plan.offsets[stop])
+    samples = _with(located(reader, ds, np.asarray(plan.ids[lo:hi], dtype=np.int64)), length=plan.lengths[lo:hi])
     if plan.pad is not None and plan.rows is None:  # an exact plan's padding: a stand-in sample
         sizes = np.diff(plan.offsets[first : stop + 1])
         for sample, padding in zip(samples, np.repeat(plan.pad[first:stop], sizes).tolist()):
             sample["valid"] = not padding
+    return samples
+
+
+def pieces_of(reader: Any, ds: Any, rows: Rows) -> list[dict[str, Any]]:
+    """The pieces of packed ``rows``, located, each with its ``row``, ``offset`` and ``length``."""
+    per_row = np.diff(rows.row_offsets)
+    return _with(
+        located(reader, ds, np.asarray(rows.span_pos, dtype=np.int64)),
+        row=np.repeat(np.arange(per_row.size), per_row),
+        offset=rows.span_start,
+        length=rows.span_len,
+    )
+
+
+def _with(samples: list[dict[str, Any]], **values: np.ndarray) -> list[dict[str, Any]]:
+    for name, column in values.items():
+        for sample, value in zip(samples, column.tolist()):
+            sample[name] = int(value)
     return samples
 
 

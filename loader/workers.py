@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..format.errors import FormatError, add_note
+from ..plan.rowsplit import cut_rows
 from .collate import Alloc
 from .observability.metrics import Meter
 from .pool import WorkerPool
@@ -45,6 +46,7 @@ class PlanBatches:
         costs: np.ndarray | None = None,
         pad: np.ndarray | None = None,
         rows_per_batch: np.ndarray | None = None,
+        seq_lens: np.ndarray | None = None,
     ):
         self.reader = reader
         self.ids = ids
@@ -59,6 +61,7 @@ class PlanBatches:
         self.packed_pass = packed_pass  # (rows, row_offsets) of the whole pass: read_planned lays out chunks
         self.pad = pad  # an exact plan's padding batches (`RankPlan.pad`): each batch then gets ``valid``
         self.rows_per_batch = rows_per_batch  # packed, per batch (a batch-size schedule); else the reader's
+        self.seq_lens = seq_lens  # packed, per batch (a sequence-length schedule): its rows cut to that length
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -138,7 +141,10 @@ class PlanBatches:
                 size = int(self.rows_per_batch[b]) if self.rows_per_batch is not None else None
                 if self.packed_rows is None:
                     raise RuntimeError("shardtool internal error: given with packed (`DatasetEpochs`)")
-                return self.packed.read(self.packed_rows(b), alloc, rows_per_batch=size)
+                rows = self.packed_rows(b)
+                if self.seq_lens is not None:
+                    rows = cut_rows(rows, int(self.seq_lens[b]))
+                return self.packed.read(rows, alloc, rows_per_batch=size)
             if self.transform is None and self.collate_fn is None:
                 # Only a worker's output crosses a process boundary: pack bytes there only.
                 batch = self.reader.read_batch(ids, pack=alloc is not None, alloc=alloc)

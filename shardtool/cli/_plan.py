@@ -37,7 +37,14 @@ def add_batching_arguments(p) -> None:
     )
     size.add_argument("--max-tokens", type=int, help="token budget per batch, padding counted")
     pk = p.add_argument_group("sequence packing (with --batch-size: rows per batch)")
-    pk.add_argument("--seq-len", type=int, default=None, metavar="S", help="pack documents into rows of S tokens")
+    pk.add_argument(
+        "--seq-len",
+        type=_seq_len,
+        default=None,
+        metavar="S",
+        help="pack documents into rows of S tokens; or a warmup by step, 0:2048,50000:8192 (shorter rows are "
+        "cut from the longest rows' plan)",
+    )
     pk.add_argument(
         "--packing",
         choices=["best-fit", "concat", "no-split", "stream"],
@@ -97,21 +104,34 @@ def add_batching_arguments(p) -> None:
 
 
 def _batch_size(text: str):
+    return _size_or_schedule("batch_size", text, "a batch size (8) or a schedule (0:4,2000:8)")
+
+
+def _seq_len(text: str):
+    return _size_or_schedule("seq_len", text, "a row length (2048) or a schedule (0:2048,50000:8192)")
+
+
+def _size_or_schedule(name: str, text: str, what: str):
     import argparse
 
     from ..plan.schedule import parse_schedule_text
 
     try:
-        return parse_schedule_text(text)
+        return parse_schedule_text(text, name)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: a batch size (8) or a schedule (0:4,2000:8): {e}") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: {what}: {e}") from None
 
 
 def schedule_of(args):
-    """The batch-size schedule ``--batch-size`` gave (`shardtool.plan.schedule.Schedule`), or None."""
-    from ..plan.schedule import Schedule
+    """The schedule ``--batch-size`` and ``--seq-len`` gave (`shardtool.plan.schedule.Schedule`),
+    or None; ValueError where a sequence-length schedule cannot cut whole rows."""
+    from ..plan.schedule import Schedule, with_seq_lens
 
-    size = getattr(args, "batch_size", None)
+    size, seq = getattr(args, "batch_size", None), getattr(args, "seq_len", None)
+    if isinstance(seq, Schedule) and len(seq.changes) > 1:
+        if size is None:
+            raise ValueError("a --seq-len schedule needs --batch-size: the rows per step")
+        return with_seq_lens(size, seq)
     return size if isinstance(size, Schedule) and len(size.changes) > 1 else None
 
 
@@ -119,8 +139,19 @@ def batch_size_of(args):
     """``--batch-size`` as an int (a schedule's base size), or None."""
     from ..plan.schedule import Schedule
 
+    schedule = schedule_of(args)
+    if schedule is not None:
+        return schedule.base
     size = getattr(args, "batch_size", None)
     return size.base if isinstance(size, Schedule) else size
+
+
+def seq_len_of(args):
+    """``--seq-len`` as an int (a schedule's longest length: the rows planned), or None."""
+    from ..plan.schedule import Schedule
+
+    seq = getattr(args, "seq_len", None)
+    return max(n for _, n in seq.changes) if isinstance(seq, Schedule) else seq
 
 
 def layout_of(args):
@@ -133,7 +164,8 @@ def batching_of(args, source=None):
     from ..plan import Batching
     from ..plan.packing import Packing, with_packed_eos
 
-    packing = Packing(args.seq_len, args.packing, eos_id=args.eos_id) if args.seq_len is not None else None
+    seq_len = seq_len_of(args)
+    packing = Packing(seq_len, args.packing, eos_id=args.eos_id) if seq_len is not None else None
     manifest = getattr(source, "manifest", None)
     if manifest is not None:  # documents packed with --eos-id end with it already: as the loader plans them
         packing = with_packed_eos(packing, {args.url: manifest.length.get("eos_id")})

@@ -127,6 +127,7 @@ def schedule_report(schedule, epoch: int, batches: int, served_tokens: float) ->
     phases = [{**ph, "tokens": int(round(ph["batches"] * per_batch))} for ph in schedule.phases(first, batches)]
     return {
         "changes": [list(c) for c in schedule.changes],
+        **({"seq_len_changes": [list(c) for c in schedule.seq_lens]} if schedule.seq_lens else {}),
         "base": schedule.base,
         "epoch_first_step": first,
         "next_epoch_first_step": first + schedule.steps(first, batches),
@@ -136,17 +137,26 @@ def schedule_report(schedule, epoch: int, batches: int, served_tokens: float) ->
 
 
 def _print_schedule(report: dict, out) -> None:
-    out(
-        f"schedule      batch size by step {', '.join(f'{s}: {n}' for s, n in report['changes'])}; planned at "
-        f"{report['base']} a batch, a step takes size/{report['base']} of them\n"
-    )
+    if "seq_len_changes" in report:
+        longest = max(n for _, n in report["seq_len_changes"])
+        out(
+            f"schedule      rows by step {', '.join(f'{s}: {n}' for s, n in report['changes'])}; seq_len by step "
+            f"{', '.join(f'{s}: {n}' for s, n in report['seq_len_changes'])}; planned at {report['base']} rows of "
+            f"{longest:,} a batch, a step takes its rows' tokens in them, cut to its seq_len\n"
+        )
+    else:
+        out(
+            f"schedule      batch size by step {', '.join(f'{s}: {n}' for s, n in report['changes'])}; planned at "
+            f"{report['base']} a batch, a step takes size/{report['base']} of them\n"
+        )
     out(
         f"              this epoch: steps {report['epoch_first_step']:,}..{report['next_epoch_first_step'] - 1:,} "
         f"({report['steps']:,} steps; every epoch before it whole)\n"
     )
     for ph in report["phases"]:
         out(
-            f"              steps {ph['from_step']:,}..{ph['to_step']:,}: size {ph['size']} x {ph['steps']:,} "
+            f"              steps {ph['from_step']:,}..{ph['to_step']:,}: size {ph['size']}"
+            f"{' x ' + format(ph['seq_len'], ',') + ' tokens' if 'seq_len' in ph else ''} x {ph['steps']:,} "
             f"steps, about {ph['tokens']:,} tokens\n"
         )
 

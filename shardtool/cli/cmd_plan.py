@@ -19,6 +19,7 @@ from ._plan import (
     peak_rss_mb,
     plan_source,
     schedule_of,
+    seq_len_of,
 )
 from ._plan_rank import evaluate_rank, for_dataset
 from ._plan_report import print_report, schedule_report, startup_requests
@@ -197,8 +198,8 @@ def run(args) -> int:
             "seed": args.seed,
             "epoch": args.epoch,
             "shuffle": not args.no_shuffle,
-            "seq_len": args.seq_len,
-            "packing": args.packing if args.seq_len else None,
+            "seq_len": seq_len_of(args),
+            "packing": args.packing if seq_len_of(args) else None,
             "eos_id": args.eos_id,
         },
         "samples": int(summaries.samples.sum()),

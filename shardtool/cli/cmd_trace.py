@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from ..format.errors import ShardtoolError
-from ._plan import add_batching_arguments, batch_size_of, schedule_of
+from ._plan import add_batching_arguments, batch_size_of, schedule_of, seq_len_of
 
 HELP = "which samples (and pieces of them) a rank's batch at a step holds, from the plan alone"
 DESCRIPTION = """\
@@ -79,7 +79,7 @@ def run(args) -> int:
     kw = dict(
         batch_size=dict(schedule.changes) if schedule is not None else batch_size_of(args),
         max_tokens=args.max_tokens,
-        seq_len=args.seq_len,
+        seq_len=dict(schedule.seq_lens) if schedule is not None and schedule.seq_lens else seq_len_of(args),
         packing=args.packing,
         eos_id=args.eos_id,
         seed=args.seed,

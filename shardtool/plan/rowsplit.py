@@ -6,6 +6,10 @@ are cut into near-equal parts, at token positions (a cut may fall inside a docum
 cuts documents anyway) — or, for ``no-split`` packing, only between documents, at the boundaries
 nearest the even cuts: a row of one document stays whole, and the group is then short of rows
 (its batches share the rows there are). Rare, and small when it happens, so plain Python is fine.
+
+`cut_rows` is the other cut: every row into rows of a fixed shorter length, at multiples of it (a
+sequence-length schedule's short steps, `shardtool.plan.schedule`). It runs on every such step,
+so it is vectorised.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import numpy as np
 
 from .packing import Rows
 
-__all__ = ["split_rows"]
+__all__ = ["cut_pieces", "cut_rows", "split_rows"]
 
 
 def _parts(row_tokens: list[int], target: int, most: list[int] | None = None) -> list[int]:
@@ -98,3 +102,51 @@ def _at_boundaries(cuts: list[int], ends: list[int]) -> list[int]:
         out.append(inner[best])
         j = best + 1
     return [*out, cuts[-1]]
+
+
+def cut_rows(rows: Rows, seq_len: int) -> Rows:
+    """``rows`` cut into rows of ``seq_len`` tokens (which divides ``rows.seq_len``): row r's
+    tokens ``[j * seq_len, (j + 1) * seq_len)`` become a row, in order, and the spans a cut falls
+    inside become two pieces (the second going on where the first stopped: its ``span_start``).
+    Parts that would hold only padding are left out, so a batch of the result pads at its end.
+    Tokens and their order are unchanged; ``split_docs`` grows by the spans cut."""
+    if seq_len == rows.seq_len:
+        return rows
+    if seq_len < 1 or rows.seq_len % seq_len:
+        raise ValueError(f"rows of {rows.seq_len} tokens cannot be cut into rows of {seq_len}")
+    per_row = np.diff(rows.row_offsets)
+    row_of = np.repeat(np.arange(rows.num_rows, dtype=np.int64), per_row)
+    before = np.cumsum(rows.span_len) - rows.span_len
+    at = before - before[rows.row_offsets[row_of]] if row_of.size else before  # a span's start in its row
+    first, last = at // seq_len, (at + rows.span_len - 1) // seq_len
+    pieces = last - first + 1
+    span = np.repeat(np.arange(pieces.size, dtype=np.int64), pieces)
+    part = first[span] + np.arange(span.size, dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    lo = np.maximum(at[span], part * seq_len)
+    hi = np.minimum(at[span] + rows.span_len[span], (part + 1) * seq_len)
+    new_row = row_of[span] * (rows.seq_len // seq_len) + part  # non-decreasing: spans are in row order
+    starts = np.flatnonzero(np.diff(new_row, prepend=-1)) if new_row.size else new_row
+    offsets = np.append(starts, new_row.size).astype(np.int64)
+    return Rows(
+        seq_len,
+        offsets,
+        rows.span_pos[span],
+        rows.span_start[span] + lo - at[span],
+        hi - lo,
+        rows.dropped,
+        rows.split_docs + int((pieces > 1).sum()),
+    )
+
+
+def cut_pieces(rows: Rows, row_offsets: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+    """Per batch (rows ``row_offsets[b] .. row_offsets[b + 1] - 1``, cut to ``seq_lens[b]``):
+    the pieces `cut_rows` makes of its spans; the metrics count them without cutting each batch."""
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    row_of = np.repeat(np.arange(rows.num_rows, dtype=np.int64), np.diff(rows.row_offsets))
+    batch_of = np.searchsorted(row_offsets, row_of, side="right") - 1
+    inside = (batch_of >= 0) & (batch_of < seq_lens.size)  # rows of no batch count for none
+    before = np.cumsum(rows.span_len) - rows.span_len
+    at = (before - before[rows.row_offsets[row_of]])[inside]  # a span's start in its row
+    n = seq_lens[batch_of[inside]]
+    pieces = (at + rows.span_len[inside] - 1) // n - at // n + 1
+    return np.bincount(batch_of[inside], weights=pieces, minlength=seq_lens.size).astype(np.int64)

@@ -1,4 +1,4 @@
-"""A batch-size schedule by training step: which of the plan's batches each step takes.
+"""Batch-size and sequence-length schedules by training step: which planned batches each step takes.
 
 A run that ramps its batch size (``batch_size={0: 4, 2000: 8, 10000: 16}``) is planned at the
 *base* size, the greatest common divisor of the schedule's sizes, and step ``t`` takes the next
@@ -7,6 +7,13 @@ elastic re-deal and the equal batch counts are those of the base size, unchanged
 only says where a step's batches begin and end, from the step's number alone. So every rank
 changes at the same step, nothing is repeated or lost across a change (the steps after it take
 the batches the steps before it did not), and a state saved before a change resumes across it.
+
+A sequence-length warmup (``seq_len={0: 2048, 50000: 8192}``, packed rows) is planned at the
+longest length: a step of shorter rows takes whole planned rows and cuts each into rows of its
+length, at token positions (a document crossing a cut goes on in the next row, as a document
+longer than a row does). So the tokens, in order, are those of the run at the longest length:
+nothing repeated or lost at a change, and the steps after it serve what the steps before it did
+not, from the step's number alone as for a batch-size ramp.
 
 The steps are the run's, counted across epochs: an epoch that begins at step ``s`` with ``n``
 batches a rank has the steps `cut` gives, its last one short when ``n`` does not divide.
@@ -24,7 +31,15 @@ import numpy as np
 from .batching import WINDOW_BATCHES, Batching
 from .state import LoaderState, StateError
 
-__all__ = ["RUN_STEPS", "Schedule", "StepClock", "parse_schedule", "parse_schedule_text", "with_runs"]
+__all__ = [
+    "RUN_STEPS",
+    "Schedule",
+    "StepClock",
+    "parse_schedule",
+    "parse_schedule_text",
+    "with_runs",
+    "with_seq_lens",
+]
 
 # Bucketed batches of a schedule are dealt in runs of RUN_STEPS steps of its largest size (see
 # `Batching.run_batches`): a step that begins inside a run takes batches of like lengths, and one
@@ -35,17 +50,32 @@ RUN_STEPS = 4
 
 @dataclass(frozen=True)
 class Schedule:
-    """``changes``: (first step, size) pairs, sorted, the first at step 0; ``base``: their gcd."""
+    """``changes``: (first step, size) pairs, sorted, the first at step 0. ``seq_lens``: the same
+    for the length of packed rows (empty: one length). The plan's rows are of the longest length
+    (`row_len`) and its batches of `base` of them; a step of rows shorter than that takes whole
+    planned rows and cuts each into ``row_len / seq_len`` rows (`shardtool.plan.rowsplit.cut_rows`)."""
 
     changes: tuple[tuple[int, int], ...]
+    seq_lens: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def row_len(self) -> int | None:
+        """The planned rows' length: the longest of ``seq_lens``; None without them."""
+        return max(n for _, n in self.seq_lens) if self.seq_lens else None
 
     @property
     def base(self) -> int:
-        return math.gcd(*(size for _, size in self.changes))
+        """The plan's batch size: the greatest common divisor of the steps' `units_at`."""
+        return math.gcd(*(self.units_at(first) for first in self.firsts))
 
     @property
     def largest(self) -> int:
         return max(size for _, size in self.changes)
+
+    @property
+    def firsts(self) -> list[int]:
+        """Every step where the size or the row length changes, from 0."""
+        return sorted({first for first, _ in self.changes} | {first for first, _ in self.seq_lens})
 
     @property
     def run_batches(self) -> int:
@@ -54,12 +84,19 @@ class Schedule:
 
     def size_at(self, step: int) -> int:
         """The batch size (samples, or rows of packed batches) of the run's step ``step``."""
-        size = self.changes[0][1]
-        for first, value in self.changes:
-            if first > step:
-                break
-            size = value
-        return size
+        return _value_at(self.changes, step)
+
+    def seq_len_at(self, step: int) -> int | None:
+        """The length of step ``step``'s packed rows; None without a ``seq_lens`` schedule."""
+        return _value_at(self.seq_lens, step) if self.seq_lens else None
+
+    def units_at(self, step: int) -> int:
+        """The planned rows (or samples) step ``step`` takes: its size, or with ``seq_lens`` its
+        rows' tokens in rows of `row_len` (`with_seq_lens` checks that they are whole)."""
+        size, row_len = self.size_at(step), self.row_len
+        if row_len is None:
+            return size
+        return size * _value_at(self.seq_lens, step) // row_len
 
     def cut(self, first_step: int, count: int) -> np.ndarray:
         """The steps that take ``count`` planned batches from the run's step ``first_step`` on:
@@ -68,11 +105,12 @@ class Schedule:
             return np.zeros(1, np.int64)
         parts = [np.zeros(1, np.int64)]
         at, step = 0, first_step
-        for i, (first, size) in enumerate(self.changes):
-            end = self.changes[i + 1][0] if i + 1 < len(self.changes) else None
+        firsts = self.firsts
+        for i, first in enumerate(firsts):
+            end = firsts[i + 1] if i + 1 < len(firsts) else None
             if end is not None and end <= step:
                 continue
-            k = size // self.base
+            k = self.units_at(first) // self.base
             steps = (count - at + k - 1) // k if end is None else min(end - step, (count - at + k - 1) // k)
             cuts = at + k * np.arange(1, steps + 1, dtype=np.int64)
             parts.append(np.minimum(cuts, count))
@@ -95,19 +133,59 @@ class Schedule:
 
     def phases(self, first_step: int, batches: int) -> list[dict[str, int]]:
         """The steps of an epoch that begins at ``first_step`` with ``batches`` planned batches a
-        rank, by size: ``{"from_step", "to_step" (inclusive), "size", "steps", "batches"}``."""
+        rank, by size: ``{"from_step", "to_step" (inclusive), "size", "steps", "batches"}``, and
+        ``"seq_len"`` where the row length is scheduled too."""
         cut = self.cut(first_step, batches)
         out: list[dict[str, int]] = []
         for j, (a, b) in enumerate(zip(cut[:-1].tolist(), cut[1:].tolist())):
-            step, size = first_step + j, self.size_at(first_step + j)
-            if out and out[-1]["size"] == size:
+            step = first_step + j
+            shape = {"size": self.size_at(step)}
+            if self.seq_lens:
+                shape["seq_len"] = _value_at(self.seq_lens, step)
+            if out and all(out[-1][k] == v for k, v in shape.items()):
                 out[-1].update(to_step=step, steps=out[-1]["steps"] + 1, batches=out[-1]["batches"] + b - a)
             else:
-                out.append({"from_step": step, "to_step": step, "size": size, "steps": 1, "batches": b - a})
+                out.append({"from_step": step, "to_step": step, **shape, "steps": 1, "batches": b - a})
         return out
 
     def describe(self) -> str:
-        return ", ".join(f"step {first}: {size}" for first, size in self.changes)
+        sizes = ", ".join(f"step {first}: {size}" for first, size in self.changes)
+        if not self.seq_lens:
+            return sizes
+        return f"{sizes}; seq_len " + ", ".join(f"step {first}: {n}" for first, n in self.seq_lens)
+
+
+def _value_at(changes: tuple[tuple[int, int], ...], step: int) -> int:
+    value = changes[0][1]
+    for first, v in changes:
+        if first > step:
+            break
+        value = v
+    return value
+
+
+def with_seq_lens(batch_size: int | Schedule, seq_lens: Schedule) -> Schedule:
+    """A schedule of ``batch_size`` rows (one size, or by step) whose rows' length changes by
+    step as ``seq_lens`` says (its sizes are lengths). Rows are planned at the longest length; a
+    step takes its rows' tokens in whole planned rows, so every length must divide the longest
+    and every step's rows must fill whole planned rows: ValueError naming the step otherwise."""
+    sizes = batch_size.changes if isinstance(batch_size, Schedule) else ((0, int(batch_size)),)
+    out = Schedule(sizes, seq_lens.changes)
+    longest = out.row_len or 0
+    for first, n in seq_lens.changes:
+        if longest % n:
+            raise ValueError(
+                f"seq_len schedule: {n} (from step {first}) does not divide the longest seq_len {longest}; rows "
+                f"are planned {longest} tokens long and cut into shorter ones, so each length must divide it"
+            )
+    for first in out.firsts:
+        rows, n = out.size_at(first), _value_at(seq_lens.changes, first)
+        if rows * n % longest:
+            raise ValueError(
+                f"from step {first}, {rows} rows of {n} tokens do not make whole rows of {longest} (the longest "
+                f"seq_len, which the plan packs): give a batch_size there that is a multiple of {longest // n}"
+            )
+    return out
 
 
 @dataclass(frozen=True)
@@ -165,15 +243,16 @@ def with_runs(batching: Batching, schedule: Schedule | None) -> Batching:
     return replace(batching, run_batches=schedule.run_batches, window=window)
 
 
-def parse_schedule_text(text: str) -> int | Schedule:
-    """``"8"`` or ``"0:4,2000:8"`` (first step:size, ...), as the command line gives a batch size."""
+def parse_schedule_text(text: str, name: str = "batch_size") -> int | Schedule:
+    """``"8"`` or ``"0:4,2000:8"`` (first step:size, ...), as the command line gives a batch size
+    (or, ``name``, a row length)."""
     if ":" not in text:
         return int(text)
     pairs = {}
     for part in text.split(","):
         step, _, size = part.partition(":")
         pairs[int(step)] = int(size)
-    return parse_schedule("batch_size", pairs)
+    return parse_schedule(name, pairs)
 
 
 def parse_schedule(name: str, value: Any) -> Schedule:

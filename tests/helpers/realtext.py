@@ -18,6 +18,7 @@ __all__ = [
     "doc_files",
     "doc_lengths",
     "issue32_lengths",
+    "long_and_short_files",
     "stdlib_files",
     "stdlib_lengths",
     "stdlib_line_lengths",
@@ -31,6 +32,17 @@ def byte_ids(path: str) -> np.ndarray:
     """A file as token ids: its bytes (a byte-level vocabulary of 256)."""
     with open(path, "rb") as f:
         return np.frombuffer(f.read(), dtype=np.uint8).astype(np.int32)
+
+
+def long_and_short_files(stdlib: int, docs: int, *, least: int) -> list[str]:
+    """``stdlib`` non-empty stdlib files (long documents) and ``docs`` /usr/share/doc files of at
+    most 4 KiB (short ones); the test is skipped where fewer than ``least`` are found."""
+    from .skips import require
+
+    paths = [p for p in stdlib_files(stdlib) if os.path.getsize(p) > 0]
+    paths += [p for p in doc_files() if 0 < os.path.getsize(p) <= 4096][:docs]
+    require(len(paths) >= least, "too few stdlib files or /usr/share/doc files here")
+    return paths
 
 
 def issue32_lengths() -> np.ndarray:

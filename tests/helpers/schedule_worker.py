@@ -1,9 +1,10 @@
-"""One rank of a torchrun job with a batch-size ramp (tests/loader/test_batch_schedule.py).
+"""One rank of a torchrun job with a batch-size ramp (tests/loader/test_batch_schedule.py), or
+with ``--warmup`` a sequence-length warmup of packed rows (tests/loader/test_seq_len_schedule.py).
 
 ``--phase whole``: the epoch uninterrupted, a collective every step as DDP's. ``--phase killed``:
 the same, rank 0 saving the loader state after every step, and rank 1 killed with SIGKILL before
 step ``--kill-at``. ``--phase resumed``: the last state saved, loaded, and the epoch served from
-there. Every phase writes the keys of each step it served, by the run's step number."""
+there. Every phase writes the keys of each step it served (packed: each row's keys, the pieces' offsets and the row length), by the run's step number."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from shardtool.loader import ShardedLoader
 
 RAMP = {0: 4, 10: 8}
+WARMUP = {0: 256, 10: 512}  # rows of 4 at either length: the plan's batch is 2 rows of 512
 
 
 def main() -> int:
@@ -26,10 +28,12 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--phase", choices=["whole", "killed", "resumed"], required=True)
     p.add_argument("--kill-at", type=int, default=8)
+    p.add_argument("--warmup", action="store_true")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    loader = ShardedLoader(args.data, batch_size=RAMP, seed=7, num_workers=2, pin_memory=False)
+    kw = dict(batch_size=4, seq_len=WARMUP, token_fields=[]) if args.warmup else dict(batch_size=RAMP)
+    loader = ShardedLoader(args.data, seed=7, num_workers=2, pin_memory=False, **kw)
     state_path = os.path.join(args.out, "state.json")
     start = 0
     if args.phase == "resumed":
@@ -42,6 +46,9 @@ def main() -> int:
         if args.phase == "killed" and rank == 1 and step == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
         steps[step] = list(batch["__key__"])
+        if args.warmup:
+            steps[step] = [[list(map(str, k)) for k in batch["__key__"]], batch["doc_offsets"].tolist()]
+            steps[step].append(list(batch["input_ids"].shape))
         dist.all_reduce(torch.zeros(1))  # a DDP step: a rank on another step would hang here
         if args.phase == "killed" and rank == 0:
             tmp = state_path + ".tmp"

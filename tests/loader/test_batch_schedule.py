@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardtool
-from helpers.realtext import byte_ids, doc_files, stdlib_files
+from helpers.packedpieces import packed_pieces
+from helpers.realtext import byte_ids, long_and_short_files
 from helpers.runcli import shardtool_cli
-from helpers.skips import require
-from helpers.torchrun import torchrun
+from helpers.schedrun import killed_and_resumed
 from shardtool.loader import Mixture, ShardedLoader
 from shardtool.loader.trace import dump, find, trace
 from shardtool.plan.schedule import parse_schedule
@@ -30,10 +30,7 @@ from shardtool.plan.schedule import parse_schedule
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    paths = [p for p in stdlib_files(200) if os.path.getsize(p) > 0] + [
-        p for p in doc_files() if 0 < os.path.getsize(p) <= 4096
-    ][:160]
-    require(len(paths) >= 300, "too few stdlib files or /usr/share/doc files here")
+    paths = long_and_short_files(200, 160, least=300)
     rows = [{"tokens": byte_ids(p), "path": p} for p in paths]
     out = {}
     for fmt in ("arrow", "tar"):
@@ -330,20 +327,9 @@ def test_a_state_of_another_base_size_is_refused(corpus):
 
 @pytest.mark.timeout(400)
 def test_torchrun_ramp_resumed_after_a_kill_matches_the_uninterrupted_run(corpus, tmp_path):
-    out = str(tmp_path)
-
-    def launch(phase: str, ok: bool = True) -> None:
-        res = torchrun("schedule_worker.py", 2, "--data", corpus["arrow"], "--out", out, "--phase", phase, timeout=200)
-        assert (res.returncode == 0) == ok, res.stderr[-4000:]
-
-    launch("whole")
-    launch("killed", ok=False)  # rank 1 killed with SIGKILL at step 8
-    saved = json.load(open(os.path.join(out, "state.json")))
-    assert 1 <= saved["steps"] <= 8
-    launch("resumed")
-    for r in range(2):
-        whole = json.load(open(os.path.join(out, f"whole.rank{r}.json")))
-        resumed = json.load(open(os.path.join(out, f"resumed.rank{r}.json")))
+    saved, runs = killed_and_resumed(corpus["arrow"], str(tmp_path))
+    assert 1 <= saved["steps"] <= 8  # rank 1 killed with SIGKILL at step 8
+    for whole, resumed in runs:
         assert resumed["len"] == whole["len"]
         start = saved["steps"]
         assert sorted(map(int, resumed["steps"])) == list(range(start, whole["len"]))
@@ -405,12 +391,7 @@ def _served(batch, packed: bool) -> list[tuple]:
     """What a step's batch holds, by its own fields: keys; packed, (row, key, offset in its document)."""
     if not packed:
         return [(str(k),) for k in batch["__key__"]]
-    offs, out, k = batch["doc_offsets"].tolist(), [], 0
-    for r, keys in enumerate(batch["__key__"]):
-        for key in keys:
-            out.append((r, str(key), offs[k]))
-            k += 1
-    return out
+    return packed_pieces(batch)
 
 
 def _step_traced(t: dict, packed: bool) -> list[tuple]:

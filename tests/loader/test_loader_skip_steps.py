@@ -14,9 +14,8 @@ import os
 import pytest
 
 import shardtool
-from helpers.realtext import byte_ids, doc_files, stdlib_files
+from helpers.realtext import byte_ids, long_and_short_files
 from helpers.runcli import shardtool_cli
-from helpers.skips import require
 from helpers.torchrun import torchrun
 from shardtool.loader import Mixture, ShardedLoader
 from shardtool.loader.trace import trace
@@ -25,10 +24,7 @@ from shardtool.plan import LoaderState
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    paths = [p for p in stdlib_files(240) if os.path.getsize(p) > 0] + [
-        p for p in doc_files() if 0 < os.path.getsize(p) <= 4096
-    ][:160]
-    require(len(paths) >= 300, "too few stdlib files or /usr/share/doc files here")
+    paths = long_and_short_files(240, 160, least=300)
     root = str(tmp_path_factory.mktemp("skip") / "ds")
     rows = [{"tokens": byte_ids(p), "path": p} for p in paths]
     shardtool.pack(rows, root, format="arrow", length="tokens", shard_size=sum(r["tokens"].nbytes for r in rows) // 3)

@@ -88,6 +88,11 @@ class Packing:
         """Tokens packing adds to every document (the eos token)."""
         return 0 if self.eos_id is None else 1
 
+    def cut_to(self, seq_len: int) -> Packing:
+        """The config of its rows cut to ``seq_len`` tokens (`shardtool.plan.rowsplit.cut_rows`):
+        the same pieces at most a row, since a cut row holds parts of its row's pieces."""
+        return replace(self, seq_len=seq_len)
+
     def fingerprint(self) -> str:
         """Stable short hex id of this config and of the packing algorithm version."""
         canonical = json.dumps(

@@ -1,0 +1,283 @@
+"""Sequence-length warmup (issue 36 item 1): ``seq_len={first step: length}``.
+
+Rows are planned at the longest length; a step of shorter rows takes whole planned rows and cuts
+each into rows of its length. So the tokens a warmed-up run serves over an epoch are, in order,
+those of the run at the longest length, every rank changes at the same step, and a state saved
+before, at or after a change resumes with the uninterrupted run's steps. Real data: stdlib files
+as byte ids (long documents) and short /usr/share/doc files.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import shardtool
+from helpers.packedpieces import packed_pieces
+from helpers.realtext import byte_ids, long_and_short_files
+from helpers.runcli import shardtool_cli
+from helpers.schedrun import killed_and_resumed
+from shardtool.loader import ShardedLoader
+from shardtool.loader.trace import trace
+from shardtool.plan.packing import Rows
+from shardtool.plan.rowsplit import cut_pieces, cut_rows
+from shardtool.plan.schedule import parse_schedule, with_seq_lens
+
+PAD = 999  # byte ids are < 256: a padding position is never a token
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    paths = long_and_short_files(160, 120, least=200)
+    rows = [{"tokens": byte_ids(p)} for p in paths]
+    root = str(tmp_path_factory.mktemp("seqsched") / "arrow")
+    shardtool.pack(rows, root, format="arrow", length="tokens", shard_size=sum(r["tokens"].nbytes for r in rows) // 3)
+    return root
+
+
+def _ranks(url, world, **kw):
+    kw.setdefault("num_workers", 0)
+    kw.setdefault("pad_id", PAD)
+    return [
+        ShardedLoader(url, rank=r, world_size=world, ranks_per_node=world, pin_memory=False, **kw) for r in range(world)
+    ]
+
+
+def _stream(batches) -> np.ndarray:
+    """The real tokens of ``batches``' rows, row after row (padding left out)."""
+    ids = [b["input_ids"].numpy().reshape(-1) for b in batches]
+    flat = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    return flat[flat != PAD]
+
+
+WARMUP = {0: 256, 4: 512, 9: 1024}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "world,workers,packing,outputs",
+    [(1, 0, "best-fit", "full"), (3, 0, "best-fit", "full"), (2, 2, "stream", "lean"), (1, 0, "no-split", "full")],
+)
+def test_a_warmup_serves_the_longest_rows_tokens_in_order(corpus, world, workers, packing, outputs):
+    kw = dict(packing=packing, packed_outputs=outputs, seed=5, num_workers=workers, token_fields=[])
+    # 8 rows at 256 tokens: two planned rows of 1,024, the plan's batch (the schedule's base).
+    base = _ranks(corpus, world, seq_len=1024, batch_size=2, **kw)
+    warm = _ranks(corpus, world, seq_len=WARMUP, batch_size=8, **kw)
+    schedule = with_seq_lens(8, parse_schedule("seq_len", WARMUP))
+    assert schedule.base == 2 and {len(ld) for ld in warm} == {len(warm[0])}  # equal counts
+    for b, w in zip(base, warm):
+        n = len(w)  # (read before the pass: after it, the next epoch's steps, all of the longest rows)
+        got = list(w)
+        assert len(got) == n < len(b)
+        for t, batch in enumerate(got):  # every step: 8 rows of its length
+            assert batch["input_ids"].shape == (8, schedule.seq_len_at(t))
+        assert np.array_equal(_stream(got), _stream(list(b)))  # the same tokens, in order
+        if outputs == "full":
+            for batch in got:  # labels never reach into the next row, where a cut went through a document
+                lab, ids = batch["labels"][:, :-1], batch["input_ids"][:, 1:]
+                assert torch.equal(lab[lab != -100], ids[lab != -100])
+                cu = batch["cu_seqlens"].numpy()
+                ends = cu[1:][cu[1:] > cu[:-1]] - 1  # every piece's last position: no label past a cut
+                assert (batch["labels"].reshape(-1).numpy()[ends] == -100).all()
+
+
+@pytest.mark.timeout(300)
+def test_a_warmup_with_a_batch_size_ramp_keeps_the_tokens(corpus):
+    # Tokens per step held at 4,096 while rows grow, then doubled: rows 16 -> 8 -> 8.
+    sizes, lengths = {0: 16, 6: 8}, {0: 256, 6: 512, 12: 1024}
+    warm = ShardedLoader(corpus, seq_len=lengths, batch_size=sizes, seed=2, pad_id=PAD, token_fields=[])
+    base = ShardedLoader(corpus, seq_len=1024, batch_size=4, seed=2, pad_id=PAD, token_fields=[])
+    got = list(warm)
+    shapes = [tuple(b["input_ids"].shape) for b in got]
+    assert shapes[:6] == [(16, 256)] * 6 and shapes[6:12] == [(8, 512)] * 6
+    assert set(shapes[12:]) == {(8, 1024)}
+    assert np.array_equal(_stream(got), _stream(list(base)))
+
+
+@pytest.mark.timeout(600)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.sampled_from([256, 512, 1024]), min_size=2, max_size=4),
+    gaps=st.lists(st.integers(1, 10), min_size=3, max_size=3),
+    world=st.integers(1, 3),
+    world_after=st.integers(1, 3),
+    workers=st.sampled_from([0, 2]),
+    stop=st.integers(0, 40),
+    seed=st.integers(0, 3),
+)
+def test_a_resume_before_at_or_after_a_change_continues_the_run(
+    corpus, lengths, gaps, world, world_after, workers, stop, seed
+):
+    changes, step = {0: lengths[0]}, 0
+    for n, gap in zip(lengths[1:], gaps):
+        step += gap
+        changes[step] = n
+    kw = dict(seq_len=changes, batch_size=16, seed=seed, token_fields=[])
+    whole = [list(ld) for ld in _ranks(corpus, world, **kw)]
+    n = len(whole[0])
+    stop = min(stop, n - 1)  # (after the last step the state is the next epoch's start)
+    first = _ranks(corpus, world, **kw)
+    its = [iter(ld) for ld in first]
+    for it in its:
+        for _ in range(stop):
+            next(it)
+    state = first[0].state_dict()
+    assert all(ld.state_dict() == state for ld in first)
+    json.dumps(state)
+    resumed = _ranks(corpus, world_after, num_workers=workers, **kw)
+    for ld in resumed:
+        ld.load_state_dict(state)
+    rest = [list(ld) for ld in resumed]
+    assert len({len(r) for r in rest}) == 1  # equal counts after the resume too
+    schedule = with_seq_lens(16, parse_schedule("seq_len", changes))
+    for r in rest:  # each step after the resume has its scheduled length
+        for t, b in enumerate(r, start=stop):
+            assert b["input_ids"].shape[1] == schedule.seq_len_at(t)
+    if world_after == world:  # the same layout: the uninterrupted run's steps, exactly
+        for w, r in zip(whole, rest):
+            assert len(r) == len(w) - stop
+            for a, b in zip(w[stop:], r):
+                assert torch.equal(a["input_ids"], b["input_ids"])
+        return
+    # Another layout: the rest re-dealt; no token served twice beyond what the corpus holds.
+    served = np.concatenate([_stream(w[:stop]) for w in whole] + [_stream(r) for r in rest])
+    every = np.concatenate([_stream(w) for w in whole])
+    assert (np.bincount(served, minlength=256) <= np.bincount(every, minlength=256)).all()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_warmed_up_steps_trace_is_the_step_served(corpus, world):
+    kw = dict(seq_len=WARMUP, batch_size=8, seed=4, pad_id=PAD, token_fields=[], rank=world - 1, world_size=world)
+    ld, probe = ShardedLoader(corpus, **kw), ShardedLoader(corpus, **kw)
+    for t, batch in enumerate(ld):
+        if t > 14:
+            break
+        pieces = trace(probe, t)["samples"]
+        assert [(p["row"], p["key"], p["offset"]) for p in pieces] == packed_pieces(batch)
+        row_tokens = np.zeros(batch["input_ids"].shape[0], np.int64)
+        for p in pieces:
+            row_tokens[p["row"]] += p["length"]
+        assert np.array_equal(row_tokens, (batch["input_ids"] != PAD).sum(1).numpy())
+
+
+def test_shardtool_plan_and_trace_show_a_warmup(corpus):
+    res = shardtool_cli("plan", corpus, "--batch-size", "8", "--seq-len", "0:256,4:512,9:1024", "--json")
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)
+    ld = ShardedLoader(corpus, seq_len=WARMUP, batch_size=8, num_workers=0)
+    assert got["batching"]["seq_len"] == 1024 and got["schedule"]["steps"] == len(ld)
+    phases = [(p["size"], p["seq_len"], p["steps"]) for p in got["schedule"]["phases"]]
+    assert phases == [(8, 256, 4), (8, 512, 5), (8, 1024, len(ld) - 9)]
+    text = shardtool_cli("plan", corpus, "--batch-size", "8", "--seq-len", "0:256,4:512,9:1024")
+    assert text.returncode == 0 and "steps 4..8: size 8 x 512 tokens x 5 steps" in text.stdout, text.stdout
+    one = shardtool_cli(
+        "trace", corpus, "--batch-size", "8", "--seq-len", "0:256,4:512,9:1024", "--step", "5", "--json"
+    )
+    assert one.returncode == 0, one.stderr
+    assert json.loads(one.stdout)["samples"] == trace(ld, 5)["samples"]
+    bad = shardtool_cli("plan", corpus, "--batch-size", "2", "--seq-len", "0:256,4:1024")
+    assert bad.returncode != 0 and "multiple of 4" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.timeout(400)
+def test_torchrun_warmup_resumed_after_a_kill_matches_the_uninterrupted_run(corpus, tmp_path):
+    saved, runs = killed_and_resumed(corpus, str(tmp_path), "--warmup")
+    assert 1 <= saved["steps"] <= 8  # killed at step 8, before the change at 10
+    for whole, resumed in runs:
+        start = saved["steps"]
+        assert resumed["len"] == whole["len"] and sorted(map(int, resumed["steps"])) == list(range(start, whole["len"]))
+        assert all(resumed["steps"][str(s)] == whole["steps"][str(s)] for s in range(start, whole["len"]))
+        shapes = [whole["steps"][str(s)][2] for s in range(whole["len"])]
+        assert shapes == [[4, 256]] * 10 + [[4, 512]] * (whole["len"] - 10)  # the change, on every rank at once
+
+
+def test_a_warmup_that_cannot_cut_whole_rows_is_refused(corpus):
+    with pytest.raises(ValueError, match="does not divide the longest seq_len 1024"):
+        ShardedLoader(corpus, seq_len={0: 384, 10: 1024}, batch_size=8)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        ShardedLoader(corpus, seq_len={0: 256, 10: 1024}, batch_size=2)
+    with pytest.raises(ValueError, match="needs batch_size"):
+        ShardedLoader(corpus, seq_len={0: 256, 10: 1024}, max_tokens=4096)
+    with pytest.raises(ValueError, match="seq_len by step .* cost_model"):
+        ShardedLoader(corpus, seq_len={0: 256, 10: 1024}, batch_size=8, cost_model="llama-7b")
+
+
+def _rows(draw_rows) -> Rows:
+    seq_len, rows = draw_rows
+    offsets, pos, start, length = [0], [], [], []
+    for r, spans in enumerate(rows):
+        room = seq_len
+        for k, n in enumerate(spans):
+            n = min(n, room)
+            if n < 1:
+                break
+            pos.append(100 * r + k)
+            start.append(7 * k)
+            length.append(n)
+            room -= n
+        offsets.append(len(pos))
+    return Rows(seq_len, *(np.asarray(v, np.int64) for v in (offsets, pos, start, length)), np.zeros(0, np.int64), 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.tuples(
+        st.sampled_from([8, 16, 64]),
+        st.lists(st.lists(st.integers(1, 70), max_size=6), max_size=6),
+    ),
+    parts=st.sampled_from([2, 4, 8]),
+)
+def test_cut_rows_keeps_every_token_in_order(shape, parts):
+    rows = _rows(shape)
+    assert cut_rows(rows, rows.seq_len) is rows
+    n = rows.seq_len // parts
+    cut = cut_rows(rows, n)
+
+    def tokens(r: Rows) -> list[tuple[int, int]]:
+        return [
+            (p, s + i)
+            for p, s, m in zip(r.span_pos.tolist(), r.span_start.tolist(), r.span_len.tolist())
+            for i in range(m)
+        ]
+
+    assert tokens(cut) == tokens(rows)
+    assert cut.seq_len == n and (cut.row_tokens() <= n).all() and (cut.row_tokens() > 0).all()
+    assert (np.diff(cut.row_offsets) > 0).all() or cut.num_rows == 0
+    # Each cut row lies within one stretch [j n, (j + 1) n) of one row: as many rows as stretches used.
+    used = sum(-(-int(t) // n) for t in rows.row_tokens())
+    assert cut.num_rows == used
+    batches = np.array([0, rows.num_rows // 2, rows.num_rows], np.int64)
+    counts = cut_pieces(rows, batches, np.array([n, n]))
+    assert counts.sum() == len(cut.span_pos)
+
+
+@pytest.mark.timeout(300)
+def test_the_warmup_pieces_benchmark_compares_cut_and_packed_rows():
+    res = subprocess.run(
+        [sys.executable, "-m", "shardtool.benchmarks.warmup_pieces", "--docs", "150", "--max-bytes", "4096"]
+        + ["--lengths", "256,512", "--longest", "1024"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert res.returncode == 0, res.stderr
+    lines = {
+        ln.split("  ")[1].strip(): ln for ln in res.stdout.splitlines() if ln.startswith("  ") and "rows of" not in ln
+    }
+    assert set(lines) == {
+        "1,024 (the plan)",
+        "256 packed at 256",
+        "256 cut from 1,024",
+        "512 packed at 512",
+        "512 cut from 1,024",
+    }
+    fill = {k: float(v.split()[-4]) for k, v in lines.items()}
+    assert fill["256 cut from 1,024"] >= fill["1,024 (the plan)"]  # a planned row's padding falls in one part
