@@ -18,6 +18,7 @@ from .agree import disagreement, in_process_group
 from .batchsource import BatchSource, PassBatches
 from .collate import unpack_batch
 from .errors import LoaderError
+from .observability.probe import NO_PROBE
 from .pool import WorkerFailed
 from .workers import make_dataloader
 
@@ -160,7 +161,7 @@ class PassRunner:
                 pin_memory=self.pin_memory,
                 timeout=self.timeout,
                 worker_init=self._obs.worker_init,
-                probe=self._obs.probe,
+                probe=self._obs.probe or NO_PROBE,
             )
         except BaseException:
             self._obs.end_pass(complete=False)

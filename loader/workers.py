@@ -8,7 +8,6 @@ order, so the batch sequence never depends on ``num_workers``.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Generator
 from typing import Any, Protocol
 
@@ -19,6 +18,7 @@ from ..format.errors import FormatError, add_note
 from ..plan.rowsplit import cut_rows
 from .collate import Alloc
 from .observability.metrics import Meter
+from .observability.probe import NO_PROBE, NoProbe, Probe
 from .pool import WorkerPool
 from .readahead import read_ahead
 from .reader import BatchReader, describe_ids
@@ -203,20 +203,19 @@ def make_dataloader(
     pin_memory: bool,
     timeout: float,
     worker_init: Callable[[int], None] | None = None,
-    probe=None,
+    probe: Probe | NoProbe = NO_PROBE,
 ) -> BatchStream:
     """Batches ``start .. len(dataset)-1`` in order (the name predates our own worker pool);
-    ``probe``: the workers' metrics (loader/observability/probe.py), None for none. ``dataset``: `PlanBatches`,
-    or anything with its ``load`` and ``len`` (a mixture's steps)."""
+    ``probe``: the workers' metrics (loader/observability/probe.py; `NO_PROBE`: none), which time
+    each batch a worker loads. ``dataset``: `PlanBatches`, or anything with its ``load`` and
+    ``len`` (a mixture's steps)."""
     pin = bool(pin_memory) and torch.cuda.is_available()
     # The batches this process loads next are read ahead: every num_workers-th, as the pool deals them.
     load = read_ahead(dataset.load, dataset, stride=num_workers, depth=prefetch_factor or 2)
     if num_workers == 0:
         return _in_process(load, start, len(dataset), pin)
-    if probe is not None:
-        load = functools.partial(_timed_load, load, probe, len(dataset))
     return WorkerPool(
-        load,
+        probe.timed(load, len(dataset)),
         start,
         len(dataset),
         num_workers=num_workers,
@@ -225,19 +224,6 @@ def make_dataloader(
         pin=pin,
         worker_init=worker_init,
     )
-
-
-def _timed_load(load: Callable, probe, n: int, b: int, alloc: Alloc | None = None) -> Any:
-    """``load(b)`` marked and timed in the worker's probe row (the trainer times its own batches:
-    with num_workers=0 they are produced inside its next())."""
-    began = probe.batch_begin(b)
-    try:
-        out = load(b, alloc)
-    except BaseException:
-        probe.batch_failed()
-        raise
-    probe.batch_end(began, last=b + probe.stride >= n)
-    return out
 
 
 def _in_process(load: Callable, start: int, n: int, pin: bool) -> Generator[Any, None, None]:
