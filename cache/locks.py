@@ -4,6 +4,12 @@
 dies (even by SIGKILL): a stale lock file is just a file, never a stuck lock. Two threads of one
 process using separate descriptors exclude each other too, which is what the warmer's threads need.
 
+A process forked while one of its threads holds a lock (a loader's workers, forked while the
+trainer's fetch-ahead thread fetches a shard) inherits the descriptor, and with it the open file
+description: closing the holder's descriptor would leave the lock held by the child until it
+exits, and every other rank of the node would wait on that shard for the child's whole pass. So a
+lock is let go with ``LOCK_UN`` before the close (`_release`), which frees it for every copy.
+
 A reader may not be allowed to write the cache (root warmed it, the job's user reads it): on
 Linux ``flock`` works on a descriptor opened read-only, so a shared lock needs read access only.
 """
@@ -48,6 +54,15 @@ def _open(path: str, perms: Perms) -> int:
     return fd
 
 
+def _release(fd: int) -> None:
+    """Unlock, then close: the unlock frees the lock for a forked child's copy of ``fd`` too (a
+    close alone would not, see above). Unlocking a descriptor that holds nothing is harmless."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 def _try(fd: int, mode: int) -> bool:
     try:
         fcntl.flock(fd, mode | fcntl.LOCK_NB)
@@ -86,7 +101,7 @@ def locked(
     try:
         yield _acquire(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX, timeout) == HELD
     finally:
-        os.close(fd)  # closing the descriptor releases the lock
+        _release(fd)
 
 
 @contextlib.contextmanager
@@ -102,7 +117,7 @@ def exclusive_unless(
     try:
         yield _acquire(fd, fcntl.LOCK_EX, timeout, done)
     finally:
-        os.close(fd)
+        _release(fd)
 
 
 @contextlib.contextmanager
@@ -124,7 +139,7 @@ def read_lock(path: str, *, perms: Perms = DEFAULT_PERMS) -> Iterator[bool]:
         fcntl.flock(fd, fcntl.LOCK_SH)  # waits only for a fetch or an eviction in progress
         yield True
     finally:
-        os.close(fd)
+        _release(fd)
 
 
 @contextlib.contextmanager
@@ -144,4 +159,4 @@ def held_exclusively(path: str) -> bool:
     try:
         return _acquire(fd, fcntl.LOCK_SH, 0) != HELD
     finally:
-        os.close(fd)
+        _release(fd)
