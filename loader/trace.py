@@ -64,26 +64,30 @@ def traces(loader: Any, first: int, stop: int, *, epoch: int | None = None) -> l
             f"step {stop - 1} is past epoch {state.epoch}'s end: this rank has {earlier + cut.size - 1} steps in it"
         )
     out = []
-    schedule = getattr(loader, "schedule", None)
+    clock = loader.step_clock(epoch)
     for step in range(first, stop):
-        # A step of a schedule joins planned batches (positions past any steps skipped).
-        at = [state.last.position_of(k) for k in range(int(cut[step - earlier]), int(cut[step - earlier + 1]))]
-        seq_len = schedule.seq_len_at(step) if schedule is not None else None
-        if seq_len is not None and plan.rows is not None:  # the step's rows cut to its length, as served
-            rows = Rows.concat([plan.batch_rows(p) for p in at], plan.rows.seq_len)
-            samples = pieces_of(loader.reader, loader.dataset, cut_rows(rows, seq_len))
-        else:
-            samples = units_across((loader.reader, loader.dataset, plan, p, p + 1, {}) for p in at)
         out.append(
             {
                 "epoch": state.epoch,
                 "step": int(step),
                 "rank": loader.rank,
                 "dp_rank": loader.dp_rank,
-                "samples": samples,
+                "samples": _units_at(loader, state, plan, cut[step - earlier : step - earlier + 2], clock, step),
             }
         )
     return out
+
+
+def _units_at(loader: Any, state: LoaderState, plan: Any, bounds: np.ndarray, clock: Any, step: int) -> list:
+    """The samples (packed: pieces) of the epoch's ``step``, which takes the current segment's
+    delivered batches ``bounds[0] .. bounds[1] - 1`` of ``plan`` (a schedule's step joins several;
+    positions past any steps skipped); a sequence-length schedule's rows cut, as served."""
+    at = [state.last.position_of(k) for k in range(int(bounds[0]), int(bounds[1]))]
+    seq_len = clock.schedule.seq_len_at(clock.first_step + step) if clock is not None else None
+    if seq_len is not None and plan.rows is not None:
+        rows = Rows.concat([plan.batch_rows(p) for p in at], plan.rows.seq_len)
+        return pieces_of(loader.reader, loader.dataset, cut_rows(rows, seq_len))
+    return units_across((loader.reader, loader.dataset, plan, p, p + 1, {}) for p in at)
 
 
 def _segment_steps(loader: Any, state: LoaderState, epoch: int | None) -> tuple[int, np.ndarray]:
@@ -163,16 +167,39 @@ def find(loader: Any, sample: int, *, epoch: int | None = None, source: str | No
         raise ValueError(f"sample must be a global index in [0, {n_samples}), found {sample!r}")
     if mixture:
         return _mixture_find(loader, str(source), int(sample))
-    if getattr(loader, "schedule", None) is not None:
-        raise ValueError(
-            "find with a batch-size schedule is not supported yet (trace and dump are): find the sample "
-            "with a loader of the schedule's base batch_size, whose batches the steps join"
-        )
     state = _epoch_state(loader, epoch)
+    if getattr(loader, "schedule", None) is not None:
+        return _scheduled_find(loader, state, int(sample), epoch)
     out = []
     for j, dp_rank, _, step, fields in hits_of(planner, state, int(sample)):
         out.append({"dp_rank": dp_rank, "step": step, **fields, **({"segment": j} if len(state.segments) > 1 else {})})
     return sorted(out, key=lambda e: (e["step"], e["dp_rank"], e.get("offset", 0)))
+
+
+def _scheduled_find(loader: Any, state: LoaderState, sample: int, epoch: int | None) -> list[dict[str, Any]]:
+    """`find` under a schedule: each planned batch holding the sample mapped to the step that
+    joins it, and the sample's entries read from that step as `trace` gives it (rows numbered
+    across the step, cut to its length), on the DP rank that serves it."""
+    if len(state.segments) > 1:
+        raise ValueError(
+            "find in an epoch resumed onto another layout is not supported yet with a schedule (trace is): "
+            "trace the steps of this layout, or find with a loader of the layout the epoch began on"
+        )
+    earlier, cut = _segment_steps(loader, state, epoch)
+    clock, plans = loader.step_clock(epoch), {}
+    out = []
+    for _, dp_rank, _, delivered, _ in hits_of(loader.planner, state, sample):
+        step = earlier + int(np.searchsorted(cut, delivered, side="right")) - 1
+        if dp_rank not in plans:
+            plans[dp_rank] = loader.planner.rank_plan(state, dp_rank)
+        units = _units_at(loader, state, plans[dp_rank], cut[step - earlier : step - earlier + 2], clock, step)
+        for unit in units:
+            if unit["sample"] == sample:
+                fields = {k: unit[k] for k in ("row", "offset", "length") if k in unit}
+                out.append({"dp_rank": dp_rank, "step": step, **fields})
+    # A step joins several planned batches: one holding the sample twice is read once.
+    unique = {tuple(sorted(e.items())): e for e in out}
+    return sorted(unique.values(), key=lambda e: (e["step"], e["dp_rank"], e.get("offset", 0)))
 
 
 def _mixture_find(loader: Any, name: str, sample: int) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ from helpers.realtext import byte_ids, long_and_short_files
 from helpers.runcli import shardtool_cli
 from helpers.schedrun import killed_and_resumed
 from shardtool.loader import Mixture, ShardedLoader
-from shardtool.loader.trace import dump, find, trace
+from shardtool.loader.trace import dump, find, sample_of, trace
 from shardtool.plan.schedule import parse_schedule
 
 
@@ -246,8 +246,13 @@ def test_a_schedule_is_refused_where_it_cannot_work_yet(corpus):
             ShardedLoader(url, num_workers=0, **kw)
     with pytest.raises(ValueError, match="Mixture"):
         ShardedLoader(Mixture({"a": (url, 1.0)}), batch_size={0: 2, 4: 4}, steps=10, num_workers=0)
-    ld = ShardedLoader(url, batch_size={0: 2, 4: 4}, num_workers=0)
-    with pytest.raises(ValueError, match="batch-size schedule"):
+    two = _ranks(url, 2, batch_size={0: 2, 4: 4})
+    its = [iter(ld) for ld in two]
+    for it in its:
+        next(it)
+    ld = ShardedLoader(url, batch_size={0: 2, 4: 4}, num_workers=0)  # one rank now: an elastic resume
+    ld.load_state_dict(two[0].state_dict())
+    with pytest.raises(ValueError, match="resumed onto another layout"):
         find(ld, 3)
     # One size is no schedule: the loader (and its states) are those of batch_size=size.
     one = ShardedLoader(url, batch_size={0: 4}, num_workers=0, seed=1)
@@ -383,8 +388,10 @@ def test_shardtool_plan_shows_the_schedules_steps(corpus):
     assert "steps 5..11: size 4 x 7 steps" in text.stdout
     bad = shardtool_cli("plan", corpus["arrow"], "--batch-size", "5:2")
     assert bad.returncode != 0 and "from step 0" in bad.stderr
-    refused = shardtool_cli("trace", corpus["arrow"], "--batch-size", "0:2,5:4", "--key", "000000001")
-    assert refused.returncode != 0 and "batch-size schedule" in refused.stderr
+    found = shardtool_cli("trace", corpus["arrow"], "--batch-size", "0:2,5:4", "--key", "000000001", "--json")
+    assert found.returncode == 0, found.stderr
+    ld = ShardedLoader(corpus["arrow"], batch_size={0: 2, 5: 4}, num_workers=0)
+    assert json.loads(found.stdout)["served"] == find(ld, sample_of(ld, key="000000001"))
 
 
 def _served(batch, packed: bool) -> list[tuple]:

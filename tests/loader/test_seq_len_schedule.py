@@ -25,7 +25,7 @@ from helpers.realtext import byte_ids, long_and_short_files
 from helpers.runcli import shardtool_cli
 from helpers.schedrun import killed_and_resumed
 from shardtool.loader import ShardedLoader
-from shardtool.loader.trace import trace
+from shardtool.loader.trace import find, trace, traces
 from shardtool.plan.packing import Rows
 from shardtool.plan.rowsplit import cut_pieces, cut_rows
 from shardtool.plan.schedule import parse_schedule, with_seq_lens
@@ -281,3 +281,45 @@ def test_the_warmup_pieces_benchmark_compares_cut_and_packed_rows():
     }
     fill = {k: float(v.split()[-4]) for k, v in lines.items()}
     assert fill["256 cut from 1,024"] >= fill["1,024 (the plan)"]  # a planned row's padding falls in one part
+
+
+SCHEDULED = {
+    "ramp": dict(batch_size={0: 2, 5: 4, 12: 8}),
+    "packed ramp": dict(batch_size={0: 1, 3: 2, 9: 4}, seq_len=256, token_fields=[]),
+    "warmup": dict(batch_size=8, seq_len=WARMUP, token_fields=[]),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", sorted(SCHEDULED))
+def test_find_in_a_scheduled_run_gives_the_steps_that_serve_the_sample(corpus, kind):
+    world = 2
+    loaders = [
+        ShardedLoader(corpus, rank=r, world_size=world, ranks_per_node=world, seed=6, num_workers=0, **SCHEDULED[kind])
+        for r in range(world)
+    ]
+    where: dict[int, set] = {}  # every sample's entries, from the trace of every step of every rank
+    for ld in loaders:
+        for t in traces(ld, 0, len(ld)):
+            for u in t["samples"]:
+                entry = (t["dp_rank"], t["step"], u.get("row"), u.get("offset"), u["length"])
+                where.setdefault(u["sample"], set()).add(entry)
+    for s in np.random.default_rng(0).choice(sorted(where), 30, replace=False).tolist():
+        got = [(e["dp_rank"], e["step"], e.get("row"), e.get("offset"), e["length"]) for e in find(loaders[0], s)]
+        assert len(got) == len(set(got)) and set(got) == where[s]
+
+
+@pytest.mark.timeout(300)
+def test_a_warmup_that_changes_inside_a_later_epoch_traces_that_epoch(corpus):
+    # Epoch 0's steps, all at 256 (rows cut from the same plan: the change comes later).
+    first = len(ShardedLoader(corpus, seq_len={0: 256, 10**6: 1024}, batch_size=8, num_workers=0))
+    kw = dict(seq_len={0: 256, first + 3: 1024}, batch_size=8, seed=3, pad_id=PAD, token_fields=[])
+    ld, probe = ShardedLoader(corpus, **kw), ShardedLoader(corpus, **kw)
+    assert len(ld) == first
+    ld.set_epoch(1)
+    probe.set_epoch(1)
+    for t, batch in enumerate(ld):
+        assert batch["input_ids"].shape == (8, 256 if t < 3 else 1024)
+        assert [(p["row"], p["key"], p["offset"]) for p in trace(probe, t)["samples"]] == packed_pieces(batch)
+        if t == 6:
+            break
