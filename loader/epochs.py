@@ -346,19 +346,20 @@ class DatasetEpochs:
             packed_pass=(plan.rows, plan.row_offsets) if packed is not None and not scheduled else None,
             rows_per_batch=rows_per_batch if packed is not None and scheduled else None,
             seq_lens=seq_lens,
-            costs=self._costs(plan),
+            costs=self._costs(plan, rows_per_batch),
             pad=plan.pad,
         )
 
-    def _costs(self, plan: RankPlan) -> Any:
-        """Each batch's cost under the cost model, for the metric lines (`shardtool stats`)."""
+    def _costs(self, plan: RankPlan, rows_per_batch: Any) -> Any:
+        """Each batch's cost under the cost model, for the metric lines (`shardtool stats`); a
+        scheduled step's, of the rows (``rows_per_batch``, per step) it joins."""
         model = self.batching.balance
         if model is None:
             return None
         from ..plan.cost import served_costs
 
-        rows_per_batch = self.batching.batch_size if plan.rows is not None else None
-        return served_costs(plan.rows, plan.row_offsets, plan.lengths, plan.offsets, model, rows_per_batch)
+        width = rows_per_batch if plan.rows is not None else None
+        return served_costs(plan.rows, plan.row_offsets, plan.lengths, plan.offsets, model, width)
 
 
 def _packed_stats(plan: RankPlan, rows_per_batch: Any, seq_lens: np.ndarray | None) -> tuple:

@@ -151,7 +151,9 @@ def _schedule(
         return None, batch_size, seq_len
     refused = {
         "exact=True": exact,
-        "cost_model": cost_model is not None,
+        # A step's cost is its planned batches' (each balanced across the ranks); a cut row's
+        # attention cost is not its planned row's, which the balance was made for.
+        "cost_model": cost_model is not None and lengths is not None,
         "micro_batches": micro_batches not in (None, 1),
     }
     what = "batch_size" if lengths is None else "seq_len"

@@ -146,6 +146,13 @@ def run(args) -> int:
         if value is not None and cost is None:
             raise ShardtoolError(f"{flag} balances steps by a cost model: give --cost-model too")
     try:
+        scheduled = schedule_of(args)
+    except ValueError as e:
+        raise ShardtoolError(str(e)) from None
+    if scheduled is not None and (args.micro_batches or (cost is not None and scheduled.seq_lens)):
+        what = "--micro-batches" if args.micro_batches else "--cost-model"
+        raise ShardtoolError(f"a schedule by step cannot be combined with {what} yet (as ShardedLoader refuses it)")
+    try:
         layout = layout_of(args)
         data, _ = data_layout_of(args, Placement(layout, 0))
         described = describe_layout(args)
@@ -263,8 +270,8 @@ def run(args) -> int:
                     "cost_model": {"a": cost.a, "b": cost.b},
                     "balance_window": args.balance_window,
                     "micro_batches": args.micro_batches,
-                    "unbalanced": unbalanced.balance(args.micro_batches or 1),
-                    "balanced": sim.balance(),
+                    "unbalanced": _steps_balance(unbalanced, schedule, args),
+                    "balanced": _steps_balance(sim, schedule, args),
                 }
             if batching.packing is not None:
                 report.update(
@@ -283,3 +290,19 @@ def run(args) -> int:
         return 0
     print_report(report, data)
     return 0
+
+
+def _steps_balance(sim, schedule, args):
+    """`EpochSim.balance`; under a batch-size schedule, of its steps: the planned batches each
+    step joins, added up per rank (`Schedule.cut`)."""
+    if schedule is None:
+        return sim.balance(args.micro_batches or 1)
+    import numpy as np
+
+    from ..plan.cost import step_balance
+
+    costs = sim.step_costs
+    if costs is None or not costs.shape[1]:
+        return None
+    cut = schedule.cut(schedule.epoch_first_step(args.epoch, costs.shape[1]), costs.shape[1])
+    return step_balance(np.add.reduceat(costs, cut[:-1], axis=1))

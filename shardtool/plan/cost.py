@@ -155,15 +155,15 @@ def served_costs(
     lengths: np.ndarray | None,
     offsets: np.ndarray,
     model: CostModel,
-    rows_per_batch: int | None = None,
+    rows_per_batch: int | np.ndarray | None = None,
 ) -> np.ndarray:
     """The cost of each batch a plan serves: packed, batch q's rows ``row_offsets[q] :
-    row_offsets[q + 1]`` of ``rows`` (every one of ``rows_per_batch`` rows counted, padding
-    rows run the linear layers too); else batch q's samples, ``lengths[offsets[q] :
+    row_offsets[q + 1]`` of ``rows`` (every one of ``rows_per_batch`` rows counted, one number
+    or one per batch: padding rows run the linear layers too); else batch q's samples, ``lengths[offsets[q] :
     offsets[q + 1]]``. A group's plan (`batch_costs`) and a rank's (``RankPlan``) alike."""
     if rows is not None:
         per_row = row_costs(rows, model) - model.a * rows.seq_len
-        width = rows.seq_len * (rows_per_batch or np.diff(row_offsets))
+        width = rows.seq_len * (rows_per_batch if rows_per_batch is not None else np.diff(row_offsets))
         cost = model.a * width + _sums(per_row, row_offsets)
     else:
         cost = run_costs(lengths, offsets, model)

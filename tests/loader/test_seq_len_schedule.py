@@ -26,6 +26,7 @@ from helpers.runcli import shardtool_cli
 from helpers.schedrun import killed_and_resumed
 from shardtool.loader import ShardedLoader
 from shardtool.loader.trace import find, trace, traces
+from shardtool.plan.cost import CostModel, step_balance
 from shardtool.plan.packing import Rows
 from shardtool.plan.rowsplit import cut_pieces, cut_rows
 from shardtool.plan.schedule import parse_schedule, with_seq_lens
@@ -323,3 +324,43 @@ def test_a_warmup_that_changes_inside_a_later_epoch_traces_that_epoch(corpus):
         assert [(p["row"], p["key"], p["offset"]) for p in trace(probe, t)["samples"]] == packed_pieces(batch)
         if t == 6:
             break
+
+
+@pytest.mark.timeout(300)
+def test_a_ramp_with_a_cost_model_balances_its_steps(corpus):
+    """Issue 36 with 33: a batch-size ramp under a cost model. Each planned batch is balanced
+    across the DP ranks, so the steps that join them are too, measured from what is served."""
+    world, model = 4, CostModel.parse("llama-7b")
+
+    def served(**kw) -> tuple[np.ndarray, np.ndarray]:
+        costs, tokens = [], []
+        for ld in _ranks(corpus, world, seq_len=4096, batch_size={0: 1, 5: 2, 15: 4}, seed=2, token_fields=[], **kw):
+            batches = list(ld)
+            pieces = [np.diff(b["cu_seqlens"].numpy().astype(np.float64)) for b in batches]
+            costs.append([model.a * b["input_ids"].numel() + model.b * (p**2).sum() for b, p in zip(batches, pieces)])
+            tokens.append(_stream(batches))
+        return np.array(costs), np.sort(np.concatenate(tokens))
+
+    balanced, got = served(cost_model="llama-7b")
+    plain, want = served()
+    assert balanced.shape == plain.shape  # the same steps on every rank
+    assert np.array_equal(got, want)  # the same tokens served, only ordered otherwise
+    lost, before = step_balance(balanced)["time_lost"], step_balance(plain)["time_lost"]
+    assert lost < before / 2 and lost < 0.02, (lost, before)
+    with pytest.raises(ValueError, match="micro_batches"):
+        ShardedLoader(corpus, seq_len=4096, batch_size={0: 1, 5: 2}, cost_model="llama-7b", micro_batches=2)
+
+
+def test_shardtool_plan_balances_a_ramps_steps(corpus):
+    args = ("plan", corpus, "--seq-len", "4096", "--cost-model", "llama-7b", "--ranks-per-node", "4", "--json")
+    res = shardtool_cli(*args, "--batch-size", "0:1,5:2,15:4")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    steps = report["schedule"]["steps"]
+    for side in ("balanced", "unbalanced"):  # the schedule's steps, not the planned batches
+        assert report["compute_balance"][side]["steps"] == steps < report["batches_per_rank"]
+    assert report["compute_balance"]["balanced"]["time_lost"] < report["compute_balance"]["unbalanced"]["time_lost"]
+    bad = shardtool_cli("plan", corpus, "--cost-model", "llama-7b", "--batch-size", "4", "--seq-len", "0:1024,5:4096")
+    assert bad.returncode != 0 and "--cost-model" in bad.stderr and "Traceback" not in bad.stderr
+    bad = shardtool_cli(*args, "--batch-size", "0:1,5:2", "--micro-batches", "2")
+    assert bad.returncode != 0 and "--micro-batches" in bad.stderr
