@@ -9,6 +9,7 @@ handed over moves), ``_obs``, ``_staging`` and the worker options.
 
 from __future__ import annotations
 
+import atexit
 import time
 import weakref
 from collections.abc import Iterator
@@ -63,6 +64,7 @@ class PassRunner:
         # A weak reference: the pass must still end (its workers exit) as soon as the consumer
         # drops it, as a loop that breaks out does; a strong one would be a cycle through self.
         self._pass = weakref.ref(run)
+        _running.add(self)
         return run
 
     def _before_first_batch(self, what: str) -> None:
@@ -204,3 +206,20 @@ class PassRunner:
         message = disagreement(self.rank, numbers, ident, what, fix)
         if message is not None:
             raise LoaderError(message)
+
+
+# Passes still suspended when the interpreter exits (a script that broke out of its loop and
+# kept the loader) are ended by atexit, while the modules their ending uses are still there: left
+# to the garbage collector at teardown, they raised "Exception ignored" from numpy set to None.
+_running: weakref.WeakSet = weakref.WeakSet()
+
+
+def _end_running_passes() -> None:
+    for runner in list(_running):
+        try:
+            runner._close_pass()
+        except Exception:  # noqa: S110 - the interpreter is exiting: nothing is left to tell
+            pass
+
+
+atexit.register(_end_running_passes)
