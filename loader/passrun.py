@@ -73,6 +73,10 @@ class PassRunner:
         if live is not None and live() is not None:
             raise ValueError(f"{what} must come before the pass's first batch: a pass is under way")
 
+    def close(self) -> None:
+        """End the pass under way (its workers exit); `ShardedLoader.close` closes the rest."""
+        self._close_pass()
+
     def _close_pass(self) -> None:
         """End the previous pass's generator (its worker pool) before another begins: a consumer
         that stops at len(loader), or breaks out early and keeps it, leaves it suspended."""
@@ -208,8 +212,8 @@ class PassRunner:
             raise LoaderError(message)
 
 
-# Passes still suspended when the interpreter exits (a script that broke out of its loop and
-# kept the loader) are ended by atexit, while the modules their ending uses are still there: left
+# Loaders whose pass is still suspended when the interpreter exits (a script that stopped mid-pass
+# and kept the iterator) are closed by atexit, while the modules their ending uses are still there: left
 # to the garbage collector at teardown, they raised "Exception ignored" from numpy set to None.
 _running: weakref.WeakSet = weakref.WeakSet()
 
@@ -217,7 +221,7 @@ _running: weakref.WeakSet = weakref.WeakSet()
 def _end_running_passes() -> None:
     for runner in list(_running):
         try:
-            runner._close_pass()
+            runner.close()
         except Exception:  # noqa: S110 - the interpreter is exiting: nothing is left to tell
             pass
 

@@ -30,7 +30,7 @@ def add_batching_arguments(p) -> None:
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument(
         "--batch-size",
-        type=_batch_size,
+        type=batch_size_arg,
         metavar="N|STEP:N,...",
         help="samples per batch; or a schedule by training step, 0:4,2000:8 (4 from step 0, 8 from step "
         "2000), as ShardedLoader(batch_size={0: 4, 2000: 8})",
@@ -39,7 +39,7 @@ def add_batching_arguments(p) -> None:
     pk = p.add_argument_group("sequence packing (with --batch-size: rows per batch)")
     pk.add_argument(
         "--seq-len",
-        type=_seq_len,
+        type=seq_len_arg,
         default=None,
         metavar="S",
         help="pack documents into rows of S tokens; or a warmup by step, 0:2048,50000:8192 (shorter rows are "
@@ -103,11 +103,11 @@ def add_batching_arguments(p) -> None:
     )
 
 
-def _batch_size(text: str):
+def batch_size_arg(text: str):
     return _size_or_schedule("batch_size", text, "a batch size (8) or a schedule (0:4,2000:8)")
 
 
-def _seq_len(text: str):
+def seq_len_arg(text: str):
     return _size_or_schedule("seq_len", text, "a row length (2048) or a schedule (0:2048,50000:8192)")
 
 

@@ -6,6 +6,7 @@ import json
 import sys
 
 from ..format.errors import ShardtoolError
+from ._plan import batch_size_arg, schedule_of, seq_len_arg
 
 HELP = "show a saved loader state, or skip steps in it (after a loss spike) before resuming"
 DESCRIPTION = """\
@@ -18,7 +19,9 @@ the batches each rank had and served.
          resumed run's steps go on counting and its data moves past them (step A gets the batch
          of step B; the epoch has B - A fewer steps). Only steps not yet served can be skipped.
          A mixture's state: the run's steps (a mixture has no epochs), every source moving as far
-         ahead; the run still ends at its steps=.
+         ahead; the run still ends at its steps=. A state of a loader with a schedule by step
+         (batch_size={...}, seq_len={...}): give the schedule, --batch-size 0:4,2000:8, as the
+         loader had it; the file does not hold it.
          The file is replaced atomically (or written to -o OUT); every rank loads the same state.
 
 The loss-spike workflow: the spike at step N -> `shardtool trace --step N` (its documents) ->
@@ -28,6 +31,7 @@ examples:
   shardtool state show ckpt/loader_state.json
   shardtool state skip ckpt/loader_state.json --steps 35:40
   shardtool state skip ckpt/trainer.json --key loader --steps 35:40 -o ckpt/trainer-skip.json
+  shardtool state skip ckpt/loader_state.json --steps 35:40 --batch-size 0:4,2000:8
 """
 
 
@@ -38,6 +42,9 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", metavar="A:B", help="skip: the epoch's steps A to B-1 (steps as len(loader) counts)")
     p.add_argument("-o", "--output", metavar="OUT", help="skip: write the edited state here instead of STATE")
     p.add_argument("--json", action="store_true", help="show: print one JSON object")
+    sched = p.add_argument_group("skip, a state of a loader with a schedule by step (as the loader was given it)")
+    sched.add_argument("--batch-size", type=batch_size_arg, metavar="N|STEP:N,...", help="its batch_size, 0:4,2000:8")
+    sched.add_argument("--seq-len", type=seq_len_arg, metavar="S|STEP:S,...", help="its seq_len, 0:2048,50000:8192")
 
 
 def _steps(text: str | None) -> tuple[int, int]:
@@ -76,18 +83,39 @@ def run(args) -> int:
     if args.steps is None:
         raise ShardtoolError("skip needs --steps A:B")
     first, stop = _steps(args.steps)
-    if state.step is not None:  # its steps join planned batches by a schedule this file does not hold
-        raise ShardtoolError(
-            f"{args.path}: a state of a loader with a batch-size schedule (its steps take several planned "
-            "batches each); skip its steps with loader.skip_steps(A, B) after load_state_dict"
-        )
     try:
-        edited = state.skipping(first, stop).to_dict()
+        a, b = _scheduled(args, state, first, stop) if state.step is not None else (first, stop)
+        edited = state.skipping(a, b).to_dict()
     except StateError as e:
         raise ShardtoolError(f"{args.path}: {e}") from None
     out = _write(args, doc, edited)
     sys.stdout.write(f"{out}: epoch {state.epoch}, steps {first}..{stop - 1} skipped ({stop - first} a rank)\n")
     return 0
+
+
+def _scheduled(args, state, first: int, stop: int) -> tuple[int, int]:
+    """The planned batches of steps ``first .. stop - 1`` of a scheduled loader's state (its
+    ``step``: the run's step at the epoch's first batch), by the schedule given as the loader was
+    (`loader.skip_steps` takes the same from the loader); the file does not hold the schedule."""
+    from ..plan.schedule import StepClock
+
+    try:
+        schedule = schedule_of(args)
+    except ValueError as e:
+        raise ShardtoolError(f"--seq-len: {e}") from None
+    if schedule is None:
+        raise ShardtoolError(
+            f"{args.path}: a state of a loader with a schedule by step (its steps take several planned batches "
+            "each): give the schedule as the loader had it, --batch-size 0:4,2000:8 (and --seq-len "
+            "0:2048,50000:8192 for a warmup), or skip with loader.skip_steps(A, B) after load_state_dict"
+        )
+    planned = ((state.about or {}).get("batching") or {}).get("batch_size")
+    if planned is not None and planned != schedule.base:
+        raise ShardtoolError(
+            f"{args.path}: the state was planned at batch_size {planned}, the schedule given plans at "
+            f"{schedule.base} ({schedule.describe()}): give the schedule its loader had"
+        )
+    return StepClock(schedule, int(state.step)).batches(state, first, stop)
 
 
 def _write(args, doc, edited: dict) -> str:

@@ -364,3 +364,27 @@ def test_shardtool_plan_balances_a_ramps_steps(corpus):
     assert bad.returncode != 0 and "--cost-model" in bad.stderr and "Traceback" not in bad.stderr
     bad = shardtool_cli(*args, "--batch-size", "0:1,5:2", "--micro-batches", "2")
     assert bad.returncode != 0 and "--micro-batches" in bad.stderr
+
+
+def test_skipping_a_warmups_steps_by_state_edit_equals_skip_steps(corpus, tmp_path):
+    kw = dict(seq_len=WARMUP, batch_size=8, seed=8, pad_id=PAD, token_fields=[])
+    ld = ShardedLoader(corpus, **kw)
+    it = iter(ld)
+    for _ in range(3):
+        next(it)
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(ld.state_dict()))
+    res = shardtool_cli(
+        "state", "skip", str(path), "--steps", "5:11", "--batch-size", "8", "--seq-len", "0:256,4:512,9:1024"
+    )
+    assert res.returncode == 0, res.stderr
+    edited, direct = ShardedLoader(corpus, **kw), ShardedLoader(corpus, **kw)
+    edited.load_state_dict(json.loads(path.read_text()))
+    direct.load_state_dict(ld.state_dict())
+    direct.skip_steps(5, 11)
+    assert len(edited) == len(direct) < len(ld)
+    for t, (a, b) in enumerate(zip(edited, direct), start=3):  # step 5 takes step 11's data, at step 5's length
+        assert torch.equal(a["input_ids"], b["input_ids"])
+        assert a["input_ids"].shape[1] == with_seq_lens(8, parse_schedule("seq_len", WARMUP)).seq_len_at(t)
+        if t == 12:
+            break
