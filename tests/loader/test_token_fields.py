@@ -307,3 +307,24 @@ def test_the_fields_do_not_depend_on_the_workers(datasets, exact):
         assert a.keys() == b.keys() and ("valid" in a) == exact
         for key in ("input_ids", "labels", "loss_mask", "role", "cu_seqlens"):
             assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("fmt, workers", [("arrow", 0), ("tar", 2)])
+def test_a_warmups_cut_rows_carry_the_fields_and_their_labels(docs, datasets, fmt, workers):
+    """A sequence-length warmup cuts planned rows of 1,024 into rows of 256: the fields go with
+    their tokens through the cut, and a piece's last token before a cut has no target."""
+    by_key = {d["__key__"]: d for d in docs}
+    ld = loader(
+        datasets[fmt], seq_len={0: 256, 6: 1024}, batch_size=4, eos_id=EOS, num_workers=workers, drop_last=False
+    )
+    seen, steps = [], 0
+    for t, batch in enumerate(ld):
+        seq = batch["input_ids"].shape[1]
+        assert seq == (256 if t < 6 else 1024)
+        seen += check_packed(batch, by_key, seq, EOS)
+        steps += 1
+    assert steps > 6
+    covered = {d["__key__"]: np.zeros(len(d["tokens"]) + 1, np.int64) for d in docs}
+    for key, off, n in seen:
+        covered[key][off : off + n] += 1
+    assert all((c == 1).all() for c in covered.values())  # every token once (best-fit drops none)
