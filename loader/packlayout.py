@@ -36,9 +36,8 @@ class BatchLayout:
         if b * seq >= 2**31:
             raise ValueError(f"{b} rows of {seq} tokens overflow int32 cu_seqlens")
         self.b, self.seq, self.packing, self.rows = b, seq, packing, rows
-        row_of = np.repeat(np.arange(rows.num_rows, dtype=np.int64), per_row)
-        before = np.cumsum(rows.span_len) - rows.span_len  # tokens of the batch before each span
-        self.flat_start = row_of * seq + before - before[rows.row_offsets[row_of]] if row_of.size else before
+        row_of, in_row = rows.span_places()
+        self.flat_start = row_of * seq + in_row
         self.row_tokens = np.zeros(b, np.int64)
         self.row_tokens[: rows.num_rows] = rows.row_tokens()
         if (self.row_tokens > seq).any():

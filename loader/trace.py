@@ -187,19 +187,20 @@ def _scheduled_find(loader: Any, state: LoaderState, sample: int, epoch: int | N
         )
     earlier, cut = _segment_steps(loader, state, epoch)
     clock, plans = loader.step_clock(epoch), {}
+    # The steps holding it, each read once (a step joins several planned batches that may hold it).
+    steps = sorted(
+        {(dp_rank, earlier + int(np.searchsorted(cut, delivered, side="right")) - 1)
+         for _, dp_rank, _, delivered, _ in hits_of(loader.planner, state, sample)}
+    )  # fmt: skip
     out = []
-    for _, dp_rank, _, delivered, _ in hits_of(loader.planner, state, sample):
-        step = earlier + int(np.searchsorted(cut, delivered, side="right")) - 1
+    for dp_rank, step in steps:
         if dp_rank not in plans:
             plans[dp_rank] = loader.planner.rank_plan(state, dp_rank)
-        units = _units_at(loader, state, plans[dp_rank], cut[step - earlier : step - earlier + 2], clock, step)
-        for unit in units:
+        for unit in _units_at(loader, state, plans[dp_rank], cut[step - earlier : step - earlier + 2], clock, step):
             if unit["sample"] == sample:
                 fields = {k: unit[k] for k in ("row", "offset", "length") if k in unit}
                 out.append({"dp_rank": dp_rank, "step": step, **fields})
-    # A step joins several planned batches: one holding the sample twice is read once.
-    unique = {tuple(sorted(e.items())): e for e in out}
-    return sorted(unique.values(), key=lambda e: (e["step"], e["dp_rank"], e.get("offset", 0)))
+    return sorted(out, key=lambda e: (e["step"], e["dp_rank"], e.get("offset", 0)))
 
 
 def _mixture_find(loader: Any, name: str, sample: int) -> list[dict[str, Any]]:

@@ -114,10 +114,7 @@ def cut_rows(rows: Rows, seq_len: int) -> Rows:
         return rows
     if seq_len < 1 or rows.seq_len % seq_len:
         raise ValueError(f"rows of {rows.seq_len} tokens cannot be cut into rows of {seq_len}")
-    per_row = np.diff(rows.row_offsets)
-    row_of = np.repeat(np.arange(rows.num_rows, dtype=np.int64), per_row)
-    before = np.cumsum(rows.span_len) - rows.span_len
-    at = before - before[rows.row_offsets[row_of]] if row_of.size else before  # a span's start in its row
+    row_of, at = rows.span_places()
     first, last = at // seq_len, (at + rows.span_len - 1) // seq_len
     pieces = last - first + 1
     span = np.repeat(np.arange(pieces.size, dtype=np.int64), pieces)
@@ -142,11 +139,10 @@ def cut_pieces(rows: Rows, row_offsets: np.ndarray, seq_lens: np.ndarray) -> np.
     """Per batch (rows ``row_offsets[b] .. row_offsets[b + 1] - 1``, cut to ``seq_lens[b]``):
     the pieces `cut_rows` makes of its spans; the metrics count them without cutting each batch."""
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
-    row_of = np.repeat(np.arange(rows.num_rows, dtype=np.int64), np.diff(rows.row_offsets))
+    row_of, at = rows.span_places()
     batch_of = np.searchsorted(row_offsets, row_of, side="right") - 1
     inside = (batch_of >= 0) & (batch_of < seq_lens.size)  # rows of no batch count for none
-    before = np.cumsum(rows.span_len) - rows.span_len
-    at = (before - before[rows.row_offsets[row_of]])[inside]  # a span's start in its row
+    at = at[inside]
     n = seq_lens[batch_of[inside]]
     pieces = (at + rows.span_len[inside] - 1) // n - at // n + 1
     return np.bincount(batch_of[inside], weights=pieces, minlength=seq_lens.size).astype(np.int64)

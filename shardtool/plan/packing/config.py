@@ -134,6 +134,12 @@ class Rows:
         np.cumsum(self.span_len, out=before[1:])
         return before[self.row_offsets[1:]] - before[self.row_offsets[:-1]]
 
+    def span_places(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per span: its row, and the position of its first token in that row."""
+        row_of = np.repeat(np.arange(self.num_rows, dtype=np.int64), np.diff(self.row_offsets))
+        before = np.cumsum(self.span_len) - self.span_len
+        return row_of, (before - before[self.row_offsets[row_of]] if row_of.size else before)
+
     def fill_rate(self) -> float:
         """Real tokens / row tokens (1.0 for no rows)."""
         return self.tokens / (self.num_rows * self.seq_len) if self.num_rows else 1.0
