@@ -48,6 +48,10 @@ class Observer:
         env=os.environ,
     ):
         """``readers``: the dataset's reader under its URL, or a mixture's under its source names."""
+        for name, flag in (("metrics", metrics), ("metrics_reduce", metrics_reduce)):
+            # A path given here (meant for metrics_dir) would turn metrics on and write nowhere it says.
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False (metrics_dir says where lines go), found {flag!r}")
         every = 0 if metrics_every is None else metrics_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"metrics_every must be an int >= 0 (0: no metric lines), found {metrics_every!r}")

@@ -178,6 +178,14 @@ def test_metrics_off_keeps_nothing(data, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("keyword", ["metrics", "metrics_reduce"])
+def test_a_path_given_for_metrics_is_refused_not_taken_as_true(data, tmp_path, keyword):
+    root, _, _ = data
+    with pytest.raises(ValueError, match=f"{keyword} must be True or False .*metrics_dir"):
+        ShardedLoader(root, batch_size=5, num_workers=0, **{keyword: str(tmp_path)})
+    assert os.listdir(tmp_path) == []
+
+
 def test_cold_cache_warns_before_the_first_batch(data, tmp_path, caplog):
     root, ds, _ = data
     cdir = str(tmp_path / "cold")
