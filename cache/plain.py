@@ -32,8 +32,9 @@ import os
 
 import pyarrow as pa
 
-from ..format.arrowshard import write_plain
 from ..format.atomic import fsync_dir
+from ..format.decompress import Decompressor
+from ..format.errors import FormatError
 from ..format.hashing import hash_file
 from ..format.manifest import Manifest, ShardInfo
 from .errors import SourceCorrupt
@@ -163,12 +164,14 @@ def decompress(vd, shard: int, info: ShardInfo, stored_path: str, final_path: st
 def _rewrite(stored_path: str, tmp: str, info: ShardInfo) -> int:
     """Same record batches, same rows, buffers uncompressed; returns the number of batches."""
     try:
-        with pa.OSFile(tmp, "wb") as sink:
-            rows = write_plain(pa.memory_map(stored_path), sink)
-        check = pa.ipc.open_file(pa.memory_map(tmp))
-        if check.num_record_batches != len(rows) or any(check.get_batch(k).num_rows != n for k, n in enumerate(rows)):
+        with pa.memory_map(stored_path) as stored, pa.OSFile(tmp, "wb") as sink:
+            rows = Decompressor(stored, f"shard {info.path}").write_plain(sink)
+        with pa.memory_map(tmp) as plain:
+            check = Decompressor(plain, f"shard {info.path} (its plain copy)")
+            kept = check.count == len(rows) and all(check.batch(k).num_rows == n for k, n in enumerate(rows))
+        if not kept:
             raise SourceCorrupt(f"shard {info.path}: its plain copy does not keep the stored record batches")
         return len(rows)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+    except FormatError as e:
         # The bytes matched the manifest's hash: the shard was written this way.
-        raise SourceCorrupt(f"shard {info.path}: matches its manifest hash but cannot be decompressed ({e})") from None
+        raise SourceCorrupt(f"{e}; its bytes match the manifest's hash, so it was packed so") from None

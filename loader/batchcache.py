@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from ..format import FieldSpec, FormatError
 from ..format.arrowshard import check_schema
+from ..format.decompress import ARROW_ERRORS, Decompressor
 from ..format.sindex import as_numpy
 from ..format.sizes import parse_size
 from .remotefetch import RemoteBatches
@@ -144,14 +145,10 @@ class CompressedBatches:
             self._sample_of = np.zeros(int(batches.max(initial=-1)) + 1, np.int64)
             self._sample_of[batches] = first
         else:
-            try:
-                # One thread: a record batch is small, and Arrow's pool spent more on handing its
-                # columns out than on decompressing them (131 against 196 us a 64 KiB zstd batch).
-                self._buf = pa.py_buffer(buf)
-                self.reader = pa.ipc.open_file(self._buf, options=pa.ipc.IpcReadOptions(use_threads=False))
-            except (pa.ArrowInvalid, OSError) as e:
-                raise FormatError(f"{name}: not a readable Arrow IPC file ({e})") from None
-            check_schema(self.reader.schema, fields, name)
+            # One thread a record batch: a record batch is small, and Arrow's pool spent more on handing
+            # its columns out than on decompressing them (131 against 196 us a 64 KiB zstd batch).
+            self._dec = Decompressor(buf, name)
+            check_schema(self._dec.schema, fields, name)
         self.fields, self.name = fields, name
         self.batch, self.row = index.batch, index.row
         cls = CompressedBatches
@@ -187,10 +184,7 @@ class CompressedBatches:
             if hit is not None:
                 return hit[0]
         if rb is None:
-            try:
-                rb = self.reader.get_batch(b) if self.fetch is None else self.fetch([int(self._sample_of[b])])[0]
-            except (pa.ArrowInvalid, OSError, IndexError) as e:
-                raise FormatError(f"{self.name}: record batch {b} cannot be decompressed ({e})") from None
+            rb = self._dec.batch(b) if self.fetch is None else self._fetched(b)
         got = []
         for j, spec in enumerate(self.fields):
             col = rb.column(j + 1)
@@ -227,7 +221,7 @@ class CompressedBatches:
         pool = fetch_pool()
         for run in self.fetch.runs(sorted(want)):
             part = [want[i] for i in run]
-            job = pool.submit(self._decompress_part, part)
+            job = pool.submit(self._fetch_part, part)
             for k in part:
                 pending[(uid, k)] = job
 
@@ -254,22 +248,32 @@ class CompressedBatches:
         pool = decompress_pool() if len(missing) >= PREFETCH_MIN else None
         if pool is None:
             return
-        parts = [missing[t::THREADS] for t in range(THREADS)]
-        for part in pool.map(self._decompress_part, [p for p in parts if p]):
-            for k, rb in part:
-                self._decoded(k, rb)
-
-    def _decompress_part(self, batches: list[int]) -> list[tuple[int, pa.RecordBatch]]:
-        out = []
         try:
-            if self.fetch is not None:  # remote: the fetches overlap too, not only decompression
-                return list(zip(batches, self.fetch([int(self._sample_of[k]) for k in batches])))
-            reader = pa.ipc.open_file(self._buf, options=pa.ipc.IpcReadOptions(use_threads=False))
-            for k in batches:
-                out.append((k, reader.get_batch(k)))
-        except (pa.ArrowInvalid, OSError, IndexError):
-            pass
-        return out
+            got = self._dec.batches(missing, pool, THREADS)
+        except FormatError:
+            return
+        for k, rb in zip(missing, got):
+            self._decoded(k, rb)
+
+    def _fetched(self, b: int) -> pa.RecordBatch:
+        """Record batch ``b`` of a remote shard, fetched by its range (`loader.remotefetch`)."""
+        try:
+            return self._fetch_part([b], errors=True)[0][1]
+        except ARROW_ERRORS as e:
+            raise FormatError(f"{self.name}: record batch {b} cannot be decompressed ({e})") from None
+
+    def _fetch_part(self, batches: list[int], errors: bool = False) -> list[tuple[int, pa.RecordBatch]]:
+        """Record batches ``batches`` of a remote shard, fetched; none where one fails (a read of
+        them raises then) unless ``errors``."""
+        fetch = self.fetch
+        if fetch is None:
+            raise RuntimeError("shardtool internal error: only a remote shard's record batches are fetched")
+        try:
+            return list(zip(batches, fetch([int(self._sample_of[k]) for k in batches])))
+        except ARROW_ERRORS:
+            if errors:
+                raise
+            return []
 
     def _note_tokens(self, b: int, starts: np.ndarray, sizes: np.ndarray) -> None:
         """Token positions of batch ``b``'s samples (element offsets into its values buffer)."""

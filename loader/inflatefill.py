@@ -2,9 +2,9 @@
 
 `write_shared` writes a shard's plain Arrow IPC file into memory mapped shared (an `Arena`, made
 before the workers fork, so they see what the rank's process writes there after), its record batches
-decompressed on the decompression pool's threads (Arrow does it without the GIL) and written in
-order by the calling thread: a shard takes the pool's cores, not one, so the shard a pass needs
-first is ready soonest. The arena's board says per shard whether it is ready, still being written, or to be
+decompressed on the decompression pool's threads (`format.decompress`, the one decompression path)
+and written in order by the calling thread: a shard takes the pool's cores, not one, so the shard a
+pass needs first is ready soonest. The arena's board says per shard whether it is ready, still being written, or to be
 read record batch by record batch instead (`loader.inflate`). `decompress` is the one-thread
 form into private memory, for a shard larger than its manifest says.
 """
@@ -17,19 +17,16 @@ import sys
 import threading
 import time
 import weakref
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, overload
 
 import numpy as np
 import pyarrow as pa
 
-from ..format import FormatError
-from ..format.arrowshard import write_plain
+from ..format.decompress import Decompressor
 
 PENDING, ABSENT = -1, -2  # on the board: not written yet; not held (read it record batch by record batch)
 SLACK = 64 << 10  # beyond the plain size the manifest records: the footer of a batch-heavy file
-WINDOW = 2  # record batches decompressed ahead per pool thread: bounds the memory in flight
 _MADV_POPULATE_WRITE = 23  # Linux 5.14: fault the pages in at once (Python 3.11 lacks the name)
 
 
@@ -204,6 +201,22 @@ def populate(mm: mmap.mmap) -> None:
             pass
 
 
+class _FillPause:
+    """`write_shared`'s `Pause`: stop where the loader closes, and let a due fork go."""
+
+    def __init__(self, name: str, stop: threading.Event | None, gate: ForkGate | None):
+        self.name, self.stop, self.gate = name, stop, gate
+
+    def wanted(self) -> bool:
+        if self.stop is not None and self.stop.is_set():
+            raise Stopped(self.name)
+        return self.gate is not None and self.gate.due
+
+    def quiet(self) -> None:
+        if self.gate is not None:
+            self.gate.let_fork()
+
+
 def write_shared(
     mm: mmap.mmap,
     data,
@@ -213,60 +226,19 @@ def write_shared(
     gate: ForkGate | None = None,
 ) -> int | None:
     """Bytes of the compressed shard ``data``'s (a verified map) plain Arrow IPC file written into
-    ``mm``, the same bytes `write_plain` writes; None where they do not fit ``mm``. Record batches
-    are decompressed on ``pool``'s threads, each with its own reader of the shard (one reader is
-    not documented safe to share), at most `WINDOW` a thread ahead of the writer. `Stopped` where
-    ``stop`` is set between two record batches; ``gate`` (held by the caller) lets a fork go
-    between two, with none in flight. Returns only once no thread reads ``data`` and the
+    ``mm`` (`Decompressor.write_plain`, on ``pool``'s threads); None where they do not fit ``mm``.
+    `Stopped` where ``stop`` is set between two record batches; ``gate`` (held by the caller) lets
+    a fork go between two, with none in flight. Returns only once no thread reads ``data`` and the
     writer is gone, so that ``mm`` has no exports left (resize and close need that)."""
-    src = pa.py_buffer(data)
-    opts = pa.ipc.IpcReadOptions(use_threads=False)
-    try:
-        reader = pa.ipc.open_file(src, options=opts)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise FormatError(f"shard {name}: verified but cannot be decompressed ({e})") from None
-    count = reader.num_record_batches
-
-    def one(k: int) -> pa.RecordBatch:
-        return pa.ipc.open_file(src, options=opts).get_batch(k)
-
-    ahead = WINDOW * getattr(pool, "_max_workers", 1)
-    inflight: deque = deque()
+    dec = Decompressor(data, f"shard {name}")
     sink = pa.FixedSizeBufferWriter(pa.py_buffer(mm))
     try:
-        with pa.ipc.new_file(sink, reader.schema) as writer:
-            nxt = written = 0
-            while written < count:
-                if stop is not None and stop.is_set():
-                    raise Stopped(name)
-                if gate is not None and gate.due:
-                    for f in inflight:
-                        writer.write_batch(f.result())
-                    written += len(inflight)
-                    inflight.clear()
-                    gate.let_fork()
-                    continue
-                if pool is None:
-                    writer.write_batch(one(written))
-                else:
-                    while nxt < count and nxt < written + ahead:
-                        inflight.append(pool.submit(one, nxt))
-                        nxt += 1
-                    writer.write_batch(inflight.popleft().result())
-                written += 1
+        dec.write_plain(sink, pool, _FillPause(name, stop, gate))
         return sink.tell()
     except OSError:  # "Write out of bounds": larger than the manifest says
         if stop is not None and stop.is_set():
             raise Stopped(name) from None
         return None
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-        raise FormatError(f"shard {name}: verified but cannot be decompressed ({e})") from None
-    finally:
-        for f in inflight:
-            f.cancel()
-        for f in inflight:
-            if not f.cancelled():
-                f.exception()  # waits: its thread no longer reads ``data``
 
 
 def decompress(data, name: str, plain_bytes: int) -> mmap.mmap:
@@ -274,36 +246,26 @@ def decompress(data, name: str, plain_bytes: int) -> mmap.mmap:
     private memory: an mmap, so that it reads (slices to bytes, buffer addresses) exactly as a
     shard's map does. Written straight into memory of the size the manifest records for it, then
     cut to what was written; a shard larger than recorded (an older manifest) is written again,
-    growing."""
-    try:
-        if plain_bytes > 0:
-            # Populated at once (zeroed pages in one call, not a fault a page as Arrow writes:
-            # 16% of a shard's time in memory here). Private: a fork shares the pages, copying none.
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-            mm = mmap.mmap(-1, plain_bytes + SLACK, flags=flags)
-            n = _write_into(mm, data)
-            if n is not None:
-                return cut(mm, n)
+    growing. `FormatError` naming the shard where its bytes cannot be decompressed."""
+    if plain_bytes > 0:
+        # Populated at once (zeroed pages in one call, not a fault a page as Arrow writes:
+        # 16% of a shard's time in memory here). Private: a fork shares the pages, copying none.
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(-1, plain_bytes + SLACK, flags=flags)
+        try:
+            n = write_shared(mm, data, name, None)
+        except BaseException:
             close_map(mm)
-        stream = pa.BufferOutputStream()
-        write_plain(pa.py_buffer(data), stream)
-        out = stream.getvalue()
-        mm = mmap.mmap(-1, max(out.size, 1))
-        mm[: out.size] = memoryview(out)
-        return cut(mm, out.size)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-        raise FormatError(f"shard {name}: verified but cannot be decompressed ({e})") from None
-
-
-def _write_into(mm: mmap.mmap, data) -> int | None:
-    """Bytes written of ``data``'s plain form into ``mm``; None where it does not fit. Returns
-    only once the writer is gone, so that ``mm`` has no exports left (resize and close need that)."""
-    sink = pa.FixedSizeBufferWriter(pa.py_buffer(mm))
-    try:
-        write_plain(pa.py_buffer(data), sink)
-    except OSError:  # "Write out of bounds": larger than the manifest says
-        return None
-    return sink.tell()
+            raise
+        if n is not None:
+            return cut(mm, n)
+        close_map(mm)
+    stream = pa.BufferOutputStream()
+    Decompressor(data, f"shard {name}").write_plain(stream)
+    out = stream.getvalue()
+    mm = mmap.mmap(-1, max(out.size, 1))
+    mm[: out.size] = memoryview(out)
+    return cut(mm, out.size)
 
 
 @overload

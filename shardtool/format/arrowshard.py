@@ -217,22 +217,6 @@ def schema_from_tail(
     return schema
 
 
-def write_plain(source, sink) -> list[int]:
-    """Rewrite the Arrow IPC file at ``source`` (a buffer or readable file) into ``sink`` with
-    every buffer uncompressed: the same record batches, row for row, so a sample index's
-    (batch, row) of each sample stays right. Returns the rows of each batch. One thread per
-    shard (callers run several shards at once); Arrow errors propagate to the caller, who knows
-    what the bytes were (a verified stored shard, a cached one)."""
-    reader = pa.ipc.open_file(source, options=pa.ipc.IpcReadOptions(use_threads=False))
-    rows = []
-    with pa.ipc.new_file(sink, reader.schema) as writer:
-        for k in range(reader.num_record_batches):
-            rb = reader.get_batch(k)
-            rows.append(rb.num_rows)
-            writer.write_batch(rb)
-    return rows
-
-
 def record_batch_from_range(data: bytes | memoryview, schema: pa.Schema) -> pa.RecordBatch:
     """Decode one record batch from the byte range the sample index records for it.
 

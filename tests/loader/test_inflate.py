@@ -332,12 +332,12 @@ def test_closing_mid_fill_stops_it_and_frees_its_memory(packed, workers):
     assert held._arena is None and arena._fd is None  # the memory file closed: its pages go with it
 
 
-def test_a_shard_written_into_shared_memory_is_the_plain_file_write_plain_writes(packed):
+def test_a_shard_written_into_shared_memory_is_the_plain_file_the_cache_writes(packed):
     import mmap
 
     import pyarrow as pa
 
-    from shardtool.format.arrowshard import write_plain
+    from shardtool.format.decompress import Decompressor
     from shardtool.loader.batchcache import decompress_pool
     from shardtool.loader.inflatefill import Arena, write_shared
 
@@ -345,7 +345,7 @@ def test_a_shard_written_into_shared_memory_is_the_plain_file_write_plain_writes
     with open(ds.shard_path(0), "rb") as f:
         data = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
     want = pa.BufferOutputStream()
-    write_plain(pa.py_buffer(data), want)
+    Decompressor(data, "s0").write_plain(want)
     want = want.getvalue().to_pybytes()
     arena = Arena({0: len(want) + 100, 1: 10})
     for pool in (None, decompress_pool()):
