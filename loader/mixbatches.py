@@ -67,7 +67,6 @@ class MixtureBatches:
         self.readers, self.steps, self.where = readers, steps, where
         self.transform, self.collate_fn, self.pad_id = transform, collate_fn, pad_id
         self.packing = packing
-        self.rows = planner.units_per_step
         self.names = planner.mixture.names
         self.packed = (
             {
@@ -233,18 +232,21 @@ class MixtureBatches:
             "__source__": [name for name, r in rows for _ in range(r.num_rows)],
             **self._tally({name: r.num_rows for name, r in rows}, {name: r.tokens for name, r in rows}),
         }
-        batch = read_together([(packed[name], r) for name, r in rows], self.rows, alloc)
+        b = sum(r.num_rows for _, r in rows)  # the step's rows (by step where they ramp)
+        batch = read_together([(packed[name], r) for name, r in rows], b, alloc)
         if batch is None:  # remote shards, decoded payloads, or sources of other token dtypes
-            batch = self._by_part(packed, rows, alloc)
+            batch = self._by_part(packed, rows, b, alloc)
         return {**batch, **extra}
 
-    def _by_part(self, packed: dict[str, PackedReader], rows: list[tuple[str, Rows]], alloc: Alloc) -> dict[str, Any]:
-        """The batch read source by source (``packed``: their readers), each into its rows of one
-        block; piece boundaries joined."""
+    def _by_part(
+        self, packed: dict[str, PackedReader], rows: list[tuple[str, Rows]], b: int, alloc: Alloc
+    ) -> dict[str, Any]:
+        """The batch of ``b`` rows read source by source (``packed``: their readers), each into its
+        rows of one block; piece boundaries joined."""
         packing = self.packing
         if packing is None:
             raise RuntimeError("shardtool internal error: ``packed`` is made with it")
-        b, seq, maxd = self.rows, packing.seq_len, packing.max_docs_per_row
+        seq, maxd = packing.seq_len, packing.max_docs_per_row
         if maxd is None:
             raise RuntimeError("shardtool internal error: Packing.__post_init__ resolves None to its default")
         block = alloc((3, b, seq), np.int64)

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..format import ShardtoolError
 from ..plan.mixture import Mixture, MixtureError
-from ..plan.mixture.planner import MixturePlanner
+from ..plan.mixture.planner import MixturePlanner, rows_by_step
 from ..plan.mixture.span import check_repeat, span, steps_for_tokens
 from ..plan.mixture.state import MixtureState, source_changes
 from ..plan.state import StateError
@@ -45,10 +45,7 @@ class MixtureSteps:
 
     def __init__(self, mixture: Mixture, reading: Reading, *, steps: int | None, tokens: int | None):
         batching, opts = reading.opts.batching, reading.opts
-        if opts.schedule is not None:
-            raise ValueError(
-                "batch_size or seq_len by step (a schedule) is not supported for a Mixture yet; give one size"
-            )
+        batching, rows = rows_by_step(opts.schedule, batching)
         if opts.packed_outputs == "lean":
             raise ValueError(
                 "packed_outputs='lean' is for one dataset; a mixture's packed steps are full batches "
@@ -99,7 +96,7 @@ class MixtureSteps:
                         raise ValueError(f"mixture source {n!r}: {e}") from None
                 if reading.image_transform is not None and not any(self.source_images.values()):
                     raise ValueError("image_transform is for image-text sources (pack --image-field); none has images")
-            self.planner = MixturePlanner(mixture, datasets, versions, batching, reading.data_layout)
+            self.planner = MixturePlanner(mixture, datasets, versions, batching, reading.data_layout, rows)
             self.state = self.planner.start()  # the typed position (`MixtureState`): step and phase
             if steps is not None:
                 self.run_steps = steps

@@ -215,8 +215,9 @@ def _mixture_find(loader: Any, name: str, sample: int) -> list[dict[str, Any]]:
         return []
     i = phase.names.index(name)
     rec, layout, comp = phase.sources[i], phase.layout, planner.composition(phase)
+    units = planner.step_units(phase)
     head, first, per_epoch = planner.cursor(rec, layout)
-    total = comp.counts(phase.consumed(loader.steps))[i]  # the source's units the run takes in this phase
+    total = comp.counts_at(phase.units_taken(loader.steps, units))[i]  # the source's units the run takes in this phase
     if total == 0:
         return []
     last_epoch, _ = planner.locate(rec, layout, total - 1)
@@ -235,18 +236,18 @@ def _mixture_find(loader: Any, name: str, sample: int) -> list[dict[str, Any]]:
                 used = head + (epoch - rec.epoch - 1) * per_epoch + b
             if used >= total:
                 continue  # past the run's end
-            # The last composition step whose units begin at or before it, then the run step that
-            # takes that composition step (none where a skip passed over it).
-            lo, hi = phase.from_step, phase.data_step(loader.steps - 1)
+            # The last run step whose units begin at or before it; none where that step ends
+            # before it (a skip passed over it: never served).
+            lo, hi = phase.from_step, loader.steps - 1
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if comp.counts(mid)[i] <= used else (lo, mid - 1)
-            step = phase.run_step(lo)
-            if step is None:
+                lo, hi = (mid, hi) if comp.counts_at(phase.units_from(mid, units))[i] <= used else (lo, mid - 1)
+            start = phase.units_from(lo, units)
+            before, after = comp.counts_at(start), comp.counts_at(start + units.at(lo))
+            if not before[i] <= used < after[i]:
                 continue  # in steps skipped (skip_steps): never served
-            entry = {"dp_rank": dp_rank, "step": step, "source": name, "source_epoch": epoch, **fields}
+            entry = {"dp_rank": dp_rank, "step": lo, "source": name, "source_epoch": epoch, **fields}
             if "row" in fields:  # a unit is a row: numbered after the step's rows of the sources before it
-                before, after = comp.counts(lo), comp.counts(lo + 1)
                 entry["row"] = sum(a - z for a, z in zip(after[:i], before[:i])) + used - before[i]
             out.append(entry)
     return sorted(out, key=lambda e: (e["step"], e["dp_rank"], e.get("offset", 0)))

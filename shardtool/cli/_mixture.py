@@ -15,7 +15,7 @@ def plan_mixture(args) -> int:
     from ..format.sizes import format_size
     from ..plan import Placement
     from ..plan.mixture import Mixture, MixtureError
-    from ..plan.mixture.planner import MixturePlanner
+    from ..plan.mixture.planner import MixturePlanner, rows_by_step
     from ..plan.mixture.span import check_repeat, span, steps_for_tokens
     from ._layout import data_layout_of, describe_layout
     from ._plan import batching_of, layout_of, node_shards, peak_rss_mb, plan_source, schedule_of
@@ -26,11 +26,9 @@ def plan_mixture(args) -> int:
         mixture = Mixture.from_file(args.url)
         layout = layout_of(args)
         data, _ = data_layout_of(args, Placement(layout, 0))
-        batching = batching_of(args)
+        batching, rows = rows_by_step(schedule_of(args), batching_of(args))
     except ValueError as e:
         raise ShardtoolError(str(e)) from None
-    if schedule_of(args) is not None:
-        raise ShardtoolError("a batch-size schedule is not supported for a mixture yet: give one --batch-size")
     if args.steps is None and args.tokens is None:
         raise ShardtoolError("a mixture has no epoch: give its length with --steps N or --tokens T")
     began = time.perf_counter()
@@ -47,6 +45,7 @@ def plan_mixture(args) -> int:
             {n: d.version for n, d in datasets.items()},
             batching,
             data,
+            rows,
         )
         state = planner.start()
         steps = args.steps if args.steps is not None else steps_for_tokens(planner, state, args.tokens)
@@ -98,6 +97,7 @@ def plan_mixture(args) -> int:
         },
         "units": "rows" if batching.packing is not None else "batches",
         "units_per_step": planner.units_per_step,
+        "rows_by_step": [list(k) for k in rows] if rows is not None else None,
         "tokens": sum(v["tokens"] for v in sources.values()),
         "schedule": mixture.schedule_identity(),
         "sources": sources,
@@ -118,6 +118,8 @@ def _print(report: dict, data, human) -> None:
     out = sys.stdout.write
     lay = report["layout"]
     per_step = "one batch of one source" if report["units"] == "batches" else f"{report['units_per_step']} rows"
+    if report["rows_by_step"]:
+        per_step += " (" + ", ".join(f"{n} from step {first:,}" for first, n in report["rows_by_step"][1:]) + ")"
     out(
         f"mixture       {report['source']}: {len(report['sources'])} sources, {report['steps']:,} steps of "
         f"{per_step} per rank, {report['tokens']:,.0f} tokens expected\n"

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from helpers.mixplans import Served, planner_of
 from helpers.strategies import MixtureCase, mixture_cases
 from shardtool.plan import Batching, Layout
+from shardtool.plan.mixture.compose import StepUnits
 from shardtool.plan.mixture.state import MixtureState, Phase
 from shardtool.plan.state import StateError
 
@@ -92,16 +93,18 @@ def test_a_skip_ahead_survives_a_resume_with_new_weights_or_another_layout(case,
     assert ids(served, later, first + 2, 0) == ids(served, after, stop + 2, 0)
 
 
-def test_the_run_step_of_a_composition_step_inverts_the_skips():
+def test_a_skip_moves_the_data_by_the_units_its_steps_would_have_taken():
     phase = Phase(0, [[0, {"a": "1"}]], None, [], ((5, 9), (12, 14)))  # type: ignore[arg-type]
-    data = [phase.data_step(t) for t in range(20)]
-    assert data[:5] == [0, 1, 2, 3, 4] and data[5] == 9 and data[12] == 18 and data[19] == 25
-    for t, d in enumerate(data):
-        assert phase.run_step(d) == t
-    skipped = set(range(25)) - set(data)
-    assert skipped == {5, 6, 7, 8, 16, 17}
-    assert all(phase.run_step(d) is None for d in skipped)
-    assert [phase.consumed(t) for t in (0, 5, 6, 12, 13)] == [0, 5, 10, 16, 19]
+    one = StepUnits.of(3)  # 3 units a step: the composition's steps are the run's, data moved ahead
+    starts = [phase.units_from(t, one) // 3 for t in range(20)]
+    assert starts[:5] == [0, 1, 2, 3, 4] and starts[5] == 9 and starts[12] == 18 and starts[19] == 25
+    assert set(range(25)) - set(starts) == {5, 6, 7, 8, 16, 17}  # the skipped steps' data
+    # Where a state saved at step t continues: a skip that begins at t is still ahead.
+    assert [phase.units_taken(t, one) // 3 for t in (0, 5, 6, 12, 13)] == [0, 5, 10, 16, 19]
+    ramp = StepUnits(((0, 2), (6, 4), (13, 8)))  # the skipped steps' sizes are what is skipped
+    assert phase.units_from(5, ramp) == 5 * 2 + (2 + 4 * 3)  # steps 5..8 held 2, 4, 4, 4 units
+    assert phase.units_taken(13, ramp) == ramp.before(13) + 14 + (4 + 8)  # and 12..13 held 4, 8
+    assert [phase.units_from(t, ramp) for t in range(20)] == sorted(phase.units_from(t, ramp) for t in range(20))
 
 
 def test_malformed_skips_in_a_state_are_refused():

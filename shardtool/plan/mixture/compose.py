@@ -15,6 +15,11 @@ any position costs O(K log K), whatever the step.
 
 A schedule restarts the rule at each entry's first step with the counts carried over, so a
 source's cursor only ever moves forward.
+
+Steps may take different numbers of units (a packed mixture whose rows ramp up by step,
+`StepUnits`): the rule deals units, not steps, so a position is a count of units, and a step
+takes the units from where the steps before it left off. With one size a step this is the
+same sequence, cut the same way.
 """
 
 from __future__ import annotations
@@ -22,9 +27,45 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 
-__all__ = ["Composition", "integer_shares", "webster_counts"]
+__all__ = ["Composition", "StepUnits", "integer_shares", "webster_counts"]
+
+
+@dataclass(frozen=True)
+class StepUnits:
+    """Units a step takes, by the run's step: ``changes`` (first step, units), sorted, the first
+    at step 0 (a packed mixture's rows by step; one pair: one size)."""
+
+    changes: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, units: int | StepUnits) -> StepUnits:
+        return units if isinstance(units, StepUnits) else cls(((0, int(units)),))
+
+    def at(self, step: int) -> int:
+        """Units of step ``step``."""
+        value = self.changes[0][1]
+        for first, units in self.changes:
+            if first > step:
+                break
+            value = units
+        return value
+
+    def before(self, step: int) -> int:
+        """Units of steps ``0 .. step - 1`` (closed form: a sum over the changes)."""
+        total = 0
+        for i, (first, units) in enumerate(self.changes):
+            if first >= step:
+                break
+            end = self.changes[i + 1][0] if i + 1 < len(self.changes) else step
+            total += (min(end, step) - first) * units
+        return total
+
+    def identity(self) -> list[list[int]]:
+        """As a state records it: [[first step, units], ...]."""
+        return [[first, units] for first, units in self.changes]
 
 
 def integer_shares(weights: Sequence[Fraction], tokens: Sequence[int], units: Sequence[int]) -> tuple[int, ...]:
@@ -75,10 +116,12 @@ def webster_counts(shares: Sequence[int], n: int) -> list[int]:
 
 
 class Composition:
-    """The units of every source per step of one phase: schedule entries ``(first_step, shares)``
-    (increasing first steps, the first at the phase's start), ``units_per_step`` units a step."""
+    """The units of every source of one phase: schedule entries ``(first_step, shares)``
+    (increasing first steps, the first at the phase's start), ``units`` a step (one size, or
+    `StepUnits` by step). Positions are counted in units from the phase's start (`counts_at`);
+    `counts` and `step_units` take steps of a run that skipped none."""
 
-    def __init__(self, entries: Sequence[tuple[int, Sequence[int]]], units_per_step: int):
+    def __init__(self, entries: Sequence[tuple[int, Sequence[int]]], units: int | StepUnits):
         if not entries:
             raise ValueError("a composition needs at least one schedule entry")
         self.starts = [int(s) for s, _ in entries]
@@ -87,34 +130,43 @@ class Composition:
         self.shares = [tuple(int(a) for a in sh) for _, sh in entries]
         if len({len(sh) for sh in self.shares}) != 1 or any(not any(sh) for sh in self.shares):
             raise ValueError("every schedule entry needs a share per source, at least one > 0")
-        self.units_per_step = int(units_per_step)
+        self.units = StepUnits.of(units)
         self.first_step = self.starts[0]
+        # Each entry's first unit, from the phase's start.
+        self.first_units = [self.units_before(s) for s in self.starts]
         self._last: dict[int, tuple[int, ...]] = {}
         # Counts at each entry's start, so that a position costs one entry's closed form.
         self._carried = [[0] * len(self.shares[0])]
         for i in range(1, len(self.starts)):
-            steps = self.starts[i] - self.starts[i - 1]
-            got = webster_counts(self.shares[i - 1], steps * self.units_per_step)
+            got = webster_counts(self.shares[i - 1], self.first_units[i] - self.first_units[i - 1])
             self._carried.append([c + g for c, g in zip(self._carried[-1], got)])
 
     @property
     def num_sources(self) -> int:
         return len(self.shares[0])
 
-    def counts(self, step: int) -> list[int]:
-        """Units of every source in steps [first_step, step)."""
-        if step <= self.first_step:
+    def units_before(self, step: int) -> int:
+        """Units of the phase's steps before ``step`` (none skipped)."""
+        return self.units.before(step) - self.units.before(self.first_step) if step > self.first_step else 0
+
+    def counts_at(self, n: int) -> list[int]:
+        """Units of every source among the phase's first ``n`` units."""
+        if n <= 0:
             return [0] * self.num_sources
-        hit = self._last.get(step)
+        hit = self._last.get(n)
         if hit is not None:
             return list(hit)
-        i = max(j for j, s in enumerate(self.starts) if s < step)
-        got = webster_counts(self.shares[i], (step - self.starts[i]) * self.units_per_step)
+        i = max(j for j, first in enumerate(self.first_units) if first < n or j == 0)
+        got = webster_counts(self.shares[i], n - self.first_units[i])
         out = [c + g for c, g in zip(self._carried[i], got)]
         if len(self._last) >= 4:  # steps come in order: step t's end is step t + 1's start
             self._last.clear()
-        self._last[step] = tuple(out)
+        self._last[n] = tuple(out)
         return out
+
+    def counts(self, step: int) -> list[int]:
+        """Units of every source in steps [first_step, step)."""
+        return self.counts_at(self.units_before(step))
 
     def step_units(self, step: int) -> list[int]:
         """Units of every source in step ``step``."""

@@ -11,7 +11,7 @@ current epoch (and, after a re-deal, of the groups its units come from).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -20,14 +20,15 @@ from ..about import NO_DESCRIPTION, batching_mismatch, describe_mixture
 from ..batching import Batching
 from ..layout import DataLayout
 from ..rank import Planner, RankPlan
+from ..schedule import Schedule
 from ..shape import PlanShape
 from ..source import PlanSource
 from ..state import LoaderState, StateError
-from .compose import Composition, integer_shares
+from .compose import Composition, StepUnits, integer_shares
 from .config import Mixture, MixtureError, source_batching
 from .state import MixtureState, Phase, SourceRecord, mixture_fingerprint
 
-__all__ = ["MixturePlanner", "Piece", "served_tokens"]
+__all__ = ["MixturePlanner", "Piece", "rows_by_step", "served_tokens"]
 
 Piece = tuple[int, int, int]  # (source-epoch, first unit index in the rank's plan of that epoch, units)
 
@@ -43,6 +44,24 @@ def served_tokens(shape: PlanShape, tokens: int) -> int:
     return max(int(round(tokens - float((surplus * per_batch).sum()))), 1)
 
 
+def rows_by_step(schedule: Schedule | None, batching: Batching) -> tuple[Batching, tuple[tuple[int, int], ...] | None]:
+    """(the batching a mixture plans with, its rows by step) for ``batch_size={first step: rows}``
+    (``schedule``; None: one size). A packed mixture's step takes its rows from where the steps
+    before it left off, so rows may change at any step; the batching keeps the first size, so that
+    a state of a run of that one size resumes under the ramp and the other way round. ValueError
+    for what a mixture cannot take by step."""
+    if schedule is None:
+        return batching, None
+    if schedule.seq_lens:
+        raise ValueError("seq_len by step is not supported for a mixture yet; give one seq_len")
+    if batching.packing is None:
+        raise ValueError(
+            "batch_size by step is for packed mixtures (seq_len=...): a bucketed mixture's step is one "
+            "batch of one source; give one batch_size"
+        )
+    return replace(batching, batch_size=schedule.changes[0][1]), schedule.changes
+
+
 class MixturePlanner:
     """Plans of one mixture, batching config and data layout; cheap to keep for a loader's life."""
 
@@ -53,13 +72,20 @@ class MixturePlanner:
         versions: Mapping[str, str],
         batching: Batching,
         layout: DataLayout,
+        rows: Sequence[tuple[int, int]] | None = None,
     ):
+        """``rows``: a packed mixture's rows by step ((first step, rows), ..., the first at step
+        0, as `shardtool.plan.schedule.Schedule.changes`); None: ``batching.batch_size`` every step."""
         self.mixture, self.batching, self.layout = mixture, batching, layout
         self.fingerprint = mixture_fingerprint(batching)
         self.about = describe_mixture({src.name: src.url for src in mixture.sources}, batching)
         self.planners = {n: Planner(sources[n], source_batching(batching, n)) for n in mixture.names}
         self.versions = {n: versions[n] for n in mixture.names}
         self.units_per_step = batching.batch_size if batching.packing is not None else 1
+        # Recorded in each phase only where the rows ramp: a state of one size keeps its form.
+        self.rows: tuple[tuple[int, int], ...] = tuple(rows) if rows is not None and len(rows) > 1 else ()
+        if self.rows and batching.packing is None:
+            raise MixtureError("rows by step are for packed mixtures: a bucketed mixture's step is one source's batch")
         extra = batching.packing.extra_tokens if batching.packing is not None else 0
         self.tokens = {}
         for n, p in self.planners.items():
@@ -89,7 +115,10 @@ class MixturePlanner:
             self._record(n, self.planners[n].start(0, self.versions[n], self.layout)) for n in self.mixture.names
         ]
         return MixtureState(
-            0, self.fingerprint, Phase(0, self.mixture.schedule_identity(), self.layout, records), about=self.about
+            0,
+            self.fingerprint,
+            Phase(0, self.mixture.schedule_identity(), self.layout, records, rows=self.rows),
+            about=self.about,
         )
 
     def resume(self, state: MixtureState) -> MixtureState:
@@ -123,6 +152,7 @@ class MixturePlanner:
             and phase.names == self.mixture.names
             and phase.schedule == self.mixture.schedule_identity()
             and phase.layout.identity() == self.layout.identity()
+            and phase.rows == self.rows
         )
         if same:
             for rec in phase.sources:
@@ -134,7 +164,7 @@ class MixturePlanner:
                         "state of another planner or config"
                     )
             return replace(state, about=self.about)
-        counts = self.composition(phase).counts(phase.consumed(state.step))
+        counts = self.composition(phase).counts_at(phase.units_taken(state.step, self.step_units(phase)))
         old = {rec.name: (rec, c) for rec, c in zip(phase.sources, counts) if not self._replaced(rec)}
         records = []
         for n in self.mixture.names:
@@ -147,7 +177,7 @@ class MixturePlanner:
             records.append(self._record(n, position))
         # Skips still ahead go on in the new phase: from their step, the data moves as far ahead.
         ahead = tuple(k for k in phase.skipped if k[0] >= state.step)
-        new = Phase(state.step, self.mixture.schedule_identity(), self.layout, records, ahead)
+        new = Phase(state.step, self.mixture.schedule_identity(), self.layout, records, ahead, self.rows)
         return MixtureState(state.step, self.fingerprint, new, state.phases_before + 1, about=self.about)
 
     def _replaced(self, rec: SourceRecord) -> bool:
@@ -171,9 +201,13 @@ class MixturePlanner:
         tokens = [r.tokens for r in phase.sources]
         units = [r.units for r in phase.sources]
         entries = [(step, integer_shares(weights, tokens, units)) for step, weights in phase.entries()]
-        comp = Composition(entries, self.units_per_step)
+        comp = Composition(entries, self.step_units(phase))
         self._compositions = {id(phase): (phase, comp)}
         return comp
+
+    def step_units(self, phase: Phase) -> StepUnits:
+        """The units each run step of ``phase`` takes: its recorded rows by step, else one size."""
+        return StepUnits(phase.rows) if phase.rows else StepUnits.of(self.units_per_step)
 
     # ------------------------------------------------------------------ where a source is
     @staticmethod
@@ -215,9 +249,9 @@ class MixturePlanner:
     def step_pieces(self, state: MixtureState, step: int) -> list[tuple[str, list[Piece]]]:
         """Step ``step``'s units of every source that has some, in source order."""
         phase = state.phase
-        comp = self.composition(phase)
-        data = phase.data_step(step)  # past the steps skipped
-        before, after = comp.counts(data), comp.counts(data + 1)
+        comp, units = self.composition(phase), self.step_units(phase)
+        first = phase.units_from(step, units)  # past the steps skipped
+        before, after = comp.counts_at(first), comp.counts_at(first + units.at(step))
         return [
             (rec.name, self.pieces(rec, phase.layout, b, a - b))
             for rec, b, a in zip(phase.sources, before, after)
@@ -236,7 +270,7 @@ class MixturePlanner:
     def positions(self, state: MixtureState) -> dict[str, LoaderState]:
         """The single-dataset state at ``state.step`` of every source of the phase still in the mixture."""
         phase = state.phase
-        counts = self.composition(phase).counts(phase.consumed(state.step))
+        counts = self.composition(phase).counts_at(phase.units_taken(state.step, self.step_units(phase)))
         return {
             rec.name: self.position(rec, phase.layout, c)
             for rec, c in zip(phase.sources, counts)

@@ -49,20 +49,21 @@ def _epochs(planner: MixturePlanner, rec: SourceRecord, layout, used: int) -> tu
 def span(planner: MixturePlanner, state: MixtureState, end_step: int) -> list[SourceSpan]:
     """Per source of ``state``'s phase: steps ``state.step .. end_step``."""
     phase = state.phase
-    layout, dp, m = phase.layout, phase.layout.dp_size, planner.units_per_step
+    layout, dp, units = phase.layout, phase.layout.dp_size, planner.step_units(phase)
     comp = planner.composition(phase)
-    begin, end = comp.counts(phase.consumed(state.step)), comp.counts(phase.consumed(end_step))
+    begin = comp.counts_at(phase.units_taken(state.step, units))
+    end = comp.counts_at(phase.units_taken(end_step, units))
     tau = [Fraction(r.tokens, r.units) for r in phase.sources]
     got = [(e - b) * dp * t for b, e, t in zip(begin, end, tau)]
-    # The schedule's target: per entry, tokens a step = m dp sum(w) / sum(w / tau), source s's w_s / sum(w) of them.
+    # The schedule's target: per entry, tokens of u units = u dp sum(w) / sum(w / tau), source s's w_s / sum(w) of them.
     target = [Fraction(0)] * len(tau)
     starts = [s for s, _ in phase.entries()] + [None]
     for (first, weights), nxt in zip(phase.entries(), starts[1:]):
         lo, hi = max(first, state.step), end_step if nxt is None else min(nxt, end_step)
         if hi <= lo:
             continue
-        per_step = Fraction(m * dp) / sum(w / t for w, t in zip(weights, tau) if w)
-        target = [acc + (hi - lo) * per_step * w for acc, w in zip(target, weights)]
+        per_unit = Fraction(dp) / sum(w / t for w, t in zip(weights, tau) if w)
+        target = [acc + (units.before(hi) - units.before(lo)) * per_unit * w for acc, w in zip(target, weights)]
     total_got, total_target = sum(got) or 1, sum(target) or 1
     out = []
     for i, rec in enumerate(phase.sources):
@@ -117,8 +118,10 @@ def steps_for_tokens(planner: MixturePlanner, state: MixtureState, tokens: int) 
     dp = phase.layout.dp_size
     tau = [Fraction(r.tokens, r.units) for r in phase.sources]
 
+    units = planner.step_units(phase)
+
     def expected(step: int) -> Fraction:
-        return sum(c * dp * t for c, t in zip(comp.counts(step), tau))  # type: ignore[return-value]  # no sources: 0
+        return sum(c * dp * t for c, t in zip(comp.counts_at(phase.units_taken(step, units)), tau))  # type: ignore[return-value]  # no sources: 0
 
     hi = 1
     while expected(hi) < tokens:

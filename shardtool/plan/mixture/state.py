@@ -29,6 +29,7 @@ from typing import Any
 from ..batching import Batching
 from ..layout import DataLayout
 from ..state import LoaderState, StateError, parse_about
+from .compose import StepUnits
 
 __all__ = [
     "MIXTURE_STATE_VERSION",
@@ -115,31 +116,30 @@ class Phase:
     layout: DataLayout
     sources: list[SourceRecord]
     # Steps skipped in this phase (`ShardedLoader.skip_steps`), (a, b) in run steps, sorted by a:
-    # from step a on, the data moves b - a steps ahead (step a takes what step b would have).
+    # from step a on, the data moves ahead by the units steps a .. b - 1 would have taken (step a
+    # takes what step b would have).
     skipped: tuple[tuple[int, int], ...] = ()
+    # Packed rows by run step where they ramp ((first step, rows), ...; `StepUnits`); empty: the
+    # batching's one batch_size.
+    rows: tuple[tuple[int, int], ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.sources)
 
-    def data_step(self, step: int) -> int:
-        """The step of the phase's composition whose units run step ``step`` takes."""
-        return step + sum(b - a for a, b in self.skipped if a <= step)
+    def units_from(self, step: int, units: StepUnits) -> int:
+        """Where run step ``step`` begins taking the phase's units (counted from its start), the
+        skips from a step at or before it passed over."""
+        return self._units(step, units, lambda a: a <= step)
 
-    def consumed(self, step: int) -> int:
-        """The composition's step up to which the run steps before ``step`` took units."""
-        return self.from_step if step <= self.from_step else self.data_step(step - 1) + 1
+    def units_taken(self, step: int, units: StepUnits) -> int:
+        """The phase's units the run steps before ``step`` took or skipped: where a state saved
+        at ``step`` continues (a skip that begins at ``step`` is still ahead)."""
+        return self._units(step, units, lambda a: a < step) if step > self.from_step else 0
 
-    def run_step(self, data: int) -> int | None:
-        """The run step that takes composition step ``data``; None where a skip passed over it."""
-        step = data
-        for a, b in self.skipped:
-            first = self.data_step(a)  # where the data is once the skip at a applies
-            if data >= first:
-                step -= b - a
-            elif data >= first - (b - a):
-                return None  # in the skipped span
-        return step
+    def _units(self, step: int, units: StepUnits, applies) -> int:
+        skipped = sum(units.before(b) - units.before(a) for a, b in self.skipped if applies(a))
+        return max(units.before(step) - units.before(self.from_step), 0) + skipped
 
     def with_skip(self, first: int, stop: int) -> Phase:
         """This phase with run steps ``first .. stop - 1``'s data skipped; StateError unless the
@@ -172,12 +172,14 @@ class Phase:
         }
         if self.skipped:  # only where steps were skipped: states without keep their form
             out["skipped"] = [list(k) for k in self.skipped]
+        if self.rows:  # likewise, only where the rows ramp
+            out["rows"] = [list(k) for k in self.rows]
         return out
 
     @classmethod
     def from_dict(cls, data: Any, fingerprint: str) -> Phase:
         keys = {"from_step", "schedule", "layout", "sources"}
-        if not isinstance(data, Mapping) or set(data) - {"skipped"} != keys:
+        if not isinstance(data, Mapping) or set(data) - {"skipped", "rows"} != keys:
             raise StateError(
                 f"mixture state phase: found keys {sorted(data) if isinstance(data, Mapping) else data!r}, "
                 f"expected {sorted(keys)}"
@@ -195,8 +197,32 @@ class Phase:
             raise StateError(f"mixture state names a source twice: {names}")
         from_step = _int("from_step", data["from_step"], 0)
         return cls(
-            from_step, _schedule(data["schedule"], names), layout, sources, _skipped(data.get("skipped"), from_step)
+            from_step,
+            _schedule(data["schedule"], names),
+            layout,
+            sources,
+            _skipped(data.get("skipped"), from_step),
+            _rows(data.get("rows")),
         )
+
+
+def _rows(raw: Any) -> tuple[tuple[int, int], ...]:
+    """A phase's recorded rows by step: [[0, rows], [first step, rows], ...], steps increasing."""
+    if raw is None:
+        return ()
+    pairs = raw if isinstance(raw, Sequence) and not isinstance(raw, str) else None
+    ok = bool(pairs) and all(
+        isinstance(k, Sequence)
+        and len(k) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in k)
+        and k[0] >= 0
+        and k[1] >= 1
+        for k in pairs or ()
+    )
+    steps = [k[0] for k in pairs] if ok and pairs else []
+    if not ok or steps[0] != 0 or any(b <= a for a, b in zip(steps, steps[1:])):
+        raise StateError(f"mixture state rows must be [[0, rows], [first step, rows], ...], found {raw!r}")
+    return tuple((int(a), int(b)) for a, b in pairs or ())
 
 
 def _skip_floor(skipped: Sequence[tuple[int, int]], from_step: int) -> int:
@@ -324,7 +350,7 @@ class MixtureState:
 
 def source_changes(old: Phase, new: Phase) -> list[str]:
     """What a resume from phase ``old`` into ``new`` changed in what the run trains on, in words:
-    sources added or removed, weights or schedule. Empty when only the layout changed."""
+    sources added or removed, weights or schedule, rows by step. Empty when only the layout changed."""
     versions = {rec.name: rec.version for rec in old.sources}
     out = []
     for rec in new.sources:
@@ -340,7 +366,13 @@ def source_changes(old: Phase, new: Phase) -> list[str]:
             out.append(f"source {name!r} removed (no more of its data is served)")
     if old.schedule != new.schedule:
         out.append(f"weights {_weights(old)} -> {_weights(new)}")
+    if old.rows != new.rows:
+        out.append(f"rows by step {_rows_text(old.rows)} -> {_rows_text(new.rows)}")
     return out
+
+
+def _rows_text(rows: tuple[tuple[int, int], ...]) -> str:
+    return ", ".join(f"step {first}: {n}" for first, n in rows) if rows else "one batch_size"
 
 
 def _weights(phase: Phase) -> str:
