@@ -1,5 +1,7 @@
-"""One rank of a torchrun job with a batch-size ramp (tests/loader/test_batch_schedule.py), or
-with ``--warmup`` a sequence-length warmup of packed rows (tests/loader/test_seq_len_schedule.py).
+"""One rank of a torchrun job with a batch-size ramp (tests/loader/test_batch_schedule.py), with
+``--warmup`` a sequence-length warmup of packed rows (tests/loader/test_seq_len_schedule.py), or
+with ``--mixture`` (``--data`` a mixture file) a packed mixture whose rows ramp
+(tests/loader/test_mixture_ramp.py).
 
 ``--phase whole``: the epoch uninterrupted, a collective every step as DDP's. ``--phase killed``:
 the same, rank 0 saving the loader state after every step, and rank 1 killed with SIGKILL before
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from shardtool.loader import ShardedLoader
+from shardtool.plan.mixture import Mixture
 
 RAMP = {0: 4, 10: 8}
 WARMUP = {0: 256, 10: 512}  # rows of 4 at either length: the plan's batch is 2 rows of 512
@@ -29,11 +32,19 @@ def main() -> int:
     p.add_argument("--phase", choices=["whole", "killed", "resumed"], required=True)
     p.add_argument("--kill-at", type=int, default=8)
     p.add_argument("--warmup", action="store_true")
+    p.add_argument("--mixture", action="store_true")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    kw = dict(batch_size=4, seq_len=WARMUP, token_fields=[]) if args.warmup else dict(batch_size=RAMP)
-    loader = ShardedLoader(args.data, seed=7, num_workers=2, pin_memory=False, **kw)
+    data: object = args.data
+    if args.warmup:
+        kw: dict = dict(batch_size=4, seq_len=WARMUP, token_fields=[])
+    elif args.mixture:
+        data = Mixture.from_file(args.data)
+        kw = dict(batch_size=RAMP, seq_len=256, token_fields=[], steps=20)
+    else:
+        kw = dict(batch_size=RAMP)
+    loader = ShardedLoader(data, seed=7, num_workers=2, pin_memory=False, **kw)
     state_path = os.path.join(args.out, "state.json")
     start = 0
     if args.phase == "resumed":
@@ -46,9 +57,11 @@ def main() -> int:
         if args.phase == "killed" and rank == 1 and step == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
         steps[step] = list(batch["__key__"])
-        if args.warmup:
+        if args.warmup or args.mixture:
             steps[step] = [[list(map(str, k)) for k in batch["__key__"]], batch["doc_offsets"].tolist()]
             steps[step].append(list(batch["input_ids"].shape))
+        if args.mixture:
+            steps[step].append(list(batch["__source__"]))
         dist.all_reduce(torch.zeros(1))  # a DDP step: a rank on another step would hang here
         if args.phase == "killed" and rank == 0:
             tmp = state_path + ".tmp"

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import shardtool
 from helpers.realtext import byte_ids, doc_files, stdlib_files
 from helpers.runcli import shardtool_cli
+from helpers.schedrun import killed_and_resumed
 from helpers.skips import require
 from shardtool.loader import ShardedLoader
 from shardtool.loader.trace import find, traces
@@ -176,6 +177,21 @@ def test_trace_and_find_follow_the_ramp(sources):
     assert any(e["step"] == 10 and e["row"] == piece["row"] for e in found)
     for e in found:  # every place found holds the sample's source's row in the served step
         assert steps[e["step"]][e["row"]][0] == piece["source"]
+
+
+@pytest.mark.timeout(400)
+def test_torchrun_ramp_resumed_after_a_kill_matches_the_uninterrupted_run(sources, tmp_path):
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps({"sources": {"code": [sources["code"], 0.7], "doc": [sources["doc"], 0.3]}}))
+    saved, runs = killed_and_resumed(str(mix), str(tmp_path), "--mixture")  # rows 4, then 8 from step 10
+    assert 1 <= saved["steps"] <= 8  # killed at step 8, before the change at 10
+    for whole, resumed in runs:
+        start = saved["steps"]
+        assert whole["len"] == resumed["len"] == 20 and sorted(map(int, resumed["steps"])) == list(range(start, 20))
+        assert all(resumed["steps"][str(s)] == whole["steps"][str(s)] for s in range(start, 20))
+        shapes = [whole["steps"][str(s)][2] for s in range(20)]
+        assert shapes == [[4, SEQ]] * 10 + [[8, SEQ]] * 10  # the change, on every rank at once
+        assert {n for s in range(20) for n in whole["steps"][str(s)][3]} == set(SOURCES)
 
 
 def test_what_a_mixture_cannot_take_by_step_is_refused(sources):
