@@ -24,7 +24,7 @@ from ..format.dataset import is_local
 from ..format.hashing import format_digest, hash_bytes, hash_fileobj, new_hasher
 from ..format.manifest import ShardInfo
 from ..format.nodeshare import shared_read
-from ..format.storage import cat_whole, past_end, share_key
+from ..format.storage import cat_whole, dataset_fs, past_end, share_key
 from .errors import LocalFault, SourceCorrupt, SourceUnavailable
 from .kcopy import DestinationError, copy_range
 from .perms import DEFAULT_PERMS, Perms
@@ -54,7 +54,7 @@ class Origin:
     def __init__(self, url: str, storage_options: dict | None = None, *, fs=None, root: str | None = None):
         self.url = url
         if fs is None:
-            fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+            fs, root = dataset_fs(url, storage_options)  # a store's defaults (S3: pool, shared session)
         self.fs = fs
         self.root = (root or "").rstrip("/")
         self.local = is_local(fs)

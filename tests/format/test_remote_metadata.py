@@ -91,3 +91,37 @@ def test_lengths_ranges_equal_the_whole_file_in_every_layout(packed, tmp_path, l
         read_lengths_range(fs, path, 7, 0, 7, "ds", size)
     with pytest.raises(ValueError, match="outside"):
         read_lengths_range(fs, path, n, 0, n + 1, "ds", size)
+
+
+def test_s3_clients_share_the_processs_session_and_a_forked_child_reuses_it(packed, request):
+    """A forked loader worker makes its S3 client from the session the rank's process parsed the
+    service models into (`s3_session`); the dataset's filesystem still pickles, into another
+    process's own session; a session or profile the user gives is theirs."""
+    import pickle
+
+    from shardtool.format.storage import dataset_fs, s3_session
+
+    server = request.getfixturevalue("s3_server")
+    url = server.upload(packed.root, "session-share/ds")
+    opts = server.storage_options
+    fs, root = dataset_fs(url, opts)
+    assert fs.session is s3_session()
+    first = sorted(fs.ls(root))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a loader worker: the same session object, and reads that work
+        os.close(r)
+        child, _ = dataset_fs(url, opts)
+        ok = child.session is s3_session() and sorted(child.ls(root)) == first
+        os.write(w, b"ok" if ok else b"no")
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    assert os.read(r, 2) == b"ok"
+    again = pickle.loads(pickle.dumps(fs))
+    assert again.session is s3_session() and sorted(again.ls(root)) == first
+    from aiobotocore.session import AioSession
+
+    mine = AioSession()
+    assert dataset_fs(url, {**opts, "session": mine})[0].session is mine
+    assert open_dataset(url, storage_options=opts).manifest == packed.manifest
