@@ -96,6 +96,9 @@ class PassRunner:
         # iter() before they restore the state (Lightning tests that the object is iterable, and
         # builds its fetcher, before loading the checkpoint's loader state): the pass continues
         # the position loaded in between.
+        # The first next() waits from here: the ranks' agreement and the pass's plan (a remote
+        # dataset's lengths read for it) are part of the wait the trainer sees.
+        entered = time.perf_counter()
         source = self.batch_source
         if source.at_end():  # a loaded state at the end of an epoch is the next one's start
             source.next_pass()
@@ -104,7 +107,7 @@ class PassRunner:
         one = source.begin_pass()
         if self._staging is not None and one.plan is not None:
             self._staging.begin_pass(source.metric_epoch, one.plan, one.start)
-        yield from self._run(one)
+        yield from self._run(one, entered)
 
     # ------------------------------------------------------------------ observability
     def metrics(self) -> dict[str, Any]:
@@ -149,13 +152,13 @@ class PassRunner:
         return self._obs.rank_summary
 
     # ------------------------------------------------------------------ a pass
-    def _run(self, one: PassBatches) -> Iterator[Any]:
-        # The body runs inside the user's next() calls: each is timed from its entry (here, and
-        # after each yield) to its return, so wait_s is what the user measures around next().
+    def _run(self, one: PassBatches, entered: float) -> Iterator[Any]:
+        # The body runs inside the user's next() calls: each is timed from its entry (``entered``
+        # for the first, then after each yield) to its return, so wait_s is what the user
+        # measures around next().
         batches, start, n, where = one.batches, one.start, one.stop, one.where
         source = self.batch_source
         epoch = source.metric_epoch
-        entered = time.perf_counter()
         watch = self._obs.begin_pass(batches, start, n, where, epoch, entered)  # before the workers fork
         try:
             batches.inflate(start)  # compressed shards read in place: once per rank, before the fork

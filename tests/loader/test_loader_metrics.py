@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -149,6 +150,24 @@ def test_one_metric_line_per_n_steps_in_a_node_local_file(data, tmp_path):
     assert sum(x["window"]["tokens"] for x in lines) == lines[-1]["cumulative"]["tokens"]
     assert {x["rank"] for x in lines} == {0} and len({x["run"] for x in lines}) == 1
     assert lines[-1]["epoch"] == 1 and lines[0]["batch"] == 3
+
+
+def test_the_first_wait_counts_the_pass_plan(data, tmp_path):
+    """wait_s is the time inside next(): the first one plans the pass (a remote dataset's lengths
+    are read for it), and that is waiting too. A plan made slow on purpose shows in it."""
+    root, _, _ = data
+    ld = ShardedLoader(root, batch_size=5, num_workers=0, metrics_dir=str(tmp_path))
+    plan = ld.batch_source.begin_pass
+
+    def slow_plan():
+        time.sleep(0.3)
+        return plan()
+
+    ld.batch_source.begin_pass = slow_plan  # type: ignore[method-assign]
+    it = iter(ld)
+    next(it)
+    assert ld.metrics()["cumulative"]["wait_s"] >= 0.3
+    it.close()
 
 
 def test_default_metric_dir_is_node_local_and_per_run(data):
