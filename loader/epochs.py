@@ -84,6 +84,17 @@ class DatasetEpochs:
         self._checked_epoch: int | None = None
         self._loaded_epoch: int | None = None  # a loaded state's epoch, until the loader is iterated
         self._after: np.ndarray | None = None  # each pass batch's position after it, where not b + 1
+        if not self.reader.source.local:  # its sample indexes from now on, behind the trainer's set-up
+            self.reader.read_indexes_early(self._own_shards())
+
+    def _own_shards(self) -> list[int]:
+        """The shards of this DP rank's own range (its data group's), from the plan's shape alone."""
+        layout = self.reading.data_layout
+        cuts = self.planner.shape(layout).cuts
+        group = layout.group_of(self.reading.dp_rank)[0]
+        offsets = self.dataset.manifest.shard_offsets()
+        first = int(np.searchsorted(offsets, cuts[group], side="right")) - 1
+        return list(range(max(first, 0), int(np.searchsorted(offsets, cuts[group + 1], side="left"))))
 
     @property
     def metric_epoch(self) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -22,10 +21,10 @@ import torch
 
 from ..format import FormatError, decode_sample
 from ..format.coalesce import gap_from_env
-from ..format.storage import S3_POOL_CONNECTIONS
 from ..plan.ranges import locate_ids
 from .cachefill import CacheFill
 from .collate import KEY, Alloc, collate_samples, gather_field
+from .indexahead import IndexesAhead
 from .inflate import Inflated, InflatedShard, inflate_budget
 from .observability.probe import NO_PROBE, NoProbe, Probe
 from .remotefetch import RemoteBatches
@@ -51,6 +50,7 @@ class BatchReader:
         self._remote_seen: set[int] = set()
         self._fetch_lock = threading.Lock()  # record batches of remote views are fetched on threads
         self._fill = CacheFill()  # shards being fetched into the node cache ahead of their reads
+        self._indexes = IndexesAhead()  # a remote dataset's sample indexes, read before the fork
         # Compressed local shards decompressed by this rank's process into memory its workers
         # share (loader/inflate.py): the per-pid reset in `source` keeps it.
         self._inflated: Inflated | None = None
@@ -171,20 +171,16 @@ class BatchReader:
         return self._inflated.for_pass(src, shards[np.argsort(first, kind="stable")].tolist(), drop=self._drop_view)
 
     def _read_indexes_ahead(self, ids: np.ndarray) -> None:
-        """Fetch the sample indexes of the remote shards ``ids`` read, all at once, and the schema
-        their record batches are decoded with, before the workers fork (they inherit them): a
-        worker would otherwise fetch each index the first time a batch touches its shard, one
-        request's wait after another, and every worker again."""
-        ds = self.source.dataset
-        shards = np.unique(self.locate(ids)[0]).tolist()
-        # As many at once as the store's pooled connections (the fetch pool's 16 took three
-        # rounds of requests for 34 indexes); the threads end here, before any fork.
-        threads = min(S3_POOL_CONNECTIONS, len(shards) + 1)
-        with ThreadPoolExecutor(threads, thread_name_prefix="shardtool-index") as pool:
-            schema = pool.submit(ds.batch_schema, shards[0]) if not self.tar else None
-            list(pool.map(ds.shard_index, shards))  # errors: raised here, naming the shard
-            if schema is not None:
-                schema.result()
+        """The sample indexes of the remote shards ``ids`` read, and their record batches' schema,
+        before the workers fork (`loader.indexahead`)."""
+        self._indexes.fetch(self.source.dataset, np.unique(self.locate(ids)[0]).tolist(), self.tar)
+
+    def read_indexes_early(self, shards: list[int]) -> None:
+        """Start fetching the sample indexes of a remote dataset's ``shards`` (the rank's own) in
+        the background: the pass's fetch before its workers fork finds them there."""
+        src = self.source
+        if not src.local:
+            self._indexes.start(src.dataset, shards, self.tar)
 
     def _drop_view(self, shard: int) -> None:
         v = self._views.pop(shard, None)

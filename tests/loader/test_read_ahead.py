@@ -143,6 +143,45 @@ def test_the_next_batches_are_fetched_ahead_once_and_served_the_same(served, s3_
     assert not pending_fetches()
 
 
+def test_a_ranks_sample_indexes_are_fetched_from_its_construction_and_once(served, s3_proxy):  # noqa: F811
+    """The rank's own indexes are known from its range before any plan: their fetch starts when
+    the loader is made (behind the trainer's set-up), and neither the fetch before the workers
+    fork nor the workers ask for one again."""
+    src, url = served
+    manifest = open_dataset(src).manifest
+    keys = {f"{PREFIX}/{info.index}" for info in manifest.shards}
+
+    def index_gets() -> dict:
+        c = s3_proxy.counts()
+        out: dict = {}
+        for (k, kind), n in c.by_key_kind.items():
+            if k in keys and kind in ("GET", "RANGED_GET"):
+                out[k] = out.get(k, 0) + n
+        return out
+
+    s3_proxy.reset()
+    ld = ShardedLoader(
+        url,
+        storage_options=s3_proxy.storage_options,
+        batch_size=8,
+        num_workers=2,
+        seed=1,
+        rank=1,
+        world_size=2,
+        ranks_per_node=1,  # a node a rank: its own range is its node's, half the shards
+    )
+    own = set(ld.batch_source.reader.locate(ld.batch_source.plan.ids)[0].tolist())  # (the plan reads no index)
+    assert 0 < len(own) < len(keys)
+    deadline = time.monotonic() + 30
+    while set(index_gets()) != {f"{PREFIX}/{manifest.shards[s].index}" for s in own}:
+        assert time.monotonic() < deadline, f"no early fetch of the rank's indexes: {sorted(index_gets())}"
+        time.sleep(0.01)
+    served_keys = [k for batch in ld for k in batch["__key__"]]
+    assert len(served_keys) == len(set(served_keys)) > 0
+    assert set(index_gets().values()) == {1}  # each index fetched once: early, then never again
+    ld.close()
+
+
 @pytest.mark.parametrize(
     "kind", [dict(max_tokens=240_000), dict(seq_len=2048, batch_size=4, packing="best-fit", token_fields=[])]
 )
