@@ -81,3 +81,10 @@ def test_an_unreachable_source_still_exits_0_without_strict(src, tmp_path):
     res = _warm_cli("s3://bucket/ds", str(tmp_path / "c2"), *opts)
     assert res.returncode == 0 and "remote failure" in res.stderr, (res.returncode, res.stderr)
     assert _warm_cli("s3://bucket/ds", str(tmp_path / "c2"), *opts, "--strict").returncode == 1
+
+
+def test_a_url_of_an_unknown_protocol_is_a_usage_error(tmp_path):
+    url = "fiel://" + str(tmp_path / "ds")  # a typo of file://
+    res = _warm_cli(url, str(tmp_path / "c"))
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert "no dataset at" in res.stderr and url in res.stderr and "Traceback" not in res.stderr, res.stderr
