@@ -244,7 +244,7 @@ def test_a_schedule_is_refused_where_it_cannot_work_yet(corpus):
     ]:
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
             ShardedLoader(url, num_workers=0, **kw)
-    with pytest.raises(ValueError, match="Mixture"):
+    with pytest.raises(ValueError, match="batch_size by step is for packed mixtures"):  # a packed one ramps
         ShardedLoader(Mixture({"a": (url, 1.0)}), batch_size={0: 2, 4: 4}, steps=10, num_workers=0)
     two = _ranks(url, 2, batch_size={0: 2, 4: 4})
     its = [iter(ld) for ld in two]

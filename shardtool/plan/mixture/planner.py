@@ -75,7 +75,7 @@ class MixturePlanner:
         rows: Sequence[tuple[int, int]] | None = None,
     ):
         """``rows``: a packed mixture's rows by step ((first step, rows), ..., the first at step
-        0, as `shardtool.plan.schedule.Schedule.changes`); None: ``batching.batch_size`` every step."""
+        0, as a batch-size `Schedule`'s changes); None: ``batching.batch_size`` every step."""
         self.mixture, self.batching, self.layout = mixture, batching, layout
         self.fingerprint = mixture_fingerprint(batching)
         self.about = describe_mixture({src.name: src.url for src in mixture.sources}, batching)
