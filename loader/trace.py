@@ -215,7 +215,7 @@ def _mixture_find(loader: Any, name: str, sample: int) -> list[dict[str, Any]]:
         return []
     i = phase.names.index(name)
     rec, layout, comp = phase.sources[i], phase.layout, planner.composition(phase)
-    units = planner.step_units(phase)
+    units = comp.units
     head, first, per_epoch = planner.cursor(rec, layout)
     total = comp.counts_at(phase.units_taken(loader.steps, units))[i]  # the source's units the run takes in this phase
     if total == 0:

@@ -37,6 +37,7 @@ __all__ = [
     "StepClock",
     "parse_schedule",
     "parse_schedule_text",
+    "value_at",
     "with_runs",
     "with_seq_lens",
 ]
@@ -84,11 +85,11 @@ class Schedule:
 
     def size_at(self, step: int) -> int:
         """The batch size (samples, or rows of packed batches) of the run's step ``step``."""
-        return _value_at(self.changes, step)
+        return value_at(self.changes, step)
 
     def seq_len_at(self, step: int) -> int | None:
         """The length of step ``step``'s packed rows; None without a ``seq_lens`` schedule."""
-        return _value_at(self.seq_lens, step) if self.seq_lens else None
+        return value_at(self.seq_lens, step) if self.seq_lens else None
 
     def units_at(self, step: int) -> int:
         """The planned rows (or samples) step ``step`` takes: its size, or with ``seq_lens`` its
@@ -96,7 +97,7 @@ class Schedule:
         size, row_len = self.size_at(step), self.row_len
         if row_len is None:
             return size
-        return size * _value_at(self.seq_lens, step) // row_len
+        return size * value_at(self.seq_lens, step) // row_len
 
     def cut(self, first_step: int, count: int) -> np.ndarray:
         """The steps that take ``count`` planned batches from the run's step ``first_step`` on:
@@ -141,7 +142,7 @@ class Schedule:
             step = first_step + j
             shape = {"size": self.size_at(step)}
             if self.seq_lens:
-                shape["seq_len"] = _value_at(self.seq_lens, step)
+                shape["seq_len"] = value_at(self.seq_lens, step)
             if out and all(out[-1][k] == v for k, v in shape.items()):
                 out[-1].update(to_step=step, steps=out[-1]["steps"] + 1, batches=out[-1]["batches"] + b - a)
             else:
@@ -155,7 +156,8 @@ class Schedule:
         return f"{sizes}; seq_len " + ", ".join(f"step {first}: {n}" for first, n in self.seq_lens)
 
 
-def _value_at(changes: tuple[tuple[int, int], ...], step: int) -> int:
+def value_at(changes: tuple[tuple[int, int], ...], step: int) -> int:
+    """The value of ``changes`` ((first step, value), ..., sorted, the first at step 0) at ``step``."""
     value = changes[0][1]
     for first, v in changes:
         if first > step:
@@ -179,7 +181,7 @@ def with_seq_lens(batch_size: int | Schedule, seq_lens: Schedule) -> Schedule:
                 f"are planned {longest} tokens long and cut into shorter ones, so each length must divide it"
             )
     for first in out.firsts:
-        rows, n = out.size_at(first), _value_at(seq_lens.changes, first)
+        rows, n = out.size_at(first), value_at(seq_lens.changes, first)
         if rows * n % longest:
             raise ValueError(
                 f"from step {first}, {rows} rows of {n} tokens do not make whole rows of {longest} (the longest "

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from ..schedule import value_at
+
 __all__ = ["Composition", "StepUnits", "integer_shares", "webster_counts"]
 
 
@@ -46,12 +48,7 @@ class StepUnits:
 
     def at(self, step: int) -> int:
         """Units of step ``step``."""
-        value = self.changes[0][1]
-        for first, units in self.changes:
-            if first > step:
-                break
-            value = units
-        return value
+        return value_at(self.changes, step)
 
     def before(self, step: int) -> int:
         """Units of steps ``0 .. step - 1`` (closed form: a sum over the changes)."""
@@ -62,10 +59,6 @@ class StepUnits:
             end = self.changes[i + 1][0] if i + 1 < len(self.changes) else step
             total += (min(end, step) - first) * units
         return total
-
-    def identity(self) -> list[list[int]]:
-        """As a state records it: [[first step, units], ...]."""
-        return [[first, units] for first, units in self.changes]
 
 
 def integer_shares(weights: Sequence[Fraction], tokens: Sequence[int], units: Sequence[int]) -> tuple[int, ...]:

@@ -164,7 +164,8 @@ class MixturePlanner:
                         "state of another planner or config"
                     )
             return replace(state, about=self.about)
-        counts = self.composition(phase).counts_at(phase.units_taken(state.step, self.step_units(phase)))
+        comp = self.composition(phase)
+        counts = comp.counts_at(phase.units_taken(state.step, comp.units))
         old = {rec.name: (rec, c) for rec, c in zip(phase.sources, counts) if not self._replaced(rec)}
         records = []
         for n in self.mixture.names:
@@ -201,13 +202,10 @@ class MixturePlanner:
         tokens = [r.tokens for r in phase.sources]
         units = [r.units for r in phase.sources]
         entries = [(step, integer_shares(weights, tokens, units)) for step, weights in phase.entries()]
-        comp = Composition(entries, self.step_units(phase))
+        # The units each run step takes (`comp.units`): the phase's recorded rows by step, else one size.
+        comp = Composition(entries, StepUnits(phase.rows) if phase.rows else self.units_per_step)
         self._compositions = {id(phase): (phase, comp)}
         return comp
-
-    def step_units(self, phase: Phase) -> StepUnits:
-        """The units each run step of ``phase`` takes: its recorded rows by step, else one size."""
-        return StepUnits(phase.rows) if phase.rows else StepUnits.of(self.units_per_step)
 
     # ------------------------------------------------------------------ where a source is
     @staticmethod
@@ -249,9 +247,9 @@ class MixturePlanner:
     def step_pieces(self, state: MixtureState, step: int) -> list[tuple[str, list[Piece]]]:
         """Step ``step``'s units of every source that has some, in source order."""
         phase = state.phase
-        comp, units = self.composition(phase), self.step_units(phase)
-        first = phase.units_from(step, units)  # past the steps skipped
-        before, after = comp.counts_at(first), comp.counts_at(first + units.at(step))
+        comp = self.composition(phase)
+        first = phase.units_from(step, comp.units)  # past the steps skipped
+        before, after = comp.counts_at(first), comp.counts_at(first + comp.units.at(step))
         return [
             (rec.name, self.pieces(rec, phase.layout, b, a - b))
             for rec, b, a in zip(phase.sources, before, after)
@@ -270,7 +268,8 @@ class MixturePlanner:
     def positions(self, state: MixtureState) -> dict[str, LoaderState]:
         """The single-dataset state at ``state.step`` of every source of the phase still in the mixture."""
         phase = state.phase
-        counts = self.composition(phase).counts_at(phase.units_taken(state.step, self.step_units(phase)))
+        comp = self.composition(phase)
+        counts = comp.counts_at(phase.units_taken(state.step, comp.units))
         return {
             rec.name: self.position(rec, phase.layout, c)
             for rec, c in zip(phase.sources, counts)

@@ -49,8 +49,9 @@ def _epochs(planner: MixturePlanner, rec: SourceRecord, layout, used: int) -> tu
 def span(planner: MixturePlanner, state: MixtureState, end_step: int) -> list[SourceSpan]:
     """Per source of ``state``'s phase: steps ``state.step .. end_step``."""
     phase = state.phase
-    layout, dp, units = phase.layout, phase.layout.dp_size, planner.step_units(phase)
+    layout, dp = phase.layout, phase.layout.dp_size
     comp = planner.composition(phase)
+    units = comp.units
     begin = comp.counts_at(phase.units_taken(state.step, units))
     end = comp.counts_at(phase.units_taken(end_step, units))
     tau = [Fraction(r.tokens, r.units) for r in phase.sources]
@@ -118,10 +119,8 @@ def steps_for_tokens(planner: MixturePlanner, state: MixtureState, tokens: int) 
     dp = phase.layout.dp_size
     tau = [Fraction(r.tokens, r.units) for r in phase.sources]
 
-    units = planner.step_units(phase)
-
     def expected(step: int) -> Fraction:
-        return sum(c * dp * t for c, t in zip(comp.counts_at(phase.units_taken(step, units)), tau))  # type: ignore[return-value]  # no sources: 0
+        return sum(c * dp * t for c, t in zip(comp.counts_at(phase.units_taken(step, comp.units)), tau))  # type: ignore[return-value]  # no sources: 0
 
     hi = 1
     while expected(hi) < tokens:
