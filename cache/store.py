@@ -24,7 +24,7 @@ from ..format.dataset import is_local
 from ..format.hashing import format_digest, hash_bytes, hash_fileobj, new_hasher
 from ..format.manifest import ShardInfo
 from ..format.nodeshare import shared_read
-from ..format.storage import cat_whole, past_end, share_key, store_defaults
+from ..format.storage import cat_whole, past_end, share_key, store_fs
 from .errors import LocalFault, SourceCorrupt, SourceUnavailable
 from .kcopy import DestinationError, copy_range
 from .perms import DEFAULT_PERMS, Perms
@@ -54,10 +54,8 @@ class Origin:
     def __init__(self, url: str, storage_options: dict | None = None, *, fs=None, root: str | None = None):
         self.url = url
         if fs is None:
-            # A store's defaults (S3: the connection pool, the process's session); an unknown
-            # protocol stays fsspec's ValueError, which the warm and the loader's cache handle.
-            protocol = fsspec.core.split_protocol(url)[0] if "::" not in url else None
-            fs, root = fsspec.core.url_to_fs(url, **store_defaults(protocol, storage_options or {}))
+            # An unknown protocol stays fsspec's ValueError, which the warm and the loader's cache handle.
+            fs, root = store_fs(url, storage_options)
         self.fs = fs
         self.root = (root or "").rstrip("/")
         self.local = is_local(fs)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..plan import Planner, RankPlan
+from ..plan import Planner, RankPlan, shards_of_groups
 from ..plan.about import describe
 from ..plan.batching import default_bucketing
 from ..plan.rowsplit import cut_pieces
@@ -90,11 +90,8 @@ class DatasetEpochs:
     def _own_shards(self) -> list[int]:
         """The shards of this DP rank's own range (its data group's), from the plan's shape alone."""
         layout = self.reading.data_layout
-        cuts = self.planner.shape(layout).cuts
         group = layout.group_of(self.reading.dp_rank)[0]
-        offsets = self.dataset.manifest.shard_offsets()
-        first = int(np.searchsorted(offsets, cuts[group], side="right")) - 1
-        return list(range(max(first, 0), int(np.searchsorted(offsets, cuts[group + 1], side="left"))))
+        return shards_of_groups(self.dataset.summaries, self.planner.shape(layout).cuts, [group])
 
     @property
     def metric_epoch(self) -> int:

@@ -134,13 +134,27 @@ def dataset_fs(url: str, storage_options: dict | None = None):
     what a dataset URL looks like (fsspec's own error names neither)."""
     import fsspec  # lazily: it costs ~0.1-0.3 s of start-up, which pack never needs
 
-    protocol = fsspec.core.split_protocol(url)[0] if "::" not in url else None
+    protocol = _protocol(url)
     if protocol is not None:
         try:
             fsspec.get_filesystem_class(protocol)  # known or registered at run time; ImportError if not installed
         except ValueError:
             raise FormatError(f"{url!r}: unknown protocol {protocol + '://'!r}; {DATASET_URL_HELP}") from None
-    return fsspec.core.url_to_fs(url, **store_defaults(protocol, storage_options or {}))
+    return store_fs(url, storage_options)
+
+
+def store_fs(url: str, storage_options: dict | None = None):
+    """(filesystem, root path) of ``url`` with the store's defaults (`store_defaults`); an unknown
+    protocol is fsspec's own ValueError (`dataset_fs` says what a dataset URL looks like instead)."""
+    import fsspec
+
+    return fsspec.core.url_to_fs(url, **store_defaults(_protocol(url), storage_options or {}))
+
+
+def _protocol(url: str) -> str | None:
+    import fsspec
+
+    return fsspec.core.split_protocol(url)[0] if "::" not in url else None
 
 
 # A loader process fetches up to 16 ranges at once (loader/batchcache.py FETCH_THREADS) and reads
