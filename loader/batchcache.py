@@ -258,22 +258,23 @@ class CompressedBatches:
     def _fetched(self, b: int) -> pa.RecordBatch:
         """Record batch ``b`` of a remote shard, fetched by its range (`loader.remotefetch`)."""
         try:
-            return self._fetch_part([b], errors=True)[0][1]
+            return self._fetch([b])[0]
         except ARROW_ERRORS as e:
             raise FormatError(f"{self.name}: record batch {b} cannot be decompressed ({e})") from None
 
-    def _fetch_part(self, batches: list[int], errors: bool = False) -> list[tuple[int, pa.RecordBatch]]:
-        """Record batches ``batches`` of a remote shard, fetched; none where one fails (a read of
-        them raises then) unless ``errors``."""
+    def _fetch_part(self, batches: list[int]) -> list[tuple[int, pa.RecordBatch]]:
+        """Record batches ``batches`` of a remote shard, fetched ahead; none where one fails (the
+        read of it asks again, and raises)."""
+        try:
+            return list(zip(batches, self._fetch(batches)))
+        except ARROW_ERRORS:
+            return []
+
+    def _fetch(self, batches: list[int]) -> list[pa.RecordBatch]:
         fetch = self.fetch
         if fetch is None:
             raise RuntimeError("shardtool internal error: only a remote shard's record batches are fetched")
-        try:
-            return list(zip(batches, fetch([int(self._sample_of[k]) for k in batches])))
-        except ARROW_ERRORS:
-            if errors:
-                raise
-            return []
+        return fetch([int(self._sample_of[k]) for k in batches])
 
     def _note_tokens(self, b: int, starts: np.ndarray, sizes: np.ndarray) -> None:
         """Token positions of batch ``b``'s samples (element offsets into its values buffer)."""

@@ -65,7 +65,8 @@ class IndexesAhead:
         fetch_indexes(ds, shards, tar)
 
     def settle(self) -> None:
-        """Wait for the early fetch, if one runs (before a fork, or a close)."""
+        """Wait for the early fetch, if one runs (before a fork). A loader closed before its first
+        pass does not wait: the daemon thread ends with its requests."""
         early, self._early = self._early, None
         if early is not None:
             early.join()
