@@ -14,6 +14,7 @@ import json
 import logging
 import os
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -146,6 +147,39 @@ def test_a_ramp_changed_on_resume_continues_every_sources_rows(sources, caplog):
         for name, rows in served.items():
             assert rows == reference[r][name][: len(rows)], name  # a contiguous prefix: no repeat, no gap
         assert state["phase"]["rows"] == [[0, 2], [8, 6]]
+
+
+@pytest.mark.timeout(300)
+def test_an_elastic_resume_under_a_ramp_serves_no_token_twice(sources):
+    """3 ranks to step 5, then 2 ranks to the end, the rows ramping at step 4 and 9: per source
+    and source-epoch, no token is served more often than its document holds it."""
+    served: dict = {}
+
+    def add(loader, steps):
+        state = loader.batch_source.state
+        for t in steps:
+            for name, pieces in loader.planner.step_pieces(state, t):
+                for epoch, first, count in pieces:
+                    plan = loader.planner.rank_plan(state, name, epoch, loader.dp_rank)
+                    rows = plan.rows.take(np.arange(plan.row_offsets[first], plan.row_offsets[first + count]))
+                    acc = served.setdefault((name, epoch), {})
+                    for pos, n in zip(rows.span_pos.tolist(), rows.span_len.tolist()):
+                        acc[pos] = acc.get(pos, 0) + n
+
+    three = _ranks(sources, 3, RAMP, STEPS)
+    for ld in three:
+        _run(ld, stop=5)
+        add(ld, range(5))
+    state = three[0].state_dict()
+    for ld in _ranks(sources, 2, RAMP, STEPS):
+        ld.load_state_dict(state)
+        rest, _ = _run(ld)
+        assert [len(s) for s in rest] == [StepUnits(tuple(RAMP.items())).at(t) for t in range(5, STEPS)]
+        add(ld, range(5, STEPS))
+    lengths = {n: shardtool.open_dataset(sources[n]).lengths for n in SOURCES}
+    assert {n for n, _ in served} == set(SOURCES)
+    for (name, _), acc in served.items():
+        assert all(n <= lengths[name][pos] for pos, n in acc.items()), name
 
 
 @pytest.mark.timeout(300)
