@@ -44,7 +44,7 @@ class LeanChunk:
         if not reader.by_view or reader.source.dataset.manifest.compression is not None:
             return  # compressed record batches may be dropped from memory while the chunk lasts
         # Every shard the chunk reads stays open while it lasts: within the reader's bound.
-        if np.unique(reader.locate(rows.span_pos)[0]).size > reader.max_open // 2:
+        if np.unique(reader.locate(rows.span_pos)[0]).size > reader.ctx.max_open // 2:
             return
         per_row = np.diff(rows.row_offsets)
         if int(per_row.max(initial=0)) > packing.max_docs_per_row or int(rows.span_len.min()) < 1:

@@ -53,7 +53,7 @@ def test_each_shard_of_the_share_is_decompressed_once_per_run(packed, workers, r
         ld.set_epoch(epoch)
         plain.set_epoch(epoch)
         assert [_listed(b) for b in ld] == [_listed(b) for b in plain]
-        held = ld.reader._inflated
+        held = ld.reader.ctx.inflated
         # Only this rank's shards, every one of them, each decompressed once: the second pass none.
         assert set(held.copies) == _share_shards(ld)
         assert held.loaded == len(held.copies)
@@ -71,7 +71,7 @@ def test_a_budget_smaller_than_the_share_holds_what_fits_and_reads_the_rest_by_r
         kw = dict(batch_size=7, seed=1, rank=0, world_size=1, num_workers=workers)
         ld = ShardedLoader(packed["zstd"], **kw)
         assert [_listed(b) for b in ld] == [_listed(b) for b in ShardedLoader(packed[None], **kw)]
-        held = ld.reader._inflated
+        held = ld.reader.ctx.inflated
         assert 1 <= len(held.copies) <= 2 < ds.num_shards and held.nbytes <= sizes[0] + sizes[1]
 
 
@@ -117,7 +117,7 @@ def test_real_text_in_place_packed_rows_equal_plain(tmp_path, seq_len):
         ld = ShardedLoader(roots["zstd"], num_workers=workers, **kw)
         got = [_listed(b) for b in ld]
         assert got and got == [_listed(b) for b in ShardedLoader(roots[None], num_workers=workers, **kw)]
-        assert ld.reader._inflated.copies
+        assert ld.reader.ctx.inflated.copies
 
 
 def test_a_mixture_with_a_compressed_source_holds_it_decompressed_and_reads_it_like_plain(packed):
@@ -132,7 +132,7 @@ def test_a_mixture_with_a_compressed_source_holds_it_decompressed_and_reads_it_l
         want = ShardedLoader(Mixture({"z": (packed[None], 0.7), "o": (other, 0.3)}), num_workers=workers, **kw)
         got = [_listed(b) for b in ld]
         assert got == [_listed(b) for b in want] and len(got) == 40
-        assert ld.readers["z"]._inflated.copies and ld.readers["o"]._inflated is None
+        assert ld.readers["z"].ctx.inflated.copies and ld.readers["o"].ctx.inflated is None
 
 
 def test_a_keep_compressed_cache_holds_what_is_cached_and_fetches_the_rest_on_a_miss(packed, tmp_path):
@@ -148,17 +148,17 @@ def test_a_keep_compressed_cache_holds_what_is_cached_and_fetches_the_rest_on_a_
     plain = ShardedLoader(packed[None], **kw)
     assert [_listed(b) for b in ld] == [_listed(b) for b in plain]
     # Shard 1 was fetched on a miss during the pass, not decompressed whole before its first batch.
-    assert set(ld.reader._inflated.copies) == set(range(len(m.shards))) - {1}
+    assert set(ld.reader.ctx.inflated.copies) == set(range(len(m.shards))) - {1}
     ld.set_epoch(1)
     plain.set_epoch(1)
     assert [_listed(b) for b in ld] == [_listed(b) for b in plain]
-    assert set(ld.reader._inflated.copies) == set(range(len(m.shards)))  # cached now: held from epoch 1
+    assert set(ld.reader.ctx.inflated.copies) == set(range(len(m.shards)))  # cached now: held from epoch 1
 
 
 def test_closing_the_loader_frees_what_it_held_and_a_later_pass_decompresses_again(packed):
     ld = ShardedLoader(packed["zstd"], batch_size=11, seed=0, rank=0, world_size=1, num_workers=0)
     first = [_listed(b) for b in ld]
-    held = ld.reader._inflated
+    held = ld.reader.ctx.inflated
     maps = list(held.copies.values())
     assert maps and held.loaded == len(maps)
     ld.close()
@@ -222,7 +222,7 @@ def _held_back(ld, free_shards: int):
     import threading
 
     go = threading.Event()
-    held = ld.reader._inflated = Inflated(inflate_budget(os.environ))
+    held = ld.reader.ctx.inflated = Inflated(inflate_budget(os.environ))
 
     def pace(k, stop):
         while k >= free_shards and not (go.is_set() or stop.is_set()):
@@ -252,7 +252,7 @@ def test_a_ready_flag_that_is_not_a_file_is_counted_and_the_shard_read_the_ordin
     # must cost a slower read of that shard, not the pass, and be counted where the rank sees it.
     kw = _in_order(2)
     ld = ShardedLoader(packed["zstd"], **kw)
-    held = ld.reader._inflated = Inflated(inflate_budget(os.environ))
+    held = ld.reader.ctx.inflated = Inflated(inflate_budget(os.environ))
 
     def pace(k, stop):  # the fill writes nothing; every flag reads as a 1-byte file
         for s in held._arena.slot:
@@ -309,7 +309,7 @@ def test_a_shard_failing_verification_mid_fill_is_named_and_the_batches_before_i
     shard, _ = ld.reader.locate(ld.plan.ids)
     before = int(np.flatnonzero(shard == 2)[0])  # samples before shard 2's first, in dataset order
     assert got and sum(len(b["__key__"]) for b in got) <= before and got == want[: len(got)]
-    held = ld.reader._inflated
+    held = ld.reader.ctx.inflated
     assert 2 not in held.copies and {0, 1} <= set(held.copies)
     ld.close()
 

@@ -106,6 +106,6 @@ def test_one_map_per_shard_per_process(tmp_path):
     root, _ = write_dataset(str(tmp_path / "d"), [10, 10, 10])
     ld = ShardedLoader(root, batch_size=2, num_workers=0)
     read_all(ld)
-    assert sorted(ld.reader._views) == [0, 1, 2]
+    assert sorted(ld.reader.store.views) == [0, 1, 2]
     maps = [line for line in open("/proc/self/maps") if root in line]
     assert len({line.split()[-1] for line in maps}) == 3

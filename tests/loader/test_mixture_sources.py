@@ -134,7 +134,7 @@ def test_closing_a_mixture_mid_pass_frees_its_workers_shared_memory_and_shards(s
     assert resources() != before  # workers running, the compressed source's shards held in memory
     ld.close()
     assert settled(before) == before  # /dev/shm entries, open descriptors, child processes
-    held = ld.readers["more"]._inflated
+    held = ld.readers["more"].ctx.inflated
     assert held is not None and not held.copies  # it held some: the pass read them in place
 
 

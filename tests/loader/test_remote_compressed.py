@@ -149,7 +149,7 @@ def test_a_remote_share_of_more_shards_than_maps_kept_fetches_each_record_batch_
         num_workers=0,
         storage_options=s3_server.storage_options,
     )
-    ld.reader.max_open = 1  # fewer than the dataset's shards, which every shuffled batch touches
+    ld.reader.ctx.max_open = 1  # fewer than the dataset's shards, which every shuffled batch touches
     before = CompressedBatches.decompressed
     got = [{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in ld]
     assert got == want
