@@ -257,17 +257,14 @@ class CompressedBatches:
 
     def _fetched(self, b: int) -> pa.RecordBatch:
         """Record batch ``b`` of a remote shard, fetched by its range (`loader.remotefetch`)."""
-        try:
-            return self._fetch([b])[0]
-        except ARROW_ERRORS as e:
-            raise FormatError(f"{self.name}: record batch {b} cannot be decompressed ({e})") from None
+        return self._fetch([b])[0]  # decoded by `shardtool.format.decompress.range_batch`
 
     def _fetch_part(self, batches: list[int]) -> list[tuple[int, pa.RecordBatch]]:
         """Record batches ``batches`` of a remote shard, fetched ahead; none where one fails (the
         read of it asks again, and raises)."""
         try:
             return list(zip(batches, self._fetch(batches)))
-        except ARROW_ERRORS:
+        except (FormatError, *ARROW_ERRORS):
             return []
 
     def _fetch(self, batches: list[int]) -> list[pa.RecordBatch]:

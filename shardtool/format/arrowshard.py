@@ -217,22 +217,6 @@ def schema_from_tail(
     return schema
 
 
-def record_batch_from_range(data: bytes | memoryview, schema: pa.Schema) -> pa.RecordBatch:
-    """Decode one record batch from the byte range the sample index records for it.
-
-    The first batch's range starts at the file's beginning (the writer emits the magic and the
-    schema message with it), so leading non-batch messages are skipped.
-    """
-    buf = pa.py_buffer(data)
-    if data[:6] == b"ARROW1":
-        buf = buf.slice(8)
-    messages = pa.ipc.MessageReader.open_stream(buf)
-    while True:
-        message = messages.read_next_message()  # StopIteration if the range holds no batch
-        if message.type == "record batch":
-            return pa.ipc.read_record_batch(message, schema)
-
-
 def row_values(batch: pa.RecordBatch, row: int, fields: list[FieldSpec]) -> dict[str, Any]:
     """Decoded values of one row: arrays as numpy (zero-copy where Arrow allows), JSON parsed."""
     out: dict[str, Any] = {KEY_COLUMN: batch.column(0)[row].as_py()}

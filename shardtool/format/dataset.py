@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .arrowshard import KEY_COLUMN, check_schema, record_batch_from_range, row_values, schema_from_tail
+from .arrowshard import KEY_COLUMN, check_schema, row_values, schema_from_tail
 from .coalesce import read_coalesced
 from .decode import decode_sample
+from .decompress import range_batch
 from .errors import FormatError
 from .hashing import hash_bytes, range_checksum
 from .lengthsfile import lengths_from_indexes, read_lengths, read_lengths_range
@@ -333,10 +334,6 @@ class Dataset:
             out[name] = blob[fo : fo + int(idx.field_sizes[i, j])]  # type: ignore[index]  # a tar index has field columns
         return out
 
-    def record_batch(self, shard: int, i: int) -> pa.RecordBatch:
-        """The record batch of an Arrow shard that holds sample ``i`` (`record_batches`)."""
-        return self.record_batches(shard, [i])[0]
-
     def record_batches(self, shard: int, samples: list[int], gap: int | None = None, watch=None) -> list:
         """The record batches holding ``samples`` of an Arrow shard: their bytes as stored, read by
         range (`verified_ranges`: neighbours within ``gap`` in one request, each ``watch``-ed) and
@@ -348,7 +345,8 @@ class Dataset:
             with self._lock:  # an older dataset: read through the shard's one open file
                 return [reader.get_batch(int(idx.batch[i])) for i in samples]  # type: ignore[index]  # an Arrow index has batch
         schema = self.batch_schema(shard)
-        return [record_batch_from_range(data, schema) for data in self.verified_ranges(shard, samples, gap, watch)]
+        name = self.manifest.shards[shard].path
+        return [range_batch(data, schema, name) for data in self.verified_ranges(shard, samples, gap, watch)]
 
     def batch_schema(self, shard: int):
         """The schema a record batch of ``shard`` is decoded with: a local shard's own footer's;
@@ -370,7 +368,9 @@ class Dataset:
             batch = self._last_batch[2]
         else:
             self.make_present(shard)  # fetched on a miss: then whether it is held plain is known
-            batch = self._arrow_reader(shard).get_batch(b) if self.held_plain(shard) else self.record_batch(shard, i)
+            batch = (
+                self._arrow_reader(shard).get_batch(b) if self.held_plain(shard) else self.record_batches(shard, [i])[0]
+            )
             self._last_batch = (shard, b, batch)
         return row_values(batch, int(idx.row[i]), self.manifest.fields)  # type: ignore[index]  # as above
 

@@ -6,7 +6,8 @@ through `Decompressor`:
 - the node cache rewrites the shard plain on disk once, on the way in (`cache.plain`);
 - a rank without a cache rewrites its share plain into memory, once a run (`loader.inflate`);
 - a read of what neither holds decompresses the record batches its samples are in, and keeps them
-  a while (`loader.batchcache`).
+  a while (`loader.batchcache`); a remote shard's are fetched one by one by the byte range its
+  sample index records, and decoded by `range_batch`.
 
 The plain file keeps the stored record batches row for row, so a sample index's (batch, row) of
 each sample stays right whichever of them reads it. Arrow decompresses without the GIL, so record
@@ -28,7 +29,7 @@ import pyarrow as pa
 
 from .errors import FormatError
 
-__all__ = ["ARROW_ERRORS", "Decompressor", "Pause"]
+__all__ = ["ARROW_ERRORS", "Decompressor", "Pause", "range_batch"]
 
 # What Arrow raises on bytes it cannot read: ArrowInvalid (a ValueError, as is a record batch number
 # past the file's, which a damaged index asks for), an OSError for a truncated buffer,
@@ -136,3 +137,25 @@ class Decompressor:
                 if not f.cancelled():
                     f.exception()  # waits: its thread no longer reads the file
         return rows
+
+
+def range_batch(data: bytes | memoryview, schema: pa.Schema, name: str) -> pa.RecordBatch:
+    """One record batch of the shard ``name``, decompressed, from the byte range its sample index
+    records for it (a message, not a whole file: the schema comes from the file's footer).
+    `FormatError` naming the shard where it cannot be read.
+
+    The first batch's range starts at the file's beginning (the writer emits the magic and the
+    schema message with it), so leading non-batch messages are skipped."""
+    try:
+        buf = pa.py_buffer(data)
+        if data[:6] == b"ARROW1":
+            buf = buf.slice(8)
+        messages = pa.ipc.MessageReader.open_stream(buf)
+        while True:
+            message = messages.read_next_message()
+            if message.type == "record batch":
+                return pa.ipc.read_record_batch(message, schema)
+    except StopIteration:
+        raise FormatError(f"{name}: a record batch's byte range holds no record batch") from None
+    except ARROW_ERRORS as e:
+        raise FormatError(f"{name}: a record batch cannot be decompressed from its byte range ({e})") from None

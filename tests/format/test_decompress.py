@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 from shardtool.format import FormatError
-from shardtool.format.decompress import Decompressor
+from shardtool.format.decompress import Decompressor, range_batch
 
 
 def _stdlib_file(tmp_path, codec: str | None = "zstd") -> bytes:
@@ -113,3 +113,38 @@ def test_a_full_sink_raises_its_own_oserror_not_a_format_error(tmp_path):
     small = pa.FixedSizeBufferWriter(pa.py_buffer(bytearray(len(data))))
     with pytest.raises(OSError):
         Decompressor(data, "shard 0").write_plain(small)
+
+
+def _file_and_ranges(codec: str = "zstd") -> tuple[bytes, list[tuple[int, int]]]:
+    """An Arrow IPC file of stdlib sources and each record batch's byte range, as the writer records
+    them in the sample index (the first one from the file's start, with the schema message)."""
+    root = sysconfig.get_paths()["stdlib"]
+    paths = sorted(os.path.join(d, n) for d, _, files in os.walk(root) for n in files if n.endswith(".py"))[:120]
+    schema = pa.schema([("__key__", pa.string()), ("text", pa.binary())])
+    sink = pa.BufferOutputStream()
+    ends = []
+    with pa.ipc.new_file(sink, schema, options=pa.ipc.IpcWriteOptions(compression=codec)) as writer:
+        for i in range(0, len(paths), 40):
+            part = paths[i : i + 40]
+            writer.write_batch(
+                pa.record_batch([pa.array(part), pa.array([open(p, "rb").read() for p in part])], schema)
+            )
+            ends.append(sink.tell())
+    return sink.getvalue().to_pybytes(), list(zip([0, *ends[:-1]], ends))
+
+
+def test_a_record_batch_fetched_by_its_range_decodes_as_the_file_reads_it():
+    data, ranges = _file_and_ranges()
+    dec = Decompressor(data, "shard 7")
+    for k, (a, b) in enumerate(ranges):
+        assert range_batch(data[a:b], dec.schema, "shard 7").equals(dec.batch(k))
+
+
+def test_a_range_that_is_no_record_batch_names_the_shard():
+    data, ranges = _file_and_ranges()
+    schema = Decompressor(data, "s").schema
+    a, b = ranges[1]
+    with pytest.raises(FormatError, match="shards/00007.arrow: a record batch cannot be decompressed"):
+        range_batch(data[a : b - 64], schema, "shards/00007.arrow")  # cut short: its body is missing
+    with pytest.raises(FormatError, match="shards/00007.arrow: a record batch's byte range holds no record batch"):
+        range_batch(data[:8], schema, "shards/00007.arrow")  # the magic alone
