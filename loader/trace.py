@@ -13,6 +13,7 @@ traced with that layout (a loader built with it, at the state saved then).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -179,27 +180,27 @@ def find(loader: Any, sample: int, *, epoch: int | None = None, source: str | No
 def _scheduled_find(loader: Any, state: LoaderState, sample: int, epoch: int | None) -> list[dict[str, Any]]:
     """`find` under a schedule: each planned batch holding the sample mapped to the step that
     joins it, and the sample's entries read from that step as `trace` gives it (rows numbered
-    across the step, cut to its length), on the DP rank that serves it."""
-    if len(state.segments) > 1:
-        raise ValueError(
-            "find in an epoch resumed onto another layout is not supported yet with a schedule (trace is): "
-            "trace the steps of this layout, or find with a loader of the layout the epoch began on"
-        )
-    earlier, cut = _segment_steps(loader, state, epoch)
-    clock, plans = loader.step_clock(epoch), {}
+    across the step, cut to its length), on the DP rank that serves it. After an elastic resume,
+    a batch served on an earlier layout is read from that layout's plan, as its segment was then
+    (the state's segments up to it), and its steps from where the segments before it left off."""
+    clock, plans, multi = loader.step_clock(epoch), {}, len(state.segments) > 1
     # The steps holding it, each read once (a step joins several planned batches that may hold it).
-    steps = sorted(
-        {(dp_rank, earlier + int(np.searchsorted(cut, delivered, side="right")) - 1)
-         for _, dp_rank, _, delivered, _ in hits_of(loader.planner, state, sample)}
-    )  # fmt: skip
+    steps = set()
+    for j, dp_rank, _, delivered, _ in hits_of(loader.planner, state, sample):
+        upto = state if j == len(state.segments) - 1 else replace(state, segments=state.segments[: j + 1])
+        earlier, cut = clock.segment_cut(upto)
+        delivered -= sum(seg.delivered for seg in state.segments[:j])  # its place in segment j
+        steps.add((j, dp_rank, earlier + int(np.searchsorted(cut, delivered, side="right")) - 1))
     out = []
-    for dp_rank, step in steps:
-        if dp_rank not in plans:
-            plans[dp_rank] = loader.planner.rank_plan(state, dp_rank)
-        for unit in _units_at(loader, state, plans[dp_rank], cut[step - earlier : step - earlier + 2], clock, step):
+    for j, dp_rank, step in sorted(steps):
+        upto = state if j == len(state.segments) - 1 else replace(state, segments=state.segments[: j + 1])
+        earlier, cut = clock.segment_cut(upto)
+        if (j, dp_rank) not in plans:
+            plans[j, dp_rank] = loader.planner.rank_plan(upto, dp_rank)
+        for unit in _units_at(loader, upto, plans[j, dp_rank], cut[step - earlier : step - earlier + 2], clock, step):
             if unit["sample"] == sample:
                 fields = {k: unit[k] for k in ("row", "offset", "length") if k in unit}
-                out.append({"dp_rank": dp_rank, "step": step, **fields})
+                out.append({"dp_rank": dp_rank, "step": step, **fields, **({"segment": j} if multi else {})})
     return sorted(out, key=lambda e: (e["step"], e["dp_rank"], e.get("offset", 0)))
 
 
