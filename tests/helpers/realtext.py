@@ -19,6 +19,7 @@ __all__ = [
     "doc_lengths",
     "issue32_lengths",
     "long_and_short_files",
+    "pack_long_and_short",
     "stdlib_files",
     "stdlib_lengths",
     "stdlib_line_lengths",
@@ -43,6 +44,22 @@ def long_and_short_files(stdlib: int, docs: int, *, least: int) -> list[str]:
     paths += [p for p in doc_files() if 0 < os.path.getsize(p) <= 4096][:docs]
     require(len(paths) >= least, "too few stdlib files or /usr/share/doc files here")
     return paths
+
+
+def pack_long_and_short(
+    root: str, stdlib: int, docs: int, *, least: int, fmt: str = "arrow", shards: int = 3, paths: bool = False
+) -> str:
+    """`long_and_short_files` as byte ids packed into ``root`` (``fmt``, about ``shards`` shards;
+    ``paths``: each sample's file path too, as field ``path``). Returns ``root``."""
+    import shardtool
+
+    rows = [
+        {"tokens": byte_ids(p), **({"path": p} if paths else {})}
+        for p in long_and_short_files(stdlib, docs, least=least)
+    ]
+    size = sum(r["tokens"].nbytes for r in rows) // shards
+    shardtool.pack(rows, root, format=fmt, length="tokens", shard_size=size)
+    return root
 
 
 def issue32_lengths() -> np.ndarray:

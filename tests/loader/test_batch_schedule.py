@@ -18,9 +18,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import shardtool
 from helpers.packedpieces import packed_pieces
-from helpers.realtext import byte_ids, long_and_short_files
+from helpers.realtext import pack_long_and_short
 from helpers.runcli import shardtool_cli
 from helpers.schedrun import killed_and_resumed
 from shardtool.loader import Mixture, ShardedLoader
@@ -30,14 +29,10 @@ from shardtool.plan.schedule import parse_schedule
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    paths = long_and_short_files(200, 160, least=300)
-    rows = [{"tokens": byte_ids(p), "path": p} for p in paths]
-    out = {}
-    for fmt in ("arrow", "tar"):
-        root = str(tmp_path_factory.mktemp("sched") / fmt)
-        shardtool.pack(rows, root, format=fmt, length="tokens", shard_size=sum(r["tokens"].nbytes for r in rows) // 3)
-        out[fmt] = root
-    return out
+    return {
+        fmt: pack_long_and_short(str(tmp_path_factory.mktemp("sched") / fmt), 200, 160, least=300, fmt=fmt, paths=True)
+        for fmt in ("arrow", "tar")
+    }
 
 
 def _keys(batch) -> list:

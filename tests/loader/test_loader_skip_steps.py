@@ -13,8 +13,7 @@ import os
 
 import pytest
 
-import shardtool
-from helpers.realtext import byte_ids, long_and_short_files
+from helpers.realtext import pack_long_and_short
 from helpers.runcli import shardtool_cli
 from helpers.torchrun import torchrun
 from shardtool.loader import Mixture, ShardedLoader
@@ -24,11 +23,7 @@ from shardtool.plan import LoaderState
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    paths = long_and_short_files(240, 160, least=300)
-    root = str(tmp_path_factory.mktemp("skip") / "ds")
-    rows = [{"tokens": byte_ids(p), "path": p} for p in paths]
-    shardtool.pack(rows, root, format="arrow", length="tokens", shard_size=sum(r["tokens"].nbytes for r in rows) // 3)
-    return root
+    return pack_long_and_short(str(tmp_path_factory.mktemp("skip") / "ds"), 240, 160, least=300, paths=True)
 
 
 def _keys(batch) -> list:

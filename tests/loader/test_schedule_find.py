@@ -14,18 +14,14 @@ import pytest
 
 import shardtool
 from helpers.packedpieces import packed_pieces
-from helpers.realtext import byte_ids, long_and_short_files
+from helpers.realtext import pack_long_and_short
 from shardtool.loader import ShardedLoader
 from shardtool.loader.trace import find
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    paths = long_and_short_files(120, 90, least=200)
-    rows = [{"tokens": byte_ids(p)} for p in paths]
-    root = str(tmp_path_factory.mktemp("schedfind") / "arrow")
-    shardtool.pack(rows, root, format="arrow", length="tokens", shard_size=sum(r["tokens"].nbytes for r in rows) // 4)
-    return root
+    return pack_long_and_short(str(tmp_path_factory.mktemp("schedfind") / "arrow"), 120, 90, least=200, shards=4)
 
 
 SCHEDULED = {

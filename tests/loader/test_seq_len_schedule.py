@@ -19,9 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import shardtool
 from helpers.packedpieces import packed_pieces
-from helpers.realtext import byte_ids, long_and_short_files
+from helpers.realtext import pack_long_and_short
 from helpers.runcli import shardtool_cli
 from helpers.schedrun import killed_and_resumed
 from shardtool.loader import ShardedLoader
@@ -36,11 +35,7 @@ PAD = 999  # byte ids are < 256: a padding position is never a token
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    paths = long_and_short_files(160, 120, least=200)
-    rows = [{"tokens": byte_ids(p)} for p in paths]
-    root = str(tmp_path_factory.mktemp("seqsched") / "arrow")
-    shardtool.pack(rows, root, format="arrow", length="tokens", shard_size=sum(r["tokens"].nbytes for r in rows) // 3)
-    return root
+    return pack_long_and_short(str(tmp_path_factory.mktemp("seqsched") / "arrow"), 160, 120, least=200)
 
 
 def _ranks(url, world, **kw):
