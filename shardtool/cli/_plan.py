@@ -35,7 +35,9 @@ def add_batching_arguments(p) -> None:
         help="samples per batch; or a schedule by training step, 0:4,2000:8 (4 from step 0, 8 from step "
         "2000), as ShardedLoader(batch_size={0: 4, 2000: 8})",
     )
-    size.add_argument("--max-tokens", type=int, help="token budget per batch, padding counted")
+    size.add_argument(
+        "--max-tokens", type=max_tokens_arg, help="token budget per batch, padding counted (one budget: not by step)"
+    )
     pk = p.add_argument_group("sequence packing (with --batch-size: rows per batch)")
     pk.add_argument(
         "--seq-len",
@@ -109,6 +111,20 @@ def batch_size_arg(text: str):
 
 def seq_len_arg(text: str):
     return _size_or_schedule("seq_len", text, "a row length (2048) or a schedule (0:2048,50000:8192)")
+
+
+def max_tokens_arg(text: str) -> int:
+    import argparse
+
+    if ":" in text:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a token budget by step is not supported yet; give one budget, or a schedule of "
+            "--batch-size (samples, or with --seq-len rows)"
+        )
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a token budget is a whole number of tokens") from None
 
 
 def _size_or_schedule(name: str, text: str, what: str):

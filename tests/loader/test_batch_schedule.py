@@ -385,6 +385,8 @@ def test_shardtool_plan_shows_the_schedules_steps(corpus):
     assert "steps 5..11: size 4 x 7 steps" in text.stdout
     bad = shardtool_cli("plan", corpus["arrow"], "--batch-size", "5:2")
     assert bad.returncode != 0 and "from step 0" in bad.stderr
+    budget = shardtool_cli("plan", corpus["arrow"], "--max-tokens", "0:65536,5:131072")
+    assert budget.returncode == 2 and "a token budget by step is not supported yet" in budget.stderr, budget.stderr
     found = shardtool_cli("trace", corpus["arrow"], "--batch-size", "0:2,5:4", "--key", "000000001", "--json")
     assert found.returncode == 0, found.stderr
     ld = ShardedLoader(corpus["arrow"], batch_size={0: 2, 5: 4}, num_workers=0)
