@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from ..plan import Batching
 from ..plan.layout import DataLayout, Placement
 from ..plan.packing import with_packed_eos
+from ..plan.schedule import Schedule
 from .options import BatchOptions
 from .reader import BatchReader
 
@@ -55,6 +56,7 @@ class BatchSource(Protocol):
 
     readers: dict[str, BatchReader]  # by source name: what the metrics count and close() closes
     token_fields: tuple[str, ...]
+    schedule: Schedule | None  # batch size and row length by step, as given (None: one of each)
 
     @property
     def staged(self) -> Any:

@@ -10,7 +10,7 @@ a single-dataset loader would give it. Packed mixtures take ``batch_size`` rows 
 several sources; each source's rows are written straight into their rows of one [3, B, S]
 block (no concatenation copy) and the piece boundaries joined into one ``cu_seqlens`` of the
 static shape B * max_docs_per_row + 1. Every batch that is a dict also carries ``__source__``
-(the source's name; packed: one per row), ``per_source`` ({name: units}) and
+(the source's name; packed: one per row), ``per_source`` ({name: units}; a warmup's: rows) and
 ``per_source_tokens`` ({name: real tokens}, padding not counted), for every source of the mixture.
 """
 
@@ -29,6 +29,8 @@ from ..plan.mixture.planner import MixturePlanner, Piece
 from ..plan.mixture.state import MixtureState
 from ..plan.packing import Packing, Rows
 from ..plan.rank import RankPlan
+from ..plan.rowsplit import cut_rows
+from ..plan.schedule import Schedule
 from .collate import KEY, Alloc
 from .imagerows import ImageSpec
 from .observability.metrics import Meter
@@ -62,8 +64,10 @@ class MixtureBatches:
         token_fields: tuple[str, ...] = (),
         images: dict[str, ImageSpec | None] | None = None,
         image_transform: Callable[[bytes], Any] | None = None,
+        schedule: Schedule | None = None,
     ):
         self.planner, self.state, self.dp_rank = planner, state, dp_rank
+        self.schedule = schedule  # a sequence-length warmup's: the step's rows cut to its length
         self.readers, self.steps, self.where = readers, steps, where
         self.transform, self.collate_fn, self.pad_id = transform, collate_fn, pad_id
         self.packing = packing
@@ -170,10 +174,11 @@ class MixtureBatches:
         """Step b: samples (packed: document pieces), real tokens, padded tokens, real tokens per source."""
         samples = tokens = padded = 0
         by_source: dict[str, int] = {}
+        seq_len = self.schedule.seq_len_at(b) if self.schedule is not None else None
         for name, pieces in self.units(b):
             if self.packing is not None:
-                rows = self._rows(name, pieces)
-                n, t, p = len(rows.span_len), rows.tokens, sum(c for _, _, c in pieces) * self.packing.seq_len
+                rows = step_rows(self._rows(name, pieces), pieces, seq_len)
+                n, t, p = len(rows.span_len), rows.tokens, rows.num_rows * rows.seq_len
             else:
                 n = t = p = 0
                 for epoch, index, count in pieces:
@@ -190,7 +195,7 @@ class MixtureBatches:
         parts = self.units(b)
         try:
             if self.packing is not None:
-                return self._packed(parts, alloc or np.empty)
+                return self._packed(parts, alloc or np.empty, b)
             return self._bucketed(parts, alloc)
         except Exception as e:
             add_note(e, f"at mixture step {b} of {self.where}")
@@ -221,13 +226,14 @@ class MixtureBatches:
             batch.update(self._tally({name: 1}, {name: tokens}))
         return batch
 
-    def _packed(self, parts: list[tuple[str, list[Piece]]], alloc: Alloc) -> dict[str, Any]:
+    def _packed(self, parts: list[tuple[str, list[Piece]]], alloc: Alloc, b: int) -> dict[str, Any]:
         # Each unit is one row, or none where a source's plan is short of rows: such a unit is a
         # row of padding in its place, so every source's rows are exactly its units.
         packed = self.packed
         if packed is None:
             raise RuntimeError("shardtool internal error: made with the packing: `load` comes here only then")
-        rows = [(name, _padded(self._rows(name, pieces), sum(c for _, _, c in pieces))) for name, pieces in parts]
+        seq_len = self.schedule.seq_len_at(b) if self.schedule is not None else None
+        rows = [(name, step_rows(self._rows(name, pieces), pieces, seq_len)) for name, pieces in parts]
         extra = {
             "__source__": [name for name, r in rows for _ in range(r.num_rows)],
             **self._tally({name: r.num_rows for name, r in rows}, {name: r.tokens for name, r in rows}),
@@ -246,7 +252,7 @@ class MixtureBatches:
         packing = self.packing
         if packing is None:
             raise RuntimeError("shardtool internal error: ``packed`` is made with it")
-        seq, maxd = packing.seq_len, packing.max_docs_per_row
+        seq, maxd = rows[0][1].seq_len, packing.max_docs_per_row  # a warmup's step: its cut rows' length
         if maxd is None:
             raise RuntimeError("shardtool internal error: Packing.__post_init__ resolves None to its default")
         block = alloc((3, b, seq), np.int64)
@@ -321,6 +327,18 @@ class MixtureBatches:
         }
 
 
+def step_rows(rows: Rows, pieces: Sequence[Piece], seq_len: int | None) -> Rows:
+    """A source's rows of a step: its units' ``rows``, a row of padding for each unit its plan is
+    short of; under a warmup (``seq_len`` shorter than the planned rows) each row cut into rows of
+    ``seq_len`` (`cut_rows`), padded to as many as the units' rows make, so each source's tokens
+    keep their order and their rows."""
+    units = sum(c for _, _, c in pieces)
+    rows = _padded(rows, units)
+    if seq_len is None or seq_len == rows.seq_len:
+        return rows
+    return _padded(cut_rows(rows, seq_len), units * (rows.seq_len // seq_len))
+
+
 def _padded(rows: Rows, count: int) -> Rows:
     """``rows`` followed by empty rows, ``count`` rows in all."""
     if rows.num_rows == count:
@@ -345,7 +363,9 @@ def read_together(
     shifted = [
         dataclasses.replace(rows, span_pos=rows.span_pos + (i << SOURCE_SHIFT)) for i, (_, rows) in enumerate(parts)
     ]
-    lay = BatchLayout(Rows.concat(shifted, first_reader.packing.seq_len), first_reader.packing, rows_per_batch)
+    seq_len = parts[0][1].seq_len  # a warmup's step: its cut rows' length
+    packing = first_reader.packing if seq_len == first_reader.packing.seq_len else first_reader.packing.cut_to(seq_len)
+    lay = BatchLayout(Rows.concat(shifted, seq_len), packing, rows_per_batch)
     # The layout's sorted distinct documents are each part's, part after part (the shift): no
     # np.unique of its own per part.
     cuts = np.searchsorted(lay.docs, np.arange(1, len(parts), dtype=np.int64) << SOURCE_SHIFT).tolist()

@@ -69,6 +69,7 @@ class MixtureSteps:
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise ValueError(f"steps must be an int >= 1, found {steps!r}")
         self.mixture, self.reading = mixture, reading
+        self.schedule = opts.schedule  # rows by step are the planner's; a warmup's lengths are read here
         self.readers: dict[str, BatchReader] = {}
         self.token_fields: tuple[str, ...] = ()
         datasets, versions = {}, {}
@@ -96,6 +97,9 @@ class MixtureSteps:
                         raise ValueError(f"mixture source {n!r}: {e}") from None
                 if reading.image_transform is not None and not any(self.source_images.values()):
                     raise ValueError("image_transform is for image-text sources (pack --image-field); none has images")
+                if opts.schedule is not None and opts.schedule.seq_lens and any(self.source_images.values()):
+                    # A cut may fall inside an image's placeholders, which must stay in one row.
+                    raise ValueError("seq_len by step is not supported for image-text sources yet; give one")
             self.planner = MixturePlanner(mixture, datasets, versions, batching, reading.data_layout, rows)
             self.state = self.planner.start()  # the typed position (`MixtureState`): step and phase
             if steps is not None:
@@ -272,6 +276,7 @@ class MixtureSteps:
             token_fields=self.token_fields,
             images=self.source_images,
             image_transform=self.reading.image_transform,
+            schedule=self.schedule,
         )
         if start < self.run_steps:
             batches.prepare(start)  # before the workers fork: they inherit these plans

@@ -90,8 +90,9 @@ class SourceViews:
 
     @property
     def schedule(self) -> Any:
-        """The batch-size schedule (`shardtool.plan.schedule.Schedule`), or None."""
-        return self._epochs("batch-size schedule").schedule
+        """The schedule by step of the batch size and the row length (`shardtool.plan.schedule.Schedule`),
+        or None; a mixture's too."""
+        return self.batch_source.schedule
 
     def step_clock(self, epoch: int | None = None) -> StepClock | None:
         """The batch-size schedule's steps over ``epoch`` (default: the current one, from where

@@ -129,17 +129,35 @@ def _mixture_steps(loader: Any, first: int, stop: int) -> list[dict[str, Any]]:
     return [_mixture_step(loader, state, step, plans) for step in range(first, stop)]
 
 
-def _mixture_step(loader: Any, state: Any, step: int, plans: dict[tuple[str, int], Any]) -> dict[str, Any]:
+def _mixture_step(
+    loader: Any, state: Any, step: int, plans: dict[tuple[str, int], Any], dp_rank: int | None = None
+) -> dict[str, Any]:
     planner = loader.planner
-    parts = []
+    dp_rank = loader.dp_rank if dp_rank is None else dp_rank
+    schedule = loader.schedule
+    seq_len = schedule.seq_len_at(step) if schedule is not None else None
+    parts, cut, first_row = [], [], 0
     for name, pieces in planner.step_pieces(state, step):
+        row = first_row
         for epoch, index, count in pieces:
             plan = plans.get((name, epoch))
             if plan is None:
-                plan = plans[(name, epoch)] = planner.rank_plan(state, name, epoch, loader.dp_rank)
+                plan = plans[(name, epoch)] = planner.rank_plan(state, name, epoch, dp_rank)
             tags = {"source": name, "source_epoch": epoch}
-            parts.append((loader.readers[name], loader.datasets[name], plan, index, index + count, tags))
-    return {"step": step, "rank": loader.rank, "dp_rank": loader.dp_rank, "samples": units_across(parts)}
+            if seq_len is None:
+                parts.append((loader.readers[name], loader.datasets[name], plan, index, index + count, tags))
+                continue
+            # A warmup's step: the source's rows cut as `loader.mixbatches.step_rows` reads them.
+            rows = cut_rows(
+                plan.rows.slice(int(plan.row_offsets[index]), int(plan.row_offsets[index + count])), seq_len
+            )
+            for unit in pieces_of(loader.readers[name], loader.datasets[name], rows):
+                cut.append({**unit, **tags, "row": unit["row"] + row})
+            row += rows.num_rows
+        if seq_len is not None:  # the source's units' rows, padding included
+            first_row += sum(c for _, _, c in pieces) * (loader.batching.packing.seq_len // seq_len)
+    samples = units_across(parts) if seq_len is None else cut
+    return {"step": step, "rank": loader.rank, "dp_rank": dp_rank, "samples": samples}
 
 
 def find(loader: Any, sample: int, *, epoch: int | None = None, source: str | None = None) -> list[dict[str, Any]]:
@@ -251,7 +269,25 @@ def _mixture_find(loader: Any, name: str, sample: int) -> list[dict[str, Any]]:
             if "row" in fields:  # a unit is a row: numbered after the step's rows of the sources before it
                 entry["row"] = sum(a - z for a, z in zip(after[:i], before[:i])) + used - before[i]
             out.append(entry)
+    if loader.schedule is not None and loader.schedule.seq_lens:
+        out = _cut_entries(loader, state, name, sample, {(e["dp_rank"], e["step"]) for e in out})
     return sorted(out, key=lambda e: (e["step"], e["dp_rank"], e.get("offset", 0)))
+
+
+def _cut_entries(loader: Any, state: Any, name: str, sample: int, steps: set[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Under a warmup, a mixture sample's entries as the steps that serve it cut their rows: read
+    from each step's trace on its DP rank."""
+    out: list[dict[str, Any]] = []
+    plans: dict[int, dict[tuple[str, int], Any]] = {}
+    for dp_rank, step in sorted(steps):
+        plans.setdefault(dp_rank, {})
+        for unit in _mixture_step(loader, state, step, plans[dp_rank], dp_rank)["samples"]:
+            if unit["source"] == name and unit["sample"] == sample:
+                fields = {k: unit[k] for k in ("row", "offset", "length") if k in unit}
+                out.append(
+                    {"dp_rank": dp_rank, "step": step, "source": name, "source_epoch": unit["source_epoch"], **fields}
+                )
+    return out
 
 
 def sample_of(

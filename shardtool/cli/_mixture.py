@@ -26,7 +26,8 @@ def plan_mixture(args) -> int:
         mixture = Mixture.from_file(args.url)
         layout = layout_of(args)
         data, _ = data_layout_of(args, Placement(layout, 0))
-        batching, rows = rows_by_step(schedule_of(args), batching_of(args))
+        schedule = schedule_of(args)
+        batching, rows = rows_by_step(schedule, batching_of(args))
     except ValueError as e:
         raise ShardtoolError(str(e)) from None
     if args.steps is None and args.tokens is None:
@@ -98,6 +99,12 @@ def plan_mixture(args) -> int:
         "units": "rows" if batching.packing is not None else "batches",
         "units_per_step": planner.units_per_step,
         "rows_by_step": [list(k) for k in rows] if rows is not None else None,
+        # A warmup's steps as served: rows of their length (rows_by_step: rows of the longest, planned).
+        "seq_len_by_step": (
+            [[first, schedule.size_at(first), schedule.seq_len_at(first)] for first in schedule.firsts]
+            if schedule is not None and schedule.seq_lens
+            else None
+        ),
         "tokens": sum(v["tokens"] for v in sources.values()),
         "schedule": mixture.schedule_identity(),
         "sources": sources,
@@ -118,7 +125,12 @@ def _print(report: dict, data, human) -> None:
     out = sys.stdout.write
     lay = report["layout"]
     per_step = "one batch of one source" if report["units"] == "batches" else f"{report['units_per_step']} rows"
-    if report["rows_by_step"]:
+    if report["seq_len_by_step"]:
+        steps = report["seq_len_by_step"]
+        later = ", ".join(f"{n} of {s} from step {at:,}" for at, n, s in steps[1:])
+        longest = max(s for _, _, s in steps)
+        per_step = f"{steps[0][1]} rows of {steps[0][2]} tokens ({later}; cut from rows of {longest})"
+    elif report["rows_by_step"]:
         per_step += " (" + ", ".join(f"{n} from step {first:,}" for first, n in report["rows_by_step"][1:]) + ")"
     out(
         f"mixture       {report['source']}: {len(report['sources'])} sources, {report['steps']:,} steps of "

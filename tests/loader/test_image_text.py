@@ -353,6 +353,8 @@ def test_a_mixture_carries_its_image_sources_images(pairs, tmp_path):
     assert images > 0
     with pytest.raises(ValueError, match="mixture source 'img'.*use packing='no-split'"):
         ShardedLoader(mix, seq_len=512, batch_size=4, steps=12, rank=0, world_size=1)
+    with pytest.raises(ValueError, match="seq_len by step is not supported for image-text sources"):
+        ShardedLoader(mix, seq_len={0: 256, 6: 512}, batch_size=4, packing="no-split", steps=12, rank=0, world_size=1)
 
 
 def test_an_image_folder_is_captioned_by_its_class_names(pairs, tmp_path):

@@ -229,8 +229,6 @@ def test_torchrun_ramp_resumed_after_a_kill_matches_the_uninterrupted_run(source
 
 
 def test_what_a_mixture_cannot_take_by_step_is_refused(sources):
-    with pytest.raises(ValueError, match="seq_len by step is not supported for a mixture"):
-        _ranks(sources, 1, 4, 10, seq_len={0: 128, 5: 256})
     with pytest.raises(ValueError, match="batch_size by step is for packed mixtures"):
         ShardedLoader(_mix(sources), steps=10, batch_size={0: 2, 5: 4}, num_workers=0)
 

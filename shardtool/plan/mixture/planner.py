@@ -46,20 +46,22 @@ def served_tokens(shape: PlanShape, tokens: int) -> int:
 
 def rows_by_step(schedule: Schedule | None, batching: Batching) -> tuple[Batching, tuple[tuple[int, int], ...] | None]:
     """(the batching a mixture plans with, its rows by step) for ``batch_size={first step: rows}``
-    (``schedule``; None: one size). A packed mixture's step takes its rows from where the steps
-    before it left off, so rows may change at any step; the batching keeps the first size, so that
-    a state of a run of that one size resumes under the ramp and the other way round. ValueError
-    for what a mixture cannot take by step."""
+    and ``seq_len={first step: length}`` (``schedule``; None: one size). A packed mixture's step
+    takes its rows from where the steps before it left off, so rows may change at any step; the
+    batching keeps the first size, so that a state of a run of that one size resumes under the
+    ramp and the other way round. Under a warmup the rows by step are rows of the longest length,
+    which the shorter steps cut. ValueError for what a mixture cannot take by step."""
     if schedule is None:
         return batching, None
-    if schedule.seq_lens:
-        raise ValueError("seq_len by step is not supported for a mixture yet; give one seq_len")
     if batching.packing is None:
         raise ValueError(
             "batch_size by step is for packed mixtures (seq_len=...): a bucketed mixture's step is one "
             "batch of one source; give one batch_size"
         )
-    return replace(batching, batch_size=schedule.changes[0][1]), schedule.changes
+    # A sequence-length warmup's rows are planned at the longest length, and a step of shorter
+    # rows takes its tokens in whole planned rows (`Schedule.units_at`), cut when it is read.
+    units = tuple((first, schedule.units_at(first)) for first in schedule.firsts)
+    return replace(batching, batch_size=units[0][1]), units
 
 
 class MixturePlanner:
