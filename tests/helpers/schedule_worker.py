@@ -1,7 +1,7 @@
 """One rank of a torchrun job with a batch-size ramp (tests/loader/test_batch_schedule.py), with
 ``--warmup`` a sequence-length warmup of packed rows (tests/loader/test_seq_len_schedule.py), or
 with ``--mixture`` (``--data`` a mixture file) a packed mixture whose rows ramp
-(tests/loader/test_mixture_ramp.py).
+(tests/loader/test_mixture_ramp.py), and with both a mixture's warmup (tests/loader/test_mixture_warmup.py).
 
 ``--phase whole``: the epoch uninterrupted, a collective every step as DDP's. ``--phase killed``:
 the same, rank 0 saving the loader state after every step, and rank 1 killed with SIGKILL before
@@ -37,11 +37,13 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     data: object = args.data
-    if args.warmup:
-        kw: dict = dict(batch_size=4, seq_len=WARMUP, token_fields=[])
-    elif args.mixture:
+    if args.mixture:
         data = Mixture.from_file(args.data)
-        kw = dict(batch_size=RAMP, seq_len=256, token_fields=[], steps=20)
+        kw: dict = dict(batch_size=RAMP, seq_len=256, token_fields=[], steps=20)
+        if args.warmup:  # rows of 4 at either length, cut from the mixture's rows of 512
+            kw.update(batch_size=4, seq_len=WARMUP)
+    elif args.warmup:
+        kw = dict(batch_size=4, seq_len=WARMUP, token_fields=[])
     else:
         kw = dict(batch_size=RAMP)
     loader = ShardedLoader(data, seed=7, num_workers=2, pin_memory=False, **kw)

@@ -16,6 +16,7 @@ import shardtool
 from helpers.packedpieces import packed_pieces
 from helpers.realtext import pack_long_and_short
 from helpers.runcli import shardtool_cli
+from helpers.schedrun import killed_and_resumed
 from shardtool.loader import Mixture, ShardedLoader
 from shardtool.loader.trace import find, trace
 
@@ -127,3 +128,19 @@ def test_shardtool_plan_shows_the_warmups_rows(mix, tmp_path):
     assert got["seq_len_by_step"] == [[0, 8, 256], [4, 8, 1024]] and got["rows_by_step"] == [[0, 2], [4, 8]]
     text = shardtool_cli("plan", str(path), "--seq-len", "0:256,4:1024", "--batch-size", "8", "--steps", "12")
     assert "12 steps of 8 rows of 256 tokens (8 of 1024 from step 4; cut from rows of 1024)" in text.stdout, text.stdout
+
+
+@pytest.mark.timeout(400)
+def test_torchrun_warmup_resumed_after_a_kill_matches_the_uninterrupted_run(mix, tmp_path):
+    """2 ranks under torchrun (gloo, a collective every step), rank 1 killed with SIGKILL at step 8,
+    before the change at 10: resumed from rank 0's last state, every rank serves the steps the
+    uninterrupted run served, rows of 256 and then of 512, the change on every rank at once."""
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps({"sources": {s.name: [s.url, float(s.weight)] for s in mix.sources}}))
+    saved, runs = killed_and_resumed(str(path), str(tmp_path), "--mixture", "--warmup")
+    assert 1 <= saved["steps"] <= 8
+    for whole, resumed in runs:
+        start = saved["steps"]
+        assert whole["len"] == resumed["len"] == 20 and sorted(map(int, resumed["steps"])) == list(range(start, 20))
+        assert all(resumed["steps"][str(s)] == whole["steps"][str(s)] for s in range(start, 20))
+        assert [whole["steps"][str(s)][2] for s in range(20)] == [[4, 256]] * 10 + [[4, 512]] * 10
