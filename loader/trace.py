@@ -202,24 +202,39 @@ def _scheduled_find(loader: Any, state: LoaderState, sample: int, epoch: int | N
     a batch served on an earlier layout is read from that layout's plan, as its segment was then
     (the state's segments up to it), and its steps from where the segments before it left off."""
     clock, plans, multi = loader.step_clock(epoch), {}, len(state.segments) > 1
+    segments: dict[int, tuple[LoaderState, int, np.ndarray]] = {}  # j: (state up to it, its steps' cut)
+
+    def segment(j: int) -> tuple[LoaderState, int, np.ndarray]:
+        if j not in segments:
+            upto = state if j == len(state.segments) - 1 else replace(state, segments=state.segments[: j + 1])
+            segments[j] = (upto, *clock.segment_cut(upto))
+        return segments[j]
+
     # The steps holding it, each read once (a step joins several planned batches that may hold it).
     steps = set()
     for j, dp_rank, _, delivered, _ in hits_of(loader.planner, state, sample):
-        upto = state if j == len(state.segments) - 1 else replace(state, segments=state.segments[: j + 1])
-        earlier, cut = clock.segment_cut(upto)
+        _, earlier, cut = segment(j)
         delivered -= sum(seg.delivered for seg in state.segments[:j])  # its place in segment j
         steps.add((j, dp_rank, earlier + int(np.searchsorted(cut, delivered, side="right")) - 1))
     out = []
     for j, dp_rank, step in sorted(steps):
-        upto = state if j == len(state.segments) - 1 else replace(state, segments=state.segments[: j + 1])
-        earlier, cut = clock.segment_cut(upto)
+        upto, earlier, cut = segment(j)
         if (j, dp_rank) not in plans:
             plans[j, dp_rank] = loader.planner.rank_plan(upto, dp_rank)
-        for unit in _units_at(loader, upto, plans[j, dp_rank], cut[step - earlier : step - earlier + 2], clock, step):
-            if unit["sample"] == sample:
-                fields = {k: unit[k] for k in ("row", "offset", "length") if k in unit}
-                out.append({"dp_rank": dp_rank, "step": step, **fields, **({"segment": j} if multi else {})})
+        units = _units_at(loader, upto, plans[j, dp_rank], cut[step - earlier : step - earlier + 2], clock, step)
+        out += _entries_of(units, sample, FOUND, dp_rank=dp_rank, step=step, **({"segment": j} if multi else {}))
     return sorted(out, key=lambda e: (e["step"], e["dp_rank"], e.get("offset", 0)))
+
+
+FOUND = ("row", "offset", "length")  # what `find` copies of a unit that holds its sample
+
+
+def _entries_of(
+    units: list[dict[str, Any]], sample: int, keys: tuple[str, ...] = FOUND, **where: Any
+) -> list[dict[str, Any]]:
+    """`find`'s entries of ``sample`` among a step's ``units`` (as `trace` gives them): ``where``
+    (its DP rank, step, ...) and the unit's ``keys`` it has."""
+    return [{**where, **{k: u[k] for k in keys if k in u}} for u in units if u["sample"] == sample]
 
 
 def _mixture_find(loader: Any, name: str, sample: int) -> list[dict[str, Any]]:
@@ -280,13 +295,9 @@ def _cut_entries(loader: Any, state: Any, name: str, sample: int, steps: set[tup
     out: list[dict[str, Any]] = []
     plans: dict[int, dict[tuple[str, int], Any]] = {}
     for dp_rank, step in sorted(steps):
-        plans.setdefault(dp_rank, {})
-        for unit in _mixture_step(loader, state, step, plans[dp_rank], dp_rank)["samples"]:
-            if unit["source"] == name and unit["sample"] == sample:
-                fields = {k: unit[k] for k in ("row", "offset", "length") if k in unit}
-                out.append(
-                    {"dp_rank": dp_rank, "step": step, "source": name, "source_epoch": unit["source_epoch"], **fields}
-                )
+        units = _mixture_step(loader, state, step, plans.setdefault(dp_rank, {}), dp_rank)["samples"]
+        mine = [u for u in units if u["source"] == name]
+        out += _entries_of(mine, sample, ("source_epoch", *FOUND), dp_rank=dp_rank, step=step, source=name)
     return out
 
 
