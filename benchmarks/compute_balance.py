@@ -23,6 +23,9 @@ converge: the floor, and the balanced loss with it, falls below the targets.
 
     python -m shardtool.benchmarks.compute_balance [--cost-model llama-7b] [--resample-tokens 2.4e9] [--json]
 
+``--mixture`` plans the same documents as a mixture of two sources instead (stdlib files and
+/usr/share/doc text, half the tokens each), on 8 and 64 DP ranks (`run_mixture`).
+
 ``--measure`` checks the cost model against time instead: a small transformer (byte vocabulary,
 dim 128, 2 layers, 4 heads) trains forward and backward on rows of ``--seq-len`` tokens
 packed from the same documents, attention document-masked (each piece attends causally within
@@ -92,6 +95,60 @@ def run(cost_spec: str = "llama-7b", resample_tokens: float = 2.4e9) -> list[dic
                 began = time.perf_counter()
                 sim = simulate_epoch(src, layout, batching, cost_model=model)
                 row[name] = {**sim.balance(), "plan_seconds": time.perf_counter() - began}
+            out.append(row)
+    return out
+
+
+MIXTURE_LAYOUTS = [(1, 8), (8, 8)]
+
+
+def run_mixture(
+    cost_spec: str = "llama-7b", cases=CASES, layouts=MIXTURE_LAYOUTS, resample_tokens: float = 2.4e9
+) -> list[dict]:
+    """A mixture of two sources of other shapes, half the tokens each: every stdlib file ("code",
+    p50 ~5k) and /usr/share/doc text ("docs", a few documents of millions), each source balanced
+    on its own (`shardtool.plan.mixture.cost`). Compared over the steps in which both sources
+    serve from their first epoch (`first_epoch_steps`), every DP rank's step costs. As for one
+    dataset, the last rows plan 64 ranks on sources of the same shapes drawn to ``resample_tokens``
+    in all, where each node's share is large enough for the nodes' totals to converge."""
+    from shardtool.plan import ArraySource, Batching, DataLayout, Layout
+    from shardtool.plan.cost import CostModel, step_balance
+    from shardtool.plan.mixture import Mixture
+    from shardtool.plan.mixture.cost import first_epoch_steps, step_costs
+    from shardtool.plan.mixture.planner import MixturePlanner
+    from shardtool.plan.packing import Packing
+
+    from .realdocs import doc_lengths, stdlib_lengths
+
+    def source_of(lengths, per=500):
+        lengths = lengths[lengths > 0]
+        tail = [lengths.size % per] if lengths.size % per else []
+        return ArraySource(lengths, [per] * (lengths.size // per) + tail)
+
+    real = {"code": stdlib_lengths(), "docs": doc_lengths()}
+    sources = {n: source_of(v) for n, v in real.items()}
+    runs = [(layout, sources) for layout in layouts]
+    if resample_tokens:
+        rng = np.random.default_rng(5)
+        draw = {n: rng.choice(v[v > 0], size=int(resample_tokens / 2 / v[v > 0].mean()) + 1) for n, v in real.items()}
+        runs.append((RESAMPLED_LAYOUT, {n: source_of(v, 2000) for n, v in draw.items()}))
+    mixture = Mixture({"code": ("code", 0.5), "docs": ("docs", 0.5)})
+    model = CostModel.parse(cost_spec)
+    out = []
+    for seq, rows, target in cases:
+        for (nodes, per_node), sources in runs:
+            layout = DataLayout.pure_dp(Layout(nodes, per_node))
+            plain = Batching(batch_size=rows, packing=Packing(seq, "best-fit"))
+            row: dict = {"seq_len": seq, "rows": rows, "dp_ranks": nodes * per_node, "nodes": nodes, "target": target}
+            row["resampled"] = sources is not runs[0][1]
+            row["corpus_tokens"] = int(sum(s.lengths.sum() for s in sources.values()))
+            for name, batching in (("unbalanced", plain), ("balanced", plain.with_balance(model))):
+                began = time.perf_counter()
+                planner = MixturePlanner(mixture, sources, {"code": "c", "docs": "d"}, batching, layout)
+                state = planner.start()
+                steps = range(first_epoch_steps(planner, state, 2000))
+                costs = step_costs(planner, state, range(layout.dp_size), steps, model)
+                row[name] = {**step_balance(costs), "plan_seconds": time.perf_counter() - began}
             out.append(row)
     return out
 
@@ -196,6 +253,7 @@ def main(argv=None) -> int:
         help="also plan 64 ranks on a corpus of the documents' shape this many tokens large (0: not)",
     )
     p.add_argument("--json", action="store_true")
+    p.add_argument("--mixture", action="store_true", help="plan a two-source mixture of the same documents instead")
     p.add_argument("--measure", action="store_true", help="time a small transformer's steps against the cost model")
     p.add_argument("--seq-len", type=int, default=2048, help="with --measure: the row length")
     p.add_argument("--rows", type=int, default=40, help="with --measure: rows timed")
@@ -216,20 +274,28 @@ def main(argv=None) -> int:
     from .realdocs import long_document_lengths
 
     lengths = long_document_lengths()
-    rows = run(args.cost_model, args.resample_tokens)
+    if args.mixture:
+        rows = run_mixture(args.cost_model, resample_tokens=args.resample_tokens)
+    else:
+        rows = run(args.cost_model, args.resample_tokens)
     if args.json:
         print(json.dumps(rows))
         return 0
     print(
         f"{lengths.size:,} documents, {lengths.sum() / 1e6:.0f}M tokens (byte ids), p50 {np.median(lengths):,.0f}, "
         f"p99 {np.quantile(lengths, 0.99):,.0f}; cost model {args.cost_model}"
+        + ("; a mixture of stdlib files and /usr/share/doc text, half the tokens each" if args.mixture else "")
     )
     print(f"{'layout':<44}{'unbalanced: median p90 lost':>30}{'balanced: median p90 lost':>30}{'floor':>8}  target")
     for r in rows:
         u, b = r["unbalanced"], r["balanced"]
-        copies = f" (corpus x{r['corpus_copies']})" if r["corpus_copies"] > 1 else ""
+        copies = f" (corpus x{r['corpus_copies']})" if r.get("corpus_copies", 1) > 1 else ""
         if r["resampled"]:
             copies = f" (resampled, {r['corpus_tokens'] / 1e9:.1f}B tokens)"
+        if args.mixture:
+            copies = (
+                f"{copies[:-1]}; {r['balanced']['steps']} steps)" if copies else f" ({r['balanced']['steps']} steps)"
+            )
         name = f"{r['seq_len']:,} x {r['rows']}, {r['dp_ranks']} ranks{copies}"
         cells = [f"{s['max_over_mean_median']:.3f} {s['max_over_mean_p90']:.3f} {s['time_lost']:6.2%}" for s in (u, b)]
         met = "met" if b["time_lost"] <= r["target"] else "MISSED"

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 
 from ..format.errors import add_note
+from ..plan.cost import CostModel
+from ..plan.mixture.cost import StepCosts
 from ..plan.mixture.planner import MixturePlanner, Piece
 from ..plan.mixture.state import MixtureState
 from ..plan.packing import Packing, Rows
@@ -65,8 +67,11 @@ class MixtureBatches:
         images: dict[str, ImageSpec | None] | None = None,
         image_transform: Callable[[bytes], Any] | None = None,
         schedule: Schedule | None = None,
+        cost_model: CostModel | None = None,
     ):
         self.planner, self.state, self.dp_rank = planner, state, dp_rank
+        # Under a cost model: each step's cost, for the metric lines (`shardtool stats`).
+        self.costs = StepCosts(planner, state, dp_rank, cost_model, self.plan) if cost_model is not None else None
         self.schedule = schedule  # a sequence-length warmup's: the step's rows cut to its length
         self.readers, self.steps, self.where = readers, steps, where
         self.transform, self.collate_fn, self.pad_id = transform, collate_fn, pad_id
@@ -262,12 +267,8 @@ class MixtureBatches:
         fields: dict[str, list[np.ndarray]] = {}  # per-token fields (a stored labels one is in the block)
         with_images = any(p.images is not None for p in packed.values())
         images: list[Any] = []
-        where: dict[str, list[np.ndarray]] = {
-            "image_rows": [],
-            "image_offsets": [],
-            "image_tokens": [],
-            "image_mask": [],
-        }
+        where: dict[str, list[np.ndarray]] = {k: [] for k in ("image_rows", "image_offsets", "image_tokens")}
+        where["image_mask"] = []
         longest = 0
         for name, part in rows:
             count = part.num_rows
@@ -291,10 +292,8 @@ class MixtureBatches:
                     where["image_tokens"].append(out["image_tokens"].numpy())
             longest = max(longest, out["max_seqlen"])
             first += count
-        if first != b:
-            raise RuntimeError(
-                f"shardtool internal error: mixture step has {first} rows, expected {b}"
-            )  # the composition's invariant
+        if first != b:  # the composition's invariant
+            raise RuntimeError(f"shardtool internal error: mixture step has {first} rows, expected {b}")
         cu = alloc(b * maxd + 1, np.int32)
         flat = np.concatenate(starts)
         cu[: flat.size] = flat

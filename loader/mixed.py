@@ -56,11 +56,6 @@ class MixtureSteps:
                 "exact=True serves one dataset's samples once each; a mixture has no end to serve "
                 "them by: evaluate each source with its own ShardedLoader(url, exact=True)"
             )
-        if batching.balance is not None:
-            raise ValueError(
-                "cost_model balances the steps of one dataset; a mixture's steps are not balanced yet "
-                "(its sources are planned apart): drop cost_model for a Mixture"
-            )
         if (steps is None) == (tokens is None):
             raise ValueError(
                 "a mixture has no epoch: give its length as exactly one of steps= (global batches) "
@@ -277,6 +272,7 @@ class MixtureSteps:
             images=self.source_images,
             image_transform=self.reading.image_transform,
             schedule=self.schedule,
+            cost_model=self.batching.balance,
         )
         if start < self.run_steps:
             batches.prepare(start)  # before the workers fork: they inherit these plans

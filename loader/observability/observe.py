@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -94,7 +95,7 @@ class Observer:
         # Under a cost model: the pass's batch costs and the first not yet in a metric line, and
         # the step times the trainer reported since the last line (`shardtool stats` lines them
         # up across ranks: how long steps wait for the slowest rank).
-        self._costs: list[float] | None = None
+        self._costs: Any = None  # sliced as costs[a:b] (a mixture's are computed when asked)
         self.micro = 1  # batches a step (gradient accumulation), as the loader's cost model counts them
         self._cost_from = 0
         self._times: list[list[float]] = []
@@ -119,7 +120,7 @@ class Observer:
             batches.start_meter(self.meter, self.workers, restart, entered)
         self._current["batches"] = batches
         costs = getattr(batches, "costs", None)
-        self._costs, self._cost_from = (costs.tolist() if costs is not None else None), start
+        self._costs, self._cost_from = costs, start
         p = Pass(self, batches, start, n, epoch)
         p.check_cache()  # at once: the first batches are the ones a cold cache stalls
         if self.watchdog is not None:
@@ -188,7 +189,8 @@ class Observer:
         self._line_since = now
         out.update(v=metricslog.LINE_VERSION, run=self.run, pid=os.getpid(), start=self.started)
         if self._costs is not None and batch > self._cost_from:
-            out["batch_costs"] = {"from": self._cost_from, "cost": self._costs[self._cost_from : batch]}
+            costs = [float(c) for c in self._costs[self._cost_from : batch]]
+            out["batch_costs"] = {"from": self._cost_from, "cost": costs}
             self._cost_from = batch
         if self._times:
             out["step_times"], self._times = self._times, []

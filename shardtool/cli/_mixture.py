@@ -39,15 +39,13 @@ def plan_mixture(args) -> int:
             datasets[src.name] = open_dataset(src.url)
         except ShardtoolError as e:
             raise ShardtoolError(f"mixture source {src.name!r}: {e}") from None
+
+    def planner_for(b) -> MixturePlanner:
+        sources = {n: plan_source(d) for n, d in datasets.items()}
+        return MixturePlanner(mixture, sources, {n: d.version for n, d in datasets.items()}, b, data, rows)
+
     try:
-        planner = MixturePlanner(
-            mixture,
-            {n: plan_source(d) for n, d in datasets.items()},
-            {n: d.version for n, d in datasets.items()},
-            batching,
-            data,
-            rows,
-        )
+        planner = planner_for(batching)
         state = planner.start()
         steps = args.steps if args.steps is not None else steps_for_tokens(planner, state, args.tokens)
         if steps < 1:
@@ -112,6 +110,8 @@ def plan_mixture(args) -> int:
         "peak_rss_mb": peak_rss_mb(),
         "refused": refusal,
     }
+    if batching.balance is not None:
+        report["compute_balance"] = _balance(planner, planner_for(batching.with_balance(None)), data, steps)
     if args.json:
         print(json.dumps(report))
     else:
@@ -121,7 +121,31 @@ def plan_mixture(args) -> int:
     return 0
 
 
+BALANCE_STEPS = 2000  # the most steps the report compares, from the first: a run may have millions
+
+
+def _balance(planner, unbalanced, data, steps: int) -> dict:
+    """Per-step max/mean cost across the DP ranks and the step time lost, over the run's first
+    steps (at most ``BALANCE_STEPS``, and only those every source serves from its first epoch:
+    each later epoch is every group's plan again), with and without balancing (``unbalanced``:
+    the same mixture's planner without the cost model)."""
+    from ..plan.cost import step_balance
+    from ..plan.mixture.cost import first_epoch_steps, step_costs
+
+    batching = planner.batching
+    model = batching.balance
+    span = range(first_epoch_steps(planner, planner.start(), min(steps, BALANCE_STEPS)))
+    out: dict[str, Any] = {"cost_model": {"a": model.a, "b": model.b}, "balance_window": batching.balance_window}
+    out["micro_batches"], out["steps_compared"] = batching.micro_batches, len(span)
+    for name, p in (("unbalanced", unbalanced), ("balanced", planner)):
+        costs = step_costs(p, p.start(), range(data.dp_size), span, model)
+        out[name] = step_balance(costs, batching.micro_batches or 1)
+    return out
+
+
 def _print(report: dict, data, human) -> None:
+    from ._plan_report import print_balance
+
     out = sys.stdout.write
     lay = report["layout"]
     per_step = "one batch of one source" if report["units"] == "batches" else f"{report['units_per_step']} rows"
@@ -155,6 +179,9 @@ def _print(report: dict, data, human) -> None:
         f"\n  target: the schedule's share of the tokens; realized: the composition's (expected tokens per "
         f"unit);\n  epochs: passes over the source by the last step (max_repeat {report['max_repeat']})\n"
     )
+    if "compute_balance" in report:
+        out(f"compute       over the first {report['compute_balance']['steps_compared']:,} steps:\n")
+        print_balance(report["compute_balance"], out)
     out(
         f"planning      {report['plan_seconds']:.2f} s (every source's shape, from its summaries), peak RSS "
         f"{report['peak_rss_mb']:.0f} MB\n"

@@ -74,7 +74,7 @@ def print_report(report: dict, data) -> None:
                 "(exact: marked not valid, batch['valid'])\n"
             )
         if "compute_balance" in report:
-            _print_balance(report["compute_balance"], out)
+            print_balance(report["compute_balance"], out)
         if "schedule" in report:
             _print_schedule(report["schedule"], out)
         out(
@@ -161,7 +161,8 @@ def _print_schedule(report: dict, out) -> None:
         )
 
 
-def _print_balance(report: dict, out) -> None:
+def print_balance(report: dict, out) -> None:
+    """The compute balance of a plan's steps (``compute_balance`` of a report), with and without."""
     for name in ("unbalanced", "balanced"):
         bal = report[name]
         if bal is None:

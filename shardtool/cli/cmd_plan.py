@@ -127,17 +127,6 @@ def run(args) -> int:
     from ..plan.simulate import simulate_epoch
     from ..plan.synthetic import SyntheticSource
 
-    if args.url is not None and is_mixture_file(args.url):
-        from ._mixture import plan_mixture
-
-        return plan_mixture(args)
-    if args.steps is not None or args.tokens is not None:
-        raise ShardtoolError(
-            "--steps and --tokens give the length of a mixture (a mixture file); a dataset is "
-            "planned by epochs (--epoch)"
-        )
-    if args.url is None and args.synthetic is None:
-        raise ShardtoolError("give a dataset URL or --synthetic N")
     try:
         cost = CostModel.parse(args.cost_model) if args.cost_model else None
     except ValueError as e:
@@ -152,6 +141,17 @@ def run(args) -> int:
     if scheduled is not None and (args.micro_batches or (cost is not None and scheduled.seq_lens)):
         what = "--micro-batches" if args.micro_batches else "--cost-model"
         raise ShardtoolError(f"a schedule by step cannot be combined with {what} yet (as ShardedLoader refuses it)")
+    if args.url is not None and is_mixture_file(args.url):
+        from ._mixture import plan_mixture
+
+        return plan_mixture(args)
+    if args.steps is not None or args.tokens is not None:
+        raise ShardtoolError(
+            "--steps and --tokens give the length of a mixture (a mixture file); a dataset is "
+            "planned by epochs (--epoch)"
+        )
+    if args.url is None and args.synthetic is None:
+        raise ShardtoolError("give a dataset URL or --synthetic N")
     try:
         layout = layout_of(args)
         data, _ = data_layout_of(args, Placement(layout, 0))

@@ -138,11 +138,19 @@ class MixtureCase:
 
 @st.composite
 def mixture_cases(
-    draw, packed: bool, min_size: int = 300, max_size: int = 1500, max_sources: int = 4, corpus: bool = False
+    draw,
+    packed: bool,
+    min_size: int = 300,
+    max_size: int = 1500,
+    max_sources: int = 4,
+    corpus: bool = False,
+    balanced: bool = False,
 ) -> MixtureCase:
     """Small sources of short lengths (rows of 128-512 tokens, batches of 1024-4096), or with
     ``corpus`` text-like sources of 10,000-40,000 samples (rows of 1024-4096 tokens, at least 4 a
-    step; batches of 8192-32768 tokens), the scale where the shares are measured."""
+    step; batches of 8192-32768 tokens), the scale where the shares are measured. ``balanced``:
+    steps balanced by a cost model with attention dominant (blocks of a drawn window, or the whole epoch)."""
+    from shardtool.plan.cost import CostModel
     from shardtool.plan.packing import Packing
 
     k = draw(st.integers(1, max_sources))
@@ -160,6 +168,8 @@ def mixture_cases(
     else:
         budget = draw(st.sampled_from([8192, 16384, 32768] if corpus else [1024, 2048, 4096]))
         batching = Batching(max_tokens=budget, seed=seed)
+    if balanced:
+        batching = batching.with_balance(CostModel(1.0, 0.05), draw(st.sampled_from([None, 1, 7])))
     return MixtureCase(sizes, weights, draw(st.sampled_from(MIXTURE_LAYOUTS)), batching, seed, corpus)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import shardtool
+from helpers.packedpieces import piece_lengths
 from helpers.realtext import byte_ids, stdlib_files
 from shardtool.loader import LoaderStateError, ShardedLoader
 from shardtool.plan import DataLayout, Layout
@@ -36,21 +37,9 @@ def _loaders(root: str, world: int, cost_model=MODEL, **kw) -> list[ShardedLoade
     return [ShardedLoader(root, rank=r, world_size=world, ranks_per_node=world, **kw) for r in range(world)]
 
 
-def _pieces(batch) -> list[tuple[str, int, int]]:
-    """(key, offset in its document, length) of every document piece of a full packed batch."""
-    cu, offsets = batch["cu_seqlens"].tolist(), batch["doc_offsets"].tolist()
-    seq = batch["input_ids"].shape[1]
-    ends = [r * seq + int(n) for r, n in enumerate(batch["lengths"].tolist())]
-    keys = [k for row in batch["__key__"] for k in row]
-    out = []
-    for i, off in enumerate(o for o in offsets if o >= 0):
-        out.append((keys[i], off, min(cu[i + 1], ends[cu[i] // seq]) - cu[i]))
-    return out
-
-
 def _epoch(loaders) -> list[list[list[tuple]]]:
     """Per rank, per step: the pieces of the batch it served."""
-    return [[_pieces(b) for b in ld] for ld in loaders]
+    return [[piece_lengths(b) for b in ld] for ld in loaders]
 
 
 def _served_tokens(served) -> dict[str, int]:
@@ -105,7 +94,7 @@ def test_a_balanced_run_resumes_exactly_and_elastically(stdlib_root, cut, new_wo
     done, states = [], []
     for ld in first:
         it = iter(ld)
-        done.append([_pieces(next(it)) for _ in range(cut)])
+        done.append([piece_lengths(next(it)) for _ in range(cut)])
         states.append(ld.state_dict())
         it.close()
         ld.close()
@@ -132,13 +121,6 @@ def test_a_state_of_a_balanced_loader_is_refused_by_a_plain_one_and_back(stdlib_
         balanced.load_state_dict(plain.state_dict())
 
 
-def test_a_mixture_with_a_cost_model_is_refused_before_the_first_batch(stdlib_root):
-    from shardtool.plan.mixture import Mixture
-
-    with pytest.raises(ValueError, match="a mixture's steps are not balanced yet"):
-        ShardedLoader(Mixture({"a": (stdlib_root, 1.0)}), steps=4, seq_len=SEQ, batch_size=2, cost_model=MODEL)
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("micro", [1, 2])
 def test_shardtool_stats_reads_the_step_balance_of_a_run_from_its_metric_files(stdlib_root, tmp_path, micro, capsys):
@@ -153,7 +135,7 @@ def test_shardtool_stats_reads_the_step_balance_of_a_run_from_its_metric_files(s
     for ld in loaders:
         mine = []
         for b in ld:
-            mine.append(_pieces(b))
+            mine.append(piece_lengths(b))
             # A trainer whose step takes a nanosecond per unit of cost, plus its own rank's constant.
             ld.report_step_time(1e-9 * _costs([[mine[-1]]])[0, 0] + 1e-3 * ld.rank)
         served.append(mine)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from helpers.mixplans import Served, planner_of, shares_error
 from helpers.strategies import MixtureCase, mixture_cases
 from shardtool.plan import Batching, Layout
+from shardtool.plan.cost import CostModel
 from shardtool.plan.mixture.span import RepeatError, check_repeat, span, steps_for_tokens
 from shardtool.plan.mixture.state import MixtureState
 from shardtool.plan.packing import Packing
@@ -103,9 +104,11 @@ def assert_no_sample_twice_in_an_epoch(ids: dict) -> None:
         assert len(flat) == len(np.unique(flat)), (name, epoch)
 
 
+@pytest.mark.parametrize("balanced", [False, True])
 @settings(max_examples=10, deadline=None)
-@given(mixture_cases(packed=False), st.integers(50, 400))
-def test_every_source_serves_its_own_plan_in_order_epoch_after_epoch(case, steps):
+@given(data=st.data(), steps=st.integers(50, 400))
+def test_every_source_serves_its_own_plan_in_order_epoch_after_epoch(balanced, data, steps):
+    case = data.draw(mixture_cases(packed=False, balanced=balanced))
     planner = planner_of(case.sources(), case.weights, case.batching, case.layout)
     state = planner.start()
     order, ids = sequences(planner, state, range(steps))
@@ -120,11 +123,11 @@ def test_every_source_serves_its_own_plan_in_order_epoch_after_epoch(case, steps
 
 
 # ---------------------------------------------------------------------- resume
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("packed,balanced", [(False, False), (True, False), (False, True), (True, True)])
 @settings(max_examples=8, deadline=None)
 @given(data=st.data(), cut=st.integers(0, 150))
-def test_resume_at_any_step_serves_exactly_the_rest(packed, data, cut):
-    case = data.draw(mixture_cases(packed=packed))
+def test_resume_at_any_step_serves_exactly_the_rest(packed, balanced, data, cut):
+    case = data.draw(mixture_cases(packed=packed, balanced=balanced))
     planner = planner_of(case.sources(), case.weights, case.batching, case.layout)
     state = planner.start()
     served = Served(planner)
@@ -179,11 +182,11 @@ def test_a_source_added_at_resume_starts_at_its_beginning_and_a_removed_one_stop
     assert rec.epoch == before.positions(before.start().at(60))["s1"].epoch
 
 
+@pytest.mark.parametrize("balanced", [False, True])
 @settings(max_examples=12, deadline=None)
-@given(
-    mixture_cases(packed=False, min_size=400), st.sampled_from([(4, 1), (1, 3), (3, 1), (2, 2)]), st.integers(1, 120)
-)
-def test_elastic_resume_repeats_no_sample_within_a_source_epoch(case, new, cut):
+@given(data=st.data(), new=st.sampled_from([(4, 1), (1, 3), (3, 1), (2, 2)]), cut=st.integers(1, 120))
+def test_elastic_resume_repeats_no_sample_within_a_source_epoch(balanced, data, new, cut):
+    case = data.draw(mixture_cases(packed=False, min_size=400, balanced=balanced))
     sources = case.sources()
     before = planner_of(sources, case.weights, case.batching, case.layout)
     state = before.start()
@@ -219,8 +222,12 @@ def test_a_chain_of_phases_repeats_and_skips_nothing():
     assert {n for n, _ in ids} == {"s0", "s1", "s2"} and max(e for _, e in ids) >= 1
 
 
-def test_elastic_resume_of_packed_rows_serves_no_token_twice():
-    case = MixtureCase((700, 500), (0.6, 0.4), Layout(3, 1), Batching(batch_size=3, packing=Packing(96, "concat")), 2)
+@pytest.mark.parametrize("balanced", [False, True])
+def test_elastic_resume_of_packed_rows_serves_no_token_twice(balanced):
+    batching = Batching(batch_size=3, packing=Packing(96, "concat"))
+    if balanced:
+        batching = batching.with_balance(CostModel(1.0, 0.05))
+    case = MixtureCase((700, 500), (0.6, 0.4), Layout(3, 1), batching, 2)
     sources = case.sources()
     before = planner_of(sources, case.weights, case.batching, case.layout)
     state = before.start()

@@ -7,6 +7,7 @@ Files, each importing only those above it in this list (and the plan's own modul
 - `state`    — a mixture's resumable position (step and phase: `MixtureState`)
 - `planner`  — one DP rank's units of a mixture, every source its own cursor (`MixturePlanner`)
 - `span`     — what a span of steps takes from each source; ``max_repeat``
+- `cost`     — what each step costs a rank under a cost model (balanced source by source)
 
 This package re-exports the configuration (what ``ShardedLoader(Mixture(...), steps=...)``
 takes); the planner and state are imported from their modules.

@@ -297,6 +297,19 @@ def source_seed(seed: int, name: str) -> int:
 
 def source_batching(batching: Batching, name: str) -> Batching:
     """How one source of a mixture is planned: its own seed; packed sources in units of one row
-    (``batch_size=1``), so that a step can take rows of several sources."""
-    size = 1 if batching.packing is not None else batching.batch_size
-    return replace(batching, batch_size=size, seed=source_seed(batching.seed, name))
+    (``batch_size=1``), so that a step can take rows of several sources.
+
+    Under a cost model each source's units are balanced one by one (`shardtool.plan.mixture.cost`):
+    a step's units are then of like cost on every rank whatever their number, so gradient
+    accumulation needs nothing of its own, and a ``balance_window`` of W steps is W steps' worth
+    of a packed source's rows (``W * batch_size``): a source that takes a share s of each step's
+    rows spends W / s steps on a block."""
+    packed = batching.packing is not None
+    size = 1 if packed else batching.batch_size
+    out = replace(batching, batch_size=size, seed=source_seed(batching.seed, name))
+    if batching.balance is None:
+        return out
+    window = batching.balance_window
+    if window is not None and packed:
+        window *= int(batching.batch_size or 1)
+    return out.with_balance(batching.balance, window, None)

@@ -1,0 +1,94 @@
+"""What each step of a mixture costs a DP rank under a cost model, from its sources' plans.
+
+Every DP rank takes the same number of units of each source at every step (`planner`), so the
+u-th unit of a source is taken at the same step on every rank. Each source's plan is balanced
+on its own (`shardtool.plan.costorder`): its u-th unit is of like cost on every rank, so a step's
+units, source by source, are too, and so is their sum. No rank needs another's lengths.
+
+A packed mixture's unit is one row of ``seq_len`` tokens; a bucketed mixture's is one batch of
+one source, padded to its longest sample (`shardtool.plan.cost.served_costs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+from ..cost import CostModel, served_costs
+from ..rank import RankPlan
+from .planner import MixturePlanner
+from .state import MixtureState
+
+__all__ = ["StepCosts", "first_epoch_steps", "step_costs", "unit_costs"]
+
+
+def unit_costs(plan: RankPlan, model: CostModel) -> np.ndarray:
+    """The cost of each unit of a source's rank plan: a packed source's units are single rows."""
+    width = 1 if plan.rows is not None else None
+    return served_costs(plan.rows, plan.row_offsets, plan.lengths, plan.offsets, model, width)
+
+
+def step_costs(
+    planner: MixturePlanner,
+    state: MixtureState,
+    dp_ranks: Sequence[int],
+    steps: Iterable[int],
+    model: CostModel,
+    plan_of: Callable[[str, int, int], RankPlan] | None = None,
+) -> np.ndarray:
+    """``[len(dp_ranks), len(steps)]``: the cost of each of ``steps`` on each DP rank under
+    ``state``'s phase, the sum of its units' costs. Which units a step takes is the same on every
+    rank, so it is worked out once. ``plan_of(name, epoch, dp_rank)`` gives a rank's plan of a
+    source-epoch (default: planned here; a loader passes the plans it keeps)."""
+    plan = plan_of or (lambda name, epoch, rank: planner.rank_plan(state, name, epoch, rank))
+    steps = list(steps)
+    runs: dict[tuple[str, int], list[tuple[int, int, int]]] = {}  # (step's place, first unit, units)
+    for at, step in enumerate(steps):
+        for name, pieces in planner.step_pieces(state, step):
+            for epoch, first, count in pieces:
+                runs.setdefault((name, epoch), []).append((at, first, count))
+    out = np.zeros((len(dp_ranks), len(steps)), np.float64)
+    for (name, epoch), got in runs.items():
+        where, lo, hi = np.asarray(got, np.int64).T
+        hi = lo + hi  # the end of each run of units
+        for row, rank in enumerate(dp_ranks):
+            total = np.concatenate([[0.0], np.cumsum(unit_costs(plan(name, epoch, rank), model))])
+            np.add.at(out[row], where, total[hi] - total[lo])
+    return out
+
+
+def first_epoch_steps(planner: MixturePlanner, state: MixtureState, limit: int) -> int:
+    """The steps from ``state.step`` (at most ``limit``, at least 1) in which every source serves
+    from the epoch it is in: what a report compares cheaply, as each later epoch is a plan of
+    every group again."""
+    first = {rec.name: rec.epoch for rec in state.phase.sources}
+    for k in range(limit):
+        pieces = planner.step_pieces(state, state.step + k)
+        if any(epoch != first[name] for name, runs in pieces for epoch, _, _ in runs):
+            return max(k, 1)
+    return max(limit, 1)
+
+
+class StepCosts:
+    """A rank's step costs, computed for the steps asked (``costs[a:b]``: a run may have millions
+    of steps, and its metric lines ask a few at a time), from the plans ``plan_of`` keeps."""
+
+    def __init__(
+        self,
+        planner: MixturePlanner,
+        state: MixtureState,
+        dp_rank: int,
+        model: CostModel,
+        plan_of: Callable[[str, int], RankPlan],
+    ):
+        self.planner, self.state, self.dp_rank, self.model, self.plan_of = planner, state, dp_rank, model, plan_of
+
+    def __getitem__(self, steps: slice) -> np.ndarray:
+        if not isinstance(steps, slice) or steps.stop is None:
+            raise TypeError("step costs are read by a slice with its end: costs[first:stop]")
+        span = range(steps.start or 0, steps.stop, steps.step or 1)
+        return step_costs(self.planner, self.state, [self.dp_rank], span, self.model, self._plan)[0]
+
+    def _plan(self, name: str, epoch: int, dp_rank: int) -> RankPlan:
+        return self.plan_of(name, epoch)

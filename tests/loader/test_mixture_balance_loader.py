@@ -1,0 +1,150 @@
+"""ShardedLoader(Mixture(...), cost_model=...) on real text (issue 33): every rank's steps cost what
+the plan says (`shardtool.plan.mixture.cost.step_costs`) and less unevenly than without the cost
+model; a resume continues them exactly, an elastic one repeats nothing; `shardtool stats` reads
+the balance back from the metric files. Two sources of other shapes: long stdlib files and short
+/usr/share/doc ones, as byte ids, rows of 1,024."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from helpers.packedpieces import piece_lengths
+from helpers.realtext import pack_long_and_short
+from shardtool.loader import LoaderStateError, Mixture, ShardedLoader
+from shardtool.plan.cost import CostModel, step_balance
+from shardtool.plan.mixture.cost import step_costs
+
+MODEL = CostModel.parse("llama-7b")
+SEQ, ROWS, STEPS = 1024, 2, 30
+
+
+@pytest.fixture(scope="module")
+def mix(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixbal")
+    long = pack_long_and_short(str(root / "long"), 120, 20, least=80)
+    short = pack_long_and_short(str(root / "short"), 20, 150, least=80, shards=2)
+    return Mixture({"long": (long, 0.7), "short": (short, 0.3)})
+
+
+def _ranks(mix, world, cost_model=MODEL, **kw):
+    kw = {"seq_len": SEQ, "batch_size": ROWS, "eos_id": 256, "seed": 2, "num_workers": 0, "steps": STEPS, **kw}
+    return [
+        ShardedLoader(mix, rank=r, world_size=world, ranks_per_node=world, cost_model=cost_model, **kw)
+        for r in range(world)
+    ]
+
+
+def _cost(pieces) -> float:
+    return MODEL.a * ROWS * SEQ + MODEL.b * sum(n * n for _, _, n in pieces)
+
+
+def _served(loaders) -> list[list[list[tuple]]]:
+    """Per rank, per step: (source, key, offset, length) of each piece it served."""
+    out = []
+    for ld in loaders:
+        mine = []
+        for b in ld:
+            sources = [s for s, keys in zip(b["__source__"], b["__key__"]) for _ in keys]
+            mine.append([(s, *p) for s, p in zip(sources, piece_lengths(b))])
+        out.append(mine)
+        ld.close()
+    return out
+
+
+def _costs(served) -> np.ndarray:
+    return np.array([[_cost([p[1:] for p in step]) for step in rank] for rank in served], np.float64)
+
+
+def _no_token_twice(served) -> None:
+    """Across ranks and steps: no (source, document) piece overlaps another."""
+    spans: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for rank in served:
+        for step in rank:
+            for source, key, off, n in step:
+                spans.setdefault((source, key), []).append((off, off + n))
+    for doc, parts in spans.items():
+        parts.sort()
+        assert all(a[1] <= b[0] for a, b in zip(parts, parts[1:])), doc
+
+
+@pytest.mark.timeout(300)
+def test_each_ranks_steps_cost_what_the_plan_says_and_are_more_even(mix):
+    world = 4
+    loaders = _ranks(mix, world)
+    src = loaders[0].batch_source
+    planned = step_costs(src.planner, src.state, range(world), range(STEPS), MODEL)
+    served = _served(loaders)
+    assert np.allclose(_costs(served), planned, rtol=1e-12)
+    _no_token_twice(served)
+    plain = _costs(_served(_ranks(mix, world, cost_model=None)))
+    assert step_balance(_costs(served))["time_lost"] < step_balance(plain)["time_lost"] / 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cut,new_world", [(7, 2), (11, 3)])
+def test_a_balanced_mixture_resumes_exactly_and_elastically(mix, cut, new_world):
+    whole = _served(_ranks(mix, 2))
+    first = _ranks(mix, 2, num_workers=2)
+    done, states = [], []
+    for ld in first:
+        it = iter(ld)
+        done.append([next(it) for _ in range(cut)])
+        states.append(ld.state_dict())
+        it.close()
+        ld.close()
+    assert states[0] == states[1]
+    resumed = _ranks(mix, new_world)
+    for ld in resumed:
+        ld.load_state_dict(json.loads(json.dumps(states[0])))
+    src = resumed[0].batch_source
+    planned = step_costs(src.planner, src.state, range(new_world), range(cut, STEPS), MODEL)
+    rest = _served(resumed)
+    assert np.allclose(_costs(rest), planned, rtol=1e-12)
+    if new_world == 2:
+        assert rest == [w[cut:] for w in whole]  # the uninterrupted run's steps, rank by rank
+    else:
+        _no_token_twice([w[:cut] for w in whole] + rest)
+
+
+def test_a_state_of_a_balanced_mixture_is_refused_by_a_plain_one(mix):
+    (balanced,) = _ranks(mix, 1)
+    (plain,) = _ranks(mix, 1, cost_model=None)
+    with pytest.raises(LoaderStateError, match="balance"):
+        plain.load_state_dict(balanced.state_dict())
+
+
+@pytest.mark.timeout(300)
+def test_shardtool_stats_reads_a_mixtures_step_balance_from_its_metric_files(mix, tmp_path, capsys):
+    from shardtool.cli import main
+
+    world, every = 3, 4
+    loaders = _ranks(mix, world, metrics_dir=str(tmp_path / "m"), metrics_every=every)
+    costs = _costs(_served(loaders))
+    lined = (STEPS // every) * every  # steps up to each rank's last metric line
+    assert main(["stats", str(tmp_path / "m"), "--json", "-"]) == 0
+    got = json.loads(capsys.readouterr().out)["balance"]
+    assert got["plan_cost"] == pytest.approx(step_balance(costs[:, :lined]))
+
+
+def test_shardtool_plan_reports_a_mixtures_step_balance_with_and_without(mix, tmp_path):
+    from helpers.runcli import shardtool_cli
+
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps({"sources": {s.name: {"url": s.url, "weight": float(s.weight)} for s in mix.sources}}))
+    args = ["plan", str(path), "--seq-len", str(SEQ), "--batch-size", str(ROWS), "--steps", str(STEPS)]
+    args += ["--eos-id", "256", "--seed", "2", "--ranks-per-node", "4", "--cost-model", "llama-7b"]
+    res = shardtool_cli(*args, "--json")
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)["compute_balance"]
+    loaders = _ranks(mix, 4)
+    src = loaders[0].batch_source
+    want = step_balance(step_costs(src.planner, src.state, range(4), range(STEPS), MODEL))
+    assert got["balanced"] == pytest.approx(want) and got["steps_compared"] == STEPS
+    assert got["unbalanced"]["time_lost"] > 2 * got["balanced"]["time_lost"]
+    text = shardtool_cli(*args).stdout
+    assert f"over the first {STEPS} steps" in text and "balanced:    per-step max/mean cost over 4 DP ranks" in text
+    refused = shardtool_cli(*args[:-2], "--balance-window", "4")
+    assert refused.returncode != 0 and "give --cost-model too" in refused.stderr
