@@ -2,6 +2,7 @@
 ``--warmup`` a sequence-length warmup of packed rows (tests/loader/test_seq_len_schedule.py), or
 with ``--mixture`` (``--data`` a mixture file) a packed mixture whose rows ramp
 (tests/loader/test_mixture_ramp.py), and with both a mixture's warmup (tests/loader/test_mixture_warmup.py).
+``--cost-model NAME``: the steps balanced by that cost model (tests/loader/test_mixture_balance_loader.py).
 
 ``--phase whole``: the epoch uninterrupted, a collective every step as DDP's. ``--phase killed``:
 the same, rank 0 saving the loader state after every step, and rank 1 killed with SIGKILL before
@@ -33,6 +34,7 @@ def main() -> int:
     p.add_argument("--kill-at", type=int, default=8)
     p.add_argument("--warmup", action="store_true")
     p.add_argument("--mixture", action="store_true")
+    p.add_argument("--cost-model", default=None)
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -46,6 +48,8 @@ def main() -> int:
         kw = dict(batch_size=4, seq_len=WARMUP, token_fields=[])
     else:
         kw = dict(batch_size=RAMP)
+    if args.cost_model:
+        kw["cost_model"] = args.cost_model
     loader = ShardedLoader(data, seed=7, num_workers=2, pin_memory=False, **kw)
     state_path = os.path.join(args.out, "state.json")
     start = 0

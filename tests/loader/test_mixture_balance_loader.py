@@ -148,3 +148,26 @@ def test_shardtool_plan_reports_a_mixtures_step_balance_with_and_without(mix, tm
     assert f"over the first {STEPS} steps" in text and "balanced:    per-step max/mean cost over 4 DP ranks" in text
     refused = shardtool_cli(*args[:-2], "--balance-window", "4")
     assert refused.returncode != 0 and "give --cost-model too" in refused.stderr
+
+
+@pytest.mark.timeout(400)
+def test_torchrun_balanced_mixture_ramp_resumed_after_a_kill_matches_the_uninterrupted_run(mix, tmp_path):
+    """2 ranks under torchrun (gloo, a collective every step), rows ramping 4 -> 8 at step 10, the
+    steps balanced by a cost model; rank 1 killed with SIGKILL at step 8: resumed from rank 0's
+    last state, every rank serves the steps the uninterrupted run served."""
+    from helpers.schedrun import killed_and_resumed
+
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps({"sources": {s.name: [s.url, float(s.weight)] for s in mix.sources}}))
+    saved, runs = killed_and_resumed(str(path), str(tmp_path), "--mixture", "--cost-model", "llama-7b")
+    assert 1 <= saved["steps"] <= 8
+    for whole, resumed in runs:
+        start = saved["steps"]
+        assert whole["len"] == resumed["len"] == 20 and sorted(map(int, resumed["steps"])) == list(range(start, 20))
+        assert all(resumed["steps"][str(s)] == whole["steps"][str(s)] for s in range(start, 20))
+        assert [whole["steps"][str(s)][2][0] for s in range(20)] == [4] * 10 + [8] * 10
+    # The torchrun run serves the balanced plan (in process, the same loader), not the plain one.
+    kw = dict(seq_len=256, batch_size={0: 4, 10: 8}, seed=7, steps=20, token_fields=[], eos_id=None)
+    for cost_model, same in ((MODEL, True), (None, False)):
+        keys = [[list(map(str, k)) for k in b["__key__"]] for b in _ranks(mix, 2, cost_model=cost_model, **kw)[1]]
+        assert (keys == [runs[1][0]["steps"][str(s)][0] for s in range(20)]) is same
