@@ -354,20 +354,21 @@ class DatasetEpochs:
             packed_pass=(plan.rows, plan.row_offsets) if packed is not None and not scheduled else None,
             rows_per_batch=rows_per_batch if packed is not None and scheduled else None,
             seq_lens=seq_lens,
-            costs=self._costs(plan, rows_per_batch),
+            costs=self._costs(plan, rows_per_batch, seq_lens),
             pad=plan.pad,
         )
 
-    def _costs(self, plan: RankPlan, rows_per_batch: Any) -> Any:
+    def _costs(self, plan: RankPlan, rows_per_batch: Any, seq_lens: Any = None) -> Any:
         """Each batch's cost under the cost model, for the metric lines (`shardtool stats`); a
-        scheduled step's, of the rows (``rows_per_batch``, per step) it joins."""
+        scheduled step's, of the rows (``rows_per_batch``, per step) it joins, cut to its
+        ``seq_lens`` under a warmup."""
         model = self.batching.balance
         if model is None:
             return None
         from ..plan.cost import served_costs
 
         width = rows_per_batch if plan.rows is not None else None
-        return served_costs(plan.rows, plan.row_offsets, plan.lengths, plan.offsets, model, width)
+        return served_costs(plan.rows, plan.row_offsets, plan.lengths, plan.offsets, model, width, seq_lens)
 
 
 def _packed_stats(plan: RankPlan, rows_per_batch: Any, seq_lens: np.ndarray | None) -> tuple:

@@ -71,7 +71,8 @@ class MixtureBatches:
     ):
         self.planner, self.state, self.dp_rank = planner, state, dp_rank
         # Under a cost model: each step's cost, for the metric lines (`shardtool stats`).
-        self.costs = StepCosts(planner, state, dp_rank, cost_model, self.plan) if cost_model is not None else None
+        cut = schedule.seq_len_at if schedule is not None and schedule.seq_lens else None
+        self.costs = StepCosts(planner, state, dp_rank, cost_model, self.plan, cut) if cost_model is not None else None
         self.schedule = schedule  # a sequence-length warmup's: the step's rows cut to its length
         self.readers, self.steps, self.where = readers, steps, where
         self.transform, self.collate_fn, self.pad_id = transform, collate_fn, pad_id

@@ -89,7 +89,7 @@ def batch_options(
     """The batching of the loader's keywords (`Batching` checks its own fields); ValueError naming
     the keyword where a combination cannot work. ``bucketing=None`` stays None: the dataset
     decides it once opened (`shardtool.plan.batching.default_bucketing`)."""
-    schedule, rows_or_samples, row_len = _schedule(batch_size, seq_len, max_tokens, exact, cost_model, micro_batches)
+    schedule, rows_or_samples, row_len = _schedule(batch_size, seq_len, max_tokens, exact, micro_batches)
     rows = None
     if row_len is not None:
         if transform is not None or collate_fn is not None:
@@ -130,7 +130,7 @@ def batch_options(
 
 
 def _schedule(
-    batch_size: Any, seq_len: Any, max_tokens: Any, exact: bool, cost_model: Any, micro_batches: Any
+    batch_size: Any, seq_len: Any, max_tokens: Any, exact: bool, micro_batches: Any
 ) -> tuple[Schedule | None, Any, Any]:
     """``batch_size={first step: size}`` and ``seq_len={first step: length}``: the schedule, the
     plan's batch size (its base) and the plan's seq_len (the longest)."""
@@ -151,9 +151,8 @@ def _schedule(
         return None, batch_size, seq_len
     refused = {
         "exact=True": exact,
-        # A step's cost is its planned batches' (each balanced across the ranks); a cut row's
-        # attention cost is not its planned row's, which the balance was made for.
-        "cost_model": cost_model is not None and lengths is not None,
+        # A balanced step is planned batches of like cost on every rank; with micro-batches the
+        # rank's total over M steps is what is balanced, and M steps of a ramp are not M batches.
         "micro_batches": micro_batches not in (None, 1),
     }
     what = "batch_size" if lengths is None else "seq_len"

@@ -138,9 +138,10 @@ def run(args) -> int:
         scheduled = schedule_of(args)
     except ValueError as e:
         raise ShardtoolError(str(e)) from None
-    if scheduled is not None and (args.micro_batches or (cost is not None and scheduled.seq_lens)):
-        what = "--micro-batches" if args.micro_batches else "--cost-model"
-        raise ShardtoolError(f"a schedule by step cannot be combined with {what} yet (as ShardedLoader refuses it)")
+    if scheduled is not None and args.micro_batches:
+        raise ShardtoolError(
+            "a schedule by step cannot be combined with --micro-batches yet (as ShardedLoader refuses it)"
+        )
     if args.url is not None and is_mixture_file(args.url):
         from ._mixture import plan_mixture
 
@@ -240,12 +241,12 @@ def run(args) -> int:
         else:
             began = time.perf_counter()
             planned = plan_source(source)
-            sim = simulate_epoch(planned, data, batching, args.epoch, processes=args.processes, cost_model=cost)
+            cut = _cut_lengths(schedule, args.epoch) if schedule is not None and schedule.seq_lens else None
+            costing = dict(processes=args.processes, cost_model=cost, seq_lens_of=cut)
+            sim = simulate_epoch(planned, data, batching, args.epoch, **costing)
             unbalanced = None
             if cost is not None:  # what the same plan would cost without balancing
-                unbalanced = simulate_epoch(
-                    planned, data, batching.with_balance(None), args.epoch, processes=args.processes, cost_model=cost
-                )
+                unbalanced = simulate_epoch(planned, data, batching.with_balance(None), args.epoch, **costing)
             per_rank = sim.samples_per_rank
             report.update(
                 {
@@ -270,8 +271,8 @@ def run(args) -> int:
                     "cost_model": {"a": cost.a, "b": cost.b},
                     "balance_window": args.balance_window,
                     "micro_batches": args.micro_batches,
-                    "unbalanced": _steps_balance(unbalanced, schedule, args),
-                    "balanced": _steps_balance(sim, schedule, args),
+                    "unbalanced": _steps_balance(unbalanced, schedule, args, cost),
+                    "balanced": _steps_balance(sim, schedule, args, cost),
                 }
             if batching.packing is not None:
                 report.update(
@@ -292,9 +293,10 @@ def run(args) -> int:
     return 0
 
 
-def _steps_balance(sim, schedule, args):
+def _steps_balance(sim, schedule, args, cost=None):
     """`EpochSim.balance`; under a batch-size schedule, of its steps: the planned batches each
-    step joins, added up per rank (`Schedule.cut`)."""
+    step joins, added up per rank (`Schedule.cut`). A packed epoch's last step may join fewer
+    than its size: the loader pads it with rows, which ``cost`` (the model) counts as it does."""
     if schedule is None:
         return sim.balance(args.micro_batches or 1)
     import numpy as np
@@ -304,5 +306,26 @@ def _steps_balance(sim, schedule, args):
     costs = sim.step_costs
     if costs is None or not costs.shape[1]:
         return None
-    cut = schedule.cut(schedule.epoch_first_step(args.epoch, costs.shape[1]), costs.shape[1])
-    return step_balance(np.add.reduceat(costs, cut[:-1], axis=1))
+    first = schedule.epoch_first_step(args.epoch, costs.shape[1])
+    cut = schedule.cut(first, costs.shape[1])
+    steps = np.add.reduceat(costs, cut[:-1], axis=1)
+    packing = sim.shape.batching.packing
+    if packing is not None and cost is not None:
+        joined = np.diff(cut) * schedule.base  # planned rows of each step
+        rows = np.array([schedule.units_at(first + j) for j in range(joined.size)], np.int64)
+        steps += cost.a * packing.seq_len * np.maximum(rows - joined, 0)
+    return step_balance(steps)
+
+
+def _cut_lengths(schedule, epoch: int):
+    """Under a sequence-length warmup: given the batches a rank plans in ``epoch``, the length each
+    is served cut to (that of the step that joins it, `Schedule.cut`)."""
+    import numpy as np
+
+    def seq_lens(batches: int) -> np.ndarray:
+        first = schedule.epoch_first_step(epoch, batches)
+        cut = schedule.cut(first, batches)
+        per_step = np.array([schedule.seq_len_at(first + j) for j in range(cut.size - 1)], np.int64)
+        return np.repeat(per_step, np.diff(cut))
+
+    return seq_lens

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from .rowsplit import cut_squares
+
 __all__ = [
     "BALANCE_VERSION",
     "PRESETS",
@@ -137,16 +139,27 @@ def run_costs(lengths: np.ndarray, offsets: np.ndarray, model: CostModel) -> np.
     return sizes * (model.a * longest + model.b * longest**2)
 
 
-def batch_costs(plan: Any, model: CostModel, rows_per_batch: int | None = None) -> np.ndarray:
+def batch_costs(
+    plan: Any, model: CostModel, rows_per_batch: int | None = None, seq_lens: np.ndarray | None = None
+) -> np.ndarray:
     """The cost of each batch of a group's plan (`shardtool.plan.group.GroupPlan`), as a
     ``[DP ranks of the group, batches per rank]`` array: row j is local DP rank j's batches in
     the order it serves them. Packed plans count every row of ``seq_len`` tokens a batch holds
-    (``rows_per_batch`` rows: padding rows run the linear layers too) and each piece's square."""
+    (``rows_per_batch`` rows: padding rows run the linear layers too) and each piece's square;
+    under a sequence-length warmup, ``seq_lens`` (one per batch of a rank) cuts each batch's rows."""
     k, n = plan.size, plan.batches_per_rank
     lengths = plan.batch_lengths(plan.ids) if plan.rows is None else None
-    return served_costs(plan.rows, plan.row_offsets, lengths, plan.offsets, model, rows_per_batch)[: k * n].reshape(
-        k, n
+    cut = width = None
+    if seq_lens is not None and plan.rows is not None:
+        # Batches past the ranks' (none served) keep the planned length.
+        cut = np.full(len(plan.row_offsets) - 1, plan.rows.seq_len, np.int64)
+        cut[: k * n] = np.tile(np.asarray(seq_lens, np.int64), k)
+        planned = rows_per_batch if rows_per_batch is not None else np.diff(plan.row_offsets)
+        width = planned * plan.rows.seq_len // cut  # the rows served, each of its batch's seq_len
+    served = served_costs(
+        plan.rows, plan.row_offsets, lengths, plan.offsets, model, width if width is not None else rows_per_batch, cut
     )
+    return served[: k * n].reshape(k, n)
 
 
 def served_costs(
@@ -156,15 +169,25 @@ def served_costs(
     offsets: np.ndarray,
     model: CostModel,
     rows_per_batch: int | np.ndarray | None = None,
+    seq_lens: np.ndarray | None = None,
 ) -> np.ndarray:
     """The cost of each batch a plan serves: packed, batch q's rows ``row_offsets[q] :
     row_offsets[q + 1]`` of ``rows`` (every one of ``rows_per_batch`` rows counted, one number
     or one per batch: padding rows run the linear layers too); else batch q's samples, ``lengths[offsets[q] :
-    offsets[q + 1]]``. A group's plan (`batch_costs`) and a rank's (``RankPlan``) alike."""
+    offsets[q + 1]]``. A group's plan (`batch_costs`) and a rank's (``RankPlan``) alike. Under a
+    sequence-length warmup each batch's rows are served cut to ``seq_lens[q]``
+    (`shardtool.plan.rowsplit.cut_rows`): the cut pieces' squares, and ``rows_per_batch`` rows
+    of ``seq_lens[q]`` tokens (the rows as served)."""
     if rows is not None:
-        per_row = row_costs(rows, model) - model.a * rows.seq_len
-        width = rows.seq_len * (rows_per_batch if rows_per_batch is not None else np.diff(row_offsets))
-        cost = model.a * width + _sums(per_row, row_offsets)
+        served = rows_per_batch if rows_per_batch is not None else np.diff(row_offsets)
+        width = served * (rows.seq_len if seq_lens is None else np.asarray(seq_lens, np.int64)[: len(row_offsets) - 1])
+        if seq_lens is None:
+            squares = _sums(row_costs(rows, model) - model.a * rows.seq_len, row_offsets)
+        else:
+            squares = np.zeros(len(row_offsets) - 1, np.float64)  # batches past seq_lens: none served
+            cut = model.b * cut_squares(rows, row_offsets, seq_lens)[: squares.size]
+            squares[: cut.size] = cut
+        cost = model.a * width + squares
     else:
         cost = run_costs(lengths, offsets, model)
     return np.asarray(cost, np.float64)

@@ -20,7 +20,7 @@ import numpy as np
 
 from .packing import Rows
 
-__all__ = ["cut_pieces", "cut_rows", "split_rows"]
+__all__ = ["cut_pieces", "cut_rows", "cut_squares", "split_rows"]
 
 
 def _parts(row_tokens: list[int], target: int, most: list[int] | None = None) -> list[int]:
@@ -138,11 +138,28 @@ def cut_rows(rows: Rows, seq_len: int) -> Rows:
 def cut_pieces(rows: Rows, row_offsets: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
     """Per batch (rows ``row_offsets[b] .. row_offsets[b + 1] - 1``, cut to ``seq_lens[b]``):
     the pieces `cut_rows` makes of its spans; the metrics count them without cutting each batch."""
+    batch, at, length, n = _cut_spans(rows, row_offsets, seq_lens)
+    pieces = (at + length - 1) // n - at // n + 1
+    return np.bincount(batch, weights=pieces, minlength=len(seq_lens)).astype(np.int64)
+
+
+def cut_squares(rows: Rows, row_offsets: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+    """Per batch, as `cut_pieces`: the sum of the squared lengths of the pieces `cut_rows` makes
+    (what a cut row's attention costs, `shardtool.plan.cost`), without cutting each batch."""
+    batch, at, length, n = _cut_spans(rows, row_offsets, seq_lens)
+    first, last = at // n, (at + length - 1) // n
+    head = np.minimum(length, (first + 1) * n - at)  # the piece up to the first cut (all of it if none)
+    tail = np.where(last > first, at + length - last * n, 0)
+    middle = np.maximum(last - first - 1, 0)
+    squares = head.astype(np.float64) ** 2 + tail.astype(np.float64) ** 2 + middle * n.astype(np.float64) ** 2
+    return np.bincount(batch, weights=squares, minlength=len(seq_lens))
+
+
+def _cut_spans(rows: Rows, row_offsets: np.ndarray, seq_lens) -> tuple[np.ndarray, ...]:
+    """(batch, position in its row, length, the batch's seq_len) of every span in a batch."""
     seq_lens = np.asarray(seq_lens, dtype=np.int64)
     row_of, at = rows.span_places()
     batch_of = np.searchsorted(row_offsets, row_of, side="right") - 1
     inside = (batch_of >= 0) & (batch_of < seq_lens.size)  # rows of no batch count for none
-    at = at[inside]
-    n = seq_lens[batch_of[inside]]
-    pieces = (at + rows.span_len[inside] - 1) // n - at // n + 1
-    return np.bincount(batch_of[inside], weights=pieces, minlength=seq_lens.size).astype(np.int64)
+    batch = batch_of[inside]
+    return batch, at[inside], rows.span_len[inside].astype(np.int64), seq_lens[batch]

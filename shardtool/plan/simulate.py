@@ -6,6 +6,7 @@ at a time so memory stays one group's, optionally in several processes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,9 +102,17 @@ class Simulation:
         return step_balance(costs, micro) if costs is not None else None
 
 
-def _stats(source: PlanSource, shape: PlanShape, group: int, epoch: int, cost: CostModel | None = None) -> GroupStats:
+def _stats(
+    source: PlanSource,
+    shape: PlanShape,
+    group: int,
+    epoch: int,
+    cost: CostModel | None = None,
+    cut: np.ndarray | None = None,
+) -> GroupStats:
     plan = plan_group(source, shape, group, epoch)
-    costs = batch_costs(plan, cost, shape.batching.batch_size if plan.rows is not None else None) if cost else None
+    width = shape.batching.batch_size if plan.rows is not None else None
+    costs = batch_costs(plan, cost, width, cut if plan.rows is not None else None) if cost else None
     if plan.rows is not None:
         return _packed_stats(plan, shape, costs)
     lengths = plan.batch_lengths(plan.ids)
@@ -158,8 +167,8 @@ def _packed_stats(plan, shape: PlanShape, costs: np.ndarray | None) -> GroupStat
 
 
 def _forked_stats(group: int) -> GroupStats:
-    source, shape, epoch, cost = _FORKED
-    return _stats(source, shape, group, epoch, cost)
+    source, shape, epoch, cost, cut = _FORKED
+    return _stats(source, shape, group, epoch, cost, cut)
 
 
 def simulate_epoch(
@@ -170,22 +179,26 @@ def simulate_epoch(
     *,
     processes: int = 1,
     cost_model: CostModel | None = None,
+    seq_lens_of: Callable[[int], np.ndarray] | None = None,
 ) -> Simulation:
-    """Every group's plan of ``epoch``; with ``cost_model``, each batch's cost too (`Simulation.balance`)."""
+    """Every group's plan of ``epoch``; with ``cost_model``, each batch's cost too (`Simulation.balance`),
+    under a sequence-length warmup of its rows cut to ``seq_lens_of(batches per rank)`` (one
+    length per batch of a rank: that of the step that serves it)."""
     global _FORKED
     shape = plan_shape(source.summaries, layout, batching, source.lengths_range)
     groups = list(range(layout.num_groups))
+    cut = seq_lens_of(shape.batches_per_rank) if seq_lens_of is not None and cost_model is not None else None
     if processes > 1 and len(groups) > 1:
         import multiprocessing as mp
 
-        _FORKED = (source, shape, epoch, cost_model)
+        _FORKED = (source, shape, epoch, cost_model, cut)
         try:
             with mp.get_context("fork").Pool(processes) as pool:
                 stats = pool.map(_forked_stats, groups, chunksize=max(1, len(groups) // (8 * processes)))
         finally:
             _FORKED = None
     else:
-        stats = [_stats(source, shape, g, epoch, cost_model) for g in groups]
+        stats = [_stats(source, shape, g, epoch, cost_model, cut) for g in groups]
     return Simulation(shape, stats)
 
 

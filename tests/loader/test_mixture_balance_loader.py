@@ -37,25 +37,24 @@ def _ranks(mix, world, cost_model=MODEL, **kw):
     ]
 
 
-def _cost(pieces) -> float:
-    return MODEL.a * ROWS * SEQ + MODEL.b * sum(n * n for _, _, n in pieces)
-
-
 def _served(loaders) -> list[list[list[tuple]]]:
-    """Per rank, per step: (source, key, offset, length) of each piece it served."""
+    """Per rank, per step: the step's tokens (its rows', padding too), then (source, key, offset,
+    length) of each piece it served."""
     out = []
     for ld in loaders:
         mine = []
         for b in ld:
             sources = [s for s, keys in zip(b["__source__"], b["__key__"]) for _ in keys]
-            mine.append([(s, *p) for s, p in zip(sources, piece_lengths(b))])
+            mine.append([b["input_ids"].numel(), *[(s, *p) for s, p in zip(sources, piece_lengths(b))]])
         out.append(mine)
         ld.close()
     return out
 
 
 def _costs(served) -> np.ndarray:
-    return np.array([[_cost([p[1:] for p in step]) for step in rank] for rank in served], np.float64)
+    """What each step costs under the model, from what was served."""
+    cost = lambda step: MODEL.a * step[0] + MODEL.b * sum(p[-1] ** 2 for p in step[1:])  # noqa: E731
+    return np.array([[cost(step) for step in rank] for rank in served], np.float64)
 
 
 def _no_token_twice(served) -> None:
@@ -63,7 +62,7 @@ def _no_token_twice(served) -> None:
     spans: dict[tuple[str, str], list[tuple[int, int]]] = {}
     for rank in served:
         for step in rank:
-            for source, key, off, n in step:
+            for source, key, off, n in step[1:]:
                 spans.setdefault((source, key), []).append((off, off + n))
     for doc, parts in spans.items():
         parts.sort()
@@ -107,6 +106,23 @@ def test_a_balanced_mixture_resumes_exactly_and_elastically(mix, cut, new_world)
         assert rest == [w[cut:] for w in whole]  # the uninterrupted run's steps, rank by rank
     else:
         _no_token_twice([w[:cut] for w in whole] + rest)
+
+
+@pytest.mark.timeout(300)
+def test_a_balanced_mixtures_warmup_steps_cost_what_the_plan_says_cut(mix):
+    """Rows planned at 1,024 and balanced by their cost, served cut to 256 for the warmup's steps:
+    each step costs what `step_costs` says of its rows as cut, and the cut steps stay even."""
+    world, warm = 4, dict(seq_len={0: 256, 10: 1024}, batch_size=8)
+    loaders = _ranks(mix, world, **warm)
+    src = loaders[0].batch_source
+    planned = step_costs(src.planner, src.state, range(world), range(STEPS), MODEL, seq_len_at=src.schedule.seq_len_at)
+    served = _costs(_served(loaders))
+    assert np.allclose(served, planned, rtol=1e-12)
+    plain = _costs(_served(_ranks(mix, world, cost_model=None, **warm)))
+    # Rows of 256 hold pieces of at most 256 tokens: their steps are even either way (0.004% lost
+    # without the cost model), and stay so; rows of 1,024 lose less than half of what they did.
+    assert step_balance(served[:, :10])["time_lost"] < 0.001
+    assert step_balance(served[:, 10:])["time_lost"] < step_balance(plain[:, 10:])["time_lost"] / 2
 
 
 def test_a_state_of_a_balanced_mixture_is_refused_by_a_plain_one(mix):

@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers.packedpieces import packed_pieces
+from helpers.packedpieces import packed_pieces, piece_lengths
 from helpers.realtext import pack_long_and_short
 from helpers.runcli import shardtool_cli
 from helpers.schedrun import killed_and_resumed
@@ -27,7 +27,7 @@ from shardtool.loader import ShardedLoader
 from shardtool.loader.trace import find, trace, traces
 from shardtool.plan.cost import CostModel, step_balance
 from shardtool.plan.packing import Rows
-from shardtool.plan.rowsplit import cut_pieces, cut_rows
+from shardtool.plan.rowsplit import cut_pieces, cut_rows, cut_squares
 from shardtool.plan.schedule import parse_schedule, with_seq_lens
 
 PAD = 999  # byte ids are < 256: a padding position is never a token
@@ -207,8 +207,6 @@ def test_a_warmup_that_cannot_cut_whole_rows_is_refused(corpus):
         ShardedLoader(corpus, seq_len={0: 256, 10: 1024}, batch_size=2)
     with pytest.raises(ValueError, match="needs batch_size"):
         ShardedLoader(corpus, seq_len={0: 256, 10: 1024}, max_tokens=4096)
-    with pytest.raises(ValueError, match="seq_len by step .* cost_model"):
-        ShardedLoader(corpus, seq_len={0: 256, 10: 1024}, batch_size=8, cost_model="llama-7b")
 
 
 def _rows(draw_rows) -> Rows:
@@ -258,6 +256,12 @@ def test_cut_rows_keeps_every_token_in_order(shape, parts):
     batches = np.array([0, rows.num_rows // 2, rows.num_rows], np.int64)
     counts = cut_pieces(rows, batches, np.array([n, n]))
     assert counts.sum() == len(cut.span_pos)
+    # What a cut batch's attention costs: its pieces' squares, each batch cut to its own length.
+    lens = np.array([n, rows.seq_len])
+    squares = cut_squares(rows, batches, lens)
+    for b, m in enumerate(lens.tolist()):
+        part = cut_rows(rows.slice(int(batches[b]), int(batches[b + 1])), m)
+        assert squares[b] == float((part.span_len.astype(np.float64) ** 2).sum())
 
 
 @pytest.mark.timeout(300)
@@ -360,10 +364,48 @@ def test_shardtool_plan_balances_a_ramps_steps(corpus):
     for side in ("balanced", "unbalanced"):  # the schedule's steps, not the planned batches
         assert report["compute_balance"][side]["steps"] == steps < report["batches_per_rank"]
     assert report["compute_balance"]["balanced"]["time_lost"] < report["compute_balance"]["unbalanced"]["time_lost"]
-    bad = shardtool_cli("plan", corpus, "--cost-model", "llama-7b", "--batch-size", "4", "--seq-len", "0:1024,5:4096")
-    assert bad.returncode != 0 and "--cost-model" in bad.stderr and "Traceback" not in bad.stderr
     bad = shardtool_cli(*args, "--batch-size", "0:1,5:2", "--micro-batches", "2")
     assert bad.returncode != 0 and "--micro-batches" in bad.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_warmup_with_a_cost_model_balances_its_cut_steps(corpus, tmp_path, capsys):
+    """Issue 36 with 33: rows planned at 4,096 and balanced by their cost, served cut to 1,024 for
+    the warmup's steps. A cut row's pieces are not its planned row's, but rows of like cost cut
+    alike: the cut steps stay even. What the ranks serve is what the metric lines (`shardtool
+    stats`) and `shardtool plan` say the steps cost, cut."""
+    from shardtool.cli import main
+
+    world, model, every = 4, CostModel.parse("llama-7b"), 3
+    kw = dict(seq_len={0: 1024, 6: 4096}, batch_size=8, seed=2, token_fields=[], eos_id=256)
+
+    def served(**more) -> np.ndarray:
+        costs = []
+        for ld in _ranks(corpus, world, **kw, **more):
+            # Every row of a step runs the linear layers, a padding row too (the epoch's last step).
+            costs.append(
+                [model.a * b["input_ids"].numel() + model.b * sum(n * n for *_, n in piece_lengths(b)) for b in ld]
+            )
+            ld.close()
+        return np.array(costs)
+
+    balanced = served(cost_model="llama-7b", metrics_dir=str(tmp_path / "m"), metrics_every=every)
+    plain = served()
+    assert balanced.shape == plain.shape and balanced.shape[1] > 6
+    for part in (slice(0, 6), slice(6, None)):  # the warmup's cut steps, then the rows as planned
+        lost, before = step_balance(balanced[:, part])["time_lost"], step_balance(plain[:, part])["time_lost"]
+        assert lost < before / 2 and lost < 0.02, (part, lost, before)
+    lined = (balanced.shape[1] // every) * every
+    assert main(["stats", str(tmp_path / "m"), "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["balance"]["plan_cost"] == pytest.approx(
+        step_balance(balanced[:, :lined])
+    )
+    args = ("plan", corpus, "--seq-len", "0:1024,6:4096", "--batch-size", "8", "--seed", "2", "--eos-id", "256")
+    res = shardtool_cli(*args, "--cost-model", "llama-7b", "--ranks-per-node", str(world), "--json")
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)["compute_balance"]
+    assert got["balanced"] == pytest.approx(step_balance(balanced))
+    assert got["unbalanced"] == pytest.approx(step_balance(plain))
 
 
 def test_skipping_a_warmups_steps_by_state_edit_equals_skip_steps(corpus, tmp_path):

@@ -23,10 +23,15 @@ from .state import MixtureState
 __all__ = ["StepCosts", "first_epoch_steps", "step_costs", "unit_costs"]
 
 
-def unit_costs(plan: RankPlan, model: CostModel) -> np.ndarray:
-    """The cost of each unit of a source's rank plan: a packed source's units are single rows."""
-    width = 1 if plan.rows is not None else None
-    return served_costs(plan.rows, plan.row_offsets, plan.lengths, plan.offsets, model, width)
+def unit_costs(plan: RankPlan, model: CostModel, seq_len: int | None = None) -> np.ndarray:
+    """The cost of each unit of a source's rank plan: a packed source's units are single rows,
+    under a sequence-length warmup served cut into rows of ``seq_len``."""
+    if plan.rows is None:
+        return served_costs(None, None, plan.lengths, plan.offsets, model)
+    if seq_len is None:
+        return served_costs(plan.rows, plan.row_offsets, None, plan.offsets, model, 1)
+    cut = np.full(plan.batches_per_rank, seq_len, np.int64)  # a planned row is served as rows of seq_len
+    return served_costs(plan.rows, plan.row_offsets, None, plan.offsets, model, plan.rows.seq_len // seq_len, cut)
 
 
 def step_costs(
@@ -36,24 +41,27 @@ def step_costs(
     steps: Iterable[int],
     model: CostModel,
     plan_of: Callable[[str, int, int], RankPlan] | None = None,
+    seq_len_at: Callable[[int], int | None] | None = None,
 ) -> np.ndarray:
     """``[len(dp_ranks), len(steps)]``: the cost of each of ``steps`` on each DP rank under
     ``state``'s phase, the sum of its units' costs. Which units a step takes is the same on every
     rank, so it is worked out once. ``plan_of(name, epoch, dp_rank)`` gives a rank's plan of a
-    source-epoch (default: planned here; a loader passes the plans it keeps)."""
+    source-epoch (default: planned here; a loader passes the plans it keeps). Under a
+    sequence-length warmup, ``seq_len_at(step)`` is the length a step's rows are cut to."""
     plan = plan_of or (lambda name, epoch, rank: planner.rank_plan(state, name, epoch, rank))
     steps = list(steps)
-    runs: dict[tuple[str, int], list[tuple[int, int, int]]] = {}  # (step's place, first unit, units)
+    runs: dict[tuple[str, int, int | None], list[tuple[int, int, int]]] = {}  # (step's place, first unit, units)
     for at, step in enumerate(steps):
+        seq_len = seq_len_at(step) if seq_len_at is not None else None
         for name, pieces in planner.step_pieces(state, step):
             for epoch, first, count in pieces:
-                runs.setdefault((name, epoch), []).append((at, first, count))
+                runs.setdefault((name, epoch, seq_len), []).append((at, first, count))
     out = np.zeros((len(dp_ranks), len(steps)), np.float64)
-    for (name, epoch), got in runs.items():
+    for (name, epoch, seq_len), got in runs.items():
         where, lo, hi = np.asarray(got, np.int64).T
         hi = lo + hi  # the end of each run of units
         for row, rank in enumerate(dp_ranks):
-            total = np.concatenate([[0.0], np.cumsum(unit_costs(plan(name, epoch, rank), model))])
+            total = np.concatenate([[0.0], np.cumsum(unit_costs(plan(name, epoch, rank), model, seq_len))])
             np.add.at(out[row], where, total[hi] - total[lo])
     return out
 
@@ -81,14 +89,16 @@ class StepCosts:
         dp_rank: int,
         model: CostModel,
         plan_of: Callable[[str, int], RankPlan],
+        seq_len_at: Callable[[int], int | None] | None = None,
     ):
         self.planner, self.state, self.dp_rank, self.model, self.plan_of = planner, state, dp_rank, model, plan_of
+        self.seq_len_at = seq_len_at  # a warmup's: the length each step's rows are cut to
 
     def __getitem__(self, steps: slice) -> np.ndarray:
         if not isinstance(steps, slice) or steps.stop is None:
             raise TypeError("step costs are read by a slice with its end: costs[first:stop]")
         span = range(steps.start or 0, steps.stop, steps.step or 1)
-        return step_costs(self.planner, self.state, [self.dp_rank], span, self.model, self._plan)[0]
+        return step_costs(self.planner, self.state, [self.dp_rank], span, self.model, self._plan, self.seq_len_at)[0]
 
     def _plan(self, name: str, epoch: int, dp_rank: int) -> RankPlan:
         return self.plan_of(name, epoch)
