@@ -89,7 +89,7 @@ def batch_options(
     """The batching of the loader's keywords (`Batching` checks its own fields); ValueError naming
     the keyword where a combination cannot work. ``bucketing=None`` stays None: the dataset
     decides it once opened (`shardtool.plan.batching.default_bucketing`)."""
-    schedule, rows_or_samples, row_len = _schedule(batch_size, seq_len, max_tokens, exact, micro_batches)
+    schedule, rows_or_samples, row_len = _schedule(batch_size, seq_len, max_tokens, exact)
     rows = None
     if row_len is not None:
         if transform is not None or collate_fn is not None:
@@ -129,9 +129,7 @@ def batch_options(
     return BatchOptions(batching, packed_outputs, transform, collate_fn, int(pad_id), token_fields, schedule)
 
 
-def _schedule(
-    batch_size: Any, seq_len: Any, max_tokens: Any, exact: bool, micro_batches: Any
-) -> tuple[Schedule | None, Any, Any]:
+def _schedule(batch_size: Any, seq_len: Any, max_tokens: Any, exact: bool) -> tuple[Schedule | None, Any, Any]:
     """``batch_size={first step: size}`` and ``seq_len={first step: length}``: the schedule, the
     plan's batch size (its base) and the plan's seq_len (the longest)."""
     if isinstance(max_tokens, Mapping):
@@ -149,16 +147,9 @@ def _schedule(
         batch_size, sizes = sizes.changes[0][1], None
     if sizes is None and lengths is None:
         return None, batch_size, seq_len
-    refused = {
-        "exact=True": exact,
-        # A balanced step is planned batches of like cost on every rank; with micro-batches the
-        # rank's total over M steps is what is balanced, and M steps of a ramp are not M batches.
-        "micro_batches": micro_batches not in (None, 1),
-    }
     what = "batch_size" if lengths is None else "seq_len"
-    for name, given in refused.items():
-        if given:
-            raise ValueError(f"{what} by step (a schedule) cannot be combined with {name} yet; give one size")
+    if exact:
+        raise ValueError(f"{what} by step (a schedule) cannot be combined with exact=True yet; give one size")
     if lengths is None:
         return (sizes, sizes.base, seq_len) if sizes is not None else (None, batch_size, seq_len)
     schedule = with_seq_lens(sizes if sizes is not None else batch_size, lengths)

@@ -135,13 +135,9 @@ def run(args) -> int:
         if value is not None and cost is None:
             raise ShardtoolError(f"{flag} balances steps by a cost model: give --cost-model too")
     try:
-        scheduled = schedule_of(args)
+        schedule_of(args)
     except ValueError as e:
         raise ShardtoolError(str(e)) from None
-    if scheduled is not None and args.micro_batches:
-        raise ShardtoolError(
-            "a schedule by step cannot be combined with --micro-batches yet (as ShardedLoader refuses it)"
-        )
     if args.url is not None and is_mixture_file(args.url):
         from ._mixture import plan_mixture
 
@@ -314,7 +310,7 @@ def _steps_balance(sim, schedule, args, cost=None):
         joined = np.diff(cut) * schedule.base  # planned rows of each step
         rows = np.array([schedule.units_at(first + j) for j in range(joined.size)], np.int64)
         steps += cost.a * packing.seq_len * np.maximum(rows - joined, 0)
-    return step_balance(steps)
+    return step_balance(steps, args.micro_batches or 1)
 
 
 def _cut_lengths(schedule, epoch: int):

@@ -234,7 +234,6 @@ def test_a_schedule_is_refused_where_it_cannot_work_yet(corpus):
         (dict(batch_size={5: 4}), "from step 0"),
         (dict(batch_size={0: 4, 10: 0}), "sizes (ints >= 1)"),
         (dict(batch_size={0: 4, 10: 8}, exact=True), "exact=True"),
-        (dict(batch_size={0: 4, 10: 8}, cost_model="llama-7b", micro_batches=2), "micro_batches"),
         (dict(max_tokens={0: 4096, 10: 8192}), "max_tokens by step"),
     ]:
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
