@@ -19,6 +19,7 @@ __all__ = [
     "doc_lengths",
     "issue32_lengths",
     "long_and_short_files",
+    "long_and_short_mixture",
     "pack_long_and_short",
     "stdlib_files",
     "stdlib_lengths",
@@ -60,6 +61,19 @@ def pack_long_and_short(
     size = sum(r["tokens"].nbytes for r in rows) // shards
     shardtool.pack(rows, root, format=fmt, length="tokens", shard_size=size)
     return root
+
+
+def long_and_short_mixture(
+    root: str, long: tuple[int, int], short: tuple[int, int], weights: tuple[float, float], *, least: int
+):
+    """A `Mixture` of two sources of other shapes packed under ``root``: "long" (mostly stdlib
+    files: ``long`` = (stdlib, docs) counts, 3 shards) and "short" (mostly /usr/share/doc files,
+    2 shards), at ``weights``."""
+    from shardtool.plan.mixture import Mixture
+
+    a = pack_long_and_short(os.path.join(root, "long"), *long, least=least)
+    b = pack_long_and_short(os.path.join(root, "short"), *short, least=least, shards=2)
+    return Mixture({"long": (a, weights[0]), "short": (b, weights[1])})
 
 
 def issue32_lengths() -> np.ndarray:

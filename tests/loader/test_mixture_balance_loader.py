@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from helpers.packedpieces import piece_lengths
-from helpers.realtext import pack_long_and_short
-from shardtool.loader import LoaderStateError, Mixture, ShardedLoader
+from helpers.realtext import long_and_short_mixture
+from shardtool.loader import LoaderStateError, ShardedLoader
 from shardtool.plan.cost import CostModel, step_balance
 from shardtool.plan.mixture.cost import step_costs
 
@@ -23,10 +23,7 @@ SEQ, ROWS, STEPS = 1024, 2, 30
 
 @pytest.fixture(scope="module")
 def mix(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mixbal")
-    long = pack_long_and_short(str(root / "long"), 120, 20, least=80)
-    short = pack_long_and_short(str(root / "short"), 20, 150, least=80, shards=2)
-    return Mixture({"long": (long, 0.7), "short": (short, 0.3)})
+    return long_and_short_mixture(str(tmp_path_factory.mktemp("mixbal")), (120, 20), (20, 150), (0.7, 0.3), least=80)
 
 
 def _ranks(mix, world, cost_model=MODEL, **kw):

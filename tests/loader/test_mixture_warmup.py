@@ -14,10 +14,10 @@ import pytest
 
 import shardtool
 from helpers.packedpieces import packed_pieces
-from helpers.realtext import pack_long_and_short
+from helpers.realtext import long_and_short_mixture
 from helpers.runcli import shardtool_cli
 from helpers.schedrun import killed_and_resumed
-from shardtool.loader import Mixture, ShardedLoader
+from shardtool.loader import ShardedLoader
 from shardtool.loader.trace import find, trace
 
 PAD = 999  # byte ids are < 256
@@ -28,10 +28,7 @@ STEPS = 12
 
 @pytest.fixture(scope="module")
 def mix(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mixwarm")
-    long = pack_long_and_short(str(root / "long"), 60, 20, least=50)
-    short = pack_long_and_short(str(root / "short"), 10, 120, least=50, shards=2)
-    return Mixture({"long": (long, 0.6), "short": (short, 0.4)})
+    return long_and_short_mixture(str(tmp_path_factory.mktemp("mixwarm")), (60, 20), (10, 120), (0.6, 0.4), least=50)
 
 
 def _ranks(mix, world, **kw):
