@@ -112,7 +112,8 @@ def plan_mixture(args) -> int:
     }
     if batching.balance is not None:
         cut = schedule.seq_len_at if schedule is not None and schedule.seq_lens else None
-        report["compute_balance"] = _balance(planner, planner_for(batching.with_balance(None)), data, steps, cut)
+        plain = planner_for(batching.with_balance(None))
+        report["compute_balance"] = _balance(planner, plain, data, steps, cut, args.processes)
     if args.json:
         print(json.dumps(report))
     else:
@@ -125,7 +126,7 @@ def plan_mixture(args) -> int:
 BALANCE_STEPS = 2000  # the most steps the report compares, from the first: a run may have millions
 
 
-def _balance(planner, unbalanced, data, steps: int, seq_len_at=None) -> dict:
+def _balance(planner, unbalanced, data, steps: int, seq_len_at=None, processes: int = 1) -> dict:
     """Per-step max/mean cost across the DP ranks and the step time lost, over the run's first
     steps (at most ``BALANCE_STEPS``, and only those every source serves from its first epoch:
     each later epoch is every group's plan again), with and without balancing (``unbalanced``:
@@ -139,7 +140,7 @@ def _balance(planner, unbalanced, data, steps: int, seq_len_at=None) -> dict:
     out: dict[str, Any] = {"cost_model": {"a": model.a, "b": model.b}, "balance_window": batching.balance_window}
     out["micro_batches"], out["steps_compared"] = batching.micro_batches, len(span)
     for name, p in (("unbalanced", unbalanced), ("balanced", planner)):
-        costs = step_costs(p, p.start(), range(data.dp_size), span, model, seq_len_at=seq_len_at)
+        costs = step_costs(p, p.start(), range(data.dp_size), span, model, seq_len_at=seq_len_at, processes=processes)
         out[name] = step_balance(costs, batching.micro_batches or 1)
     return out
 

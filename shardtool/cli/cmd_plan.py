@@ -103,7 +103,8 @@ def add_arguments(p) -> None:
         "--processes",
         type=int,
         default=min(2, os.cpu_count() or 1),
-        help="processes for the simulation of every group (default: up to 2)",
+        help="processes for the simulation of every group (a dataset's epoch; a mixture's compute balance) "
+        "(default: up to 2)",
     )
     mx = p.add_argument_group("mixtures (URL is a mixture file: .json or .yaml)")
     length = mx.add_mutually_exclusive_group()

@@ -119,6 +119,13 @@ def test_balancing_serves_the_same_tokens_of_each_source_in_another_order(source
         assert np.array_equal(served[0][name], served[1][name]), name
 
 
+def test_step_costs_shared_over_processes_are_those_of_one(sources):
+    planner = _planner(sources, _packed(8192, 2, True), Layout(2, 4))
+    state = planner.start()
+    one = step_costs(planner, state, range(8), range(40), LLAMA_7B)
+    assert np.array_equal(step_costs(planner, state, range(8), range(40), LLAMA_7B, processes=2), one)
+
+
 def test_step_costs_are_read_by_a_slice_of_steps(sources):
     planner = _planner(sources, _packed(8192, 2, True), Layout(1, 2))
     state = planner.start()

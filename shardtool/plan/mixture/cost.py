@@ -42,13 +42,15 @@ def step_costs(
     model: CostModel,
     plan_of: Callable[[str, int, int], RankPlan] | None = None,
     seq_len_at: Callable[[int], int | None] | None = None,
+    processes: int = 1,
 ) -> np.ndarray:
     """``[len(dp_ranks), len(steps)]``: the cost of each of ``steps`` on each DP rank under
     ``state``'s phase, the sum of its units' costs. Which units a step takes is the same on every
     rank, so it is worked out once. ``plan_of(name, epoch, dp_rank)`` gives a rank's plan of a
     source-epoch (default: planned here; a loader passes the plans it keeps). Under a
-    sequence-length warmup, ``seq_len_at(step)`` is the length a step's rows are cut to."""
-    plan = plan_of or (lambda name, epoch, rank: planner.rank_plan(state, name, epoch, rank))
+    sequence-length warmup, ``seq_len_at(step)`` is the length a step's rows are cut to. With
+    ``processes`` > 1 the ranks are shared out over forked processes (a report of many groups)."""
+    global _FORKED
     steps = list(steps)
     runs: dict[tuple[str, int, int | None], list[tuple[int, int, int]]] = {}  # (step's place, first unit, units)
     for at, step in enumerate(steps):
@@ -56,13 +58,41 @@ def step_costs(
         for name, pieces in planner.step_pieces(state, step):
             for epoch, first, count in pieces:
                 runs.setdefault((name, epoch, seq_len), []).append((at, first, count))
-    out = np.zeros((len(dp_ranks), len(steps)), np.float64)
-    for (name, epoch, seq_len), got in runs.items():
-        where, lo, hi = np.asarray(got, np.int64).T
-        hi = lo + hi  # the end of each run of units
-        for row, rank in enumerate(dp_ranks):
+    spans = {key: np.asarray(got, np.int64).T for key, got in runs.items()}
+    ranks = list(dp_ranks)
+    work = (planner, state, spans, len(steps), model, plan_of)
+    if processes > 1 and len(ranks) > 1 and plan_of is None:
+        import multiprocessing as mp
+
+        chunks = [c.tolist() for c in np.array_split(np.asarray(ranks), min(len(ranks), 4 * processes)) if c.size]
+        _FORKED = work
+        try:
+            with mp.get_context("fork").Pool(processes) as pool:
+                return np.concatenate(pool.map(_forked_costs, chunks))
+        finally:
+            _FORKED = None
+    return _rank_costs(work, ranks)
+
+
+_FORKED: tuple | None = None  # what forked processes of `step_costs` work on (inherited, not pickled)
+
+
+def _forked_costs(ranks: list[int]) -> np.ndarray:
+    if _FORKED is None:
+        raise RuntimeError("shardtool internal error: step_costs sets the work before it forks")
+    return _rank_costs(_FORKED, ranks)
+
+
+def _rank_costs(work: tuple, ranks: list[int]) -> np.ndarray:
+    """Each of ``ranks``' step costs; rank after rank, so that neighbouring ranks reuse the group
+    plans their planners keep."""
+    planner, state, spans, steps, model, plan_of = work
+    plan = plan_of or (lambda name, epoch, rank: planner.rank_plan(state, name, epoch, rank))
+    out = np.zeros((len(ranks), steps), np.float64)
+    for row, rank in enumerate(ranks):
+        for (name, epoch, seq_len), (where, lo, count) in spans.items():
             total = np.concatenate([[0.0], np.cumsum(unit_costs(plan(name, epoch, rank), model, seq_len))])
-            np.add.at(out[row], where, total[hi] - total[lo])
+            np.add.at(out[row], where, total[lo + count] - total[lo])
     return out
 
 
