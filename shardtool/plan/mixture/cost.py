@@ -43,13 +43,16 @@ def step_costs(
     plan_of: Callable[[str, int, int], RankPlan] | None = None,
     seq_len_at: Callable[[int], int | None] | None = None,
     processes: int = 1,
+    cache: dict | None = None,
 ) -> np.ndarray:
     """``[len(dp_ranks), len(steps)]``: the cost of each of ``steps`` on each DP rank under
     ``state``'s phase, the sum of its units' costs. Which units a step takes is the same on every
     rank, so it is worked out once. ``plan_of(name, epoch, dp_rank)`` gives a rank's plan of a
     source-epoch (default: planned here; a loader passes the plans it keeps). Under a
     sequence-length warmup, ``seq_len_at(step)`` is the length a step's rows are cut to. With
-    ``processes`` > 1 the ranks are shared out over forked processes (a report of many groups)."""
+    ``processes`` > 1 the ranks are shared out over forked processes (a report of many groups).
+    ``cache``: where a caller asking again and again (a run's metric lines) keeps each
+    source-epoch's unit costs."""
     global _FORKED
     steps = list(steps)
     runs: dict[tuple[str, int, int | None], list[tuple[int, int, int]]] = {}  # (step's place, first unit, units)
@@ -60,7 +63,7 @@ def step_costs(
                 runs.setdefault((name, epoch, seq_len), []).append((at, first, count))
     spans = {key: np.asarray(got, np.int64).T for key, got in runs.items()}
     ranks = list(dp_ranks)
-    work = (planner, state, spans, len(steps), model, plan_of)
+    work = (planner, state, spans, len(steps), model, plan_of, cache if cache is not None else {})
     if processes > 1 and len(ranks) > 1 and plan_of is None:
         import multiprocessing as mp
 
@@ -86,12 +89,17 @@ def _forked_costs(ranks: list[int]) -> np.ndarray:
 def _rank_costs(work: tuple, ranks: list[int]) -> np.ndarray:
     """Each of ``ranks``' step costs; rank after rank, so that neighbouring ranks reuse the group
     plans their planners keep."""
-    planner, state, spans, steps, model, plan_of = work
+    planner, state, spans, steps, model, plan_of, cache = work
     plan = plan_of or (lambda name, epoch, rank: planner.rank_plan(state, name, epoch, rank))
     out = np.zeros((len(ranks), steps), np.float64)
     for row, rank in enumerate(ranks):
         for (name, epoch, seq_len), (where, lo, count) in spans.items():
-            total = np.concatenate([[0.0], np.cumsum(unit_costs(plan(name, epoch, rank), model, seq_len))])
+            total = cache.get((name, epoch, seq_len, rank))
+            if total is None:
+                total = np.concatenate([[0.0], np.cumsum(unit_costs(plan(name, epoch, rank), model, seq_len))])
+                if len(cache) > 64:  # the epochs a run is in now: a source's current and next, a few lengths
+                    cache.clear()
+                cache[(name, epoch, seq_len, rank)] = total
             np.add.at(out[row], where, total[lo + count] - total[lo])
     return out
 
@@ -123,12 +131,15 @@ class StepCosts:
     ):
         self.planner, self.state, self.dp_rank, self.model, self.plan_of = planner, state, dp_rank, model, plan_of
         self.seq_len_at = seq_len_at  # a warmup's: the length each step's rows are cut to
+        self._units: dict = {}  # each source-epoch's unit costs, kept across metric lines
 
     def __getitem__(self, steps: slice) -> np.ndarray:
         if not isinstance(steps, slice) or steps.stop is None:
             raise TypeError("step costs are read by a slice with its end: costs[first:stop]")
         span = range(steps.start or 0, steps.stop, steps.step or 1)
-        return step_costs(self.planner, self.state, [self.dp_rank], span, self.model, self._plan, self.seq_len_at)[0]
+        return step_costs(
+            self.planner, self.state, [self.dp_rank], span, self.model, self._plan, self.seq_len_at, cache=self._units
+        )[0]
 
     def _plan(self, name: str, epoch: int, dp_rank: int) -> RankPlan:
         return self.plan_of(name, epoch)
