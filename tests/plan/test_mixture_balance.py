@@ -150,3 +150,15 @@ def test_the_benchmark_prints_a_mixtures_balance_on_real_documents():
     (row,) = run_mixture(cases=[(32768, 1, 0.02)], layouts=[(1, 8)], resample_tokens=0)
     assert row["balanced"]["time_lost"] <= row["target"] < row["unbalanced"]["time_lost"]
     assert row["balanced"]["dp_ranks"] == 8 and row["balanced"]["steps"] > 100
+
+
+def test_a_sources_balance_window_is_that_many_steps_worth_of_its_units():
+    from shardtool.plan.mixture import source_batching
+
+    packed = source_batching(_packed(8192, 4, True).with_balance(LLAMA_7B, 10, 2), "code")
+    assert (packed.batch_size, packed.balance_window, packed.micro_batches) == (1, 40, None)
+    assert packed.balance == LLAMA_7B
+    bucketed = source_batching(Batching(max_tokens=65536).with_balance(LLAMA_7B, 10), "code")
+    assert (bucketed.balance_window, bucketed.max_tokens) == (10, 65536)
+    plain = source_batching(_packed(8192, 4, False), "code")
+    assert plain.balance is None and plain.balance_window is None
