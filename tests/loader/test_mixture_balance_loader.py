@@ -34,16 +34,18 @@ def _ranks(mix, world, cost_model=MODEL, **kw):
     ]
 
 
-def _served(loaders) -> list[list[list[tuple]]]:
-    """Per rank, per step: the step's tokens (its rows', padding too), then (source, key, offset,
-    length) of each piece it served."""
+def _step(b) -> list:
+    """A served step: its tokens (its rows', padding too), then (source, key, offset, length) of
+    each piece."""
+    sources = [s for s, keys in zip(b["__source__"], b["__key__"]) for _ in keys]
+    return [b["input_ids"].numel(), *[(s, *p) for s, p in zip(sources, piece_lengths(b))]]
+
+
+def _served(loaders) -> list[list[list]]:
+    """Per rank, per step: `_step` of what it served."""
     out = []
     for ld in loaders:
-        mine = []
-        for b in ld:
-            sources = [s for s, keys in zip(b["__source__"], b["__key__"]) for _ in keys]
-            mine.append([b["input_ids"].numel(), *[(s, *p) for s, p in zip(sources, piece_lengths(b))]])
-        out.append(mine)
+        out.append([_step(b) for b in ld])
         ld.close()
     return out
 
@@ -87,11 +89,12 @@ def test_a_balanced_mixture_resumes_exactly_and_elastically(mix, cut, new_world)
     done, states = [], []
     for ld in first:
         it = iter(ld)
-        done.append([next(it) for _ in range(cut)])
+        done.append([_step(next(it)) for _ in range(cut)])
         states.append(ld.state_dict())
         it.close()
         ld.close()
     assert states[0] == states[1]
+    assert done == [w[:cut] for w in whole]  # 2 workers serve what 0 did
     resumed = _ranks(mix, new_world)
     for ld in resumed:
         ld.load_state_dict(json.loads(json.dumps(states[0])))
@@ -102,7 +105,7 @@ def test_a_balanced_mixture_resumes_exactly_and_elastically(mix, cut, new_world)
     if new_world == 2:
         assert rest == [w[cut:] for w in whole]  # the uninterrupted run's steps, rank by rank
     else:
-        _no_token_twice([w[:cut] for w in whole] + rest)
+        _no_token_twice(done + rest)
 
 
 @pytest.mark.timeout(300)
