@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import shardtool
+from helpers.cutrun import served_then_saved
 from helpers.packedpieces import piece_lengths
 from helpers.realtext import byte_ids, stdlib_files
 from shardtool.loader import LoaderStateError, ShardedLoader
@@ -91,13 +92,7 @@ def test_a_balanced_run_resumes_exactly_and_elastically(stdlib_root, cut, new_wo
     every = {"drop_last": False}  # every token served: an epoch's tokens are comparable across layouts
     whole = _epoch(_loaders(stdlib_root, 2, **every))
     first = _loaders(stdlib_root, 2, num_workers=2, **every)
-    done, states = [], []
-    for ld in first:
-        it = iter(ld)
-        done.append([piece_lengths(next(it)) for _ in range(cut)])
-        states.append(ld.state_dict())
-        it.close()
-        ld.close()
+    done, states = served_then_saved(first, cut, piece_lengths)
     assert done == [w[:cut] for w in whole] and all(s == states[0] for s in states)
     resumed = _loaders(stdlib_root, new_world, **every)
     for ld in resumed:

@@ -11,6 +11,7 @@ import json
 import numpy as np
 import pytest
 
+from helpers.cutrun import served_then_saved
 from helpers.packedpieces import piece_lengths
 from helpers.realtext import long_and_short_mixture
 from shardtool.loader import LoaderStateError, ShardedLoader
@@ -86,13 +87,7 @@ def test_each_ranks_steps_cost_what_the_plan_says_and_are_more_even(mix):
 def test_a_balanced_mixture_resumes_exactly_and_elastically(mix, cut, new_world):
     whole = _served(_ranks(mix, 2))
     first = _ranks(mix, 2, num_workers=2)
-    done, states = [], []
-    for ld in first:
-        it = iter(ld)
-        done.append([_step(next(it)) for _ in range(cut)])
-        states.append(ld.state_dict())
-        it.close()
-        ld.close()
+    done, states = served_then_saved(first, cut, _step)
     assert states[0] == states[1]
     assert done == [w[:cut] for w in whole]  # 2 workers serve what 0 did
     resumed = _ranks(mix, new_world)
