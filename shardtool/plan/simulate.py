@@ -13,6 +13,7 @@ import numpy as np
 
 from .batching import Batching
 from .cost import CostModel, batch_costs, step_balance
+from .forked import forked_map
 from .group import plan_group
 from .layout import DataLayout
 from .shape import PlanShape, plan_shape
@@ -137,11 +138,6 @@ def _stats(
     )
 
 
-# What forked simulation workers plan: set before the pool forks, so they inherit the source (a
-# dataset with open files and locks) instead of receiving it pickled.
-_FORKED: tuple | None = None
-
-
 def _packed_stats(plan, shape: PlanShape, costs: np.ndarray | None) -> GroupStats:
     """Tokens count the eos packing adds; the remainder is the rows dropped for equal counts (no-split's
     over-long documents are counted apart, as dropped)."""
@@ -166,8 +162,8 @@ def _packed_stats(plan, shape: PlanShape, costs: np.ndarray | None) -> GroupStat
     )
 
 
-def _forked_stats(group: int) -> GroupStats:
-    source, shape, epoch, cost, cut = _FORKED
+def _group_stats(work: tuple, group: int) -> GroupStats:
+    source, shape, epoch, cost, cut = work
     return _stats(source, shape, group, epoch, cost, cut)
 
 
@@ -184,21 +180,12 @@ def simulate_epoch(
     """Every group's plan of ``epoch``; with ``cost_model``, each batch's cost too (`Simulation.balance`),
     under a sequence-length warmup of its rows cut to ``seq_lens_of(batches per rank)`` (one
     length per batch of a rank: that of the step that serves it)."""
-    global _FORKED
     shape = plan_shape(source.summaries, layout, batching, source.lengths_range)
     groups = list(range(layout.num_groups))
     cut = seq_lens_of(shape.batches_per_rank) if seq_lens_of is not None and cost_model is not None else None
-    if processes > 1 and len(groups) > 1:
-        import multiprocessing as mp
-
-        _FORKED = (source, shape, epoch, cost_model, cut)
-        try:
-            with mp.get_context("fork").Pool(processes) as pool:
-                stats = pool.map(_forked_stats, groups, chunksize=max(1, len(groups) // (8 * processes)))
-        finally:
-            _FORKED = None
-    else:
-        stats = [_stats(source, shape, g, epoch, cost_model, cut) for g in groups]
+    # Forked processes inherit the source (a dataset with open files and locks) instead of receiving it pickled.
+    work = (source, shape, epoch, cost_model, cut)
+    stats = forked_map(_group_stats, work, groups, processes, chunksize=len(groups) // (8 * max(processes, 1)))
     return Simulation(shape, stats)
 
 

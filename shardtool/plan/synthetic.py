@@ -17,6 +17,7 @@ import numpy as np
 
 from ..format.sketch import sketch_cells
 from ..format.summaries import ShardSummaries
+from .forked import forked_map
 
 __all__ = ["MAX_LENGTH", "MEDIAN", "SIGMA", "SyntheticSource", "lognormal_lengths"]
 
@@ -99,13 +100,7 @@ class SyntheticSource:
         """What a dataset would store; computed once (the only pass over all ``n`` lengths)."""
         if self._summaries is None:
             firsts = list(range(0, len(self.shard_counts), self.CHUNK))
-            if self.processes > 1 and len(firsts) > 1:
-                import multiprocessing as mp
-
-                with mp.get_context("fork").Pool(self.processes) as pool:
-                    parts = pool.map(self._chunk, firsts)
-            else:
-                parts = [self._chunk(f) for f in firsts]
+            parts = forked_map(SyntheticSource._chunk, self, firsts, self.processes)
             self._summaries = (
                 ShardSummaries.concat(parts)
                 if parts

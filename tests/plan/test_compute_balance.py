@@ -155,6 +155,20 @@ def test_balance_across_nodes_aligns_each_groups_steps_by_cost_rank(long_docs):
     assert after["time_lost"] <= after["time_lost_floor"] + 0.01, (before, after)
 
 
+@pytest.mark.timeout(120)
+def test_a_report_over_forked_processes_is_the_report_of_one(long_docs):
+    """`shardtool plan --processes 2` forks its groups' plans: the same groups, batches and
+    costs, in the groups' order."""
+    layout = DataLayout.pure_dp(Layout(4, 2))
+    balanced = Batching(batch_size=1, packing=Packing(32768, "best-fit"), seed=3).with_balance(LLAMA_7B)
+    one = simulate_epoch(long_docs, layout, balanced, cost_model=LLAMA_7B)
+    two = simulate_epoch(long_docs, layout, balanced, cost_model=LLAMA_7B, processes=2)
+    assert [s.group for s in two.groups] == list(range(4))
+    for a, b in zip(one.groups, two.groups):
+        assert a.samples_per_rank == b.samples_per_rank and np.array_equal(a.costs, b.costs)
+    assert one.balance() == two.balance()
+
+
 @pytest.mark.timeout(300)
 def test_across_nodes_the_loss_left_falls_as_each_nodes_share_grows(lengths):
     """Issue 33's 64-rank target (32,768 x 1 row: at most 2% of step time lost) on a corpus of the

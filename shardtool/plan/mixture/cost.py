@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from ..cost import CostModel, served_costs
+from ..forked import forked_map
 from ..rank import RankPlan
 from .planner import MixturePlanner
 from .state import MixtureState
@@ -53,7 +54,6 @@ def step_costs(
     ``processes`` > 1 the ranks are shared out over forked processes (a report of many groups).
     ``cache``: where a caller asking again and again (a run's metric lines) keeps each
     source-epoch's unit costs."""
-    global _FORKED
     steps = list(steps)
     runs: dict[tuple[str, int, int | None], list[tuple[int, int, int]]] = {}  # (step's place, first unit, units)
     for at, step in enumerate(steps):
@@ -64,26 +64,10 @@ def step_costs(
     spans = {key: np.asarray(got, np.int64).T for key, got in runs.items()}
     ranks = list(dp_ranks)
     work = (planner, state, spans, len(steps), model, plan_of, cache if cache is not None else {})
-    if processes > 1 and len(ranks) > 1 and plan_of is None:
-        import multiprocessing as mp
-
-        chunks = [c.tolist() for c in np.array_split(np.asarray(ranks), min(len(ranks), 4 * processes)) if c.size]
-        _FORKED = work
-        try:
-            with mp.get_context("fork").Pool(processes) as pool:
-                return np.concatenate(pool.map(_forked_costs, chunks))
-        finally:
-            _FORKED = None
-    return _rank_costs(work, ranks)
-
-
-_FORKED: tuple | None = None  # what forked processes of `step_costs` work on (inherited, not pickled)
-
-
-def _forked_costs(ranks: list[int]) -> np.ndarray:
-    if _FORKED is None:
-        raise RuntimeError("shardtool internal error: step_costs sets the work before it forks")
-    return _rank_costs(_FORKED, ranks)
+    if plan_of is not None or processes <= 1 or len(ranks) <= 1:  # a loader's kept plans live here
+        return _rank_costs(work, ranks)
+    chunks = [c.tolist() for c in np.array_split(np.asarray(ranks), min(len(ranks), 4 * processes))]
+    return np.concatenate(forked_map(_rank_costs, work, chunks, processes))
 
 
 def _rank_costs(work: tuple, ranks: list[int]) -> np.ndarray:
