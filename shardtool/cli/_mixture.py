@@ -124,19 +124,20 @@ def plan_mixture(args) -> int:
 
 
 BALANCE_STEPS = 2000  # the most steps the report compares, from the first: a run may have millions
+REPORT_PASSES = 3.0  # the most samples the report plans, in passes over the sources (`report_steps`)
 
 
 def _balance(planner, unbalanced, data, steps: int, seq_len_at=None, processes: int = 1) -> dict:
     """Per-step max/mean cost across the DP ranks and the step time lost, over the run's first
-    steps (at most ``BALANCE_STEPS``, and only those every source serves from its first epoch:
-    each later epoch is every group's plan again), with and without balancing (``unbalanced``:
-    the same mixture's planner without the cost model); under a warmup, of the rows as cut."""
+    steps (at most ``BALANCE_STEPS``, and as many as `report_steps` allows: each later epoch of a
+    source is every group's plan again), with and without balancing (``unbalanced``: the same
+    mixture's planner without the cost model); under a warmup, of the rows as cut."""
     from ..plan.cost import step_balance
-    from ..plan.mixture.cost import first_epoch_steps, step_costs
+    from ..plan.mixture.cost import report_steps, step_costs
 
     batching = planner.batching
     model = batching.balance
-    span = range(first_epoch_steps(planner, planner.start(), min(steps, BALANCE_STEPS)))
+    span = range(report_steps(planner, planner.start(), min(steps, BALANCE_STEPS), REPORT_PASSES))
     out: dict[str, Any] = {"cost_model": {"a": model.a, "b": model.b}, "balance_window": batching.balance_window}
     out["micro_batches"], out["steps_compared"] = batching.micro_batches, len(span)
     for name, p in (("unbalanced", unbalanced), ("balanced", planner)):
@@ -182,7 +183,14 @@ def _print(report: dict, data, human) -> None:
         f"unit);\n  epochs: passes over the source by the last step (max_repeat {report['max_repeat']})\n"
     )
     if "compute_balance" in report:
-        out(f"compute       over the first {report['compute_balance']['steps_compared']:,} steps:\n")
+        compared = report["compute_balance"]["steps_compared"]
+        if compared < report["steps"]:
+            out(
+                f"compute       over the first {compared:,} of {report['steps']:,} steps (a report prices at most "
+                f"{BALANCE_STEPS:,}, planning at most {REPORT_PASSES:g} times the sources' samples):\n"
+            )
+        else:
+            out(f"compute       over the first {compared:,} steps:\n")
         print_balance(report["compute_balance"], out)
     out(
         f"planning      {report['plan_seconds']:.2f} s (every source's shape, from its summaries), peak RSS "

@@ -188,6 +188,37 @@ def test_shardtool_plan_reports_a_mixtures_step_balance_with_and_without(mix, tm
     assert refused.returncode != 0 and "give --cost-model too" in refused.stderr
 
 
+@pytest.mark.timeout(300)
+def test_shardtool_plans_report_goes_past_a_small_sources_first_epoch_as_the_run_does(mix, tmp_path):
+    """The short documents' source ends its first epoch at step ~300 of a run of 600: the report
+    prices all 600 steps (later epochs are planned again, within its budget), and its figures,
+    with and without the cost model, are those of what the ranks serve over them."""
+    from helpers.runcli import shardtool_cli
+    from shardtool.plan.mixture.cost import first_epoch_steps, report_steps
+
+    steps, world = 600, 4
+    balanced = _ranks(mix, world, steps=steps)
+    src = balanced[0].batch_source
+    assert first_epoch_steps(src.planner, src.state, steps) < steps // 2
+    assert report_steps(src.planner, src.state, steps, 1.0) == first_epoch_steps(src.planner, src.state, steps)
+    assert report_steps(src.planner, src.state, 10 * steps, 3.0) < 10 * steps  # the budget ends a long report
+    path = tmp_path / "mix.json"
+    path.write_text(json.dumps({"sources": {s.name: {"url": s.url, "weight": float(s.weight)} for s in mix.sources}}))
+    args = ["plan", str(path), "--seq-len", str(SEQ), "--batch-size", str(ROWS), "--steps", str(steps)]
+    args += ["--eos-id", "256", "--seed", "2", "--ranks-per-node", str(world), "--cost-model", "llama-7b"]
+    res = shardtool_cli(*args, "--json")
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout)["compute_balance"]
+    assert got["steps_compared"] == steps
+    served = {
+        "balanced": _costs(_served(balanced)),
+        "unbalanced": _costs(_served(_ranks(mix, world, None, steps=steps))),
+    }
+    for side, costs in served.items():
+        assert got[side] == pytest.approx(step_balance(costs)), side
+    assert got["unbalanced"]["time_lost"] > 2 * got["balanced"]["time_lost"]
+
+
 @pytest.mark.timeout(400)
 def test_torchrun_balanced_mixture_ramp_resumed_after_a_kill_matches_the_uninterrupted_run(mix, tmp_path):
     """2 ranks under torchrun (gloo, a collective every step), rows ramping 4 -> 8 at step 10, the

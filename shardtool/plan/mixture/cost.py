@@ -21,7 +21,7 @@ from ..rank import RankPlan
 from .planner import MixturePlanner
 from .state import MixtureState
 
-__all__ = ["StepCosts", "first_epoch_steps", "step_costs", "unit_costs"]
+__all__ = ["StepCosts", "first_epoch_steps", "report_steps", "step_costs", "unit_costs"]
 
 
 def unit_costs(plan: RankPlan, model: CostModel, seq_len: int | None = None) -> np.ndarray:
@@ -71,13 +71,14 @@ def step_costs(
 
 
 def _rank_costs(work: tuple, ranks: list[int]) -> np.ndarray:
-    """Each of ``ranks``' step costs; rank after rank, so that neighbouring ranks reuse the group
-    plans their planners keep."""
+    """Each of ``ranks``' step costs. Source-epoch by source-epoch, its ranks one after another,
+    so that the ranks of one data group reuse the group plan their source's planner keeps (a
+    report over several epochs of a source would otherwise plan each again for every rank)."""
     planner, state, spans, steps, model, plan_of, cache = work
     plan = plan_of or (lambda name, epoch, rank: planner.rank_plan(state, name, epoch, rank))
     out = np.zeros((len(ranks), steps), np.float64)
-    for row, rank in enumerate(ranks):
-        for (name, epoch, seq_len), (where, lo, count) in spans.items():
+    for (name, epoch, seq_len), (where, lo, count) in spans.items():
+        for row, rank in enumerate(ranks):
             total = cache.get((name, epoch, seq_len, rank))
             if total is None:
                 total = np.concatenate([[0.0], np.cumsum(unit_costs(plan(name, epoch, rank), model, seq_len))])
@@ -90,12 +91,26 @@ def _rank_costs(work: tuple, ranks: list[int]) -> np.ndarray:
 
 def first_epoch_steps(planner: MixturePlanner, state: MixtureState, limit: int) -> int:
     """The steps from ``state.step`` (at most ``limit``, at least 1) in which every source serves
-    from the epoch it is in: what a report compares cheaply, as each later epoch is a plan of
-    every group again."""
-    first = {rec.name: rec.epoch for rec in state.phase.sources}
+    from the epoch it is in: what a report compares most cheaply, each source planned once."""
+    return report_steps(planner, state, limit, passes=1.0)
+
+
+def report_steps(planner: MixturePlanner, state: MixtureState, limit: int, passes: float = 3.0) -> int:
+    """The steps from ``state.step`` (at most ``limit``, at least 1) a report prices: each
+    source-epoch they draw from is every group's plan of that source, so they stop before the
+    one that would take the samples planned past ``passes`` times the sources' samples (a small
+    source drawn many times over is cheap to plan again, a large one is not)."""
+    samples = {name: int(p.source.summaries.samples.sum()) for name, p in planner.planners.items()}
+    budget = passes * sum(samples.values())
+    seen = {(rec.name, rec.epoch) for rec in state.phase.sources if rec.name in samples}
+    planned = sum(samples[name] for name, _ in seen)
     for k in range(limit):
-        pieces = planner.step_pieces(state, state.step + k)
-        if any(epoch != first[name] for name, runs in pieces for epoch, _, _ in runs):
+        for name, runs in planner.step_pieces(state, state.step + k):
+            for epoch, _, _ in runs:
+                if (name, epoch) not in seen:
+                    seen.add((name, epoch))
+                    planned += samples[name]
+        if planned > budget:
             return max(k, 1)
     return max(limit, 1)
 
