@@ -19,9 +19,14 @@ a node's share is ~70 steps of 32k rows, and a few documents of millions of toke
 node's total several percent above another's. The last rows plan the same 64 ranks on a corpus
 of the documents' shape large enough for shares of ~1,100 rows a rank (``--resample-tokens``,
 default 2.4B: this machine's documents drawn at random with a fixed seed), where node totals
-converge: the floor, and the balanced loss with it, falls below the targets.
+converge: the floor, and the balanced loss with it, falls below the targets. The rows marked
+"split" plan 64 ranks on this machine's documents as a corpus prepared before packing would
+store them (``--split-tokens``, default 262,144: each longer document cut into documents of that
+many tokens, all stored in a random order, `split_and_shuffled`), so that no node's contiguous
+range holds the whole of a document of millions of tokens.
 
-    python -m shardtool.benchmarks.compute_balance [--cost-model llama-7b] [--resample-tokens 2.4e9] [--json]
+    python -m shardtool.benchmarks.compute_balance [--cost-model llama-7b] [--resample-tokens 2.4e9] [--split-tokens 262144]
+        [--json]
 
 ``--mixture`` plans the same documents as a mixture of two sources instead (stdlib files and
 /usr/share/doc text, half the tokens each), on 8 and 64 DP ranks (`run_mixture`).
@@ -57,9 +62,20 @@ WIDE_RANKS, WIDE_COPIES = 64, 16
 
 
 RESAMPLED_LAYOUT = (8, 8)  # the resampled corpus is planned for 64 DP ranks on 8 nodes
+SPLIT_LAYOUT = (8, 8)  # and the corpus split and stored shuffled (`split_and_shuffled`)
 
 
-def run(cost_spec: str = "llama-7b", resample_tokens: float = 2.4e9) -> list[dict]:
+def split_and_shuffled(lengths: np.ndarray, piece: int, seed: int = 7) -> np.ndarray:
+    """The lengths of a corpus stored otherwise: every document longer than ``piece`` tokens cut
+    into documents of ``piece`` (the last shorter), all of them in a random order. A node's range
+    of such a corpus holds a random share of every long document instead of all of a few."""
+    lengths = np.asarray(lengths, np.int64)
+    whole, rest = lengths // piece, lengths % piece
+    pieces = np.concatenate([np.repeat(piece, int(whole.sum())), rest[rest > 0]]).astype(np.int64)
+    return pieces[np.random.default_rng(seed).permutation(pieces.size)]
+
+
+def run(cost_spec: str = "llama-7b", resample_tokens: float = 2.4e9, split_tokens: int = 262144) -> list[dict]:
     from shardtool.plan import ArraySource, Batching, DataLayout, Layout
     from shardtool.plan.cost import CostModel
     from shardtool.plan.packing import Packing
@@ -79,12 +95,15 @@ def run(cost_spec: str = "llama-7b", resample_tokens: float = 2.4e9) -> list[dic
     if resample_tokens:
         draws = np.random.default_rng(5).choice(lengths, size=int(resample_tokens / lengths.mean()) + 1)
         resampled = source_of(draws)
+    split = source_of(split_and_shuffled(lengths, split_tokens)) if split_tokens else None
     model = CostModel.parse(cost_spec)
     out = []
     for seq, rows, target in CASES:
         runs = [(layout, wide if layout[0] * layout[1] > WIDE_RANKS else source) for layout in LAYOUTS]
         if resampled is not None:
             runs.append((RESAMPLED_LAYOUT, resampled))
+        if split is not None:
+            runs.append((SPLIT_LAYOUT, split))
         for (nodes, per_node), src in runs:
             layout = DataLayout.pure_dp(Layout(nodes, per_node))
             plain = Batching(batch_size=rows, packing=Packing(seq, "best-fit"))
@@ -92,6 +111,7 @@ def run(cost_spec: str = "llama-7b", resample_tokens: float = 2.4e9) -> list[dic
             row["corpus_copies"] = WIDE_COPIES if src is wide else 1
             row["corpus_tokens"] = int(src.lengths.sum())
             row["resampled"] = src is resampled
+            row["split_tokens"] = split_tokens if src is split else None
             for name, batching in (("unbalanced", plain), ("balanced", plain.with_balance(model))):
                 began = time.perf_counter()
                 sim = simulate_epoch(src, layout, batching, cost_model=model)
@@ -260,6 +280,13 @@ def main(argv=None) -> int:
         default=2.4e9,
         help="also plan 64 ranks on a corpus of the documents' shape this many tokens large (0: not)",
     )
+    p.add_argument(
+        "--split-tokens",
+        type=int,
+        default=262144,
+        help="also plan 64 ranks on the documents cut into pieces of at most this many tokens and stored "
+        "in a random order (0: not)",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--mixture", action="store_true", help="plan a two-source mixture of the same documents instead")
     p.add_argument("--measure", action="store_true", help="time a small transformer's steps against the cost model")
@@ -285,7 +312,7 @@ def main(argv=None) -> int:
     if args.mixture:
         rows = run_mixture(args.cost_model, resample_tokens=args.resample_tokens)
     else:
-        rows = run(args.cost_model, args.resample_tokens)
+        rows = run(args.cost_model, args.resample_tokens, args.split_tokens)
     if args.json:
         print(json.dumps(rows))
         return 0
@@ -300,6 +327,8 @@ def main(argv=None) -> int:
         copies = f" (corpus x{r['corpus_copies']})" if r.get("corpus_copies", 1) > 1 else ""
         if r["resampled"]:
             copies = f" (resampled, {r['corpus_tokens'] / 1e9:.1f}B tokens)"
+        if r.get("split_tokens"):
+            copies = f" (split at {r['split_tokens']:,}, stored shuffled)"
         if args.mixture:
             copies = (
                 f"{copies[:-1]}; {r['balanced']['steps']} steps)" if copies else f" ({r['balanced']['steps']} steps)"
