@@ -161,6 +161,9 @@ def _print_schedule(report: dict, out) -> None:
         )
 
 
+FLOOR_HINT = 0.01  # a floor from which `print_balance` says how to prepare the corpus
+
+
 def print_balance(report: dict, out) -> None:
     """The compute balance of a plan's steps (``compute_balance`` of a report), with and without."""
     for name in ("unbalanced", "balanced"):
@@ -180,3 +183,11 @@ def print_balance(report: dict, out) -> None:
             f"compute       the least any order of these batches can lose: {bal['time_lost_floor']:.2%} (the DP "
             "ranks' shares differ in total cost; across nodes, in which documents each node's range holds)\n"
         )
+        if bal["time_lost_floor"] >= FLOOR_HINT:
+            # Within a node the rows are dealt across its ranks, so a floor this high is the nodes':
+            # their contiguous ranges hold long documents whole, which storage can spread.
+            out(
+                "compute       to lower it, cut documents longer than a few rows into shorter ones and store "
+                "the corpus in a random order before packing (docs/sequence-packing.md: preparing a corpus "
+                "for many nodes)\n"
+            )

@@ -218,3 +218,19 @@ def test_plan_with_a_cost_model_reports_the_time_steps_lose_to_the_slowest_rank(
     assert bad.returncode == 1 and "--cost-model" in bad.stderr and "llama-7b" in bad.stderr
     alone = shardtool(*args[:-1], "--balance-window", "8")
     assert alone.returncode == 1 and "give --cost-model too" in alone.stderr
+
+
+@pytest.mark.parametrize("floor, hinted", [(0.0001, False), (0.0467, True)])
+def test_a_high_floor_in_the_plan_says_how_to_prepare_the_corpus(floor, hinted):
+    """Across nodes, what no order wins back is what each node's range holds; where that is a
+    point or more of step time, the report says what lowers it (docs/sequence-packing.md)."""
+    from shardtool.cli._plan_report import print_balance
+
+    side = {"dp_ranks": 64, "max_over_mean_median": 1.0, "max_over_mean_p90": 1.0, "max_over_mean_max": 1.0}
+    report = {"unbalanced": {**side, "time_lost": 0.07}, "balanced": {**side, "time_lost": floor}}
+    report["balanced"]["time_lost_floor"] = floor
+    lines: list[str] = []
+    print_balance(report, lines.append)
+    text = "".join(lines)
+    assert f"can lose: {floor:.2%}" in text
+    assert ("store the corpus in a random order before packing" in text) is hinted
