@@ -16,7 +16,7 @@ from ..plan.cost import CostModel
 from ..plan.packing import Packing
 from ..plan.schedule import Schedule, parse_schedule, with_seq_lens
 
-__all__ = ["BatchOptions", "WorkerOptions", "batch_options", "worker_options"]
+__all__ = ["BatchOptions", "WorkerOptions", "batch_options", "mixture_batching", "worker_options"]
 
 PACKED_OUTPUTS = ("full", "lean")
 
@@ -127,6 +127,17 @@ def batch_options(
         exact=exact,
     )
     return BatchOptions(batching, packed_outputs, transform, collate_fn, int(pad_id), token_fields, schedule)
+
+
+def mixture_batching(url: Any, batch_size: Any, seq_len: Any, max_tokens: Any) -> tuple[Any, Any, Any]:
+    """(batch_size, seq_len, max_tokens): as given, completed by a mixture's own
+    (`shardtool.plan.mixture.Mixture.batching_args`) where ``url`` is one."""
+    from ..plan.mixture import Mixture
+
+    if not isinstance(url, Mixture):
+        return batch_size, seq_len, max_tokens
+    got = url.batching_args(batch_size=batch_size, seq_len=seq_len, max_tokens=max_tokens)
+    return got["batch_size"], got["seq_len"], got["max_tokens"]
 
 
 def _schedule(batch_size: Any, seq_len: Any, max_tokens: Any, exact: bool) -> tuple[Schedule | None, Any, Any]:

@@ -14,7 +14,7 @@ from .batchsource import BatchSource, Reading
 from .epochs import DatasetEpochs
 from .mixed import MixtureSteps
 from .observability.observe import Observer
-from .options import batch_options, worker_options
+from .options import batch_options, mixture_batching, worker_options
 from .passrun import PassRunner
 from .reader import BatchReader
 from .sourceviews import SourceViews
@@ -35,7 +35,9 @@ class ShardedLoader(PassRunner, SourceViews):
 
     Args:
         url: The dataset (a path or any fsspec URL), or a `shardtool.plan.mixture.Mixture` of
-            several read by token weights (give ``steps`` or ``tokens``; docs/mixtures.md).
+            several read by token weights (give ``steps`` or ``tokens``; docs/mixtures.md). A
+            mixture's ``batching`` (its file's ``batch_size``, ``seq_len``, ``max_tokens``) gives
+            those not given here.
         batch_size: Samples per batch, or rows per batch with ``seq_len``; or a schedule by the
             run's step, ``{0: 4, 2000: 8}`` (planned at the sizes' gcd; docs/run-changes.md).
         max_tokens: Instead of ``batch_size``: batch size x longest length, padding counted.
@@ -148,6 +150,7 @@ class ShardedLoader(PassRunner, SourceViews):
         import torch
 
         work = worker_options(num_workers, prefetch_factor, pin_memory, timeout)
+        batch_size, seq_len, max_tokens = mixture_batching(url, batch_size, seq_len, max_tokens)
         opts = batch_options(
             batch_size=batch_size,
             max_tokens=max_tokens,

@@ -18,12 +18,13 @@ def plan_mixture(args) -> int:
     from ..plan.mixture.planner import MixturePlanner, rows_by_step
     from ..plan.mixture.span import check_repeat, span, steps_for_tokens
     from ._layout import data_layout_of, describe_layout
-    from ._plan import batching_of, layout_of, node_shards, peak_rss_mb, plan_source, schedule_of
+    from ._plan import batching_of, layout_of, node_shards, peak_rss_mb, plan_source, schedule_of, take_mixture_batching
 
     if args.rank is not None or args.synthetic is not None:
         raise ShardtoolError("--rank and --synthetic plan one dataset; a mixture is planned from its sources' metadata")
     try:
         mixture = Mixture.from_file(args.url)
+        take_mixture_batching(args, mixture)
         layout = layout_of(args)
         data, _ = data_layout_of(args, Placement(layout, 0))
         schedule = schedule_of(args)

@@ -27,7 +27,8 @@ def add_batching_arguments(p) -> None:
     them: batch size or token budget, packing, seed, shuffle, drop_last and compute balance."""
     from ..plan.cost import PRESETS
 
-    size = p.add_mutually_exclusive_group(required=True)
+    # Not required here: a mixture file may give them (`take_mixture_batching`); `require_size` checks.
+    size = p.add_mutually_exclusive_group()
     size.add_argument(
         "--batch-size",
         type=batch_size_arg,
@@ -136,6 +137,27 @@ def _size_or_schedule(name: str, text: str, what: str):
         return parse_schedule_text(text, name)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {what}: {e}") from None
+
+
+def require_size(args, mixture: bool = False) -> None:
+    """One of ``--batch-size`` and ``--max-tokens`` given (or, for a mixture, in its file):
+    ValueError saying so otherwise."""
+    if getattr(args, "batch_size", None) is None and getattr(args, "max_tokens", None) is None:
+        where = " (or batch_size / max_tokens in the mixture file)" if mixture else ""
+        raise ValueError(f"give --batch-size (samples, or rows with --seq-len) or --max-tokens{where}")
+
+
+def take_mixture_batching(args, mixture) -> None:
+    """A mixture file's ``batch_size``, ``seq_len`` and ``max_tokens`` into ``args`` where the
+    command line gives none; ValueError where both give one and they differ."""
+    from ..plan.schedule import parse_schedule
+
+    got = mixture.batching_args(batch_size=args.batch_size, seq_len=args.seq_len, max_tokens=args.max_tokens)
+    for name in ("batch_size", "seq_len"):
+        value = got[name]
+        setattr(args, name, parse_schedule(name, value) if isinstance(value, dict) else value)
+    args.max_tokens = got["max_tokens"]
+    require_size(args, mixture=True)
 
 
 def schedule_of(args):

@@ -18,6 +18,7 @@ from ._plan import (
     node_shards,
     peak_rss_mb,
     plan_source,
+    require_size,
     schedule_of,
     seq_len_of,
 )
@@ -52,7 +53,10 @@ optionally a schedule of weight changes by step and max_repeat (default 10):
    "schedule": [{{"from_step": 90000, "weights": {{"web": 0.5, "code": 0.5}}}}], "max_repeat": 10}}
 `shardtool plan mix.json --steps N` plans N steps and prints per source its target and realized
 token share, tokens, source-epochs (passes over it) and bytes per node; a span that would pass
-over a source more than max_repeat times is refused with a table (exit 1).
+over a source more than max_repeat times is refused with a table (exit 1). The file may also say
+how the run batches it, as the loader's keywords: "seq_len" and "batch_size", each one value or a
+schedule by step ({{"0": 4, "2000": 8}}), and "max_tokens"; --seq-len, --batch-size and
+--max-tokens then need not be given (given, they must say the same).
 
 examples:
   shardtool plan mix.json --steps 100000 --nodes 4 --ranks-per-node 8 --seq-len 4096 --batch-size 8
@@ -151,6 +155,7 @@ def run(args) -> int:
     if args.url is None and args.synthetic is None:
         raise ShardtoolError("give a dataset URL or --synthetic N")
     try:
+        require_size(args)
         layout = layout_of(args)
         data, _ = data_layout_of(args, Placement(layout, 0))
         described = describe_layout(args)

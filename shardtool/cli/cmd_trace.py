@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from ..format.errors import ShardtoolError
-from ._plan import add_batching_arguments, batch_size_of, schedule_of, seq_len_of
+from ._plan import add_batching_arguments, batch_size_of, require_size, schedule_of, seq_len_of
 
 HELP = "which samples (and pieces of them) a rank's batch at a step holds, from the plan alone"
 DESCRIPTION = """\
@@ -101,6 +101,11 @@ def run(args) -> int:
         kw.update(steps=args.steps, tokens=args.tokens)
     elif args.steps is not None or args.tokens is not None:
         raise ShardtoolError("--steps and --tokens give a mixture's length (URL a mixture file); a dataset has epochs")
+    else:
+        try:
+            require_size(args)
+        except ValueError as e:
+            raise ShardtoolError(str(e)) from None
     try:
         ld = ShardedLoader(
             source,

@@ -246,3 +246,35 @@ def test_plan_shows_the_rows_by_step(sources, tmp_path):
     assert report["rows_by_step"] == [[0, 2], [4, 3], [9, 6]]
     units = sum(s["units_per_rank"] for s in report["sources"].values())
     assert units == ROWS  # the rows the loader serves a rank over the 14 steps
+
+
+def test_a_ramp_declared_in_the_mixture_file_runs_as_one_given_to_the_loader(sources, tmp_path):
+    """issue 36 item 1, "in mixture files": the file's seq_len and batch_size schedule are the
+    loader's when it is given none, and shardtool plan and trace read them from the file too."""
+    mix = tmp_path / "mix.json"
+    spec = {"sources": {"code": [sources["code"], 0.7], "doc": [sources["doc"], 0.3]}, "max_repeat": 50}
+    mix.write_text(json.dumps({**spec, "seq_len": SEQ, "batch_size": {str(k): v for k, v in RAMP.items()}}))
+    declared = Mixture.from_file(str(mix))
+    kw = {"num_workers": 0, "seed": 3, "pad_id": PAD, "rank": 0, "world_size": 2, "ranks_per_node": 1}
+    by_file = ShardedLoader(declared, steps=STEPS, **kw)
+    (by_args,) = _ranks(sources, 2, RAMP, STEPS)[:1]
+    assert _run(by_file)[0] == _run(by_args)[0]
+    same = ShardedLoader(declared, steps=STEPS, seq_len=SEQ, batch_size=dict(RAMP), **kw)  # the same, said twice
+    assert len(same) == STEPS
+    with pytest.raises(ValueError, match="differs from the mixture's batch_size"):
+        ShardedLoader(declared, steps=STEPS, batch_size=4, **kw)
+    flags = ["--steps", str(STEPS), "--json"]
+    from_file = json.loads(shardtool_cli("plan", str(mix), *flags).stdout)
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(spec))
+    given = shardtool_cli("plan", str(plain), *flags, "--seq-len", str(SEQ), "--batch-size", "0:2,4:3,9:6")
+    assert from_file["rows_by_step"] == json.loads(given.stdout)["rows_by_step"] == [[0, 2], [4, 3], [9, 6]]
+    assert from_file["sources"] == json.loads(given.stdout)["sources"]
+    trace = ["trace", "--step", "10", "--steps", str(STEPS), "--rank", "1", "--ranks-per-node", "2", "--json"]
+    assert json.loads(shardtool_cli(*trace[:1], str(mix), *trace[1:]).stdout) == json.loads(
+        shardtool_cli(*trace[:1], str(plain), *trace[1:], "--seq-len", str(SEQ), "--batch-size", "0:2,4:3,9:6").stdout
+    )
+    clash = shardtool_cli("plan", str(mix), *flags, "--batch-size", "4")
+    assert clash.returncode != 0 and "differs from the mixture's batch_size" in clash.stderr
+    bare = shardtool_cli("plan", sources["code"])
+    assert bare.returncode != 0 and "give --batch-size" in bare.stderr

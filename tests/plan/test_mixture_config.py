@@ -101,3 +101,43 @@ def test_source_seeds_are_stable_and_distinct():
     packed = source_batching(Batching(batch_size=8, seed=3, packing=Packing(128)), "web")
     assert packed.batch_size == 1 and packed.seed == source_seed(3, "web")  # a unit is one row
     assert source_batching(Batching(max_tokens=512), "web").max_tokens == 512
+
+
+def test_a_mixture_file_may_say_how_the_run_batches_it():
+    """issue 36: a ramp and a warmup declared in the mixture file, as the loader's keywords."""
+    data = {
+        "sources": {"web": {"url": "/w", "weight": 1}},
+        "batch_size": {"0": 4, "2000": 8},
+        "seq_len": {"0": 2048},
+    }
+    m = Mixture.from_dict(json.loads(json.dumps(data)))
+    assert m.batching == {"batch_size": {0: 4, 2000: 8}, "seq_len": 2048}  # a one-value schedule is that value
+    again = Mixture.from_dict(json.loads(json.dumps(m.to_dict())))
+    assert again.batching == m.batching and again.fingerprint() == Mixture({"web": ("/w", 1)}).fingerprint()
+    assert m.with_weights({"web": 2}).batching == m.batching
+    # What the loader was not given comes from the file; what both give must agree.
+    assert m.batching_args(batch_size=None, seq_len=None, max_tokens=None) == {
+        "batch_size": {0: 4, 2000: 8},
+        "seq_len": 2048,
+        "max_tokens": None,
+    }
+    assert m.batching_args(batch_size={2000: 8, 0: 4}, seq_len=2048, max_tokens=None)["batch_size"] == {2000: 8, 0: 4}
+    with pytest.raises(MixtureError, match="batch_size=8 differs from the mixture's batch_size"):
+        m.batching_args(batch_size=8, seq_len=None, max_tokens=None)
+    assert Mixture({"web": ("/w", 1)}).batching_args(batch_size=8, seq_len=None) == {"batch_size": 8, "seq_len": None}
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("batch_size", 0, "batch_size must be an int >= 1"),
+        ("batch_size", "8", "batch_size must be an int >= 1"),
+        ("seq_len", {"100": 2048}, "must say the size from step 0"),
+        ("seq_len", {"0": -1}, "seq_len schedule maps"),
+        ("max_tokens", {"0": 4096}, "max_tokens by step is not supported yet"),
+        ("micro_batches", 2, "unknown mixture keys"),
+    ],
+)
+def test_a_mixture_files_batching_is_checked_naming_the_key(key, value, match):
+    with pytest.raises(MixtureError, match=match):
+        Mixture.from_dict({"sources": {"web": {"url": "/w", "weight": 1}}, key: value})

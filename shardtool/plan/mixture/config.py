@@ -15,6 +15,10 @@ file's directory::
                  "code": {"url": "../code", "weight": 0.4}},
      "schedule": [{"from_step": 5000, "weights": {"web": 0.5, "code": 0.5}}],
      "max_repeat": 10}
+
+A file may also say how the run batches it, as the loader's keywords (`Mixture.batching_args`):
+``"seq_len"`` and ``"batch_size"``, each one value or a schedule by step (``{"0": 4, "2000":
+8}``), and ``"max_tokens"`` (one budget).
 """
 
 from __future__ import annotations
@@ -95,7 +99,11 @@ class Mixture:
     ``sources``: ``{name: (url, weight)}``, or a list of `MixtureSource`. ``schedule``: a list of
     ``(from_step, {name: weight})`` naming every source. ``replace``: names of sources that now
     read another dataset than a loader state they resume records under that name (a filtered
-    version of a source, say): each starts from its beginning instead of being refused."""
+    version of a source, say): each starts from its beginning instead of being refused.
+
+    ``batching``: how the run batches the mixture, as the loader's keywords ``batch_size``,
+    ``seq_len`` (each one value or ``{first step: value}``) and ``max_tokens``; the loader and
+    ``shardtool plan`` take them where their own arguments give none (`batching_args`)."""
 
     def __init__(
         self,
@@ -103,8 +111,10 @@ class Mixture:
         schedule: Sequence[Any] | None = None,
         max_repeat: int = DEFAULT_MAX_REPEAT,
         replace: Sequence[str] = (),
+        batching: Mapping[str, Any] | None = None,
     ):
         self.sources: tuple[MixtureSource, ...] = _parse_sources(sources)
+        self.batching: dict[str, int | dict[int, int]] = _parse_batching(batching or {})
         if isinstance(replace, (str, bytes)) or not all(isinstance(n, str) for n in replace):
             raise MixtureError(f"replace must be a list of source names, found {replace!r}")
         unknown = sorted(set(replace) - set(self.names))
@@ -161,7 +171,22 @@ class Mixture:
         the rest of a run, given at a resume)."""
         new = self._entry_weights("new weights", weights)
         sources = [replace(s, weight=w) for s, w in zip(self.sources, new)]
-        return Mixture(sources, max_repeat=self.max_repeat, replace=sorted(self.replace))
+        return Mixture(sources, max_repeat=self.max_repeat, replace=sorted(self.replace), batching=self.batching)
+
+    def batching_args(self, **given: Any) -> dict[str, Any]:
+        """``given`` (the loader's ``batch_size``, ``seq_len`` and ``max_tokens``, None where not
+        given) completed by this mixture's `batching`: a keyword not given takes the mixture's
+        value; one given by both must say the same (ValueError naming it otherwise)."""
+        out = dict(given)
+        for name, value in self.batching.items():
+            if out.get(name) is None:
+                out[name] = value
+            elif _changes(name, out[name]) != _changes(name, value):
+                raise MixtureError(
+                    f"{name}={out[name]!r} differs from the mixture's {name} {value!r}: give it in one place, "
+                    "or the same in both"
+                )
+        return out
 
     # ------------------------------------------------------------------ identity and files
     def schedule_identity(self) -> list[list[Any]]:
@@ -184,6 +209,8 @@ class Mixture:
         }
         if self.replace:
             out["replace"] = sorted(self.replace)
+        for name, value in self.batching.items():
+            out[name] = {str(k): v for k, v in value.items()} if isinstance(value, dict) else value
         return out
 
     @classmethod
@@ -193,9 +220,10 @@ class Mixture:
             raise MixtureError(
                 "a mixture must be a mapping with 'sources' (and optionally 'schedule', 'max_repeat', 'replace')"
             )
-        extra = sorted(set(data) - {"sources", "schedule", "max_repeat", "replace"})
+        keys = ("sources", "schedule", "max_repeat", "replace", *BATCHING_KEYS)
+        extra = sorted(set(data) - set(keys))
         if extra:
-            raise MixtureError(f"unknown mixture keys {extra}; expected sources, schedule, max_repeat, replace")
+            raise MixtureError(f"unknown mixture keys {extra}; expected {', '.join(keys)}")
         raw = data["sources"]
         if not isinstance(raw, Mapping) or not raw:
             raise MixtureError('\'sources\' must map each source name to {"url": ..., "weight": ...}')
@@ -203,7 +231,14 @@ class Mixture:
         for name, spec in raw.items():
             url, weight = _pair(f"source {name!r}", spec, ("url", "weight"))
             sources.append(MixtureSource(str(name), _resolve(url, base_dir), weight))
-        return cls(sources, data.get("schedule"), data.get("max_repeat", DEFAULT_MAX_REPEAT), data.get("replace", ()))
+        batching = {k: data[k] for k in BATCHING_KEYS if k in data}
+        return cls(
+            sources,
+            data.get("schedule"),
+            data.get("max_repeat", DEFAULT_MAX_REPEAT),
+            data.get("replace", ()),
+            batching=batching,
+        )
 
     @classmethod
     def from_file(cls, path: str) -> Mixture:
@@ -272,6 +307,47 @@ def _parse_sources(sources: Any) -> tuple[MixtureSource, ...]:
     if dupes:
         raise MixtureError(f"source names must be unique, found {dupes} more than once")
     return tuple(items)
+
+
+BATCHING_KEYS = ("batch_size", "seq_len", "max_tokens")  # a mixture's `Mixture.batching`, in its file too
+
+
+def _parse_batching(batching: Mapping[str, Any]) -> dict[str, int | dict[int, int]]:
+    """``batch_size`` and ``seq_len`` (an int >= 1, or ``{first step: value}`` from step 0) and
+    ``max_tokens`` (an int: a budget by step is not supported yet), checked; a schedule of one
+    value is that value."""
+    if not isinstance(batching, Mapping):
+        raise MixtureError(f"batching must map {', '.join(BATCHING_KEYS)} to values, found {batching!r}")
+    out: dict[str, int | dict[int, int]] = {}
+    for name, value in batching.items():
+        if name not in BATCHING_KEYS:
+            raise MixtureError(f"unknown batching key {name!r}; expected {', '.join(BATCHING_KEYS)}")
+        if value is None:
+            continue
+        if name == "max_tokens" and isinstance(value, Mapping):
+            raise MixtureError(
+                "max_tokens by step is not supported yet: a schedule is given as batch_size (samples, or "
+                "rows of seq_len tokens)"
+            )
+        changes = _changes(name, value)
+        out[name] = changes[0][1] if len(changes) == 1 else dict(changes)
+    return out
+
+
+def _changes(name: str, value: Any) -> tuple[tuple[int, int], ...]:
+    """``value`` (one value, a ``{first step: value}`` dict, or a `Schedule`) as its changes."""
+    from ..schedule import Schedule, parse_schedule
+
+    if isinstance(value, Schedule):
+        return value.changes
+    if isinstance(value, Mapping):
+        try:
+            return parse_schedule(name, value).changes
+        except ValueError as e:
+            raise MixtureError(str(e)) from None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise MixtureError(f"{name} must be an int >= 1 or a schedule {{first step: value}}, found {value!r}")
+    return ((0, int(value)),)
 
 
 def _resolve(url: Any, base_dir: str | None) -> str:
