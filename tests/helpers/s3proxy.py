@@ -473,13 +473,17 @@ class S3Proxy:
             self._counts.forwarded += 1
 
 
-def stdlib_dataset(root: str, files: int = 200, shard_size: int = 1_000_000) -> str:
+def stdlib_dataset(root: str, files: int = 200, shard_size: int = 1_000_000, fitting: bool = False) -> str:
     """Real text to serve: the first ``files`` stdlib source files as byte-id token rows, packed
-    as plain Arrow shards of about ``shard_size`` bytes (200 files: 13 shards, 10 MB)."""
+    as plain Arrow shards of about ``shard_size`` bytes (200 files: 13 shards, 10 MB). With
+    ``fitting``, only files whose row fits a shard (many small shards: many requests)."""
     import shardtool
     from helpers.realtext import byte_ids, stdlib_files
 
-    rows = [{"tokens": byte_ids(p), "path": os.path.relpath(p)} for p in stdlib_files(files)]
+    paths = stdlib_files(files * 4 if fitting else files)
+    if fitting:  # a row is 4 bytes a byte (int32 ids) and its path
+        paths = [p for p in paths if 4 * os.path.getsize(p) + 4096 < shard_size][:files]
+    rows = [{"tokens": byte_ids(p), "path": os.path.relpath(p)} for p in paths]
     shardtool.pack(rows, root, format="arrow", length="tokens", shard_size=shard_size)
     return root
 
