@@ -133,8 +133,8 @@ class MixtureBatches:
     def units(self, b: int) -> list[tuple[str, list[Piece]]]:
         return self.planner.step_pieces(self.state, b)
 
-    def fetches_remote(self) -> bool:
-        return any(r.fetches_ahead for r in self.readers.values())
+    def ahead_depth(self, prefetch: int) -> int:
+        return max((r.ahead_depth(prefetch) for r in self.readers.values()), default=0)
 
     def reads(self, b: int) -> list[tuple[BatchReader, np.ndarray]]:
         """The samples step ``b`` reads, by source (`loader.readahead`)."""

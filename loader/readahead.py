@@ -5,8 +5,9 @@ loads this one.
 The plan says which batches each process loads and in which order: a worker of ``W`` loads every
 W-th batch, the trainer without workers every batch. Before loading batch ``b`` the loader starts
 the fetches of batch ``b`` (every shard's at once, not shard after shard) and of the ``depth``
-batches that process loads after it, so a store's latency is waited about once per batch, while
-the trainer steps, not once per shard a batch touches. What is fetched ahead is held until read:
+batches that process loads after it (``prefetch_factor``; a node cache's fills at least
+`FILL_AHEAD`, as what they fetch lands on disk), so a store's latency is waited about once per
+batch, while the trainer steps, not once per shard a batch touches. What is fetched ahead is held until read:
 at most ``depth`` batches' record batches on top of the decompressed record batches a process
 keeps (`loader.batchcache`); shards a node cache fetches ahead are held in it. Local shards, a
 node cache with a byte budget and a remote tar without a cache are not read ahead: their loads
@@ -34,8 +35,9 @@ class Reads(Protocol):
     def reads(self, b: int) -> list[tuple[BatchReader, np.ndarray]]:
         """The samples batch ``b`` reads, with the reader that reads them."""
 
-    def fetches_remote(self) -> bool:
-        """Some reader fetches from a store ahead of its reads (`BatchReader.fetches_ahead`)."""
+    def ahead_depth(self, prefetch: int) -> int:
+        """How many of a process's next batches to fetch ahead: the most its readers take
+        (`BatchReader.ahead_depth`); 0 where none fetches from a store."""
 
 
 class ReadAhead:
@@ -63,8 +65,10 @@ class ReadAhead:
 
 
 def read_ahead(load: Callable[..., Any], batches: Reads, *, stride: int, depth: int) -> Callable[..., Any]:
-    """``load`` reading ahead (`ReadAhead`) where ``batches`` fetch remote record batches; else
-    ``load`` as it is."""
-    if not batches.fetches_remote():
+    """``load`` reading ahead (`ReadAhead`) where ``batches`` fetch from a store: ``depth``
+    (prefetch_factor) batches ahead, or more where their readers fill a node cache
+    (`Reads.ahead_depth`); else ``load`` as it is."""
+    ahead = batches.ahead_depth(max(depth, 0))
+    if ahead <= 0:
         return load
-    return ReadAhead(load, batches, max(stride, 1), max(depth, 0))
+    return ReadAhead(load, batches, max(stride, 1), ahead)

@@ -19,6 +19,7 @@ import torch
 from ..format import FormatError
 from ..format.coalesce import gap_from_env
 from ..plan.ranges import locate_ids
+from .cachefill import FILL_AHEAD
 from .collate import KEY, Alloc, collate_samples, gather_field
 from .observability.probe import NoProbe, Probe
 from .scratch import Scratch
@@ -86,6 +87,14 @@ class BatchReader:
         """`fetch_ahead` starts something: remote views' record batches, or the shards a node cache
         without a budget lacks (`loader.cachefill`)."""
         return self.store.fetches_ahead
+
+    def ahead_depth(self, prefetch: int) -> int:
+        """How many of a process's next batches to fetch ahead (`loader.readahead`): none where
+        `fetch_ahead` starts nothing; ``prefetch`` for record batches held in memory until read;
+        at least `FILL_AHEAD` for shards a node cache fills (on disk, so only time bounds it)."""
+        if not self.store.fetches_ahead:
+            return 0
+        return max(prefetch, FILL_AHEAD) if self.store.fetches_to_disk else prefetch
 
     def fetch_ahead(self, ids: np.ndarray) -> None:
         """Start fetching what ``ids`` read that is neither here nor on its way (remote record

@@ -70,6 +70,11 @@ class ShardStore:
         """`fetch_ahead` starts something."""
         return False
 
+    @property
+    def fetches_to_disk(self) -> bool:
+        """What `fetch_ahead` fetches lands in a node cache, not in this process's memory."""
+        return False
+
     def _open(self, shard: int, index: Any) -> tuple[MappedFile | InflatedShard | RemoteShard, bool, Any]:
         """(the shard's bytes, whether they are compressed Arrow, its record-batch fetch or None)."""
         raise NotImplementedError
@@ -153,6 +158,10 @@ class MappedStore(ShardStore):
     @property
     def fetches_ahead(self) -> bool:
         return CacheFill.fills(self.source.cache)
+
+    @property
+    def fetches_to_disk(self) -> bool:
+        return self.fetches_ahead
 
     def _open(self, shard: int, index: Any) -> tuple[MappedFile | InflatedShard | RemoteShard, bool, Any]:
         inflated = self.ctx.inflated

@@ -110,8 +110,8 @@ class PlanBatches:
             raise RuntimeError("shardtool internal error: asked only of an exact pass's batches (`PassRunner._run`)")
         return torch.full((size,), not bool(self.pad[b]), dtype=torch.bool)
 
-    def fetches_remote(self) -> bool:
-        return self.reader.fetches_ahead
+    def ahead_depth(self, prefetch: int) -> int:
+        return self.reader.ahead_depth(prefetch)
 
     def reads(self, b: int) -> list[tuple[BatchReader, np.ndarray]]:
         """The samples batch ``b`` reads (`loader.readahead`): its ids, or a packed batch's documents."""

@@ -23,6 +23,7 @@ from helpers.s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.format import FormatError, open_dataset
 from shardtool.loader import ShardedLoader
 from shardtool.loader.batchcache import pending_fetches
+from shardtool.loader.cachefill import FILL_AHEAD
 from shardtool.loader.readahead import ReadAhead, read_ahead
 
 pytestmark = pytest.mark.timeout(240)  # the moto server is a subprocess
@@ -54,8 +55,8 @@ class Batches:
             raise FormatError(f"batch {b}: its shard's index does not match the manifest")
         return [(self.reader, np.array([b]))]
 
-    def fetches_remote(self) -> bool:
-        return self.remote
+    def ahead_depth(self, prefetch: int) -> int:
+        return prefetch if self.remote else 0
 
     def load(self, b: int, alloc=None):
         self.log.append(("load", b))
@@ -85,6 +86,17 @@ def test_a_batch_ahead_that_cannot_be_read_is_left_to_its_own_load_to_report():
 def test_local_reads_are_not_wrapped():
     batches = Batches(4, [], remote=False)
     assert read_ahead(batches.load, batches, stride=1, depth=2) == batches.load
+
+
+def test_record_batches_held_in_memory_are_read_prefetch_factor_ahead_and_local_ones_not(served, s3_server):  # noqa: F811
+    src, url = served
+    kw = dict(batch_size=8, num_workers=0, rank=0, world_size=1)
+    remote = ShardedLoader(url, storage_options=s3_server.storage_options, **kw)
+    local = ShardedLoader(src, **kw)
+    assert remote.readers[url].ahead_depth(3) == 3  # bounded by memory: what is fetched waits in it
+    assert local.readers[src].ahead_depth(3) == 0
+    remote.close()
+    local.close()
 
 
 # --------------------------------------------------------------------------- a real store
@@ -245,8 +257,11 @@ def test_an_empty_node_cache_fetches_the_next_batches_shards_ahead_once(served, 
     ld = ShardedLoader(url, storage_options=s3_proxy.storage_options, cache_dir=cache_dir, **kw)
     it = iter(ld)
     got = [plain(next(it))]
-    # batches 1 and 2 were started before their next(): their shards arrive without it
-    ahead = {shard_of[k] for b in (1, 2) for k in want[b]["__key__"]}
+    # the next FILL_AHEAD batches were started before their next(), not prefetch_factor's 2 (what
+    # is fetched lands on disk): their shards arrive without it
+    assert ld.readers[url].ahead_depth(2) == FILL_AHEAD
+    ahead = {shard_of[k] for b in range(1, min(FILL_AHEAD, len(want) - 1) + 1) for k in want[b]["__key__"]}
+    assert len(ahead) > len({shard_of[k] for b in (1, 2) for k in want[b]["__key__"]})
     cache = open_cache(url, cache_dir, storage_options=s3_proxy.storage_options)
     deadline = time.monotonic() + 30
     while not all(cache.is_cached(s) for s in ahead):
