@@ -124,6 +124,8 @@ def test_a_mixture_file_may_say_how_the_run_batches_it():
     assert m.batching_args(batch_size={2000: 8, 0: 4}, seq_len=2048, max_tokens=None)["batch_size"] == {2000: 8, 0: 4}
     with pytest.raises(MixtureError, match="batch_size=8 differs from the mixture's batch_size"):
         m.batching_args(batch_size=8, seq_len=None, max_tokens=None)
+    with pytest.raises(MixtureError, match="max_tokens=4096 given, and the mixture's batch_size"):
+        m.batching_args(batch_size=None, seq_len=None, max_tokens=4096)
     assert Mixture({"web": ("/w", 1)}).batching_args(batch_size=8, seq_len=None) == {"batch_size": 8, "seq_len": None}
 
 

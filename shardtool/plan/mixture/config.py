@@ -178,6 +178,12 @@ class Mixture:
         given) completed by this mixture's `batching`: a keyword not given takes the mixture's
         value; one given by both must say the same (ValueError naming it otherwise)."""
         out = dict(given)
+        for name, other in (("batch_size", "max_tokens"), ("max_tokens", "batch_size")):
+            if out.get(name) is not None and other in self.batching and self.batching.get(name) is None:
+                raise MixtureError(
+                    f"{name}={out[name]!r} given, and the mixture's {other} {self.batching[other]!r}: a batch is "
+                    "sized by one of them; give it in one place"
+                )
         for name, value in self.batching.items():
             if out.get(name) is None:
                 out[name] = value
