@@ -7,7 +7,14 @@ import sys
 from typing import Any
 
 from ..format.errors import ShardtoolError
-from ._plan import add_batching_arguments, batch_size_of, require_size, schedule_of, seq_len_of
+from ._plan import (
+    add_batching_arguments,
+    batch_size_of,
+    require_size,
+    schedule_of,
+    seq_len_of,
+    take_mixture_batching,
+)
 
 HELP = "which samples (and pieces of them) a rank's batch at a step holds, from the plan alone"
 DESCRIPTION = """\
@@ -75,7 +82,24 @@ def run(args) -> int:
     from ..loader.trace import dump, find, sample_of, traces
     from ..plan.mixture import Mixture, is_mixture_file
 
-    schedule = schedule_of(args)
+    source = args.url
+    if is_mixture_file(args.url):
+        try:
+            source = Mixture.from_file(args.url)
+            take_mixture_batching(args, source)  # its sizes, as `shardtool plan` takes them
+        except ValueError as e:
+            raise ShardtoolError(str(e)) from None
+    elif args.steps is not None or args.tokens is not None:
+        raise ShardtoolError("--steps and --tokens give a mixture's length (URL a mixture file); a dataset has epochs")
+    else:
+        try:
+            require_size(args)
+        except ValueError as e:
+            raise ShardtoolError(str(e)) from None
+    try:
+        schedule = schedule_of(args)
+    except ValueError as e:
+        raise ShardtoolError(str(e)) from None
     kw = dict(
         batch_size=dict(schedule.changes) if schedule is not None else batch_size_of(args),
         max_tokens=args.max_tokens,
@@ -92,20 +116,8 @@ def run(args) -> int:
     )
     if args.exact:  # only where asked: a Mixture's loader takes no exact
         kw["exact"] = True
-    source = args.url
-    if is_mixture_file(args.url):
-        try:
-            source = Mixture.from_file(args.url)
-        except ValueError as e:
-            raise ShardtoolError(str(e)) from None
+    if source is not args.url:
         kw.update(steps=args.steps, tokens=args.tokens)
-    elif args.steps is not None or args.tokens is not None:
-        raise ShardtoolError("--steps and --tokens give a mixture's length (URL a mixture file); a dataset has epochs")
-    else:
-        try:
-            require_size(args)
-        except ValueError as e:
-            raise ShardtoolError(str(e)) from None
     try:
         ld = ShardedLoader(
             source,

@@ -278,3 +278,8 @@ def test_a_ramp_declared_in_the_mixture_file_runs_as_one_given_to_the_loader(sou
     assert clash.returncode != 0 and "differs from the mixture's batch_size" in clash.stderr
     bare = shardtool_cli("plan", sources["code"])
     assert bare.returncode != 0 and "give --batch-size" in bare.stderr
+    for command in (["plan"], ["trace", "--step", "10"]):  # no size in the file or the flags: the same words
+        unsized = shardtool_cli(*command, str(plain), "--steps", str(STEPS))
+        assert unsized.returncode == 1 and "or batch_size / max_tokens in the mixture file" in unsized.stderr
+    trace_clash = shardtool_cli(*trace[:1], str(mix), *trace[1:], "--batch-size", "4")
+    assert trace_clash.returncode == 1 and "differs from the mixture's batch_size" in trace_clash.stderr
