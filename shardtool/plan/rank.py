@@ -20,7 +20,7 @@ from .batching import Batching
 from .group import GroupPlan, plan_group
 from .layout import DataLayout
 from .packing import Rows
-from .shape import PlanShape, plan_shape
+from .shape import PlanShape, plan_shape, shard_namer
 from .source import PlanSource
 from .state import LoaderState, Segment, StateError
 
@@ -222,7 +222,7 @@ class Planner:
         shape = self._shapes.get(key)
         if shape is None:
             shape = self._shapes[key] = plan_shape(
-                self.source.summaries, layout, self.batching, self._source.lengths_range
+                self.source.summaries, layout, self.batching, self._source.lengths_range, shard_namer(self.source)
             )
         return shape
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ from .layout import DataLayout
 from .packing import pack_windows
 from .ranges import group_cuts
 
-__all__ = ["PlanShape", "plan_shape"]
+__all__ = ["PlanShape", "plan_shape", "shard_namer"]
 
 IN_ORDER_MARGIN = 1.05  # several groups' in-order counts are estimated this much long (see below)
 
@@ -304,19 +305,41 @@ def _capacity(tokens: np.ndarray, samples: np.ndarray, batching: Batching, count
     return np.floor(tokens.sum(axis=1)).astype(np.int64) + samples * batching.packing.extra_tokens
 
 
+def shard_namer(source: Any) -> Callable[[int], str] | None:
+    """``name_shard`` for `plan_shape`'s errors: a dataset's shard by its path and the dataset's
+    URL, and its longest sample where its lengths are at hand (a mixture's sources, or a user's
+    several loaders, are told apart); None for sources with neither (tests' arrays)."""
+    manifest, url = getattr(source, "manifest", None), getattr(source, "url", None)
+    if manifest is None or url is None:
+        return None
+
+    def name(shard: int) -> str:
+        where = f"shard {manifest.shards[shard].path} of {url}"
+        try:
+            lengths = source.shard_lengths(shard)
+        except Exception:  # noqa: BLE001 - only a name for an error being raised; the shard will do
+            lengths = None
+        return f"sample {int(np.argmax(lengths))} of {where}" if lengths is not None and len(lengths) else where
+
+    return name
+
+
 def plan_shape(
     summaries: ShardSummaries,
     data_layout: DataLayout,
     batching: Batching,
     lengths_of: Callable[[int, int], np.ndarray] | None = None,
+    name_shard: Callable[[int], str] | None = None,
 ) -> PlanShape:
     """Ranges, window and batches per DP rank of ``data_layout`` (the same for every epoch).
     ``lengths_of(lo, hi)``, the plan source's lengths of samples [lo, hi), makes one data group's
-    in-order count exact; without it that count is estimated as several groups' are."""
+    in-order count exact; without it that count is estimated as several groups' are.
+    ``name_shard(shard)`` says where a shard is, for errors (default: its number)."""
     if batching.max_tokens is not None and summaries.num_shards and int(summaries.longest.max()) > batching.max_tokens:
         shard = int(np.argmax(summaries.longest))
+        where = name_shard(shard) if name_shard is not None else f"shard #{shard}"
         raise ValueError(
-            f"shard #{shard} holds a sample of length {int(summaries.longest[shard])}, more than "
+            f"a sample of length {int(summaries.longest[shard])} ({where}) is longer than "
             f"max_tokens={batching.max_tokens} ({int((summaries.longest > batching.max_tokens).sum())} shard(s) "
             "hold such samples); raise max_tokens or filter these samples out"
         )

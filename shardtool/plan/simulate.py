@@ -16,7 +16,7 @@ from .cost import CostModel, batch_costs, step_balance
 from .forked import forked_map
 from .group import plan_group
 from .layout import DataLayout
-from .shape import PlanShape, plan_shape
+from .shape import PlanShape, plan_shape, shard_namer
 from .source import PlanSource
 
 __all__ = ["GroupStats", "Simulation", "simulate_epoch"]
@@ -180,7 +180,7 @@ def simulate_epoch(
     """Every group's plan of ``epoch``; with ``cost_model``, each batch's cost too (`Simulation.balance`),
     under a sequence-length warmup of its rows cut to ``seq_lens_of(batches per rank)`` (one
     length per batch of a rank: that of the step that serves it)."""
-    shape = plan_shape(source.summaries, layout, batching, source.lengths_range)
+    shape = plan_shape(source.summaries, layout, batching, source.lengths_range, shard_namer(source))
     groups = list(range(layout.num_groups))
     cut = seq_lens_of(shape.batches_per_rank) if seq_lens_of is not None and cost_model is not None else None
     # Forked processes inherit the source (a dataset with open files and locks) instead of receiving it pickled.
@@ -191,6 +191,6 @@ def simulate_epoch(
 
 def epoch_remainder(source: PlanSource, layout: DataLayout, batching: Batching, epoch: int = 0) -> np.ndarray:
     """Global ids of the samples no rank serves in ``epoch`` (every group's remainder, sorted)."""
-    shape = plan_shape(source.summaries, layout, batching, source.lengths_range)
+    shape = plan_shape(source.summaries, layout, batching, source.lengths_range, shard_namer(source))
     parts = [plan_group(source, shape, g, epoch).remainder for g in range(layout.num_groups)]
     return np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)

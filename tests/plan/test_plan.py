@@ -260,10 +260,28 @@ def test_bucketing_padding_efficiency_beats_random_batching():
 
 def test_oversized_sample_is_refused_naming_its_shard_and_the_budget():
     lengths = np.array([10, 20, 5000, 30])
-    with pytest.raises(ValueError, match=r"shard #1 holds a sample of length 5000, more than max_tokens=1000"):
+    with pytest.raises(ValueError, match=r"a sample of length 5000 \(shard #1\) is longer than max_tokens=1000"):
         Planner(ArraySource(lengths, [2, 2]), Batching(max_tokens=1000)).start(
             0, DATASET, DataLayout.pure_dp(Layout(1, 1))
         )
+
+
+def test_oversized_sample_of_a_dataset_is_named_by_its_place_and_dataset(tmp_path):
+    """Two datasets (a mixture's sources, a trainer's two loaders) each have a shard #1: the error
+    names the shard's file, the sample in it and the dataset, as `shardtool trace --sample` takes it."""
+    import shardtool
+    from shardtool.format import open_dataset
+    from shardtool.plan.simulate import simulate_epoch
+
+    docs = [{"tokens": np.full(n, 7, np.uint16)} for n in (10, 20, 30, 5000, 40, 50)]
+    shardtool.pack(docs, str(tmp_path / "ds"), length="tokens", samples_per_shard=3)
+    ds = open_dataset(str(tmp_path / "ds"))
+    path = ds.manifest.shards[1].path
+    want = rf"a sample of length 5000 \(sample 0 of shard {path} of {tmp_path / 'ds'}\) is longer than max_tokens=1000"
+    with pytest.raises(ValueError, match=want):
+        Planner(ds, Batching(max_tokens=1000)).start(0, ds.version, DataLayout.pure_dp(Layout(1, 1)))
+    with pytest.raises(ValueError, match=want):  # what shardtool plan reports with
+        simulate_epoch(ds, DataLayout.pure_dp(Layout(1, 1)), Batching(max_tokens=1000))
 
 
 def test_too_small_dataset_is_refused_with_numbers():
