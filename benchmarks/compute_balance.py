@@ -129,6 +129,7 @@ def run_mixture(
     layouts=MIXTURE_LAYOUTS,
     resample_tokens: float = 2.4e9,
     processes: int = min(2, os.cpu_count() or 1),
+    split_tokens: int = 262144,
 ) -> list[dict]:
     """A mixture of two sources of other shapes, half the tokens each: every stdlib file ("code",
     p50 ~5k) and /usr/share/doc text ("docs", a few documents of millions), each source balanced
@@ -136,7 +137,9 @@ def run_mixture(
     serve from their first epoch (`first_epoch_steps`), every DP rank's step costs. As for one
     dataset, the last rows plan 64 ranks on sources of the same shapes drawn to ``resample_tokens``
     in all, where each node's share is large enough for the nodes' totals to converge, and 1,024
-    ranks on sources drawn to 16 times that (the same share a rank; ~20 s a side here)."""
+    ranks on sources drawn to 16 times that (the same share a rank; ~20 s a side here), and the
+    same 1,024 ranks on those sources prepared as `split_and_shuffled` stores them (``split_tokens``;
+    0: not)."""
     from shardtool.plan import ArraySource, Batching, DataLayout, Layout
     from shardtool.plan.cost import CostModel, step_balance
     from shardtool.plan.mixture import Mixture
@@ -160,6 +163,9 @@ def run_mixture(
         for layout, tokens in ((RESAMPLED_LAYOUT, resample_tokens), (LAYOUTS[-1], resample_tokens * WIDE_COPIES)):
             draw = {n: rng.choice(v[v > 0], size=int(tokens / 2 / v[v > 0].mean()) + 1) for n, v in real.items()}
             runs.append((layout, {n: source_of(v, 2000) for n, v in draw.items()}))
+        if split_tokens:  # the 1,024 ranks' sources, each prepared for many nodes
+            prepared = {n: source_of(split_and_shuffled(v, split_tokens), 2000) for n, v in draw.items()}
+            runs.append((LAYOUTS[-1], prepared))
     mixture = Mixture({"code": ("code", 0.5), "docs": ("docs", 0.5)})
     model = CostModel.parse(cost_spec)
     out = []
@@ -170,6 +176,7 @@ def run_mixture(
             row: dict = {"seq_len": seq, "rows": rows, "dp_ranks": nodes * per_node, "nodes": nodes, "target": target}
             row["resampled"] = sources is not runs[0][1]
             row["corpus_tokens"] = int(sum(s.lengths.sum() for s in sources.values()))
+            row["split_tokens"] = split_tokens if split_tokens and sources is runs[-1][1] else None
             for name, batching in (("unbalanced", plain), ("balanced", plain.with_balance(model))):
                 began = time.perf_counter()
                 planner = MixturePlanner(mixture, sources, {"code": "c", "docs": "d"}, batching, layout)
@@ -310,7 +317,7 @@ def main(argv=None) -> int:
 
     lengths = long_document_lengths()
     if args.mixture:
-        rows = run_mixture(args.cost_model, resample_tokens=args.resample_tokens)
+        rows = run_mixture(args.cost_model, resample_tokens=args.resample_tokens, split_tokens=args.split_tokens)
     else:
         rows = run(args.cost_model, args.resample_tokens, args.split_tokens)
     if args.json:
@@ -321,23 +328,27 @@ def main(argv=None) -> int:
         f"p99 {np.quantile(lengths, 0.99):,.0f}; cost model {args.cost_model}"
         + ("; a mixture of stdlib files and /usr/share/doc text, half the tokens each" if args.mixture else "")
     )
-    print(f"{'layout':<58}{'unbalanced: median p90 lost':>30}{'balanced: median p90 lost':>30}{'floor':>8}  target")
+    names = []
     for r in rows:
-        u, b = r["unbalanced"], r["balanced"]
         copies = f" (corpus x{r['corpus_copies']})" if r.get("corpus_copies", 1) > 1 else ""
         if r["resampled"]:
             copies = f" (resampled, {r['corpus_tokens'] / 1e9:.1f}B tokens)"
         if r.get("split_tokens"):
-            copies = f" (split at {r['split_tokens']:,}, stored shuffled)"
+            copies = f"{copies[:-1]}, " if r["resampled"] else " ("
+            copies += f"split at {r['split_tokens']:,}, stored shuffled)"
         if args.mixture:
             copies = (
                 f"{copies[:-1]}; {r['balanced']['steps']} steps)" if copies else f" ({r['balanced']['steps']} steps)"
             )
-        name = f"{r['seq_len']:,} x {r['rows']}, {r['dp_ranks']} ranks{copies}"
+        names.append(f"{r['seq_len']:,} x {r['rows']}, {r['dp_ranks']} ranks{copies}")
+    wide = max(58, *(len(n) + 2 for n in names))
+    print(f"{'layout':<{wide}}{'unbalanced: median p90 lost':>30}{'balanced: median p90 lost':>30}{'floor':>8}  target")
+    for r, name in zip(rows, names):
+        u, b = r["unbalanced"], r["balanced"]
         cells = [f"{s['max_over_mean_median']:.3f} {s['max_over_mean_p90']:.3f} {s['time_lost']:6.2%}" for s in (u, b)]
         met = "met" if b["time_lost"] <= r["target"] else "MISSED"
         floor = f"{b['time_lost_floor']:.2%}"
-        print(f"{name:<58}{cells[0]:>30}{cells[1]:>30}{floor:>8}  <= {r['target']:.1%}: {met}")
+        print(f"{name:<{wide}}{cells[0]:>30}{cells[1]:>30}{floor:>8}  <= {r['target']:.1%}: {met}")
     return 0
 
 
