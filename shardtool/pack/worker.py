@@ -72,7 +72,9 @@ class JobResult:
 
 
 # A file tree whose samples disagree on their fields is usually a tree of unrelated files.
-TREE_FIELDS_HINT = " (a file tree: pack with --per-file to make each file one sample)"
+TREE_FIELDS_HINT = (
+    " (a file tree: pack with --per-file to make each file one sample, or --label-from-dir for class folders)"
+)
 
 
 class _Packer:
