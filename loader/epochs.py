@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..plan import Planner, RankPlan, shards_of_groups
-from ..plan.about import describe
+from ..plan.about import dataset_identity, describe
 from ..plan.batching import default_bucketing
 from ..plan.rowsplit import cut_pieces
 from ..plan.schedule import StepClock, with_runs
@@ -70,7 +70,7 @@ class DatasetEpochs:
             self.reader.close()
             raise
         self.dataset = ds
-        self.fingerprint = ds.version
+        self.fingerprint = dataset_identity(ds.version, ds.summaries.by_samples)
         if reading.bucketing is None:  # the dataset decides (see ShardedLoader); the plan stays pure
             batching = replace(batching, bucketing=default_bucketing(ds.manifest.length, batching.shuffle))
         self.batching = with_runs(batching, self.schedule)  # a step joins batches: runs of like lengths

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from ..format import ShardtoolError
+from ..plan.about import dataset_identity
 from ..plan.mixture import Mixture, MixtureError
 from ..plan.mixture.planner import MixturePlanner, rows_by_step
 from ..plan.mixture.span import check_repeat, span, steps_for_tokens
@@ -77,7 +78,9 @@ class MixtureSteps:
                     datasets[src.name] = reader.source.dataset
                 except ShardtoolError as e:
                     raise type(e)(f"mixture source {src.name!r}: {e}") from None
-                versions[src.name] = datasets[src.name].version
+                versions[src.name] = dataset_identity(
+                    datasets[src.name].version, datasets[src.name].summaries.by_samples
+                )
             self.datasets = datasets
             self.batching = batching = without_double_eos(
                 batching, {f"mixture source {n!r}": ds.manifest.length.get("eos_id") for n, ds in datasets.items()}

@@ -85,7 +85,8 @@ class SourceViews:
 
     @property
     def fingerprint(self) -> str:
-        """The dataset's version, which states are saved for."""
+        """The dataset's version (marked where its ranges are cut by sample count,
+        `shardtool.plan.about.dataset_identity`), which states are saved for."""
         return self._epochs("single dataset").fingerprint
 
     @property

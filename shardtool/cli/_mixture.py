@@ -14,6 +14,7 @@ def plan_mixture(args) -> int:
     from ..format import ShardtoolError, open_dataset
     from ..format.sizes import format_size
     from ..plan import Placement
+    from ..plan.about import dataset_identity
     from ..plan.mixture import Mixture, MixtureError
     from ..plan.mixture.planner import MixturePlanner, rows_by_step
     from ..plan.mixture.span import check_repeat, span, steps_for_tokens
@@ -43,7 +44,14 @@ def plan_mixture(args) -> int:
 
     def planner_for(b) -> MixturePlanner:
         sources = {n: plan_source(d) for n, d in datasets.items()}
-        return MixturePlanner(mixture, sources, {n: d.version for n, d in datasets.items()}, b, data, rows)
+        return MixturePlanner(
+            mixture,
+            sources,
+            {n: dataset_identity(d.version, d.summaries.by_samples) for n, d in datasets.items()},
+            b,
+            data,
+            rows,
+        )
 
     try:
         planner = planner_for(batching)

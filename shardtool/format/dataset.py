@@ -7,6 +7,7 @@ ranged request per read.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import posixpath
 import threading
@@ -23,7 +24,7 @@ from .decompress import range_batch
 from .errors import FormatError
 from .hashing import hash_bytes, range_checksum
 from .lengthsfile import lengths_from_indexes, read_lengths, read_lengths_range
-from .manifest import MANIFEST_NAME, Manifest, manifest_hash
+from .manifest import MANIFEST_NAME, Manifest, length_pads, manifest_hash
 from .sindex import ShardIndex
 from .storage import cat_shared, dataset_fs, is_local, open_range, read_file, read_manifest, shard_location
 from .summaries import SUMMARIES_NAME, ShardSummaries, stored_summaries
@@ -207,15 +208,15 @@ class Dataset:
         import warnings
 
         summaries, reason = self.stored_summaries(data)
-        if summaries is not None:
-            return summaries
-        warnings.warn(
-            f"dataset {self.url} {reason}: computing them from every sample's length, on every "
-            f"rank; run `shardtool upgrade {self.url}` once to store them",
-            SummariesMissing,
-            stacklevel=3,
-        )
-        return ShardSummaries.from_lengths(self.lengths, self.shard_counts)
+        if summaries is None:
+            warnings.warn(
+                f"dataset {self.url} {reason}: computing them from every sample's length, on every "
+                f"rank; run `shardtool upgrade {self.url}` once to store them",
+                SummariesMissing,
+                stacklevel=3,
+            )
+            summaries = ShardSummaries.from_lengths(self.lengths, self.shard_counts)
+        return dataclasses.replace(summaries, by_samples=not length_pads(self.manifest.length))
 
     def stored_summaries(self, data: bytes | None) -> tuple[ShardSummaries | None, str]:
         """(the stored summaries, "") when ``data`` is usable for this dataset, else (None, why not)."""

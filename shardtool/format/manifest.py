@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,17 @@ MANIFEST_NAME = "index.json"
 LENGTHS_NAME = "lengths.npy"
 SHARD_FORMATS = ("tar", "arrow")
 COMPRESSIONS = ("zstd", "lz4")  # Arrow IPC buffer compression of arrow shards
+
+# Length units (``length["unit"]``) that count what a batch pads: token ids or elements of the
+# length field, characters, an integer length column, a user's --length-fn. A byte size (payload
+# bytes: images, --per-file, file trees, or ``len`` of a raw field) pads nothing and is no measure
+# of a sample's work: a larger PNG is not a larger image once decoded and resized.
+PADDED_UNITS = ("tokens", "elements", "characters", "value", "fn")
+
+
+def length_pads(length: Mapping[str, Any]) -> bool:
+    """Whether a manifest's length definition counts what batches pad (not a byte size)."""
+    return length.get("unit") in PADDED_UNITS
 
 
 def safe_relpath(path: str, what: str) -> str:

@@ -52,6 +52,9 @@ class ShardSummaries:
     hist_tokens: np.ndarray  # int64 [S, BINS]
     hist_squares: np.ndarray  # float64 [S, BINS]: sum of length^2 (exact to 53 bits: a variance, not an id)
     sketch: ShardSketch | None = None  # weight quantiles inside shards (None: packed before they existed)
+    # Ranges balance samples, not weight: the dataset's length is a byte size (`manifest.length_pads`),
+    # so equal sample counts give every rank full batches. Not stored: the manifest says it.
+    by_samples: bool = False
 
     @property
     def num_shards(self) -> int:

@@ -16,7 +16,16 @@ from typing import Any
 
 from .batching import Batching
 
-__all__ = ["describe", "describe_mixture", "dataset_mismatch", "batching_mismatch", "render"]
+__all__ = [
+    "RANGES_BY_SAMPLES",
+    "batching_mismatch",
+    "dataset_identity",
+    "dataset_mismatch",
+    "describe",
+    "describe_mixture",
+    "ranges_changed",
+    "render",
+]
 
 NO_DESCRIPTION = "a state saved before shardtool described what it was saved for"
 
@@ -51,10 +60,39 @@ def _dataset(about: Mapping[str, Any] | None, fingerprint: str, *, saved: bool) 
     return f"dataset {ds.get('url')!r} (version {ds.get('version', fingerprint)!r}{samples})"
 
 
+# What a state's dataset fingerprint adds to the version where the ranges are cut by sample
+# count (`ShardSummaries.by_samples`): a state saved when they were cut by bytes positions in
+# other groups' samples, so it must not load.
+RANGES_BY_SAMPLES = "/ranges=samples"
+
+
+def dataset_identity(version: str, by_samples: bool) -> str:
+    """The dataset fingerprint a loader state records: the dataset's version, marked where its
+    ranges are cut by sample count (a dataset whose length is a byte size)."""
+    return version + RANGES_BY_SAMPLES if by_samples else version
+
+
+def ranges_changed(found_fingerprint: str, expected_fingerprint: str) -> str | None:
+    """The refusal of a state of this very dataset saved when its ranges were cut by bytes; None
+    where the two fingerprints differ otherwise."""
+    if expected_fingerprint != found_fingerprint + RANGES_BY_SAMPLES:
+        return None
+    return (
+        "loader state was saved by a shardtool that cut this dataset (its lengths are byte sizes) into "
+        "the data groups' ranges by bytes, so that some ranks' batches held fewer than batch_size samples; "
+        "ranges are now cut by sample count, and the state's position is in the old plan. Finish the epoch "
+        "with the shardtool that saved it, or start the next epoch E afresh with this one "
+        "(loader.set_epoch(E), without loading the state)"
+    )
+
+
 def dataset_mismatch(
     found: Mapping[str, Any] | None, found_fingerprint: str, expected: Mapping[str, Any], expected_fingerprint: str
 ) -> str:
     """The refusal of a state saved for another dataset (``found``: the state's description)."""
+    changed = ranges_changed(found_fingerprint, expected_fingerprint)
+    if changed is not None:
+        return changed
     was, now = _dataset(found, found_fingerprint, saved=True), _dataset(expected, expected_fingerprint, saved=False)
     return (
         f"loader state was saved for another dataset: found {was}, expected {now}. A changed dataset has "

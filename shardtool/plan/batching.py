@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
+from ..format.manifest import length_pads
 from .arrays import gather_runs
 from .cost import BALANCE_VERSION, CostModel
 from .packing import Packing
@@ -35,17 +36,11 @@ IN_ORDER_VERSION = 2
 WINDOW_BATCHES = 256
 
 
-# Length units (the manifest's ``length["unit"]``) that count what a batch pads: token ids or
-# elements of the length field, characters, an integer length column, a user's --length-fn.
-# Sorting by them cuts padding. A byte size (payload bytes: images, --per-file, file trees, or
-# ``len`` of a raw field) pads nothing: sorting by it only gathers images of like complexity.
-PADDED_UNITS = ("tokens", "elements", "characters", "value", "fn")
-
-
 def default_bucketing(length: dict, shuffle: bool) -> bool:
     """Whether a loader buckets when not told: with shuffling, and only where the dataset's length
-    (its manifest's length definition) is a count of what batches pad, not a byte size."""
-    return bool(shuffle) and length.get("unit") in PADDED_UNITS
+    (its manifest's length definition) is a count of what batches pad, not a byte size
+    (`shardtool.format.manifest.length_pads`): sorting by bytes only gathers images of like complexity."""
+    return bool(shuffle) and length_pads(length)
 
 
 def _optional_positive(name: str, value) -> None:

@@ -2,7 +2,9 @@
 
 Ranges depend only on the per-shard summaries and the data layout, never on seed, epoch or
 batching, so a node's cache stays valid across epochs and the warmer needs no training config.
-They are computed from the O(shards) summaries alone: a cut falls in the shard where the
+A dataset whose length is a byte size (images, file trees: `ShardSummaries.by_samples`) is cut
+into equal sample counts instead, so that every rank has full batches of ``batch_size``; any
+other is cut by weight. They are computed from the O(shards) summaries alone: a cut falls in the shard where the
 cumulative weight (sum of max(length, 1)) reaches the group's share, at the point of the shard's
 weight sketch nearest that share (`format.sketch`: so the tokens on each side are exact), or, for
 a dataset packed before the sketch, at the sample position that weight fraction of the shard gives. Every rank computes every cut without reading any per-sample
@@ -30,6 +32,8 @@ def group_cuts(summaries: ShardSummaries, group_sizes: Sequence[int]) -> np.ndar
     sizes = [int(k) for k in group_sizes]
     if not sizes or min(sizes) < 1:
         raise ValueError(f"group sizes must be >= 1, found {list(group_sizes)}")
+    if summaries.by_samples:
+        return _sample_cuts(int(summaries.samples.sum()), sizes)
     counts = summaries.samples.tolist()
     weights = summaries.weight.tolist()
     offsets = np.concatenate([[0], np.cumsum(summaries.samples)]).astype(np.int64)
@@ -55,6 +59,16 @@ def group_cuts(summaries: ShardSummaries, group_sizes: Sequence[int]) -> np.ndar
             pos += min((2 * inside * counts[shard] + span) // (2 * span), counts[shard])
         cuts.append(max(pos, cuts[-1]))
     cuts.append(int(offsets[-1]))
+    return np.asarray(cuts, dtype=np.int64)
+
+
+def _sample_cuts(samples: int, sizes: list[int]) -> np.ndarray:
+    """Cuts giving group g a share sizes[g] / sum(sizes) of the samples (`ShardSummaries.by_samples`)."""
+    ranks, before, cuts = sum(sizes), 0, [0]
+    for k in sizes[:-1]:
+        before += k
+        cuts.append(samples * before // ranks)
+    cuts.append(samples)
     return np.asarray(cuts, dtype=np.int64)
 
 

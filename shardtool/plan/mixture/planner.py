@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..about import NO_DESCRIPTION, batching_mismatch, describe_mixture
+from ..about import NO_DESCRIPTION, batching_mismatch, describe_mixture, ranges_changed
 from ..batching import Batching
 from ..layout import DataLayout
 from ..rank import Planner, RankPlan
@@ -141,6 +141,9 @@ class MixturePlanner:
             if rec.name not in self.planners or self._replaced(rec):
                 continue
             if rec.version != self.versions[rec.name]:
+                changed = ranges_changed(rec.version, self.versions[rec.name])
+                if changed is not None:
+                    raise StateError(f"mixture source {rec.name!r}: {changed}")
                 raise StateError(
                     f"source {rec.name!r} is another dataset than the loader state's: found version "
                     f"{self.versions[rec.name]!r} at {self._url(rec.name)!r}, expected {rec.version!r} "

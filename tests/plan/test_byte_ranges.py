@@ -1,0 +1,123 @@
+"""Datasets whose length is a byte size (images, file trees) are cut into the data groups' ranges by
+sample count, so that every rank's batches hold ``batch_size`` samples.
+
+Found by packing the real Adwaita icons as an ImageFolder tree (`shardtool pack --label-from-dir`):
+cut by bytes, one node's classes of larger PNGs gave it fewer samples, and equal batch counts
+split its batches, so at 4 nodes x 8 ranks and ``batch_size=32`` ranks served 84 to 208 images an
+epoch, 40% of the batches full. A PNG's bytes are no measure of its work once decoded and resized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pytest
+
+import shardtool
+from helpers.realdata import ICONS
+from helpers.skips import require
+from shardtool.format import open_dataset
+from shardtool.loader import ShardedLoader
+from shardtool.loader.errors import LoaderStateError
+from shardtool.plan import Batching, DataLayout, Layout, Planner
+
+
+@pytest.fixture(scope="module")
+def icons(tmp_path_factory):
+    """Every PNG of the icon theme (every size, 11 categories as classes; ~4.8k files), packed."""
+    from shardtool.benchmarks.image_corpus import build_tree
+
+    require(os.path.isdir(ICONS), f"real PNG icons not installed ({ICONS} is absent)")
+    root = tmp_path_factory.mktemp("icons")
+    build_tree(str(root / "tree"))
+    shardtool.pack([str(root / "tree")], str(root / "ds"), format="arrow", label_from_dir=True, samples_per_shard=500)
+    return str(root / "ds")
+
+
+class _CutByBytes:
+    """The same dataset planned as before the fix: ranges cut by the weight of its byte lengths."""
+
+    def __init__(self, ds):
+        self.ds, self.summaries = ds, dataclasses.replace(ds.summaries, by_samples=False)
+
+    def lengths_range(self, lo: int, hi: int) -> np.ndarray:
+        return self.ds.lengths_range(lo, hi)
+
+
+def _batch_sizes(source, layout: Layout, size: int) -> list[np.ndarray]:
+    """Every DP rank's batch sizes (samples) in epoch 0, each rank planning as a loader does."""
+    data = DataLayout.pure_dp(layout)
+    planner = Planner(source, Batching(batch_size=size, bucketing=False))
+    state = planner.start(0, "v", data)
+    return [np.diff(planner.rank_plan(state, d).offsets) for d in range(data.dp_size)]
+
+
+@pytest.mark.parametrize("layout", [Layout(2, 4), Layout(2, 8), Layout(4, 8)])
+@pytest.mark.parametrize("size", [16, 32])
+def test_image_ranks_serve_full_batches(icons, layout, size):
+    ds = open_dataset(icons)
+    assert ds.manifest.length["unit"] == "bytes" and ds.summaries.by_samples
+    got = _batch_sizes(ds, layout, size)
+    served = np.array([s.sum() for s in got])
+    # Equal counts on every rank, and equal samples within a batch's worth: the few short batches
+    # are the equal-count fit's (a group's last batch, and the splits that fill its count).
+    assert len({s.size for s in got}) == 1
+    assert served.max() - served.min() <= size, (served.min(), served.max())
+    assert np.mean(np.concatenate(got) == size) >= 0.85
+    before = _batch_sizes(_CutByBytes(ds), layout, size)
+    spread = max(s.sum() for s in before) - min(s.sum() for s in before)
+    assert spread > size  # what the cut by bytes did to these images: the test can fail
+
+
+def test_a_loader_of_images_serves_full_batches_and_the_warmer_caches_its_shards(icons):
+    from shardtool.cache.assign import assigned_shards
+    from shardtool.plan import Placement
+
+    layout = Layout(2, 4)
+    rank = 5  # node 1
+    ld = ShardedLoader(icons, batch_size=16, rank=rank, world_size=8, ranks_per_node=4, num_workers=0, seed=2)
+    batches = list(ld)
+    sizes = [len(b["__key__"]) for b in batches]
+    served_keys = [k for b in batches for k in b["__key__"]]
+    assert len(sizes) == len(ld) and sum(s == 16 for s in sizes) >= len(sizes) - 1
+    ds = open_dataset(icons)
+    node_shards = assigned_shards(ds.summaries, Placement(layout, 1))  # what `shardtool warm` copies
+    where = {
+        str(k.decode() if isinstance(k, bytes) else k): s for s in range(ds.num_shards) for k in ds.shard_index(s).keys
+    }
+    read = {where[k] for k in served_keys}
+    assert read <= set(node_shards)
+
+
+def test_a_state_saved_when_image_ranges_were_cut_by_bytes_is_refused(icons, tmp_path):
+    kw = dict(batch_size=16, rank=0, world_size=4, ranks_per_node=2, num_workers=0)
+    ld = ShardedLoader(icons, **kw)
+    it = iter(ld)
+    next(it)
+    state = ld.state_dict()
+    ld.close()
+    assert state["dataset_fingerprint"].endswith("/ranges=samples")
+    state["dataset_fingerprint"] = state["dataset_fingerprint"].removesuffix("/ranges=samples")  # as 0.2.0 saved it
+    fresh = ShardedLoader(icons, **kw)
+    with pytest.raises(LoaderStateError, match=r"cut this dataset .* by bytes.*loader\.set_epoch"):
+        fresh.load_state_dict(json.loads(json.dumps(state)))
+    fresh.close()
+
+
+def test_a_mixture_state_of_image_sources_cut_by_bytes_is_refused_naming_the_source(icons):
+    from shardtool.plan.mixture import Mixture
+
+    mixture = Mixture({"icons": (icons, 0.5), "again": (icons, 0.5)})
+    kw = dict(steps=12, batch_size=8, rank=0, world_size=2, ranks_per_node=1, num_workers=0)
+    ld = ShardedLoader(mixture, **kw)
+    next(iter(ld))
+    saved = json.dumps(ld.state_dict())
+    ld.close()
+    fresh = ShardedLoader(mixture, **kw)
+    with pytest.raises(LoaderStateError, match=r"mixture source 'icons': .*cut this dataset .* by bytes"):
+        fresh.load_state_dict(json.loads(saved.replace("/ranges=samples", "")))
+    fresh.load_state_dict(json.loads(saved))  # as saved now: resumes
+    fresh.close()
