@@ -66,7 +66,10 @@ def fit_budget(
             f"{budget.flags()}); short by {shortfall} bytes"
         )
         if not best_effort:
-            raise BudgetError(msg, needed=needed, available=max(limit, 0))
+            hint = (
+                "; --best-effort (best_effort=True) warms what fits and leaves the rest to the loader's fetch on a miss"
+            )
+            raise BudgetError(msg + hint, needed=needed, available=max(limit, 0))
         freed, gone = evict(room.where, room.entries, evictable)
         report.evicted_shards, report.evicted_bytes = len(gone), freed
         return _best_effort(report, todo, size, max(limit - resident, 0), msg, log)

@@ -14,7 +14,8 @@ A loader state (what ShardedLoader.state_dict() returns, saved as JSON, on its o
 a larger checkpoint file) is a position in the deterministic plan: the epoch, and per data layout
 the batches each rank had and served.
 
-  show   prints the epoch, the steps served and left, and any steps skipped.
+  show   prints the epoch, the steps served and left, and any steps skipped (the default:
+         shardtool state STATE).
   skip   records steps A..B-1 of the epoch as never served, as loader.skip_steps(A, B) does: the
          resumed run's steps go on counting and its data moves past them (step A gets the batch
          of step B; the epoch has B - A fewer steps). Only steps not yet served can be skipped.
@@ -36,7 +37,13 @@ examples:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("action", choices=["show", "skip"], help="show the state, or skip steps in it")
+    p.add_argument(
+        "action",
+        nargs="?",
+        default="show",
+        choices=["show", "skip"],
+        help="show the state (the default), or skip steps",
+    )
     p.add_argument("path", metavar="STATE", help="a JSON file holding the loader state")
     p.add_argument("--key", help="the loader state is this key of the JSON object (default: the whole file)")
     p.add_argument("--steps", metavar="A:B", help="skip: the epoch's steps A to B-1 (steps as len(loader) counts)")

@@ -118,6 +118,8 @@ def test_state_skip_edits_a_saved_state_as_skip_steps_does(corpus, tmp_path):
     assert edited["loader"] == by_api.state_dict()
     shown = shardtool_cli("state", "show", str(path), "--key", "loader", "--json")
     assert json.loads(shown.stdout)["steps_in_epoch"] == len(by_api)
+    bare = shardtool_cli("state", str(path), "--key", "loader", "--json")  # show is the default action
+    assert bare.returncode == 0 and json.loads(bare.stdout) == json.loads(shown.stdout)
     bad = shardtool_cli("state", "skip", str(path), "--key", "loader", "--steps", "2:5")
     assert bad.returncode == 1 and "not yet served" in bad.stderr and "Traceback" not in bad.stderr
 
