@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..format.manifest import unpackable
 from ..plan import Planner, RankPlan, shards_of_groups
 from ..plan.about import dataset_identity, describe
 from ..plan.batching import default_bucketing
@@ -55,6 +56,9 @@ class DatasetEpochs:
             self.images: ImageSpec | None = None  # an image-text dataset's images, packed
             if batching.packing is not None:
                 try:
+                    refused = unpackable(ds.manifest)
+                    if refused is not None:
+                        raise ValueError(refused)
                     self.token_fields = tokenfields.of_dataset(ds, opts.opts.token_fields)
                     self.images = images_of(ds, batching.packing.policy)
                     if reading.image_transform is not None and self.images is None:

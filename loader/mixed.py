@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from ..format import ShardtoolError
+from ..format.manifest import unpackable
 from ..plan.about import dataset_identity
 from ..plan.mixture import Mixture, MixtureError
 from ..plan.mixture.planner import MixturePlanner, rows_by_step
@@ -87,6 +88,10 @@ class MixtureSteps:
             )
             self.source_images: dict[str, ImageSpec | None] = {}  # each source's images (image-text ones)
             if batching.packing is not None:
+                for n, ds in datasets.items():
+                    refused = unpackable(ds.manifest)
+                    if refused is not None:
+                        raise ValueError(f"mixture source {n!r} ({ds.url}): {refused}")
                 self.token_fields = self._mixture_token_fields(datasets)
                 for n, ds in datasets.items():
                     try:

@@ -12,6 +12,7 @@ def plan_mixture(args) -> int:
     import numpy as np
 
     from ..format import ShardtoolError, open_dataset
+    from ..format.manifest import unpackable
     from ..format.sizes import format_size
     from ..plan import Placement
     from ..plan.about import dataset_identity
@@ -41,6 +42,9 @@ def plan_mixture(args) -> int:
             datasets[src.name] = open_dataset(src.url)
         except ShardtoolError as e:
             raise ShardtoolError(f"mixture source {src.name!r}: {e}") from None
+        refused = unpackable(datasets[src.name].manifest) if batching.packing is not None else None
+        if refused is not None:  # as the loader refuses it
+            raise ShardtoolError(f"mixture source {src.name!r} ({src.url}): {refused}")
 
     def planner_for(b) -> MixturePlanner:
         sources = {n: plan_source(d) for n, d in datasets.items()}

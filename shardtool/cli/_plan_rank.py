@@ -21,14 +21,19 @@ if TYPE_CHECKING:
 
 def for_dataset(batching, source):
     """The batching a ShardedLoader would use on ``source``: bucketing resolved from its manifest
-    (off where lengths are bytes, see ``default_bucketing``); a synthetic source has token lengths."""
+    (off where lengths are bytes, see ``default_bucketing``); a synthetic source has token lengths.
+    ValueError where the loader would refuse it (packed rows of a dataset with no token field)."""
     import dataclasses
 
+    from ..format.manifest import unpackable
     from ..plan.batching import default_bucketing
 
     manifest = getattr(source, "manifest", None)
     if manifest is None:
         return batching
+    refused = unpackable(manifest) if batching.packing is not None else None
+    if refused is not None:
+        raise ValueError(f"{source.url}: {refused}")
     return dataclasses.replace(batching, bucketing=default_bucketing(manifest.length, batching.shuffle))
 
 

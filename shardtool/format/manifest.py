@@ -36,6 +36,26 @@ def length_pads(length: Mapping[str, Any]) -> bool:
     return length.get("unit") in PADDED_UNITS
 
 
+def unpackable(manifest: Manifest) -> str | None:
+    """Why packed rows cannot be made of this dataset; None where they can. Packing cuts each
+    sample's token array, so the length must be the length of a field that decodes to an array
+    (checked at the loader's construction and by `shardtool plan`, not at the first batch)."""
+    length = manifest.length
+    name = length.get("field")
+    spec = next((f for f in manifest.fields if f.name == name), None)
+    if name is None:
+        what = "its payload's byte size, not a field's" if length.get("unit") == "bytes" else "no field's"
+    elif spec is not None and spec.storage != "array" and spec.encoding != "npy":
+        what = f"the length of its field {name!r}, which holds {spec.storage} ({spec.encoding}), not token ids"
+    else:
+        return None
+    return (
+        f"packed rows (seq_len=...) are cut from each sample's token array, and this dataset's length is {what}: "
+        "pack the token ids as a field and name it (shardtool pack --length FIELD, or --tokenizer with "
+        "--text-field), or load it with batch_size= and no seq_len"
+    )
+
+
 def safe_relpath(path: str, what: str) -> str:
     """A manifest path must stay inside the dataset root."""
     if not isinstance(path, str) or not path:

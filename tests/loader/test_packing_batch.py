@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers.data_gen import packed_rows_dataset
+from helpers.runcli import shardtool_cli
 from helpers.s3server import s3_server  # noqa: F401  (fixture)
 from shardtool.format import FormatError
 from shardtool.loader.packed import IGNORE_INDEX, PackedReader, block_causal_mask, packed_batch
@@ -237,6 +238,31 @@ def test_a_dataset_without_token_arrays_is_refused(tmp_path):
     with pytest.raises(FormatError, match="length field to be a 1-D integer token array.*'bin'"):
         PackedReader(reader, Packing(64)).read(pack_rows(ds.lengths, Packing(64)))
     reader.close()
+
+
+def test_packing_a_dataset_of_no_token_field_is_refused_when_the_loader_is_made(tmp_path):
+    """Real files packed --per-file (length: payload bytes, no field) and a raw bytes field: a
+    packed loader refused at the first batch, after len() and the trainer's set-up; shardtool plan
+    planned rows it could never read (13% of the tokens a remainder, by a weight of bytes)."""
+    import shardtool
+    from shardtool.loader import ShardedLoader
+    from shardtool.plan.mixture import Mixture
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for name in ("a.txt", "b", "c.md"):
+        (tree / name).write_bytes(open(__file__, "rb").read()[: 300 + len(name)])
+    shardtool.pack([str(tree)], str(tmp_path / "files"), per_file=True)
+    raw = write_synthetic(str(tmp_path / "raw"), 10, kind="bytes", sample_bytes=20, samples_per_shard=10).root
+    for url, why in ((str(tmp_path / "files"), "byte size, not a field's"), (raw, "field 'bin', which holds raw")):
+        with pytest.raises(ValueError, match=f"{url}: packed rows .*{why}.*--length FIELD"):
+            ShardedLoader(url, seq_len=64, batch_size=2, rank=0, world_size=1, num_workers=0)
+        planned = shardtool_cli("plan", url, "--seq-len", "64", "--batch-size", "2")
+        assert planned.returncode == 1 and why in planned.stderr, planned.stderr
+        ShardedLoader(url, batch_size=2, rank=0, world_size=1, num_workers=0).close()  # unpacked: fine
+    mixture = Mixture({"files": (str(tmp_path / "files"), 1.0)})
+    with pytest.raises(ValueError, match="mixture source 'files' .*byte size, not a field's"):
+        ShardedLoader(mixture, steps=2, seq_len=64, batch_size=2, rank=0, world_size=1, num_workers=0)
 
 
 def test_data_that_disagrees_with_the_lengths_is_named(tmp_path):
