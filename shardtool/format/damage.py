@@ -70,6 +70,6 @@ def corrupt_shard_error(ds: Dataset, shard: int, data) -> FormatError:
             "; every sample's bytes match their checksums, so the damage is outside them "
             "(tar end blocks or Arrow file metadata)"
         )
-    err = FormatError(f"{path}: content hash does not match the manifest (corrupted){where}")
+    err = FormatError(f"{path} of {ds.url}: content hash does not match the manifest (corrupted){where}")
     err.samples = [{"index": i, "key": key} for i, key in (bad or [])]  # type: ignore[attr-defined]  # this error only
     return err

@@ -57,7 +57,7 @@ def test_a_flipped_byte_stops_the_loader_naming_shard_and_sample(tmp_path, fmt, 
         for batch in ld:
             delivered.append(batch)
     msg = str(info.value)
-    assert ds.manifest.shards[SHARD].path in msg, msg
+    assert ds.manifest.shards[SHARD].path in msg and root in msg, msg  # the shard, of which dataset
     assert _names_sample(msg, SAMPLE), msg
     # Nothing corrupt reached the loop: every sample delivered before the error is intact.
     for batch in delivered:
