@@ -211,7 +211,12 @@ def read_manifest(fs, root: str, url: str) -> bytes:
         is_file, exists = fs.isfile(root), fs.exists(root)
     except OSError:
         is_file, exists = False, True
-    if is_file:
+    if is_file and root.endswith((".json", ".yaml", ".yml")):  # a mixture file's names
+        what = (
+            "is a file, not a dataset: a mixture file is read by the loader, plan, trace and warm; "
+            "this reads one dataset (give one of its sources' URLs)"
+        )
+    elif is_file:
         what = "is a file, not a dataset (to pack it: shardtool pack FILE -o DIR)"
     elif exists:
         what = f"holds no {MANIFEST_NAME}, so it is not a dataset (or its pack has not finished)"

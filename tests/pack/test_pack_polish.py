@@ -69,6 +69,11 @@ def test_open_dataset_names_what_a_dataset_url_is(tmp_path):
         assert "shardtool pack" in str(e.value)
     p = shardtool_cli("inspect", jsonl)
     assert p.returncode != 0 and "is a file, not a dataset" in p.stderr and "Traceback" not in p.stderr
+    mix = tmp_path / "mix.json"  # a mixture file given to a one-dataset command: not "pack it"
+    mix.write_text('{"sources": {"a": {"url": "ds", "weight": 1}}}')
+    for command in ("inspect", "verify"):
+        p = shardtool_cli(command, str(mix))
+        assert p.returncode == 1 and "a mixture file is read by" in p.stderr and "pack FILE" not in p.stderr
 
 
 @pytest.mark.timeout(120)
