@@ -44,7 +44,8 @@ def unpackable(manifest: Manifest) -> str | None:
     name = length.get("field")
     spec = next((f for f in manifest.fields if f.name == name), None)
     if name is None:
-        what = "its payload's byte size, not a field's" if length.get("unit") == "bytes" else "no field's"
+        unit = length.get("unit")
+        what = "its payload's byte size, not a field's" if unit == "bytes" else f"a {unit} length, not a field's"
     elif spec is not None and spec.storage != "array" and spec.encoding != "npy":
         what = f"the length of its field {name!r}, which holds {spec.storage} ({spec.encoding}), not token ids"
     else:
