@@ -7,7 +7,6 @@ ranged request per read.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import posixpath
 import threading
@@ -24,16 +23,12 @@ from .decompress import range_batch
 from .errors import FormatError
 from .hashing import hash_bytes, range_checksum
 from .lengthsfile import lengths_from_indexes, read_lengths, read_lengths_range
-from .manifest import MANIFEST_NAME, Manifest, length_pads, manifest_hash
+from .manifest import MANIFEST_NAME, Manifest, manifest_hash
 from .sindex import ShardIndex
 from .storage import cat_shared, dataset_fs, is_local, open_range, read_file, read_manifest, shard_location
-from .summaries import SUMMARIES_NAME, ShardSummaries, stored_summaries
+from .summaries import SUMMARIES_NAME, ShardSummaries, SummariesMissing, planned_summaries, stored_summaries
 
 __all__ = ["Dataset", "SummariesMissing", "is_local", "open_dataset", "open_range"]
-
-
-class SummariesMissing(UserWarning):
-    """A dataset without usable per-shard summaries: planning reads every sample's length."""
 
 
 class Dataset:
@@ -202,21 +197,9 @@ class Dataset:
             return None
 
     def load_summaries(self, data: bytes | None) -> ShardSummaries:
-        """Summaries from ``data`` (the stored file's bytes), or computed from every sample's length
-        — with a warning, since that reads the whole lengths file on every rank — where a dataset
-        packed by an older shardtool has none or they do not match its lengths."""
-        import warnings
-
-        summaries, reason = self.stored_summaries(data)
-        if summaries is None:
-            warnings.warn(
-                f"dataset {self.url} {reason}: computing them from every sample's length, on every "
-                f"rank; run `shardtool upgrade {self.url}` once to store them",
-                SummariesMissing,
-                stacklevel=3,
-            )
-            summaries = ShardSummaries.from_lengths(self.lengths, self.shard_counts)
-        return dataclasses.replace(summaries, by_samples=not length_pads(self.manifest.length))
+        """The summaries this dataset is planned with, from ``data`` (the stored file's bytes, or
+        None), as `planned_summaries` decides them."""
+        return planned_summaries(data, self.manifest, self.shard_counts, lambda: self.lengths, self.url)
 
     def stored_summaries(self, data: bytes | None) -> tuple[ShardSummaries | None, str]:
         """(the stored summaries, "") when ``data`` is usable for this dataset, else (None, why not)."""

@@ -15,18 +15,28 @@ its manifest, its version or the caches and loader states keyed on it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import cast
 
 import numpy as np
 import pyarrow as pa
 
 from .errors import FormatError
-from .manifest import Manifest
+from .manifest import Manifest, length_pads
 from .sindex import as_numpy, ipc_file_bytes
 from .sketch import ShardSketch
 
-__all__ = ["BINS", "SUMMARIES_NAME", "ShardSummaries", "length_bins", "stored_summaries"]
+__all__ = [
+    "BINS",
+    "SUMMARIES_NAME",
+    "ShardSummaries",
+    "SummariesMissing",
+    "length_bins",
+    "planned_summaries",
+    "stored_summaries",
+]
 
 SUMMARIES_NAME = "summaries.arrow"
 SUMMARIES_VERSION = "1"
@@ -211,3 +221,26 @@ def stored_summaries(
         ), ""
     except FormatError as e:
         return None, f"has unusable per-shard summaries ({e})"
+
+
+class SummariesMissing(UserWarning):
+    """A dataset without usable per-shard summaries: planning reads every sample's length."""
+
+
+def planned_summaries(
+    data: bytes | None, manifest: Manifest, counts: np.ndarray, all_lengths: Callable[[], np.ndarray], url: str
+) -> ShardSummaries:
+    """The summaries a dataset of ``manifest`` at ``url`` is planned with: the stored ones
+    (``data``, the file's bytes), or, where a dataset packed by an older shardtool has none or they
+    do not match its lengths, computed from ``all_lengths()`` with a warning (that reads the whole
+    lengths file on every rank); `ShardSummaries.by_samples` where its length is a byte size."""
+    summaries, reason = stored_summaries(data, manifest, counts, f"{url}/{SUMMARIES_NAME}")
+    if summaries is None:
+        warnings.warn(
+            f"dataset {url} {reason}: computing them from every sample's length, on every "
+            f"rank; run `shardtool upgrade {url}` once to store them",
+            SummariesMissing,
+            stacklevel=4,  # the caller of `Dataset.load_summaries` (or of its `summaries`)
+        )
+        summaries = ShardSummaries.from_lengths(all_lengths(), counts)
+    return replace(summaries, by_samples=not length_pads(manifest.length))
