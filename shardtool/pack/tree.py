@@ -20,7 +20,8 @@ from ..format.errors import BadSampleError
 from ..format.keys import keys_for_paths
 
 OnBad = Callable[[BadSampleError], None]
-PER_FILE_HINT = " (pack with --per-file to make each file one sample, or --label-from-dir for class folders)"
+FLAGS_ADVICE = "pack with --per-file to make each file one sample, or --label-from-dir for class folders"
+PER_FILE_HINT = f" ({FLAGS_ADVICE})"
 
 
 def walk_files(root: str, on_bad: OnBad) -> Iterator[tuple[str, str, int]]:

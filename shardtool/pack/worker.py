@@ -28,6 +28,7 @@ from .prefetch import prefetch
 from .readers import Bad, ColumnBatch, RowChunk, batch_rows, read_unit
 from .roller import Roller, shard_name  # noqa: F401  (shard_name: re-exported for callers)
 from .schema import Shaper
+from .tree import FLAGS_ADVICE
 from .units import Unit
 
 PROGRESS_EVERY = 1024
@@ -72,9 +73,7 @@ class JobResult:
 
 
 # A file tree whose samples disagree on their fields is usually a tree of unrelated files.
-TREE_FIELDS_HINT = (
-    " (a file tree: pack with --per-file to make each file one sample, or --label-from-dir for class folders)"
-)
+TREE_FIELDS_HINT = f" (a file tree: {FLAGS_ADVICE})"
 
 
 class _Packer:
