@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..format.manifest import unpackable
+from ..format.manifest import require_packable
 from ..plan import Planner, RankPlan, shards_of_groups
 from ..plan.about import dataset_identity, describe
 from ..plan.batching import default_bucketing
@@ -56,9 +56,7 @@ class DatasetEpochs:
             self.images: ImageSpec | None = None  # an image-text dataset's images, packed
             if batching.packing is not None:
                 try:
-                    refused = unpackable(ds.manifest)
-                    if refused is not None:
-                        raise ValueError(refused)
+                    require_packable(ds.manifest)  # named by the dataset's URL below
                     self.token_fields = tokenfields.of_dataset(ds, opts.opts.token_fields)
                     self.images = images_of(ds, batching.packing.policy)
                     if reading.image_transform is not None and self.images is None:
@@ -74,7 +72,7 @@ class DatasetEpochs:
             self.reader.close()
             raise
         self.dataset = ds
-        self.fingerprint = dataset_identity(ds.version, ds.summaries.by_samples)
+        self.fingerprint = dataset_identity(ds)
         if reading.bucketing is None:  # the dataset decides (see ShardedLoader); the plan stays pure
             batching = replace(batching, bucketing=default_bucketing(ds.manifest.length, batching.shuffle))
         self.batching = with_runs(batching, self.schedule)  # a step joins batches: runs of like lengths

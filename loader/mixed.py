@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from ..format import ShardtoolError
-from ..format.manifest import unpackable
+from ..format.manifest import require_packable
 from ..plan.about import dataset_identity
 from ..plan.mixture import Mixture, MixtureError
 from ..plan.mixture.planner import MixturePlanner, rows_by_step
@@ -79,9 +79,7 @@ class MixtureSteps:
                     datasets[src.name] = reader.source.dataset
                 except ShardtoolError as e:
                     raise type(e)(f"mixture source {src.name!r}: {e}") from None
-                versions[src.name] = dataset_identity(
-                    datasets[src.name].version, datasets[src.name].summaries.by_samples
-                )
+                versions[src.name] = dataset_identity(datasets[src.name])
             self.datasets = datasets
             self.batching = batching = without_double_eos(
                 batching, {f"mixture source {n!r}": ds.manifest.length.get("eos_id") for n, ds in datasets.items()}
@@ -89,9 +87,7 @@ class MixtureSteps:
             self.source_images: dict[str, ImageSpec | None] = {}  # each source's images (image-text ones)
             if batching.packing is not None:
                 for n, ds in datasets.items():
-                    refused = unpackable(ds.manifest)
-                    if refused is not None:
-                        raise ValueError(f"mixture source {n!r} ({ds.url}): {refused}")
+                    require_packable(ds.manifest, f"mixture source {n!r} ({ds.url})")
                 self.token_fields = self._mixture_token_fields(datasets)
                 for n, ds in datasets.items():
                     try:

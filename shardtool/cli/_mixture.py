@@ -12,7 +12,7 @@ def plan_mixture(args) -> int:
     import numpy as np
 
     from ..format import ShardtoolError, open_dataset
-    from ..format.manifest import unpackable
+    from ..format.manifest import require_packable
     from ..format.sizes import format_size
     from ..plan import Placement
     from ..plan.about import dataset_identity
@@ -42,16 +42,18 @@ def plan_mixture(args) -> int:
             datasets[src.name] = open_dataset(src.url)
         except ShardtoolError as e:
             raise ShardtoolError(f"mixture source {src.name!r}: {e}") from None
-        refused = unpackable(datasets[src.name].manifest) if batching.packing is not None else None
-        if refused is not None:  # as the loader refuses it
-            raise ShardtoolError(f"mixture source {src.name!r} ({src.url}): {refused}")
+        if batching.packing is not None:  # as the loader refuses it
+            try:
+                require_packable(datasets[src.name].manifest, f"mixture source {src.name!r} ({src.url})")
+            except ValueError as e:
+                raise ShardtoolError(str(e)) from None
 
     def planner_for(b) -> MixturePlanner:
         sources = {n: plan_source(d) for n, d in datasets.items()}
         return MixturePlanner(
             mixture,
             sources,
-            {n: dataset_identity(d.version, d.summaries.by_samples) for n, d in datasets.items()},
+            {n: dataset_identity(d) for n, d in datasets.items()},
             b,
             data,
             rows,

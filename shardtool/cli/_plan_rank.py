@@ -25,15 +25,14 @@ def for_dataset(batching, source):
     ValueError where the loader would refuse it (packed rows of a dataset with no token field)."""
     import dataclasses
 
-    from ..format.manifest import unpackable
+    from ..format.manifest import require_packable
     from ..plan.batching import default_bucketing
 
     manifest = getattr(source, "manifest", None)
     if manifest is None:
         return batching
-    refused = unpackable(manifest) if batching.packing is not None else None
-    if refused is not None:
-        raise ValueError(f"{source.url}: {refused}")
+    if batching.packing is not None:
+        require_packable(manifest, source.url)
     return dataclasses.replace(batching, bucketing=default_bucketing(manifest.length, batching.shuffle))
 
 

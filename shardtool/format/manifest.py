@@ -36,6 +36,14 @@ def length_pads(length: Mapping[str, Any]) -> bool:
     return length.get("unit") in PADDED_UNITS
 
 
+def require_packable(manifest: Manifest, where: str | None = None) -> None:
+    """ValueError (``where: `` before it, if given) where packed rows cannot be made of this
+    dataset (`unpackable`): the loader, a mixture's source and `shardtool plan` refuse alike."""
+    refused = unpackable(manifest)
+    if refused is not None:
+        raise ValueError(f"{where}: {refused}" if where else refused)
+
+
 def unpackable(manifest: Manifest) -> str | None:
     """Why packed rows cannot be made of this dataset; None where they can. Packing cuts each
     sample's token array, so the length must be the length of a field that decodes to an array

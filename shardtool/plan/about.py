@@ -66,10 +66,10 @@ def _dataset(about: Mapping[str, Any] | None, fingerprint: str, *, saved: bool) 
 RANGES_BY_SAMPLES = "/ranges=samples"
 
 
-def dataset_identity(version: str, by_samples: bool) -> str:
-    """The dataset fingerprint a loader state records: the dataset's version, marked where its
-    ranges are cut by sample count (a dataset whose length is a byte size)."""
-    return version + RANGES_BY_SAMPLES if by_samples else version
+def dataset_identity(dataset: Any) -> str:
+    """The dataset fingerprint a loader state records of ``dataset`` (a `shardtool.format.Dataset`):
+    its version, marked where its ranges are cut by sample count (`ShardSummaries.by_samples`)."""
+    return dataset.version + RANGES_BY_SAMPLES if dataset.summaries.by_samples else dataset.version
 
 
 def ranges_changed(found_fingerprint: str, expected_fingerprint: str) -> str | None:
