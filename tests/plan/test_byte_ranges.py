@@ -15,6 +15,8 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import shardtool
 from helpers.realdata import ICONS
@@ -22,7 +24,7 @@ from helpers.skips import require
 from shardtool.format import open_dataset
 from shardtool.loader import ShardedLoader
 from shardtool.loader.errors import LoaderStateError
-from shardtool.plan import Batching, DataLayout, Layout, Planner
+from shardtool.plan import ArraySource, Batching, DataLayout, Layout, Planner, group_cuts
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +39,12 @@ def icons(tmp_path_factory):
     return str(root / "ds")
 
 
-class _CutByBytes:
-    """The same dataset planned as before the fix: ranges cut by the weight of its byte lengths."""
+class _CutBy:
+    """A plan source's lengths with its ranges cut by samples or (``by_samples=False``: as before
+    the fix) by the weight of its byte lengths."""
 
-    def __init__(self, ds):
-        self.ds, self.summaries = ds, dataclasses.replace(ds.summaries, by_samples=False)
+    def __init__(self, ds, by_samples: bool = False):
+        self.ds, self.summaries = ds, dataclasses.replace(ds.summaries, by_samples=by_samples)
 
     def lengths_range(self, lo: int, hi: int) -> np.ndarray:
         return self.ds.lengths_range(lo, hi)
@@ -67,7 +70,7 @@ def test_image_ranks_serve_full_batches(icons, layout, size):
     assert len({s.size for s in got}) == 1
     assert served.max() - served.min() <= size, (served.min(), served.max())
     assert np.mean(np.concatenate(got) == size) >= 0.85
-    before = _batch_sizes(_CutByBytes(ds), layout, size)
+    before = _batch_sizes(_CutBy(ds), layout, size)
     spread = max(s.sum() for s in before) - min(s.sum() for s in before)
     assert spread > size  # what the cut by bytes did to these images: the test can fail
 
@@ -121,3 +124,42 @@ def test_a_mixture_state_of_image_sources_cut_by_bytes_is_refused_naming_the_sou
         fresh.load_state_dict(json.loads(saved.replace("/ranges=samples", "")))
     fresh.load_state_dict(json.loads(saved))  # as saved now: resumes
     fresh.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 5000), min_size=40, max_size=400),
+    per_shard=st.integers(5, 60),
+    nodes=st.integers(1, 4),
+    per_node=st.integers(1, 4),
+    size=st.integers(1, 8),
+)
+def test_sample_cut_ranges_keep_equal_counts_and_serve_each_sample_once(lengths, per_shard, nodes, per_node, size):
+    """The cut by sample count under the plan's guarantees, on byte-like lengths: every group's
+    share within one sample of its part, equal batch counts, no sample served twice, and a resume
+    on another world size (the elastic re-deal) from the same cuts."""
+    lengths = np.array(lengths)
+    counts = [per_shard] * (lengths.size // per_shard) + (
+        [lengths.size % per_shard] if lengths.size % per_shard else []
+    )
+    src = _CutBy(ArraySource(lengths, counts), by_samples=True)
+    layout = Layout(nodes, per_node)
+    data = DataLayout.pure_dp(layout)
+    cuts = group_cuts(src.summaries, data.group_sizes)
+    share = np.diff(cuts)
+    assert cuts[0] == 0 and cuts[-1] == lengths.size and (share >= 0).all()
+    assert np.abs(share - lengths.size * np.array(data.group_sizes) / data.dp_size).max() < 1
+    if lengths.size < data.dp_size * size:
+        return
+    planner = Planner(src, Batching(batch_size=size, bucketing=False))
+    state = planner.start(0, "v", data)
+    plans = [planner.rank_plan(state, d) for d in range(data.dp_size)]
+    assert len({p.batches_per_rank for p in plans}) == 1
+    served = np.concatenate([p.ids for p in plans])
+    assert np.unique(served).size == served.size
+    half = dataclasses.replace(state, segments=[dataclasses.replace(state.last, served=plans[0].batches_per_rank // 2)])
+    other = DataLayout.pure_dp(Layout(1, 1 + (data.dp_size % 3)))
+    resumed = planner.continue_on(half, other)
+    later = np.concatenate([planner.rank_plan(resumed, d).ids for d in range(other.dp_size)])
+    first = np.concatenate([p.ids[: p.offsets[half.last.served]] for p in plans])
+    assert not set(first.tolist()) & set(later.tolist())  # nothing served before is served again
