@@ -253,7 +253,7 @@ class DatasetEpochs:
             )
         try:
             st = LoaderState.from_dict(state, batching=self.batching)
-            check_compatible(st, self.fingerprint, self.batching, self._about())
+            st = check_compatible(st, self.fingerprint, self.batching, self._about())
             self.planner.check(st)
             resumed = self.planner.continue_on(st, self.reading.data_layout)
             plan = self.planner.rank_plan(resumed, self.reading.dp_rank)

@@ -81,8 +81,8 @@ def ranges_changed(found_fingerprint: str, expected_fingerprint: str) -> str | N
         "loader state was saved by a shardtool that cut this dataset (its lengths are byte sizes) into "
         "the data groups' ranges by bytes, so that some ranks' batches held fewer than batch_size samples; "
         "ranges are now cut by sample count, and the state's position is in the old plan. Finish the epoch "
-        "with the shardtool that saved it, or start the next epoch E afresh with this one "
-        "(loader.set_epoch(E), without loading the state)"
+        "with the shardtool that saved it (a state saved at an epoch's end loads here), or start the next "
+        "epoch E afresh with this one (loader.set_epoch(E), without loading the state)"
     )
 
 

@@ -347,13 +347,24 @@ def parse_about(value: Any) -> dict[str, Any] | None:
 
 def check_compatible(
     state: LoaderState, dataset_fingerprint: str, batching: Batching, about: Mapping[str, Any] | None = None
-) -> None:
-    """Refuse a state saved for another dataset or batching config; ``about`` (this loader's
-    description, `shardtool.plan.about.describe`) lets the message name both sides."""
+) -> LoaderState:
+    """``state``, refused where it was saved for another dataset or batching config; ``about``
+    (this loader's description, `shardtool.plan.about.describe`) lets the message name both sides.
+
+    A state of this dataset saved before its ranges were cut by sample count
+    (`shardtool.plan.about.ranges_changed`) is returned as the start of its epoch under the new
+    cut where nothing of the epoch was served or skipped (saved at an epoch's end, or before its
+    first batch): it holds no position in the old plan, only which epoch (and step) comes next."""
     expected = about or {"batching": batching.describe()}
+    untouched = not state.served and not any(s.skipped for s in state.segments)
+    if untouched and _about.ranges_changed(state.dataset_fingerprint, dataset_fingerprint) is not None:
+        state = LoaderState(
+            state.epoch, dataset_fingerprint, state.batching_fingerprint, [], state.version, state.about, state.step
+        )
     if state.dataset_fingerprint != dataset_fingerprint:
         raise StateError(_about.dataset_mismatch(state.about, state.dataset_fingerprint, expected, dataset_fingerprint))
     if state.batching_fingerprint != batching.fingerprint():
         raise StateError(
             _about.batching_mismatch(state.about, state.batching_fingerprint, expected, batching.fingerprint())
         )
+    return state

@@ -110,6 +110,24 @@ def test_a_state_saved_when_image_ranges_were_cut_by_bytes_is_refused(icons, tmp
     fresh.close()
 
 
+def test_a_state_saved_at_an_epoch_end_before_the_sample_cut_loads_into_the_next_epoch(icons):
+    kw = dict(batch_size=16, rank=1, world_size=4, ranks_per_node=2, num_workers=0)
+    ld = ShardedLoader(icons, **kw)
+    first = [b["__key__"] for b in ld]
+    state = ld.state_dict()  # the epoch served whole: the state is the start of epoch 1
+    assert state["epoch"] == 1
+    ld.set_epoch(1)
+    want = [b["__key__"] for b in ld]
+    ld.close()
+    state["dataset_fingerprint"] = state["dataset_fingerprint"].removesuffix("/ranges=samples")  # as 0.2.0 saved it
+    fresh = ShardedLoader(icons, **kw)
+    fresh.load_state_dict(json.loads(json.dumps(state)))
+    got = [b["__key__"] for b in fresh]
+    assert got == want and got != first and len(got) == len(fresh)
+    assert fresh.state_dict()["dataset_fingerprint"].endswith("/ranges=samples")  # saved under the new cut
+    fresh.close()
+
+
 def test_a_mixture_state_of_image_sources_cut_by_bytes_is_refused_naming_the_source(icons):
     from shardtool.plan.mixture import Mixture
 
