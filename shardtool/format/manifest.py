@@ -55,12 +55,16 @@ def unpackable(manifest: Manifest) -> str | None:
         unit = length.get("unit")
         what = "its payload's byte size, not a field's" if unit == "bytes" else f"a {unit} length, not a field's"
     elif spec is not None and spec.storage != "array" and spec.encoding != "npy":
-        what = f"the length of its field {name!r}, which holds {spec.storage} ({spec.encoding}), not token ids"
+        held = f"which holds {spec.storage} ({spec.encoding}), not token ids"
+        taken = "the value" if length.get("unit") == "value" else "the length"
+        what = f"{taken} of its field {name!r}, {held}"
     else:
         return None
+    arrays = [f.name for f in manifest.fields if f.storage == "array" or f.encoding == "npy"]
+    repack = f"--length {arrays[0]}" if len(arrays) == 1 else "--length FIELD"
     return (
         f"packed rows (seq_len=...) are cut from each sample's token array, and this dataset's length is {what}: "
-        "pack the token ids as a field and name it (shardtool pack --length FIELD, or --tokenizer with "
+        f"pack the token ids as a field and name it (shardtool pack {repack}, or --tokenizer with "
         "--text-field), or load it with batch_size= and no seq_len"
     )
 

@@ -265,6 +265,22 @@ def test_packing_a_dataset_of_no_token_field_is_refused_when_the_loader_is_made(
         ShardedLoader(mixture, steps=2, seq_len=64, batch_size=2, rank=0, world_size=1, num_workers=0)
 
 
+def test_packing_by_an_integer_length_column_names_the_token_field_to_pack_by(tmp_path):
+    """A Parquet of token ids and their count, packed ``--length n``: the length is the column's
+    value, so the rows cannot be cut; the error says so and names the one array field to use."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import shardtool
+    from shardtool.loader import ShardedLoader
+
+    ids = [list(range(n)) for n in (5, 40, 17)]
+    pq.write_table(pa.table({"ids": ids, "n": [len(x) for x in ids]}), str(tmp_path / "d.parquet"))
+    shardtool.pack([str(tmp_path / "d.parquet")], str(tmp_path / "ds"), length="n")
+    with pytest.raises(ValueError, match=r"the value of its field 'n', which holds int .*pack --length ids,"):
+        ShardedLoader(str(tmp_path / "ds"), seq_len=32, batch_size=2, rank=0, world_size=1, num_workers=0)
+
+
 def test_data_that_disagrees_with_the_lengths_is_named(tmp_path):
     packing = Packing(16, "concat")
     rows = pack_rows(np.array([5, 9]), packing).with_ids(np.array([40, 41]))
