@@ -190,7 +190,12 @@ def add_arguments(p) -> None:
     p.add_argument("--samples-per-shard", type=int, metavar="N", help="at most N samples per shard")
     p.add_argument("--workers", type=int, default=1, metavar="N", help="worker processes (default 1)")
     p.add_argument("--num-tasks", type=int, metavar="T", help="job-array size (default: $SLURM_ARRAY_TASK_COUNT or 1)")
-    p.add_argument("--task-index", type=int, metavar="I", help="this task (default: $SLURM_ARRAY_TASK_ID)")
+    p.add_argument(
+        "--task-index",
+        type=int,
+        metavar="I",
+        help="this task, 0..T-1 (default: its place in the SLURM array, from $SLURM_ARRAY_TASK_ID)",
+    )
     p.add_argument(
         "--per-file",
         action="store_true",

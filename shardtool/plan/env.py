@@ -165,15 +165,17 @@ def node_placement(
 def array_task(num_tasks: int | None, task_index: int | None, *, env: Mapping[str, str]) -> tuple[int, int]:
     """(count, index) of this job-array task: explicit arguments, else SLURM_ARRAY_*, else (1, 0).
 
-    SLURM numbers array tasks from ``SLURM_ARRAY_TASK_MIN`` (usually 0 or 1); the index is taken
-    relative to it so ``--array=1-8`` works as well as ``--array=0-7``.
+    SLURM numbers array tasks from ``SLURM_ARRAY_TASK_MIN`` (usually 0 or 1) in steps of
+    ``SLURM_ARRAY_TASK_STEP``; the index is the task's place in that range, so ``--array=1-8`` and
+    ``--array=0-70:10`` work as well as ``--array=0-7``. A listed array (``--array=1,3,7``) has no
+    such place: it needs ``--task-index``.
     """
     if num_tasks is None:
         num_tasks = _int(env, "SLURM_ARRAY_TASK_COUNT")
     if task_index is None and num_tasks is not None and num_tasks > 1:
         found = _int(env, "SLURM_ARRAY_TASK_ID")
         if found is not None:
-            task_index = found - (_int(env, "SLURM_ARRAY_TASK_MIN") or 0)
+            task_index = _array_place(env, found, num_tasks)
     num_tasks = 1 if num_tasks is None else int(num_tasks)
     task_index = 0 if task_index is None else int(task_index)
     if num_tasks < 1:
@@ -181,3 +183,20 @@ def array_task(num_tasks: int | None, task_index: int | None, *, env: Mapping[st
     if not 0 <= task_index < num_tasks:
         raise LayoutError(f"--task-index {task_index} is outside 0..{num_tasks - 1}")
     return num_tasks, task_index
+
+
+def _array_place(env: Mapping[str, str], found: int, num_tasks: int) -> int:
+    """Task ``found``'s place in the array ``SLURM_ARRAY_TASK_MIN..MAX:STEP`` of ``num_tasks`` ids."""
+    first, step = _int(env, "SLURM_ARRAY_TASK_MIN") or 0, _int(env, "SLURM_ARRAY_TASK_STEP") or 1
+    last = _int(env, "SLURM_ARRAY_TASK_MAX")
+    if last is not None and (last - first) // step + 1 != num_tasks:
+        raise LayoutError(
+            f"this job array's {num_tasks} task ids are not the range {first}-{last}"
+            + (f":{step}" if step > 1 else "")
+            + " (a listed array such as --array=1,3,7?): their places cannot be told from "
+            "SLURM_ARRAY_TASK_ID; give --num-tasks and --task-index, or submit --array=0-"
+            f"{num_tasks - 1}"
+        )
+    if (found - first) % step:
+        raise LayoutError(f"SLURM_ARRAY_TASK_ID {found} is not in the array {first}-{last}:{step}")
+    return (found - first) // step

@@ -76,6 +76,16 @@ def test_placement_is_consistent():
         Placement(Layout(2, 2), node=2)
 
 
+_STEPPED = {
+    "SLURM_ARRAY_TASK_COUNT": "3",
+    "SLURM_ARRAY_TASK_MIN": "0",
+    "SLURM_ARRAY_TASK_MAX": "10",
+    "SLURM_ARRAY_TASK_STEP": "5",
+}
+# sbatch --array=1,3,7: SLURM gives MIN 1, MAX 7 and 3 tasks, and no place for each
+_LISTED = {"SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_MAX": "7"}
+
+
 @pytest.mark.parametrize(
     "args, env, expected",
     [
@@ -88,6 +98,10 @@ def test_placement_is_consistent():
             (8, 5),
         ),
         ((None, None), {"SLURM_ARRAY_TASK_COUNT": "1", "SLURM_ARRAY_TASK_ID": "3"}, (1, 0)),
+        # sbatch --array=0-10:5: tasks 0, 5 and 10 are places 0, 1 and 2
+        ((None, None), {**_STEPPED, "SLURM_ARRAY_TASK_ID": "10"}, (3, 2)),
+        ((None, None), {**_STEPPED, "SLURM_ARRAY_TASK_ID": "5"}, (3, 1)),
+        ((2, 1), {**_LISTED, "SLURM_ARRAY_TASK_ID": "3"}, (2, 1)),  # explicit: the list is not read
     ],
 )
 def test_array_task(args, env, expected):
@@ -100,6 +114,8 @@ def test_array_task(args, env, expected):
         ((0, None), {}, "num-tasks"),
         ((2, 2), {}, "task-index 2 is outside"),
         ((None, None), {"SLURM_ARRAY_TASK_COUNT": "two"}, "must be an integer"),
+        ((None, None), {**_LISTED, "SLURM_ARRAY_TASK_ID": "3"}, r"not the range 1-7 \(a listed array.*--task-index"),
+        ((None, None), {**_STEPPED, "SLURM_ARRAY_TASK_ID": "4"}, "4 is not in the array 0-10:5"),
     ],
 )
 def test_array_task_errors(args, env, message):
