@@ -44,7 +44,9 @@ def add_arguments(p) -> None:
     g.add_argument("--length-fn", metavar="MODULE:FUNCTION", help="sample length = FUNCTION(sample dict)")
     p.add_argument("--workers", type=int, default=1, metavar="N", help="worker processes (default 1)")
     p.add_argument("--num-tasks", type=int, metavar="T", help="job-array size (default: $SLURM_ARRAY_TASK_COUNT or 1)")
-    p.add_argument("--task-index", type=int, metavar="I", help="this task, 0..T-1 (default: its place in the SLURM array)")
+    p.add_argument(
+        "--task-index", type=int, metavar="I", help="this task, 0..T-1 (default: its place in the SLURM array)"
+    )
     p.add_argument("--skip-bad", action="store_true", help="leave out tars that break the rules, listing them")
     p.add_argument(
         "--max-member-bytes", metavar="SIZE", type=size_arg, help="refuse members larger than this (default 256MiB)"

@@ -24,9 +24,12 @@ class FormatError(ShardtoolError):
 class BadSampleError(ShardtoolError):
     """One input sample cannot be packed; names where it came from."""
 
-    def __init__(self, message: str, *, source: str | None = None, position: str | None = None):
+    def __init__(self, message: str, *, source: str | None = None, position: str | None = None, lost: int | None = 1):
         self.source = source
         self.position = position
+        # Samples a skip of it loses: one, the rows left in an unreadable unit, or None where a
+        # source breaks off at a point past which its size is unknown (`shardtool.pack.skips`).
+        self.lost = lost
         where = ""
         if source is not None:
             where = f"{source}"

@@ -37,6 +37,7 @@ from ..format.writer import publish_manifest
 from ..plan.env import array_task
 from . import outdir
 from .options import load_function, strip_file_scheme
+from .skips import skip_entry
 from .tarscan import LengthRule, TarScan, scan_tar
 from .units import split_contiguous
 
@@ -228,7 +229,7 @@ def _publish(
     def bad(err: BadSampleError) -> None:
         if not skip_bad:
             raise err
-        skipped.append(str(err))
+        skipped.append(skip_entry(err))
 
     exts: list[str] | None = None
     owner: dict[str, str] = {}

@@ -12,6 +12,7 @@ from ..format.errors import BadSampleError, ShardtoolError
 from ..format.fields import FieldSpec
 from .readers import Bad, count_unit, read_unit
 from .schema import infer_fields
+from .skips import skip_entry
 from .sources import memory_units
 from .units import Unit, discover
 
@@ -61,7 +62,7 @@ def counted_units(units: list[Unit], *, skip_bad: bool, skipped: list[str]) -> l
             except BadSampleError as e:
                 if not skip_bad:
                     raise
-                skipped.append(str(e))
+                skipped.append(skip_entry(e))
                 continue
         counted.append(u)
     return counted

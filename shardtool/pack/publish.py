@@ -16,7 +16,7 @@ from ..format.fields import FieldSpec
 from ..format.manifest import Manifest, ShardInfo
 from ..format.writer import publish_manifest
 from . import outdir
-from .skips import check_skips
+from .skips import check_skips, skipped_samples
 from .worker import JobResult
 
 
@@ -47,12 +47,18 @@ class PackResult:
         )
         return (
             f"packed {self.samples} samples ({self.bytes / 1e6:.1f} MB) into {self.shards} shards in "
-            f"{self.seconds:.2f} s ({rate:,.0f} samples/s, {mbs:.1f} MB/s); skipped {len(self.skipped)}; "
+            f"{self.seconds:.2f} s ({rate:,.0f} samples/s, {mbs:.1f} MB/s); skipped {_skips(self.skipped)}; "
             f"{capped}{what} at {self.out}"
         )
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
+
+
+def _skips(skipped: list[str]) -> str:
+    """The skips as the summary counts them: samples, and entries whose loss is unknown."""
+    n, unknown = skipped_samples(skipped)
+    return f"{n}" + (f" ({unknown} of them a source broken off, its size unknown)" if unknown else "")
 
 
 def length_definition(fields: list[FieldSpec], length_field: str | None, length_fn: str | None) -> dict:

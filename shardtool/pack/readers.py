@@ -78,9 +78,11 @@ def count_unit(unit: Unit) -> int:
             return count_lines(unit)
         return count_arrow_stream(unit)
     except (OSError, EOFError, ValueError) as e:
-        raise BadSampleError(f"cannot read source ({e})", source=unit.path) from None
+        raise BadSampleError(f"cannot read source ({e}) to count its samples", source=unit.path, lost=None) from None
     except Exception as e:  # zstd / arrow errors have their own classes
-        raise BadSampleError(f"cannot read source ({type(e).__name__}: {e})", source=unit.path) from None
+        raise BadSampleError(
+            f"cannot read source ({type(e).__name__}: {e}) to count its samples", source=unit.path, lost=None
+        ) from None
 
 
 @dataclass
@@ -153,10 +155,16 @@ def _jsonl(unit: Unit, max_line: int) -> Iterator[Any]:
             try:
                 line = f.readline(max_line + 1)
             except (OSError, EOFError) as e:
-                raise BadSampleError(f"cannot read source after line {line_no} ({e})", source=unit.path) from None
+                raise BadSampleError(
+                    f"cannot read source after line {line_no} ({e}); the rest of it is lost",
+                    source=unit.path,
+                    lost=None,
+                ) from None
             except Exception as e:  # zstd raises its own error type on corrupt frames
                 raise BadSampleError(
-                    f"cannot decompress after line {line_no} ({type(e).__name__}: {e})", source=unit.path
+                    f"cannot decompress after line {line_no} ({type(e).__name__}: {e}); the rest of it is lost",
+                    source=unit.path,
+                    lost=None,
                 ) from None
             if not line:
                 break
@@ -249,7 +257,15 @@ def _columnar(unit: Unit, whole_batches: bool = False) -> Iterator[Any]:
                 yield from batch_rows(unit, batch, pos)
             pos += batch.num_rows
     except (OSError, ValueError) as e:
-        raise BadSampleError(f"cannot read source near row {pos} ({e})", source=unit.path) from None
+        raise _unreadable_rows(unit, pos, e) from None
+
+
+def _unreadable_rows(unit: Unit, pos: int, e: BaseException) -> BadSampleError:
+    """A unit unreadable from row ``pos`` on: its remaining rows are what a skip of it loses."""
+    lost = unit.count - pos if unit.count >= 0 else None
+    where = _row_where(unit, pos)
+    rest = f"its {lost} rows from there are lost" if lost is not None else "the rest of the source is lost"
+    return BadSampleError(f"cannot read source near {where} ({e}); {rest}", source=unit.path, lost=lost)
 
 
 def batch_rows(unit: Unit, batch, pos: int) -> Iterator[Any]:
@@ -258,7 +274,7 @@ def batch_rows(unit: Unit, batch, pos: int) -> Iterator[Any]:
         names = batch.schema.names
         cols = [_column_values(batch.column(j)) for j in range(batch.num_columns)]
     except (OSError, ValueError) as e:
-        raise BadSampleError(f"cannot read source near row {pos} ({e})", source=unit.path) from None
+        raise _unreadable_rows(unit, pos, e) from None
     for r in range(batch.num_rows):
         yield pos, None, {n: c[r] for n, c in zip(names, cols)}, _row_where(unit, pos)
         pos += 1

@@ -18,6 +18,7 @@ from typing import Any
 from ..format.errors import BadSampleError, ShardtoolError
 from ..format.keys import key_problem
 from .options import strip_file_scheme
+from .skips import skip_entry
 from .tree import PER_FILE_HINT, OnBad, image_folder_samples, per_file_samples, walk_files
 from .workunit import Unit
 
@@ -61,7 +62,7 @@ def discover(
     def on_bad(err: BadSampleError) -> None:
         if not skip_bad:
             raise err
-        skipped.append(str(err))
+        skipped.append(skip_entry(err))
 
     units: list[Unit] = []
     for src in expand_sources(srcs):
@@ -87,15 +88,19 @@ def units_of(src: str, *, per_file: bool = False, label_from_dir: bool = False, 
             return image_units(src, on_bad)
         return file_units(src, on_bad) if per_file else tree_units(src, on_bad)
     if label_from_dir and os.path.exists(src):
-        raise BadSampleError("--label-from-dir reads directories (ROOT/CLASS/FILE), this is a file", source=src)
+        raise BadSampleError(
+            "--label-from-dir reads directories (ROOT/CLASS/FILE), this is a file", source=src, lost=None
+        )
     if not os.path.exists(src):
-        raise BadSampleError("source does not exist", source=src)
+        raise BadSampleError("source does not exist", source=src, lost=None)
     if not os.access(src, os.R_OK):
-        raise BadSampleError("source is not readable (permission denied)", source=src)
+        raise BadSampleError("source is not readable (permission denied)", source=src, lost=None)
     kind = kind_of(src)
     if kind is None:
         raise BadSampleError(
-            "unknown source type (expected a directory, .jsonl[.gz|.zst], .parquet, .arrow or .tar)", source=src
+            "unknown source type (expected a directory, .jsonl[.gz|.zst], .parquet, .arrow or .tar)",
+            source=src,
+            lost=None,
         )
     try:
         if kind == "jsonl":
@@ -105,7 +110,7 @@ def units_of(src: str, *, per_file: bool = False, label_from_dir: bool = False, 
         if kind == "arrow":
             return arrow_units(src)
     except OSError as e:
-        raise BadSampleError(f"cannot read source ({e})", source=src) from None
+        raise BadSampleError(f"cannot read source ({e})", source=src, lost=None) from None
     return [Unit("tar", src, weight=os.path.getsize(src))]
 
 
@@ -153,7 +158,7 @@ def parquet_units(path: str) -> list[Unit]:
     try:
         md = pq.ParquetFile(path).metadata
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError variants
-        raise BadSampleError(f"not a readable Parquet file ({e})", source=path) from None
+        raise BadSampleError(f"not a readable Parquet file ({e})", source=path, lost=None) from None
     return [
         Unit("parquet", path, g, g + 1, md.row_group(g).num_rows, 0, max(md.row_group(g).total_byte_size, 1))
         for g in range(md.num_row_groups)
@@ -171,7 +176,7 @@ def arrow_units(path: str) -> list[Unit]:
         # An Arrow *stream* has no footer to seek by: one unit, counted when read.
         return [Unit("arrow", path, 0, -1, -1, 0, os.path.getsize(path))]
     except Exception as e:
-        raise BadSampleError(f"not a readable Arrow IPC file ({e})", source=path) from None
+        raise BadSampleError(f"not a readable Arrow IPC file ({e})", source=path, lost=None) from None
     units, start, acc = [], 0, 0
     for i, r in enumerate(rows):
         acc += r

@@ -28,6 +28,7 @@ from .prefetch import prefetch
 from .readers import Bad, ColumnBatch, RowChunk, batch_rows, read_unit
 from .roller import Roller, shard_name  # noqa: F401  (shard_name: re-exported for callers)
 from .schema import Shaper
+from .skips import skip_entry
 from .tree import FLAGS_ADVICE
 from .units import Unit
 
@@ -112,7 +113,7 @@ class _Packer:
     def skip(self, err: BadSampleError) -> None:
         if not self.job.skip_bad:
             raise err
-        self.result.skipped.append(str(err))
+        self.result.skipped.append(skip_entry(err))
 
     # ------------------------------------------------------------------ whole batches
     def batch(self, unit: Unit, pos0: int, item) -> None:

@@ -148,3 +148,48 @@ def test_sigkill_mid_shard_then_rerun_is_identical(tmp_path):
     p = _run_pack(src, out)
     assert p.wait(timeout=120) == 0, p.stderr.read()
     assert dir_digest(out) == dir_digest(ref)
+
+
+def _stdlib_parquet_with_a_bad_row_group(tmp_path) -> tuple[str, int]:
+    """Stdlib files as Parquet in row groups of 50, the first group's text pages zeroed in the
+    middle (a disk error, a torn copy): (path, rows)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from helpers.realtext import write_stdlib_jsonl
+
+    texts = write_stdlib_jsonl(str(tmp_path / "s.jsonl"), limit=168)
+    path = str(tmp_path / "corrupt.parquet")
+    pq.write_table(pa.table({"text": texts}), path, row_group_size=50)
+    chunk = pq.ParquetFile(path).metadata.row_group(0).column(0)
+    first = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+    middle = first + chunk.total_compressed_size // 2
+    with open(path, "r+b") as f:
+        f.seek(middle)
+        f.write(bytes(100))
+    return path, len(texts)
+
+
+def test_an_unreadable_row_group_counts_its_rows_as_skipped(tmp_path):
+    """It counted as one skip, so --max-skip-fraction 0.05 let 50 of 168 rows (30%) go silently."""
+    path, rows = _stdlib_parquet_with_a_bad_row_group(tmp_path)
+    with pytest.raises(ShardtoolError, match=rf"50 of {rows} samples were skipped .*row group 0.*its 50 rows"):
+        shardtool.pack([path], str(tmp_path / "strict"), max_skip_fraction=0.05)
+    assert not os.path.exists(tmp_path / "strict" / "index.json")
+    got = shardtool.pack([path], str(tmp_path / "ok"), skip_bad=True, max_skip_fraction=0.5)
+    assert got.samples == rows - 50 and "skipped 50;" in got.summary()
+
+
+def test_a_truncated_compressed_source_fails_a_skip_limit_it_cannot_check(tmp_path):
+    """A .jsonl.gz cut short: how many samples it held is unknown, so a stated limit refuses it,
+    and without a limit the pack says so instead of counting it as one sample."""
+    from helpers.realtext import write_stdlib_jsonl
+
+    write_stdlib_jsonl(str(tmp_path / "good.jsonl"), limit=40)
+    whole = gzip.compress(open(tmp_path / "good.jsonl", "rb").read())
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    srcs = [str(tmp_path / "cut.jsonl.gz"), str(tmp_path / "good.jsonl")]
+    with pytest.raises(ShardtoolError, match=r"1 source\(s\) could not be read to their end .*cannot be checked"):
+        shardtool.pack(srcs, str(tmp_path / "strict"), max_skip_fraction=0.9)
+    got = shardtool.pack(srcs, str(tmp_path / "ok"), skip_bad=True)
+    assert got.samples == 40 and any("size is unknown" in w or "is unknown" in w for w in got.warnings)
