@@ -33,6 +33,7 @@ from .sources import classify
 from .tokenize import TOKENS_FIELD, Tokenize, tokenized_fields
 from .units import positions, split_contiguous
 from .worker import Job
+from .workunit import inputs_seen
 
 __all__ = ["DEFAULT_MAX_SAMPLE_BYTES", "DEFAULT_SHARD_SIZE", "PackResult", "length_definition", "pack"]
 
@@ -301,8 +302,9 @@ def pack(
             length_def["eos_id"] = tok.eos[0]  # every document ends with it: a loader must not append another
         if isinstance(tok, (ImageText, Interleaved)):
             length_def["image"] = tok.manifest()  # where the loader finds each image and its place
+        seen = inputs_seen(units, len(skipped)) if partition is None and T > 1 else None
         result = publish_pack(
-            out, format, fields, length_def, results, skipped, T, I, max_skip_fraction, compression, extra
+            out, format, fields, length_def, results, skipped, T, I, max_skip_fraction, compression, extra, seen
         )
     except BaseException:
         outdir.undo(out, before, task=I, num_tasks=T)  # a killed or failed worker cannot clean up its own

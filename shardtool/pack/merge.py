@@ -64,6 +64,7 @@ def merge(out: str, *, num_tasks: int | None = None) -> dict:
         for k in ("shard_format", "fields", "length", "compression", "extra"):
             if b.get(k) != first.get(k):
                 raise ShardtoolError(f"task {t} disagrees with task 0 on {k}: {b.get(k)!r} vs {first.get(k)!r}")
+    _check_inputs(bodies)
     fields = [FieldSpec.from_dict(f) for f in first["fields"]]
     shards: list[ShardInfo] = []
     lengths = []
@@ -104,6 +105,29 @@ def merge(out: str, *, num_tasks: int | None = None) -> dict:
         "dropped": sum(b.get("dropped", 0) for b in bodies),
         "truncated": sum(b.get("truncated", 0) for b in bodies),
     }
+
+
+def _check_inputs(bodies: list[dict]) -> None:
+    """Tasks split one list of units: a task that found other sources than task 0 packed another
+    split, so samples would be missing or twice over (fragments from before it record none)."""
+    first = bodies[0].get("inputs")
+    for t, b in enumerate(bodies):
+        seen = b.get("inputs")
+        if first is None or seen is None or seen == first:
+            continue
+        raise ShardtoolError(
+            f"task {t} found other inputs than task 0: {_inputs(seen)} against {_inputs(first)}. Each task "
+            "splits the same list of sources, so the sources changed while the array ran (a glob that matched "
+            "other files, a file written meanwhile) and samples would be missing or packed twice; rerun the "
+            "tasks that differ with the same sources, or the whole array"
+        )
+
+
+def _inputs(seen: dict) -> str:
+    return (
+        f"{seen['sources']} sources ({seen['units']} pieces of work, {seen['skipped']} skipped, "
+        f"digest {seen['digest']})"
+    )
 
 
 def _check_keys(out: str, shards: list[ShardInfo], fields: list[FieldSpec], tar: bool) -> None:

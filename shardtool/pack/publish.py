@@ -83,6 +83,7 @@ def publish_pack(
     max_skip_fraction: float | None,
     compression: str | None,
     extra: dict | None = None,
+    inputs: dict | None = None,
 ) -> PackResult:
     """Check the workers' results and publish the manifest (or this task's fragment), last."""
     results.sort(key=lambda r: r.worker)
@@ -125,6 +126,7 @@ def publish_pack(
             "shard_format": fmt,
             **({"compression": compression} if compression else {}),
             **({"extra": extra} if extra else {}),
+            **({"inputs": inputs} if inputs else {}),
             "fields": [f.to_dict() for f in fields],
             "length": length_def,
             "shards": [s.to_dict() for s in shards],

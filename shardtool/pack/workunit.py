@@ -5,6 +5,7 @@ without importing the module that dispatches to them."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,3 +37,18 @@ class Unit:
     @property
     def structured(self) -> bool:
         return self.kind in STRUCTURED
+
+
+def inputs_seen(units: list[Unit], skipped: int) -> dict[str, Any]:
+    """What a job-array task found in its sources, for `shardtool merge` to compare: every task
+    splits the same list of units, so tasks that found different ones (a glob that matched other
+    files by then) would leave samples out, or pack some twice, without an error."""
+    digest = hashlib.sha256()
+    for u in units:
+        digest.update(f"{u.kind}\0{u.path}\0{u.start}\0{u.stop}\0{u.count}\0{u.weight}\n".encode())
+    return {
+        "units": len(units),
+        "sources": len({u.path for u in units}),
+        "skipped": skipped,
+        "digest": digest.hexdigest()[:16],
+    }

@@ -162,6 +162,26 @@ def test_key_field_and_length_fn(tmp_path):
     assert sorted(read_all(out)) == sorted(r["id"] for r in recs)
 
 
+def test_merge_refuses_tasks_that_found_other_sources(tmp_path):
+    """A glob that matched another set of files in one task: the merge published a dataset
+    missing one file's samples, with no error."""
+    for i in range(4):
+        write_parquet(str(tmp_path / f"part{i}.parquet"), token_records(40, seed=i))
+    pattern, out = str(tmp_path / "part*.parquet"), str(tmp_path / "o")
+    shardtool.pack(pattern, out, num_tasks=2, task_index=0, env={})
+    os.rename(tmp_path / "part1.parquet", tmp_path / "held")
+    shardtool.pack(pattern, out, num_tasks=2, task_index=1, env={})
+    os.rename(tmp_path / "held", tmp_path / "part1.parquet")
+    with pytest.raises(
+        shardtool.ShardtoolError, match=r"task 1 found other inputs than task 0: 3 sources .* against 4 sources"
+    ):
+        merge(out)
+    assert not os.path.exists(os.path.join(out, "index.json"))
+    shardtool.pack(pattern, out, num_tasks=2, task_index=1, env={})  # rerun with the same sources
+    merge(out)
+    assert len(read_all(out)) == 160
+
+
 @pytest.mark.timeout(120)
 def test_job_array_merge_refuses_missing_task_and_cli_inspect(tmp_path):
     import subprocess
