@@ -46,9 +46,10 @@ class Dataset:
     ):
         self.url = url
         self.storage_options = storage_options
+        self._own_fs = fs is None  # made from the URL here, so a forked child may make its own
         if fs is None:
             fs, root = dataset_fs(url, storage_options)
-        self.fs = fs
+        self._fs, self._fs_pid = fs, os.getpid()
         self.root = root.rstrip("/") if root not in ("/", None) else (root or "")
         self.allow_pickle = allow_pickle
         if manifest_bytes is None:
@@ -67,6 +68,16 @@ class Dataset:
         self._field_names = self.manifest.field_names
         # shard s holds samples [offsets[s], offsets[s+1]); computed once, not per shard index loaded
         self._offsets = self.manifest.shard_offsets()
+
+    @property
+    def fs(self):
+        """The dataset's filesystem, this process's own: fsspec's async clients (s3fs, gcsfs)
+        refuse to be used in a forked child ("not fork-safe"), as `shardtool plan`'s forked
+        simulation of many groups does, so a child remakes it from the URL."""
+        if self._fs_pid != os.getpid() and self._own_fs and not is_local(self._fs):
+            self._fs, _ = dataset_fs(self.url, self.storage_options)
+        self._fs_pid = os.getpid()
+        return self._fs
 
     def reopened(self) -> Dataset:
         """This dataset for another process (a forked loader worker): its own filesystem session
