@@ -222,7 +222,11 @@ def add_arguments(p) -> None:
         help="refuse lines/members/files larger than this "
         "(default 256MiB; bounds memory on corrupt or compressed-bomb input)",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in OUT")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing dataset in OUT (the new one is written beside it and replaces it only once whole)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..format.errors import ShardtoolError
+from ..format.manifest import MANIFEST_NAME
 from ..format.sizes import parse_size
 from ..plan.env import array_task
 from . import outdir
@@ -258,6 +259,11 @@ def pack(
         my_units, my_pos = units[t0:t1], pos[t0:t1]
     else:  # the partition is the task's whole share; its keys continue the partitions before it
         my_units, my_pos = units, [p + partition.first for p in pos[:-1]]
+    dest = out
+    if overwrite and T == 1 and os.path.exists(os.path.join(out, MANIFEST_NAME)):
+        # The old dataset stays published until the new one is whole: a failed or killed pack
+        # leaves it as it was.
+        out = outdir.overwrite_staging(dest)
     jobs = []
     for w, (a, b) in enumerate(split_contiguous([u.weight for u in my_units], 1 if streaming else workers)):
         jobs.append(
@@ -306,8 +312,13 @@ def pack(
         result = publish_pack(
             out, format, fields, length_def, results, skipped, T, I, max_skip_fraction, compression, extra, seen
         )
+        if out != dest:
+            outdir.swap_in(dest, out)
+            result.out, result.manifest = dest, os.path.join(dest, MANIFEST_NAME)
     except BaseException:
         outdir.undo(out, before, task=I, num_tasks=T)  # a killed or failed worker cannot clean up its own
+        if out != dest:
+            outdir.drop_staging(dest)
         raise
     result.seconds = bar.elapsed
     for text in result.warnings:

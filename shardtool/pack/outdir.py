@@ -2,7 +2,8 @@
 
 A rerun after a kill must give the same dataset: stale temp files of *this* task are removed
 (never another task's, which may be writing right now), the old manifest is removed before any
-shard is rewritten, and shards no manifest will reference are deleted before publishing.
+shard is rewritten, and shards no manifest will reference are deleted before publishing. A pack
+``--overwrite`` of a published dataset writes the new one beside it instead (`swap_in`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +21,8 @@ from ..format.atomic import TMP_PREFIX, atomic_write_bytes, remove_stale_temps
 from ..format.errors import ShardtoolError
 from ..format.manifest import LENGTHS_NAME, MANIFEST_NAME, lengths_to_bytes
 
+# Where `pack --overwrite` writes the new dataset, inside OUT, while the old one stays published.
+OVERWRITE_DIR = ".shardtool-overwrite"
 SHARD_RE = re.compile(r"t\d{4}-w\d{2}-\d{6}\.(tar|arrow|idx\.arrow)$")
 TASKS_DIR = "tasks"
 
@@ -119,3 +123,34 @@ def write_fragment(out: str, task: int, num_tasks: int, body: dict, lengths: np.
     rel = fragment_name(task, num_tasks)
     atomic_write_bytes(os.path.join(out, rel), (json.dumps(body, indent=1) + "\n").encode())
     return rel
+
+
+def overwrite_staging(out: str) -> str:
+    """An empty directory inside ``out`` for the new dataset of ``pack --overwrite`` (what a killed
+    overwrite left there is removed): the old dataset stays published until `swap_in`."""
+    drop_staging(out)
+    return os.path.join(out, OVERWRITE_DIR)
+
+
+def drop_staging(out: str) -> None:
+    shutil.rmtree(os.path.join(out, OVERWRITE_DIR), ignore_errors=True)
+
+
+def swap_in(out: str, staging: str) -> None:
+    """Replace the dataset in ``out`` by the whole one in ``staging``: the old manifest goes
+    first (no reader trusts shards about to be replaced), then the new shards and files, the new
+    manifest last; then the old shards no manifest names. Renames within one filesystem: a kill
+    in here leaves no manifest, and a rerun packs afresh."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(out, MANIFEST_NAME))
+    os.makedirs(os.path.join(out, "shards"), exist_ok=True)
+    keep = set()
+    for name in sorted(os.listdir(os.path.join(staging, "shards"))):
+        os.replace(os.path.join(staging, "shards", name), os.path.join(out, "shards", name))
+        keep.add(f"shards/{name}")
+    for name in sorted(os.listdir(staging)):
+        if name not in ("shards", MANIFEST_NAME):
+            os.replace(os.path.join(staging, name), os.path.join(out, name))
+    os.replace(os.path.join(staging, MANIFEST_NAME), os.path.join(out, MANIFEST_NAME))
+    shutil.rmtree(staging, ignore_errors=True)
+    remove_orphans(out, keep)

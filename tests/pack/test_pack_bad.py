@@ -12,7 +12,7 @@ import time
 import pytest
 
 import shardtool
-from helpers.data_gen import dir_digest, image_samples, token_records, write_jsonl, write_tar, write_tree
+from helpers.data_gen import dir_digest, image_samples, read_all, token_records, write_jsonl, write_tar, write_tree
 from shardtool.format.errors import BadSampleError, ShardtoolError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -148,6 +148,32 @@ def test_sigkill_mid_shard_then_rerun_is_identical(tmp_path):
     p = _run_pack(src, out)
     assert p.wait(timeout=120) == 0, p.stderr.read()
     assert dir_digest(out) == dir_digest(ref)
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_mid_overwrite_keeps_the_old_dataset_published(tmp_path):
+    """--overwrite unpublished the old dataset first: a kill (or a bad line) lost it."""
+    old = write_jsonl(str(tmp_path / "old.jsonl"), token_records(300, seed=1))
+    src = write_jsonl(str(tmp_path / "in.jsonl"), token_records(20000, max_len=200))
+    out = str(tmp_path / "out")
+    assert _run_pack(old, out).wait(timeout=120) == 0
+    kept = dir_digest(out)
+    p = _run_pack(src, out, "--overwrite")
+    staging = os.path.join(out, ".shardtool-overwrite", "shards")
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(n.endswith(".tar") for n in _names(staging)):
+        time.sleep(0.005)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    left = dir_digest(out)
+    assert {k: v for k, v in left.items() if not k.startswith(".shardtool-overwrite")} == kept
+    assert len(read_all(out)) == 300  # still the old dataset, whole
+    assert _run_pack(src, out, "--overwrite").wait(timeout=120) == 0
+    assert len(read_all(out)) == 20000 and not os.path.exists(os.path.join(out, ".shardtool-overwrite"))
+
+
+def _names(directory: str) -> list[str]:
+    return os.listdir(directory) if os.path.isdir(directory) else []
 
 
 def _stdlib_parquet_with_a_bad_row_group(tmp_path) -> tuple[str, int]:

@@ -143,15 +143,15 @@ def test_failed_pack_keeps_what_was_there_before(tmp_path):
     shardtool.pack(good, str(out), samples_per_shard=5)  # t0000-w00-00000{0,1,2}.*
     with open(out / "shards" / "notes.txt", "w") as f:
         f.write("mine")
-    before = {n: os.path.getsize(out / "shards" / n) for n in os.listdir(out / "shards")}
+    kept = dir_digest(str(out))
     with pytest.raises(BadSampleError):
         shardtool.pack(_bad_late_jsonl(tmp_path), str(out), samples_per_shard=5, overwrite=True)
-    # The old dataset was unpublished by --overwrite (its manifest goes first); the files that
-    # were there are still there, and the failed pack's new shards (000003...) are not.
-    assert not os.path.exists(out / "index.json") and not os.path.exists(out / "lengths.npy")
-    assert sorted(os.listdir(out / "shards")) == sorted(before)
+    # --overwrite writes the new dataset beside the old one, which stays published as it was
+    # until the new one is whole (it was unpublished first, and lost with the failed pack).
+    assert dir_digest(str(out)) == kept and not os.path.exists(out / ".shardtool-overwrite")
     # A pack refused because OUT already holds a dataset changes nothing in it.
     shardtool.pack(good, str(out), samples_per_shard=5, overwrite=True)
+    assert os.path.exists(out / "shards" / "notes.txt") and not os.path.exists(out / ".shardtool-overwrite")
     digest = dir_digest(str(out))
     with pytest.raises(ShardtoolError, match="already holds a dataset"):
         shardtool.pack(_bad_late_jsonl(tmp_path), str(out), samples_per_shard=5)
