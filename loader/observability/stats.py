@@ -70,11 +70,38 @@ def read_lines(files: list[str]) -> tuple[list[dict], int]:
 
 
 def runs(lines: list[dict]) -> dict[str, list[dict]]:
-    """Lines per run id, oldest run first."""
+    """Lines per run id, oldest run first. A run id that names no job (``master-ADDR-PORT`` of a
+    static rendezvous, ``local``) is the same for every launch that reuses the address, so its
+    lines are told apart by launch: ``ID#1``, ``ID#2``, ... (`_launches`)."""
     out: dict[str, list[dict]] = defaultdict(list)
     for line in lines:
         out[str(line.get("run", "?"))].append(line)
-    return dict(sorted(out.items(), key=lambda kv: min(x.get("time", 0) for x in kv[1])))
+    split: dict[str, list[dict]] = {}
+    for run, got in out.items():
+        launches = _launches(got) if run == "local" or run.startswith("master-") else [got]
+        if len(launches) == 1:
+            split[run] = launches[0]
+        else:
+            split.update((f"{run}#{k}", launch) for k, launch in enumerate(launches, 1))
+    return dict(sorted(split.items(), key=lambda kv: min(x.get("time", 0) for x in kv[1])))
+
+
+def _launches(lines: list[dict]) -> list[list[dict]]:
+    """A run's lines by launch: loaders (start, pid) in order of start, a new launch where a rank
+    comes again in another process (a job relaunched, or another job on the same address: no id
+    tells which). One process's several loaders (training and evaluation) are one launch."""
+    by: dict[tuple, list[dict]] = defaultdict(list)
+    for line in lines:
+        by[(line.get("start", 0), line.get("pid", 0), int(line["rank"]))].append(line)
+    out: list[list[dict]] = []
+    pids: dict[int, int] = {}  # rank -> its process in the current launch
+    for (_, pid, rank), got in sorted(by.items()):
+        if not out or pids.get(rank, pid) != pid:
+            out.append([])
+            pids = {}
+        pids[rank] = pid
+        out[-1].extend(got)
+    return out
 
 
 def _get(d: dict, key: str) -> float:
