@@ -7,6 +7,8 @@ import sys
 import time
 from typing import Any
 
+from ._args import storage_options_from
+
 
 def plan_mixture(args) -> int:
     import numpy as np
@@ -39,7 +41,7 @@ def plan_mixture(args) -> int:
     datasets = {}
     for src in mixture.sources:
         try:
-            datasets[src.name] = open_dataset(src.url)
+            datasets[src.name] = open_dataset(src.url, storage_options=storage_options_from(args))
         except ShardtoolError as e:
             raise ShardtoolError(f"mixture source {src.name!r}: {e}") from None
         if batching.packing is not None:  # as the loader refuses it

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from ..plan.cost import CostModel
 from ..plan.schedule import with_runs
+from ._args import add_storage_option_argument, storage_options_from
 from ._layout import LAYOUT_HELP, add_layout_arguments, data_layout_of, describe_layout
 from ._plan import (
     add_batching_arguments,
@@ -68,6 +69,7 @@ examples:
 
 def add_arguments(p) -> None:
     p.add_argument("url", nargs="?", help="dataset root (local path or fsspec URL), or a mixture file")
+    add_storage_option_argument(p)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--nodes", type=int, default=None, help="number of nodes (default 1)")
     where.add_argument(
@@ -175,7 +177,7 @@ def run(args) -> int:
         name = f"synthetic:{args.synthetic}"
         shard_bytes = source.summaries.tokens * 4  # int32 tokens
     else:
-        source = open_dataset(args.url)
+        source = open_dataset(args.url, storage_options=storage_options_from(args))
         manifest = source.manifest
         name = args.url
         shard_bytes = np.array([s.bytes for s in manifest.shards], dtype=np.int64)

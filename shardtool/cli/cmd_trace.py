@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from ..format.errors import ShardtoolError
+from ._args import add_storage_option_argument, storage_options_from
 from ._plan import (
     add_batching_arguments,
     batch_size_of,
@@ -46,6 +47,7 @@ Examples:
 
 def add_arguments(p) -> None:
     p.add_argument("url", help="dataset root (local path or fsspec URL), or a mixture file (.json, .yaml)")
+    add_storage_option_argument(p)
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument(
         "--step", metavar="N", help="the step (batch of the epoch) to trace, or a span A:B (steps A to B-1)"
@@ -127,6 +129,7 @@ def run(args) -> int:
             num_workers=0,
             metrics=False,
             stall_timeout=None,
+            storage_options=storage_options_from(args),
             **kw,
         )
     except ValueError as e:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+from ._args import add_storage_option_argument, storage_options_from
+
 HELP = "rehash every shard and check every index entry; exit 1 naming each bad shard"
 DESCRIPTION = """\
 Check a dataset against its manifest: each shard's size and content hash, each sample
@@ -17,6 +19,7 @@ def add_arguments(p) -> None:
     p.add_argument("url", metavar="URL", help="dataset directory or fsspec URL")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_storage_option_argument(p)
 
 
 def run(args) -> int:
@@ -24,10 +27,11 @@ def run(args) -> int:
     from ..pack.progress import Progress
     from ..pack.verify import verify
 
-    with open_dataset(args.url) as ds:  # opened once: the bar's total, then the check itself
+    opts = storage_options_from(args)
+    with open_dataset(args.url, storage_options=opts) as ds:  # opened once: the bar's total, then the check itself
         bar = Progress(total=ds.num_shards, quiet=args.quiet or args.json, desc="verify")
         try:
-            report = verify(args.url, progress=lambda k: bar.update(k, 0), dataset=ds)
+            report = verify(args.url, storage_options=opts, progress=lambda k: bar.update(k, 0), dataset=ds)
         finally:
             bar.close()
     if args.json:

@@ -53,3 +53,35 @@ def test_plan_of_an_s3_dataset_over_several_nodes_equals_the_local_plan(s3_serve
             k: v for k, v in local.items() if k not in volatile
         }
     assert os.path.exists(root)
+
+
+def test_the_cli_takes_storage_options_for_an_s3_dataset(s3_server, tmp_path):  # noqa: F811
+    """plan, trace, inspect and verify had no --storage-option (only warm and upgrade did): an
+    endpoint or credentials could reach them only through the environment."""
+    import subprocess
+    import sys
+
+    root = str(tmp_path / "ds")
+    shardtool.pack([{"tokens": byte_ids(p)} for p in stdlib_files(30)], root, length="tokens")
+    url = s3_server.upload(root, "planremote/opts")
+    env = {k: v for k, v in repo_env().items() if not k.startswith("AWS_")}
+    opts = [
+        "--storage-option",
+        f"client_kwargs.endpoint_url={s3_server.endpoint}",
+        "--storage-option",
+        "client_kwargs.region_name=us-east-1",
+        "--storage-option",
+        f"key={CREDS['key']}",
+        "--storage-option",
+        f"secret={CREDS['secret']}",
+    ]
+    size = ["--seq-len", "512", "--batch-size", "2"]
+    for cmd in (["plan", *size], ["trace", "--step", "0", *size], ["inspect"], ["verify", "-q"]):
+        p = subprocess.run(
+            [sys.executable, "-m", "shardtool", *cmd[:1], url, *cmd[1:], *opts],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert p.returncode == 0, (cmd, p.stderr[-2000:])
