@@ -49,7 +49,8 @@ class LeanChunk:
         per_row = np.diff(rows.row_offsets)
         if int(per_row.max(initial=0)) > packing.max_docs_per_row or int(rows.span_len.min()) < 1:
             return  # PackedReader.read says what is wrong
-        src = reader.token_sources(rows.span_pos, keys=False)
+        # Counted batch by batch as each is read (`read`), not the chunk's 64 at its layout.
+        src = reader.token_sources(rows.span_pos, keys=False, spans=(rows.span_start, rows.span_len), counted=True)
         if src is None:
             return
         _, bufs, which, first_el, counts, dtype = src
@@ -67,6 +68,7 @@ class LeanChunk:
         self.bad = set((first + np.unique(span_batch[end > counts + extra])).tolist())
         n = np.minimum(rows.span_len, np.maximum(counts - rows.span_start, 0))
         item = dtype.itemsize
+        self.elements = np.bincount(span_batch, weights=n, minlength=count).astype(np.int64)
         # The batch in the buffer index's high bits keeps runs from joining across batches.
         at, wb, a, k = joined_runs(
             flat_start * item, which + (span_batch << 32), (first_el + rows.span_start) * item, n * item
@@ -116,6 +118,7 @@ class LeanChunk:
         """Batch ``first + j`` of the chunk, read by ``packed`` (the reader it was laid out for),
         equal to `PackedReader.read`'s lean batch."""
         b, seq = self.lengths.shape[1], packed.packing.seq_len
+        packed.reader.count_pieces(self.elements[j : j + 1], self.stored)
         ids = alloc((b, seq), self.dtype)
         narrow = ids if ids.dtype == self.stored else packed.scratch.array((b, seq), self.stored)
         lo, hi = self.run_cuts[j], self.run_cuts[j + 1]

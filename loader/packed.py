@@ -258,7 +258,9 @@ class PackedReader:
             raise ValueError("into= is a full batch's [3, B, S] block; a lean batch has none")
         packing = self.packing if rows.seq_len == self.packing.seq_len else self.packing.cut_to(rows.seq_len)
         lay = BatchLayout(rows, packing, rows_per_batch or self.rows_per_batch, per_span=True)
-        src = self.reader.token_sources(lay.docs, keys=self.outputs == "full")
+        # Per span: the pieces are what is counted as read, and all a remote tar dataset fetches.
+        spans = (lay.rows.span_start, lay.rows.span_len)
+        src = self.reader.token_sources(lay.docs, keys=self.outputs == "full", spans=spans)
         if src is None:
             out = self._decoded(rows, lay, alloc, into)
         else:

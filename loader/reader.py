@@ -214,18 +214,29 @@ class BatchReader:
             out[spec.name] = gather_field(groups, j, b, pack, alloc)
         return out
 
-    def token_sources(self, ids: np.ndarray, *, keys: bool = True) -> TokenSources | None:
+    def token_sources(
+        self,
+        ids: np.ndarray,
+        *,
+        keys: bool = True,
+        spans: tuple[np.ndarray, np.ndarray] | None = None,
+        counted: bool = False,
+    ) -> TokenSources | None:
         """Where the tokens of ``ids`` lie in the mapped shards, for callers that copy them
-        themselves (packed batches). None for remote shards read sample by sample, or when the
-        length field is not a plain integer array (then `read_samples` decodes them).
-        ``keys=False``: an empty keys list (a lean packed batch carries none)."""
+        themselves (packed batches). None when the length field is not a plain integer array
+        (then `read_samples` decodes them), or for remote shards read sample by sample unless
+        ``spans`` is given. ``keys=False``: an empty keys list (a lean packed batch carries none).
+        ``spans``: (first element, elements) of the piece of each id the caller copies (a packed
+        row's, eos included): what is counted as read, and all a remote tar shard fetches of it
+        (`loader.tarpieces`: then each id's buffer holds only its piece, ``first`` = -start).
+        ``counted``: the caller counts the bytes of mapped shards it copies (`count_pieces`)."""
         ids = np.asarray(ids, dtype=np.int64)
         if not self.by_view:
-            return None
+            return None if spans is None else self.store.piece_sources(*self.locate(ids), *spans, keys)
         groups = self.store.groups(*self.locate(ids))
         if not groups or groups[0][0].pad_col is None or any(v.tok_dtype is None for v, _, _ in groups):
             return None
-        pieces = self._token_pieces(groups)
+        pieces = self._token_pieces(groups, spans, counted=counted)
         if pieces is None:
             return None
         which, first, counts = (np.empty(len(ids), np.int64) for _ in range(3))
@@ -242,9 +253,18 @@ class BatchReader:
             raise RuntimeError("shardtool internal error: no view's is None (checked above)")
         return TokenSources(names, pieces.buffers, which, first, counts, dtype)
 
-    def _token_pieces(self, groups) -> TokenPieces | None:
-        """Every sample of ``groups``' tokens (`join_pieces`), counted; None when some payload
-        is not a plain array."""
+    def count_pieces(self, elements: np.ndarray, dtype: np.dtype) -> None:
+        """``elements`` of ``dtype`` copied from this reader's mapped shards, counted as read
+        (remote ones count what they fetch)."""
+        self.probe.queue_tokens(elements, 0, dtype.itemsize, self.tier)
+
+    def _token_pieces(
+        self, groups, spans: tuple[np.ndarray, np.ndarray] | None = None, *, counted: bool = False
+    ) -> TokenPieces | None:
+        """Every sample of ``groups``' tokens (`join_pieces`), counted unless ``counted`` says the
+        caller does; None when some payload is not a plain array. ``spans`` (see `token_sources`):
+        only the pieces' elements are counted (a long document's piece is a few hundred of its
+        tokens, and the document is read again for each of its pieces)."""
         per_view = []
         other: int | None = 0  # bytes besides the tokens, where constant per sample (else None)
         for v, rows, li in groups:
@@ -255,10 +275,19 @@ class BatchReader:
             if other is not None:
                 other = None if v.bytes_besides_tokens is None else other + len(li) * v.bytes_besides_tokens
         joined = join_pieces(per_view)
-        if other is None:
+        if counted:
+            return joined
+        item = groups[0][0].tok_dtype.itemsize
+        if spans is not None:
+            start, length = spans
+            a = start[joined.rows]
+            self.probe.queue_tokens(
+                np.minimum(length[joined.rows], np.maximum(joined.counts - a, 0)), 0, item, self.tier
+            )
+        elif other is None:
             self.probe.count_views(self.tier, groups)
         else:  # queued, added up by the probe: no Python call per batch (Probe.flush)
-            self.probe.queue_tokens(joined.counts, other, groups[0][0].tok_dtype.itemsize, self.tier)
+            self.probe.queue_tokens(joined.counts, other, item, self.tier)
         return joined
 
     def _gather_tokens(self, groups, b: int, alloc: Alloc) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -13,15 +13,18 @@ asking again on every call:
 - `RangedTarStore`: a remote tar dataset and no cache. No views: a batch's samples of one shard are
   read by ranged requests, neighbours within the coalescing gap as one (`shardtool.format.coalesce`).
   Read through views, a shuffled pass would fetch a shard's bytes about once per sample in it.
+  A packed row's piece of a document is read as its slice of the tokens (`loader.tarpieces`).
 
 The two remote stores fetch the rank's sample indexes before the workers fork (`loader.indexahead`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +38,8 @@ from .observability.probe import NO_PROBE, NoProbe, Probe
 from .remotefetch import RemoteBatches
 from .shardview import ShardView
 from .source import MappedFile, RemoteShard, Source
+from .tarpieces import piece_sources
+from .tokenpieces import TokenSources
 
 __all__ = ["MappedStore", "RangedArrowStore", "RangedTarStore", "ReadContext", "ShardStore", "open_store"]
 
@@ -131,6 +136,13 @@ class ShardStore:
         if not counted:
             self.ctx.probe.count_views(self.source.tier, self.groups(shard, local))
         return [self.view(s).sample(i) for s, i in zip(shard.tolist(), local.tolist())]
+
+    def piece_sources(
+        self, shard: np.ndarray, local: np.ndarray, start: np.ndarray, length: np.ndarray, keys: bool
+    ) -> TokenSources | None:
+        """Where stores read no views: the tokens of the pieces (``start``, ``length``) of these
+        samples, each read by itself (`loader.tarpieces`); None: decode whole samples."""
+        return None
 
     def fetch_ahead(self, shard: np.ndarray, local: np.ndarray) -> None:
         """Start fetching what these samples read that is neither here nor on its way."""
@@ -235,16 +247,39 @@ class RangedTarStore(_Remote):
                 out[k] = sample
         return out
 
+    @contextlib.contextmanager
+    def _reading(self, s: int) -> Iterator[None]:
+        """Around reads of shard ``s``: its first read in this process is announced as its open."""
+        probe = self.ctx.probe
+        first = s not in self._seen
+        token = probe.opening(s, self.source) if first else None
+        yield
+        if first:
+            self._seen.add(s)
+            probe.opened(token, self.source)
+
+    def piece_sources(
+        self, shard: np.ndarray, local: np.ndarray, start: np.ndarray, length: np.ndarray, keys: bool
+    ) -> TokenSources | None:
+        ctx = self.ctx
+        return piece_sources(
+            self.source.dataset,
+            shard,
+            local,
+            start,
+            length,
+            gap=ctx.gap,
+            watch_of=lambda s: ctx.probe.requests(s, ctx.lock),
+            opening=self._reading,
+            keys=keys,
+        )
+
     def _shard_samples(self, s: int, samples: list[int]) -> list[dict[str, Any]]:
         """Samples of shard ``s``, decoded; announced and counted (the bytes of the ranged reads,
         gaps included)."""
         ds, probe = self.source.dataset, self.ctx.probe
-        first = s not in self._seen
-        token = probe.opening(s, self.source) if first else None
-        raw = ds.raw_samples(s, samples, self.ctx.gap, probe.requests(s, self.ctx.lock))
-        if first:
-            self._seen.add(s)
-            probe.opened(token, self.source)
+        with self._reading(s):
+            raw = ds.raw_samples(s, samples, self.ctx.gap, probe.requests(s, self.ctx.lock))
         where = ds.manifest.shards[s].path
         return [
             decode_sample(ds.manifest, r, allow_pickle=ds.allow_pickle, where=f"{where} sample #{i}")
