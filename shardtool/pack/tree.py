@@ -54,13 +54,17 @@ def walk_files(root: str, on_bad: OnBad) -> Iterator[tuple[str, str, int]]:
             yield prefix + name, path, st.st_size
 
 
-def per_file_samples(root: str, on_bad: OnBad) -> list[tuple[str, str, str, int]]:
-    """(key, relative path, path, size) of every file under ``root``, ordered by relative path.
+def per_file_samples(root: str, on_bad: OnBad, under: str = "") -> list[tuple[str, str, str, int]]:
+    """(key, relative path, path, size) of every file under ``root``, ordered by relative path,
+    the paths under ``under`` where given (``root``'s own path below the packed trees' parent).
 
     Keys come from :func:`shardtool.format.keys.keys_for_paths`: unique and valid whatever the
     names, and the same for the same tree.
     """
-    return keyed_files(walk_files(root, on_bad), on_bad)
+    listed = walk_files(root, on_bad)
+    if under:
+        listed = ((f"{under}/{rel}", path, size) for rel, path, size in listed)
+    return keyed_files(listed, on_bad)
 
 
 def keyed_files(listed, on_bad: OnBad) -> list[tuple[str, str, str, int]]:

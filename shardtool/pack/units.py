@@ -65,12 +65,33 @@ def discover(
         skipped.append(skip_entry(err))
 
     units: list[Unit] = []
-    for src in expand_sources(srcs):
+    expanded = expand_sources(srcs)
+    under = per_file_names(expanded) if per_file else {}
+    for src in expanded:
         try:
+            if src in under:
+                units.extend(file_units(src, on_bad, under=under[src]))
+                continue
             units.extend(units_of(src, per_file=per_file, label_from_dir=label_from_dir, on_bad=on_bad))
         except BadSampleError as e:
             on_bad(e)
     return units
+
+
+def per_file_names(srcs: list[str]) -> dict[str, str]:
+    """Where several directories are packed ``--per-file``: each one's path under their common
+    parent, which names its files (``email/__init__.py``, ``json/__init__.py``), as ``tar -C
+    PARENT email json`` would. Named from each root alone, files the trees share (``__init__.py``,
+    ``README``) had one key and the pack failed. One directory: its files' paths are as in it."""
+    dirs = [s for s in srcs if os.path.isdir(s)]
+    if len(dirs) < 2:
+        return {}
+    parent = os.path.commonpath([os.path.abspath(d) for d in dirs])
+    out = {}
+    for d in dirs:
+        rel = os.path.relpath(os.path.abspath(d), parent)
+        out[d] = "" if rel == "." else rel.replace(os.sep, "/")
+    return out
 
 
 def _raise(err: BadSampleError) -> None:
@@ -222,9 +243,10 @@ def tree_units(root: str, on_bad: OnBad = _raise) -> list[Unit]:
     return _tree_chunk_units("tree", root, chunks, [sum(sizes[k] for k, _ in c) for c in chunks])
 
 
-def file_units(root: str, on_bad: OnBad = _raise) -> list[Unit]:
-    """One file = one sample (``--per-file``): fields ``bin`` (its bytes) and ``path``."""
-    samples = per_file_samples(root, on_bad)
+def file_units(root: str, on_bad: OnBad = _raise, under: str = "") -> list[Unit]:
+    """One file = one sample (``--per-file``): fields ``bin`` (its bytes) and ``path``, relative to
+    ``root``, or with ``under`` to ``root``'s parent as `per_file_names` gives it."""
+    samples = per_file_samples(root, on_bad, under)
     chunks = [samples[i : i + TREE_CHUNK] for i in range(0, len(samples), TREE_CHUNK)]
     return _tree_chunk_units(
         "files",

@@ -88,6 +88,30 @@ def test_per_file_packs_a_real_tree(tmp_path, fmt):
 
 
 @pytest.mark.timeout(120)
+def test_several_real_trees_per_file_are_named_under_their_common_parent(tmp_path):
+    """Three stdlib packages share file names (``__init__.py``, ...): named from each root, they
+    had one key, and the pack failed ("duplicate key '__init___py'")."""
+    lib = os.path.dirname(os.__file__)
+    trees = [os.path.join(lib, name) for name in ("email", "json", "encodings")]
+    want = {
+        os.path.relpath(os.path.join(d, f), lib).replace(os.sep, "/")
+        for t in trees
+        for d, dirs, files in os.walk(t)
+        if not any(part.startswith(".") for part in os.path.relpath(d, t).split(os.sep) if part != ".")
+        for f in files
+        if not f.startswith(".")
+    }
+    shardtool.pack(trees, str(tmp_path / "o"), per_file=True, format="arrow", workers=2)
+    ds = shardtool.open_dataset(str(tmp_path / "o"))
+    got = {s["path"]: s["bin"] for s in ds}
+    assert set(got) == want and {"email/__init__.py", "json/__init__.py", "encodings/__init__.py"} <= want
+    assert got["json/__init__.py"] == open(os.path.join(lib, "json", "__init__.py"), "rb").read()
+    assert len({s["__key__"] for s in ds}) == len(want)
+    alone = shardtool.open_dataset(shardtool.pack([trees[1]], str(tmp_path / "one"), per_file=True).out)
+    assert "__init__.py" in {s["path"] for s in alone}  # one tree: paths as in it, as before
+
+
+@pytest.mark.timeout(120)
 def test_per_file_is_deterministic_and_independent_of_workers(tmp_path):
     src = tmp_path / "doc"
     doc_tree(src)
