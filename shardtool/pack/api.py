@@ -29,7 +29,7 @@ from .procs import run_jobs
 from .progress import Progress
 from .publish import PackResult, length_definition, publish_pack
 from .schema import check_length_option, check_max_length_option
-from .skips import PackWarning, check_fraction_option
+from .skips import PackWarning, check_fraction_option, idle_note
 from .sources import classify
 from .tokenize import TOKENS_FIELD, Tokenize, tokenized_fields
 from .units import positions, split_contiguous
@@ -259,6 +259,7 @@ def pack(
         my_units, my_pos = units[t0:t1], pos[t0:t1]
     else:  # the partition is the task's whole share; its keys continue the partitions before it
         my_units, my_pos = units, [p + partition.first for p in pos[:-1]]
+    idle = idle_note(units, my_units, T if partition is None else 1, 1 if streaming else workers)
     dest = out
     if overwrite and T == 1 and os.path.exists(os.path.join(out, MANIFEST_NAME)):
         # The old dataset stays published until the new one is whole: a failed or killed pack
@@ -321,6 +322,8 @@ def pack(
             outdir.drop_staging(dest)
         raise
     result.seconds = bar.elapsed
+    if idle is not None:
+        result.warnings.append(idle)
     for text in result.warnings:
         warnings.warn(text, PackWarning, stacklevel=2)
     return result

@@ -156,3 +156,21 @@ def test_failed_pack_keeps_what_was_there_before(tmp_path):
     with pytest.raises(ShardtoolError, match="already holds a dataset"):
         shardtool.pack(_bad_late_jsonl(tmp_path), str(out), samples_per_shard=5)
     assert dir_digest(str(out)) == digest
+
+
+def test_a_source_of_one_piece_of_work_says_the_other_workers_idle(tmp_path):
+    """pyarrow writes a file of under a million rows as one row group, one worker's work: the
+    README's ``--workers 8`` on it packed with one worker and said nothing."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from helpers.realtext import byte_ids, stdlib_files
+
+    table = pa.table({"tokens": [byte_ids(p).tolist() for p in stdlib_files(60)]})
+    pq.write_table(table, str(tmp_path / "one.parquet"))
+    got = shardtool.pack(str(tmp_path / "one.parquet"), str(tmp_path / "a"), length="tokens", workers=2)
+    assert any("1 piece(s) of work for 2 workers" in w and "row_group_size" in w for w in got.warnings)
+    pq.write_table(table, str(tmp_path / "groups.parquet"), row_group_size=20)
+    split = shardtool.pack(str(tmp_path / "groups.parquet"), str(tmp_path / "b"), length="tokens", workers=2)
+    assert split.warnings == [] and split.samples == got.samples == 60
+    assert {s.path.split("-")[1] for s in shardtool.open_dataset(str(tmp_path / "b")).manifest.shards} == {"w00", "w01"}
