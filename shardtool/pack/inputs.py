@@ -37,7 +37,11 @@ def first_sample_fields(units: list[Unit], *, max_sample_bytes, skip_bad, key_fi
                 return infer_fields(unit.kind, obj, source=unit.path, where=where, key_field=key_field)
         except BadSampleError as e:
             on_bad(e)
-    raise ShardtoolError("no samples found in the sources" if units else "no sources to pack")
+    if not units:
+        raise ShardtoolError("no sources to pack")
+    paths = list(dict.fromkeys(str(u.path) for u in units))
+    named = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+    raise ShardtoolError(f"no samples found in the sources (no rows or lines in {named})")
 
 
 def _peek_stream(unit: Unit):

@@ -23,7 +23,13 @@ _RESERVED = {KEY_COLUMN}
 def field_name_problem(name: str) -> str | None:
     if not isinstance(name, str) or not name:
         return "empty field name"
-    if "/" in name or "\\" in name or "\x00" in name or ".." in name or name.startswith("."):
+    if (
+        "/" in name
+        or "\\" in name
+        or ".." in name
+        or name.startswith(".")
+        or any(ord(c) < 32 or c == "\x7f" for c in name)
+    ):
         return f"field name {name!r} cannot be part of a tar member name"
     if name.startswith("__") and name.endswith("__"):
         return f"field name {name!r} is reserved"

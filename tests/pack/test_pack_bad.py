@@ -61,8 +61,17 @@ def test_missing_unreadable_empty_and_oversized(tmp_path):
     r = shardtool.pack([str(tmp_path / "nope.jsonl"), good], str(tmp_path / "o"), skip_bad=True)
     assert r.samples == 5 and "nope.jsonl" in r.skipped[0]
     empty = _jsonl(tmp_path, [""])
-    with pytest.raises(ShardtoolError, match="no samples"):
+    with pytest.raises(ShardtoolError, match=r"no samples .*\(no rows or lines in .*in\.jsonl\)"):
         shardtool.pack(empty, str(tmp_path / "o3"))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"tokens": pa.array([], pa.list_(pa.int32()))}), str(tmp_path / "zero.parquet"))
+    with pytest.raises(ShardtoolError, match=r"no rows or lines in .*zero\.parquet\)"):
+        shardtool.pack(str(tmp_path / "zero.parquet"), str(tmp_path / "o5"))
+    control = _jsonl(tmp_path, ['{"text": "a", "nl\\nx": "v"}'])  # a newline in a tar member's name
+    with pytest.raises(BadSampleError, match=r"field name 'nl\\nx' cannot be part of a tar member name"):
+        shardtool.pack(control, str(tmp_path / "o6"))
     big = write_jsonl(str(tmp_path / "big.jsonl"), [{"x": "a" * 5000}])
     with pytest.raises(BadSampleError, match=r"big.jsonl \(line 1\): sample '000000000' is .* larger than the shard"):
         shardtool.pack(big, str(tmp_path / "o4"), shard_size=4096)
