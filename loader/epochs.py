@@ -18,6 +18,7 @@ from ..format.manifest import require_packable
 from ..plan import Planner, RankPlan, shards_of_groups
 from ..plan.about import dataset_identity, describe
 from ..plan.batching import default_bucketing
+from ..plan.packing import piece_cap_note
 from ..plan.rowsplit import cut_pieces
 from ..plan.schedule import StepClock, with_runs
 from ..plan.state import LoaderState, StateError, check_compatible
@@ -81,6 +82,7 @@ class DatasetEpochs:
         # The typed position the plan continues from (`LoaderState`): the epoch and its segments.
         self.state = self.planner.start(0, self.fingerprint, reading.data_layout)  # ValueError: cannot plan
         self._first_step = 0  # the run's step at the epoch's first batch (a batch-size schedule's steps)
+        self._cap_noted = False  # the warning that max_docs_per_row closes most rows, said once
         self._plan: RankPlan | None = None
         self.served = 0  # batches of the current plan handed to the training loop
         self._checked_epoch: int | None = None
@@ -172,6 +174,13 @@ class DatasetEpochs:
             p.padding_efficiency,
             left,
         )
+        packing = self.batching.packing
+        if p.rows is not None and packing is not None and not self._cap_noted:
+            self._cap_noted = True  # once a loader: the same data caps every epoch alike
+            capped = int(np.count_nonzero(np.diff(p.rows.row_offsets) >= (packing.max_docs_per_row or 0)))
+            note = piece_cap_note(capped, p.rows.num_rows, p.rows.tokens, packing)
+            if note is not None:
+                log.warning("%s: %s", self.spec.url, note)
 
     # ------------------------------------------------------------------ batch-size schedule
     def step_clock(self, epoch: int | None = None) -> StepClock | None:

@@ -58,6 +58,14 @@ def add_batching_arguments(p) -> None:
     pk.add_argument(
         "--eos-id", type=int, default=None, metavar="ID", help="an end-of-sequence token after each document"
     )
+    pk.add_argument(
+        "--max-docs-per-row",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the most pieces of documents in a row, as ShardedLoader(max_docs_per_row=) (default: seq_len / 32, "
+        "at least 64 and at most seq_len; documents of a few tokens fill a row's pieces first)",
+    )
     p.add_argument("--seed", type=int, default=0, help="shuffle seed, as given to ShardedLoader (default 0)")
     p.add_argument("--no-shuffle", action="store_true", help="without shuffling (dataset order)")
     p.add_argument(
@@ -203,7 +211,11 @@ def batching_of(args, source=None):
     from ..plan.packing import Packing, with_packed_eos
 
     seq_len = seq_len_of(args)
-    packing = Packing(seq_len, args.packing, eos_id=args.eos_id) if seq_len is not None else None
+    packing = (
+        Packing(seq_len, args.packing, eos_id=args.eos_id, max_docs_per_row=getattr(args, "max_docs_per_row", None))
+        if seq_len is not None
+        else None
+    )
     manifest = getattr(source, "manifest", None)
     if manifest is not None:  # documents packed with --eos-id end with it already: as the loader plans them
         packing = with_packed_eos(packing, {args.url: manifest.length.get("eos_id")})

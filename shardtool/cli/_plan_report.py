@@ -49,6 +49,8 @@ def print_report(report: dict, data) -> None:
                 f"({report['batching']['packing']})\n"
             )
             out(f"fill rate     {report['fill_rate']:.4f} (real tokens / row tokens)\n")
+            if "piece_cap" in report:
+                out(f"NOTE          {report['piece_cap']}\n")
             out(
                 f"documents     {report['documents_split']:,} split into pieces, {report['documents_dropped']:,} "
                 "dropped (longer than a row, no-split)\n"

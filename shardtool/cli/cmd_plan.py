@@ -286,8 +286,12 @@ def run(args) -> int:
                         "documents_dropped": sim.dropped_docs,
                         "remainder_pieces": sim.remainder_pieces,
                         "rows_per_rank": report.pop("samples_per_rank"),
+                        "max_docs_per_row": batching.packing.max_docs_per_row,
                     }
                 )
+                note = sim.piece_cap_note()
+                if note is not None:
+                    report["piece_cap"] = note
     except ValueError as e:
         raise ShardtoolError(str(e)) from None
     if args.json:

@@ -108,6 +108,7 @@ def run(args) -> int:
         seq_len=dict(schedule.seq_lens) if schedule is not None and schedule.seq_lens else seq_len_of(args),
         packing=args.packing,
         eos_id=args.eos_id,
+        max_docs_per_row=args.max_docs_per_row,
         seed=args.seed,
         shuffle=not args.no_shuffle,
         shuffle_block=args.shuffle_block,

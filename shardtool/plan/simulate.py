@@ -16,6 +16,7 @@ from .cost import CostModel, batch_costs, step_balance
 from .forked import forked_map
 from .group import plan_group
 from .layout import DataLayout
+from .packing import piece_cap_note
 from .shape import PlanShape, plan_shape, shard_namer
 from .source import PlanSource
 
@@ -36,6 +37,8 @@ class GroupStats:
     remainder_pieces: int = 0  # packed: pieces of documents in the rows left out for equal counts
     costs: np.ndarray | None = None  # with a cost model: [DP ranks of the group, steps], each batch's cost
     padding_batches: int = 0  # exact plans: batches that only pad a rank's count (no real sample)
+    rows: int = 0  # packed: rows served
+    capped_rows: int = 0  # packed: rows closed at max_docs_per_row pieces
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,6 +53,15 @@ class Simulation:
     @property
     def remainder_tokens(self) -> int:
         return sum(g.tokens - g.served_tokens for g in self.groups)
+
+    def piece_cap_note(self) -> str | None:
+        """Packed: `shardtool.plan.packing.piece_cap_note` over every group's rows."""
+        packing = self.shape.batching.packing
+        if packing is None:
+            return None
+        rows = sum(g.rows for g in self.groups)
+        capped = sum(g.capped_rows for g in self.groups)
+        return piece_cap_note(capped, rows, sum(g.served_tokens for g in self.groups), packing)
 
     @property
     def remainder_pieces(self) -> int:
@@ -159,6 +171,8 @@ def _packed_stats(plan, shape: PlanShape, costs: np.ndarray | None) -> GroupStat
         dropped_docs=int(rows.dropped.size + left.dropped.size),
         costs=costs,
         padding_batches=int(np.count_nonzero(np.diff(plan.row_offsets) == 0)),
+        rows=rows.num_rows,
+        capped_rows=int(np.count_nonzero(np.diff(rows.row_offsets) >= (packing.max_docs_per_row or 0))),
     )
 
 

@@ -10,7 +10,16 @@ Files, each importing only those above it in this list:
 from __future__ import annotations
 
 from .bestfit import best_fit
-from .config import PACKING_VERSION, POLICIES, Packing, Rows, default_max_docs, rows_estimate, with_packed_eos
+from .config import (
+    PACKING_VERSION,
+    POLICIES,
+    Packing,
+    Rows,
+    default_max_docs,
+    piece_cap_note,
+    rows_estimate,
+    with_packed_eos,
+)
 from .rows import merge_rows, pack_rows, pack_windows
 
 __all__ = [
@@ -23,6 +32,7 @@ __all__ = [
     "merge_rows",
     "pack_rows",
     "pack_windows",
+    "piece_cap_note",
     "rows_estimate",
     "with_packed_eos",
 ]

@@ -36,7 +36,16 @@ import numpy as np
 
 from ..arrays import gather_runs
 
-__all__ = ["PACKING_VERSION", "POLICIES", "Packing", "Rows", "default_max_docs", "rows_estimate", "with_packed_eos"]
+__all__ = [
+    "PACKING_VERSION",
+    "POLICIES",
+    "Packing",
+    "Rows",
+    "default_max_docs",
+    "piece_cap_note",
+    "rows_estimate",
+    "with_packed_eos",
+]
 
 # Bumped whenever packing changes the rows it produces, so a saved position is never replayed
 # against different rows.
@@ -261,6 +270,22 @@ def rows_estimate(
         tokens_rows = (tokens - short_tokens - short_docs * packing.extra_tokens) / seq + short_docs / maxd
         return max(tokens_rows + windows, pieces_bound)
     return max(tokens / seq + windows, pieces_bound)
+
+
+def piece_cap_note(capped: int, rows: int, tokens: int, packing: Packing) -> str | None:
+    """What to do where ``max_docs_per_row`` closed most rows short of ``seq_len``: ``capped`` of
+    ``rows`` rows hold that many pieces, ``tokens`` real tokens in all. None where it costs little
+    (rows over 90% full, or under half of them at the cap). Documents of a few tokens (captions,
+    short chat turns) fill a row's pieces long before its tokens, and nothing else said so."""
+    maxd = packing.max_docs_per_row
+    fill = tokens / (rows * packing.seq_len) if rows else 1.0
+    if maxd is None or not rows or fill >= 0.9 or capped * 2 < rows:
+        return None
+    return (
+        f"{capped / rows:.0%} of the rows hold max_docs_per_row={maxd} pieces of documents and close there, "
+        f"{fill:.0%} full: give max_docs_per_row a larger value (--max-docs-per-row; cu_seqlens grows with it) "
+        "to put more documents in a row"
+    )
 
 
 def with_packed_eos(packing: Packing | None, packed_eos: dict[str, int | None]) -> Packing | None:
