@@ -13,10 +13,11 @@ import time
 from typing import TypedDict
 
 from ..format.atomic import TMP_PREFIX
+from ..format.summaries import SUMMARIES_NAME
 from .budget import Budget, cached_versions, evict
 from .cachedir import META_DIR, lengths_rel, read_sources
 from .locks import try_exclusive
-from .meta import stamp_found_intact
+from .meta import stamp_found_intact, summaries_usable
 from .plain import found_intact
 from .store import read_verified_local
 
@@ -87,6 +88,11 @@ def verify(cache_dir: str, *, remove_bad: bool = True) -> VerifyReport:
             res["metadata_bad"].append(vd.path(lengths_rel(m)))
             if remove_bad:
                 os.unlink(vd.path(lengths_rel(m)))
+        sp = vd.path(SUMMARIES_NAME)
+        if os.path.exists(sp) and not summaries_usable(open(sp, "rb").read(), m):
+            res["metadata_bad"].append(sp)
+            if remove_bad:
+                os.unlink(sp)
         for i, info in enumerate(m.shards):
             ip = vd.path(info.index)
             if os.path.exists(ip) and read_verified_local(ip, size=info.index_bytes, digest=info.index_hash) is None:

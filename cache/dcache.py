@@ -57,7 +57,7 @@ class CachedDataset(Dataset):
         return self._cache.metadata(lambda vd, src: ensure_index(vd, info, src, **self._cache.kw))
 
     def read_summaries_bytes(self) -> bytes | None:
-        return self._cache.metadata(lambda vd, src: ensure_summaries(vd, src, **self._cache.kw))
+        return self._cache.metadata(lambda vd, src: ensure_summaries(vd, src, self.manifest, **self._cache.kw))
 
     # A rank plans from its range's lengths: the sample indexes of its node's shards, which the
     # warmer cached, rather than the dataset-wide lengths file (O(dataset) to fetch and hash).

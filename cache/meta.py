@@ -10,12 +10,14 @@ import os
 import time
 from typing import TypedDict
 
+import numpy as np
+
 from ..format.atomic import fsync_path
 from ..format.manifest import Manifest, ShardInfo
-from ..format.summaries import SUMMARIES_NAME
+from ..format.summaries import SUMMARIES_NAME, stored_summaries
 from .cachedir import VersionDir, lengths_rel
 from .durability import must_fsync
-from .errors import CacheError, LocalFault, NotCached, SourceMissing
+from .errors import CacheError, LocalFault, NotCached, RemoteError, SourceMissing
 from .locks import DONE, TIMED_OUT, exclusive_unless
 from .plain import decompress, found_intact, remove_leftovers, stored_copy_path
 from .retry import RetryPolicy
@@ -79,16 +81,41 @@ def ensure_lengths(
 
 
 def ensure_summaries(
-    vd: VersionDir, src: Origin | None, *, policy: RetryPolicy, deadline: float | None
+    vd: VersionDir,
+    src: Origin | None,
+    manifest: Manifest | None = None,
+    *,
+    policy: RetryPolicy,
+    deadline: float | None,
 ) -> bytes | None:
     """The per-shard summaries file, or None where the source has none (a dataset packed before
-    they existed). Not in the manifest: it is checked against it when loaded (format.summaries)."""
+    they existed). Not in the manifest by hash: with ``manifest`` a cached copy that does not agree
+    with it (`summaries_usable`) is fetched again from ``src`` and replaced. A damaged copy was
+    kept, and the node planned from summaries computed from the lengths (no weight sketch): other
+    ranges than the other nodes', so two nodes read some samples both."""
     try:
-        return ensure_small(
+        data = ensure_small(
             vd, SUMMARIES_NAME, None, None, src, policy=policy, deadline=deadline, what="per-shard summaries"
         )
     except SourceMissing:
         return None
+    if manifest is None or src is None or summaries_usable(data, manifest):
+        return data
+    try:
+        fresh = src.read_bytes(SUMMARIES_NAME, policy=policy, deadline=deadline)
+    except RemoteError:  # SourceMissing among them
+        return data  # offline: planned from the lengths, and the ranks' agreement check compares
+    if not summaries_usable(fresh, manifest):
+        return data  # the source's own copy is unusable too: planned as the source's readers plan it
+    store_verified(vd.path(SUMMARIES_NAME), fresh, size=None, digest=None, what="per-shard summaries", perms=vd.perms)
+    return fresh
+
+
+def summaries_usable(data: bytes, manifest: Manifest) -> bool:
+    """Whether ``data`` are summaries of this manifest's dataset (its lengths file's hash, its shards'
+    counts and totals: `shardtool.format.summaries.stored_summaries`)."""
+    counts = np.array([s.samples for s in manifest.shards], dtype=np.int64)
+    return stored_summaries(data, manifest, counts, SUMMARIES_NAME)[0] is not None
 
 
 def ensure_index(
@@ -222,4 +249,5 @@ __all__ = [
     "ensure_summaries",
     "ensure_small",
     "store_manifest",
+    "summaries_usable",
 ]

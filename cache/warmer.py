@@ -246,7 +246,7 @@ def _warm(
     report.version, report.version_dir = ds.version, vd.root
     m = ds.manifest
     store_manifest(vd, manifest_bytes)
-    summaries_bytes = ensure_summaries(vd, src, **kw)
+    summaries_bytes = ensure_summaries(vd, src, m, **kw)
     # The lengths file too: the version directory stays a complete dataset root, and a dataset
     # packed before per-shard summaries needs it to compute them.
     ds.use_lengths(lengths_from_bytes(ensure_lengths(vd, m, src, **kw), expected=m.num_samples, source=url))

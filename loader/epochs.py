@@ -288,9 +288,10 @@ class DatasetEpochs:
         self._checked_epoch = self.epoch
         agree(
             [self.plan.batches_per_rank, self.served],
-            f"{self.fingerprint}/{self.batching.fingerprint()}/{self.epoch}",
-            "(batches per rank, dataset/config, position)",
-            "Every rank must open the same dataset version with the same batching and state.",
+            f"{self.fingerprint}/{self.batching.fingerprint()}/{self.epoch}/{self.dataset.summaries.digest()}",
+            "(batches per rank, dataset/config/epoch/per-shard summaries, position)",
+            "Every rank must open the same dataset version with the same batching and state, and plan from the "
+            "same per-shard summaries (a node cache's damaged summaries.arrow: `shardtool cache verify` finds it).",
         )
 
     def handed_over(self, b: int) -> int:

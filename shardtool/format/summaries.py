@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from .errors import FormatError
+from .hashing import format_digest, new_hasher
 from .manifest import Manifest, length_pads
 from .sindex import as_numpy, ipc_file_bytes
 from .sketch import ShardSketch
@@ -114,6 +115,24 @@ class ShardSummaries:
             ShardSketch.concat(cast("list[ShardSketch]", sketches)) if parts and sketches[0] is not None else None,
         )
 
+    def content_hash(self) -> str:
+        """A hash of every array, stored in the file and checked when read: the file is not in the
+        manifest by hash, and a damaged value (a sketch's, which no total checks) cut other ranges."""
+        h = new_hasher()
+        ints = [self.samples, self.tokens, self.weight, self.longest, self.hist_count, self.hist_tokens]
+        if self.sketch is not None:
+            ints += [self.sketch.pos, self.sketch.tokens, self.sketch.weight]
+        for a in ints:
+            h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+        h.update(np.ascontiguousarray(self.hist_squares, dtype=np.float64).tobytes())
+        return format_digest(h)
+
+    def digest(self) -> str:
+        """What the data groups' ranges are cut from: ranks whose digests differ plan other ranges
+        (a node that fell back to summaries computed from the lengths, without the weight sketch),
+        and would read some samples twice and others never."""
+        return f"{self.content_hash()}/{'samples' if self.by_samples else 'weight'}"
+
     def to_bytes(self, lengths_hash: str) -> bytes:
         def fixed(a: np.ndarray) -> pa.Array:
             return pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1)), BINS)
@@ -132,6 +151,7 @@ class ShardSummaries:
             "version": SUMMARIES_VERSION,
             "bins": f"log2x{BINS}",
             "lengths_hash": lengths_hash,
+            "content_hash": self.content_hash(),
         }
         if self.sketch is not None:
             inner = self.sketch.cells - 1
@@ -193,6 +213,8 @@ class ShardSummaries:
             )
         except (KeyError, ValueError) as e:
             raise FormatError(f"{source}: malformed summaries ({e})") from None
+        if "content_hash" in meta and out.content_hash() != meta["content_hash"]:
+            raise FormatError(f"{source}: its values do not match their hash (a damaged file)")
         counts = np.asarray(counts, dtype=np.int64)
         if out.samples.shape != counts.shape or not np.array_equal(out.samples, counts):
             raise FormatError(f"{source}: per-shard sample counts disagree with the manifest")
