@@ -120,7 +120,7 @@ def with_retries(
             return fn(timeout)
         except MemoryError:
             raise
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # a path through a file: no such object either
             raise SourceMissing(f"{what}: not found in the source (404); not retried") from None
         except Exception as e:  # not BaseException: an interrupt (Ctrl-C, SystemExit, the loader's
             # stall watchdog's StallInterrupt, a cancellation) must reach its handler as itself,

@@ -20,6 +20,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 from ..format.dataset import Dataset, SummariesMissing
 from ..format.manifest import MANIFEST_NAME, lengths_from_bytes
+from ..format.storage import not_a_dataset
 from ..plan import DataLayout, Layout, Placement
 from .assign import assigned_shards
 from .budget import Budget
@@ -234,8 +235,8 @@ def _warm(
         if _from_cache(report, url, cache_dir, placement, data_layout, perms, "has no manifest any more"):
             return
         raise UsageError(
-            f"no dataset at {url}: its manifest {src.path(MANIFEST_NAME)} does not exist "
-            "(a mistyped path? an unreachable source is not an error without --strict)"
+            f"no dataset at {url}: it {not_a_dataset(src.fs, src.root)} (its manifest "
+            f"{src.path(MANIFEST_NAME)} does not exist; an unreachable source is not an error without --strict)"
         ) from None
     except RemoteError as e:
         if _from_cache(report, url, cache_dir, placement, data_layout, perms, f"cannot be reached ({e})"):

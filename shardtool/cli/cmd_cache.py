@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Mapping
 
@@ -39,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from ..cache import admin
 
+    if os.path.exists(args.cache_dir) and not os.path.isdir(args.cache_dir):
+        print(f"shardtool cache: error: --cache-dir {args.cache_dir} is a file, not a cache directory", file=sys.stderr)
+        return 2  # a usage error, as warm's
     res: list[dict] | Mapping[str, object]  # what --json prints: the listing, or the action's report
     failed = False
     if args.action == "ls":

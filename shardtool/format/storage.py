@@ -19,6 +19,7 @@ __all__ = [
     "cat_whole",
     "dataset_fs",
     "is_local",
+    "not_a_dataset",
     "open_range",
     "past_end",
     "read_file",
@@ -207,6 +208,11 @@ def read_manifest(fs, root: str, url: str) -> bytes:
         return cat_shared(fs, path)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         pass
+    raise FormatError(f"{url!r} {not_a_dataset(fs, root)}; {DATASET_URL_HELP}")
+
+
+def not_a_dataset(fs, root: str) -> str:
+    """What ``root`` is, where it holds no manifest: a file, a directory without one, nothing."""
     try:
         is_file, exists = fs.isfile(root), fs.exists(root)
     except OSError:
@@ -222,7 +228,7 @@ def read_manifest(fs, root: str, url: str) -> bytes:
         what = f"holds no {MANIFEST_NAME}, so it is not a dataset (or its pack has not finished)"
     else:
         what = "does not exist"
-    raise FormatError(f"{url!r} {what}; {DATASET_URL_HELP}")
+    return what
 
 
 def read_file(fs, path: str, *, what: str) -> bytes:

@@ -25,20 +25,32 @@ def _warm_cli(url, cache_dir, *extra):
     return shardtool_cli("warm", url, "--cache-dir", cache_dir, "--all", "--quiet", "--json", *FAST, *extra)
 
 
-@pytest.mark.parametrize("how", ["missing", "typo", "not-a-dataset", "file-url"])
+@pytest.mark.parametrize("how", ["missing", "typo", "not-a-dataset", "file-url", "a-source-file"])
 def test_a_local_path_with_no_dataset_is_a_usage_error(src, tmp_path, how):
     empty = tmp_path / "empty"
     empty.mkdir()
+    (tmp_path / "raw.parquet").write_bytes(b"PAR1")  # a source file given by mistake: was exit 0, "remote failure"
     url = {
         "missing": str(tmp_path / "no" / "such" / "ds"),
         "typo": src + "x",
         "not-a-dataset": str(empty),
         "file-url": "file://" + str(tmp_path / "nope"),
+        "a-source-file": str(tmp_path / "raw.parquet"),
     }[how]
     res = _warm_cli(url, str(tmp_path / "c"))
     assert res.returncode == 2, (res.returncode, res.stderr)
     assert "no dataset at" in res.stderr and url in res.stderr, res.stderr
     assert json.loads(res.stdout)["status"] == "usage_error"
+    if how == "a-source-file":
+        assert "is a file, not a dataset" in res.stderr
+
+
+def test_cache_commands_on_a_file_are_a_usage_error(tmp_path):
+    (tmp_path / "x.parquet").write_bytes(b"PAR1")
+    for action in ("ls", "verify", "gc"):
+        res = shardtool_cli("cache", action, "--cache-dir", str(tmp_path / "x.parquet"))
+        assert res.returncode == 2 and "is a file, not a cache directory" in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr
 
 
 def test_a_missing_prefix_in_a_reachable_bucket_is_a_usage_error(src, tmp_path, s3_server):  # noqa: F811
