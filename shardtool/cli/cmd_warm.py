@@ -97,7 +97,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_layout_arguments(p.add_argument_group("data layout (as given to ShardedLoader)"))
     p.add_argument("--jobs", "-j", type=int, default=8, help="concurrent transfers (default 8)")
     b = p.add_argument_group("budget")
-    b.add_argument("--max-bytes", type=size_arg, help="most bytes the cache may hold (e.g. 800G, 750GiB)")
+    b.add_argument(
+        "--max-bytes",
+        type=size_arg,
+        help="most bytes of shards the cache may hold (e.g. 800G, 750GiB); each dataset's metadata "
+        "(manifest, lengths, summaries, sample indexes: a few percent of its shards) comes on top",
+    )
     b.add_argument("--min-free", type=size_arg, help="bytes to leave free on the cache's disk (e.g. 20G)")
     b.add_argument(
         "--best-effort", action="store_true", help="if this node's shards do not fit, warm what fits and warn (exit 0)"
@@ -240,9 +245,16 @@ def run(args) -> int:
         from ..cache.mixwarm import warm_mixture
 
         warm_url = warm_mixture
+    said: set[str] = set()  # said while warming (its log): not said again among the warnings
+
+    def log(msg: str) -> None:
+        said.add(msg)
+        print(f"shardtool warm: {msg}", file=sys.stderr)
+
     report = warm_url(
         args.url,
         args.cache_dir,
+        log=log,
         placement=placement,
         data_layout=data,
         all_shards=args.all,
@@ -271,7 +283,8 @@ def run(args) -> int:
         except OSError as e:  # the report must never turn a good warm into a failure
             print(f"shardtool warm: warning: cannot write report {args.report}: {e}", file=sys.stderr)
     for w in report.warnings:
-        print(f"shardtool warm: warning: {w}", file=sys.stderr)
+        if w not in said:
+            print(f"shardtool warm: warning: {w}", file=sys.stderr)
     if report.error:
         kind = {"local_fault": "local fault", "remote_failed": "remote failure", "usage_error": "error"}.get(
             report.status, report.status
