@@ -86,7 +86,7 @@ def run(args) -> int:
     except StateError as e:
         raise ShardtoolError(f"{args.path}: {e}") from None
     if args.action == "show":
-        return _show(state, args.json)
+        return _show(state, args.json, _clock(args, state, required=False) if state.step is not None else None)
     if args.steps is None:
         raise ShardtoolError("skip needs --steps A:B")
     first, stop = _steps(args.steps)
@@ -104,12 +104,23 @@ def _scheduled(args, state, first: int, stop: int) -> tuple[int, int]:
     """The planned batches of steps ``first .. stop - 1`` of a scheduled loader's state (its
     ``step``: the run's step at the epoch's first batch), by the schedule given as the loader was
     (`loader.skip_steps` takes the same from the loader); the file does not hold the schedule."""
+    clock = _clock(args, state, required=True)
+    if clock is None:
+        raise RuntimeError("shardtool internal error: a required schedule was checked")
+    return clock.batches(state, first, stop)
+
+
+def _clock(args, state, *, required: bool):
+    """The schedule's steps over ``state`` (`shardtool.plan.schedule.StepClock`), from the schedule
+    given as the loader had it; None where none is given and it is not ``required``."""
     from ..plan.schedule import StepClock
 
     try:
         schedule = schedule_of(args)
     except ValueError as e:
         raise ShardtoolError(f"--seq-len: {e}") from None
+    if schedule is None and not required:
+        return None
     if schedule is None:
         raise ShardtoolError(
             f"{args.path}: a state of a loader with a schedule by step (its steps take several planned batches "
@@ -122,7 +133,7 @@ def _scheduled(args, state, first: int, stop: int) -> tuple[int, int]:
             f"{args.path}: the state was planned at batch_size {planned}, the schedule given plans at "
             f"{schedule.base} ({schedule.describe()}): give the schedule its loader had"
         )
-    return StepClock(schedule, int(state.step)).batches(state, first, stop)
+    return StepClock(schedule, int(state.step))
 
 
 def _write(args, doc, edited: dict) -> str:
@@ -174,13 +185,19 @@ def _mixture(args, raw: dict) -> dict | None:
     return edited.to_dict()
 
 
-def _show(state, as_json: bool) -> int:
+def _show(state, as_json: bool, clock=None) -> int:
+    """The epoch's steps served and in all; a scheduled loader's state counts its planned batches
+    unless its schedule (``clock``) says how many make a step."""
     done = state.served
     total = done - state.last.delivered + state.last.steps if state.segments else 0
+    if clock is not None and state.segments:
+        done, total = clock.steps(state)
+    unit = "planned batches" if state.step is not None and clock is None else "steps"
     report = {
         "epoch": state.epoch,
         "steps_served": done,
         "steps_in_epoch": total,
+        "unit": unit,
         "segments": [
             {
                 "dp_size": s.layout.dp_size,
@@ -194,7 +211,12 @@ def _show(state, as_json: bool) -> int:
     if as_json:
         print(json.dumps(report))
         return 0
-    print(f"epoch {report['epoch']}: {done:,} of {total:,} steps served")
+    print(f"epoch {report['epoch']}: {done:,} of {total:,} {unit} served")
+    if unit != "steps":
+        print(
+            "  (a loader with a schedule by step: give it, --batch-size 0:4,2000:8 and --seq-len 0:2048,50000:8192 "
+            "as the loader had them, to count its steps)"
+        )
     for i, s in enumerate(report["segments"]):
         skipped = f", positions skipped {s['skipped']}" if s["skipped"] else ""
         print(

@@ -308,6 +308,16 @@ def test_skipping_steps_of_a_ramp_moves_the_data_past_them(corpus, world, packed
         direct.skip_steps(20, 22)
         assert edited.state_dict() == direct.state_dict()
         assert [units(b) for b in edited] == [units(b) for b in direct]
+        # `state show` counts the run's steps by the schedule, as the loader does (it counted
+        # planned batches: "30 of 42 steps served" for a state 25 steps into a 31-step epoch).
+        res = shardtool_cli("state", "show", path, "--json", "--batch-size", "0:1,5:2,11:4")
+        shown = json.loads(res.stdout)
+        with open(path) as f:
+            again = _run_from(corpus["arrow"], 1, json.load(f), **kw)[0]
+        assert shown["unit"] == "steps" and shown["steps_in_epoch"] == len(again)
+        assert shown["steps_in_epoch"] - shown["steps_served"] == len([units(b) for b in again])
+        res = shardtool_cli("state", "show", path)
+        assert "planned batches served" in res.stdout and "--batch-size 0:4,2000:8" in res.stdout
     # A resume after the skip keeps it (recorded in the state), with the same steps as the skip run.
     again = _run_from(corpus["arrow"], world, mid, **kw)
     whole = _run_from(corpus["arrow"], world, state, **kw)
