@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
+
 from ..format.nodeshare import SHARE_ENV
 from ..format.sizes import format_size
 
@@ -121,12 +123,16 @@ def startup_requests(shards_per_node: list[int], ranks_per_node: int) -> dict:
     }
 
 
-def schedule_report(schedule, epoch: int, batches: int, served_tokens: float) -> dict:
+def schedule_report(schedule, epoch: int, batches: int, position_tokens) -> dict:
     """A batch-size schedule over the planned epoch: its steps by size, with samples (rows) and
-    about how many tokens each size takes, and where the epochs around it begin."""
+    the tokens each size takes (``position_tokens``: each batch position's, over every rank, as
+    planned), and where the epochs around it begin."""
     first = schedule.epoch_first_step(epoch, batches)
-    per_batch = served_tokens / batches if batches else 0.0  # every rank's planned batch together
-    phases = [{**ph, "tokens": int(round(ph["batches"] * per_batch))} for ph in schedule.phases(first, batches)]
+    before = np.concatenate([[0], np.cumsum(position_tokens)]).astype(np.int64)
+    phases, at = [], 0
+    for ph in schedule.phases(first, batches):
+        phases.append({**ph, "tokens": int(before[at + ph["batches"]] - before[at])})
+        at += ph["batches"]
     return {
         "changes": [list(c) for c in schedule.changes],
         **({"seq_len_changes": [list(c) for c in schedule.seq_lens]} if schedule.seq_lens else {}),
@@ -159,7 +165,7 @@ def _print_schedule(report: dict, out) -> None:
         out(
             f"              steps {ph['from_step']:,}..{ph['to_step']:,}: size {ph['size']}"
             f"{' x ' + format(ph['seq_len'], ',') + ' tokens' if 'seq_len' in ph else ''} x {ph['steps']:,} "
-            f"steps, about {ph['tokens']:,} tokens\n"
+            f"steps, {ph['tokens']:,} tokens\n"
         )
 
 

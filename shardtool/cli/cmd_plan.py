@@ -268,8 +268,9 @@ def run(args) -> int:
             if batching.exact:
                 report["padding_batches"] = sim.padding_batches
             if schedule is not None:
-                served = float(summaries.tokens.sum()) * (1.0 - sim.remainder_tokens_fraction)
-                report["schedule"] = schedule_report(schedule, args.epoch, sim.shape.batches_per_rank, served)
+                report["schedule"] = schedule_report(
+                    schedule, args.epoch, sim.shape.batches_per_rank, sim.position_tokens
+                )
             if cost is not None and unbalanced is not None:
                 report["compute_balance"] = {
                     "cost_model": {"a": cost.a, "b": cost.b},

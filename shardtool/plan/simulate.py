@@ -38,6 +38,9 @@ class GroupStats:
     costs: np.ndarray | None = None  # with a cost model: [DP ranks of the group, steps], each batch's cost
     padding_batches: int = 0  # exact plans: batches that only pad a rank's count (no real sample)
     rows: int = 0  # packed: rows served
+    # Real tokens of each batch position of the epoch, summed over the group's DP ranks (what a
+    # schedule's step takes together: `shardtool plan` reports each phase's tokens from it).
+    position_tokens: np.ndarray | None = None
     capped_rows: int = 0  # packed: rows closed at max_docs_per_row pieces
 
 
@@ -53,6 +56,11 @@ class Simulation:
     @property
     def remainder_tokens(self) -> int:
         return sum(g.tokens - g.served_tokens for g in self.groups)
+
+    @property
+    def position_tokens(self) -> np.ndarray:
+        """Real tokens of each batch position of the epoch over every DP rank."""
+        return np.sum([g.position_tokens for g in self.groups if g.position_tokens is not None], axis=0)
 
     def piece_cap_note(self) -> str | None:
         """Packed: `shardtool.plan.packing.piece_cap_note` over every group's rows."""
@@ -137,6 +145,8 @@ def _stats(
         padded = int((longest * sizes[full]).sum())
     n = plan.batches_per_rank
     per_rank = tuple(int(plan.offsets[(j + 1) * n] - plan.offsets[j * n]) for j in range(plan.size))
+    before = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    by_batch = before[plan.offsets[1:]] - before[plan.offsets[:-1]]
     return GroupStats(
         group,
         int(plan.lengths.size),
@@ -147,6 +157,7 @@ def _stats(
         per_rank,
         costs=costs,
         padding_batches=int(np.count_nonzero(sizes == 0)),
+        position_tokens=by_batch.reshape(plan.size, n).sum(axis=0) if n else np.zeros(0, np.int64),
     )
 
 
@@ -157,6 +168,8 @@ def _packed_stats(plan, shape: PlanShape, costs: np.ndarray | None) -> GroupStat
     rows, left = plan.rows, plan.left_out
     served = rows.tokens
     n, k = plan.batches_per_rank, plan.size
+    row_before = np.concatenate([[0], np.cumsum(rows.row_tokens())]).astype(np.int64)
+    by_batch = row_before[plan.row_offsets[1:]] - row_before[plan.row_offsets[:-1]]
     per_rank = tuple(int(plan.row_offsets[(j + 1) * n] - plan.row_offsets[j * n]) for j in range(k))
     return GroupStats(
         plan.group,
@@ -172,6 +185,7 @@ def _packed_stats(plan, shape: PlanShape, costs: np.ndarray | None) -> GroupStat
         costs=costs,
         padding_batches=int(np.count_nonzero(np.diff(plan.row_offsets) == 0)),
         rows=rows.num_rows,
+        position_tokens=by_batch.reshape(k, n).sum(axis=0) if n else np.zeros(0, np.int64),
         capped_rows=int(np.count_nonzero(np.diff(rows.row_offsets) >= (packing.max_docs_per_row or 0))),
     )
 

@@ -389,6 +389,29 @@ def test_shardtool_plan_shows_the_schedules_steps(corpus):
     ld.set_epoch(1)
     assert got["epoch_first_step"] == n0 and got["steps"] == len(ld)
     assert [(p["size"], p["steps"]) for p in got["phases"]] == [(8, len(ld))]
+    # Each phase's tokens are those its planned batches hold, on every rank (they were the
+    # phase's share of samples times the mean length: 464,761 for 84,098 to 403,787 by seed).
+    for seed in (0, 3):
+        got = json.loads(
+            shardtool_cli(
+                "plan",
+                corpus["arrow"],
+                "--batch-size",
+                "0:2,5:4,12:8",
+                "--ranks-per-node",
+                "2",
+                "--seed",
+                str(seed),
+                "--json",
+            ).stdout
+        )["schedule"]
+        served = [0, 0, 0]
+        for r in range(2):
+            for step, b in enumerate(
+                ShardedLoader(corpus["arrow"], batch_size=RAMP, num_workers=0, seed=seed, rank=r, world_size=2)
+            ):
+                served[(step >= 5) + (step >= 12)] += int(b["lengths"].sum())
+        assert [p["tokens"] for p in got["phases"]] == served
     text = shardtool_cli("plan", corpus["arrow"], "--batch-size", "0:2,5:4,12:8")
     assert text.returncode == 0 and "steps 0..4: size 2 x 5 steps" in text.stdout, text.stdout
     assert "steps 5..11: size 4 x 7 steps" in text.stdout
