@@ -177,8 +177,7 @@ class DatasetEpochs:
         packing = self.batching.packing
         if p.rows is not None and packing is not None and not self._cap_noted:
             self._cap_noted = True  # once a loader: the same data caps every epoch alike
-            capped = int(np.count_nonzero(np.diff(p.rows.row_offsets) >= (packing.max_docs_per_row or 0)))
-            note = piece_cap_note(capped, p.rows.num_rows, p.rows.tokens, packing)
+            note = piece_cap_note(p.rows.at_piece_cap(packing), p.rows.num_rows, p.rows.tokens, packing)
             if note is not None:
                 log.warning("%s: %s", self.spec.url, note)
 

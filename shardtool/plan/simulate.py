@@ -186,7 +186,7 @@ def _packed_stats(plan, shape: PlanShape, costs: np.ndarray | None) -> GroupStat
         padding_batches=int(np.count_nonzero(np.diff(plan.row_offsets) == 0)),
         rows=rows.num_rows,
         position_tokens=by_batch.reshape(k, n).sum(axis=0) if n else np.zeros(0, np.int64),
-        capped_rows=int(np.count_nonzero(np.diff(rows.row_offsets) >= (packing.max_docs_per_row or 0))),
+        capped_rows=rows.at_piece_cap(packing),
     )
 
 

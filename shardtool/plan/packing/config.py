@@ -137,6 +137,10 @@ class Rows:
         """Real tokens in all rows (eos counted, padding not)."""
         return int(self.span_len.sum())
 
+    def at_piece_cap(self, packing: Packing) -> int:
+        """Rows holding ``packing.max_docs_per_row`` pieces, closed there (`piece_cap_note`)."""
+        return int(np.count_nonzero(np.diff(self.row_offsets) >= (packing.max_docs_per_row or 0)))
+
     def row_tokens(self) -> np.ndarray:
         """Real tokens per row."""
         before = np.zeros(len(self.span_len) + 1, np.int64)
