@@ -29,10 +29,10 @@ from .procs import run_jobs
 from .progress import Progress
 from .publish import PackResult, length_definition, publish_pack
 from .schema import check_length_option, check_max_length_option
-from .skips import PackWarning, check_fraction_option, idle_note
+from .skips import PackWarning, check_fraction_option
 from .sources import classify
 from .tokenize import TOKENS_FIELD, Tokenize, tokenized_fields
-from .units import positions, split_contiguous
+from .units import idle_note, positions, split_contiguous
 from .worker import Job
 from .workunit import inputs_seen
 

@@ -78,19 +78,6 @@ def check_skips(skipped: list[str], packed: int, max_fraction: float | None) -> 
     return []
 
 
-def idle_note(units: list, mine: list, tasks: int, workers: int) -> str | None:
-    """Where the sources split into fewer pieces of work than the array's tasks or this task's
-    workers, what to do about it: a Parquet row group, a run of Arrow record batches, a JSONL
-    chunk of 8 MiB or a file tree's 256 files is one worker's, and pyarrow writes a file of under a
-    million rows as one row group, so ``--workers 8`` on it packed with one worker, silently."""
-    if len(units) >= tasks and len(mine) >= workers:
-        return None
-    n, who = (len(units), f"{tasks} tasks") if len(units) < tasks else (len(mine), f"{workers} workers")
-    parquet = any(getattr(u, "kind", None) == "parquet" for u in units)
-    fix = " (write Parquet in smaller row groups, e.g. pyarrow's row_group_size=100_000)" if parquet else ""
-    return f"the sources split into {n} piece(s) of work for {who}: the rest have nothing to pack{fix}"
-
-
 def check_fraction_option(value: float | None) -> float | None:
     if value is None:
         return None
