@@ -86,7 +86,7 @@ def run(args) -> int:
     except StateError as e:
         raise ShardtoolError(f"{args.path}: {e}") from None
     if args.action == "show":
-        return _show(state, args.json, _clock(args, state, required=False) if state.step is not None else None)
+        return _show(state, args.json, _clock(args, state) if state.step is not None else None)
     if args.steps is None:
         raise ShardtoolError("skip needs --steps A:B")
     first, stop = _steps(args.steps)
@@ -104,29 +104,27 @@ def _scheduled(args, state, first: int, stop: int) -> tuple[int, int]:
     """The planned batches of steps ``first .. stop - 1`` of a scheduled loader's state (its
     ``step``: the run's step at the epoch's first batch), by the schedule given as the loader was
     (`loader.skip_steps` takes the same from the loader); the file does not hold the schedule."""
-    clock = _clock(args, state, required=True)
+    clock = _clock(args, state)
     if clock is None:
-        raise RuntimeError("shardtool internal error: a required schedule was checked")
+        raise ShardtoolError(
+            f"{args.path}: a state of a loader with a schedule by step (its steps take several planned batches "
+            "each): give the schedule as the loader had it, --batch-size 0:4,2000:8 (and --seq-len "
+            "0:2048,50000:8192 for a warmup), or skip with loader.skip_steps(A, B) after load_state_dict"
+        )
     return clock.batches(state, first, stop)
 
 
-def _clock(args, state, *, required: bool):
+def _clock(args, state):
     """The schedule's steps over ``state`` (`shardtool.plan.schedule.StepClock`), from the schedule
-    given as the loader had it; None where none is given and it is not ``required``."""
+    given as the loader had it; None where none is given."""
     from ..plan.schedule import StepClock
 
     try:
         schedule = schedule_of(args)
     except ValueError as e:
         raise ShardtoolError(f"--seq-len: {e}") from None
-    if schedule is None and not required:
-        return None
     if schedule is None:
-        raise ShardtoolError(
-            f"{args.path}: a state of a loader with a schedule by step (its steps take several planned batches "
-            "each): give the schedule as the loader had it, --batch-size 0:4,2000:8 (and --seq-len "
-            "0:2048,50000:8192 for a warmup), or skip with loader.skip_steps(A, B) after load_state_dict"
-        )
+        return None
     planned = ((state.about or {}).get("batching") or {}).get("batch_size")
     if planned is not None and planned != schedule.base:
         raise ShardtoolError(
