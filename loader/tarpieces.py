@@ -23,13 +23,13 @@ import numpy as np
 
 from ..format import FieldSpec, FormatError
 from ..format.coalesce import read_coalesced
+from ..format.fields import npy_layout
 from ..format.storage import open_range
 from .shardview import is_int_array
 from .tokenpieces import TokenSources
 
 __all__ = ["piece_sources"]
 
-NPY_MAGIC = b"\x93NUMPY"
 NPY_MIN_HEADER = 10  # magic (6), version (2), header length (2)
 
 
@@ -101,10 +101,15 @@ def _read_shard(ds, s, rows, li, idx, docs, header, start, length, j, item, gap,
     w = np.flatnonzero(whole)
     if w.size:
         where = ds.manifest.shards[s].path
+        dtype = np.dtype(ds.manifest.fields[j].dtype)
         for k, blob in zip(w.tolist(), ds.verified_ranges(s, li[w].tolist(), gap, watch)):
             fo, h = int(field_at[k]), int(header[k])
-            if bytes(blob[fo : fo + len(NPY_MAGIC)]) != NPY_MAGIC:
-                raise FormatError(f"shard {where} sample #{int(li[k])}: its tokens are not an npy array")
+            try:
+                layout = npy_layout(blob[fo : fo + h])
+            except ValueError:
+                layout = None
+            if layout is None or layout[0] != dtype or layout[1] != (int(docs[k]),) or layout[3] != h:
+                raise FormatError(f"shard {where} sample #{int(li[k])}: its tokens are not an npy array of {dtype}")
             bufs[int(rows[k])] = blob[fo + h : fo + h + int(docs[k]) * item]
     p = np.flatnonzero(~whole & (take > 0))
     if p.size:
