@@ -89,7 +89,8 @@ def verify(cache_dir: str, *, remove_bad: bool = True) -> VerifyReport:
             if remove_bad:
                 os.unlink(vd.path(lengths_rel(m)))
         sp = vd.path(SUMMARIES_NAME)
-        if os.path.exists(sp) and not summaries_usable(open(sp, "rb").read(), m):
+        found = read_verified_local(sp, size=None, digest=None)  # not in the manifest: checked against it
+        if found is not None and not summaries_usable(found, m):
             res["metadata_bad"].append(sp)
             if remove_bad:
                 os.unlink(sp)
