@@ -47,6 +47,11 @@ def key_problem(key: object) -> str | None:
     return None
 
 
+def is_control(c: str) -> bool:
+    """A control character (C0 or DEL), which a tar member name (a file name) must not hold."""
+    return ord(c) < 32 or ord(c) == 127
+
+
 def member_name_problem(name: str) -> str | None:
     """Why a tar member name (read from a foreign shard) must be refused, or None."""
     if not name:
@@ -71,7 +76,7 @@ def path_key(rel: str) -> str:
     """A valid key spelling the '/'-separated relative path ``rel``: '/' becomes '__'; '.', '\\'
     and control characters become '_'; a key past the byte limit is cut and given a hash suffix.
     ``a/b.c/d.txt`` → ``a__b_c__d_txt``."""
-    key = "".join(_PATH_CHARS.get(c) or ("_" if ord(c) < 32 or ord(c) == 127 else c) for c in rel)
+    key = "".join(_PATH_CHARS.get(c) or ("_" if is_control(c) else c) for c in rel)
     if len(key.encode("utf-8")) > MAX_KEY_BYTES:
         key = _hashed(key, rel, _HASH_HEX)
     return key

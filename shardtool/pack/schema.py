@@ -15,7 +15,7 @@ import numpy as np
 from ..format.arrowshard import KEY_COLUMN
 from ..format.errors import BadSampleError, FormatError, ShardtoolError
 from ..format.fields import FieldSpec, encode, infer_field, length_of, npy_header
-from ..format.keys import key_problem
+from ..format.keys import is_control, key_problem
 
 _RESERVED = {KEY_COLUMN}
 
@@ -23,13 +23,7 @@ _RESERVED = {KEY_COLUMN}
 def field_name_problem(name: str) -> str | None:
     if not isinstance(name, str) or not name:
         return "empty field name"
-    if (
-        "/" in name
-        or "\\" in name
-        or ".." in name
-        or name.startswith(".")
-        or any(ord(c) < 32 or c == "\x7f" for c in name)
-    ):
+    if "/" in name or "\\" in name or ".." in name or name.startswith(".") or any(is_control(c) for c in name):
         return f"field name {name!r} cannot be part of a tar member name"
     if name.startswith("__") and name.endswith("__"):
         return f"field name {name!r} is reserved"
