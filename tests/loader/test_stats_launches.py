@@ -13,7 +13,7 @@ import pytest
 
 import shardtool
 from helpers.realtext import byte_ids, stdlib_files
-from helpers.runcli import repo_env
+from helpers.runcli import repo_env, shardtool_cli
 from shardtool.loader.observability import stats
 
 pytestmark = pytest.mark.timeout(180)
@@ -59,13 +59,7 @@ def test_two_launches_on_one_rendezvous_are_two_runs(tmp_path):
     assert [r["steps"] for r in first["ranks"]] == [batches, batches]
     assert [r["processes"] for r in first["ranks"]] == [1, 1]
     assert [r["steps"] for r in second["ranks"]] == [2 * batches, 2 * batches]  # its two loaders, one launch
-    cp = subprocess.run(
-        [sys.executable, "-m", "shardtool", "stats", metrics],
-        env=repo_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    cp = shardtool_cli("stats", metrics)
     assert cp.returncode == 0 and "run master-127.0.0.1-29533#2: 2 rank(s)" in cp.stdout, cp.stderr
     assert "master-127.0.0.1-29533#1; pick one with --run" in cp.stderr
     assert os.path.isdir(metrics)
