@@ -27,6 +27,7 @@ from .batchsource import PassBatches, Reading, without_double_eos
 from .errors import LoaderStateError
 from .imagerows import ImageSpec
 from .imagerows import of_dataset as images_of
+from .microsteps import MicroSteps
 from .reader import BatchReader
 from .source import SourceSpec
 from .workers import PlanBatches
@@ -301,7 +302,7 @@ class DatasetEpochs:
 
     def begin_pass(self) -> PassBatches:
         """The pass from the current position: the plan's batches, past skipped steps, and with a
-        batch-size schedule each step's batches joined into one."""
+        batch-size schedule each step's batches joined into one (a budget ramp's: listed)."""
         plan = staged = self.plan
         n = plan.batches_per_rank
         self._loaded_epoch = None  # the resume took effect: going back from here on is deliberate
@@ -323,12 +324,15 @@ class DatasetEpochs:
                 if self.schedule.seq_lens:
                     seq_lens = np.array([self.schedule.seq_len_at(step + j) for j in range(bounds.size - 1)], np.int64)
             plan = plan.taking(positions) if segment.skipped else plan
-            if self.schedule is not None:
-                plan = plan.grouped(bounds if segment.skipped else start + bounds)
+            steps = bounds if segment.skipped else start + bounds
+            if self.schedule is not None and not self.schedule.micro:
+                plan = plan.grouped(steps)
             self._after = segment.after(positions[bounds[1:] - 1]) if positions.size else np.zeros(0, np.int64)
             start, n = 0, int(bounds.size - 1)
         where = f"rank {self.reading.placement.rank}/{self.reading.placement.layout.world_size}, epoch {self.epoch}"
-        batches = self._plan_batches(plan, rows_per_batch, where, seq_lens)
+        batches: Any = self._plan_batches(plan, rows_per_batch, where, seq_lens)
+        if self.schedule is not None and self.schedule.micro:
+            batches = MicroSteps(batches, steps)  # a budget ramp's step: a list of its planned batches
         return PassBatches(batches, start, n, where, plan=staged)
 
     def _plan_batches(self, plan: RankPlan, rows_per_batch: Any, where: str, seq_lens: Any = None) -> PlanBatches:

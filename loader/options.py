@@ -14,7 +14,7 @@ from typing import Any
 from ..plan import Batching
 from ..plan.cost import CostModel
 from ..plan.packing import Packing
-from ..plan.schedule import Schedule, parse_schedule, with_seq_lens
+from ..plan.schedule import Schedule, budget_schedule, parse_schedule, with_seq_lens
 
 __all__ = ["BatchOptions", "WorkerOptions", "batch_options", "mixture_batching", "worker_options"]
 
@@ -65,7 +65,7 @@ def worker_options(num_workers: Any, prefetch_factor: Any, pin_memory: bool | No
 def batch_options(
     *,
     batch_size: int | Mapping[int, int] | None,
-    max_tokens: int | None,
+    max_tokens: int | Mapping[int, int] | None,
     shuffle: bool,
     seed: int,
     window: int | None,
@@ -89,7 +89,11 @@ def batch_options(
     """The batching of the loader's keywords (`Batching` checks its own fields); ValueError naming
     the keyword where a combination cannot work. ``bucketing=None`` stays None: the dataset
     decides it once opened (`shardtool.plan.batching.default_bucketing`)."""
-    schedule, rows_or_samples, row_len = _schedule(batch_size, seq_len, max_tokens, exact)
+    if isinstance(max_tokens, Mapping):
+        schedule, max_tokens = _budgets(max_tokens, batch_size, seq_len, exact)
+        rows_or_samples, row_len = None, None  # (_budgets refuses either given)
+    else:
+        schedule, rows_or_samples, row_len = _schedule(batch_size, seq_len, exact)
     rows = None
     if row_len is not None:
         if transform is not None or collate_fn is not None:
@@ -140,14 +144,24 @@ def mixture_batching(url: Any, batch_size: Any, seq_len: Any, max_tokens: Any) -
     return got["batch_size"], got["seq_len"], got["max_tokens"]
 
 
-def _schedule(batch_size: Any, seq_len: Any, max_tokens: Any, exact: bool) -> tuple[Schedule | None, Any, Any]:
+def _budgets(max_tokens: Mapping, batch_size: Any, seq_len: Any, exact: bool) -> tuple[Schedule | None, int]:
+    """``max_tokens={first step: budget}``: the schedule and the plan's budget (the smallest)."""
+    if batch_size is not None or seq_len is not None:
+        raise ValueError(
+            "max_tokens by step ramps bucketed batches' token budget: give it without batch_size and seq_len "
+            "(packed rows ramp with batch_size={first step: rows})"
+        )
+    schedule = budget_schedule(max_tokens)
+    if len(schedule.changes) == 1:
+        return None, schedule.changes[0][1]
+    if exact:
+        raise ValueError("max_tokens by step (a schedule) cannot be combined with exact=True yet; give one budget")
+    return schedule, schedule.base
+
+
+def _schedule(batch_size: Any, seq_len: Any, exact: bool) -> tuple[Schedule | None, Any, Any]:
     """``batch_size={first step: size}`` and ``seq_len={first step: length}``: the schedule, the
     plan's batch size (its base) and the plan's seq_len (the longest)."""
-    if isinstance(max_tokens, Mapping):
-        raise ValueError(
-            "max_tokens by step is not supported yet: a schedule is given as batch_size={first step: "
-            "size} (samples, or rows of seq_len tokens)"
-        )
     sizes = parse_schedule("batch_size", batch_size) if isinstance(batch_size, Mapping) else None
     lengths = parse_schedule("seq_len", seq_len) if isinstance(seq_len, Mapping) else None
     if lengths is not None and batch_size is None:

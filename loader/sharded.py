@@ -40,7 +40,9 @@ class ShardedLoader(PassRunner, SourceViews):
             those not given here.
         batch_size: Samples per batch, or rows per batch with ``seq_len``; or a schedule by the
             run's step, ``{0: 4, 2000: 8}`` (planned at the sizes' gcd; docs/run-changes.md).
-        max_tokens: Instead of ``batch_size``: batch size x longest length, padding counted.
+        max_tokens: Instead of ``batch_size``: batch size x longest length, padding counted. Or a
+            ramp by step, ``{0: 16384, 2000: 65536}``: each step is then a list of micro-batches of
+            the smallest budget, ``max_tokens(step) / smallest`` of them (docs/run-changes.md).
         shuffle: Shuffle each epoch (False: each data group's range in dataset order).
         seed: The shuffle's seed; the same seed gives the same batches.
         bucketing: Sort by length within shuffle windows to cut padding. Default: on with
@@ -104,7 +106,7 @@ class ShardedLoader(PassRunner, SourceViews):
         url: Any,
         *,
         batch_size: int | Mapping[int, int] | None = None,
-        max_tokens: int | None = None,
+        max_tokens: int | Mapping[int, int] | None = None,
         shuffle: bool = True,
         seed: int = 0,
         bucketing: bool | None = None,

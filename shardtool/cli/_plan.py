@@ -37,7 +37,11 @@ def add_batching_arguments(p) -> None:
         "2000), as ShardedLoader(batch_size={0: 4, 2000: 8})",
     )
     size.add_argument(
-        "--max-tokens", type=max_tokens_arg, help="token budget per batch, padding counted (one budget: not by step)"
+        "--max-tokens",
+        type=max_tokens_arg,
+        metavar="T|STEP:T,...",
+        help="token budget per batch, padding counted; or a ramp by step, 0:16384,2000:65536 (a step is then "
+        "budget / smallest micro-batches of the smallest budget), as ShardedLoader(max_tokens={0: 16384, ...})",
     )
     pk = p.add_argument_group("sequence packing (with --batch-size: rows per batch)")
     pk.add_argument(
@@ -122,18 +126,20 @@ def seq_len_arg(text: str):
     return _size_or_schedule("seq_len", text, "a row length (2048) or a schedule (0:2048,50000:8192)")
 
 
-def max_tokens_arg(text: str) -> int:
+def max_tokens_arg(text: str):
+    """A token budget (65536), or a ramp by step (0:16384,2000:65536), as `budget_schedule` checks it."""
     import argparse
 
-    if ":" in text:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: a token budget by step is not supported yet; give one budget, or a schedule of "
-            "--batch-size (samples, or with --seq-len rows)"
-        )
+    from ..plan.schedule import budget_schedule
+
     try:
+        if ":" in text:
+            return budget_schedule({int(k): int(v) for k, _, v in (part.partition(":") for part in text.split(","))})
         return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: a token budget is a whole number of tokens") from None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a token budget (65536) or a ramp by step (0:16384,2000:65536): {e}"
+        ) from None
 
 
 def _size_or_schedule(name: str, text: str, what: str):
@@ -169,11 +175,14 @@ def take_mixture_batching(args, mixture) -> None:
 
 
 def schedule_of(args):
-    """The schedule ``--batch-size`` and ``--seq-len`` gave (`shardtool.plan.schedule.Schedule`),
+    """The schedule ``--batch-size`` and ``--seq-len`` (or ``--max-tokens``) gave (`shardtool.plan.schedule.Schedule`),
     or None; ValueError where a sequence-length schedule cannot cut whole rows."""
     from ..plan.schedule import Schedule, with_seq_lens
 
     size, seq = getattr(args, "batch_size", None), getattr(args, "seq_len", None)
+    budget = getattr(args, "max_tokens", None)
+    if isinstance(budget, Schedule):
+        return budget if len(budget.changes) > 1 else None
     if isinstance(seq, Schedule) and len(seq.changes) > 1:
         if size is None:
             raise ValueError("a --seq-len schedule needs --batch-size: the rows per step")
@@ -186,10 +195,18 @@ def batch_size_of(args):
     from ..plan.schedule import Schedule
 
     schedule = schedule_of(args)
-    if schedule is not None:
+    if schedule is not None and not schedule.micro:
         return schedule.base
     size = getattr(args, "batch_size", None)
     return size.base if isinstance(size, Schedule) else size
+
+
+def max_tokens_of(args):
+    """``--max-tokens`` as an int (a ramp's smallest budget: the batches planned), or None."""
+    from ..plan.schedule import Schedule
+
+    budget = getattr(args, "max_tokens", None)
+    return budget.base if isinstance(budget, Schedule) else budget
 
 
 def seq_len_of(args):
@@ -224,7 +241,7 @@ def batching_of(args, source=None):
     spec = getattr(args, "cost_model", None)
     return Batching(
         batch_size=batch_size_of(args),
-        max_tokens=args.max_tokens,
+        max_tokens=max_tokens_of(args),
         shuffle=not args.no_shuffle,
         seed=args.seed,
         packing=packing,

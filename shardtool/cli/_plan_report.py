@@ -137,6 +137,7 @@ def schedule_report(schedule, epoch: int, batches: int, position_tokens) -> dict
         "changes": [list(c) for c in schedule.changes],
         **({"seq_len_changes": [list(c) for c in schedule.seq_lens]} if schedule.seq_lens else {}),
         "base": schedule.base,
+        "unit": schedule.unit,
         "epoch_first_step": first,
         "next_epoch_first_step": first + schedule.steps(first, batches),
         "steps": schedule.steps(first, batches),
@@ -152,6 +153,12 @@ def _print_schedule(report: dict, out) -> None:
             f"{', '.join(f'{s}: {n}' for s, n in report['seq_len_changes'])}; planned at {report['base']} rows of "
             f"{longest:,} a batch, a step takes its rows' tokens in them, cut to its seq_len\n"
         )
+    elif report.get("unit") == "max_tokens":
+        out(
+            f"schedule      max_tokens by step {', '.join(f'{s}: {n}' for s, n in report['changes'])}; planned at "
+            f"{report['base']:,} tokens a batch, a step is a list of max_tokens/{report['base']} of them "
+            "(micro-batches, each padded on its own)\n"
+        )
     else:
         out(
             f"schedule      batch size by step {', '.join(f'{s}: {n}' for s, n in report['changes'])}; planned at "
@@ -163,7 +170,8 @@ def _print_schedule(report: dict, out) -> None:
     )
     for ph in report["phases"]:
         out(
-            f"              steps {ph['from_step']:,}..{ph['to_step']:,}: size {ph['size']}"
+            f"              steps {ph['from_step']:,}..{ph['to_step']:,}: "
+            f"{'max_tokens' if report.get('unit') == 'max_tokens' else 'size'} {ph['size']}"
             f"{' x ' + format(ph['seq_len'], ',') + ' tokens' if 'seq_len' in ph else ''} x {ph['steps']:,} "
             f"steps, {ph['tokens']:,} tokens\n"
         )

@@ -16,6 +16,7 @@ from ._plan import (
     batch_size_of,
     batching_of,
     layout_of,
+    max_tokens_of,
     node_shards,
     peak_rss_mb,
     plan_source,
@@ -206,7 +207,7 @@ def run(args) -> int:
         },
         "batching": {
             "batch_size": batch_size_of(args),
-            "max_tokens": args.max_tokens,
+            "max_tokens": max_tokens_of(args),
             "seed": args.seed,
             "epoch": args.epoch,
             "shuffle": not args.no_shuffle,

@@ -6,7 +6,7 @@ import json
 import sys
 
 from ..format.errors import ShardtoolError
-from ._plan import batch_size_arg, schedule_of, seq_len_arg
+from ._plan import batch_size_arg, max_tokens_arg, schedule_of, seq_len_arg
 
 HELP = "show a saved loader state, or skip steps in it (after a loss spike) before resuming"
 DESCRIPTION = """\
@@ -52,6 +52,9 @@ def add_arguments(p) -> None:
     sched = p.add_argument_group("skip, a state of a loader with a schedule by step (as the loader was given it)")
     sched.add_argument("--batch-size", type=batch_size_arg, metavar="N|STEP:N,...", help="its batch_size, 0:4,2000:8")
     sched.add_argument("--seq-len", type=seq_len_arg, metavar="S|STEP:S,...", help="its seq_len, 0:2048,50000:8192")
+    sched.add_argument(
+        "--max-tokens", type=max_tokens_arg, metavar="T|STEP:T,...", help="its max_tokens, 0:16384,2000:65536"
+    )
 
 
 def _steps(text: str | None) -> tuple[int, int]:
@@ -109,7 +112,7 @@ def _scheduled(args, state, first: int, stop: int) -> tuple[int, int]:
         raise ShardtoolError(
             f"{args.path}: a state of a loader with a schedule by step (its steps take several planned batches "
             "each): give the schedule as the loader had it, --batch-size 0:4,2000:8 (and --seq-len "
-            "0:2048,50000:8192 for a warmup), or skip with loader.skip_steps(A, B) after load_state_dict"
+            "0:2048,50000:8192 for a warmup, or --max-tokens 0:16384,2000:65536), or skip with loader.skip_steps(A, B) after load_state_dict"
         )
     return clock.batches(state, first, stop)
 
@@ -125,10 +128,11 @@ def _clock(args, state):
         raise ShardtoolError(f"--seq-len: {e}") from None
     if schedule is None:
         return None
-    planned = ((state.about or {}).get("batching") or {}).get("batch_size")
+    unit = "max_tokens" if schedule.micro else "batch_size"
+    planned = ((state.about or {}).get("batching") or {}).get(unit)
     if planned is not None and planned != schedule.base:
         raise ShardtoolError(
-            f"{args.path}: the state was planned at batch_size {planned}, the schedule given plans at "
+            f"{args.path}: the state was planned at {unit} {planned}, the schedule given plans at "
             f"{schedule.base} ({schedule.describe()}): give the schedule its loader had"
         )
     return StepClock(schedule, int(state.step))
@@ -213,7 +217,7 @@ def _show(state, as_json: bool, clock=None) -> int:
     if unit != "steps":
         print(
             "  (a loader with a schedule by step: give it, --batch-size 0:4,2000:8 and --seq-len 0:2048,50000:8192 "
-            "as the loader had them, to count its steps)"
+            "or --max-tokens 0:16384,2000:65536 as the loader had them, to count its steps)"
         )
     for i, s in enumerate(report["segments"]):
         skipped = f", positions skipped {s['skipped']}" if s["skipped"] else ""

@@ -11,6 +11,7 @@ from ._args import add_storage_option_argument, storage_options_from
 from ._plan import (
     add_batching_arguments,
     batch_size_of,
+    max_tokens_of,
     require_size,
     schedule_of,
     seq_len_of,
@@ -103,8 +104,8 @@ def run(args) -> int:
     except ValueError as e:
         raise ShardtoolError(str(e)) from None
     kw = dict(
-        batch_size=dict(schedule.changes) if schedule is not None else batch_size_of(args),
-        max_tokens=args.max_tokens,
+        batch_size=dict(schedule.changes) if schedule is not None and not schedule.micro else batch_size_of(args),
+        max_tokens=dict(schedule.changes) if schedule is not None and schedule.micro else max_tokens_of(args),
         seq_len=dict(schedule.seq_lens) if schedule is not None and schedule.seq_lens else seq_len_of(args),
         packing=args.packing,
         eos_id=args.eos_id,

@@ -15,6 +15,13 @@ longer than a row does). So the tokens, in order, are those of the run at the lo
 nothing repeated or lost at a change, and the steps after it serve what the steps before it did
 not, from the step's number alone as for a batch-size ramp.
 
+A token-budget ramp (``max_tokens={0: 16384, 2000: 65536}``, bucketed batches) is planned at the
+smallest budget, and step ``t`` takes the next ``max_tokens(t) / smallest`` planned batches as
+a *list* of micro-batches, each padded on its own: joined into one tensor, batches of other
+lengths would pad to the longest and overrun the budget. So a step holds at most its budget of
+padded tokens, every micro-batch at most the smallest (as a plan at that budget), and a
+larger budget is more accumulated micro-batches a step, as Megatron's batch-size ramp is.
+
 The steps are the run's, counted across epochs: an epoch that begins at step ``s`` with ``n``
 batches a rank has the steps `cut` gives, its last one short when ``n`` does not divide.
 """
@@ -35,6 +42,7 @@ __all__ = [
     "RUN_STEPS",
     "Schedule",
     "StepClock",
+    "budget_schedule",
     "parse_schedule",
     "parse_schedule_text",
     "value_at",
@@ -58,6 +66,13 @@ class Schedule:
 
     changes: tuple[tuple[int, int], ...]
     seq_lens: tuple[tuple[int, int], ...] = ()
+    unit: str = "batch_size"  # what ``changes`` schedule: "batch_size", or "max_tokens" (budgets)
+
+    @property
+    def micro(self) -> bool:
+        """A token-budget ramp: a step's planned batches are served as a list, one micro-batch
+        each, not joined (`budget_schedule`)."""
+        return self.unit == "max_tokens"
 
     @property
     def row_len(self) -> int | None:
@@ -151,6 +166,8 @@ class Schedule:
 
     def describe(self) -> str:
         sizes = ", ".join(f"step {first}: {size}" for first, size in self.changes)
+        if self.micro:
+            return f"max_tokens {sizes}"
         if not self.seq_lens:
             return sizes
         return f"{sizes}; seq_len " + ", ".join(f"step {first}: {n}" for first, n in self.seq_lens)
@@ -164,6 +181,21 @@ def value_at(changes: tuple[tuple[int, int], ...], step: int) -> int:
             break
         value = v
     return value
+
+
+def budget_schedule(value: Any) -> Schedule:
+    """``max_tokens={first step: budget}`` checked: the plan's batches are of the smallest budget
+    and a step takes ``budget / smallest`` of them, so every budget must be a multiple of the
+    smallest (ValueError naming the one that is not)."""
+    schedule = replace(parse_schedule("max_tokens", value), unit="max_tokens")
+    smallest = min(size for _, size in schedule.changes)
+    for first, size in schedule.changes:
+        if size % smallest:
+            raise ValueError(
+                f"max_tokens schedule: {size} (from step {first}) is not a multiple of the smallest budget "
+                f"{smallest}; batches are planned at {smallest} tokens and a step takes a whole number of them"
+            )
+    return schedule
 
 
 def with_seq_lens(batch_size: int | Schedule, seq_lens: Schedule) -> Schedule:
@@ -238,7 +270,9 @@ def with_runs(batching: Batching, schedule: Schedule | None) -> Batching:
     plans it: bucketed batches, sorted by length and shuffled, are dealt in runs of like lengths
     (`Batching.run_batches`), so that a step joining consecutive batches pads little. Packed rows
     and batches not sorted by length are planned as they are."""
-    if schedule is None or batching.packing is not None or not (batching.bucketing and batching.shuffle):
+    if schedule is None or schedule.micro or batching.packing is not None:
+        return batching  # a budget ramp's micro-batches are padded one by one: no join to keep short
+    if not (batching.bucketing and batching.shuffle):
         return batching
     # Windows sized for the largest batches (as a loader of that size sorts them), not the base's.
     window = batching.window if batching.window is not None else WINDOW_BATCHES * schedule.largest

@@ -3,6 +3,7 @@
 with ``--mixture`` (``--data`` a mixture file) a packed mixture whose rows ramp
 (tests/loader/test_mixture_ramp.py), and with both a mixture's warmup (tests/loader/test_mixture_warmup.py).
 ``--cost-model NAME``: the steps balanced by that cost model (tests/loader/test_mixture_balance_loader.py).
+``--budget``: a token-budget ramp, each step a list of micro-batches (tests/loader/test_budget_schedule.py).
 
 ``--phase whole``: the epoch uninterrupted, a collective every step as DDP's. ``--phase killed``:
 the same, rank 0 saving the loader state after every step, and rank 1 killed with SIGKILL before
@@ -24,6 +25,7 @@ from shardtool.plan.mixture import Mixture
 
 RAMP = {0: 4, 10: 8}
 WARMUP = {0: 256, 10: 512}  # rows of 4 at either length: the plan's batch is 2 rows of 512
+BUDGET = {0: 4096, 10: 8192}  # one micro-batch a step, then two
 
 
 def main() -> int:
@@ -35,6 +37,7 @@ def main() -> int:
     p.add_argument("--warmup", action="store_true")
     p.add_argument("--mixture", action="store_true")
     p.add_argument("--cost-model", default=None)
+    p.add_argument("--budget", action="store_true")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -46,6 +49,8 @@ def main() -> int:
             kw.update(batch_size=4, seq_len=WARMUP)
     elif args.warmup:
         kw = dict(batch_size=4, seq_len=WARMUP, token_fields=[])
+    elif args.budget:
+        kw = dict(max_tokens=BUDGET)
     else:
         kw = dict(batch_size=RAMP)
     if args.cost_model:
@@ -62,7 +67,12 @@ def main() -> int:
     for step, batch in enumerate(loader, start=start):
         if args.phase == "killed" and rank == 1 and step == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        steps[step] = list(batch["__key__"])
+        if args.budget:  # a list of micro-batches: each all-reduced, as accumulated gradients would be
+            steps[step] = [list(mb["__key__"]) for mb in batch]
+            for _ in batch[1:]:
+                dist.all_reduce(torch.zeros(1))
+        else:
+            steps[step] = list(batch["__key__"])
         if args.warmup or args.mixture:
             steps[step] = [[list(map(str, k)) for k in batch["__key__"]], batch["doc_offsets"].tolist()]
             steps[step].append(list(batch["input_ids"].shape))

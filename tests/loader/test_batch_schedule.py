@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from helpers.packedpieces import packed_pieces
 from helpers.realtext import pack_long_and_short
 from helpers.runcli import shardtool_cli
-from helpers.schedrun import killed_and_resumed
+from helpers.schedrun import changes_of, killed_and_resumed, state_after
 from shardtool.loader import Mixture, ShardedLoader
 from shardtool.loader.trace import dump, find, sample_of, trace
 from shardtool.plan.schedule import parse_schedule
@@ -143,23 +143,12 @@ def _run_from(url, world, state, **kw):
     seed=st.integers(0, 3),
 )
 def test_a_resume_before_at_or_after_a_change_continues_the_run(corpus, sizes, gaps, world, world_after, stop, seed):
-    changes = {0: sizes[0]}
-    step = 0
-    for size, gap in zip(sizes[1:], gaps):
-        step += gap
-        changes[step] = size
+    changes = changes_of(sizes, gaps)
     kw = dict(batch_size=changes, seed=seed)
     whole = [[_keys(b) for b in ld] for ld in _ranks(corpus["arrow"], world, **kw)]
     n = len(whole[0])
     stop = min(stop, n - 1)  # (after the last step the state is the next epoch's start)
-    first = _ranks(corpus["arrow"], world, **kw)
-    its = [iter(ld) for ld in first]
-    for it in its:
-        for _ in range(stop):
-            next(it)
-    state = first[0].state_dict()
-    assert all(ld.state_dict() == state for ld in first)  # one state, every rank
-    json.dumps(state)
+    state = state_after(_ranks(corpus["arrow"], world, **kw), stop)
     if world_after == world:  # the same layout: the uninterrupted run's steps, exactly
         rest = [[_keys(b) for b in ld] for ld in _run_from(corpus["arrow"], world, state, **kw)]
         assert rest == [w[stop:] for w in whole]
@@ -234,7 +223,7 @@ def test_a_schedule_is_refused_where_it_cannot_work_yet(corpus):
         (dict(batch_size={5: 4}), "from step 0"),
         (dict(batch_size={0: 4, 10: 0}), "sizes (ints >= 1)"),
         (dict(batch_size={0: 4, 10: 8}, exact=True), "exact=True"),
-        (dict(max_tokens={0: 4096, 10: 8192}), "max_tokens by step"),
+        (dict(max_tokens={0: 4096, 10: 8192}, batch_size=4), "without batch_size and seq_len"),
     ]:
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
             ShardedLoader(url, num_workers=0, **kw)
@@ -359,11 +348,7 @@ def test_schedule_cut_property():
         split=st.integers(0, 60),
     )
     def check(sizes, gaps, first, count, split):
-        changes = {0: sizes[0]}
-        step = 0
-        for size, gap in zip(sizes[1:], gaps):
-            step += gap
-            changes[step] = size
+        changes = changes_of(sizes, gaps)
         s = parse_schedule("batch_size", changes)
         cut = s.cut(first, count)
         assert cut[0] == 0 and cut[-1] == count and (np.diff(cut) > 0).all()
@@ -417,8 +402,8 @@ def test_shardtool_plan_shows_the_schedules_steps(corpus):
     assert "steps 5..11: size 4 x 7 steps" in text.stdout
     bad = shardtool_cli("plan", corpus["arrow"], "--batch-size", "5:2")
     assert bad.returncode != 0 and "from step 0" in bad.stderr
-    budget = shardtool_cli("plan", corpus["arrow"], "--max-tokens", "0:65536,5:131072")
-    assert budget.returncode == 2 and "a token budget by step is not supported yet" in budget.stderr, budget.stderr
+    budget = shardtool_cli("plan", corpus["arrow"], "--max-tokens", "0:65536,5:100000")
+    assert budget.returncode == 2 and "not a multiple of the smallest budget 65536" in budget.stderr, budget.stderr
     found = shardtool_cli("trace", corpus["arrow"], "--batch-size", "0:2,5:4", "--key", "000000001", "--json")
     assert found.returncode == 0, found.stderr
     ld = ShardedLoader(corpus["arrow"], batch_size={0: 2, 5: 4}, num_workers=0)

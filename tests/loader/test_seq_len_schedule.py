@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from helpers.packedpieces import packed_pieces, piece_lengths
 from helpers.realtext import pack_long_and_short
 from helpers.runcli import shardtool_cli
-from helpers.schedrun import killed_and_resumed
+from helpers.schedrun import RESUME_DRAWS, changes_of, killed_and_resumed, state_after
 from shardtool.loader import ShardedLoader
 from shardtool.loader.trace import find, trace, traces
 from shardtool.plan.cost import CostModel, step_balance
@@ -101,32 +101,17 @@ def test_a_warmup_with_a_batch_size_ramp_keeps_the_tokens(corpus):
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     lengths=st.lists(st.sampled_from([256, 512, 1024]), min_size=2, max_size=4),
-    gaps=st.lists(st.integers(1, 10), min_size=3, max_size=3),
-    world=st.integers(1, 3),
-    world_after=st.integers(1, 3),
-    workers=st.sampled_from([0, 2]),
-    stop=st.integers(0, 40),
-    seed=st.integers(0, 3),
+    **RESUME_DRAWS,
 )
 def test_a_resume_before_at_or_after_a_change_continues_the_run(
     corpus, lengths, gaps, world, world_after, workers, stop, seed
 ):
-    changes, step = {0: lengths[0]}, 0
-    for n, gap in zip(lengths[1:], gaps):
-        step += gap
-        changes[step] = n
+    changes = changes_of(lengths, gaps)
     kw = dict(seq_len=changes, batch_size=16, seed=seed, token_fields=[])
     whole = [list(ld) for ld in _ranks(corpus, world, **kw)]
     n = len(whole[0])
     stop = min(stop, n - 1)  # (after the last step the state is the next epoch's start)
-    first = _ranks(corpus, world, **kw)
-    its = [iter(ld) for ld in first]
-    for it in its:
-        for _ in range(stop):
-            next(it)
-    state = first[0].state_dict()
-    assert all(ld.state_dict() == state for ld in first)
-    json.dumps(state)
+    state = state_after(_ranks(corpus, world, **kw), stop)
     resumed = _ranks(corpus, world_after, num_workers=workers, **kw)
     for ld in resumed:
         ld.load_state_dict(state)

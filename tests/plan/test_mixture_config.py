@@ -136,7 +136,7 @@ def test_a_mixture_file_may_say_how_the_run_batches_it():
         ("batch_size", "8", "batch_size must be an int >= 1"),
         ("seq_len", {"100": 2048}, "must say the size from step 0"),
         ("seq_len", {"0": -1}, "seq_len schedule maps"),
-        ("max_tokens", {"0": 4096}, "max_tokens by step is not supported yet"),
+        ("max_tokens", {"0": 4096}, "max_tokens by step is not supported for a mixture"),
         ("micro_batches", 2, "unknown mixture keys"),
     ],
 )

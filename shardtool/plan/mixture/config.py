@@ -332,8 +332,8 @@ def _parse_batching(batching: Mapping[str, Any]) -> dict[str, int | dict[int, in
             continue
         if name == "max_tokens" and isinstance(value, Mapping):
             raise MixtureError(
-                "max_tokens by step is not supported yet: a schedule is given as batch_size (samples, or "
-                "rows of seq_len tokens)"
+                "max_tokens by step is not supported for a mixture: its bucketed step is one batch of one "
+                "source; give one max_tokens (a packed mixture ramps batch_size, rows by step)"
             )
         changes = _changes(name, value)
         out[name] = changes[0][1] if len(changes) == 1 else dict(changes)

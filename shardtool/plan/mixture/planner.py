@@ -53,6 +53,11 @@ def rows_by_step(schedule: Schedule | None, batching: Batching) -> tuple[Batchin
     which the shorter steps cut. ValueError for what a mixture cannot take by step."""
     if schedule is None:
         return batching, None
+    if schedule.micro:
+        raise ValueError(
+            "max_tokens by step is not supported for a mixture: its bucketed step is one batch of one source; "
+            "give one max_tokens (a packed mixture ramps batch_size, rows by step)"
+        )
     if batching.packing is None:
         raise ValueError(
             "batch_size by step is for packed mixtures (seq_len=...): a bucketed mixture's step is one "

@@ -1,0 +1,208 @@
+"""Token-budget ramps (issue 36 item 1): ``max_tokens={first step: budget}``.
+
+The plan is made at the smallest budget and step t is the list of the next
+``max_tokens(t) / smallest`` planned batches, each padded on its own: so every micro-batch holds
+at most the smallest budget, a step at most its own, the samples over an epoch are those of the
+run at the smallest budget in order, every rank takes as many micro-batches at every step, and a
+state saved before, at or after a change resumes the uninterrupted run. Real data: stdlib files
+and /usr/share/doc files of at most 4 KiB (as byte ids), so the smallest budget holds any one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from helpers.realtext import byte_ids, doc_files, stdlib_files
+from helpers.runcli import shardtool_cli
+from helpers.schedrun import RESUME_DRAWS, changes_of, killed_and_resumed, state_after
+from helpers.skips import require
+from shardtool.loader import Mixture, ShardedLoader
+from shardtool.loader.trace import trace
+from shardtool.plan.schedule import budget_schedule
+
+SMALLEST = 4096
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    import shardtool
+
+    paths = [p for p in stdlib_files(600) if 0 < os.path.getsize(p) <= SMALLEST][:260]
+    paths += [p for p in doc_files() if 0 < os.path.getsize(p) <= SMALLEST][:140]
+    require(len(paths) >= 200, "too few small stdlib or /usr/share/doc files here")
+    rows = [{"tokens": byte_ids(p)} for p in paths]
+    root = str(tmp_path_factory.mktemp("budget") / "ds")
+    shardtool.pack(rows, root, format="arrow", length="tokens", shard_size=sum(r["tokens"].nbytes for r in rows) // 3)
+    return root
+
+
+def _ranks(url, world, **kw):
+    kw.setdefault("num_workers", 0)
+    return [
+        ShardedLoader(url, rank=r, world_size=world, ranks_per_node=world, pin_memory=False, **kw) for r in range(world)
+    ]
+
+
+def _keys(step) -> list[list[str]]:
+    return [list(mb["__key__"]) for mb in step]
+
+
+def _padded(mb) -> int:
+    return int(mb["lengths"].max()) * len(mb["lengths"])
+
+
+RAMP = {0: SMALLEST, 4: 4 * SMALLEST, 9: 2 * SMALLEST}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,workers", [(1, 0), (3, 0), (2, 2)])
+def test_a_budget_ramp_serves_the_smallest_budgets_batches_as_micro_batches(url, world, workers):
+    base = _ranks(url, world, max_tokens=SMALLEST, seed=3)
+    ramp = _ranks(url, world, max_tokens=RAMP, seed=3, num_workers=workers)
+    schedule = budget_schedule(RAMP)
+    counts = {len(ld) for ld in ramp}
+    assert len(counts) == 1  # equal counts: every rank takes the same steps
+    n = counts.pop()
+    shapes = set()
+    for b, r in zip(base, ramp):
+        planned = [list(x["__key__"]) for x in b]
+        steps = list(r)
+        assert len(steps) == n and n < len(planned)
+        micro = [len(s) for s in steps]
+        assert micro[:-1] == [schedule.size_at(t) // SMALLEST for t in range(n - 1)]
+        assert 1 <= micro[-1] <= schedule.size_at(n - 1) // SMALLEST  # the epoch's last step may be short
+        shapes.add(tuple(micro))
+        # The micro-batches, in order, are the run's at the smallest budget: nothing lost or repeated.
+        assert [k for s in steps for k in _keys(s)] == planned
+        for t, s in enumerate(steps):  # each padded on its own, within the smallest budget
+            assert all(_padded(mb) <= SMALLEST for mb in s)
+            assert sum(_padded(mb) for mb in s) <= schedule.size_at(t)
+        b.close()
+        r.close()
+    assert len(shapes) == 1  # every rank: as many micro-batches at every step (DDP accumulates alike)
+
+
+@pytest.mark.timeout(600)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    factors=st.lists(st.sampled_from([1, 2, 4, 8]), min_size=2, max_size=4),  # multiples of the smallest
+    **RESUME_DRAWS,
+)
+def test_a_resume_before_at_or_after_a_budget_change_continues_the_run(
+    url, factors, gaps, world, world_after, workers, stop, seed
+):
+    changes = changes_of([f * SMALLEST for f in factors], gaps)
+    kw = dict(max_tokens=changes, seed=seed)
+    whole = [[_keys(s) for s in ld] for ld in _ranks(url, world, **kw)]
+    n = len(whole[0])
+    stop = min(stop, n - 1)  # (after the last step the state is the next epoch's start)
+    state = state_after(_ranks(url, world, **kw), stop)
+    resumed = _ranks(url, world_after, num_workers=workers, **kw)
+    for ld in resumed:
+        ld.load_state_dict(state)
+    if world_after == world:  # the same layout: the uninterrupted run's steps, exactly
+        assert [[_keys(s) for s in ld] for ld in resumed] == [w[stop:] for w in whole]
+        return
+    # Another layout: the rest of the epoch re-dealt; nothing repeated, equal counts, the
+    # schedule's micro-batches a step from the resumed step on.
+    leftover = resumed[0].plan.leftover_batches  # (read before the pass: after it, the next epoch's)
+    assert len({len(ld) for ld in resumed}) == 1
+    rest = [[_keys(s) for s in ld] for ld in resumed]
+    served = [k for w in whole for s in w[:stop] for mb in s for k in mb]
+    served += [k for r in rest for s in r for mb in s for k in mb]
+    assert len(served) == len(set(served))
+    every = {k for w in whole for s in w for mb in s for k in mb}
+    missing = every - set(served)  # only what the re-deal left over: whole planned batches
+    largest = max(len(mb) for w in whole for s in w for mb in s)
+    assert len(missing) <= leftover * world_after * largest
+    schedule = budget_schedule(changes)  # planned at the smallest budget of the schedule
+    for t, s in enumerate(rest[0][:-1], start=stop):
+        assert len(s) == schedule.size_at(t) // schedule.base
+
+
+@pytest.mark.timeout(300)
+def test_skipping_steps_of_a_budget_ramp_moves_the_data_past_them(url):
+    whole = [_keys(s) for s in _ranks(url, 1, max_tokens=RAMP, seed=1)[0]]
+    ld = _ranks(url, 1, max_tokens=RAMP, seed=1)[0]
+    it = iter(ld)
+    for _ in range(3):
+        next(it)
+    state = ld.state_dict()
+    again = _ranks(url, 1, max_tokens=RAMP, seed=1)[0]
+    again.load_state_dict(state)
+    again.skip_steps(5, 7)  # steps 5 and 6: 4 micro-batches each
+    rest = [_keys(s) for s in again]
+    planned = [mb for s in whole for mb in s]
+    # Steps 3 and 4 as before; the steps go on counting (step 5 has 4 micro-batches) and take the
+    # planned batches after those of the skipped steps.
+    assert rest[:2] == whole[3:5]
+    skipped = planned[1 + 1 + 1 + 1 + 4 : 1 + 1 + 1 + 1 + 4 + 8]  # steps 0..3 one each, step 4 four
+    after = [mb for s in rest[2:] for mb in s]
+    assert after == planned[1 + 1 + 1 + 1 + 4 + 8 :]
+    assert all(mb not in after for mb in skipped)
+    assert [len(s) for s in rest[2:4]] == [4, 4]
+
+
+@pytest.mark.timeout(300)
+def test_trace_and_plan_answer_for_a_budget_ramps_steps(url, tmp_path):
+    ld = _ranks(url, 1, max_tokens=RAMP, seed=2)[0]
+    steps = [_keys(s) for s in ld]
+    ld = _ranks(url, 1, max_tokens=RAMP, seed=2)[0]
+    for t in (0, 5, 9):  # the step's samples: those of its micro-batches, in order
+        assert [s["key"] for s in trace(ld, t)["samples"]] == [k for mb in steps[t] for k in mb]
+    text = shardtool_cli("plan", url, "--max-tokens", "0:4096,4:16384,9:8192", "--seed", "2")
+    assert text.returncode == 0, text.stderr
+    assert "max_tokens by step 0: 4096, 4: 16384, 9: 8192" in text.stdout
+    assert "steps 0..3: max_tokens 4096 x 4 steps" in text.stdout
+    assert "steps 4..8: max_tokens 16384 x 5 steps" in text.stdout
+    assert f"steps 9..{len(steps) - 1}: max_tokens 8192" in text.stdout
+    cli = shardtool_cli("trace", url, "--max-tokens", "0:4096,4:16384,9:8192", "--seed", "2", "--step", "5", "--json")
+    assert cli.returncode == 0, cli.stderr
+    assert [s["key"] for s in json.loads(cli.stdout)["samples"]] == [k for mb in steps[5] for k in mb]
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps(ld.state_dict()))
+    edit = shardtool_cli("state", "skip", str(state), "--steps", "4:6", "--max-tokens", "0:4096,4:16384,9:8192")
+    assert edit.returncode == 0, edit.stderr
+    again = _ranks(url, 1, max_tokens=RAMP, seed=2)[0]
+    again.load_state_dict(json.loads(state.read_text()))
+    assert [_keys(s) for s in again][:6] == steps[:4] + steps[6:8]  # steps 4, 5 dropped, counting on
+    bad = shardtool_cli("plan", url, "--max-tokens", "0:4096,4:6000")
+    assert bad.returncode == 2 and "not a multiple of the smallest budget 4096" in bad.stderr, bad.stderr
+
+
+def test_a_budget_ramp_is_refused_where_it_cannot_work(url):
+    for kw, words in [
+        (dict(max_tokens={0: 4096, 10: 6000}), "6000 (from step 10) is not a multiple of the smallest budget 4096"),
+        (dict(max_tokens={0: 4096, 10: 8192}, exact=True), "exact=True"),
+        (dict(max_tokens={0: 4096, 10: 8192}, seq_len=1024), "without batch_size and seq_len"),
+        (dict(max_tokens={3: 4096}), "from step 0"),
+    ]:
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            ShardedLoader(url, num_workers=0, **kw)
+    with pytest.raises(ValueError, match="max_tokens by step is not supported for a mixture"):
+        ShardedLoader(Mixture({"a": (url, 1.0)}), max_tokens={0: 4096, 4: 8192}, steps=10, num_workers=0)
+    # One budget is no schedule: the loader (and its states) are those of max_tokens=budget.
+    one = ShardedLoader(url, max_tokens={0: 8192}, num_workers=0, seed=1)
+    plain = ShardedLoader(url, max_tokens=8192, num_workers=0, seed=1)
+    assert one.schedule is None and one.state_dict() == plain.state_dict()
+
+
+@pytest.mark.timeout(400)
+def test_torchrun_budget_ramp_resumed_after_a_kill_matches_the_uninterrupted_run(url, tmp_path):
+    saved, runs = killed_and_resumed(url, str(tmp_path), "--budget")
+    assert 1 <= saved["steps"] <= 8  # rank 1 killed with SIGKILL at step 8
+    shapes = set()
+    for whole, resumed in runs:
+        assert resumed["len"] == whole["len"]
+        start = saved["steps"]
+        assert sorted(map(int, resumed["steps"])) == list(range(start, whole["len"]))
+        assert all(resumed["steps"][str(s)] == whole["steps"][str(s)] for s in range(start, whole["len"]))
+        micro = [len(whole["steps"][str(s)]) for s in range(whole["len"] - 1)]
+        assert micro == [1] * 10 + [2] * (whole["len"] - 11)  # the ramp, at the same step on every rank
+        shapes.add(tuple(micro))
+    assert len(shapes) == 1
