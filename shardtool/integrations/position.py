@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..plan.schedule import StepClock
 from ..plan.state import LoaderState
 
 __all__ = ["one_dataset", "position"]
@@ -16,9 +17,14 @@ __all__ = ["one_dataset", "position"]
 
 def position(loader: Any) -> tuple[int, int]:
     """(epoch, batches this rank has had in it): where the next batch comes from. Read through
-    the state's own parser: the saved JSON is the loader's edge, not a format adapters know."""
+    the state's own parser: the saved JSON is the loader's edge, not a format adapters know.
+    Under a schedule by step a batch is a step, which takes several planned batches: counted in
+    steps (`shardtool.plan.schedule.StepClock`), as the trainer and ``len()`` count them."""
     state = LoaderState.from_dict(loader.state_dict())
-    return state.epoch, state.served
+    schedule = getattr(loader, "schedule", None)
+    if schedule is None or state.step is None:
+        return state.epoch, state.served
+    return state.epoch, StepClock(schedule, int(state.step)).steps(state)[0]
 
 
 def one_dataset(loader: Any, adapter: str, why: str) -> Any:

@@ -206,3 +206,84 @@ def test_torchrun_budget_ramp_resumed_after_a_kill_matches_the_uninterrupted_run
         assert micro == [1] * 10 + [2] * (whole["len"] - 11)  # the ramp, at the same step on every rank
         shapes.add(tuple(micro))
     assert len(shapes) == 1
+
+
+def _lightning_fit(url, root, *, max_steps: int, resume=None, every: int | None = None) -> dict[int, list]:
+    """A Lightning fit of a budget ramp under manual optimization, as docs/run-changes.md says: one
+    ``training_step`` a step, a backward per micro-batch. Returns each step's micro-batches' keys."""
+    import lightning.pytorch as pl
+    import torch
+
+    from shardtool.integrations.lightning import LightningLoader, ShardedLoaderCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.out = torch.nn.Embedding(256, 4), torch.nn.Linear(4, 256)
+            self.automatic_optimization = False
+            self.seen: dict[int, list] = {}
+
+        def training_step(self, micro, _):
+            opt = self.optimizers()
+            self.seen[self.global_step] = _keys(micro)
+            tokens = sum(int(mb["lengths"].sum()) for mb in micro)
+            for mb in micro:
+                x = mb["tokens"].long()
+                logits = self.out(self.emb(x[:, :-1])).flatten(0, 1)
+                self.manual_backward(
+                    torch.nn.functional.cross_entropy(logits, x[:, 1:].flatten(), reduction="sum") / tokens
+                )
+            opt.step()
+            opt.zero_grad()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self):
+            return LightningLoader(ShardedLoader(url, max_tokens=RAMP, num_workers=0, seed=4, pin_memory=False))
+
+    callbacks: list = [ShardedLoaderCallback()]
+    if every is not None:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=str(root), every_n_train_steps=every, save_top_k=-1))
+    model = Tiny()
+    pl.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        callbacks=callbacks,
+        enable_checkpointing=every is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+    ).fit(model, ckpt_path=resume)
+    return model.seen
+
+
+@pytest.mark.timeout(300)
+def test_lightning_trains_a_budget_ramp_and_resumes_it_from_its_checkpoint(url, tmp_path):
+    whole = _lightning_fit(url, tmp_path / "a", max_steps=14)
+    planned = [list(b["__key__"]) for b in _ranks(url, 1, max_tokens=SMALLEST, seed=4)[0]]
+    assert [len(whole[t]) for t in range(14)] == [1] * 4 + [4] * 5 + [2] * 5  # the ramp, in micro-batches
+    assert [mb for t in range(14) for mb in whole[t]] == planned[: 4 + 20 + 10]
+    _lightning_fit(url, tmp_path / "b", max_steps=9, every=6)
+    ckpt = next((tmp_path / "b").glob("*step=6*.ckpt"))
+    resumed = _lightning_fit(url, tmp_path / "c", max_steps=14, resume=str(ckpt))
+    assert resumed == {t: whole[t] for t in range(6, 14)}  # from the checkpoint's step, exactly
+
+
+@pytest.mark.parametrize("ramp", [dict(max_tokens=RAMP), dict(batch_size={0: 2, 4: 8, 9: 4})], ids=["budget", "rows"])
+def test_a_trainers_position_in_a_scheduled_epoch_counts_steps(url, ramp):
+    """What the Lightning callback checks a resume against (`position`): steps, as ``len()`` and
+    the trainer count them, not the planned batches they take (the callback refused every resume
+    of a ramp before)."""
+    from shardtool.integrations.position import position
+
+    ld = _ranks(url, 1, seed=0, **ramp)[0]
+    n = len(ld)
+    it = iter(ld)
+    for k in range(1, 12):
+        next(it)
+        assert position(ld) == (0, k)
+    for _ in it:
+        pass
+    assert position(ld) == (1, 0) and n > 12
