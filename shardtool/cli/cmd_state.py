@@ -128,14 +128,35 @@ def _clock(args, state):
         raise ShardtoolError(f"--seq-len: {e}") from None
     if schedule is None:
         return None
-    unit = "max_tokens" if schedule.micro else "batch_size"
-    planned = ((state.about or {}).get("batching") or {}).get(unit)
-    if planned is not None and planned != schedule.base:
-        raise ShardtoolError(
-            f"{args.path}: the state was planned at {unit} {planned}, the schedule given plans at "
-            f"{schedule.base} ({schedule.describe()}): give the schedule its loader had"
-        )
+    batching = (state.about or {}).get("batching")
+    if batching:  # (a state saved without its description cannot be checked)
+        wrong = _misfit(batching, schedule)
+        if wrong is not None:
+            raise ShardtoolError(
+                f"{args.path}: the state was planned {wrong}, the schedule given ({schedule.describe()}) "
+                "would not have planned it: give the schedule its loader had"
+            )
     return StepClock(schedule, int(state.step))
+
+
+def _misfit(batching: dict, schedule) -> str | None:
+    """How the batching a state was planned with (its description) differs from what ``schedule``
+    plans, in words; None where they agree. A schedule of another kind or base counts other
+    planned batches as a step, and the skip would drop other steps' data than asked."""
+    from ..plan.schedule import RUN_STEPS
+
+    unit, other = ("max_tokens", "batch_size") if schedule.micro else ("batch_size", "max_tokens")
+    if batching.get(other) is not None or batching.get(unit) != schedule.base:
+        return ", ".join(f"{k}={batching[k]}" for k in ("batch_size", "max_tokens") if batching.get(k) is not None)
+    packed = (batching.get("packing") or {}).get("seq_len")
+    if schedule.row_len is not None and packed != schedule.row_len:
+        return f"with seq_len {packed}" if packed is not None else "without packed rows (no seq_len)"
+    runs = batching.get("run_batches")
+    if runs is not None and runs != schedule.run_batches:
+        return (
+            f"in runs of {runs} batches (a batch-size ramp whose largest size is {runs // RUN_STEPS * schedule.base})"
+        )
+    return None
 
 
 def _write(args, doc, edited: dict) -> str:

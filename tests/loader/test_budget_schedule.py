@@ -287,3 +287,29 @@ def test_a_trainers_position_in_a_scheduled_epoch_counts_steps(url, ramp):
     for _ in it:
         pass
     assert position(ld) == (1, 0) and n > 12
+
+
+@pytest.mark.timeout(300)
+def test_state_skip_refuses_a_schedule_that_did_not_plan_the_state(url, tmp_path):
+    """A schedule of another kind or another largest size counts other planned batches as a step:
+    `shardtool state skip` with it dropped step 6's data where steps 7..8 were asked."""
+    saved = {}
+    for name, kw in (("budget", dict(max_tokens={0: 4096, 5: 16384})), ("rows", dict(batch_size={0: 4, 5: 8}))):
+        ld = _ranks(url, 1, seed=0, **kw)[0]
+        it = iter(ld)
+        for _ in range(6):
+            next(it)
+        saved[name] = tmp_path / f"{name}.json"
+        saved[name].write_text(json.dumps(ld.state_dict()))
+    for name, flags, words in [
+        ("budget", ["--batch-size", "0:4,5:8"], "planned max_tokens=4096"),
+        ("budget", ["--seq-len", "0:512,5:2048", "--batch-size", "4"], "planned max_tokens=4096"),
+        ("rows", ["--max-tokens", "0:4096,5:16384"], "planned batch_size=4"),
+        ("rows", ["--batch-size", "0:4,5:12"], "in runs of 8 batches (a batch-size ramp whose largest size is 8)"),
+    ]:
+        out = shardtool_cli("state", "skip", str(saved[name]), "--steps", "7:9", *flags, "-o", str(tmp_path / "x.json"))
+        assert out.returncode == 1 and words in out.stderr, (flags, out.stderr)
+        assert not (tmp_path / "x.json").exists()
+    for name, flags in (("budget", ["--max-tokens", "0:4096,5:16384"]), ("rows", ["--batch-size", "0:4,5:8"])):
+        ok = shardtool_cli("state", "skip", str(saved[name]), "--steps", "7:9", *flags, "-o", str(tmp_path / "ok.json"))
+        assert ok.returncode == 0, ok.stderr
