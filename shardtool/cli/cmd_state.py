@@ -147,7 +147,9 @@ def _misfit(batching: dict, schedule) -> str | None:
 
     unit, other = ("max_tokens", "batch_size") if schedule.micro else ("batch_size", "max_tokens")
     if batching.get(other) is not None or batching.get(unit) != schedule.base:
-        return ", ".join(f"{k}={batching[k]}" for k in ("batch_size", "max_tokens") if batching.get(k) is not None)
+        return "at " + ", ".join(
+            f"{k} {batching[k]}" for k in ("batch_size", "max_tokens") if batching.get(k) is not None
+        )
     packed = (batching.get("packing") or {}).get("seq_len")
     if schedule.row_len is not None and packed != schedule.row_len:
         return f"with seq_len {packed}" if packed is not None else "without packed rows (no seq_len)"

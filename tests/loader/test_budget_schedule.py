@@ -302,9 +302,9 @@ def test_state_skip_refuses_a_schedule_that_did_not_plan_the_state(url, tmp_path
         saved[name] = tmp_path / f"{name}.json"
         saved[name].write_text(json.dumps(ld.state_dict()))
     for name, flags, words in [
-        ("budget", ["--batch-size", "0:4,5:8"], "planned max_tokens=4096"),
-        ("budget", ["--seq-len", "0:512,5:2048", "--batch-size", "4"], "planned max_tokens=4096"),
-        ("rows", ["--max-tokens", "0:4096,5:16384"], "planned batch_size=4"),
+        ("budget", ["--batch-size", "0:4,5:8"], "planned at max_tokens 4096"),
+        ("budget", ["--seq-len", "0:512,5:2048", "--batch-size", "4"], "planned at max_tokens 4096"),
+        ("rows", ["--max-tokens", "0:4096,5:16384"], "planned at batch_size 4"),
         ("rows", ["--batch-size", "0:4,5:12"], "in runs of 8 batches (a batch-size ramp whose largest size is 8)"),
     ]:
         out = shardtool_cli("state", "skip", str(saved[name]), "--steps", "7:9", *flags, "-o", str(tmp_path / "x.json"))
