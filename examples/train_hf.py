@@ -53,7 +53,15 @@ class RecordingTrainer(ShardedTrainer):
                 + "\n"
             )
             self._log.flush()
-        inputs = {k: inputs[k] for k in ("input_ids", "labels", "position_ids")}
+        # Ids of any corpus fold onto the tiny model's vocabulary (the README's corpus has ids up to
+        # 49,999), as the other examples do; -100 labels stay ignored.
+        vocab = self.model.config.vocab_size
+        labels = inputs["labels"]
+        inputs = {
+            "input_ids": inputs["input_ids"] % vocab,
+            "labels": torch.where(labels == -100, labels, labels % vocab),
+            "position_ids": inputs["position_ids"],
+        }
         return super().training_step(model, inputs, num_items_in_batch)
 
 

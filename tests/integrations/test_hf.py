@@ -341,3 +341,19 @@ def test_accelerate_prepare_passes_the_loader_through_and_save_load_state_restor
     rest += [_hash(b["input_ids"]) for b in loader]  # the next iter() is epoch 1
     loader.close()
     assert seen == whole[:n] and rest == whole[n - 3 :]
+
+
+@pytest.mark.timeout(180)
+def test_the_example_trains_on_the_readmes_corpus(tmp_path):
+    """The README's corpus (`shardtool.benchmarks.corpus`, token ids up to 49,999) with the example's
+    tiny vocabulary: ids fold onto it, as the other examples' do (an IndexError in the embedding before)."""
+    import shardtool
+    from shardtool.benchmarks import corpus
+
+    corpus.write_tokens(str(tmp_path / "raw"), 400, seed=0, jsonl=False)
+    root = str(tmp_path / "ds")
+    shardtool.pack(str(tmp_path / "raw" / "tokens.parquet"), root, length="tokens")
+    trainer = _trainer(_example(), root, tmp_path / "out", None, "--max-steps", "3")
+    trainer.train()
+    trainer.train_loader.close()
+    assert trainer.state.global_step == 3
