@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from ..format.errors import ShardtoolError
 from ._plan import batch_size_arg, max_tokens_arg, schedule_of, seq_len_arg
+from ._statefile import StateFile, read_state_file
 
 HELP = "show a saved loader state, or skip steps in it (after a loss spike) before resuming"
 DESCRIPTION = """\
@@ -21,8 +23,8 @@ the batches each rank had and served.
          of step B; the epoch has B - A fewer steps). Only steps not yet served can be skipped.
          A mixture's state: the run's steps (a mixture has no epochs), every source moving as far
          ahead; the run still ends at its steps=. A state of a loader with a schedule by step
-         (batch_size={...}, seq_len={...}): give the schedule, --batch-size 0:4,2000:8, as the
-         loader had it; the file does not hold it.
+         (batch_size={...}, seq_len={...}, max_tokens={...}): give the schedule, --batch-size
+         0:4,2000:8, as the loader had it; the file does not hold it.
          The file is replaced atomically (or written to -o OUT); every rank loads the same state.
 
 The loss-spike workflow: the spike at step N -> `shardtool trace --step N` (its documents) ->
@@ -33,6 +35,8 @@ examples:
   shardtool state skip ckpt/loader_state.json --steps 35:40
   shardtool state skip ckpt/trainer.json --key loader --steps 35:40 -o ckpt/trainer-skip.json
   shardtool state skip ckpt/loader_state.json --steps 35:40 --batch-size 0:4,2000:8
+  shardtool state show ckpt/latest.pt          # a torch checkpoint holding {"loader": loader.state_dict(), ...}
+  shardtool state skip ckpt/latest.pt --steps 35:40 -o ckpt/loader_state.json
 """
 
 
@@ -44,8 +48,17 @@ def add_arguments(p) -> None:
         choices=["show", "skip"],
         help="show the state (the default), or skip steps",
     )
-    p.add_argument("path", metavar="STATE", help="a JSON file holding the loader state")
-    p.add_argument("--key", help="the loader state is this key of the JSON object (default: the whole file)")
+    p.add_argument(
+        "path",
+        metavar="STATE",
+        help="a JSON file holding the loader state, or a torch checkpoint holding it (torch.save({..., "
+        '"loader": loader.state_dict()}), read with weights_only=True)',
+    )
+    p.add_argument(
+        "--key",
+        help="the loader state is this top-level key of the file (default: the whole file, or the one top-level "
+        "value that is a loader state)",
+    )
     p.add_argument("--steps", metavar="A:B", help="skip: the epoch's steps A to B-1 (steps as len(loader) counts)")
     p.add_argument("-o", "--output", metavar="OUT", help="skip: write the edited state here instead of STATE")
     p.add_argument("--json", action="store_true", help="show: print one JSON object")
@@ -68,21 +81,15 @@ def _steps(text: str | None) -> tuple[int, int]:
 def run(args) -> int:
     from ..plan.state import LoaderState, StateError
 
-    try:
-        with open(args.path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ShardtoolError(f"{args.path}: cannot read a JSON loader state ({e})") from None
-    raw = doc
-    if args.key is not None:
-        if not isinstance(doc, dict) or args.key not in doc:
-            raise ShardtoolError(f"{args.path}: no key {args.key!r} at the top of the JSON object")
-        raw = doc[args.key]
+    if args.path in ("show", "skip") and not os.path.exists(args.path):
+        raise ShardtoolError(f"give the state file: shardtool state {args.path} STATE")
+    found = read_state_file(args.path, args.key)
+    raw = found.state
     if isinstance(raw, dict) and raw.get("kind") == "mixture":
         edited_mixture = _mixture(args, raw)
         if edited_mixture is None:
             return 0
-        _write(args, doc, edited_mixture)
+        _write(args, found, edited_mixture)
         return 0
     try:
         state = LoaderState.from_dict(raw)
@@ -98,7 +105,7 @@ def run(args) -> int:
         edited = state.skipping(a, b).to_dict()
     except StateError as e:
         raise ShardtoolError(f"{args.path}: {e}") from None
-    out = _write(args, doc, edited)
+    out = _write(args, found, edited)
     sys.stdout.write(f"{out}: epoch {state.epoch}, steps {first}..{stop - 1} skipped ({stop - first} a rank)\n")
     return 0
 
@@ -161,12 +168,21 @@ def _misfit(batching: dict, schedule) -> str | None:
     return None
 
 
-def _write(args, doc, edited: dict) -> str:
-    """The edited state into the file (at ``--key``), replaced atomically, or to ``-o OUT``."""
+def _write(args, found: StateFile, edited: dict) -> str:
+    """The edited state into the file (where it was found), replaced atomically, or to ``-o OUT``;
+    from a torch checkpoint, only the state, as JSON to ``-o OUT`` (the checkpoint is not rewritten)."""
     from ..format.atomic import atomic_write_bytes
 
-    if args.key is not None:
-        doc[args.key] = edited
+    if not found.json:
+        if args.output is None:
+            raise ShardtoolError(
+                f"{args.path}: a torch checkpoint is not rewritten: give -o OUT.json for the edited loader state, "
+                "and load it with loader.load_state_dict(json.load(open(OUT.json)))"
+            )
+        doc = edited
+    elif found.key is not None:
+        doc = found.doc
+        doc[found.key] = edited
     else:
         doc = edited
     out = args.output or args.path

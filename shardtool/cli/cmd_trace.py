@@ -63,7 +63,10 @@ def add_arguments(p) -> None:
     add_batching_arguments(p)
     p.add_argument("--epoch", type=int, default=None, help="the epoch (default: the state's, else 0)")
     p.add_argument(
-        "--state", default=None, metavar="STATE.json", help="the loader state the run saved (loader.state_dict())"
+        "--state",
+        default=None,
+        metavar="STATE",
+        help="the loader state the run saved (loader.state_dict()): a JSON file, or a torch checkpoint holding it",
     )
     length = p.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, default=None, metavar="N", help="a mixture's length: steps")
@@ -138,10 +141,11 @@ def run(args) -> int:
         raise ShardtoolError(str(e)) from None
     try:
         if args.state:
+            from ._statefile import read_state_file
+
             try:
-                with open(args.state, encoding="utf-8") as f:
-                    ld.load_state_dict(json.load(f))
-            except (OSError, ValueError) as e:
+                ld.load_state_dict(read_state_file(args.state).state)
+            except ValueError as e:
                 raise ShardtoolError(f"--state {args.state}: {e}") from None
         try:
             if args.step is not None:

@@ -124,6 +124,44 @@ def test_state_skip_edits_a_saved_state_as_skip_steps_does(corpus, tmp_path):
     assert bad.returncode == 1 and "not yet served" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.timeout(300)
+def test_state_and_trace_read_the_state_inside_a_torch_checkpoint(corpus, tmp_path):
+    """The README's recipe saves the state inside a torch checkpoint (``torch.save({"model": ...,
+    "loader": loader.state_dict()})``, as examples/train_ddp.py does): `state show`, `state skip`
+    and `trace --state` read it there (``weights_only=True``), and never rewrite the checkpoint."""
+    import torch
+
+    (ld,) = _ranks(corpus, 1, batch_size=4, num_workers=0, seed=2)
+    it = iter(ld)
+    for _ in range(8):
+        next(it)
+    ckpt = tmp_path / "latest.pt"
+    torch.save({"model": {"w": torch.ones(3)}, "step": 8, "loader": ld.state_dict()}, ckpt)
+    before = ckpt.read_bytes()
+    shown = shardtool_cli("state", "show", str(ckpt), "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["steps_in_epoch"] == len(ld)
+    refused = shardtool_cli("state", "skip", str(ckpt), "--steps", "9:12")
+    assert refused.returncode == 1 and "-o OUT.json" in refused.stderr
+    out = tmp_path / "loader_state.json"
+    edited = shardtool_cli("state", "skip", str(ckpt), "--steps", "9:12", "-o", str(out))
+    assert edited.returncode == 0, edited.stderr
+    assert ckpt.read_bytes() == before  # the checkpoint is only read
+    (by_api,) = _ranks(corpus, 1, batch_size=4, num_workers=0, seed=2)
+    by_api.load_state_dict(ld.state_dict())
+    by_api.skip_steps(9, 12)
+    assert json.loads(out.read_text()) == by_api.state_dict()
+    traced = shardtool_cli("trace", corpus, "--batch-size", "4", "--seed", "2", "--state", str(ckpt), "--step", "8")
+    assert traced.returncode == 0, traced.stderr
+    assert f"{len(_keys(next(it)))} samples" in traced.stdout  # step 8: the batch the run served next
+    empty = shardtool_cli("state", "show")
+    assert empty.returncode != 0 and "give the state file" in empty.stderr
+    nothing = tmp_path / "weights.pt"
+    torch.save({"model": {"w": torch.ones(3)}}, nothing)
+    missing = shardtool_cli("state", "show", str(nothing))
+    assert missing.returncode == 1 and "no loader state at its top ('model')" in missing.stderr
+
+
 def test_skips_that_cannot_be_honoured_are_refused(corpus):
     (ld,) = _ranks(corpus, 1, batch_size=4, num_workers=0)
     with pytest.raises(ValueError, match="not yet served"):
