@@ -82,13 +82,17 @@ def traces(loader: Any, first: int, stop: int, *, epoch: int | None = None) -> l
 def _units_at(loader: Any, state: LoaderState, plan: Any, bounds: np.ndarray, clock: Any, step: int) -> list:
     """The samples (packed: pieces) of the epoch's ``step``, which takes the current segment's
     delivered batches ``bounds[0] .. bounds[1] - 1`` of ``plan`` (a schedule's step joins several;
-    positions past any steps skipped); a sequence-length schedule's rows cut, as served."""
+    positions past any steps skipped); a sequence-length schedule's rows cut, as served; under a
+    token-budget ramp each names its ``micro_batch`` in the step's list."""
     at = [state.last.position_of(k) for k in range(int(bounds[0]), int(bounds[1]))]
     seq_len = clock.schedule.seq_len_at(clock.first_step + step) if clock is not None else None
     if seq_len is not None and plan.rows is not None:
         rows = Rows.concat([plan.batch_rows(p) for p in at], plan.rows.seq_len)
         return pieces_of(loader.reader, loader.dataset, cut_rows(rows, seq_len))
-    return units_across((loader.reader, loader.dataset, plan, p, p + 1, {}) for p in at)
+    micro = clock is not None and clock.schedule.micro  # a budget ramp's step: which micro-batch
+    return units_across(
+        (loader.reader, loader.dataset, plan, p, p + 1, {"micro_batch": i} if micro else {}) for i, p in enumerate(at)
+    )
 
 
 def _segment_steps(loader: Any, state: LoaderState, epoch: int | None) -> tuple[int, np.ndarray]:

@@ -164,13 +164,19 @@ def require_size(args, mixture: bool = False) -> None:
 def take_mixture_batching(args, mixture) -> None:
     """A mixture file's ``batch_size``, ``seq_len`` and ``max_tokens`` into ``args`` where the
     command line gives none; ValueError where both give one and they differ."""
-    from ..plan.schedule import parse_schedule
+    from ..plan.schedule import Schedule, budget_schedule, parse_schedule
 
-    got = mixture.batching_args(batch_size=args.batch_size, seq_len=args.seq_len, max_tokens=args.max_tokens)
+    def given(value):  # a schedule as the loader takes it ({first step: size}), so messages read alike
+        return dict(value.changes) if isinstance(value, Schedule) else value
+
+    got = mixture.batching_args(
+        batch_size=given(args.batch_size), seq_len=given(args.seq_len), max_tokens=given(args.max_tokens)
+    )
     for name in ("batch_size", "seq_len"):
         value = got[name]
         setattr(args, name, parse_schedule(name, value) if isinstance(value, dict) else value)
-    args.max_tokens = got["max_tokens"]
+    budget = got["max_tokens"]
+    args.max_tokens = budget_schedule(budget) if isinstance(budget, dict) else budget
     require_size(args, mixture=True)
 
 

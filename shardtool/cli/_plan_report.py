@@ -150,8 +150,9 @@ def _print_schedule(report: dict, out) -> None:
         longest = max(n for _, n in report["seq_len_changes"])
         out(
             f"schedule      rows by step {', '.join(f'{s}: {n}' for s, n in report['changes'])}; seq_len by step "
-            f"{', '.join(f'{s}: {n}' for s, n in report['seq_len_changes'])}; planned at {report['base']} rows of "
-            f"{longest:,} a batch, a step takes its rows' tokens in them, cut to its seq_len\n"
+            f"{', '.join(f'{s}: {n}' for s, n in report['seq_len_changes'])}; planned in batches of {report['base']} "
+            f"row{'' if report['base'] == 1 else 's'} of {longest:,} tokens, a step takes its rows' tokens in them, "
+            "cut to its seq_len\n"
         )
     elif report.get("unit") == "max_tokens":
         out(

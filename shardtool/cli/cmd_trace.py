@@ -75,7 +75,8 @@ def add_arguments(p) -> None:
         "--dump",
         metavar="DIR",
         help="with --step: write the step(s) as the loader delivers them to DIR (reads the samples): "
-        "step-N.rank-R.npz (the batch's arrays) and .json (the trace and the batch's keys)",
+        "step-00000002.rank-1.npz (the batch's arrays; step and rank as numbers, the step 8 digits) and "
+        ".json (the trace and the batch's keys)",
     )
     p.add_argument(
         "--source", metavar="NAME", help="a mixture's source the --key or --sample is of (default: every source)"
@@ -247,6 +248,7 @@ def _print(got: dict, packed: bool) -> None:
     what = "pieces" if packed else "samples"
     print(f"{when}step {got['step']}, rank {got['rank']} (DP rank {got['dp_rank']}): {len(samples)} {what}")
     fields = ["row"] if packed else []
+    fields += ["micro_batch"] if samples and "micro_batch" in samples[0] else []  # a token-budget ramp's step
     fields += ["source"] if samples and "source" in samples[0] else []
     fields += ["key", "shard", "index", "sample"] + (["offset", "length"] if packed else ["length"])
     fields += ["valid"] if samples and "valid" in samples[0] else []  # exact: padding stands in, not valid

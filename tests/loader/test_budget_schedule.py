@@ -153,8 +153,9 @@ def test_trace_and_plan_answer_for_a_budget_ramps_steps(url, tmp_path):
     ld = _ranks(url, 1, max_tokens=RAMP, seed=2)[0]
     steps = [_keys(s) for s in ld]
     ld = _ranks(url, 1, max_tokens=RAMP, seed=2)[0]
-    for t in (0, 5, 9):  # the step's samples: those of its micro-batches, in order
-        assert [s["key"] for s in trace(ld, t)["samples"]] == [k for mb in steps[t] for k in mb]
+    for t in (0, 5, 9):  # the step's samples: those of its micro-batches, in order, each naming its micro-batch
+        got = trace(ld, t)["samples"]
+        assert [(s["micro_batch"], s["key"]) for s in got] == [(i, k) for i, mb in enumerate(steps[t]) for k in mb]
     text = shardtool_cli("plan", url, "--max-tokens", "0:4096,4:16384,9:8192", "--seed", "2")
     assert text.returncode == 0, text.stderr
     assert "max_tokens by step 0: 4096, 4: 16384, 9: 8192" in text.stdout
