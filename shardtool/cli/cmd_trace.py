@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from typing import Any
 
 from ..format.errors import ShardtoolError
@@ -85,7 +86,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..loader import ShardedLoader
     from ..loader.trace import dump, find, sample_of, traces
     from ..plan.mixture import Mixture, is_mixture_file
 
@@ -127,17 +127,11 @@ def run(args) -> int:
     if source is not args.url:
         kw.update(steps=args.steps, tokens=args.tokens)
     try:
-        ld = ShardedLoader(
-            source,
-            rank=args.rank,
-            world_size=args.nodes * args.ranks_per_node,
-            ranks_per_node=args.ranks_per_node,
-            num_workers=0,
-            metrics=False,
-            stall_timeout=None,
-            storage_options=storage_options_from(args),
-            **kw,
-        )
+        with warnings.catch_warnings():
+            # The loader's note that packed batches leave out a dataset's non-token fields names a
+            # keyword (token_fields) this command does not take; the trace lists every sample anyway.
+            warnings.filterwarnings("ignore", message="packed batches carry the tokens", category=UserWarning)
+            ld = _loader(source, args, kw)
     except ValueError as e:
         raise ShardtoolError(str(e)) from None
     try:
@@ -258,3 +252,19 @@ def _print(got: dict, packed: bool) -> None:
     print("  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+
+
+def _loader(source, args, kw: dict):
+    from ..loader import ShardedLoader
+
+    return ShardedLoader(
+        source,
+        rank=args.rank,
+        world_size=args.nodes * args.ranks_per_node,
+        ranks_per_node=args.ranks_per_node,
+        num_workers=0,
+        metrics=False,
+        stall_timeout=None,
+        storage_options=storage_options_from(args),
+        **kw,
+    )

@@ -154,6 +154,9 @@ def test_state_and_trace_read_the_state_inside_a_torch_checkpoint(corpus, tmp_pa
     traced = shardtool_cli("trace", corpus, "--batch-size", "4", "--seed", "2", "--state", str(ckpt), "--step", "8")
     assert traced.returncode == 0, traced.stderr
     assert f"{len(_keys(next(it)))} samples" in traced.stdout  # step 8: the batch the run served next
+    # The corpus has a path field: trace of packed rows does not tell the user of a keyword it has not.
+    packed = shardtool_cli("trace", corpus, "--batch-size", "2", "--seq-len", "256", "--step", "0")
+    assert packed.returncode == 0 and "token_fields" not in packed.stderr, packed.stderr
     empty = shardtool_cli("state", "show")
     assert empty.returncode != 0 and "give the state file" in empty.stderr
     nothing = tmp_path / "weights.pt"
