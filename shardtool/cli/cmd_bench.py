@@ -31,7 +31,7 @@ Streaming), litdata and energon (Megatron-Energon), when their packages import (
 benchmarks/setup_peers.sh), each read a copy of the shards their own writer made before the runs,
 untimed (MDSWriter, litdata.optimize, energon prepare), kept in --peer-dir and reused.
 
-  shardtool bench DATASET --ranks 2 --workers 0,2 --max-tokens 65536 --step-ms 50 \
+  shardtool bench DATASET --ranks 2 --workers 0,2 --max-tokens 65536 --step-ms 50 \\
       --compare webdataset,streaming,litdata,energon --peer-dir /tmp/peer-copies
 """
 
