@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from ..format.errors import ShardtoolError
 from ..format.sizes import format_size
 
 HELP = "merge the loader's per-rank metric files (JSONL) of every node into one table"
@@ -23,7 +24,7 @@ With lines of several runs, the newest run is shown unless --run names another.
 
 
 def add_arguments(p) -> None:
-    p.add_argument("paths", nargs="+", help="metric directories (searched recursively for *.jsonl) or files")
+    p.add_argument("paths", nargs="*", help="metric directories (searched recursively for *.jsonl) or files")
     p.add_argument("--run", default=None, help="the run id to show (default: the newest run found)")
     p.add_argument("--top", type=int, default=3, help="how many of the slowest ranks to name (default 3)")
     p.add_argument(
@@ -135,8 +136,16 @@ def format_summary(run: str, s: dict) -> str:
 
 
 def run(args) -> int:
+    import os
+
     from ..loader.observability import stats
 
+    if not args.paths and args.json_path not in (None, "-") and os.path.isdir(args.json_path):
+        # `stats --json DIR`: --json takes an optional file, so it took the directory; a directory
+        # is never the JSON file to write, so it is what the user meant to read.
+        args.paths, args.json_path = [args.json_path], "-"
+    if not args.paths:
+        raise ShardtoolError("give the metric directories or files to read (shardtool stats DIR [--json [FILE]])")
     try:
         files = stats.metric_files(args.paths)
         lines, bad = stats.read_lines(files)

@@ -5,6 +5,7 @@ one process's training and evaluation loaders stay one launch."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -63,3 +64,10 @@ def test_two_launches_on_one_rendezvous_are_two_runs(tmp_path):
     assert cp.returncode == 0 and "run master-127.0.0.1-29533#2: 2 rank(s)" in cp.stdout, cp.stderr
     assert "master-127.0.0.1-29533#1; pick one with --run" in cp.stderr
     assert os.path.isdir(metrics)
+    # `--json DIR` (the option before the directory): --json takes an optional file, and took the
+    # directory as the file to write; a directory is what to read.
+    as_json = shardtool_cli("stats", "--json", metrics)
+    assert as_json.returncode == 0, as_json.stderr
+    assert json.loads(as_json.stdout)["run"] == "master-127.0.0.1-29533#2"
+    none = shardtool_cli("stats")
+    assert none.returncode != 0 and "give the metric directories" in none.stderr
