@@ -5,9 +5,11 @@
 #   bash benchmarks/setup_peers.sh [VENV]        # default VENV: .venv-peers in the checkout
 #   PYTHONPATH=$PWD VENV/bin/python -m benchmarks.loader_throughput ...
 #
-# - `--system-site-packages`: the venv sees the main environment's torch and shardtool's own
-#   dependencies, so both sides of every comparison run on the same torch build; torch is pinned
-#   (a constraint) to the version already installed, so no peer's requirement replaces it.
+# - The venv sees the main environment's packages (PYTHON's: a venv's own, not its base
+#   interpreter's, which `--system-site-packages` would give), through a .pth file that adds its
+#   site-packages after the venv's own: both sides of every comparison run on the same torch build
+#   and shardtool's own dependencies; torch is pinned (a constraint) to the version already
+#   installed, so no peer's requirement replaces it.
 # - mosaicml-streaming 0.13 pins numpy<2.2 and transformers<5: the venv gets its own numpy
 #   (2.1.x) and transformers, shadowing the main environment's for both sides alike.
 # - torchvision is removed again after the install: the peers require it, but the only wheels on
@@ -20,7 +22,12 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${1:-$root/.venv-peers}
 PY=${PYTHON:-python3}
-"$PY" -m venv --system-site-packages "$venv"
+"$PY" -m venv "$venv"
+sites=$("$PY" -c "import sys; print(repr([p for p in sys.path if p.rstrip('/').endswith(('site-packages', 'dist-packages'))]))")
+purelib=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+# addsitedir, not a bare path: the main environment's own .pth files (editable installs) apply too.
+# (map, not a comprehension: a .pth line runs in a scope a comprehension cannot see `site` from)
+echo "import site; list(map(site.addsitedir, $sites))" > "$purelib/_shardtool_main_env.pth"
 cons=$(mktemp)
 trap 'rm -f "$cons"' EXIT
 "$PY" -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > "$cons"
