@@ -10,6 +10,7 @@ handed over moves), ``_obs``, ``_staging`` and the worker options.
 from __future__ import annotations
 
 import atexit
+import numbers
 import time
 import weakref
 from collections.abc import Iterator
@@ -139,6 +140,9 @@ class PassRunner:
         source = self.batch_source
         if source.served < 1:
             raise ValueError("report_step_time: no batch has been handed over yet")
+        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 <= seconds < float("inf"):
+            # A NaN would make every rank's step sum NaN and stats report no time lost at all.
+            raise ValueError(f"report_step_time: seconds must be a finite number >= 0, found {seconds!r}")
         self._obs.step_time(source.metric_epoch, source.served - 1, seconds)
 
     @property

@@ -207,6 +207,8 @@ def step_balance_of(lines: list[dict]) -> dict:
                 cell[0] += float(c)
                 cell[1] += 1
         for e, b, t in line.get("step_times", []):
+            if not 0 <= float(t) < float("inf"):  # (NaN too) a file from before report_step_time refused it
+                continue  # the step is left out: a NaN sum would read as no time lost
             cell = times[(int(e), int(b) // micro)][r]
             cell[0] += float(t)
             cell[1] += 1

@@ -153,3 +153,28 @@ def test_report_step_time_before_any_batch_is_refused(stdlib_root):
     (ld,) = _loaders(stdlib_root, 1, metrics=False)
     with pytest.raises(ValueError, match="no batch"):
         ld.report_step_time(0.1)
+
+
+def test_report_step_time_refuses_what_is_not_a_time_and_stats_skips_it(stdlib_root):
+    """A NaN step time made every rank's step sum NaN, and stats printed "step time lost 0.00%"
+    for a run where one rank took twice as long as the other."""
+    from shardtool.loader.observability.stats import step_balance_of
+
+    (ld,) = _loaders(stdlib_root, 1, metrics=False)
+    next(iter(ld))
+    for bad in (float("nan"), -1.0, float("inf"), True, "0.1"):
+        with pytest.raises(ValueError, match="finite number >= 0"):
+            ld.report_step_time(bad)
+    ld.report_step_time(np.float32(0.25))  # any real number type
+    ld.close()
+    # Lines of an older run holding a NaN: its step is left out, the others still count.
+    lines = [
+        {
+            "rank": r,
+            "world_size": 2,
+            "step_times": [[0, s, (float("nan") if (r, s) == (1, 3) else 1.0 + r)] for s in range(6)],
+        }
+        for r in range(2)
+    ]
+    got = step_balance_of(lines)["step_time"]
+    assert got is not None and got["time_lost"] == pytest.approx(1 - 1.5 / 2)  # rank 1 twice rank 0
