@@ -262,7 +262,11 @@ class DatasetEpochs:
             )
         try:
             st = LoaderState.from_dict(state, batching=self.batching)
+            saved_with = st.batching_fingerprint
             st = check_compatible(st, self.fingerprint, self.batching, self._about())
+            if saved_with != st.batching_fingerprint:  # accepted only at an epoch's start
+                why = f"saved with another batching config at the start of epoch {st.epoch}"
+                log.warning("%s: loader state %s: it is planned with this one, %s", self.spec.url, why, self._about())
             self.planner.check(st)
             resumed = self.planner.continue_on(st, self.reading.data_layout)
             plan = self.planner.rank_plan(resumed, self.reading.dp_rank)

@@ -354,7 +354,8 @@ def check_compatible(
     A state of this dataset saved before its ranges were cut by sample count
     (`shardtool.plan.about.ranges_changed`) is returned as the start of its epoch under the new
     cut where nothing of the epoch was served or skipped (saved at an epoch's end, or before its
-    first batch): it holds no position in the old plan, only which epoch (and step) comes next."""
+    first batch): it holds no position in the old plan, only which epoch (and step) comes next. So
+    is one saved with another batching config: a position inside an epoch is refused, naming both."""
     expected = about or {"batching": batching.describe()}
     untouched = not state.served and not any(s.skipped for s in state.segments)
     if untouched and _about.ranges_changed(state.dataset_fingerprint, dataset_fingerprint) is not None:
@@ -364,6 +365,12 @@ def check_compatible(
     if state.dataset_fingerprint != dataset_fingerprint:
         raise StateError(_about.dataset_mismatch(state.about, state.dataset_fingerprint, expected, dataset_fingerprint))
     if state.batching_fingerprint != batching.fingerprint():
+        if untouched:
+            # Likewise for another batching (a cost model calibrated, a batch size changed between
+            # epochs): the epoch starts under this one, as set_epoch on a fresh loader would.
+            return LoaderState(
+                state.epoch, state.dataset_fingerprint, batching.fingerprint(), [], state.version, state.about, state.step
+            )
         raise StateError(
             _about.batching_mismatch(state.about, state.batching_fingerprint, expected, batching.fingerprint())
         )

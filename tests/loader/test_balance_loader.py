@@ -108,12 +108,15 @@ def test_a_balanced_run_resumes_exactly_and_elastically(stdlib_root, cut, new_wo
 
 
 def test_a_state_of_a_balanced_loader_is_refused_by_a_plain_one_and_back(stdlib_root):
+    # Inside an epoch (at an epoch's start the epoch is planned anew: see the calibrated test).
     (balanced,) = _loaders(stdlib_root, 1)
     (plain,) = _loaders(stdlib_root, 1, cost_model=None)
+    next(iter(balanced))
+    next(iter(plain))
     with pytest.raises(LoaderStateError, match="balance"):
-        plain.load_state_dict(balanced.state_dict())
+        _loaders(stdlib_root, 1, cost_model=None)[0].load_state_dict(balanced.state_dict())
     with pytest.raises(LoaderStateError, match="batching"):
-        balanced.load_state_dict(plain.state_dict())
+        _loaders(stdlib_root, 1)[0].load_state_dict(plain.state_dict())
 
 
 @pytest.mark.timeout(300)
@@ -178,3 +181,32 @@ def test_report_step_time_refuses_what_is_not_a_time_and_stats_skips_it(stdlib_r
     ]
     got = step_balance_of(lines)["step_time"]
     assert got is not None and got["time_lost"] == pytest.approx(1 - 1.5 / 2)  # rank 1 twice rank 0
+
+
+def test_a_state_at_an_epochs_start_loads_under_a_calibrated_cost_model(stdlib_root, caplog):
+    """Start on a preset, calibrate (a, b), switch at an epoch boundary: the state saved at the
+    epoch's end was refused ("start without loading it", which replays from epoch 0). It holds no
+    position in the old plan, so the next epoch starts under the new model, with a warning; a state
+    inside an epoch is still refused."""
+    import logging
+
+    from shardtool.loader import LoaderStateError
+
+    (ld,) = _loaders(stdlib_root, 1)
+    it = iter(ld)
+    next(it)
+    inside = ld.state_dict()
+    for _ in it:
+        pass
+    at_end = ld.state_dict()  # the start of epoch 1
+    calibrated = {"a": 1.0, "b": 2.1e-5}
+    (resumed,) = _loaders(stdlib_root, 1, cost_model=calibrated)
+    with caplog.at_level(logging.WARNING, logger="shardtool.loader.epochs"):
+        resumed.load_state_dict(at_end)
+    assert resumed.epoch == 1 and "another batching config at the start of epoch 1" in caplog.text
+    (fresh,) = _loaders(stdlib_root, 1, cost_model=calibrated)
+    fresh.set_epoch(1)
+    assert _epoch([resumed]) == _epoch([fresh])
+    (again,) = _loaders(stdlib_root, 1, cost_model=calibrated)
+    with pytest.raises(LoaderStateError, match="differing: balance"):
+        again.load_state_dict(inside)

@@ -251,8 +251,13 @@ def test_state_from_another_dataset_or_batching_is_refused(tmp_path):
     sd = ld.state_dict()
     with pytest.raises(LoaderStateError, match="another dataset"):
         ShardedLoader(other, batch_size=4, num_workers=0).load_state_dict(sd)
-    with pytest.raises(LoaderStateError, match="batching"):
-        ShardedLoader(root, batch_size=5, num_workers=0).load_state_dict(sd)
+    it = iter(ld)
+    next(it)
+    with pytest.raises(LoaderStateError, match="batching"):  # a position inside an epoch
+        ShardedLoader(root, batch_size=5, num_workers=0).load_state_dict(ld.state_dict())
+    at_start = ShardedLoader(root, batch_size=5, num_workers=0)  # an epoch's start: planned with this batching
+    at_start.load_state_dict(sd)
+    assert at_start.epoch == 0 and len(at_start) == len(ShardedLoader(root, batch_size=5, num_workers=0))
     with pytest.raises(LoaderStateError):
         ShardedLoader(root, batch_size=4, num_workers=0).load_state_dict({"epoch": 1})
 

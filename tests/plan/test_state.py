@@ -178,7 +178,11 @@ def test_incompatible_states_are_refused_with_found_and_expected():
         match=r"another batching config: found batching fingerprint '\w+' \(.*names no "
         r"settings\), expected \{max_tokens: 8192, shuffle: true, seed: 0",
     ):
-        check_compatible(state, DATASET, Batching(max_tokens=8192))
+        check_compatible(state.with_served(1), DATASET, Batching(max_tokens=8192))  # a position inside the epoch
+    # At an epoch's start it holds no position in the old plan: the epoch starts under the new batching.
+    other = Batching(max_tokens=8192)
+    moved = check_compatible(planner.start(3, DATASET, DataLayout.pure_dp(Layout(1, 1))), DATASET, other)
+    assert moved.epoch == 3 and moved.batching_fingerprint == other.fingerprint() and moved.served == 0
     bad = {**state.to_dict(), "version": 3}
     with pytest.raises(ValueError, match=r"version: found 3, expected 2"):
         LoaderState.from_dict(bad)
