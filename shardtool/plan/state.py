@@ -369,7 +369,13 @@ def check_compatible(
             # Likewise for another batching (a cost model calibrated, a batch size changed between
             # epochs): the epoch starts under this one, as set_epoch on a fresh loader would.
             return LoaderState(
-                state.epoch, state.dataset_fingerprint, batching.fingerprint(), [], state.version, state.about, state.step
+                state.epoch,
+                state.dataset_fingerprint,
+                batching.fingerprint(),
+                [],
+                state.version,
+                state.about,
+                state.step,
             )
         raise StateError(
             _about.batching_mismatch(state.about, state.batching_fingerprint, expected, batching.fingerprint())
