@@ -252,9 +252,9 @@ def batching_of(args, source=None):
         seed=args.seed,
         packing=packing,
         drop_last={"auto": None, "yes": True, "no": False}[args.drop_last],
-        balance=CostModel.parse(spec) if spec else None,
-        balance_window=getattr(args, "balance_window", None) if spec else None,
-        micro_batches=getattr(args, "micro_batches", None) if spec else None,
+        balance=CostModel.parse(spec) if spec is not None else None,
+        balance_window=getattr(args, "balance_window", None) if spec is not None else None,
+        micro_batches=getattr(args, "micro_batches", None) if spec is not None else None,
         shuffle_block=getattr(args, "shuffle_block", None),
         exact=bool(getattr(args, "exact", False)),
     )

@@ -136,7 +136,7 @@ def run(args) -> int:
     from ..plan.synthetic import SyntheticSource
 
     try:
-        cost = CostModel.parse(args.cost_model) if args.cost_model else None
+        cost = CostModel.parse(args.cost_model) if args.cost_model is not None else None
     except ValueError as e:
         raise ShardtoolError(f"--cost-model: {e}") from None
     for flag, value in (("--balance-window", args.balance_window), ("--micro-batches", args.micro_batches)):

@@ -84,14 +84,13 @@ class CostModel:
             spec = _pairs(spec)
         if not isinstance(spec, Mapping):
             raise ValueError(f"a cost model is a preset name, a model shape or a and b; found {spec!r}")
+        spec = {str(k).strip().lower(): v for k, v in spec.items()}  # as the command line's pairs
         keys = set(spec)
-        try:
-            if keys == {"a", "b"}:
-                return cls(float(spec["a"]), float(spec["b"]))
-            if keys == {"params", "layers", "hidden"}:
-                return cls.from_shape(float(spec["params"]), int(spec["layers"]), int(spec["hidden"]))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"cost model {dict(spec)!r}: {e}") from None
+        if keys == {"a", "b"}:
+            return cls(_number(spec, "a"), _number(spec, "b"))
+        if keys == {"params", "layers", "hidden"}:
+            whole = {k: _number(spec, k, whole=k != "params") for k in ("params", "layers", "hidden")}
+            return cls.from_shape(whole["params"], whole["layers"], whole["hidden"])
         raise ValueError(
             f"cost model {dict(spec)!r}: give params, layers and hidden (a model shape), or a and b "
             f"(measured), or one of the presets {sorted(PRESETS)}"
@@ -99,6 +98,22 @@ class CostModel:
 
     def describe(self) -> str:
         return f"{self.a:.4g} x tokens + {self.b:.4g} x sum(piece length^2)"
+
+
+def _number(spec: Mapping[str, Any], name: str, *, whole: bool = False) -> float:
+    """``spec[name]`` as a number (a string of one too, from the command line): ValueError naming
+    the spec and the value as given; ``whole``: a whole number (layers, hidden), never truncated."""
+    value = spec[name]
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value)
+        if whole and not number.is_integer():
+            raise ValueError
+    except (TypeError, ValueError):
+        kind = "a whole number" if whole else "a number"
+        raise ValueError(f"cost model {dict(spec)!r}: {name} must be {kind}, found {value!r}") from None
+    return number
 
 
 def _pairs(text: str) -> dict[str, str]:

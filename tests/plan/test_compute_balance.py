@@ -50,6 +50,15 @@ def test_a_cost_model_comes_from_a_model_shape_a_preset_or_measured_coefficients
         CostModel.parse("a=1")
     with pytest.raises(ValueError, match=">= 0"):
         CostModel(-1.0, 0.0)
+    # A dict reads as the command line does: keys in any case, numbers as given, never truncated.
+    assert CostModel.parse({"A": 2.5, "B": "1e-3"}) == CostModel(2.5, 0.001)
+    for spec, words in [
+        ({"params": 7e9, "layers": 32.5, "hidden": 4096}, "layers must be a whole number, found 32.5"),
+        ("params=7e9,layers=32,hidden=4096.7", "hidden must be a whole number, found '4096.7'"),
+        ({"a": True, "b": 1.0}, "a must be a number, found True"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            CostModel.parse(spec)
 
 
 def test_step_balance_is_the_slowest_rank_against_the_mean():
