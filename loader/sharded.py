@@ -52,6 +52,10 @@ class ShardedLoader(PassRunner, SourceViews):
         dp_rank, dp_size, mesh, dp_dim: Who is data-parallel under TP/PP/CP: a torch DeviceMesh (or
             `shardtool.plan.Mesh`) and its DP dimension name(s), or the DP size and rank. Ranks of
             one DP rank get byte-identical batches.
+        nodes_per_group: Nodes that read one range together (a data group): each caches all of it
+            (that many times the disk), and a cost model balances steps across all their ranks,
+            where single nodes' ranges differ by what they hold (docs/sequence-packing.md). Give
+            `shardtool warm` and the prolog the same. Default 1: a node reads its own range.
         seq_len: Pack documents into rows of exactly this many tokens (sequence packing); or a
             warmup by step, ``{0: 2048, 50000: 8192}`` (shorter rows are cut from the longest's
             plan; docs/run-changes.md).
@@ -117,6 +121,7 @@ class ShardedLoader(PassRunner, SourceViews):
         dp_size: int | None = None,
         mesh: Any = None,
         dp_dim: str | tuple[str, ...] = "dp",
+        nodes_per_group: int = 1,
         seq_len: int | Mapping[int, int] | None = None,
         packing: str = "best-fit",
         eos_id: int | None = None,
@@ -184,7 +189,12 @@ class ShardedLoader(PassRunner, SourceViews):
             raise RuntimeError("shardtool internal error: rank_placement always places a rank (0 of 1 by default)")
         self.rank, self.layout = self.placement.rank, self.placement.layout
         self.data_layout, self.dp_rank = data_parallel(
-            self.placement, dp_rank=dp_rank, dp_size=dp_size, mesh=as_mesh(mesh), dp_dims=_dp_dims(dp_dim)
+            self.placement,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            mesh=as_mesh(mesh),
+            dp_dims=_dp_dims(dp_dim),
+            nodes_per_group=nodes_per_group,
         )
         self.num_workers, self.prefetch_factor = work.num_workers, work.prefetch_factor
         self.pin_memory, self.timeout = work.pin_memory, work.timeout

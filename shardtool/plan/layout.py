@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DataLayout", "Layout", "Placement", "require_positive_int"]
+__all__ = ["DataLayout", "Layout", "Placement", "node_blocks", "require_positive_int"]
 
 
 def require_positive_int(name: str, value: Any) -> int:
@@ -22,6 +22,18 @@ def require_positive_int(name: str, value: Any) -> int:
     if value < 1:
         raise ValueError(f"{name} must be >= 1, found {value}")
     return value
+
+
+def node_blocks(num_nodes: int, nodes_per_group: int = 1) -> tuple[tuple[int, ...], ...]:
+    """The nodes of each data group when groups span ``nodes_per_group`` consecutive nodes (the
+    last block shorter when it does not divide; more than ``num_nodes``: one group of all).
+
+    One node a group is the default: each node caches its own ranks' range. A group of k nodes
+    reads one range that its k nodes each cache whole (k times the disk), and its steps can then be
+    balanced by cost across all its ranks, where ranges of single nodes differ by what they hold
+    (docs/sequence-packing.md)."""
+    k = min(require_positive_int("nodes_per_group", nodes_per_group), num_nodes)
+    return tuple(tuple(range(first, min(first + k, num_nodes))) for first in range(0, num_nodes, k))
 
 
 @dataclass(frozen=True)
@@ -120,11 +132,11 @@ class DataLayout:
             raise ValueError("group_nodes must name the nodes of every group")
 
     @classmethod
-    def pure_dp(cls, layout: Layout) -> DataLayout:
-        """DDP/FSDP: every rank is its own DP rank, and each node's ranks form one group."""
-        return cls(
-            layout.world_size, (layout.ranks_per_node,) * layout.num_nodes, tuple((n,) for n in range(layout.num_nodes))
-        )
+    def pure_dp(cls, layout: Layout, nodes_per_group: int = 1) -> DataLayout:
+        """DDP/FSDP: every rank is its own DP rank, and each node's ranks form one group; or the
+        ranks of each ``nodes_per_group`` consecutive nodes (`node_blocks`)."""
+        blocks = node_blocks(layout.num_nodes, nodes_per_group)
+        return cls(layout.world_size, tuple(layout.ranks_per_node * len(b) for b in blocks), blocks)
 
     @property
     def num_groups(self) -> int:
@@ -163,4 +175,8 @@ class DataLayout:
     def describe(self) -> str:
         sizes = sorted(set(self.group_sizes))
         per = f"{sizes[0]}" if len(sizes) == 1 else "/".join(map(str, sizes))
-        return f"{self.dp_size} data-parallel rank(s) in {self.num_groups} data group(s) of {per}"
+        text = f"{self.dp_size} data-parallel rank(s) in {self.num_groups} data group(s) of {per}"
+        spans = sorted({len(nodes) for nodes in self.group_nodes if len(nodes) > 1})
+        if spans:  # each of those nodes caches the group's whole range
+            text += f", groups spanning {'/'.join(map(str, spans))} nodes"
+        return text

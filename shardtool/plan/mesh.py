@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .env import LayoutError
-from .layout import DataLayout, Layout, Placement
+from .layout import DataLayout, Layout, Placement, node_blocks
 
 __all__ = ["Mesh", "as_mesh", "data_layout", "data_parallel", "parse_mesh"]
 
@@ -96,8 +96,11 @@ def _dp_index(mesh: Mesh, dp_dims: Sequence[str]) -> np.ndarray:
     return out
 
 
-def data_layout(mesh: Mesh, dp_dims: Sequence[str], layout: Layout) -> tuple[DataLayout, np.ndarray]:
-    """(DataLayout, dp_index per global rank) for a mesh laid over ``layout``'s nodes."""
+def data_layout(
+    mesh: Mesh, dp_dims: Sequence[str], layout: Layout, nodes_per_group: int = 1
+) -> tuple[DataLayout, np.ndarray]:
+    """(DataLayout, dp_index per global rank) for a mesh laid over ``layout``'s nodes; with
+    ``nodes_per_group`` k, replicas on nodes of one block of k (`node_blocks`) join their groups."""
     if mesh.ranks.size != layout.world_size:
         raise LayoutError(
             f"the mesh {mesh.describe()} has {mesh.ranks.size} ranks, the job {layout.world_size} ({layout.describe()})"
@@ -105,7 +108,10 @@ def data_layout(mesh: Mesh, dp_dims: Sequence[str], layout: Layout) -> tuple[Dat
     dp = _dp_index(mesh, dp_dims)
     dp_size = int(dp.max()) + 1
     node = np.arange(layout.world_size) // layout.ranks_per_node
-    # Union-find over DP ranks: two DP ranks are one group when their replicas share a node.
+    block = np.empty(layout.num_nodes, dtype=np.int64)
+    for b, block_nodes in enumerate(node_blocks(layout.num_nodes, nodes_per_group)):
+        block[list(block_nodes)] = b
+    # Union-find over DP ranks: two DP ranks are one group when their replicas share a node (a block).
     parent = list(range(dp_size))
 
     def root(a: int) -> int:
@@ -115,7 +121,7 @@ def data_layout(mesh: Mesh, dp_dims: Sequence[str], layout: Layout) -> tuple[Dat
         return a
 
     first_on_node: dict[int, int] = {}
-    for d, n in zip(dp.tolist(), node.tolist()):
+    for d, n in zip(dp.tolist(), block[node].tolist()):
         other = first_on_node.setdefault(n, d)
         ra, rb = root(d), root(other)
         if ra != rb:
@@ -149,17 +155,21 @@ def data_parallel(
     dp_size: int | None = None,
     mesh: Mesh | None = None,
     dp_dims: Sequence[str] = ("dp",),
+    nodes_per_group: int = 1,
 ) -> tuple[DataLayout, int]:
     """(DataLayout, this rank's DP rank): from a mesh; from ``dp_size`` (and ``dp_rank``) alone,
     taking the mesh as (dp, mp) with the model-parallel ranks of a DP rank adjacent — the layout of
     torch's DeviceMesh((dp, tp)) and of Megatron without pipeline stages across nodes; or pure data
     parallelism, every rank its own DP rank. With model parallelism declared the global rank is
-    never used as the DP rank."""
+    never used as the DP rank. ``nodes_per_group`` joins the data groups of each block of that many
+    consecutive nodes into one (`node_blocks`)."""
     layout, rank = placement.layout, placement.rank
     if rank is None:
         raise LayoutError("a DP rank needs the process's global rank")
+    if isinstance(nodes_per_group, bool) or not isinstance(nodes_per_group, int) or nodes_per_group < 1:
+        raise LayoutError(f"nodes_per_group must be an int >= 1, found {nodes_per_group!r}")
     if mesh is not None:
-        data, dp_of = data_layout(mesh, tuple(dp_dims), layout)
+        data, dp_of = data_layout(mesh, tuple(dp_dims), layout, nodes_per_group)
         found = int(dp_of[rank])
         if dp_size is not None and dp_size != data.dp_size:
             raise LayoutError(f"dp_size={dp_size} but the mesh {mesh.describe()} has {data.dp_size} DP ranks")
@@ -169,10 +179,11 @@ def data_parallel(
     if dp_size is None:
         if dp_rank is not None:
             raise LayoutError("dp_rank needs dp_size (or a mesh)")
-        return DataLayout.pure_dp(layout), rank
+        return DataLayout.pure_dp(layout, nodes_per_group), rank
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1 or layout.world_size % dp_size:
         raise LayoutError(f"dp_size must divide the world size {layout.world_size}, found {dp_size!r}")
-    data, dp_of = data_layout(Mesh.row_major(("dp", "mp"), (dp_size, layout.world_size // dp_size)), ("dp",), layout)
+    mp = Mesh.row_major(("dp", "mp"), (dp_size, layout.world_size // dp_size))
+    data, dp_of = data_layout(mp, ("dp",), layout, nodes_per_group)
     if dp_rank is None:
         dp_rank = int(dp_of[rank])
     elif isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:

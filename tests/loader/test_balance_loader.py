@@ -210,3 +210,35 @@ def test_a_state_at_an_epochs_start_loads_under_a_calibrated_cost_model(stdlib_r
     (again,) = _loaders(stdlib_root, 1, cost_model=calibrated)
     with pytest.raises(LoaderStateError, match="differing: balance"):
         again.load_state_dict(inside)
+
+
+@pytest.mark.timeout(300)
+def test_nodes_reading_one_range_together_serve_its_plan_and_take_a_per_node_state(stdlib_root):
+    """``nodes_per_group=2`` on 2 nodes x 2 ranks: one data group of 4 ranks across both nodes,
+    so the balanced steps are dealt over all four. Each rank serves that layout's plan, every
+    document whole; a state saved by a run of one group a node loads onto it (the groups changed:
+    an elastic re-deal), no token served twice."""
+
+    def four(**kw) -> list[ShardedLoader]:
+        kw = {"seq_len": SEQ, "batch_size": 2, "eos_id": EOS, "seed": 4, "num_workers": 0, "cost_model": MODEL, **kw}
+        return [
+            ShardedLoader(stdlib_root, rank=r, world_size=4, ranks_per_node=2, drop_last=False, **kw) for r in range(4)
+        ]
+
+    together = four(nodes_per_group=2)
+    layout = DataLayout.pure_dp(Layout(2, 2), 2)
+    assert together[0].data_layout == layout and layout.group_nodes == ((0, 1),)
+    served = _epoch(together)
+    sim = simulate_epoch(shardtool.open_dataset(stdlib_root), layout, together[0].batching, cost_model=MODEL)
+    assert np.allclose(_costs(served), sim.step_costs, rtol=1e-12)
+    whole = _served_tokens(_epoch(four()))
+    assert _served_tokens(served) == whole, "the same tokens of every document"
+
+    done, states = served_then_saved(four(), 5, piece_lengths)
+    resumed = four(nodes_per_group=2)
+    for ld in resumed:
+        ld.load_state_dict(states[0])
+    leftover = resumed[0].plan.leftover_batches
+    got = _served_tokens(done + _epoch(resumed))
+    short = {k: whole[k] - got.get(k, 0) for k in whole if got.get(k, 0) != whole[k]}
+    assert all(v > 0 for v in short.values()) and sum(short.values()) <= leftover * 2 * SEQ
