@@ -8,7 +8,7 @@ the comment (other text around it is left alone)::
     shardtool:URL                 a dataset root or a mixture file (.json/.yaml); pure data parallelism
     shardtool:{"url": URL, ...}   a JSON object: url (required) and, as ShardedLoader gets them,
                                   mesh ("pp=2,dp=2,tp=2"), dp_dim ("dp" or "rep,shard"), dp_size (int),
-                                  ranks_per_node (int); best_effort (bool: stage what fits the node's
+                                  ranks_per_node (int), nodes_per_group (int); best_effort (bool: stage what fits the node's
                                   budget and let the loader fetch the rest, instead of failing the node);
                                   max_bytes ("200G" or bytes: the job's own cap on what it holds in a
                                   node's cache, per dataset; the loader fetches the rest on demand)
@@ -29,7 +29,7 @@ from ..format.sizes import SizeError, parse_size
 from .errors import UsageError
 
 PREFIX = "shardtool:"
-_KEYS = {"url", "mesh", "dp_dim", "dp_size", "ranks_per_node", "best_effort", "max_bytes"}
+_KEYS = {"url", "mesh", "dp_dim", "dp_size", "ranks_per_node", "nodes_per_group", "best_effort", "max_bytes"}
 # `scontrol show job -o`: Key=Value fields separated by spaces; a value may hold spaces, so it
 # runs to the next token shaped like a key (capitalised name, '=').
 _NEXT_KEY = re.compile(r"\s+[A-Z][A-Za-z/:]*=")
@@ -48,10 +48,16 @@ class StageRequest:
     ranks_per_node: int | None = None
     best_effort: bool = False
     max_bytes: int | None = None
+    nodes_per_group: int = 1
 
     @property
     def model_parallel(self) -> bool:
         return self.mesh is not None or self.dp_size is not None
+
+    @property
+    def data_layout_given(self) -> bool:
+        """Whether the node's share needs the request's data layout (not one group a node)."""
+        return self.model_parallel or self.nodes_per_group != 1
 
     def to_dict(self) -> dict:
         return {
@@ -62,6 +68,7 @@ class StageRequest:
             "ranks_per_node": self.ranks_per_node,
             "best_effort": self.best_effort,
             "max_bytes": self.max_bytes,
+            "nodes_per_group": self.nodes_per_group,
         }
 
 
@@ -141,6 +148,7 @@ def _from_json(text: str, workdir: str | None) -> StageRequest:
         ranks_per_node=_positive_int(body, "ranks_per_node"),
         best_effort=best_effort,
         max_bytes=_size(body.get("max_bytes")),
+        nodes_per_group=_positive_int(body, "nodes_per_group") or 1,
     )
 
 

@@ -13,7 +13,9 @@ LAYOUT_HELP = """\
 Model parallelism: --dp-size D (the (dp, mp) mesh of DDP+TP: each DP rank's model-parallel peers
 are adjacent ranks), or --mesh "pp=2,dp=4,tp=2" (row-major, as torch's DeviceMesh lays it out)
 with --dp-dim dp (several: --dp-dim rep,shard for HSDP). Data groups then follow the nodes
-hosting each DP rank's peers; without either, every rank is its own DP rank."""
+hosting each DP rank's peers; without either, every rank is its own DP rank. --nodes-per-group K
+joins the groups of every K consecutive nodes: each of them caches the group's whole range (K times
+the disk), and a cost model balances steps across all its ranks (ShardedLoader's nodes_per_group)."""
 
 
 def add_layout_arguments(group) -> None:
@@ -36,6 +38,13 @@ def add_layout_arguments(group) -> None:
         default="dp",
         metavar="NAMES",
         help="the mesh's data-parallel dimension(s), comma-separated (default dp)",
+    )
+    group.add_argument(
+        "--nodes-per-group",
+        type=int,
+        default=1,
+        metavar="K",
+        help="nodes that read one range together, each caching all of it (default 1: a node reads its own)",
     )
 
 
@@ -60,11 +69,18 @@ def data_layout_of(args: argparse.Namespace, placement):
 
     rank = placement.rank
     asking = placement if rank is not None else Placement(placement.layout, 0, 0, placement.source)
-    data, dp_rank = data_parallel(asking, dp_size=args.dp_size, mesh=parsed_mesh(args), dp_dims=dp_dims(args))
+    data, dp_rank = data_parallel(
+        asking,
+        dp_size=args.dp_size,
+        mesh=parsed_mesh(args),
+        dp_dims=dp_dims(args),
+        nodes_per_group=getattr(args, "nodes_per_group", 1),
+    )
     return data, (dp_rank if rank is not None else None)
 
 
 def describe_layout(args: argparse.Namespace) -> dict:
     """The description as the JSON reports carry it (the mesh normalised: "pp=2,dp=2")."""
     mesh = parsed_mesh(args)
-    return {"mesh": mesh.describe() if mesh is not None else None, "dp_dims": list(dp_dims(args))}
+    described = {"mesh": mesh.describe() if mesh is not None else None, "dp_dims": list(dp_dims(args))}
+    return {**described, "nodes_per_group": getattr(args, "nodes_per_group", 1)}

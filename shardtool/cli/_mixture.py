@@ -208,7 +208,7 @@ def _print(report: dict, data, human) -> None:
             )
         else:
             out(f"compute       over the first {compared:,} steps:\n")
-        print_balance(report["compute_balance"], out)
+        print_balance(report["compute_balance"], out, report.get("layout"))
     out(
         f"planning      {report['plan_seconds']:.2f} s (every source's shape, from its summaries), peak RSS "
         f"{report['peak_rss_mb']:.0f} MB\n"

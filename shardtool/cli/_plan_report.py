@@ -78,7 +78,7 @@ def print_report(report: dict, data) -> None:
                 "(exact: marked not valid, batch['valid'])\n"
             )
         if "compute_balance" in report:
-            print_balance(report["compute_balance"], out)
+            print_balance(report["compute_balance"], out, report.get("layout"))
         if "schedule" in report:
             _print_schedule(report["schedule"], out)
         out(
@@ -181,8 +181,9 @@ def _print_schedule(report: dict, out) -> None:
 FLOOR_HINT = 0.01  # a floor from which `print_balance` says how to prepare the corpus
 
 
-def print_balance(report: dict, out) -> None:
-    """The compute balance of a plan's steps (``compute_balance`` of a report), with and without."""
+def print_balance(report: dict, out, layout: dict | None = None) -> None:
+    """The compute balance of a plan's steps (``compute_balance`` of a report), with and without;
+    ``layout``, the report's, says which data groups' floor the hint speaks of."""
     for name in ("unbalanced", "balanced"):
         bal = report[name]
         if bal is None:
@@ -208,3 +209,10 @@ def print_balance(report: dict, out) -> None:
                 "the corpus in a random order before packing (docs/sequence-packing.md: preparing a corpus "
                 "for many nodes)\n"
             )
+            if layout is not None and layout.get("data_groups", 1) > 1 and layout.get("nodes", 1) > 1:
+                # One group's ranks share one range, so its steps balance across all of them.
+                out(
+                    f"compute       or let nodes read one range together, --nodes-per-group K (ShardedLoader's "
+                    f"nodes_per_group): each of them caches K nodes' share ({layout['data_groups']:,} data groups "
+                    "now)\n"
+                )

@@ -19,8 +19,9 @@ Slurm gives the prolog (SLURM_JOB_COMMENT; else `scontrol show job`):
   sbatch --comment 'shardtool:mix.json' ...          (a mixture file: every source; relative to the job's dir)
   sbatch --comment 'shardtool:{"url": "s3://b/ds", "mesh": "pp=2,dp=4,tp=2", "dp_dim": "dp",
                               "ranks_per_node": 8, "best_effort": true}' ...
-  (JSON keys: url; as ShardedLoader gets them mesh, dp_dim, dp_size, ranks_per_node; best_effort: stage
-   what fits the budget rather than fail the node; max_bytes: the job's cap per dataset on this node)
+  (JSON keys: url; as ShardedLoader gets them mesh, dp_dim, dp_size, ranks_per_node, nodes_per_group;
+   best_effort: stage what fits the budget rather than fail the node; max_bytes: the job's cap per
+   dataset on this node)
 
 A job that asks for nothing gets nothing staged. This node's cache is CACHE_ROOT/$SLURMD_NODENAME; its
 rank is the position of $SLURMD_NODENAME in the job's node list (`scontrol show hostnames`), the order
@@ -107,7 +108,11 @@ def active_jobs(args) -> set[str] | None:
 def _layout_args(request) -> argparse.Namespace:
     """The request's layout as `shardtool warm`'s options (one way of reading a layout)."""
     return argparse.Namespace(
-        mesh=request.mesh, dp_dim=request.dp_dim, dp_size=request.dp_size, ranks_per_node=request.ranks_per_node
+        mesh=request.mesh,
+        dp_dim=request.dp_dim,
+        dp_size=request.dp_size,
+        ranks_per_node=request.ranks_per_node,
+        nodes_per_group=request.nodes_per_group,
     )
 
 
@@ -126,7 +131,7 @@ def place(args, env, request):
     if node not in hosts:
         raise RuntimeError(f"{node} is not in the job's node list {nodelist} ({', '.join(hosts)})")
     placement = node_placement(len(hosts), hosts.index(node), request.ranks_per_node, env={})
-    if not request.model_parallel:
+    if not request.data_layout_given:
         return placement, None
     ns = _layout_args(request)
     placement = mesh_placement(ns, placement)
@@ -247,7 +252,7 @@ def run(args) -> int:
         log(env, f"local fault: cannot write the job's record in {cache_dir}: {e}")
         return prolog_exit_code("local_fault")
     report = _warm(args, request, cache_dir, placement, data, live, perms)
-    if request.mesh:
+    if request.mesh or request.nodes_per_group != 1:
         from ._layout import describe_layout
 
         for r in getattr(report, "reports", {"": report}).values():  # as `shardtool warm` reports a mesh

@@ -30,7 +30,7 @@ Node layout: --nodes/--node-rank/--ranks-per-node, else SLURM_JOB_NUM_NODES, SLU
 SLURM_NTASKS_PER_NODE or SLURM_GPUS_ON_NODE. --all warms every shard.
 
 Data layout: give the warm the same description the loader gets (ShardedLoader's dp_size= or
-mesh= and dp_dim=), so it caches what this node's ranks will read; pure data parallelism (every
+mesh= and dp_dim=, and nodes_per_group=), so it caches what this node's ranks will read; pure data parallelism (every
 rank its own DP rank, DDP/FSDP) needs none.
 {layout}
 With --mesh and no --ranks-per-node, ranks per node are the mesh's ranks over the nodes when
@@ -222,13 +222,17 @@ def run(args) -> int:
         return EXIT_USAGE
     placement: Placement | None = None
     data = None
-    if args.all and (args.mesh or args.dp_size is not None):
-        print("shardtool warm: error: --all warms every shard; --mesh and --dp-size do not apply", file=sys.stderr)
+    described = args.mesh or args.dp_size is not None or args.nodes_per_group != 1
+    if args.all and described:
+        print(
+            "shardtool warm: error: --all warms every shard; --mesh, --dp-size and --nodes-per-group do not apply",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     if not args.all:
         try:
             placement = node_placement(args.nodes, args.node_rank, args.ranks_per_node, env=os.environ)
-            if args.mesh or args.dp_size is not None:
+            if described:
                 placement = mesh_placement(args, placement)
                 try:
                     data, _ = data_layout_of(args, placement)
@@ -273,7 +277,7 @@ def run(args) -> int:
         progress=(not args.quiet) and sys.stderr.isatty(),
     )
     for r in getattr(report, "reports", {"": report}).values():  # a mixture: each source's report
-        if r.data_layout is not None and args.mesh:
+        if r.data_layout is not None and (args.mesh or args.nodes_per_group != 1):
             r.data_layout.update(describe_layout(args))
     if args.report:
         from ..format.atomic import atomic_write_bytes

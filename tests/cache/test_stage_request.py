@@ -38,6 +38,9 @@ def test_json_request_with_layout():
     r = parse_request('shardtool:{"url": "ds", "dp_size": 4}', workdir="/w")
     assert r == StageRequest("/w/ds", dp_size=4) and r.model_parallel
     assert not parse_request('shardtool:{"url": "ds"}').model_parallel
+    assert not parse_request('shardtool:{"url": "ds"}').data_layout_given
+    together = parse_request('shardtool:{"url": "ds", "nodes_per_group": 4}')
+    assert together.nodes_per_group == 4 and together.data_layout_given and not together.model_parallel
     assert parse_request('shardtool:{"url": "ds", "max_bytes": "1.5G"}').max_bytes == 1_500_000_000
     assert parse_request('shardtool:{"url": "ds", "max_bytes": 4096}').max_bytes == 4096
 
@@ -53,6 +56,7 @@ def test_json_request_with_layout():
         ('shardtool:{"mesh": "dp=2"}', 'needs "url"'),
         ('shardtool:{"url": "x", "dp_size": 0}', "'dp_size' must be an integer >= 1"),
         ('shardtool:{"url": "x", "ranks_per_node": "8"}', "'ranks_per_node' must be an integer"),
+        ('shardtool:{"url": "x", "nodes_per_group": 0}', "'nodes_per_group' must be an integer >= 1"),
         ('shardtool:{"url": "x", "mesh": "dp=2", "dp_size": 2}', "either 'mesh' or 'dp_size'"),
         ('shardtool:{"url": "x", "dp_dim": "dp"}', "names dimensions of a 'mesh'"),
         ('shardtool:{"url": "x", "best_effort": "yes"}', "'best_effort' must be true or false"),

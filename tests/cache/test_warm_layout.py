@@ -49,6 +49,8 @@ def src(tmp_path_factory):
         ),
         # pure data parallelism, as before
         ([], 4, 2, DataLayout.pure_dp),
+        # two nodes read one range together: each caches the pair's range
+        (["--nodes-per-group", "2"], 4, 2, lambda lay: DataLayout.pure_dp(lay, 2)),
     ],
 )
 def test_each_node_warms_the_shards_its_ranks_read(src, tmp_path, layout_args, nodes, rpn, expect):
@@ -85,6 +87,8 @@ def test_each_node_warms_the_shards_its_ranks_read(src, tmp_path, layout_args, n
         if "--mesh" in layout_args:
             mesh = layout_args[layout_args.index("--mesh") + 1]
             assert d["mesh"] == mesh and f"mesh {mesh}" in res.stderr
+        if "--nodes-per-group" in layout_args:
+            assert d["nodes_per_group"] == 2 and data.group_nodes == ((0, 1), (2, 3))
     if layout_args[:1] == ["--mesh"] and "pp=2" in layout_args[1]:
         # a DP rank's stages on two nodes: those nodes hold the same range
         assert data.group_nodes == ((0, 2), (1, 3))
@@ -105,6 +109,8 @@ def test_mesh_gives_ranks_per_node_and_bad_layouts_exit_2(src, tmp_path):
         (["--nodes", 2, "--node-rank", 0, "--mesh", "pp=2,dp=2", "--dp-dim", "data"], "not in the mesh"),
         (["--nodes", 2, "--node-rank", 0, "--mesh", "pp2"], "name=size"),
         (["--all", "--mesh", "dp=2"], "--all warms every shard"),
+        (["--all", "--nodes-per-group", 2], "--all warms every shard"),
+        (["--nodes", 2, "--node-rank", 0, "--nodes-per-group", 0], "nodes_per_group must be an int >= 1"),
     ]
     for args, message in bad:
         res = warm(src, "--cache-dir", tmp_path / "b", *args)
@@ -125,3 +131,20 @@ def test_prolog_passes_the_mesh_the_job_asks_for(src, tmp_path):
         assert report["data_layout"]["mesh"] == "pp=2,dp=2" and report["layout"]["ranks_per_node"] == 2
         # both DP ranks have a pipeline stage on each node: each node warms every shard
         assert report["assigned"] == ds.num_shards
+
+
+@pytest.mark.timeout(120)
+def test_prolog_passes_the_nodes_per_group_the_job_asks_for(src, tmp_path):
+    hosts = ["gpu-a", "gpu-b", "gpu-c"]
+    conf = prolog_conf(tmp_path, hosts, tmp_path / "cache", active=["8"])
+    comment = 'shardtool:{{"url": "{}", "nodes_per_group": 2, "ranks_per_node": 2}}'.format(src)
+    os.makedirs(tmp_path / "cache")
+    ds = open_dataset(src)
+    data = DataLayout.pure_dp(Layout(3, 2), 2)  # nodes a, b read one range together; c its own
+    for n, node in enumerate(hosts):
+        res = run_prolog(conf, node, job_id="8", nodelist="gpu-[a-c]", num_nodes=3, comment=comment)
+        assert res.returncode == 0, res.stderr
+        report = json.load(open(tmp_path / "cache" / f"{node}.warm-8.json"))
+        assert report["data_layout"]["nodes_per_group"] == 2
+        assert report["assigned"] == len(shards_for_node(ds.summaries, data, n))
+    assert shards_for_node(ds.summaries, data, 0) == shards_for_node(ds.summaries, data, 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 
 import pytest
 
@@ -234,3 +235,34 @@ def test_a_high_floor_in_the_plan_says_how_to_prepare_the_corpus(floor, hinted):
     text = "".join(lines)
     assert f"can lose: {floor:.2%}" in text
     assert ("store the corpus in a random order before packing" in text) is hinted
+    assert "--nodes-per-group" not in text  # no layout given: nothing said of the groups
+    for groups, said in ((8, hinted), (1, False)):
+        lines.clear()
+        print_balance(report, lines.append, {"nodes": 8, "data_groups": groups})
+        assert ("--nodes-per-group K" in "".join(lines)) is said
+
+
+@pytest.mark.timeout(300)
+def test_plan_with_nodes_reading_one_range_together_balances_across_them(tmp_path):
+    """`--nodes-per-group 4` on 4 nodes x 2 ranks (issue 33): one data group, every node caching
+    all of its range, and the balanced steps lose less than with a group a node, whose floor the
+    ranges' documents set."""
+    from helpers.realtext import issue32_lengths
+    from shardtool.pack.synthetic import write_synthetic
+
+    lengths = issue32_lengths()
+    root = str(tmp_path / "d")
+    write_synthetic(root, lengths.size, lengths=lengths, samples_per_shard=100)
+    args = ["plan", root, "--nodes", "4", "--ranks-per-node", "2", "--batch-size", "1", "--seq-len", "8192"]
+    apart, together = (
+        json.loads(shardtool(*args, "--cost-model", "llama-7b", "--json", *more).stdout)
+        for more in ([], ["--nodes-per-group", "4"])
+    )
+    assert apart["layout"]["data_groups"] == 4 and apart["layout"]["nodes_per_group"] == 1
+    assert together["layout"]["data_groups"] == 1 and together["layout"]["nodes_per_group"] == 4
+    shards = len(json.load(open(os.path.join(root, "index.json")))["shards"])
+    assert together["shards_per_node"] == {"min": shards, "max": shards} and apart["shards_per_node"]["max"] < shards
+    lost = [r["compute_balance"]["balanced"]["time_lost"] for r in (apart, together)]
+    assert lost[1] < lost[0], lost
+    bad = shardtool(*args, "--nodes-per-group", "0")
+    assert bad.returncode == 1 and "nodes_per_group must be an int >= 1" in bad.stderr
