@@ -23,7 +23,9 @@ converge: the floor, and the balanced loss with it, falls below the targets. The
 "split" plan 64 ranks on this machine's documents as a corpus prepared before packing would
 store them (``--split-tokens``, default 262,144: each longer document cut into documents of that
 many tokens, all stored in a random order, `split_and_shuffled`), so that no node's contiguous
-range holds the whole of a document of millions of tokens.
+range holds the whole of a document of millions of tokens. The rows marked "nodes a group" plan
+the corpus as stored on 64 ranks whose 8 nodes read one range together (``nodes_per_group=8``:
+each node caches all of it), so that the steps are dealt by cost across all 64 ranks.
 
     python -m shardtool.benchmarks.compute_balance [--cost-model llama-7b] [--resample-tokens 2.4e9] [--split-tokens 262144]
         [--json]
@@ -63,6 +65,7 @@ WIDE_RANKS, WIDE_COPIES = 64, 16
 
 RESAMPLED_LAYOUT = (8, 8)  # the resampled corpus is planned for 64 DP ranks on 8 nodes
 SPLIT_LAYOUT = (8, 8)  # and the corpus split and stored shuffled (`split_and_shuffled`)
+TOGETHER_LAYOUT = (8, 8)  # and the corpus as stored, its 8 nodes reading one range (`nodes_per_group`)
 
 
 def split_and_shuffled(lengths: np.ndarray, piece: int, seed: int = 7) -> np.ndarray:
@@ -75,7 +78,9 @@ def split_and_shuffled(lengths: np.ndarray, piece: int, seed: int = 7) -> np.nda
     return pieces[np.random.default_rng(seed).permutation(pieces.size)]
 
 
-def run(cost_spec: str = "llama-7b", resample_tokens: float = 2.4e9, split_tokens: int = 262144) -> list[dict]:
+def run(
+    cost_spec: str = "llama-7b", resample_tokens: float = 2.4e9, split_tokens: int = 262144, together: bool = True
+) -> list[dict]:
     from shardtool.plan import ArraySource, Batching, DataLayout, Layout
     from shardtool.plan.cost import CostModel
     from shardtool.plan.packing import Packing
@@ -99,19 +104,22 @@ def run(cost_spec: str = "llama-7b", resample_tokens: float = 2.4e9, split_token
     model = CostModel.parse(cost_spec)
     out = []
     for seq, rows, target in CASES:
-        runs = [(layout, wide if layout[0] * layout[1] > WIDE_RANKS else source) for layout in LAYOUTS]
+        runs = [(layout, wide if layout[0] * layout[1] > WIDE_RANKS else source, 1) for layout in LAYOUTS]
         if resampled is not None:
-            runs.append((RESAMPLED_LAYOUT, resampled))
+            runs.append((RESAMPLED_LAYOUT, resampled, 1))
         if split is not None:
-            runs.append((SPLIT_LAYOUT, split))
-        for (nodes, per_node), src in runs:
-            layout = DataLayout.pure_dp(Layout(nodes, per_node))
+            runs.append((SPLIT_LAYOUT, split, 1))
+        if together:
+            runs.append((TOGETHER_LAYOUT, source, TOGETHER_LAYOUT[0]))
+        for (nodes, per_node), src, nodes_per_group in runs:
+            layout = DataLayout.pure_dp(Layout(nodes, per_node), nodes_per_group)
             plain = Batching(batch_size=rows, packing=Packing(seq, "best-fit"))
             row = {"seq_len": seq, "rows": rows, "dp_ranks": nodes * per_node, "nodes": nodes, "target": target}
             row["corpus_copies"] = WIDE_COPIES if src is wide else 1
             row["corpus_tokens"] = int(src.lengths.sum())
             row["resampled"] = src is resampled
             row["split_tokens"] = split_tokens if src is split else None
+            row["nodes_per_group"] = nodes_per_group
             for name, batching in (("unbalanced", plain), ("balanced", plain.with_balance(model))):
                 began = time.perf_counter()
                 sim = simulate_epoch(src, layout, batching, cost_model=model)
@@ -294,6 +302,11 @@ def main(argv=None) -> int:
         help="also plan 64 ranks on the documents cut into pieces of at most this many tokens and stored "
         "in a random order (0: not)",
     )
+    p.add_argument(
+        "--no-together",
+        action="store_true",
+        help="leave out the 64 ranks whose 8 nodes read one range together (nodes_per_group=8)",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--mixture", action="store_true", help="plan a two-source mixture of the same documents instead")
     p.add_argument("--measure", action="store_true", help="time a small transformer's steps against the cost model")
@@ -319,7 +332,7 @@ def main(argv=None) -> int:
     if args.mixture:
         rows = run_mixture(args.cost_model, resample_tokens=args.resample_tokens, split_tokens=args.split_tokens)
     else:
-        rows = run(args.cost_model, args.resample_tokens, args.split_tokens)
+        rows = run(args.cost_model, args.resample_tokens, args.split_tokens, together=not args.no_together)
     if args.json:
         print(json.dumps(rows))
         return 0
@@ -336,6 +349,8 @@ def main(argv=None) -> int:
         if r.get("split_tokens"):
             copies = f"{copies[:-1]}, " if r["resampled"] else " ("
             copies += f"split at {r['split_tokens']:,}, stored shuffled)"
+        if r.get("nodes_per_group", 1) > 1:
+            copies += f" (as stored, {r['nodes_per_group']} nodes a group, each caching all of its range)"
         if args.mixture:
             copies = (
                 f"{copies[:-1]}; {r['balanced']['steps']} steps)" if copies else f" ({r['balanced']['steps']} steps)"
