@@ -197,11 +197,25 @@ def print_balance(report: dict, out, layout: dict | None = None) -> None:
     bal = report["balanced"]
     if bal is not None and "time_lost_floor" in bal:
         # What no step order can win back: the ranks' shares differ in total cost.
+        one_group = layout is not None and layout.get("data_groups", 1) == 1
+        where = "" if one_group else "; across nodes, in which documents each node's range holds"
         out(
             f"compute       the least any order of these batches can lose: {bal['time_lost_floor']:.2%} (the DP "
-            "ranks' shares differ in total cost; across nodes, in which documents each node's range holds)\n"
+            f"ranks' shares differ in total cost{where})\n"
         )
-        if bal["time_lost_floor"] >= FLOOR_HINT:
+        if bal["time_lost_floor"] >= FLOOR_HINT and one_group:
+            # One group deals its rows across all its ranks: the floor is its blocks' or its rows',
+            # not the corpus's storage, which no node's range sets here.
+            window = report.get("balance_window")
+            out(
+                f"compute       one data group deals its rows across its ranks; a --balance-window of {window} "
+                "steps deals each block on its own, so the ranks' totals differ by what each block leaves: a "
+                "larger window (default: the epoch) evens them\n"
+                if window
+                else "compute       one data group deals its rows across its ranks; what is left is that each "
+                "rank's total is the sum of few costly rows (it falls as the ranks' shares grow)\n"
+            )
+        elif bal["time_lost_floor"] >= FLOOR_HINT:
             # Within a node the rows are dealt across its ranks, so a floor this high is the nodes':
             # their contiguous ranges hold long documents whole, which storage can spread.
             out(

@@ -240,6 +240,13 @@ def test_a_high_floor_in_the_plan_says_how_to_prepare_the_corpus(floor, hinted):
         lines.clear()
         print_balance(report, lines.append, {"nodes": 8, "data_groups": groups})
         assert ("--nodes-per-group K" in "".join(lines)) is said
+    # One data group (one node, or nodes reading one range): the corpus's storage sets no floor
+    # there. A short balance window does, and the hint says so instead of blaming the corpus.
+    for window, says in ((5, "a --balance-window of 5 steps deals each block on its own"), (None, "few costly rows")):
+        lines.clear()
+        print_balance({**report, "balance_window": window}, lines.append, {"nodes": 1, "data_groups": 1})
+        text = "".join(lines)
+        assert (says in text) is hinted and "random order before packing" not in text
 
 
 @pytest.mark.timeout(300)
