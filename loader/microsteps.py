@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..plan.cost import segment_sums
 from .workers import PlanBatches
 
 __all__ = ["MicroSteps"]
@@ -37,8 +38,7 @@ class MicroSteps:
 
     def _per_step(self, values: np.ndarray) -> np.ndarray:
         """Per step: the sum of ``values`` (one per planned batch) over the batches it takes."""
-        total = np.concatenate([[0], np.cumsum(values[: int(self.bounds[-1])])])
-        return total[self.bounds[1:]] - total[self.bounds[:-1]]
+        return segment_sums(np.asarray(values)[: int(self.bounds[-1])], self.bounds)
 
     def start_meter(self, meter: Any, workers: int, restart: bool, entered: float | None) -> None:
         meter.start_pass(*self.stats(), workers, restart, entered)

@@ -130,12 +130,11 @@ def max_tokens_arg(text: str):
     """A token budget (65536), or a ramp by step (0:16384,2000:65536), as `budget_schedule` checks it."""
     import argparse
 
-    from ..plan.schedule import budget_schedule
+    from ..plan.schedule import budget_schedule, parse_schedule_text
 
     try:
-        if ":" in text:
-            return budget_schedule({int(k): int(v) for k, _, v in (part.partition(":") for part in text.split(","))})
-        return int(text)
+        parsed = parse_schedule_text(text, "max_tokens")
+        return parsed if isinstance(parsed, int) else budget_schedule(dict(parsed.changes))
     except ValueError as e:
         raise argparse.ArgumentTypeError(
             f"{text!r}: a token budget (65536) or a ramp by step (0:16384,2000:65536): {e}"

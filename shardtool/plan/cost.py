@@ -31,6 +31,7 @@ __all__ = [
     "fit_cost_model",
     "row_costs",
     "run_costs",
+    "segment_sums",
     "served_costs",
     "step_balance",
 ]
@@ -129,10 +130,13 @@ def _pairs(text: str) -> dict[str, str]:
     return out
 
 
-def _sums(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Per-segment sums of ``values`` cut at ``offsets`` (empty segments sum to 0)."""
-    total = np.zeros(len(values) + 1, np.float64)
+def segment_sums(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Per-segment sums of ``values`` cut at ``offsets`` (empty segments sum to 0), in the values'
+    dtype: segment q is ``values[offsets[q] : offsets[q + 1]]``."""
+    values = np.asarray(values)
+    total = np.zeros(len(values) + 1, values.dtype)
     np.cumsum(values, out=total[1:])
+    offsets = np.asarray(offsets, dtype=np.int64)
     return total[offsets[1:]] - total[offsets[:-1]]
 
 
@@ -140,7 +144,7 @@ def row_costs(rows: Any, model: CostModel) -> np.ndarray:
     """The cost of each packed row (a `shardtool.plan.packing.Rows`): ``seq_len`` tokens (the
     linear layers run on a row's padding too) and its pieces' squares."""
     sq = rows.span_len.astype(np.float64) ** 2
-    return model.a * rows.seq_len + model.b * _sums(sq, rows.row_offsets)
+    return model.a * rows.seq_len + model.b * segment_sums(sq, rows.row_offsets)
 
 
 def run_costs(lengths: np.ndarray, offsets: np.ndarray, model: CostModel) -> np.ndarray:
@@ -197,7 +201,7 @@ def served_costs(
         served = rows_per_batch if rows_per_batch is not None else np.diff(row_offsets)
         width = served * (rows.seq_len if seq_lens is None else np.asarray(seq_lens, np.int64)[: len(row_offsets) - 1])
         if seq_lens is None:
-            squares = _sums(row_costs(rows, model) - model.a * rows.seq_len, row_offsets)
+            squares = segment_sums(row_costs(rows, model) - model.a * rows.seq_len, row_offsets)
         else:
             squares = np.zeros(len(row_offsets) - 1, np.float64)  # batches past seq_lens: none served
             cut = model.b * cut_squares(rows, row_offsets, seq_lens)[: squares.size]
