@@ -206,7 +206,7 @@ class PassRunner:
             ended = entered  # this next() ends the pass: closing the workers is part of it
         finally:
             it.close()  # the worker pool, or the in-process generator
-            self._obs.end_pass(complete=served >= n, entered=ended)
+            self._obs.end_pass(complete=served >= n, entered=ended, at=(epoch, n))
         source.next_pass()
 
     def _in_process_group(self) -> bool:

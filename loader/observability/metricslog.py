@@ -1,7 +1,8 @@
 """Metric lines on node-local disk every N steps, and the optional cross-rank summary.
 
 Each rank appends one JSON line per ``metrics_every`` steps to its own file,
-``<dir>/<host>-rank<rank>.jsonl``: one small append every N steps, never one per step, and by
+``<dir>/<host>-rank<rank>.jsonl``: one small append every N steps and at each pass's end (its
+last steps' costs and step times would be in no line), never one per step, and by
 default on node-local disk (under the cache directory, else ``$TMPDIR``), in a directory per run
 so that ``shardtool stats`` never mixes two jobs. The run id comes from the scheduler or launcher
 (SLURM job, torchrun run id, else the rendezvous address); without any, a single process

@@ -90,6 +90,7 @@ class Observer:
         self.rank_summary: dict | None = None
         self._user_since: Snapshot | None = None
         self._line_since: Snapshot | None = None
+        self._lined_steps = 0  # the meter's steps at the last metric line
         self._pass_complete = True
         self._pass_epoch: int | None = None
         # Under a cost model: the pass's batch costs and the first not yet in a metric line, and
@@ -127,10 +128,15 @@ class Observer:
             self.watchdog.start_pass(where)
         return p
 
-    def end_pass(self, complete: bool, entered: float | None = None) -> None:
+    def end_pass(self, complete: bool, entered: float | None = None, at: tuple[int, int] | None = None) -> None:
         """``entered``: when the ``next()`` that ended the pass was called, to count it as waiting
-        (None: the pass ended outside a ``next()``, by an error or the loop left early)."""
+        (None: the pass ended outside a ``next()``, by an error or the loop left early). ``at``:
+        (epoch, batches) of a pass served to its end, whose steps since the last metric line get a
+        line of their own (their costs and step times were lost with the pass)."""
         self._pass_complete = complete
+        if complete and at is not None and self.every and self.meter is not None:
+            if self.meter.steps > self._lined_steps:  # every rank alike: equal counts, one rule
+                self.line(*at)
         self._flush()
         if self.watchdog is not None:
             self.watchdog.stop()
@@ -186,7 +192,7 @@ class Observer:
         self._flush()
         now = meter.snapshot()
         out = self._report(meter, now, self._line_since, epoch, batch)
-        self._line_since = now
+        self._line_since, self._lined_steps = now, meter.steps
         out.update(v=metricslog.LINE_VERSION, run=self.run, pid=os.getpid(), start=self.started)
         if self._costs is not None and batch > self._cost_from:
             costs = [float(c) for c in self._costs[self._cost_from : batch]]
