@@ -135,8 +135,9 @@ class PassRunner:
         how much of each step the ranks wait for the slowest (with ``micro_batches``, report each
         micro-batch; a step's add up). Time the rank's own work (forward and backward, e.g. under
         DDP's ``no_sync()``, or until the backward's all-reduce is launched): a time that
-        includes the all-reduce is the slowest rank's on every rank. Recorded in a later metric
-        line (``metrics_every``); needs ``metrics=True``."""
+        includes the all-reduce is the slowest rank's on every rank. Several reports for one
+        batch add up (forward and backward timed apart). Recorded in a later metric line
+        (``metrics_every``); needs ``metrics=True``."""
         source = self.batch_source
         if source.served < 1:
             raise ValueError("report_step_time: no batch has been handed over yet")

@@ -195,23 +195,38 @@ def step_balance_of(lines: list[dict]) -> dict:
 
     world = max((int(x.get("world_size", 1)) for x in lines), default=1)
     micro = max((int(x.get("micro_batches", 1)) for x in lines), default=1)
-    # (epoch, step) -> rank -> [sum, micro-batches seen]
-    cost: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
-    times: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    # (rank, epoch, batch) -> value. A batch served again by a later process of the rank (a
+    # resume from a state saved before it) counts once, as that process saw it; the step times
+    # one process reports for one batch add up (forward and backward timed apart).
+    batch_cost: dict[tuple, float] = {}
+    batch_time: dict[tuple, list] = {}  # -> [process, seconds]
+    bad: set[tuple] = set()
     for line in lines:
-        r, epoch = int(line["rank"]), int(line.get("epoch", 0))
+        r, epoch, process = int(line["rank"]), int(line.get("epoch", 0)), (line.get("start"), line.get("pid"))
         bc = line.get("batch_costs")
         if bc:
             for i, c in enumerate(bc.get("cost", [])):
-                cell = cost[(epoch, (int(bc["from"]) + i) // micro)][r]
-                cell[0] += float(c)
-                cell[1] += 1
+                batch_cost[(r, epoch, int(bc["from"]) + i)] = float(c)
         for e, b, t in line.get("step_times", []):
+            key = (r, int(e), int(b))
             if not 0 <= float(t) < float("inf"):  # (NaN too) a file from before report_step_time refused it
-                continue  # the step is left out: a NaN sum would read as no time lost
-            cell = times[(int(e), int(b) // micro)][r]
-            cell[0] += float(t)
+                bad.add(key)  # the step is left out: a NaN sum would read as no time lost
+                continue
+            seen = batch_time.get(key)
+            if seen is not None and seen[0] == process:
+                seen[1] += float(t)
+            else:
+                batch_time[key] = [process, float(t)]
+    # (epoch, step) -> rank -> [sum, micro-batches seen]
+    cost: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    times: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    for per_step, values in ((cost, batch_cost.items()), (times, ((k, v[1]) for k, v in batch_time.items()))):
+        for (r, e, b), value in values:
+            cell = per_step[(e, b // micro)][r]
+            cell[0] += value
             cell[1] += 1
+    for r, e, b in bad:
+        times[(e, b // micro)][r][1] = -1  # never complete
 
     def table(per_step: dict) -> dict | None:
         # A step counts once every rank recorded all its micro-batches (an epoch's short last

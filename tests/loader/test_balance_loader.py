@@ -184,6 +184,25 @@ def test_report_step_time_refuses_what_is_not_a_time_and_stats_skips_it(stdlib_r
     assert got is not None and got["time_lost"] == pytest.approx(1 - 1.5 / 2)  # rank 1 twice rank 0
 
 
+def test_stats_adds_up_a_batchs_step_times_and_counts_a_batch_served_again_once():
+    """Two reports for one batch (forward and backward timed apart) made stats drop every step
+    without a word; a batch served again after a resume counted twice, and was dropped too."""
+    from shardtool.loader.observability.stats import step_balance_of
+
+    def line(rank, times, start=1.0, pid=10):
+        return {"rank": rank, "world_size": 2, "start": start, "pid": pid, "step_times": times}
+
+    lines = [
+        line(0, [[0, s, 0.25] for s in range(6) for _ in range(2)]),  # forward, then backward: 0.5 a step
+        line(1, [[0, s, 1.0] for s in range(4)]),
+        # Rank 1 killed after step 3, resumed from a state saved after step 1: steps 2-5 again.
+        line(1, [[0, s, 1.0] for s in range(2, 6)], start=2.0, pid=11),
+    ]
+    got = step_balance_of(lines)["step_time"]
+    assert got is not None and got["steps"] == 6
+    assert got["time_lost"] == pytest.approx(1 - 0.75 / 1.0)  # every step: rank 1 twice rank 0
+
+
 def test_a_state_at_an_epochs_start_loads_under_a_calibrated_cost_model(stdlib_root, caplog):
     """Start on a preset, calibrate (a, b), switch at an epoch boundary: the state saved at the
     epoch's end was refused ("start without loading it", which replays from epoch 0). It holds no
