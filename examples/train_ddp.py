@@ -154,10 +154,12 @@ def metrics_line(rank: int, step: int, m: dict) -> str:
     w = m["window"]
     hit = w["cache"]["hit_rate"]
     read = ", ".join(f"{t} {format_size(n)}" for t, n in w["bytes_read"].items() if n) or "nothing new"
+    # No hit rate: the window opened no shard (its readers hold theirs open), not a failing cache.
+    cache = "no shard opened" if hit is None else f"cache hit {100 * hit:.0f}%"
     return (
         f"[rank {rank}] step {step}: data wait {100 * (w['wait_fraction'] or 0):.1f}%, "
         f"{w['tokens_per_s'] or 0:,.0f} tokens/s, {w['samples_per_s'] or 0:,.0f} samples/s, "
-        f"cache hit {'-' if hit is None else f'{100 * hit:.0f}%'}, read {read}"
+        f"{cache}, read {read}"
     )
 
 
