@@ -1,5 +1,6 @@
 """What a trainer derives from a packed batch on its own device (after the copy to the GPU): the
-full batch of a lean one (`lean_to_full`) and a block-causal attention mask (`block_causal_mask`).
+full batch of a lean one (`lean_to_full`), a block-causal attention mask (`block_causal_mask`)
+and what a cost model prices in it (`cost_terms`, to calibrate one).
 Re-exported by `shardtool.loader.packed`, where users find them."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 
 from .tokenfields import LABELS, LOSS_MASK
 
-__all__ = ["IGNORE_INDEX", "block_causal_mask", "lean_to_full"]
+__all__ = ["IGNORE_INDEX", "block_causal_mask", "cost_terms", "lean_to_full"]
 
 IGNORE_INDEX = -100  # what torch.nn.functional.cross_entropy ignores by default
 
@@ -25,6 +26,23 @@ def block_causal_mask(batch: dict[str, Any]) -> torch.Tensor:
     pos = torch.arange(seq, device=cu.device)
     causal = pos[None, :] <= pos[:, None]
     return ((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
+
+
+def cost_terms(batch: dict[str, Any]) -> tuple[int, int]:
+    """(tokens, squares) of a packed batch, full or lean, as a cost model prices it
+    (`shardtool.plan.cost`): every row's ``seq_len`` tokens (the linear layers run on padding too)
+    and the sum of its pieces' squared real lengths (``cu_seqlens`` folds a row's padding into its
+    last piece: left out here). What `shardtool.plan.cost.fit_cost_model` takes per timed batch."""
+    cu = batch["cu_seqlens"].to(torch.int64).cpu()
+    real = batch["lengths"].to(torch.int64).cpu()
+    rows = int(real.numel())
+    seq = int(cu[-1]) // max(rows, 1)
+    starts, ends = cu[:-1], cu[1:]
+    used = starts < rows * seq  # unused entries repeat B * S
+    starts, ends = starts[used], ends[used]
+    real_end = (starts // seq) * seq + real[starts // seq]  # where each piece's row stops being real
+    pieces = (torch.minimum(ends, real_end) - starts).clamp(min=0)
+    return rows * seq, int((pieces * pieces).sum())
 
 
 def lean_to_full(batch: dict[str, Any], *, name: str = "input_ids") -> dict[str, Any]:

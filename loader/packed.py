@@ -34,7 +34,8 @@ stored dtype's int32 where it fits (`lean_dtype`; else int64), ``cu_seqlens``, `
 ``position_ids`` from them on any device, equal to the full batch's. A quarter of the bytes per
 batch (one int32 [B, S] for three int64) to build, to copy out of a worker's slot and to move to the GPU.
 
-`block_causal_mask` turns a batch into the boolean mask for ``scaled_dot_product_attention``.
+`block_causal_mask` turns a batch into the boolean mask for ``scaled_dot_product_attention``;
+`cost_terms` gives its tokens and squared piece lengths as a cost model prices them.
 `packed_batch` takes the tokens from any callable; `PackedReader` copies them straight from a
 `BatchReader`'s mapped shards (one memcpy per piece, or per run of pieces lying side by side in the
 shard), falling back to decoding samples; its `read_planned` lays a pass's lean batches out a chunk
@@ -54,7 +55,7 @@ from ..plan.arrays import gather_runs
 from ..plan.packing import Packing, Rows
 from .collate import KEY, Alloc
 from .imagerows import ImageSpec, place_images
-from .ondevice import IGNORE_INDEX, block_causal_mask, lean_to_full
+from .ondevice import IGNORE_INDEX, block_causal_mask, cost_terms, lean_to_full
 from .packchunk import CHUNK, LeanChunk
 from .packlayout import BatchLayout, copy_runs, counting, joined_runs, lean_dtype
 from .reader import BatchReader
@@ -67,6 +68,7 @@ __all__ = [
     "OUTPUTS",
     "PackedReader",
     "block_causal_mask",
+    "cost_terms",
     "lean_dtype",
     "lean_to_full",
     "packed_batch",

@@ -262,3 +262,19 @@ def test_nodes_reading_one_range_together_serve_its_plan_and_take_a_per_node_sta
     got = _served_tokens(done + _epoch(resumed))
     short = {k: whole[k] - got.get(k, 0) for k in whole if got.get(k, 0) != whole[k]}
     assert all(v > 0 for v in short.values()) and sum(short.values()) <= leftover * 2 * SEQ
+
+
+@pytest.mark.parametrize("outputs", ["full", "lean"])
+def test_cost_terms_of_a_served_batch_are_what_the_loader_prices_it(stdlib_root, outputs):
+    """To calibrate a cost model, a user times batches and gives `fit_cost_model` each one's
+    tokens and squared piece lengths; ``cu_seqlens`` folds a row's padding into its last piece,
+    so those are not read off it directly. `cost_terms` gives what the plan prices."""
+    from shardtool.loader.packed import cost_terms
+
+    (ld,) = _loaders(stdlib_root, 1, drop_last=False, packed_outputs=outputs)
+    terms = [cost_terms(b) for b in ld]
+    (full,) = _loaders(stdlib_root, 1, drop_last=False)
+    want = _costs([[piece_lengths(b) for b in full]])[0]
+    assert [t for t, _ in terms] == [2 * SEQ] * len(want)
+    assert np.allclose([MODEL.a * t + MODEL.b * s for t, s in terms], want, rtol=1e-12)
+    assert any(s < max(x for _, x in terms) for _, s in terms), "batches of other squares"
