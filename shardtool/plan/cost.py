@@ -243,8 +243,10 @@ def step_balance(costs: np.ndarray, micro: int = 1) -> dict[str, float] | None:
 def fit_cost_model(tokens, squares, seconds) -> tuple[CostModel, float]:
     """(a, b) fitted to measured step times — ``seconds[i] ~ a * tokens[i] + b * squares[i]``,
     least squares with a, b >= 0 — and the correlation of the fit's predictions with the times.
-    ``tokens`` and ``squares`` are each timed batch's tokens and sum of squared piece lengths:
-    time a few batches of the real model (forward and backward, after a warm-up) to calibrate."""
+    ``tokens`` and ``squares`` are each timed batch's tokens and sum of squared piece lengths
+    (`shardtool.loader.packed.cost_terms` of a packed batch): time a few batches of the real
+    model (forward and backward, after a warm-up), chosen across the range of their squares, to
+    calibrate. A correlation of 0: the fit predicts one cost for all (their squares too alike)."""
     x = np.column_stack([np.asarray(tokens, np.float64), np.asarray(squares, np.float64)])
     y = np.asarray(seconds, np.float64)
     if x.shape[0] < 2 or y.shape != (x.shape[0],) or not np.isfinite(x).all() or not np.isfinite(y).all():
@@ -266,5 +268,8 @@ def fit_cost_model(tokens, squares, seconds) -> tuple[CostModel, float]:
         raise ValueError("fit_cost_model: the times do not grow with tokens or squared lengths")
     coef = best[1]
     pred = x @ coef
-    corr = float(np.corrcoef(pred, y)[0, 1]) if pred.std() > 0 and y.std() > 0 else 0.0
+    # A fit that predicts one cost for every batch (b = 0 on batches of equal tokens) explains
+    # nothing: correlation 0, not the float noise of a constant's.
+    varies = pred.std() > 1e-9 * abs(pred.mean()) and y.std() > 0
+    corr = float(np.corrcoef(pred, y)[0, 1]) if varies else 0.0
     return CostModel(float(coef[0]), float(coef[1])), corr
