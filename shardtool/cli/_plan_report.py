@@ -198,7 +198,9 @@ def print_balance(report: dict, out, layout: dict | None = None) -> None:
     if bal is not None and "time_lost_floor" in bal:
         # What no step order can win back: the ranks' shares differ in total cost.
         one_group = layout is not None and layout.get("data_groups", 1) == 1
-        where = "" if one_group else "; across nodes, in which documents each node's range holds"
+        joined = (layout or {}).get("nodes_per_group", 1)
+        ranges = "each group's range" if joined > 1 else "each node's range"
+        where = "" if one_group else f"; across data groups, in which documents {ranges} holds"
         out(
             f"compute       the least any order of these batches can lose: {bal['time_lost_floor']:.2%} (the DP "
             f"ranks' shares differ in total cost{where})\n"
@@ -225,8 +227,10 @@ def print_balance(report: dict, out, layout: dict | None = None) -> None:
             )
             if layout is not None and layout.get("data_groups", 1) > 1 and layout.get("nodes", 1) > 1:
                 # One group's ranks share one range, so its steps balance across all of them.
+                now = f"{layout['data_groups']:,} data groups now" + (
+                    f", of {joined} nodes: a larger K" if joined > 1 else ""
+                )
                 out(
                     f"compute       or let nodes read one range together, --nodes-per-group K (ShardedLoader's "
-                    f"nodes_per_group): each of them caches K nodes' share ({layout['data_groups']:,} data groups "
-                    "now)\n"
+                    f"nodes_per_group): each of them caches K nodes' share ({now})\n"
                 )

@@ -240,6 +240,12 @@ def test_a_high_floor_in_the_plan_says_how_to_prepare_the_corpus(floor, hinted):
         lines.clear()
         print_balance(report, lines.append, {"nodes": 8, "data_groups": groups})
         assert ("--nodes-per-group K" in "".join(lines)) is said
+    # Groups of 2 nodes already: the floor is between groups, and the hint asks for a larger K.
+    lines.clear()
+    print_balance(report, lines.append, {"nodes": 8, "data_groups": 4, "nodes_per_group": 2})
+    text = "".join(lines)
+    assert "in which documents each group's range holds" in text and "each node's range" not in text
+    assert ("(4 data groups now, of 2 nodes: a larger K)" in text) is hinted
     # One data group (one node, or nodes reading one range): the corpus's storage sets no floor
     # there. A short balance window does, and the hint says so instead of blaming the corpus.
     for window, says in ((5, "a --balance-window of 5 steps deals each block on its own"), (None, "few costly rows")):
