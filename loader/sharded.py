@@ -11,6 +11,7 @@ from ..plan import data_parallel
 from ..plan.env import rank_placement
 from ..plan.mesh import as_mesh
 from .batchsource import BatchSource, Reading
+from .cachelayout import warmed_layout_mismatch
 from .epochs import DatasetEpochs
 from .mixed import MixtureSteps
 from .observability.observe import Observer
@@ -205,6 +206,11 @@ class ShardedLoader(PassRunner, SourceViews):
         )
         # Which batches, chosen once: one dataset's epochs, or a mixture's steps (loader/batchsource.py).
         self.batch_source: BatchSource = open_source(url, reading, steps, tokens)
+        for reader in self.batch_source.readers.values():
+            cache = reader.source.cache
+            said = None if cache is None else warmed_layout_mismatch(cache, self.placement, self.data_layout)
+            if said is not None:
+                log.warning("rank %d: %s", self.rank, said)
         self._staging = None
         try:
             self._obs = Observer(

@@ -148,3 +148,30 @@ def test_prolog_passes_the_nodes_per_group_the_job_asks_for(src, tmp_path):
         assert report["data_layout"]["nodes_per_group"] == 2
         assert report["assigned"] == len(shards_for_node(ds.summaries, data, n))
     assert shards_for_node(ds.summaries, data, 0) == shards_for_node(ds.summaries, data, 1)
+
+
+@pytest.mark.timeout(180)
+def test_a_loader_of_another_layout_than_the_warm_says_so(src, tmp_path, caplog):
+    """A cache warmed for one group a node, read by a loader whose nodes read one range together:
+    the loader read shards the warm never copied, fetched on a miss or, with the source gone,
+    failed naming a shard alone (a user trial). It now warns, naming both layouts, at once."""
+    import logging
+
+    from shardtool.loader import ShardedLoader
+
+    def loader_warning(*warm_args) -> str:
+        cache = tmp_path / f"c{len(warm_args)}"
+        res = warm(src, "--cache-dir", cache, "--nodes", 2, "--node-rank", 1, "--ranks-per-node", 2, "-q", *warm_args)
+        assert res.returncode == 0, res.stderr
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="shardtool"):
+            ld = ShardedLoader(
+                src, rank=2, world_size=4, ranks_per_node=2, nodes_per_group=2, batch_size=2, cache_dir=str(cache)
+            )
+            ld.close()
+        return "\n".join(r.getMessage() for r in caplog.records if "was warmed for" in r.getMessage())
+
+    said = loader_warning()
+    assert "4 data-parallel rank(s) in 2 data group(s) of 2" in said  # the warm's
+    assert "1 data group(s) of 4, groups spanning 2 nodes" in said and "--nodes-per-group" in said
+    assert loader_warning("--nodes-per-group", 2) == ""  # warmed as the loader reads: nothing said
