@@ -28,7 +28,9 @@ def print_report(report: dict, data) -> None:
     if report["scope"] == "rank":
         out(
             f"rank          {report['rank']} (DP rank {report['dp_rank']}, data group {report['group']} of "
-            f"{report['group_samples']:,} samples): {report['rank_samples']:,} samples\n"
+            f"{report['group_samples']:,} samples): {report['rank_samples']:,} "
+            # Packed, a rank serves pieces: a split document's several, so more than the group's samples.
+            f"{'pieces of documents' if report['batching'].get('seq_len') else 'samples'}\n"
         )
         out(
             f"{'fill rate' if report['batching']['seq_len'] else 'padding eff.':<14}"
@@ -63,11 +65,12 @@ def print_report(report: dict, data) -> None:
             out(f"padding eff.  {report['padding_efficiency']:.4f}\n")
         # Packed rows leave out pieces (a document may lose some and keep others): pieces and
         # tokens are the unit of the loss; samples count only documents no token of which is served.
-        unit = (
-            f"{report['remainder_pieces']:,} pieces of documents ({report['remainder_samples']:,} documents wholly)"
-            if "remainder_pieces" in report
-            else f"{report['remainder_samples']:,} samples"
-        )
+        unit = f"{report['remainder_samples']:,} samples"
+        if "remainder_pieces" in report:
+            # A document of no tokens has no piece: never served, and nothing of it lost.
+            whole = report["remainder_samples"]
+            unit = f"{report['remainder_pieces']:,} pieces of documents ({whole:,} document(s) wholly"
+            unit += ": empty ones)" if whole and not report["remainder_pieces"] else ")"
         out(
             f"remainder     {unit}, {report['remainder_tokens']:,} tokens, {report['remainder_tokens_fraction']:.3%} "
             "of the tokens, not served this epoch (rotates across epochs)\n"
