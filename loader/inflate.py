@@ -44,7 +44,6 @@ from .inflatefill import (
     close_map,
     decompress,
     free,
-    populate,
     write_shared,
 )
 from .source import MappedFile, Source
@@ -241,10 +240,9 @@ class Inflated:
             log.info("decompressing %.1f GB of compressed shards into memory while the pass reads", todo / 1e9)
         self._arena = Arena({s: sizes[s] + SLACK for s in missing})
         self._stop = threading.Event()
-        known = {s: bool(infos[s].raw_bytes) for s in missing}
         self._thread = threading.Thread(
             target=self._fill,
-            args=(missing, known, src.map_shard, self._arena, self._stop),
+            args=(missing, src.map_shard, self._arena, self._stop),
             name="shardtool-inflate",
             daemon=True,  # an interpreter that exits mid-pass does not wait for it
         )
@@ -254,7 +252,6 @@ class Inflated:
     def _fill(
         self,
         order: list[int],
-        known: dict[int, bool],
         open_shard: Callable[[int], MappedFile],
         arena: Arena,
         stop: threading.Event,
@@ -271,7 +268,7 @@ class Inflated:
                     self.pace(k, stop)
                 if stop.is_set():
                     break
-                done += self._one(s, known[s], open_shard, arena, pool, stop)
+                done += self._one(s, open_shard, arena, pool, stop)
         except Stopped:
             pass
         except Exception:  # never the pass's end: its readers read the rest the ordinary way
@@ -292,7 +289,7 @@ class Inflated:
                     len(self.copies),
                 )
 
-    def _one(self, s: int, known: bool, open_shard, arena: Arena, pool, stop: threading.Event) -> bool:
+    def _one(self, s: int, open_shard, arena: Arena, pool, stop: threading.Event) -> bool:
         """Shard ``s`` filled and flagged; False where it is flagged `ABSENT` instead."""
         try:
             mapped = open_shard(s)
@@ -303,8 +300,6 @@ class Inflated:
         region = arena.region(s)
         kept = False
         try:
-            if known:
-                populate(region)
             with self._gate:
                 n = write_shared(region, mapped.buffer(), mapped.shard_name, pool, stop, self._gate)
                 if n is None:  # larger than its manifest says: the workers of this pass cannot see more
