@@ -31,6 +31,7 @@ from .capacity import inverse_capacity
 from .grouphist import group_histograms
 from .inorder import inorder_batches, rate_from_histogram
 from .layout import DataLayout
+from .nosplit import fragmentation, whole_document_rows
 from .packing import pack_windows
 from .ranges import group_cuts
 
@@ -178,27 +179,6 @@ def _exact_batches(
     return out
 
 
-def _whole_document_rows(
-    batching: Batching, cuts: np.ndarray, lengths_of: Callable[[int, int], np.ndarray] | None
-) -> np.ndarray:
-    """Per group, batches of the rows no-split ends with however its documents come: a plan short
-    of rows merges them all best-fit decreasing (`merge_rows`), which cuts no document, so
-    `_rows_to_serve_all`'s concat argument does not bound it; this is that packing of the group's
-    documents (an exact plan reads every group's lengths anyway)."""
-    from .packing.bestfit import best_fit
-
-    if lengths_of is None:
-        raise ValueError("an exact plan counts its batches from the lengths: give the plan source's lengths")
-    packing = batching.packing
-    out = np.zeros(cuts.size - 1, dtype=np.float64)
-    for g in range(out.size):
-        lengths = np.asarray(lengths_of(int(cuts[g]), int(cuts[g + 1])), dtype=np.int64)
-        if lengths.size:
-            rows = best_fit(lengths + packing.extra_tokens, packing, drop_long=True).num_rows
-            out[g] = -(-rows // batching.batch_size)
-    return out
-
-
 def _estimate_packed(
     count: np.ndarray, tokens: np.ndarray, samples: np.ndarray, windows: np.ndarray, batching: Batching
 ) -> np.ndarray:
@@ -211,16 +191,18 @@ def _estimate_packed(
     low = np.array([0] + [1 << (b - 1) for b in range(1, BINS)], dtype=np.float64)
     high = np.array([1] + [1 << b for b in range(1, BINS)], dtype=np.float64)
     over = _over_a_row(packing)
+    over_half = _longer_than(packing.seq_len / 2 - packing.extra_tokens)  # no two of them share a row
     # Documents whose piece, not their tokens, fills a row's share (length + eos < seq / max_docs).
     piece_limit = packing.seq_len / packing.max_docs_per_row - packing.extra_tokens
     below = np.clip((piece_limit - low) / np.maximum(high - low, 1), 0.0, 1.0)
     out = np.zeros(samples.size)
     for g in range(samples.size):
-        too_long = None
+        too_long = half = None
         if packing.policy == "no-split":
             docs = int(round(float((count[g] * over).sum())))
             long_tokens = int(round(float((tokens[g] * over).sum())))
             too_long = (min(docs, int(samples[g])), min(long_tokens, int(round(float(tokens[g].sum())))))
+            half = float((count[g] * (over_half - over)).sum())
         short = (float((count[g] * below).sum()), float((tokens[g] * below).sum()))
         rows = rows_estimate(
             int(round(float(tokens[g].sum()))),
@@ -229,6 +211,7 @@ def _estimate_packed(
             windows=max(int(windows[g]), 1),
             too_long=too_long,
             short=short,
+            half=half,
         )
         out[g] = rows / batching.batch_size
     return out
@@ -286,7 +269,11 @@ def _rows_to_serve_all(
 def _over_a_row(packing) -> np.ndarray:
     """Per histogram bin, the share of its documents longer than a row (pro rata where the row's
     length falls inside the bin): what no-split leaves out."""
-    limit = packing.seq_len - packing.extra_tokens  # longest length that fits a row
+    return _longer_than(packing.seq_len - packing.extra_tokens)  # the longest length that fits a row
+
+
+def _longer_than(limit: float) -> np.ndarray:
+    """Per histogram bin, the share of its documents longer than ``limit`` tokens (pro rata)."""
     low = np.array([0] + [1 << (b - 1) for b in range(1, BINS)], dtype=np.float64)
     high = np.array([1] + [1 << b for b in range(1, BINS)], dtype=np.float64)
     return np.clip((high - 1 - limit) / np.maximum(high - low, 1), 0.0, 1.0)
@@ -353,30 +340,36 @@ def plan_shape(
         batches = _in_order_batches(summaries, cuts, count, tokens, squares, batching, lengths_of)
     else:
         batches = _estimate_batches(count, tokens, squares, samples, batching, window)
+        if batching.packing is not None and batching.packing.policy == "no-split":
+            batches = batches * fragmentation(summaries, batching, lengths_of)
     if batching.exact and batching.packing is None:
         window = max(int(samples.max(initial=0)), 1)  # one window a group: the fewest batches
+    padded = batching.exact  # exact plans pad a group that cannot split down to the count
     stream = _stream_batches(batching, cuts, lengths_of)
     if stream is not None:
         batches = stream
     elif batching.exact and (batching.packing is None or not batching.shuffle):
         batches = _exact_batches(batching, cuts, lengths_of, window)
     elif batching.packing is not None and not batching.drops(data_layout.dp_size):
-        # Serving every token: the count must hold the rows that the worst packing can need.
-        batches = np.maximum(
-            batches, _rows_to_serve_all(summaries, cuts, count, tokens, batching) / batching.batch_size
-        )
-        if batching.exact and batching.packing.policy == "no-split":
-            batches = np.maximum(batches, _whole_document_rows(batching, cuts, lengths_of))
+        # Serving every token: the count must hold the rows that the worst packing can need. No-split
+        # merges a group short of rows whole, best-fit decreasing (`merge_rows`): counted exactly.
+        if batching.packing.policy == "no-split" and lengths_of is not None:
+            batches = whole_document_rows(batching, cuts, lengths_of)
+            padded = True  # a group of fewer documents than the count pads its batches with empty rows
+        elif batching.packing.policy == "no-split" and batching.exact:
+            raise ValueError("an exact plan counts its batches from the lengths: give the plan source's lengths")
+        else:
+            batches = np.maximum(
+                batches, _rows_to_serve_all(summaries, cuts, count, tokens, batching) / batching.batch_size
+            )
     elif not batching.drops(data_layout.dp_size):
         least = _one_window_batches(batching, cuts, lengths_of)
         if least is not None:
             batches = np.maximum(batches, least)
     sizes = np.asarray(data_layout.group_sizes, dtype=np.int64)
     max_drop = MAX_DROP if batching.drops(data_layout.dp_size) else 0.0
-    # Exact plans pad a group that cannot split down to the count, so nothing caps the count.
-    capacity = (
-        np.full(samples.size, 1 << 62, np.int64) if batching.exact else _capacity(tokens, samples, batching, count)
-    )
+    # Nothing caps the count of a plan that pads a group which cannot split down to it.
+    capacity = np.full(samples.size, 1 << 62, np.int64) if padded else _capacity(tokens, samples, batching, count)
     n = batches_per_rank(batches, tokens.sum(axis=1), capacity, sizes, max_drop) if total else 0
     if n == 0:
         small = int(np.argmin(samples / sizes)) if samples.size else 0

@@ -28,3 +28,27 @@ def icon_tree(dst, per_class: int | None = None, classes=ICON_CLASSES) -> dict[s
             os.symlink(os.path.join(ICONS, cls, n), os.path.join(dst, cls, n))
         made[cls] = names
     return made
+
+
+def icon_text_lengths(sides: tuple[int, ...] = (512, 256), patch: int = 14, cap: int = 576):
+    """Image-text documents' token counts from the real icons of ``sides`` pixels: an image's
+    placeholders as packing reserves them (ceil(w / patch) * ceil(h / patch), at most ``cap``,
+    its size read from the PNG header) and a caption of its file name's words. At 512 pixels
+    these are just over half a row of 1,024, the shape where documents cannot share rows."""
+    import math
+    import struct
+
+    import numpy as np
+
+    root = os.path.dirname(ICONS)
+    out = []
+    for side in sides:
+        folder = os.path.join(root, f"{side}x{side}")
+        require(os.path.isdir(folder), f"real PNG icons of {side} pixels not installed ({folder} is absent)")
+        for cat in sorted(os.listdir(folder)):
+            for name in sorted(n for n in os.listdir(os.path.join(folder, cat)) if n.endswith(".png")):
+                with open(os.path.join(folder, cat, name), "rb") as f:
+                    w, h = struct.unpack(">II", f.read(24)[16:24])
+                words = name.split(".")[0].split("-")
+                out.append(min(math.ceil(w / patch) * math.ceil(h / patch), cap) + len(words) + 2)
+    return np.asarray(out, dtype=np.int64)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.realdata import icon_text_lengths
 from helpers.realtext import issue32_lengths, stdlib_lengths, stdlib_line_lengths
 from helpers.strategies import LAYOUTS
 from shardtool.plan import ArraySource, Batching, DataLayout, Layout, Planner
@@ -193,3 +195,29 @@ def test_no_split_never_cuts_a_document(lengths, layout, seq, per_batch, eos, ep
     reported = sum(plans[d].remainder_tokens for d in firsts)
     fits = int(full[full <= seq].sum())
     assert reported == fits - int(size.sum()), "what is not served is what is reported"
+    if not drop_last:
+        assert reported == 0, "drop_last=False serves every document that fits a row"
+
+
+@pytest.mark.parametrize("sides", [(512, 256), (512, 256, 96, 64)])
+@pytest.mark.parametrize("seq", [1024, 2048])
+def test_no_split_serves_image_text_documents_that_cannot_share_rows(sides, seq):
+    """Real icons' image-text documents (576 placeholders and a caption: just over half a row of
+    1,024, a third of 2,048) take a row each, or three to a row: counted from their tokens, one
+    rank got rows for 44 of 74 and left the rest out unreported. Serving every document, each
+    layout serves them all; dropping for equal counts (several ranks), at most 1% of tokens."""
+    lengths = icon_text_lengths(sides)
+    source = ArraySource(lengths, _shards(lengths.size, 25))
+    packing = Packing(seq, "no-split", eos_id=0)
+    full = lengths + packing.extra_tokens
+    for layout in (Layout(1, 1), Layout(1, 3), Layout(2, 2), Layout(4, 2)):
+        dl = DataLayout.pure_dp(layout)
+        for drop_last in (None, False):
+            batching = Batching(batch_size=4, packing=packing, drop_last=drop_last)
+            _, plans = _plans(source, batching, dl, 0)
+            pos, _, size, _ = _spans(plans)
+            assert np.unique(pos).size == pos.size
+            if not batching.drops(dl.dp_size):
+                assert np.array_equal(np.sort(pos), np.arange(lengths.size)), (layout, drop_last)
+            else:
+                assert full.sum() - size.sum() <= 0.01 * full.sum(), (layout, drop_last)

@@ -228,6 +228,7 @@ def rows_estimate(
     windows: int = 1,
     too_long: tuple[int, int] | None = None,
     short: tuple[float, float] | None = None,
+    half: float | None = None,
 ) -> float:
     """Expected rows for ``doc_count`` documents of ``token_count`` tokens (as stored; the eos is
     added here), packed in ``windows`` windows.
@@ -242,7 +243,10 @@ def rows_estimate(
     (documents, tokens) of those so short that ``max_docs_per_row`` of them fill less than a row
     (length + eos < seq_len / max_docs_per_row): best-fit closes rows on the piece bound as well
     as on tokens, and such a document takes 1 / max_docs_per_row of a row, not its tokens' share
-    (on the stdlib's lines at rows of 2,048, 9% more rows than tokens / seq_len).
+    (on the stdlib's lines at rows of 2,048, 9% more rows than tokens / seq_len). ``half``: for
+    no-split, the documents that fit a row but are longer than half of one (length + eos >
+    seq_len / 2): no two share a row, so there are at least as many rows (images of 576
+    placeholders and a caption, at rows of 1,024: a row each, twice their tokens' count).
     """
     _int_at_least("token_count", token_count, 0)
     _int_at_least("doc_count", doc_count, 0)
@@ -269,11 +273,13 @@ def rows_estimate(
         return max(tokens / seq + 0.5 * (windows - 1), pieces_bound)
     # Best-fit: all rows but a window's last few are (nearly) full; one extra row per window. A
     # document takes the larger of its tokens' share and its piece's share of a row.
+    tokens_rows = tokens / seq
     if short is not None and maxd < seq:
         short_docs, short_tokens = short
         tokens_rows = (tokens - short_tokens - short_docs * packing.extra_tokens) / seq + short_docs / maxd
-        return max(tokens_rows + windows, pieces_bound)
-    return max(tokens / seq + windows, pieces_bound)
+    if half is not None and packing.policy == "no-split":
+        tokens_rows = max(tokens_rows, float(half))
+    return max(tokens_rows + windows, pieces_bound)
 
 
 def piece_cap_note(capped: int, rows: int, tokens: int, packing: Packing) -> str | None:
