@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from helpers.realtext import doc_lengths, stdlib_lengths
 from helpers.skips import require
 from shardtool.plan import ArraySource, Batching, DataLayout, Layout
+from shardtool.plan.balance import MAX_DROP
 from shardtool.plan.cost import CostModel, step_balance
 from shardtool.plan.costorder import balanced_order
 from shardtool.plan.group import plan_group
@@ -297,9 +298,12 @@ def test_nodes_reading_one_range_together_balance_64_ranks_of_the_corpus_as_stor
     together = simulate_epoch(long_docs, DataLayout.pure_dp(nodes, 8), balanced, cost_model=LLAMA_7B)
     lost = (apart.balance()["time_lost"], together.balance()["time_lost"])
     assert lost[1] <= target < lost[0], lost
-    # One deal of the same rows: as full (0.992 against 0.977 here: one range has fewer cuts) and no
-    # token more left over.
-    assert together.fill_rate >= apart.fill_rate and together.remainder_tokens <= apart.remainder_tokens
+    # One deal of the same rows: as full (0.992 against 0.977 here: one range has fewer cuts), and
+    # what equal counts leave over within the plan's allowance. (Not "no more than apart": each
+    # count is the smallest whose drop is within it, so either side may drop a little more; on
+    # 2026-12-07's machine together left 90k tokens, apart 25k, of 144M.)
+    assert together.fill_rate >= apart.fill_rate
+    assert together.remainder_tokens <= MAX_DROP * together.total_tokens
     # What it costs: every node of the group caches the group's range, here the whole dataset.
     every = list(range(len(long_docs.summaries.samples)))
     assert all(shards_for_node(long_docs.summaries, DataLayout.pure_dp(nodes, 8), n) == every for n in range(8))
