@@ -175,6 +175,17 @@ class DatasetEpochs:
             p.padding_efficiency,
             left,
         )
+        if p.leftover_batches and self.reading.dp_rank == 0:  # the same on every rank: said once
+            log.warning(
+                "%s: the elastic resume deals the rest of epoch %d in whole batches, in equal shares over "
+                "%d DP ranks: %d batch(es) left over are not served this epoch, whatever drop_last says "
+                "(`loader.remainder` lists their samples). exact=True serves every batch: a rank short "
+                "of one serves a padding batch",
+                self.spec.url,
+                self.epoch,
+                self.reading.data_layout.dp_size,
+                p.leftover_batches,
+            )
         packing = self.batching.packing
         if p.rows is not None and packing is not None and not self._cap_noted:
             self._cap_noted = True  # once a loader: the same data caps every epoch alike

@@ -109,10 +109,15 @@ class SourceViews:
     @property
     def remainder(self) -> np.ndarray:
         """Global ids of the samples of this rank's data group that no rank serves this epoch (they
-        rotate across epochs). After an elastic resume, the epoch's rest is re-dealt whole batches:
-        nothing more is left out but ``plan.leftover_batches``, and this is empty."""
-        rem = self._epochs("remainder").plan.remainder
-        return rem if rem is not None else np.zeros(0, np.int64)
+        rotate across epochs). After an elastic resume, the epoch's rest is re-dealt whole batches
+        in equal shares: the samples of the few batches left over (``plan.leftover_batches``, fewer
+        than the DP ranks), the same on every rank."""
+        epochs = self._epochs("remainder")
+        rem = epochs.plan.remainder
+        if rem is not None:
+            return rem
+        left = epochs.planner.left_over(epochs.state) if epochs.plan.leftover_batches else []
+        return np.unique(np.concatenate(left)) if left else np.zeros(0, np.int64)
 
     @property
     def remainder_tokens(self) -> int:

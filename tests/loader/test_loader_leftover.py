@@ -51,3 +51,40 @@ def test_samples_a_4_to_3_resume_leaves_over_are_served_the_next_epoch(tmp_path,
     assert served1 | remainder1 == set(keys) and not served1 & remainder1
     assert set(left) - remainder1 <= served1
     assert len(set(left) & served1) >= len(left) - len(remainder1)
+
+
+@pytest.mark.timeout(300)
+def test_with_drop_last_false_what_a_resume_leaves_over_is_reported_and_warned(tmp_path, caplog):
+    """3 ranks -> 2 with drop_last=False: the batches the re-deal leaves over were served by no
+    rank and reported nowhere (`loader.remainder` empty, no warning). Now every rank's
+    `remainder` lists their samples, served + remainder is the whole epoch, and DP rank 0 warns."""
+    lengths = np.minimum(stdlib_lengths()[:665], 2048)
+    root, keys = write_dataset(str(tmp_path / "d"), [133] * 5, lengths=lengths, extra=False)
+
+    def ranks(world):
+        return [
+            ShardedLoader(
+                root, rank=r, world_size=world, ranks_per_node=1, num_workers=0, batch_size=4, drop_last=False
+            )
+            for r in range(world)
+        ]
+
+    before = ranks(3)
+    served = []
+    for ld in before:
+        it = iter(ld)
+        for _ in range(20):
+            served += next(it)["__key__"]
+        it.close()
+    after = ranks(2)
+    with caplog.at_level("WARNING", logger="shardtool"):
+        for ld in after:
+            ld.load_state_dict(before[0].state_dict())
+        left = [{keys[i] for i in ld.remainder.tolist()} for ld in after]
+    assert left[0] and left[0] == left[1], "the same leftover, named on every rank"
+    warned = [r.getMessage() for r in caplog.records if "not served this epoch" in r.getMessage()]
+    assert len(warned) == 1 and "exact=True" in warned[0], warned
+    for ld in after:
+        served += [k for b in read_all(ld) for k in b]
+    assert len(served) == len(set(served)), "nothing served twice"
+    assert set(served) | left[0] == set(keys) and not set(served) & left[0]
