@@ -10,7 +10,7 @@ from typing import Any
 from ..format.errors import ShardtoolError
 from ..format.manifest import MANIFEST_NAME
 from ..format.sizes import parse_size
-from ..plan.env import array_task
+from ..plan.env import array_ids, array_task
 from . import outdir
 from .chat import Chat, chat_fields
 from .foreign import default_length
@@ -166,10 +166,12 @@ def pack(
     )
     max_skip_fraction = check_fraction_option(max_skip_fraction)
     skip_bad = skip_bad or max_skip_fraction is not None
+    array = None
     if partition is not None:  # one partition of an engine's dataset (shardtool.pack.engines)
         T, I = partition.count, partition.index
     else:
         T, I = array_task(num_tasks, task_index, env=os.environ if env is None else env)
+        array = array_ids(T, task_index, env=os.environ if env is None else env)
     out = strip_file_scheme(out)
     if "://" in out:
         raise ShardtoolError(
@@ -311,7 +313,7 @@ def pack(
             length_def["image"] = tok.manifest()  # where the loader finds each image and its place
         seen = inputs_seen(units, len(skipped)) if partition is None and T > 1 else None
         result = publish_pack(
-            out, format, fields, length_def, results, skipped, T, I, max_skip_fraction, compression, extra, seen
+            out, format, fields, length_def, results, skipped, T, I, max_skip_fraction, compression, extra, seen, array
         )
         if out != dest:
             outdir.swap_in(dest, out)

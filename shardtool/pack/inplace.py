@@ -34,7 +34,7 @@ from ..format.manifest import Manifest, ShardInfo
 from ..format.sindex import ShardIndex
 from ..format.sizes import parse_size
 from ..format.writer import publish_manifest
-from ..plan.env import array_task
+from ..plan.env import array_ids, array_task
 from . import outdir
 from .options import load_function, strip_file_scheme
 from .skips import skip_entry
@@ -57,9 +57,10 @@ class IndexResult:
     fragment: str | None = None
     task: int = 0
     num_tasks: int = 1
+    array: tuple[int, int] | None = None  # (first id, step) of the SLURM array the task ran in
 
     def summary(self) -> str:
-        what = "dataset" if self.manifest else f"task {self.task}/{self.num_tasks} fragment"
+        what = "dataset" if self.manifest else f"{outdir.task_words(self.task, self.num_tasks, self.array)} fragment"
         mbs = self.bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
         return (
             f"indexed {self.samples} samples in {self.tars} tars ({self.bytes / 1e6:.1f} MB, left in place) in "
@@ -195,13 +196,14 @@ def index_tars(
     if not all_tars:
         raise ShardtoolError("no tars given")
     T, I = array_task(num_tasks, task_index, env=os.environ if env is None else env)
+    array = array_ids(T, task_index, env=os.environ if env is None else env)
     a, b = split_contiguous([_size(t) for t in all_tars], T)[I]
     work = [(n, all_tars[n], source_of(all_tars[n], out), max_member) for n in range(a, b)]
     before = outdir.snapshot(out)
     outdir.prepare(out, task=I, num_tasks=T, overwrite=overwrite)
     try:
         scans = _scan_all(work, workers, length, length_fn)
-        result = _publish(out, work, scans, length, length_fn, skip_bad, T, I)
+        result = _publish(out, work, scans, length, length_fn, skip_bad, T, I, array)
     except BaseException:
         outdir.undo(out, before, task=I, num_tasks=T)
         raise
@@ -222,7 +224,15 @@ def _length_def(fields: list[FieldSpec], length: str | None, length_fn: str | No
 
 
 def _publish(
-    out: str, work: list[tuple], scans: list[tuple], length, length_fn, skip_bad: bool, T: int, I: int
+    out: str,
+    work: list[tuple],
+    scans: list[tuple],
+    length,
+    length_fn,
+    skip_bad: bool,
+    T: int,
+    I: int,
+    array: tuple[int, int] | None = None,
 ) -> IndexResult:
     skipped: list[str] = []
 
@@ -275,7 +285,7 @@ def _publish(
                 )
             )
             lengths.append(np.array(scan.lengths, dtype=np.int64))
-        return _commit(out, fields, length_def, shards, lengths, skipped, T, I)
+        return _commit(out, fields, length_def, shards, lengths, skipped, T, I, array)
     except BaseException:
         for path in written:  # no manifest will name them
             with contextlib.suppress(OSError):
@@ -283,10 +293,20 @@ def _publish(
         raise
 
 
-def _commit(out: str, fields, length_def, shards, lengths, skipped, T: int, I: int) -> IndexResult:
+def _commit(
+    out: str, fields, length_def, shards, lengths, skipped, T: int, I: int, array: tuple[int, int] | None = None
+) -> IndexResult:
     all_lengths = np.concatenate(lengths)
     result = IndexResult(
-        out, len(shards), int(all_lengths.size), sum(s.bytes for s in shards), 0.0, skipped, task=I, num_tasks=T
+        out,
+        len(shards),
+        int(all_lengths.size),
+        sum(s.bytes for s in shards),
+        0.0,
+        skipped,
+        task=I,
+        num_tasks=T,
+        array=array,
     )
     if T == 1:
         keep = {os.path.basename(s.index) for s in shards}
@@ -309,5 +329,5 @@ def _commit(out: str, fields, length_def, shards, lengths, skipped, T: int, I: i
             "dropped": 0,
             "truncated": 0,
         }
-        result.fragment = outdir.write_fragment(out, I, T, body, all_lengths)
+        result.fragment = outdir.write_fragment(out, I, T, body, all_lengths, array)
     return result

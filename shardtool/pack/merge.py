@@ -37,6 +37,32 @@ def _load(path: str) -> dict:
     return d
 
 
+def _named(missing: list[int], have: dict[int, str], num_tasks: int) -> str:
+    """The missing tasks as a user reruns them: by SLURM array task id where a finished task
+    recorded its array (places count from 0: ``--array=1-4`` puts id 3 at place 2), and how. A
+    rerun array of its own (``--array=3,4``) numbers its tasks anew, so each gets its place."""
+    array = None
+    for path in have.values():
+        try:
+            got = _load(path).get("slurm_array")
+        except FormatError:
+            continue
+        if isinstance(got, dict) and isinstance(got.get("first"), int) and isinstance(got.get("step"), int):
+            array = (got["first"], got["step"])
+            break
+    more = " …" if len(missing) > 20 else ""
+    places = ",".join(map(str, missing[:20])) + more
+    if array is None:
+        return f"places {places} (from 0); rerun each with --num-tasks {num_tasks} --task-index PLACE"
+    first, step = array
+    ids = ",".join(str(first + t * step) for t in missing[:20]) + more
+    place = f"SLURM_ARRAY_TASK_ID - {first}" if step == 1 else f"(SLURM_ARRAY_TASK_ID - {first}) / {step}"
+    return (
+        f"SLURM array task ids {ids} (places {places}); rerun them with, e.g., sbatch --array={ids} "
+        f"... --num-tasks {num_tasks} --task-index $(({place}))"
+    )
+
+
 def merge(out: str, *, num_tasks: int | None = None) -> dict:
     """Write ``out/index.json`` from ``out/tasks/*``; returns a summary dict."""
     out = strip_file_scheme(out)
@@ -55,8 +81,7 @@ def merge(out: str, *, num_tasks: int | None = None) -> dict:
     missing = [t for t in range(num_tasks) if t not in have]
     if missing:
         raise ShardtoolError(
-            f"{out}: {len(missing)} of {num_tasks} tasks have not finished: "
-            f"{', '.join(str(t) for t in missing[:20])}{' …' if len(missing) > 20 else ''}"
+            f"{out}: {len(missing)} of {num_tasks} tasks have not finished: {_named(missing, have, num_tasks)}"
         )
     bodies = [_load(have[t]) for t in range(num_tasks)]
     first = bodies[0]

@@ -113,13 +113,24 @@ def remove_orphans(out: str, keep: set[str], *, task: int | None = None) -> int:
     return n
 
 
-def write_fragment(out: str, task: int, num_tasks: int, body: dict, lengths: np.ndarray) -> str:
+def task_words(task: int, num_tasks: int, array: tuple[int, int] | None) -> str:
+    """A job-array task as a user submitted it: its place, and its SLURM array task id where known."""
+    return f"task {task}/{num_tasks}" + (f" (SLURM array task {array[0] + task * array[1]})" if array else "")
+
+
+def write_fragment(
+    out: str, task: int, num_tasks: int, body: dict, lengths: np.ndarray, array: tuple[int, int] | None = None
+) -> str:
+    """Task ``task``'s fragment for `merge`; ``array``: (first id, step) of the SLURM array it ran
+    in (`shardtool.plan.env.array_ids`), so that merge names missing tasks by their SLURM ids."""
     from ..format.hashing import hash_bytes
 
     data = lengths_to_bytes(lengths)
     lengths_rel = f"{TASKS_DIR}/task-{task:04d}-of-{num_tasks:04d}.lengths.npy"
     atomic_write_bytes(os.path.join(out, lengths_rel), data)
     body = {**body, "lengths": {"path": lengths_rel, "hash": hash_bytes(data), "bytes": len(data)}}
+    if array is not None:
+        body["slurm_array"] = {"first": array[0], "step": array[1]}
     rel = fragment_name(task, num_tasks)
     atomic_write_bytes(os.path.join(out, rel), (json.dumps(body, indent=1) + "\n").encode())
     return rel

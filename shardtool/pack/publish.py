@@ -32,6 +32,7 @@ class PackResult:
     fragment: str | None = None
     task: int = 0
     num_tasks: int = 1
+    array: tuple[int, int] | None = None  # (first id, step) of the SLURM array the task ran in
     dropped: int = 0  # longer than --max-length, dropped
     truncated: int = 0  # longer than --max-length, cut to it
     warnings: list[str] = field(default_factory=list)
@@ -39,7 +40,7 @@ class PackResult:
     def summary(self) -> str:
         rate = self.samples / self.seconds if self.seconds > 0 else 0.0
         mbs = self.bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
-        what = "dataset" if self.manifest else f"task {self.task}/{self.num_tasks} fragment"
+        what = "dataset" if self.manifest else f"{outdir.task_words(self.task, self.num_tasks, self.array)} fragment"
         capped = (
             f"dropped {self.dropped} and truncated {self.truncated} over --max-length; "
             if self.dropped or self.truncated
@@ -84,6 +85,7 @@ def publish_pack(
     compression: str | None,
     extra: dict | None = None,
     inputs: dict | None = None,
+    array: tuple[int, int] | None = None,
 ) -> PackResult:
     """Check the workers' results and publish the manifest (or this task's fragment), last."""
     results.sort(key=lambda r: r.worker)
@@ -102,6 +104,7 @@ def publish_pack(
         skipped,
         task=I,
         num_tasks=T,
+        array=array,
         dropped=sum(r.dropped for r in results),
         truncated=sum(r.truncated for r in results),
     )
@@ -134,7 +137,7 @@ def publish_pack(
             "dropped": result.dropped,
             "truncated": result.truncated,
         }
-        result.fragment = outdir.write_fragment(out, I, T, body, lengths)
+        result.fragment = outdir.write_fragment(out, I, T, body, lengths, array)
     return result
 
 

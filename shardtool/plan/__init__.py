@@ -27,7 +27,7 @@ decision lives here:
 from __future__ import annotations
 
 from .batching import PLAN_VERSION, Batching
-from .env import LayoutError, array_task, node_placement, rank_placement
+from .env import LayoutError, array_ids, array_task, node_placement, rank_placement
 from .group import GroupPlan, plan_group
 from .layout import DataLayout, Layout, Placement
 from .mesh import Mesh, data_layout, data_parallel, parse_mesh
@@ -58,6 +58,7 @@ __all__ = [
     "RankPlan",
     "Segment",
     "StateError",
+    "array_ids",
     "array_task",
     "data_layout",
     "data_parallel",

@@ -14,7 +14,7 @@ from typing import Any
 from ..format.errors import ShardtoolError
 from .layout import Layout, Placement, require_positive_int
 
-__all__ = ["LayoutError", "array_task", "node_placement", "rank_placement", "slurm_tasks_per_node"]
+__all__ = ["LayoutError", "array_ids", "array_task", "node_placement", "rank_placement", "slurm_tasks_per_node"]
 
 
 class LayoutError(ShardtoolError, ValueError):
@@ -183,6 +183,15 @@ def array_task(num_tasks: int | None, task_index: int | None, *, env: Mapping[st
     if not 0 <= task_index < num_tasks:
         raise LayoutError(f"--task-index {task_index} is outside 0..{num_tasks - 1}")
     return num_tasks, task_index
+
+
+def array_ids(num_tasks: int, task_index: int | None, *, env: Mapping[str, str]) -> tuple[int, int] | None:
+    """(first id, step) of the SLURM job array whose ids `array_task` read this task's place from,
+    so that a task's place p is SLURM task id first + p * step (what `merge` names and a user
+    resubmits); None where the place was given (``task_index``) or no array id is set."""
+    if task_index is not None or num_tasks <= 1 or _int(env, "SLURM_ARRAY_TASK_ID") is None:
+        return None
+    return _int(env, "SLURM_ARRAY_TASK_MIN") or 0, _int(env, "SLURM_ARRAY_TASK_STEP") or 1
 
 
 def _array_place(env: Mapping[str, str], found: int, num_tasks: int) -> int:

@@ -189,9 +189,18 @@ def test_job_array_merge_refuses_missing_task_and_cli_inspect(tmp_path):
 
     src = write_parquet(str(tmp_path / "in.parquet"), token_records(100), row_group_size=10)
     out = str(tmp_path / "o")
-    env = {"SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_MIN": "0"}
-    shardtool.pack(src, out, env=env, length="tokens", samples_per_shard=8)
-    with pytest.raises(shardtool.ShardtoolError, match="tasks have not finished: 0, 2"):
+    # --array=1-3: SLURM task id 2 is place 1. The missing ones are named as the user submitted
+    # them (ids 1 and 3, not places 0 and 2), with the rerun that gives each its place.
+    env = {"SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_MIN": "1"}
+    done = shardtool.pack(src, out, env=env, length="tokens", samples_per_shard=8, quiet=True)
+    assert "task 1/3 (SLURM array task 2) fragment" in done.summary()
+    with pytest.raises(shardtool.ShardtoolError) as e:
+        merge(out)
+    assert "tasks have not finished: SLURM array task ids 1,3 (places 0,2)" in str(e.value)
+    assert "--array=1,3 ... --num-tasks 3 --task-index $((SLURM_ARRAY_TASK_ID - 1))" in str(e.value)
+    os.unlink(os.path.join(out, done.fragment))  # places given by hand: named as places
+    shardtool.pack(src, out, num_tasks=3, task_index=1, env={}, length="tokens", samples_per_shard=8, quiet=True)
+    with pytest.raises(shardtool.ShardtoolError, match=r"not finished: places 0,2 \(from 0\); rerun each with"):
         merge(out)
     for i in (0, 2):
         shardtool.pack(src, out, num_tasks=3, task_index=i, env={}, length="tokens", samples_per_shard=8)
