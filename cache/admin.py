@@ -18,7 +18,7 @@ from .budget import Budget, cached_versions, evict
 from .cachedir import META_DIR, lengths_rel, read_sources
 from .locks import try_exclusive
 from .meta import stamp_found_intact, summaries_usable
-from .plain import found_intact
+from .plain import found_intact, remove_leftovers, stored_copy_path
 from .store import read_verified_local
 
 TEMP_GRACE_S = 600  # a metadata temp file untouched this long belongs to a dead writer
@@ -142,6 +142,29 @@ def _remove_temps(cache_dir: str) -> int:
                         if now - os.stat(p).st_mtime > TEMP_GRACE_S:
                             os.unlink(p)
                             n += 1
+        n += _remove_stored_leftovers(vd, m)
+    return n
+
+
+def _remove_stored_leftovers(vd, m) -> int:
+    """A killed warm's copies of compressed shards waiting to be decompressed (``.shardtool/stored``:
+    the stored bytes and their temps, up to a compressed shard each), where no one holds the shard."""
+    folder = os.path.dirname(stored_copy_path(vd, 0))
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    n = 0
+    for shard in sorted(
+        {int(d) for d in (name.removeprefix(TMP_PREFIX).split(".")[0] for name in names) if d.isdigit()}
+    ):
+        if shard >= len(m.shards):
+            continue
+        with try_exclusive(vd.lock_path(shard)) as held:
+            if held:
+                before = len(os.listdir(folder))
+                remove_leftovers(vd, shard, vd.path(m.shards[shard].path))
+                n += before - len(os.listdir(folder))
     return n
 
 

@@ -415,3 +415,26 @@ def test_a_share_larger_than_the_decompressed_batches_kept_is_warned_about(packe
             assert _epoch(packed["zstd"], 0, batch_size=64) == _epoch(packed[None], 0, batch_size=64)
     finally:
         cls._cap, cls.CACHE_BYTES, cls._warned = saved
+
+
+def test_gc_removes_a_killed_warms_stored_copies_but_not_a_busy_ones(packed, tmp_path):
+    """A warm killed while decompressing leaves the stored bytes (up to a compressed shard) and
+    their temp under .shardtool/stored/; `gc` said "removed 0 temp files" and left them."""
+    from shardtool.cache.locks import try_exclusive
+
+    src = _copy(packed["zstd"], tmp_path / "src")
+    cdir = str(tmp_path / "cache")
+    r = warm(src, cdir, all_shards=True, progress=False)
+    vd = VersionDir(cdir, r.version)
+    folder = os.path.dirname(stored_copy_path(vd, 0))
+    for shard in (1, 2):  # what a SIGKILL mid-decompression leaves: the stored copy and its temp
+        with open(stored_copy_path(vd, shard), "wb") as f:
+            f.write(b"x" * 1000)
+        with open(os.path.join(folder, f".tmp-{shard}.part"), "wb") as f:
+            f.write(b"x" * 10)
+    with try_exclusive(vd.lock_path(2)) as held:  # shard 2's holder is alive: its files stay
+        assert held
+        assert admin.gc(cdir)["temps_removed"] == 2
+        assert sorted(os.listdir(folder)) == [".tmp-2.part", "2"]
+    assert admin.gc(cdir)["temps_removed"] == 2 and os.listdir(folder) == []
+    assert admin.verify(cdir)["ok"] == len(shardtool.open_dataset(src).manifest.shards)
