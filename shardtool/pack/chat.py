@@ -31,7 +31,7 @@ import numpy as np
 
 from ..format.errors import BadSampleError, ShardtoolError
 from ..format.fields import FieldSpec
-from .tokenize import TOKENS_FIELD, TokenIds, json_list, replaced_fields, tokens_spec
+from .tokenize import TOKENS_FIELD, TokenIds, json_list, load_tokenizer, replaced_fields, tokens_spec
 
 LOSS_MASK_FIELD = "loss_mask"
 # Private-use characters: the generation markers' places in the rendered text, taken out after.
@@ -48,7 +48,8 @@ def find_template(tokenizer: Any, chat_template: str | None) -> tuple[str, dict[
             specials[name] = value
     if chat_template is not None:
         if not os.path.isfile(chat_template):
-            raise ShardtoolError(f"--chat-template {chat_template!r}: no such file (a Jinja chat template)")
+            what = "not a regular file" if os.path.exists(chat_template) else "no such file"
+            raise ShardtoolError(f"--chat-template {chat_template!r}: {what} (give a Jinja chat template file)")
         with open(chat_template, encoding="utf-8") as f:
             return f.read(), specials
     own = getattr(tokenizer, "chat_template", None)
@@ -56,6 +57,8 @@ def find_template(tokenizer: Any, chat_template: str | None) -> tuple[str, dict[
         return own, specials
     if isinstance(tokenizer, (str, os.PathLike)):
         folder = os.fspath(tokenizer)
+        if not os.path.exists(folder):  # said before "it has no template", which sent users looking for one
+            load_tokenizer(tokenizer)  # raises, naming the path
         folder = folder if os.path.isdir(folder) else os.path.dirname(folder)
         jinja = os.path.join(folder, "chat_template.jinja")
         if os.path.isfile(jinja):

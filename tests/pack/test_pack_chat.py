@@ -208,6 +208,12 @@ def test_bad_conversations_and_options_are_named(chats, tmp_path):
     shutil.copy(os.path.join(tokdir, "tokenizer.json"), bare / "tokenizer.json")
     with pytest.raises(ShardtoolError, match="no chat_template in its tokenizer_config.json"):
         pack(jsonl, str(tmp_path / "o3"), tokenizer=str(bare / "tokenizer.json"), chat_field="messages", key="id")
+    # A tokenizer path that does not exist is named as such, not as a tokenizer without a template;
+    # a template path that is no regular file, likewise.
+    with pytest.raises(ShardtoolError, match="--tokenizer 'nosuchtok/': no such file"):
+        pack(jsonl, str(tmp_path / "o3"), tokenizer="nosuchtok/", chat_field="messages", key="id")
+    with pytest.raises(ShardtoolError, match="--chat-template '/dev/null': not a regular file"):
+        pack(jsonl, str(tmp_path / "o3"), tokenizer=tokdir, chat_field="messages", chat_template="/dev/null")
     with pytest.raises(ShardtoolError, match="does not parse"):
         (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
         pack(
