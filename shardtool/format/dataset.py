@@ -237,7 +237,10 @@ class Dataset:
             )
         return data
 
-    def shard_index(self, shard: int) -> ShardIndex:
+    def shard_index(self, shard: int, *, against_lengths: bool = True) -> ShardIndex:
+        """``shard``'s sample index, checked against the manifest and the lengths file; without
+        ``against_lengths`` (verify, where the lengths file itself is bad) not against that file,
+        and not kept."""
         idx = self._indexes.get(shard)
         if idx is None:
             info = self.manifest.shards[shard]
@@ -247,8 +250,10 @@ class Dataset:
                 shard=info.path,
                 tar=self.manifest.shard_format == "tar",
             )
-            idx.check(shard=info.path, samples=info.samples, shard_bytes=info.bytes, lengths=self.shard_lengths(shard))
-            self._indexes[shard] = idx
+            lengths = self.shard_lengths(shard) if against_lengths else None
+            idx.check(shard=info.path, samples=info.samples, shard_bytes=info.bytes, lengths=lengths)
+            if against_lengths:
+                self._indexes[shard] = idx
         return idx
 
     # ------------------------------------------------------------------ samples

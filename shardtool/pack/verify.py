@@ -20,6 +20,7 @@ from ..format.dataset import Dataset, is_local, open_dataset
 from ..format.errors import FormatError
 from ..format.fields import FieldSpec, decode_bytes, length_of
 from ..format.hashing import check_algo
+from ..format.summaries import SUMMARIES_NAME
 from ..format.tarshard import check_sample_range
 
 
@@ -35,7 +36,9 @@ def _shard_bytes(ds: Dataset, shard: int):
     return fs.cat_file(path)
 
 
-def verify_shard(ds: Dataset, shard: int) -> None:
+def verify_shard(ds: Dataset, shard: int, *, against_lengths: bool = True) -> None:
+    """``shard``'s bytes, index and samples checked; ``against_lengths`` False where the lengths
+    file is bad (reported once, apart): each shard is then checked on its own."""
     info = ds.manifest.shards[shard]
     check_algo(info.hash)
     try:
@@ -44,7 +47,7 @@ def verify_shard(ds: Dataset, shard: int) -> None:
         raise FormatError(f"{info.path}: shard file is missing") from None
     try:
         check_shard_bytes(ds, shard, data)
-        idx = ds.shard_index(shard)  # checks the index's own hash, count, ranges and lengths
+        idx = ds.shard_index(shard, against_lengths=against_lengths)  # hash, count, ranges, lengths
         if ds.manifest.shard_format == "tar":
             exts = [f.ext for f in ds.manifest.fields]
             field_offsets, field_sizes = idx.field_offsets, idx.field_sizes
@@ -160,13 +163,21 @@ def verify(
     """
     ds = open_dataset(url, storage_options=storage_options) if dataset is None else dataset
     bad = []
+    lengths_ok = True
     try:
         _ = ds.lengths  # the global lengths file against its manifest hash
     except FormatError as e:
+        lengths_ok = False
         bad.append({"shard": ds.manifest.lengths_file.get("path", "lengths.npy"), "error": str(e)})
+    # A damaged summaries file is not fatal (the loader warns and plans from the lengths instead),
+    # but it is damage a verify must name: it said OK.
+    stored = ds.read_summaries_bytes()
+    _, why = ds.stored_summaries(stored)
+    if stored is not None and why:  # none at all: packed before summaries, not damage
+        bad.append({"shard": SUMMARIES_NAME, "error": f"{SUMMARIES_NAME}: the dataset {why}"})
     for s in range(ds.num_shards):
         try:
-            verify_shard(ds, s)
+            verify_shard(ds, s, against_lengths=lengths_ok)
         except FormatError as e:
             bad.append({"shard": ds.manifest.shards[s].path, "error": str(e)})
             samples = getattr(e, "samples", None)  # set by format.damage on the errors it raises

@@ -52,3 +52,30 @@ def test_verify_catches_index_that_disagrees_with_shard(tmp_path):
     flip_byte(idx, 200)
     rep = verify(out)
     assert not rep["ok"] and rep["bad"][0]["shard"] == ds.manifest.shards[0].path
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fmt", ["tar", "arrow"])
+def test_verify_names_a_cut_lengths_or_summaries_file_once_as_itself(tmp_path, fmt):
+    """A truncated lengths.npy was reported as every shard's fault but one (each shard's index is
+    checked against it); a truncated summaries.arrow gave "verify: OK"."""
+    out = str(tmp_path / "o")
+    shardtool.pack(
+        write_jsonl(str(tmp_path / "in.jsonl"), token_records(200)),
+        out,
+        format=fmt,
+        samples_per_shard=50,
+        length="tokens",
+    )
+    for name in ("lengths.npy", "summaries.arrow"):
+        path = os.path.join(out, name)
+        whole = open(path, "rb").read()
+        with open(path, "wb") as f:
+            f.write(whole[: len(whole) // 2])
+        rep = verify(out)
+        assert not rep["ok"] and [b["shard"] for b in rep["bad"]] == [name], rep["bad"]
+        p = _cli("verify", out)
+        assert p.returncode == 1 and f"BAD {name}" in p.stderr and "1 bad" in p.stdout, (p.stdout, p.stderr)
+        with open(path, "wb") as f:
+            f.write(whole)
+    assert verify(out)["ok"]
