@@ -38,7 +38,7 @@ class GroupPlan:
     lengths: np.ndarray  # lengths of the group's samples [first, first + len)
     ids: np.ndarray
     offsets: np.ndarray
-    remainder: np.ndarray  # the group's samples of which no rank serves a token this epoch
+    remainder: np.ndarray  # the group's samples of which no rank serves a token this epoch (not no-split's dropped)
     rows: Rows | None = None
     row_offsets: np.ndarray | None = None
     left_out: Rows | None = None  # packed: the rows dropped to reach equal counts (pieces included)
@@ -211,6 +211,7 @@ def _packed(
     span_offsets = rows.row_offsets[row_offsets]
     served = np.zeros(count, dtype=bool)
     served[rows.span_pos - lo] = True
+    served[np.union1d(rows.dropped, left_out.dropped) - lo] = True  # no-split's too long: not a remainder
     all_ids = np.arange(lo, lo + count, dtype=np.int64)
     return GroupPlan(
         group, k, n, lo, lengths, rows.span_pos, span_offsets, all_ids[~served], rows, row_offsets, left_out

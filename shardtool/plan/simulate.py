@@ -181,7 +181,7 @@ def _packed_stats(plan, shape: PlanShape, costs: np.ndarray | None) -> GroupStat
         per_rank,
         split_docs=plan.split_docs,
         remainder_pieces=plan.remainder_pieces,
-        dropped_docs=int(rows.dropped.size + left.dropped.size),
+        dropped_docs=int(np.union1d(rows.dropped, left.dropped).size),  # both carry the group's (`Rows.take`)
         costs=costs,
         padding_batches=int(np.count_nonzero(np.diff(plan.row_offsets) == 0)),
         rows=rows.num_rows,

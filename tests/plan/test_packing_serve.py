@@ -221,3 +221,18 @@ def test_no_split_serves_image_text_documents_that_cannot_share_rows(sides, seq)
                 assert np.array_equal(np.sort(pos), np.arange(lengths.size)), (layout, drop_last)
             else:
                 assert full.sum() - size.sum() <= 0.01 * full.sum(), (layout, drop_last)
+
+
+def test_no_split_counts_each_dropped_document_once_and_not_as_a_remainder():
+    """The issue corpus at rows of 1,024: 617 documents are longer than a row. The plan counted
+    1,234 dropped (2,468 with drop_last=False: every copy of the rows carried them), and its
+    remainder named them as "documents wholly: empty ones"."""
+    lengths = _issue()
+    source = ArraySource(lengths, _shards(lengths.size, 100))
+    for layout, drop_last in ((Layout(1, 1), False), (Layout(1, 2), None), (Layout(2, 3), True)):
+        dl = DataLayout.pure_dp(layout)
+        batching = Batching(batch_size=4, packing=Packing(1024, "no-split"), drop_last=drop_last)
+        assert simulate_epoch(source, dl, batching).dropped_docs == int((lengths > 1024).sum())
+        planner = Planner(source, batching)
+        remainder = np.concatenate([planner.group(dl, g, 0).remainder for g in range(dl.num_groups)])
+        assert not (lengths[remainder] > 1024).any(), "a document too long for a row is dropped, not a remainder"
