@@ -86,6 +86,7 @@ class DatasetEpochs:
         self._cap_noted = False  # the warning that max_docs_per_row closes most rows, said once
         self._plan: RankPlan | None = None
         self.served = 0  # batches of the current plan handed to the training loop
+        self.handed_epoch: int | None = None  # the epoch of the batch last handed over
         self._checked_epoch: int | None = None
         self._loaded_epoch: int | None = None  # a loaded state's epoch, until the loader is iterated
         self._after: np.ndarray | None = None  # each pass batch's position after it, where not b + 1
@@ -284,6 +285,7 @@ class DatasetEpochs:
         except ValueError as e:  # StateError, and a plan that cannot be made for it
             raise LoaderStateError(f"cannot load this loader state: {e}") from None
         self.epoch = self._loaded_epoch = st.epoch
+        self.handed_epoch = None
         if self.schedule is not None:
             self._first_step = st.step if st.step is not None else self._steps_before(st.epoch)
         self.state = resumed
@@ -313,6 +315,7 @@ class DatasetEpochs:
         """b + 1, or where the pass's batches are not the plan's (past skipped steps, the next one
         to serve; with a batch-size schedule, the end of the step's batches)."""
         self.served = b + 1 if self._after is None else int(self._after[b])
+        self.handed_epoch = self.epoch
         return self.served
 
     def begin_pass(self) -> PassBatches:

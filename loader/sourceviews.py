@@ -57,6 +57,13 @@ class SourceViews:
         self._settle()
         return self._epochs("epoch").epoch
 
+    @property
+    def handed_epoch(self) -> int | None:
+        """The epoch of the batch last handed to the training loop (None before the first, and
+        after a state is loaded). While an epoch's last batch is in hand, `epoch` (and a state
+        saved then) is already the next one's; this is still that batch's."""
+        return self._epochs("handed_epoch").handed_epoch
+
     def set_epoch(self, epoch: int) -> None:
         """Serve ``epoch`` next (its own shuffle); refused before a loaded state's epoch."""
         if not isinstance(self.batch_source, DatasetEpochs):

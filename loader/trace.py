@@ -27,8 +27,9 @@ __all__ = ["dump", "find", "sample_of", "trace", "traces"]
 
 
 def trace(loader: Any, step: int, *, epoch: int | None = None) -> dict[str, Any]:
-    """Rank ``loader.rank``'s batch at ``step`` of ``epoch`` (default: the loader's current epoch,
-    at its current position's layout segments), as the loader serves it.
+    """Rank ``loader.rank``'s batch at ``step`` of ``epoch`` (default: the epoch of the batch the
+    loader last handed over, else its current one, at its current position's layout segments), as
+    the loader serves it. (During an epoch's last batch the loader's `epoch` is already the next.)
 
     Returns ``{"epoch", "step", "rank", "dp_rank", "samples"}``; each sample a dict with ``key``,
     ``shard`` (its path in the dataset), ``index`` (in the shard), ``sample`` (global index) and
@@ -52,6 +53,8 @@ def traces(loader: Any, first: int, stop: int, *, epoch: int | None = None) -> l
             raise ValueError(f"step must be an int >= 0, found {step!r}")
     if getattr(loader, "mixture", None) is not None:
         return _mixture_steps(loader, int(first), int(stop))
+    if epoch is None:  # the batch in hand: an epoch's last one is traced in that epoch, not the next
+        epoch = loader.handed_epoch
     state = _epoch_state(loader, epoch)
     earlier, cut = _segment_steps(loader, state, epoch)
     if first < earlier:

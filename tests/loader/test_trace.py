@@ -70,6 +70,20 @@ KINDS = {
 }
 
 
+@pytest.mark.parametrize("kind", ["bucketed", "packed-256"])
+def test_the_batch_in_hand_is_traced_in_its_epoch_also_the_last_one(real_ds, kind):
+    """In the training loop, `trace(loader, step)` names the batch just delivered. During an
+    epoch's last batch the loader's `epoch` (and a state saved then) is already the next one, and
+    the trace answered for that epoch's step: every rank's last step mismatched."""
+    packed = "seq_len" in KINDS[kind]
+    ld = ShardedLoader(real_ds, num_workers=0, seed=4, metrics=False, **KINDS[kind])
+    for epoch in (0, 1):
+        for step, batch in enumerate(ld):
+            assert _traced(trace(ld, step), packed) == _delivered(batch, packed), (epoch, step)
+        assert ld.epoch == epoch + 1 and ld.handed_epoch == epoch  # between epochs: the one just served
+    ld.close()
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("ranks, workers", [(1, 0), (3, 2)])
 def test_every_step_traced_equals_the_batch_delivered(real_ds, kind, ranks, workers):
