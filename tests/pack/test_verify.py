@@ -14,9 +14,8 @@ from helpers.runcli import shardtool_cli as _cli
 from shardtool.pack.verify import verify
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("fmt", ["tar", "arrow"])
-def test_verify_flipped_byte_and_truncation(tmp_path, fmt):
+def _packed(tmp_path, fmt: str) -> str:
+    """200 token records in shards of 50, as ``fmt``."""
     out = str(tmp_path / "o")
     shardtool.pack(
         write_jsonl(str(tmp_path / "in.jsonl"), token_records(200)),
@@ -25,6 +24,13 @@ def test_verify_flipped_byte_and_truncation(tmp_path, fmt):
         samples_per_shard=50,
         length="tokens",
     )
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fmt", ["tar", "arrow"])
+def test_verify_flipped_byte_and_truncation(tmp_path, fmt):
+    out = _packed(tmp_path, fmt)
     assert verify(out)["ok"]
     assert verify("file://" + out)["ok"]
     p = _cli("verify", out)
@@ -59,14 +65,7 @@ def test_verify_catches_index_that_disagrees_with_shard(tmp_path):
 def test_verify_names_a_cut_lengths_or_summaries_file_once_as_itself(tmp_path, fmt):
     """A truncated lengths.npy was reported as every shard's fault but one (each shard's index is
     checked against it); a truncated summaries.arrow gave "verify: OK"."""
-    out = str(tmp_path / "o")
-    shardtool.pack(
-        write_jsonl(str(tmp_path / "in.jsonl"), token_records(200)),
-        out,
-        format=fmt,
-        samples_per_shard=50,
-        length="tokens",
-    )
+    out = _packed(tmp_path, fmt)
     for name in ("lengths.npy", "summaries.arrow"):
         path = os.path.join(out, name)
         whole = open(path, "rb").read()
