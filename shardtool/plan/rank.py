@@ -276,7 +276,8 @@ class Planner:
             if seg.batches != want:
                 raise StateError(
                     f"segment {i} of the loader state has {seg.batches} batches per rank where "
-                    f"this dataset and config give {want}: found a state from another dataset or config"
+                    f"this dataset and config give {want}: found a state from another dataset or config, or planned "
+                    "by another shardtool version"
                 )
 
     def _batch_ids(self, layout0: DataLayout, epoch: int, d0: np.ndarray, b0: np.ndarray) -> list[np.ndarray]:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from helpers.strategies import LAYOUTS, cases, make_lengths
 from shardtool.plan import ArraySource, Batching, DataLayout, Layout, Planner
+from shardtool.plan.packing import Packing
 from shardtool.plan.state import LoaderState, Segment, StateError, _v1_fingerprint, check_compatible
 
 settings.register_profile("state", max_examples=40, deadline=None)
@@ -212,6 +213,30 @@ def test_a_state_of_the_previous_release_loads_at_an_epoch_start_and_is_refused_
     mid = {**v1, "segments": [{"world_size": 8, "ranks_per_node": 4, "served": 5}]}
     with pytest.raises(StateError, match=r"saved by shardtool 0.1 in the middle of epoch 3.*set_epoch\(3\)"):
         LoaderState.from_dict(mid, batching=batching)
+
+
+def test_a_mid_epoch_no_split_state_of_an_older_count_is_refused_as_another_plan_version(monkeypatch):
+    # No-split's counts changed (2026-12-07): an older position would be replayed against other
+    # batches. The refusal names the cause; a state at an epoch's start still loads; other
+    # policies' fingerprints (and their saved states) are untouched by no-split's version.
+    from shardtool.plan.about import describe
+    from shardtool.plan.packing import config
+
+    def batching(policy: str) -> Batching:
+        return Batching(batch_size=2, packing=Packing(seq_len=1024, policy=policy), seed=1)
+
+    monkeypatch.setattr(config, "NO_SPLIT_VERSION", config.NO_SPLIT_VERSION - 1)
+    old, best_fit_before = batching("no-split").fingerprint(), batching("best-fit").fingerprint()
+    monkeypatch.undo()
+    assert batching("best-fit").fingerprint() == best_fit_before
+    planner = Planner(ArraySource(np.full(400, 300, np.int64), [200, 200]), batching("no-split"))
+    layout = DataLayout.pure_dp(Layout(1, 2))
+    start = planner.start(2, DATASET, layout)
+    about = describe("s3://b/d", "v1", 400, batching("no-split"))
+    saved = LoaderState(2, DATASET, old, start.segments, start.version, about, start.step)
+    with pytest.raises(StateError, match=r"as here, but by another plan version"):
+        check_compatible(saved.with_served(1), DATASET, batching("no-split"), about)
+    assert check_compatible(saved, DATASET, batching("no-split"), about).batching_fingerprint != old
 
 
 @pytest.mark.parametrize(

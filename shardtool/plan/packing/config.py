@@ -37,6 +37,7 @@ import numpy as np
 from ..arrays import gather_runs
 
 __all__ = [
+    "NO_SPLIT_VERSION",
     "PACKING_VERSION",
     "POLICIES",
     "Packing",
@@ -50,6 +51,10 @@ __all__ = [
 # Bumped whenever packing changes the rows it produces, so a saved position is never replayed
 # against different rows.
 PACKING_VERSION = 2
+# Bumped when no-split's batch counts change (2: counted from the documents' lengths, so every
+# document is served; 2026-12-07). Folded into no-split's fingerprint only, so a mid-epoch position
+# of an older no-split plan is refused as another plan version, and other policies keep theirs.
+NO_SPLIT_VERSION = 2
 POLICIES = ("concat", "best-fit", "no-split", "stream")
 
 
@@ -104,9 +109,10 @@ class Packing:
 
     def fingerprint(self) -> str:
         """Stable short hex id of this config and of the packing algorithm version."""
-        canonical = json.dumps(
-            {"packing_version": PACKING_VERSION, **asdict(self)}, sort_keys=True, separators=(",", ":")
-        )
+        fields = {"packing_version": PACKING_VERSION, **asdict(self)}
+        if self.policy == "no-split":
+            fields["no_split_version"] = NO_SPLIT_VERSION
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
