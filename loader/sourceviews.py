@@ -117,9 +117,10 @@ class SourceViews:
     def remainder(self) -> np.ndarray:
         """Global ids of the samples of this rank's data group that no rank serves this epoch (they
         rotate across epochs; documents ``no-split`` drops for being longer than a row are not in
-        it: they are never served, and `shardtool plan` counts them as dropped). After an elastic resume, the epoch's rest is re-dealt whole batches
-        in equal shares: the samples of the few batches left over (``plan.leftover_batches``, fewer
-        than the DP ranks), the same on every rank."""
+        it: they are never served, and `shardtool plan` counts them as dropped). After an elastic
+        resume, the epoch's rest is re-dealt whole batches in equal shares: the samples of the few
+        batches left over (``plan.leftover_batches``, fewer than the DP ranks), the same on every
+        rank."""
         epochs = self._epochs("remainder")
         rem = epochs.plan.remainder
         if rem is not None:

@@ -169,10 +169,9 @@ def verify(
     except FormatError as e:
         lengths_ok = False
         bad.append({"shard": ds.manifest.lengths_file.get("path", "lengths.npy"), "error": str(e)})
-    # A damaged summaries file is not fatal (the loader warns and plans from the lengths instead),
-    # but it is damage a verify must name: it said OK.
-    # Damage is a file that does not read as this dataset's summaries (none at all: packed before
-    # summaries). Stale ones, computed from other lengths, the loader already names as such.
+    # A summaries file that does not read as this dataset's is damage verify names, though the
+    # loader survives it (it warns and plans from the lengths). None at all: packed before
+    # summaries. Stale ones, computed from other lengths, the loader already names as such.
     stored = ds.read_summaries_bytes()
     if stored is not None:
         try:
