@@ -12,14 +12,13 @@ import shutil
 import time
 from typing import TypedDict
 
-from ..format.atomic import TMP_PREFIX
 from ..format.summaries import SUMMARIES_NAME
 from .budget import Budget, cached_versions, evict
 from .cachedir import META_DIR, lengths_rel, read_sources
 from .locks import try_exclusive
 from .meta import stamp_found_intact, summaries_usable
-from .plain import found_intact, remove_leftovers, stored_copy_path
-from .store import read_verified_local
+from .plain import found_intact, remove_leftovers, stored_copy_path, stored_shard_of
+from .store import read_verified_local, temp_target
 
 TEMP_GRACE_S = 600  # a metadata temp file untouched this long belongs to a dead writer
 
@@ -127,10 +126,10 @@ def _remove_temps(cache_dir: str) -> int:
         for dirpath, dirnames, filenames in os.walk(vd.root):
             dirnames[:] = [d for d in dirnames if d != META_DIR] if dirpath == vd.root else dirnames
             for fn in filenames:
-                if not fn.startswith(TMP_PREFIX):
+                base = temp_target(fn)
+                if base is None:
                     continue
                 p = os.path.join(dirpath, fn)
-                base = fn[len(TMP_PREFIX) :].rsplit(".", 1)[0]
                 if base in shard_of:
                     with try_exclusive(vd.lock_path(shard_of[base])) as held:
                         if held:
@@ -155,16 +154,10 @@ def _remove_stored_leftovers(vd, m) -> int:
     except OSError:
         return 0
     n = 0
-    for shard in sorted(
-        {int(d) for d in (name.removeprefix(TMP_PREFIX).split(".")[0] for name in names) if d.isdigit()}
-    ):
-        if shard >= len(m.shards):
-            continue
+    for shard in sorted({s for s in map(stored_shard_of, names) if s is not None and s < len(m.shards)}):
         with try_exclusive(vd.lock_path(shard)) as held:
             if held:
-                before = len(os.listdir(folder))
-                remove_leftovers(vd, shard, vd.path(m.shards[shard].path))
-                n += before - len(os.listdir(folder))
+                n += remove_leftovers(vd, shard, vd.path(m.shards[shard].path))
     return n
 
 

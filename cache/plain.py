@@ -38,7 +38,7 @@ from ..format.errors import FormatError
 from ..format.hashing import hash_file
 from ..format.manifest import Manifest, ShardInfo
 from .errors import SourceCorrupt
-from .store import hash_fd, local_fault, new_temp, remove_temps_for, write_small
+from .store import hash_fd, local_fault, new_temp, remove_temps_for, temp_target, write_small
 
 PLAIN, STORED = "plain", "stored"
 KEEP_COMPRESSED = "keep-compressed"  # marker in .shardtool/: this node keeps shards compressed
@@ -51,6 +51,12 @@ def record_path(vd, shard: int) -> str:
 def stored_copy_path(vd, shard: int) -> str:
     """Where the verified stored (compressed) bytes wait for their decompression."""
     return os.path.join(vd.meta, "stored", str(shard))
+
+
+def stored_shard_of(name: str) -> int | None:
+    """The shard a file of the stored folder (a stored copy or its temp) is for; None for others."""
+    base = temp_target(name) or name
+    return int(base) if base.isdigit() else None
 
 
 def read_record(vd, shard: int, info: ShardInfo) -> dict | None:
@@ -113,13 +119,15 @@ def found_intact(vd, shard: int, info: ShardInfo, path: str) -> tuple[str | None
     return None, None
 
 
-def remove_leftovers(vd, shard: int, final_path: str) -> None:
-    """A killed holder's temps of this shard; only the holder of its lock may call this."""
+def remove_leftovers(vd, shard: int, final_path: str) -> int:
+    """Remove a killed holder's temps of this shard and its stored copy; returns the files removed.
+    Only the holder of its lock may call this."""
     stored = stored_copy_path(vd, shard)
-    for path in (final_path, stored):
-        remove_temps_for(path)
+    n = sum(remove_temps_for(path) for path in (final_path, stored))
     with contextlib.suppress(FileNotFoundError):
         os.unlink(stored)
+        n += 1
+    return n
 
 
 def decompress(vd, shard: int, info: ShardInfo, stored_path: str, final_path: str, *, fsync: bool) -> dict:

@@ -136,10 +136,22 @@ def temp_path_for(final_path: str) -> str:
     return os.path.join(d, TMP_PREFIX + base + ".part")
 
 
-def remove_temps_for(final_path: str) -> None:
-    """Delete a killed writer's temp of this one target; only the holder of its lock may call this."""
-    with contextlib.suppress(FileNotFoundError):
+def temp_target(name: str) -> str | None:
+    """The file name a temp (`temp_path_for`'s, or a small file's) is written for; None for a
+    name that is no temp."""
+    if not name.startswith(TMP_PREFIX):
+        return None
+    return name[len(TMP_PREFIX) :].rsplit(".", 1)[0]
+
+
+def remove_temps_for(final_path: str) -> bool:
+    """Delete a killed writer's temp of this one target (whether there was one); only the holder
+    of its lock may call this."""
+    try:
         os.unlink(temp_path_for(final_path))
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def new_temp(final_path: str, what: str, perms: Perms) -> tuple[int, str]:
