@@ -18,7 +18,6 @@ from ..format.manifest import require_packable
 from ..plan import Planner, RankPlan, shards_of_groups
 from ..plan.about import dataset_identity, describe
 from ..plan.batching import default_bucketing
-from ..plan.packing import piece_cap_note
 from ..plan.rowsplit import cut_pieces
 from ..plan.schedule import StepClock, with_runs
 from ..plan.state import LoaderState, StateError, check_compatible
@@ -28,6 +27,7 @@ from .errors import LoaderStateError
 from .imagerows import ImageSpec
 from .imagerows import of_dataset as images_of
 from .microsteps import MicroSteps
+from .planlog import log_plan
 from .reader import BatchReader
 from .source import SourceSpec
 from .workers import PlanBatches
@@ -158,41 +158,9 @@ class DatasetEpochs:
         return self._plan
 
     def _log_plan(self) -> None:
-        p = self.plan
-        left = (
-            f"remainder {p.remainder.size} samples, {p.remainder_pieces} pieces, {p.remainder_tokens} tokens of its group"
-            if p.remainder is not None
-            else f"{p.leftover_batches} batches left over by the resume's re-deal"
+        self._cap_noted = log_plan(
+            self.plan, self.epoch, self.reading, self.spec.url, self.batching.packing, cap_noted=self._cap_noted
         )
-        where = self.reading.placement
-        log.info(
-            "epoch %d rank %d/%d (DP rank %d of %d): %d batches, padding efficiency %.3f, %s",
-            self.epoch,
-            where.rank,
-            where.layout.world_size,
-            self.reading.dp_rank,
-            self.reading.data_layout.dp_size,
-            p.batches_per_rank,
-            p.padding_efficiency,
-            left,
-        )
-        if p.leftover_batches and self.reading.dp_rank == 0:  # the same on every rank: said once
-            log.warning(
-                "%s: the elastic resume deals the rest of epoch %d in whole batches, in equal shares over "
-                "%d DP ranks: %d batch(es) left over are not served this epoch, whatever drop_last says "
-                "(`loader.remainder` lists their samples). exact=True serves every batch: a rank short "
-                "of one serves a padding batch",
-                self.spec.url,
-                self.epoch,
-                self.reading.data_layout.dp_size,
-                p.leftover_batches,
-            )
-        packing = self.batching.packing
-        if p.rows is not None and packing is not None and not self._cap_noted:
-            self._cap_noted = True  # once a loader: the same data caps every epoch alike
-            note = piece_cap_note(p.rows.at_piece_cap(packing), p.rows.num_rows, p.rows.tokens, packing)
-            if note is not None:
-                log.warning("%s: %s", self.spec.url, note)
 
     # ------------------------------------------------------------------ batch-size schedule
     def step_clock(self, epoch: int | None = None) -> StepClock | None:
