@@ -9,9 +9,9 @@ rest out. Two counts here fix it, both from the documents' lengths:
 - `whole_document_rows`: every group's documents packed best-fit decreasing, as the plan packs a
   group short of rows (`merge_rows`), so a plan that serves every document has the rows it needs;
 - `fragmentation`: the rows best-fit decreasing packs a fixed sample of the dataset into, over the
-  rows the estimate gives the same sample (tokens, and a row for each document over half a row,
-  which each group's histogram counts), so that a plan estimating several groups from
-  their histograms (drop_last) leaves out what it should, not a third. The sample is the same on
+  rows the estimate of a group gives the same sample from its histogram (tokens, and a row for
+  each document over half a row; `shardtool.plan.binrows`), so that a plan estimating several
+  groups from their histograms (drop_last) leaves out what it should, not a third. The sample is the same on
   every rank (whole shards picked evenly by number), so every rank computes the same count.
 """
 
@@ -51,9 +51,9 @@ def whole_document_rows(
 def fragmentation(
     summaries: ShardSummaries, batching: Batching, lengths_of: Callable[[int, int], np.ndarray] | None
 ) -> float:
-    """Rows no-split packs a sample of the dataset into over the rows `rows_estimate` counts for
-    it (at least 1: the estimate is right where documents share rows well). 1 without lengths."""
-    from .packing import rows_estimate
+    """Rows no-split packs a sample of the dataset into over the rows its histogram gives it
+    (`shardtool.plan.binrows.histogram_rows`, as for a group; at least 1: the estimate is right where documents share rows well). 1 without lengths."""
+    from .binrows import histogram_of, histogram_rows
     from .packing.bestfit import best_fit
 
     packing = batching.packing
@@ -77,12 +77,6 @@ def fragmentation(
     if fits.size == 0:
         return 1.0
     packed = best_fit(fits, packing, drop_long=True).num_rows
-    short = fits[fits < packing.seq_len / packing.max_docs_per_row]
-    estimate = rows_estimate(
-        int(fits.sum()) - fits.size * packing.extra_tokens,
-        int(fits.size),
-        packing,
-        short=(float(short.size), float(short.sum() - short.size * packing.extra_tokens)),
-        half=float(np.count_nonzero(2 * fits > packing.seq_len)),
-    )
+    count, tokens = histogram_of(sample)
+    estimate = histogram_rows(count, tokens, int(sample.size), 1, packing)
     return max(1.0, packed / estimate) if estimate > 0 else 1.0

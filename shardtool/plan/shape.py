@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from ..format.summaries import BINS, ShardSummaries
+from ..format.summaries import ShardSummaries
 from .balance import MAX_DROP, batches_per_rank
 from .batching import Batching, block_samples, bucket, in_order_starts, resolve_window
+from .binrows import BIN_HIGH, BIN_LOW, histogram_rows, over_a_row
 from .capacity import inverse_capacity
 from .grouphist import group_histograms
 from .inorder import inorder_batches, rate_from_histogram
@@ -182,39 +183,13 @@ def _exact_batches(
 def _estimate_packed(
     count: np.ndarray, tokens: np.ndarray, samples: np.ndarray, windows: np.ndarray, batching: Batching
 ) -> np.ndarray:
-    """Batches of packed rows: each group's rows (`rows_estimate`, from its token and document
-    counts) over rows per batch. For no-split, the documents longer than a row are left out,
-    counted from the histogram (a bin straddling the row length pro rata)."""
-    from .packing import rows_estimate
-
-    packing = batching.packing
-    low = np.array([0] + [1 << (b - 1) for b in range(1, BINS)], dtype=np.float64)
-    high = np.array([1] + [1 << b for b in range(1, BINS)], dtype=np.float64)
-    over = _over_a_row(packing)
-    over_half = _longer_than(packing.seq_len / 2 - packing.extra_tokens)  # no two of them share a row
-    # Documents whose piece, not their tokens, fills a row's share (length + eos < seq / max_docs).
-    piece_limit = packing.seq_len / packing.max_docs_per_row - packing.extra_tokens
-    below = np.clip((piece_limit - low) / np.maximum(high - low, 1), 0.0, 1.0)
-    out = np.zeros(samples.size)
-    for g in range(samples.size):
-        too_long = half = None
-        if packing.policy == "no-split":
-            docs = int(round(float((count[g] * over).sum())))
-            long_tokens = int(round(float((tokens[g] * over).sum())))
-            too_long = (min(docs, int(samples[g])), min(long_tokens, int(round(float(tokens[g].sum())))))
-            half = float((count[g] * (over_half - over)).sum())
-        short = (float((count[g] * below).sum()), float((tokens[g] * below).sum()))
-        rows = rows_estimate(
-            int(round(float(tokens[g].sum()))),
-            int(samples[g]),
-            packing,
-            windows=max(int(windows[g]), 1),
-            too_long=too_long,
-            short=short,
-            half=half,
-        )
-        out[g] = rows / batching.batch_size
-    return out
+    """Batches of packed rows: each group's rows (`shardtool.plan.binrows.histogram_rows`, from
+    its histogram) over rows per batch."""
+    rows = [
+        histogram_rows(count[g], tokens[g], int(samples[g]), int(windows[g]), batching.packing)
+        for g in range(samples.size)
+    ]
+    return np.asarray(rows, dtype=np.float64) / batching.batch_size
 
 
 def _rows_to_serve_all(
@@ -243,10 +218,9 @@ def _rows_to_serve_all(
             counts = counts + summaries.hist_count[shard] * inside[:, None]
             toks = toks + summaries.hist_tokens[shard] * inside[:, None]
     if packing.policy == "no-split":  # documents longer than a row are left out: they need no rows
-        keep = 1.0 - _over_a_row(packing)
+        keep = 1.0 - over_a_row(packing)
         counts, toks = counts * keep, toks * keep
-    lo = np.array([0] + [1 << (b - 1) for b in range(1, BINS)], dtype=np.float64)
-    hi = np.array([0] + [(1 << b) - 1 for b in range(1, BINS)], dtype=np.float64)
+    lo, hi = BIN_LOW, BIN_HIGH - 1  # a bin's shortest and longest length
     mean = np.clip(np.divide(toks, counts, out=np.zeros_like(toks), where=counts > 0), lo, hi)
     at_hi = counts * np.divide(mean - lo, hi - lo, out=np.zeros_like(mean), where=hi > lo)
     at_lo = counts - at_hi
@@ -266,19 +240,6 @@ def _rows_to_serve_all(
     return np.where(samples > 0, np.floor(rows), 0.0)
 
 
-def _over_a_row(packing) -> np.ndarray:
-    """Per histogram bin, the share of its documents longer than a row (pro rata where the row's
-    length falls inside the bin): what no-split leaves out."""
-    return _longer_than(packing.seq_len - packing.extra_tokens)  # the longest length that fits a row
-
-
-def _longer_than(limit: float) -> np.ndarray:
-    """Per histogram bin, the share of its documents longer than ``limit`` tokens (pro rata)."""
-    low = np.array([0] + [1 << (b - 1) for b in range(1, BINS)], dtype=np.float64)
-    high = np.array([1] + [1 << b for b in range(1, BINS)], dtype=np.float64)
-    return np.clip((high - 1 - limit) / np.maximum(high - low, 1), 0.0, 1.0)
-
-
 def _capacity(tokens: np.ndarray, samples: np.ndarray, batching: Batching, count: np.ndarray) -> np.ndarray:
     """The most batches each group's range can be split into: one sample each when bucketing; one
     token each when packing (rows are cut at any token, so documents longer than a row never limit
@@ -287,7 +248,7 @@ def _capacity(tokens: np.ndarray, samples: np.ndarray, batching: Batching, count
     if batching.packing is None:
         return samples
     if batching.packing.policy == "no-split":
-        fits = np.floor((count * (1.0 - _over_a_row(batching.packing))).sum(axis=1)).astype(np.int64)
+        fits = np.floor((count * (1.0 - over_a_row(batching.packing))).sum(axis=1)).astype(np.int64)
         return np.minimum(fits, samples)
     return np.floor(tokens.sum(axis=1)).astype(np.int64) + samples * batching.packing.extra_tokens
 

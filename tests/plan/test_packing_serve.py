@@ -236,3 +236,19 @@ def test_no_split_counts_each_dropped_document_once_and_not_as_a_remainder():
         planner = Planner(source, batching)
         remainder = np.concatenate([planner.group(dl, g, 0).remainder for g in range(dl.num_groups)])
         assert not (lengths[remainder] > 1024).any(), "a document too long for a row is dropped, not a remainder"
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 70_000), min_size=1, max_size=300),
+)
+def test_no_split_s_correction_prices_its_sample_as_the_plan_prices_a_group(lengths):
+    # fragmentation divides by the estimate the plan makes of a group from its summaries: the
+    # sample's histogram must be the one a shard's summaries hold of the same lengths.
+    from shardtool.format.summaries import ShardSummaries
+    from shardtool.plan.binrows import histogram_of
+
+    arr = np.asarray(lengths, dtype=np.int64)
+    summaries = ShardSummaries.from_lengths(arr, np.array([arr.size]))
+    count, tokens = histogram_of(arr)
+    assert np.array_equal(count, summaries.hist_count[0]) and np.array_equal(tokens, summaries.hist_tokens[0])
