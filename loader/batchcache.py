@@ -84,6 +84,15 @@ def column_ranges(col, spec: FieldSpec, base: int, m: int) -> tuple[np.ndarray, 
     return addr + offs[:-1], np.diff(offs)
 
 
+def first_of_batches(batch: np.ndarray) -> np.ndarray:
+    """Per record batch, its first sample: a remote record batch is asked for by one sample of it
+    (every sample's range is its batch's), that one."""
+    batches, first = np.unique(batch, return_index=True)
+    out = np.zeros(int(batches.max(initial=-1)) + 1, np.int64)
+    out[batches] = first
+    return out
+
+
 def decompressed_cache_cap(env) -> int:
     """The most a process keeps of decompressed record batches (reads of compressed shards without
     a node cache): ``SHARDTOOL_DECOMPRESSED_CACHE`` (a size, e.g. 8GiB), else 1/64 of the machine's
@@ -140,10 +149,7 @@ class CompressedBatches:
     ):
         self.fetch = fetch
         if fetch is not None:
-            # A sample of each record batch (its first): every sample's range is its batch's.
-            batches, first = np.unique(index.batch, return_index=True)
-            self._sample_of = np.zeros(int(batches.max(initial=-1)) + 1, np.int64)
-            self._sample_of[batches] = first
+            self._sample_of = first_of_batches(index.batch)
         else:
             # One thread a record batch: a record batch is small, and Arrow's pool spent more on handing
             # its columns out than on decompressing them (131 against 196 us a 64 KiB zstd batch).

@@ -22,6 +22,8 @@ from .collate import unpack_batch
 from .errors import LoaderError
 from .observability.probe import NO_PROBE
 from .pool import WorkerFailed
+from .readahead import hand_down_first
+from .remotefetch import drop_handed
 from .workers import make_dataloader
 
 
@@ -167,6 +169,8 @@ class PassRunner:
         watch = self._obs.begin_pass(batches, start, n, where, epoch, entered)  # before the workers fork
         try:
             batches.inflate(start)  # compressed shards read in place: once per rank, before the fork
+            if self.num_workers:
+                hand_down_first(batches, start, self.num_workers * self.prefetch_factor)
             dl = make_dataloader(
                 batches,
                 start,
@@ -180,6 +184,8 @@ class PassRunner:
         except BaseException:
             self._obs.end_pass(complete=False)
             raise
+        finally:
+            drop_handed()  # the workers forked with their copies
         it = iter(dl)
         ended = None  # an error, or the loop left early: the pass ends outside any next()
         served = source.served

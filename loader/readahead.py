@@ -23,8 +23,9 @@ import numpy as np
 
 from ..format.errors import FormatError
 from .reader import BatchReader
+from .remotefetch import HAND_DOWN_BYTES
 
-__all__ = ["ReadAhead", "read_ahead"]
+__all__ = ["ReadAhead", "hand_down_first", "read_ahead"]
 
 
 class Reads(Protocol):
@@ -72,3 +73,42 @@ def read_ahead(load: Callable[..., Any], batches: Reads, *, stride: int, depth: 
     if ahead <= 0:
         return load
     return ReadAhead(load, batches, max(stride, 1), ahead)
+
+
+def hand_down_first(batches: Reads, start: int, count: int, budget: int = HAND_DOWN_BYTES) -> None:
+    """Before a pass forks its workers: fetch here the remote record batches of its batches
+    ``start`` .. ``start + count - 1`` (the ones the workers are sent first), in batch order up to
+    ``budget`` stored bytes, and wait for them; the workers inherit them
+    (`loader.remotefetch.hand_down`). One that fails is left to the worker's read, which names it."""
+    try:
+        wanted = _first_record_batches(batches, start, count, budget)
+    except (FormatError, OSError):
+        return  # the read of that batch raises it again, naming the batch
+    jobs = [reader.hand_down(shard, samples) for (reader, shard), samples in wanted.items()]
+    for job in jobs:
+        if job is not None:
+            try:
+                job.result()
+            except (FormatError, OSError):
+                pass
+
+
+def _first_record_batches(
+    batches: Reads, start: int, count: int, budget: int
+) -> dict[tuple[BatchReader, int], list[int]]:
+    """{(reader, shard): samples, one of each record batch}: those of the batches from ``start``,
+    in batch order, while their stored bytes fit ``budget``."""
+    wanted: dict[tuple[BatchReader, int], list[int]] = {}
+    seen: set[tuple[int, int, int]] = set()
+    total = 0
+    for b in range(start, min(len(batches), start + count)):
+        for reader, ids in batches.reads(b):
+            for shard, sample, size in reader.handable(ids):
+                if (id(reader), shard, sample) in seen:
+                    continue
+                if total + size > budget:
+                    return wanted
+                seen.add((id(reader), shard, sample))
+                wanted.setdefault((reader, shard), []).append(sample)
+                total += size
+    return wanted

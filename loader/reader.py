@@ -11,6 +11,7 @@ Every error names the shard and the sample.
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -102,6 +103,15 @@ class BatchReader:
         for those fetches. Called with a batch as it is read, and the ones read next (`readahead`)."""
         if len(ids):
             self.store.fetch_ahead(*self.locate(ids))
+
+    def handable(self, ids: np.ndarray) -> list[tuple[int, int, int]]:
+        """(shard, sample, stored bytes) of the remote record batches ``ids`` read, one sample of
+        each; none where this reader fetches none (`loader.remotefetch.hand_down`)."""
+        return self.store.handable(*self.locate(ids)) if len(ids) else []
+
+    def hand_down(self, shard: int, samples: list[int]) -> Future | None:
+        """Start fetching record batches of ``shard`` (`handable`'s samples) for the workers forked next."""
+        return self.store.hand_down(shard, samples)
 
     def inflate(self, ids: np.ndarray) -> list[int]:
         """Before a pass reading ``ids`` (its samples, in its order) forks its workers, in the rank's

@@ -25,17 +25,19 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..format import decode_sample
+from .batchcache import fetch_pool, first_of_batches
 from .cachefill import CacheFill
 from .indexahead import IndexesAhead
 from .inflate import Inflated, InflatedShard, inflate_budget
 from .observability.probe import NO_PROBE, NoProbe, Probe
-from .remotefetch import RemoteBatches
+from .remotefetch import RemoteBatches, hand_down
 from .shardview import ShardView
 from .source import MappedFile, RemoteShard, Source
 from .tarpieces import piece_sources
@@ -147,6 +149,15 @@ class ShardStore:
     def fetch_ahead(self, shard: np.ndarray, local: np.ndarray) -> None:
         """Start fetching what these samples read that is neither here nor on its way."""
 
+    def handable(self, shard: np.ndarray, local: np.ndarray) -> list[tuple[int, int, int]]:
+        """(shard, sample, stored bytes) of the remote record batches these samples read, one
+        sample of each (`loader.remotefetch.hand_down`); none where the store fetches none."""
+        return []
+
+    def hand_down(self, shard: int, samples: list[int]) -> Future | None:
+        """Start fetching those record batches of ``shard`` for the workers forked next."""
+        return None
+
     def before_pass(self, shards: list[int]) -> list[int]:
         """Before a pass reading ``shards`` (in the order it first reads them) forks its workers;
         returns the shards it decompresses into memory now."""
@@ -229,6 +240,21 @@ class RangedArrowStore(_Remote):
     def fetch_ahead(self, shard: np.ndarray, local: np.ndarray) -> None:
         for v, _, li in self.groups(shard, local):
             v.fetch_ahead(li)
+
+    def handable(self, shard: np.ndarray, local: np.ndarray) -> list[tuple[int, int, int]]:
+        ds, out = self.source.dataset, []
+        for s in np.unique(shard).tolist():
+            index = ds.shard_index(s)
+            batch = index.batch
+            if index.checksums is None or batch is None:
+                continue  # an older dataset: read through the shard's footer, not by range
+            for i in np.unique(first_of_batches(batch)[batch[local[shard == s]]]).tolist():
+                out.append((s, i, int(index.sizes[i])))
+        return out
+
+    def hand_down(self, shard: int, samples: list[int]) -> Future | None:
+        ds, ctx = self.source.dataset, self.ctx
+        return hand_down(ds, shard, samples, ctx.gap, ctx.probe.requests(shard, ctx.lock), fetch_pool())
 
 
 class RangedTarStore(_Remote):

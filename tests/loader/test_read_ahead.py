@@ -155,6 +155,26 @@ def test_the_next_batches_are_fetched_ahead_once_and_served_the_same(served, s3_
     assert not pending_fetches()
 
 
+def test_the_first_batches_are_fetched_once_before_the_fork_and_the_workers_inherit_them(served, s3_proxy):  # noqa: F811
+    """The workers' first batches are fetched by the rank's process before they fork
+    (loader/remotefetch.py `hand_down`): every worker inherits them, so a record batch they
+    share is fetched once, where each worker fetched its own copy (here the first 4 batches of 16
+    touch most shards, so without it both workers fetch nearly every shard: ~2x the bytes)."""
+    src, url = served
+    kw = dict(batch_size=16, num_workers=2, prefetch_factor=2, seed=3, rank=0, world_size=1)
+    want = [plain(b) for b in ShardedLoader(src, **kw)]
+    ds = open_dataset(src)
+    data = {f"{PREFIX}/{info.path}" for info in ds.manifest.shards}
+    ld = ShardedLoader(url, storage_options=s3_proxy.storage_options, **kw)
+    s3_proxy.reset()
+    assert [plain(b) for b in ld] == want
+    c = s3_proxy.reset()
+    read = sum(n for k, n in c.bytes_by_key.items() if k in data)
+    stored = sum(s.bytes for s in ds.manifest.shards)
+    assert read <= 1.3 * stored, f"{read / stored:.2f}x the shards' bytes read by 2 workers"
+    ld.close()
+
+
 def test_a_ranks_sample_indexes_are_fetched_from_its_construction_and_once(served, s3_proxy):  # noqa: F811
     """The rank's own indexes are known from its range before any plan: their fetch starts when
     the loader is made (behind the trainer's set-up), and neither the fetch before the workers
