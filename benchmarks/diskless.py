@@ -3,7 +3,9 @@
 
 Packs real text (stdlib source files as byte-id tokens, plain Arrow shards), uploads it to a moto
 server on 127.0.0.1 behind the proxy of tests/helpers/s3proxy.py, which adds ``--latency`` seconds to
-every answer. Each side runs one epoch of a 1-rank loader (``--workers`` workers) whose trainer
+every answer and sends each answer's body at ``--bandwidth`` MB/s (the issue's store: 50 ms a request,
+100 MB/s). The proxy runs in a process of its own, as a store does (``--proxy-in-process``: in the
+benchmark's, where its threads take the loader's interpreter lock, as before 2026-12-08). Each side runs one epoch of a 1-rank loader (``--workers`` workers) whose trainer
 sleeps ``--step`` seconds a batch, and reports the time the trainer waited for data
 (``metrics()['cumulative']['wait_s']``): the warmed side reads a node cache `shardtool warm`
 filled first (not timed); the empty-cache side a new node cache each round, which fetches the
@@ -12,7 +14,7 @@ directly (``cache_dir=None``; the record batches it fetches are kept in memory,
 loader/batchcache.py). Sides alternate, ``--rounds``
 times; medians and ranges are printed, and the ratio of the medians (target: diskless within 1.5x).
 
-    python benchmarks/diskless.py [--files 600] [--latency 0.05] [--step 0.05] [--rounds 3]
+    python benchmarks/diskless.py [--files 600] [--latency 0.05] [--bandwidth 100] [--step 0.05] [--rounds 3]
 
 From a checkout only (it needs tests/ and moto). Run it on a quiet machine: it times waits.
 """
@@ -20,6 +22,8 @@ From a checkout only (it needs tests/ and moto). Run it on a quiet machine: it t
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -32,6 +36,29 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 
 from helpers.s3proxy import Faults, S3Proxy, stdlib_dataset  # noqa: E402
 from helpers.s3server import S3Server  # noqa: E402
+
+
+def _serve(conn, endpoint: str, faults: Faults) -> None:
+    with S3Proxy(endpoint, faults) as proxy:
+        conn.send(proxy.storage_options)
+        conn.recv()  # until told to stop
+
+
+@contextlib.contextmanager
+def _proxy(endpoint: str, faults: Faults, in_process: bool):
+    """The store's storage options: the proxy in its own process, or in this one."""
+    if in_process:
+        with S3Proxy(endpoint, faults) as proxy:
+            yield proxy.storage_options
+        return
+    mine, theirs = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_serve, args=(theirs, endpoint, faults), daemon=True)
+    proc.start()
+    try:
+        yield mine.recv()
+    finally:
+        mine.send(None)
+        proc.join(10)
 
 
 def _epoch(url, opts, *, cache_dir, step: float, **kw) -> tuple[float, float, list]:
@@ -55,6 +82,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--files", type=int, default=600, help="stdlib files packed (default 600)")
     ap.add_argument("--latency", type=float, default=0.05, help="seconds added to every answer (default 0.05)")
+    ap.add_argument("--bandwidth", type=float, default=100, help="MB/s an answer is sent at (default 100; 0: no limit)")
+    ap.add_argument("--proxy-in-process", action="store_true", help="run the store's proxy in this process")
     ap.add_argument("--step", type=float, default=0.05, help="the trainer's seconds per batch (default 0.05)")
     ap.add_argument("--batch-size", type=int, default=8, help="samples per batch (default 8)")
     ap.add_argument("--workers", type=int, default=2, help="loader workers (default 2)")
@@ -73,10 +102,11 @@ def main(argv=None) -> int:
         url = server.upload(src, f"diskless{int(time.time())}/ds")
         print(
             f"{url}: {len(m.shards)} shards, {m.num_samples} samples, {sum(s.bytes for s in m.shards) / 1e6:.1f} MB; "
-            f"{a.latency * 1e3:.0f} ms a request, a step of {a.step * 1e3:.0f} ms, {a.workers} workers"
+            f"{a.latency * 1e3:.0f} ms a request, {a.bandwidth:g} MB/s, a step of {a.step * 1e3:.0f} ms, "
+            f"{a.workers} workers, proxy in {'this' if a.proxy_in_process else 'its own'} process"
         )
-        with S3Proxy(server.endpoint, Faults(latency=a.latency)) as proxy:
-            opts = proxy.storage_options
+        faults = Faults(latency=a.latency, bandwidth=a.bandwidth * 1e6 if a.bandwidth > 0 else None)
+        with _proxy(server.endpoint, faults, a.proxy_in_process) as opts:
             cache = os.path.join(work, "cache")
             report = warm(url, cache, storage_options=opts, jobs=8, progress=False)
             assert report.status == "ok", report.summary()

@@ -135,6 +135,7 @@ class Faults:
     reset_every: int = 0  # every k-th matching request: a TCP reset instead of an answer
     reset_body_every: int = 0  # every k-th matching GET with a body: half the body, then a reset
     latency: float = 0.0  # seconds slept before each matching answer
+    bandwidth: float | None = None  # bytes/s an answer's body is sent at (a store's per-request rate)
     match: Callable[[Request], bool] | None = None  # which requests the faults apply to (None: all)
 
 
@@ -254,6 +255,9 @@ class _Handler(BaseHTTPRequestHandler):
             proxy.on_answer(req, 502, 0)
             return
         proxy.on_forwarded()
+        rate = proxy.faults.bandwidth
+        if rate and data and (proxy.faults.match is None or proxy.faults.match(req)):
+            time.sleep(len(data) / rate)  # the body's transfer at the store's rate, as one send
         if action == "reset_body" and len(data) > 1:
             proxy.on_answer(req, status, 0)
             proxy.on_reset()
