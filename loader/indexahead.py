@@ -6,13 +6,14 @@ wait after another, and every worker again; fetched in the rank's process before
 workers inherit them. The rank's own shards are known from its range alone (ranges are sticky,
 docs/architecture.md §2.3), before the pass's plan: their fetch starts when the loader is made,
 so it overlaps what the trainer does before its first batch (and that first ``next()``'s own
-plan, whose lengths are another read), where it waited for the plan before.
+plan, whose lengths are another read), where it waited for the plan before. Each index is a
+future of its own: the fetch of the pass's first record batches (`loader.remotefetch.hand_down`)
+starts for a shard as soon as its index is in, while the others are still on their way.
 """
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..format.storage import S3_POOL_CONNECTIONS
@@ -25,14 +26,17 @@ def fetch_indexes(ds: Any, shards: list[int], tar: bool) -> None:
     of its record batches (Arrow), fetched at once; errors raised, naming the shard."""
     if not shards:
         return
-    # As many at once as the store's pooled connections (the fetch pool's 16 took three rounds
-    # of requests for 34 indexes); the threads end here.
-    threads = min(S3_POOL_CONNECTIONS, len(shards) + 1)
-    with ThreadPoolExecutor(threads, thread_name_prefix="shardtool-index") as pool:
+    with ThreadPoolExecutor(_threads(shards), thread_name_prefix="shardtool-index") as pool:
         schema = pool.submit(ds.batch_schema, shards[0]) if not tar else None
         list(pool.map(ds.shard_index, shards))
         if schema is not None:
             schema.result()
+
+
+def _threads(shards: list[int]) -> int:
+    # As many at once as the store's pooled connections (the fetch pool's 16 took three rounds
+    # of requests for 34 indexes).
+    return min(S3_POOL_CONNECTIONS, len(shards) + 1)
 
 
 class IndexesAhead:
@@ -41,22 +45,28 @@ class IndexesAhead:
     fork."""
 
     def __init__(self) -> None:
-        self._early: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._early: dict[int, Future] = {}
 
     def start(self, ds: Any, shards: list[int], tar: bool) -> None:
-        """Fetch ``shards``' indexes in the background from now. A failure is left for `fetch`,
-        which asks again and raises it where the pass starts."""
-        if not shards or self._early is not None:
+        """Fetch ``shards``' indexes in the background from now. A failure is left for `fetch`
+        (or `index`), which asks again and raises it where the pass starts."""
+        if not shards or self._pool is not None:
             return
+        self._pool = pool = ThreadPoolExecutor(_threads(shards), thread_name_prefix="shardtool-index-early")
+        if not tar:
+            pool.submit(ds.batch_schema, shards[0])
+        self._early = {s: pool.submit(ds.shard_index, s) for s in shards}
 
-        def quietly() -> None:
+    def index(self, ds: Any, shard: int) -> Any:
+        """``shard``'s index: the early fetch's, waited for, where it fetches it."""
+        early = self._early.get(shard)
+        if early is not None:
             try:
-                fetch_indexes(ds, shards, tar)
-            except Exception:  # noqa: BLE001 - asked again by `fetch`, which raises it naming the shard
+                return early.result()
+            except Exception:  # noqa: BLE001 - asked again below, which raises it naming the shard
                 pass
-
-        self._early = threading.Thread(target=quietly, name="shardtool-index-early", daemon=True)
-        self._early.start()
+        return ds.shard_index(shard)
 
     def fetch(self, ds: Any, shards: list[int], tar: bool) -> None:
         """``shards``' indexes now, in the rank's process before its workers fork: the early fetch
@@ -65,8 +75,8 @@ class IndexesAhead:
         fetch_indexes(ds, shards, tar)
 
     def settle(self) -> None:
-        """Wait for the early fetch, if one runs (before a fork). A loader closed before its first
-        pass does not wait: the daemon thread ends with its requests."""
-        early, self._early = self._early, None
-        if early is not None:
-            early.join()
+        """Wait for the early fetch, if one runs, and end its threads (before a fork). A loader
+        closed before its first pass does not wait: the threads end with their requests."""
+        pool, self._pool, self._early = self._pool, None, {}
+        if pool is not None:
+            pool.shutdown(wait=True)

@@ -168,9 +168,9 @@ class PassRunner:
         epoch = source.metric_epoch
         watch = self._obs.begin_pass(batches, start, n, where, epoch, entered)  # before the workers fork
         try:
-            batches.inflate(start)  # compressed shards read in place: once per rank, before the fork
-            if self.num_workers:
+            if self.num_workers:  # remote record batches for the workers' first batches, before the fork
                 hand_down_first(batches, start, self.num_workers * self.prefetch_factor)
+            batches.inflate(start)  # compressed shards read in place: once per rank, before the fork
             dl = make_dataloader(
                 batches,
                 start,

@@ -17,6 +17,7 @@ are not wrapped.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 import numpy as np
@@ -79,36 +80,35 @@ def hand_down_first(batches: Reads, start: int, count: int, budget: int = HAND_D
     """Before a pass forks its workers: fetch here the remote record batches of its batches
     ``start`` .. ``start + count - 1`` (the ones the workers are sent first), in batch order up to
     ``budget`` stored bytes, and wait for them; the workers inherit them
-    (`loader.remotefetch.hand_down`). One that fails is left to the worker's read, which names it."""
-    try:
-        wanted = _first_record_batches(batches, start, count, budget)
-    except (FormatError, OSError):
-        return  # the read of that batch raises it again, naming the batch
-    jobs = [reader.hand_down(shard, samples) for (reader, shard), samples in wanted.items()]
-    for job in jobs:
-        if job is not None:
-            try:
-                job.result()
-            except (FormatError, OSError):
-                pass
-
-
-def _first_record_batches(
-    batches: Reads, start: int, count: int, budget: int
-) -> dict[tuple[BatchReader, int], list[int]]:
-    """{(reader, shard): samples, one of each record batch}: those of the batches from ``start``,
-    in batch order, while their stored bytes fit ``budget``."""
-    wanted: dict[tuple[BatchReader, int], list[int]] = {}
+    (`loader.remotefetch.hand_down`). A batch's fetches start as soon as its shards' indexes are
+    in, while the next batches' indexes are still on their way. One that fails is left to the
+    worker's read, which names it."""
+    jobs: list[Future] = []
     seen: set[tuple[int, int, int]] = set()
     total = 0
-    for b in range(start, min(len(batches), start + count)):
-        for reader, ids in batches.reads(b):
-            for shard, sample, size in reader.handable(ids):
-                if (id(reader), shard, sample) in seen:
-                    continue
-                if total + size > budget:
-                    return wanted
-                seen.add((id(reader), shard, sample))
-                wanted.setdefault((reader, shard), []).append(sample)
-                total += size
-    return wanted
+    try:
+        for b in range(start, min(len(batches), start + count)):
+            for reader, ids in batches.reads(b):
+                new: dict[int, list[int]] = {}
+                for shard, sample, size in reader.handable(ids):
+                    if (id(reader), shard, sample) in seen:
+                        continue
+                    if total + size > budget:
+                        raise _Full
+                    seen.add((id(reader), shard, sample))
+                    new.setdefault(shard, []).append(sample)
+                    total += size
+                jobs += [job for shard, samples in new.items() if (job := reader.hand_down(shard, samples)) is not None]
+    except _Full:
+        pass
+    except (FormatError, OSError):
+        pass  # the read of that batch raises it again, naming the batch
+    for job in jobs:
+        try:
+            job.result()
+        except (FormatError, OSError):
+            pass
+
+
+class _Full(Exception):
+    """The hand-down's budget is spent."""

@@ -244,7 +244,7 @@ class RangedArrowStore(_Remote):
     def handable(self, shard: np.ndarray, local: np.ndarray) -> list[tuple[int, int, int]]:
         ds, out = self.source.dataset, []
         for s in np.unique(shard).tolist():
-            index = ds.shard_index(s)
+            index = self.ctx.indexes.index(ds, s)  # the early fetch's, as soon as it is in
             batch = index.batch
             if index.checksums is None or batch is None:
                 continue  # an older dataset: read through the shard's footer, not by range

@@ -183,22 +183,34 @@ def test_loader_start_up_reads_no_shard_and_an_epoch_without_cache_reads_ranges(
     m = open_dataset(src).manifest
     want = batches(src)
     ld = ShardedLoader(url, storage_options=s3_proxy.storage_options, **LOADER)
-    c = s3_proxy.reset()
-    show("loader start-up, no cache", c)
-    assert gets(c) == {key(MANIFEST_NAME): 1, key(SUMMARIES_NAME): 1}, gets(c)
-    no_faults_seen(c)
+    start = s3_proxy.reset()
+    show("loader start-up, no cache", start)
+    # Made, the loader has read the manifest and the summaries; the rank's sample indexes and the
+    # record batches' schema (one shard's tail) are on their way in the background
+    # (loader/indexahead.py), so some of them may be counted here already, none twice.
+    early = {key(s.index) for s in m.shards} | {key(m.shards[0].path)}
+    got_early = gets(start)
+    assert {k: got_early.pop(k) for k in (key(MANIFEST_NAME), key(SUMMARIES_NAME))} == {
+        key(MANIFEST_NAME): 1,
+        key(SUMMARIES_NAME): 1,
+    }, gets(start)
+    assert set(got_early) <= early and set(got_early.values()) <= {1}, gets(start)
+    no_faults_seen(start)
     got = [{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in b.items()} for b in ld]
     c = s3_proxy.reset()
     show(f"loader epoch, no cache ({len(got)} batches of {LOADER['batch_size']})", c)
     assert got == want
     no_faults_seen(c)
-    # Each index once, as one ranged GET of bytes=0- (no HEAD asking its size first); the shards by ranged reads only, each record batch about once: a sample
+    # Each index once (at start-up or in the epoch), as one ranged GET of bytes=0- (no HEAD asking
+    # its size first); the shards by ranged reads only, each record batch about once: a sample
     # read fetches its Arrow record batch (checked against the index), which the reader keeps for
     # the pass (loader/batchcache.py). Read sample by sample, a shuffled epoch fetched a record
     # batch once per sample in it: here 10.6x the shards' bytes.
     g = gets(c)
     for s in m.shards:
-        assert g[key(s.index)] == 1 and c.by_key_kind[(key(s.index), "RANGED_GET")] == 1
+        index_gets = (key(s.index), "RANGED_GET")
+        assert g.get(key(s.index), 0) + gets(start).get(key(s.index), 0) == 1
+        assert c.by_key_kind[index_gets] + start.by_key_kind[index_gets] == 1
         assert c.by_key_kind[(key(s.index), "HEAD")] == 0
         ranged = c.by_key_kind[(key(s.path), "RANGED_GET")]
         assert c.by_key_kind[(key(s.path), "GET")] == 0 and 1 <= ranged <= s.samples + OPEN_ARROW
