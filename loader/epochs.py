@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ from .batchsource import PassBatches, Reading, without_double_eos
 from .errors import LoaderStateError
 from .imagerows import ImageSpec
 from .imagerows import of_dataset as images_of
+from .indexahead import in_background
 from .microsteps import MicroSteps
 from .planlog import log_plan
 from .reader import BatchReader
@@ -90,7 +92,10 @@ class DatasetEpochs:
         self._checked_epoch: int | None = None
         self._loaded_epoch: int | None = None  # a loaded state's epoch, until the loader is iterated
         self._after: np.ndarray | None = None  # each pass batch's position after it, where not b + 1
-        if not self.reader.source.local:  # its sample indexes from now on, behind the trainer's set-up
+        if not self.reader.source.local:  # its sample indexes and lengths from now on, behind the trainer's set-up
+            # The lengths first: the plan waits for them, and the pass's first fetches for the plan.
+            group = reading.data_layout.group_of(reading.dp_rank)[0]
+            self.planner.expect_lengths(reading.data_layout, group, partial(in_background, ds.lengths_range))
             self.reader.read_indexes_early(self._own_shards())
 
     def _own_shards(self) -> list[int]:

@@ -8,17 +8,36 @@ docs/architecture.md §2.3), before the pass's plan: their fetch starts when the
 so it overlaps what the trainer does before its first batch (and that first ``next()``'s own
 plan, whose lengths are another read), where it waited for the plan before. Each index is a
 future of its own: the fetch of the pass's first record batches (`loader.remotefetch.hand_down`)
-starts for a shard as soon as its index is in, while the others are still on their way.
+starts for a shard as soon as its index is in, while the others are still on their way. The
+lengths of the rank's range, which its plan reads, are likewise read from the construction on
+(`in_background`, `shardtool.plan.Planner.expect_lengths`).
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..format.storage import S3_POOL_CONNECTIONS
 
-__all__ = ["IndexesAhead", "fetch_indexes"]
+__all__ = ["IndexesAhead", "fetch_indexes", "in_background"]
+
+
+def in_background(fn: Callable[..., Any], *args: Any) -> Future:
+    """``fn(*args)`` on a daemon thread of its own (a loader closed before its first pass does
+    not wait for it), as a future: its error is raised by ``result()``."""
+    done: Future = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the result
+            done.set_exception(e)
+
+    threading.Thread(target=run, name="shardtool-ahead", daemon=True).start()
+    return done
 
 
 def fetch_indexes(ds: Any, shards: list[int], tar: bool) -> None:

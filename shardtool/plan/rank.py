@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ import numpy as np
 from .arrays import gather_runs
 from .batching import Batching
 from .group import GroupPlan, plan_group
+from .keptlengths import KeptLengths
 from .layout import DataLayout
 from .packing import Rows
 from .shape import PlanShape, plan_shape, shard_namer
@@ -185,26 +187,6 @@ def _redeal(prev: Segment, layout: DataLayout, exact: bool = False) -> tuple[int
     return n, remaining - n * layout.dp_size
 
 
-class _KeepsLastLengths:
-    """The plan source, keeping its last ``lengths_range`` answer: a one-group shape cut in order
-    counts its batches from the same lengths the group's plan then reads (one read, not two; the
-    plan keeps that array anyway)."""
-
-    def __init__(self, source: PlanSource):
-        self._inner = source
-        self._last: tuple[int, int, np.ndarray] | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_inner", "_last"):
-            raise AttributeError(name)  # pickling looks these up before __init__ has run
-        return getattr(self._inner, name)
-
-    def lengths_range(self, lo: int, hi: int) -> np.ndarray:
-        if self._last is None or self._last[:2] != (lo, hi):
-            self._last = (lo, hi, self._inner.lengths_range(lo, hi))
-        return self._last[2]
-
-
 class Planner:
     """Plans of one dataset and batching config; cheap to keep for the life of a loader."""
 
@@ -212,7 +194,7 @@ class Planner:
 
     def __init__(self, source: PlanSource, batching: Batching):
         self.source = source
-        self._source = _KeepsLastLengths(source)
+        self._source = KeptLengths(source)
         self.batching = batching
         self._shapes: dict[str, PlanShape] = {}
         self._groups: OrderedDict[tuple, GroupPlan] = OrderedDict()
@@ -237,6 +219,14 @@ class Planner:
         else:
             self._groups.move_to_end(key)
         return plan
+
+    def expect_lengths(self, layout: DataLayout, group: int, read: Callable[[int, int], Any]) -> None:
+        """``group``'s lengths on ``layout`` are being read (``read(lo, hi)`` starts the read of
+        samples [lo, hi) and returns what its ``result()`` gives): its plan waits for that read
+        instead of reading them again. A loader starts it when it is made, behind the trainer's
+        set-up; the planner itself reads nothing in the background."""
+        cuts = self.shape(layout).cuts
+        self._source.expect(int(cuts[group]), int(cuts[group + 1]), read)
 
     # ------------------------------------------------------------------ states
     def start(self, epoch: int, dataset_fingerprint: str, layout: DataLayout) -> LoaderState:
